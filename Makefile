@@ -1,0 +1,44 @@
+# A thin wrapper over CMake presets. `make test` works on a fresh Debian 12 machine as root.
+.PHONY: all deps build test test-release test-asan test-tsan consumer bench clean
+
+JOBS ?= $(shell nproc)
+PREFIX ?= $(CURDIR)/build/install
+
+all: build
+
+deps:
+	./scripts/install-deps.sh
+
+build: deps
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS)
+
+test-release: build
+	ctest --preset release
+
+# The sanitizer builds compile only what the 'sanitize'-labelled suites need.
+test-asan: deps
+	cmake --preset asan
+	cmake --build --preset asan -j $(JOBS) --target porter_sanitize_tests
+	ctest --preset asan
+
+test-tsan: deps
+	cmake --preset tsan
+	cmake --build --preset tsan -j $(JOBS) --target porter_sanitize_tests
+	ctest --preset tsan
+
+# Installs the release build and builds examples/consumer against it with find_package(porter).
+consumer: build
+	cmake --install build/release --prefix $(PREFIX)
+	cmake -S examples/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build build/consumer
+	./build/consumer/porter_consumer
+
+test: test-release consumer test-asan test-tsan
+	@echo "make test: all suites passed"
+
+bench: build
+	./build/release/bench/memory_bench --benchmark_counters_tabular=true
+
+clean:
+	rm -rf build
