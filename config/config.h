@@ -1,0 +1,244 @@
+// The typed, validated, immutable form of a porter run's JSON config (DeepSpeed keys plus
+// porter's own "porter" section). Produced by parse_config_*() in config/parse.h.
+//
+// Every field holds a *resolved* value: defaults filled in, "auto" replaced, deprecated
+// aliases mapped onto their replacements. std::optional marks what DeepSpeed calls "none".
+// docs/config.md lists every key, its default and where porter differs from DeepSpeed.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace porter::config {
+
+// ---- DeepSpeed sections -------------------------------------------------------------------
+
+enum class OptimizerType { kAdam, kAdamW };
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdamW;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool torch_adam = false;
+  // Decoupled weight decay (AdamW). Always true for type AdamW.
+  bool adam_w_mode = true;
+  bool operator==(const OptimizerConfig&) const = default;
+};
+
+enum class SchedulerType { kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class WarmupType { kLog, kLinear };
+
+// One struct for the three schedulers; fields a type does not use keep their defaults.
+struct SchedulerConfig {
+  SchedulerType type = SchedulerType::kWarmupLR;
+  // WarmupLR and WarmupDecayLR.
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 1e-3;
+  // All three.
+  int64_t warmup_num_steps = 1000;
+  WarmupType warmup_type = WarmupType::kLog;
+  int64_t last_batch_iteration = -1;
+  // WarmupDecayLR and WarmupCosineLR (required there).
+  std::optional<int64_t> total_num_steps;
+  // WarmupCosineLR.
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 1e-4;
+  bool operator==(const SchedulerConfig&) const = default;
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;  // 0 = dynamic loss scaling
+  int64_t initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  double min_loss_scale = 1.0;
+  bool operator==(const Fp16Config&) const = default;
+};
+
+struct Bf16Config {
+  bool enabled = false;
+  bool operator==(const Bf16Config&) const = default;
+};
+
+// "nvme" is read but not implemented yet: it resolves to kCpu with a warning.
+enum class OffloadDevice { kNone, kCpu };
+
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  bool pin_memory = true;
+  int64_t buffer_count = 4;
+  bool fast_init = false;
+  double ratio = 1.0;  // fraction of the optimizer state offloaded (stage 3 only below 1)
+  bool operator==(const OffloadOptimizerConfig&) const = default;
+};
+
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  bool pin_memory = true;
+  int64_t buffer_count = 5;
+  int64_t buffer_size_elems = 100'000'000;
+  int64_t max_in_cpu_elems = 1'000'000'000;
+  bool operator==(const OffloadParamConfig&) const = default;
+};
+
+// Bucket and threshold sizes are in elements, as in DeepSpeed.
+struct ZeroConfig {
+  int stage = 0;
+  bool contiguous_gradients = true;
+  bool reduce_scatter = true;
+  int64_t reduce_bucket_size_elems = 500'000'000;
+  int64_t allgather_bucket_size_elems = 500'000'000;
+  bool overlap_comm = false;  // default: true at stage 3, false below
+  bool round_robin_gradients = false;
+  bool allgather_partitions = true;
+  int64_t sub_group_size_elems = 1'000'000'000;
+  int64_t stage3_prefetch_bucket_size_elems = 50'000'000;
+  int64_t stage3_param_persistence_threshold_elems = 100'000;
+  int64_t stage3_max_live_parameters_elems = 1'000'000'000;
+  int64_t stage3_max_reuse_distance_elems = 1'000'000'000;
+  bool stage3_gather_16bit_weights_on_model_save = false;
+  OffloadOptimizerConfig offload_optimizer;
+  OffloadParamConfig offload_param;
+  bool operator==(const ZeroConfig&) const = default;
+};
+
+struct ActivationCheckpointingConfig {
+  bool partition_activations = false;
+  bool cpu_checkpointing = false;
+  bool contiguous_memory_optimization = false;
+  bool synchronize_checkpoint_boundary = false;
+  bool profile = false;
+  std::optional<int64_t> number_checkpoints;
+  bool operator==(const ActivationCheckpointingConfig&) const = default;
+};
+
+// ---- porter's own section ("porter") ------------------------------------------------------
+
+enum class ModelType { kGpt };
+
+struct ModelConfig {
+  ModelType type = ModelType::kGpt;
+  int64_t layers = 12;
+  int64_t hidden = 768;
+  int64_t heads = 12;
+  int64_t seq_len = 1024;
+  int64_t vocab = 50257;
+  double dropout = 0.0;
+  bool tie_embeddings = true;
+  int64_t tensor_parallel = 1;
+  bool operator==(const ModelConfig&) const = default;
+};
+
+enum class DataType { kSynthetic, kText };
+
+struct DataConfig {
+  DataType type = DataType::kSynthetic;
+  std::vector<std::string> paths;
+  uint64_t seed = 1234;
+  bool operator==(const DataConfig&) const = default;
+};
+
+enum class DeviceType { kAuto, kCpu, kCuda };
+
+struct DeviceConfig {
+  DeviceType type = DeviceType::kAuto;
+  std::optional<uint64_t> memory_limit_bytes;  // none: the device's (or host's) capacity
+  std::optional<uint64_t> pinned_limit_bytes;  // none: no limit beyond the host's
+  std::optional<double> sim_link_gbps;         // none: copies are not throttled (cpu)
+  int64_t threads = 0;                         // 0: one per core
+  bool operator==(const DeviceConfig&) const = default;
+};
+
+enum class CheckpointPolicy { kNone, kFull, kUniform, kBlock, kSqrt, kSelective, kOptimal };
+
+// A checkpoint memory budget: absolute bytes, or a fraction 0..1 of what keeping every
+// activation would need (PyTorch's memory_budget).
+struct MemoryBudget {
+  std::variant<uint64_t, double> value;  // bytes, or fraction
+  bool is_fraction() const { return std::holds_alternative<double>(value); }
+  bool operator==(const MemoryBudget&) const = default;
+};
+
+struct CheckpointingConfig {
+  CheckpointPolicy policy = CheckpointPolicy::kNone;
+  std::optional<int64_t> every_n_layers;  // uniform
+  std::optional<int64_t> block_layers;    // block
+  std::optional<MemoryBudget> memory_budget;  // optimal
+  std::vector<std::string> selective_ops;     // selective: op kinds recomputed, not saved
+  int64_t prefetch_depth = 1;
+  int64_t keep_last_on_device = 1;
+  bool operator==(const CheckpointingConfig&) const = default;
+};
+
+struct TrainConfig {
+  int64_t steps = 10;
+  uint64_t seed = 42;
+  int64_t log_every = 1;
+  bool operator==(const TrainConfig&) const = default;
+};
+
+struct TraceConfig {
+  std::optional<std::string> path;
+  bool operator==(const TraceConfig&) const = default;
+};
+
+struct PorterSection {
+  ModelConfig model;
+  DataConfig data;
+  DeviceConfig device;
+  CheckpointingConfig checkpointing;
+  TrainConfig train;
+  TraceConfig trace;
+  bool operator==(const PorterSection&) const = default;
+};
+
+// ---- the whole config ---------------------------------------------------------------------
+
+// Invariants after parsing:
+//   train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp
+//   dp == world_size / porter.model.tensor_parallel
+//   !(fp16.enabled && bf16.enabled)
+struct Config {
+  int64_t world_size = 1;  // from ParseOptions, not from the file
+  int64_t train_batch_size = 1;
+  int64_t train_micro_batch_size_per_gpu = 1;
+  int64_t gradient_accumulation_steps = 1;
+  double gradient_clipping = 1.0;  // 0 = off
+  std::optional<int64_t> steps_per_print;
+  bool wall_clock_breakdown = false;
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
+  std::optional<OptimizerConfig> optimizer;
+  std::optional<SchedulerConfig> scheduler;
+  Fp16Config fp16;
+  Bf16Config bf16;
+  ZeroConfig zero_optimization;
+  std::optional<ActivationCheckpointingConfig> activation_checkpointing;
+  PorterSection porter;
+
+  int64_t data_parallel_size() const { return world_size / porter.model.tensor_parallel; }
+  bool operator==(const Config&) const = default;
+};
+
+// The JSON spelling of each enum value ("AdamW", "cpu", "uniform", ...).
+std::string_view to_string(OptimizerType v);
+std::string_view to_string(SchedulerType v);
+std::string_view to_string(WarmupType v);
+std::string_view to_string(OffloadDevice v);
+std::string_view to_string(ModelType v);
+std::string_view to_string(DataType v);
+std::string_view to_string(DeviceType v);
+std::string_view to_string(CheckpointPolicy v);
+
+// The op kinds `porter.checkpointing.selective_ops` may name.
+const std::vector<std::string>& selective_op_kinds();
+
+}  // namespace porter::config
