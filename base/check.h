@@ -22,7 +22,9 @@ concept Streamable = requires(std::ostream& os, const T& v) { os << v; };
 
 template <typename T>
 void append_operand(std::ostringstream& os, const T& v) {
-  if constexpr (std::is_enum_v<T>) {
+  if constexpr (std::is_same_v<T, const char*> || std::is_same_v<T, char*>) {
+    os << (v != nullptr ? v : "(null)");
+  } else if constexpr (std::is_enum_v<T>) {
     os << static_cast<std::underlying_type_t<T>>(v);
   } else if constexpr (std::is_pointer_v<T>) {
     os << static_cast<const void*>(v);

@@ -45,6 +45,13 @@ TEST(CheckTest, OperandsAreEvaluatedOnce) {
   EXPECT_EQ(calls, 1);
 }
 
+TEST(CheckTest, CStringsPrintAsTextAndPointersAsAddresses) {
+  const char* op = "release";
+  const char* none = nullptr;
+  std::string s = str_cat("op ", op, " at ", static_cast<void*>(nullptr), " ", none);
+  EXPECT_EQ(s, "op release at 0 (null)");
+}
+
 TEST(CheckTest, TypedCheckThrowsGivenType) {
   EXPECT_THROW(PORTER_CHECK_T(UsageError, false, "double free"), UsageError);
 }

@@ -1,0 +1,164 @@
+// The caching allocator: device memory for every porter buffer, with accounting by category.
+//
+// Rules:
+// 1. Segments come from the Device and are carved into blocks; see Note [Size classes] in
+//    allocator_policy.h for rounding, pools and splitting.
+// 2. A request takes the best-fitting free block of its pool (smallest size, then lowest
+//    address); a block much larger than the request is split and the tail stays free.
+// 3. A freed block merges with its free neighbours in the same segment (coalescing), so
+//    freed space is reusable by larger requests.
+// 4. A block freed while another stream may use it is reusable only after that stream's
+//    event completes; see Note [Deferred free] in deferred_free.h.
+// 5. When no block fits and the device refuses a new segment, the allocator, in order:
+//    tries a segment of exactly the request; releases every fully free cached segment and
+//    retries; waits for pending deferred frees and retries. Only then does it throw
+//    OutOfMemoryError (Note [Out-of-memory message]) and it stays consistent afterwards.
+// 6. Accounting is by Category; the invariants are written above MemoryStats.
+// Thread-safe: one mutex guards all state.
+#pragma once
+
+#include <cstddef>
+#include <iosfwd>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "base/error.h"
+#include "memory/category.h"
+#include "memory/deferred_free.h"
+#include "memory/device.h"
+#include "memory/memory_stats.h"
+
+namespace porter::memory {
+
+class CachingAllocator;
+
+// A non-owning view of bytes in device memory.
+class MemorySpan {
+ public:
+  MemorySpan() = default;
+  MemorySpan(void* data, size_t size_bytes) : data_(static_cast<std::byte*>(data)), size_(size_bytes) {}
+  void* data() const { return data_; }
+  size_t size_bytes() const { return size_; }
+  // Throws InvalidArgument when [offset, offset + bytes) is not inside this span.
+  MemorySpan subspan(size_t offset, size_t bytes) const;
+
+ private:
+  std::byte* data_ = nullptr;  // not owned
+  size_t size_ = 0;
+};
+
+// Move-only owner of one allocation; frees it on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  size_t size_bytes() const { return size_; }
+  Category category() const { return category_; }
+  bool empty() const { return data_ == nullptr; }
+  MemorySpan span() const { return MemorySpan(data_, size_); }
+  MemorySpan subspan(size_t offset, size_t bytes) const { return span().subspan(offset, bytes); }
+  // Tells the allocator that `stream` uses this buffer (see Note [Deferred free]).
+  void record_stream(Stream& stream) const;
+  // Frees now (deferred if other streams were recorded).
+  void reset();
+
+ private:
+  friend class CachingAllocator;
+  DeviceBuffer(CachingAllocator* owner, void* data, size_t size, Category category)
+      : owner_(owner), data_(data), size_(size), category_(category) {}
+
+  CachingAllocator* owner_ = nullptr;  // not owned; must outlive the buffer
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  Category category_ = Category::kWorkspace;
+};
+
+struct AllocatorOptions {
+  bool record_timeline = true;
+  size_t timeline_capacity = size_t{1} << 20;  // entries
+};
+
+// One segment and its blocks, as reported by snapshot().
+struct SegmentInfo {
+  uintptr_t address;
+  size_t size_bytes;
+  bool small_pool;
+  struct BlockInfo {
+    uintptr_t address;
+    size_t size_bytes;
+    size_t requested_bytes;  // 0 unless allocated
+    bool allocated;
+    bool pending;  // freed, waiting for other streams
+  };
+  std::vector<BlockInfo> blocks;  // in address order, covering the segment exactly
+};
+
+class CachingAllocator {
+ public:
+  explicit CachingAllocator(Device& device, AllocatorOptions options = {});
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Zero bytes gives an empty buffer. Throws OutOfMemoryError (rule 5).
+  DeviceBuffer allocate(size_t bytes, Category category);
+  // The same, without an owner object. Free with raw_free.
+  void* raw_allocate(size_t bytes, Category category);
+  // Throws UsageError for a pointer this allocator did not hand out (or already freed).
+  void raw_free(void* ptr);
+  void record_stream(void* ptr, Stream& stream);
+
+  // Returns every fully free cached segment to the device.
+  void empty_cache();
+  void reset_peak();
+  MemoryStats stats() const;
+  std::vector<SegmentInfo> snapshot() const;
+
+  // The timeline of (time, category, delta); see Timeline.
+  void write_timeline_csv(std::ostream& out) const;
+  std::vector<TimelineEntry> timeline() const;
+
+  Device& device() const { return *device_; }
+
+ private:
+  struct Block;
+  struct BlockLess {
+    bool operator()(const Block* a, const Block* b) const;
+  };
+  using FreeSet = std::set<Block*, BlockLess>;
+
+  Block* find_free_block(FreeSet& pool, size_t size);
+  Block* allocate_segment(size_t segment_bytes, bool small);
+  Block* take_block(size_t rounded, bool small);
+  void release_block(Block* block);  // into the free pool, coalescing
+  void release_cached_segments();
+  void collect_deferred();
+  size_t largest_free_block() const;
+  MemoryStats stats_locked() const;
+  [[noreturn]] void throw_oom(size_t bytes, Category category);
+
+  Device* device_;  // not owned; outlives the allocator
+  AllocatorOptions options_;
+  mutable std::mutex mu_;  // guards everything below
+  FreeSet small_free_;
+  FreeSet large_free_;
+  std::unordered_map<void*, Block*> live_;
+  std::vector<Block*> segments_;  // head blocks; each owns its chain
+  DeferredFrees<Block*> deferred_;
+  MemoryStats stats_;
+  Timeline timeline_;
+};
+
+}  // namespace porter::memory

@@ -1,0 +1,103 @@
+// The pinned host pool: page-locked buffers for asynchronous copies, reused by size, within
+// a hard limit (porter.device.pinned_limit).
+//
+// Rules:
+// 1. Requests round up to 4 KiB. A cached buffer is reused when it is at least the request
+//    and at most twice it (best fit); otherwise a new one comes from the device.
+// 2. The pool never holds more than its limit: live + cached + pending <= limit. To make room
+//    it first drops cached buffers, then waits for pending deferred frees; if the request
+//    still does not fit it throws OutOfMemoryError, naming the limit and the knob.
+// 3. Buffers used by copy streams are released after their events (Note [Deferred free]).
+// Thread-safe: one mutex guards all state.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "base/error.h"
+#include "memory/deferred_free.h"
+#include "memory/device.h"
+
+namespace porter::memory {
+
+class PinnedPool;
+
+// Move-only owner of one pinned buffer; returns it to its pool on destruction.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(PinnedBuffer&& other) noexcept { *this = std::move(other); }
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { reset(); }
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  size_t size_bytes() const { return size_; }
+  bool empty() const { return data_ == nullptr; }
+  void record_stream(Stream& stream) const;
+  void reset();
+
+ private:
+  friend class PinnedPool;
+  PinnedBuffer(PinnedPool* owner, void* data, size_t size) : owner_(owner), data_(data), size_(size) {}
+
+  PinnedPool* owner_ = nullptr;  // not owned; must outlive the buffer
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+struct PinnedStats {
+  size_t limit_bytes = 0;
+  size_t in_use_bytes = 0;  // capacity of live buffers
+  size_t peak_in_use_bytes = 0;
+  size_t cached_bytes = 0;
+  size_t pending_bytes = 0;
+  uint64_t num_allocs = 0;
+  uint64_t num_reused = 0;  // allocations served from the cache
+  uint64_t num_device_allocs = 0;
+};
+
+class PinnedPool {
+ public:
+  static constexpr size_t kGranularity = 4096;
+
+  // limit_bytes 0 means the device's pinned capacity.
+  explicit PinnedPool(Device& device, size_t limit_bytes = 0);
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  PinnedBuffer allocate(size_t bytes);
+  void* raw_allocate(size_t bytes);
+  void raw_free(void* ptr);
+  void record_stream(void* ptr, Stream& stream);
+  void empty_cache();
+  PinnedStats stats() const;
+
+ private:
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t capacity = 0;
+    std::vector<Stream*> streams;  // not owned
+  };
+
+  void drop_cache_locked();
+  void collect_deferred_locked();
+  [[noreturn]] void throw_exhausted(size_t bytes, const char* why) const;
+
+  Device* device_;  // not owned
+  const size_t limit_bytes_;
+  mutable std::mutex mu_;  // guards everything below
+  std::multimap<size_t, void*> cached_;  // capacity -> buffer
+  std::unordered_map<void*, Buffer> live_;
+  DeferredFrees<Buffer> deferred_;
+  PinnedStats stats_;
+};
+
+}  // namespace porter::memory
