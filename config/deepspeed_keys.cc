@@ -209,11 +209,11 @@ void read_scheduler(ObjectReader& root, Config& c) {
                                             "; warmup goes from the min to the max");
     }
   }
-  // "auto" warmup: DeepSpeed's default, but never longer than the whole schedule.
-  int64_t warmup_auto = s.warmup_num_steps;
-  if (s.total_num_steps) warmup_auto = std::min(warmup_auto, *s.total_num_steps);
+  // Default and "auto" warmup: DeepSpeed's 1000 steps, but never longer than the schedule.
+  int64_t warmup_default = s.warmup_num_steps;
+  if (s.total_num_steps) warmup_default = std::min(warmup_default, *s.total_num_steps);
   s.warmup_num_steps =
-      p->integer("warmup_num_steps", steps_range, warmup_auto).value_or(s.warmup_num_steps);
+      p->integer("warmup_num_steps", steps_range, warmup_default).value_or(warmup_default);
   if (s.total_num_steps && s.warmup_num_steps > *s.total_num_steps) {
     fail(p->path_of("warmup_num_steps"),
          std::to_string(s.warmup_num_steps) + " is more than total_num_steps " +

@@ -8,7 +8,8 @@
 
 namespace porter::config {
 
-// Levenshtein distance (insertions, deletions, substitutions; all cost 1).
+// Edit distance with insertions, deletions, substitutions and swaps of two adjacent characters,
+// all costing 1 (optimal string alignment distance).
 size_t edit_distance(std::string_view a, std::string_view b);
 
 // The candidate closest to `word`, if it is close enough to be a plausible typo.
