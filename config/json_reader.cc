@@ -14,6 +14,8 @@ namespace porter::config {
 
 ConfigError::ConfigError(std::string path, const std::string& message)
     : InvalidArgument(path.empty() ? message : path + ": " + message), path_(std::move(path)) {}
+ConfigError::ConfigError(std::string path, const std::string& what, Verbatim)
+    : InvalidArgument(what), path_(std::move(path)) {}
 
 namespace detail {
 namespace {

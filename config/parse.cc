@@ -42,9 +42,9 @@ ParseResult parse_config_string(std::string_view json_text, const ParseOptions& 
   result.warnings = diag.warnings();
   if (options.strict && !result.warnings.empty()) {
     std::string message = std::to_string(result.warnings.size()) +
-                          " warning(s), which --strict makes errors:";
+                          " warning(s), which strict mode makes errors:";
     for (const Warning& w : result.warnings) message += "\n  " + w.text();
-    throw ConfigError(result.warnings.front().path, message);
+    throw ConfigError(result.warnings.front().path, message, ConfigError::Verbatim{});
   }
   return result;
 }

@@ -20,6 +20,9 @@ namespace porter::config {
 class ConfigError : public InvalidArgument {
  public:
   ConfigError(std::string path, const std::string& message);
+  // A message that does not start with the path (e.g. several warnings under --strict).
+  struct Verbatim {};
+  ConfigError(std::string path, const std::string& what, Verbatim);
   const std::string& path() const { return path_; }
 
  private:

@@ -1,0 +1,39 @@
+// The `porter` app: global flags, the subcommands, and the mapping of errors to exit codes.
+#include "cli/app.h"
+
+#include <exception>
+
+#include "base/build_config.h"
+#include "base/error.h"
+#include "cli/commands.h"
+
+namespace porter::cli {
+
+int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"porter: train models that do not fit, within a memory budget (ZeRO, activation "
+               "checkpointing, offload)",
+               "porter"};
+  app.set_version_flag("--version", std::string("porter ") + PORTER_VERSION);
+  app.require_subcommand(1);
+  app.footer("Exit codes: 0 success, 1 usage error, 2 invalid input (e.g. an invalid config).");
+
+  CommandContext context{&out, &err};
+  add_config_command(app, context);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version arrive here too, with exit code 0.
+    int code = app.exit(e, out, err);
+    return code == 0 ? kExitOk : kExitUsage;
+  } catch (const porter::Error& e) {
+    err << "error: " << e.what() << "\n";
+    return kExitInvalid;
+  } catch (const std::exception& e) {
+    err << "error: unexpected failure (a bug in porter): " << e.what() << "\n";
+    return kExitInvalid;
+  }
+  return context.exit_code;
+}
+
+}  // namespace porter::cli

@@ -1,0 +1,17 @@
+// The porter command line: builds the CLI11 app from every subcommand and runs it.
+#pragma once
+
+#include <ostream>
+
+namespace porter::cli {
+
+// Exit codes shared by every subcommand.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitUsage = 1;    // bad flags or arguments (CLI11 prints why)
+inline constexpr int kExitInvalid = 2;  // the input (a config, a file) is invalid
+
+// Runs `porter` with these arguments, writing to `out` and `err` instead of the process's
+// streams (tests pass string streams). Returns the process exit code.
+int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+
+}  // namespace porter::cli
