@@ -324,6 +324,10 @@ uint64_t as_bytes(const Json& value, const std::string& path, uint64_t min) {
                            " (an integer, or a string with a unit such as \"2GiB\" or \"512MB\")";
   uint64_t n = 0;
   if (value.is_string()) {
+    // No byte count needs more characters than this, and parse_bytes (std::stod) throws
+    // std::out_of_range on a fraction with hundreds of digits.
+    constexpr size_t kMaxBytesText = 64;
+    if (value.get_ref<const std::string&>().size() > kMaxBytesText) fail_expected(path, rule, value);
     std::optional<uint64_t> parsed = parse_bytes(value.get_ref<const std::string&>());
     if (!parsed) fail_expected(path, rule, value);
     n = *parsed;
