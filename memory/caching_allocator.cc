@@ -360,6 +360,11 @@ std::vector<TimelineEntry> CachingAllocator::timeline() const {
   return timeline_.entries();
 }
 
+void CachingAllocator::clear_timeline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  timeline_.clear();
+}
+
 // Note [Out-of-memory message]
 // The message accounts for every byte of the device: what each category holds, what the
 // allocator has reserved but is not using (and the largest piece of it, which is what a

@@ -129,6 +129,7 @@ class CachingAllocator {
   // The timeline of (time, category, delta); see Timeline.
   void write_timeline_csv(std::ostream& out) const;
   std::vector<TimelineEntry> timeline() const;
+  void clear_timeline();
 
   Device& device() const { return *device_; }
 

@@ -133,6 +133,8 @@ TEST(CachingAllocatorTest, TimelineRecordsEveryChange) {
   alloc.write_timeline_csv(csv);
   EXPECT_THAT(csv.str(), HasSubstr("time_us,category,delta_bytes,category_bytes\n"));
   EXPECT_THAT(csv.str(), HasSubstr(",checkpoints,-200,0\n"));
+  alloc.clear_timeline();
+  EXPECT_TRUE(alloc.timeline().empty());
 }
 
 TEST(CachingAllocatorTest, TimelineCountsDroppedEntries) {
