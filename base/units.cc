@@ -2,6 +2,7 @@
 #include "base/units.h"
 
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -79,7 +80,11 @@ std::optional<uint64_t> parse_bytes(std::string_view text) {
     if (m != 0 && n > UINT64_MAX / m) return std::nullopt;
     return n * m;
   }
-  double v = std::stod(number) * multiplier;
+  // from_chars never throws: a fraction too long or too small for a double is an error.
+  double parsed = 0;
+  auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), parsed);
+  if (ec != std::errc() || end != number.data() + number.size()) return std::nullopt;
+  double v = parsed * multiplier;
   if (!std::isfinite(v) || v >= 1.8e19) return std::nullopt;
   if (v != std::floor(v)) return std::nullopt;  // "1.5" bytes is not a byte count
   return static_cast<uint64_t>(v);

@@ -1,6 +1,8 @@
 // format_bytes and parse_bytes: exact values, units, and rejection of malformed input.
 #include "base/units.h"
 
+#include <string>
+
 #include <gtest/gtest.h>
 
 namespace porter {
@@ -28,6 +30,11 @@ TEST(UnitsTest, ParseBytes) {
 TEST(UnitsTest, ParseBytesRejects) {
   for (const char* bad : {"", "GiB", "-1", "1.5", "2 parsecs", "1e9", "18446744073709551616",
                           "99999999999TiB", "1..2MB", "3 GiB extra"}) {
+    EXPECT_FALSE(parse_bytes(bad).has_value()) << bad;
+  }
+  // Very long fractions must be rejected, not throw (std::stod would throw out_of_range).
+  for (std::string bad : {"0." + std::string(400, '0') + "1", "0." + std::string(400, '0') + "1GiB",
+                          std::string(400, '9') + ".5"}) {
     EXPECT_FALSE(parse_bytes(bad).has_value()) << bad;
   }
 }
