@@ -19,7 +19,7 @@ test-release: build
 # The sanitizer builds compile only what the 'sanitize'-labelled suites need.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target porter_sanitize_tests
+	cmake --build --preset asan -j $(JOBS) --target porter_sanitize_tests porter_asan_tests
 	ctest --preset asan
 
 test-tsan: deps

@@ -8,4 +8,5 @@ configure_package_config_file(cmake/porterConfig.cmake.in
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/porterConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/porterConfig.cmake ${PROJECT_BINARY_DIR}/porterConfigVersion.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/FindPorterDnnl.cmake
   DESTINATION ${PORTER_CMAKE_DIR})

@@ -1,0 +1,137 @@
+// Kernels: every op a GPT needs, defined once. The public methods check shapes and dtypes
+// (the one definition of each op); the private do_* methods are the device implementations
+// (cpu_kernels.cc: oneDNN + vectorised OpenMP loops; cuda_kernels.cu: cuBLASLt + our kernels).
+//
+// Conventions (Note [Kernel conventions]):
+// - Row-major, contiguous tensors. (N, C) means N rows of C; a leading (B, T) is flattened.
+// - Forward ops write their outputs. Backward ops *overwrite* input gradients (dx) and
+//   *accumulate* (+=) parameter gradients (dweight, dbias, dgamma, dbeta, dwte, dwpe), so
+//   micro-batches accumulate into the flat gradient buffer without extra passes.
+// - Compute is f32. f32 and bf16 tensors are accepted wherever noted; bf16 values are widened
+//   to f32 on load and rounded to nearest-even on store. Reductions accumulate in f32.
+// - Kernels run on the device's compute stream; on cpu that is the calling thread, using up
+//   to device.threads() OpenMP threads.
+#pragma once
+
+#include <memory>
+
+#include "memory/device.h"
+#include "nn/philox.h"
+#include "nn/tensor.h"
+
+namespace porter::nn {
+
+struct MatmulSpec {
+  bool trans_a = false;  // use a^T
+  bool trans_b = false;  // use b^T
+  float alpha = 1.0f;
+  float beta = 0.0f;     // out = alpha * op(a) @ op(b) + beta * out
+};
+
+struct AdamWArgs {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled (AdamW)
+  int64_t step = 1;           // 1-based, for bias correction
+  float grad_scale = 1.0f;    // grads are multiplied by this first (clipping, loss scale)
+};
+
+class Kernels {
+ public:
+  virtual ~Kernels() = default;
+  virtual memory::DeviceKind kind() const = 0;
+
+  // out (M, N) = alpha * op(a) @ op(b) + beta * out, with op(a) (M, K) and op(b) (K, N).
+  // Rank 3 (batch, rows, cols) for a, b and out multiplies batch by batch. a and b are both
+  // f32 or both bf16; out is f32 or the inputs' dtype.
+  void matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec = {});
+  // x (N, C) += bias (C), in place.
+  void bias_add(Tensor& x, const Tensor& bias);
+  // dbias (C) += sum over rows of dy (N, C).
+  void bias_backward(const Tensor& dy, Tensor& dbias);
+  // y = (x - mean) * rstd * gamma + beta per row of x (N, C); saves mean (N), rstd (N) f32.
+  void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, Tensor& y,
+                         Tensor& mean, Tensor& rstd, float eps = 1e-5f);
+  // dx = (overwrite); dgamma, dbeta += .
+  void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                          const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
+                          Tensor& dbeta);
+  // GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+  void gelu_forward(const Tensor& x, Tensor& y);
+  void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
+  // Causal softmax attention. qkv (B, T, 3C) holds q, k, v side by side, each split into
+  // `heads` heads of C / heads. out (B, T, C); probs (B, heads, T, T) f32 are the softmax
+  // probabilities backward needs (zero above the diagonal). Scale 1 / sqrt(C / heads).
+  void attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads);
+  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                          Tensor& dqkv, int heads);
+  // y = x * mask / (1 - p), mask_i = (uniform(key, i) >= p). Nothing is saved: backward
+  // regenerates the mask from the key (Note [Dropout keys] in philox.h). p in [0, 1).
+  void dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key);
+  void dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key);
+  // out = a + b (residual). out may alias a or b.
+  void add(const Tensor& a, const Tensor& b, Tensor& out);
+  // acc += x.
+  void accumulate(Tensor& acc, const Tensor& x);
+  // out (B, T, C) = wte[tokens] + wpe[t]; tokens (B, T) i32; wte (V, C); wpe (Tmax, C).
+  void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, Tensor& out);
+  // dwte, dwpe += .
+  void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte, Tensor& dwpe);
+  // losses (N) f32 = -log softmax(logits (N, V))[targets]; targets (N) i32.
+  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses);
+  // dlogits (N, V) = (softmax(logits) - onehot(targets)) * scale (overwrite).
+  void cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
+                              float scale);
+  // One AdamW step on f32 master params with f32 moments m, v; grad f32 or bf16. When
+  // `params_out` is defined (bf16 or f32 working copy), the updated params are written there too.
+  void adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
+             Tensor* params_out = nullptr);
+  // out (1) f32 = sum of x; out (1) f32 = sum of x^2.
+  void sum(const Tensor& x, Tensor& out);
+  void squared_norm(const Tensor& x, Tensor& out);
+  // y = x converted between f32 and bf16 (or f16 on cuda); same shape.
+  void cast(const Tensor& x, Tensor& y);
+  void fill(Tensor& x, float value);
+  void scale(Tensor& x, float s);
+
+ protected:
+  virtual void do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) = 0;
+  virtual void do_bias_add(Tensor& x, const Tensor& bias) = 0;
+  virtual void do_bias_backward(const Tensor& dy, Tensor& dbias) = 0;
+  virtual void do_layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                    Tensor& y, Tensor& mean, Tensor& rstd, float eps) = 0;
+  virtual void do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                     const Tensor& mean, const Tensor& rstd, Tensor& dx,
+                                     Tensor& dgamma, Tensor& dbeta) = 0;
+  virtual void do_gelu_forward(const Tensor& x, Tensor& y) = 0;
+  virtual void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  virtual void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) = 0;
+  virtual void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                                     Tensor& dqkv, int heads) = 0;
+  virtual void do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) = 0;
+  virtual void do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) = 0;
+  virtual void do_add(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+  virtual void do_accumulate(Tensor& acc, const Tensor& x) = 0;
+  virtual void do_embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe,
+                                    Tensor& out) = 0;
+  virtual void do_embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte,
+                                     Tensor& dwpe) = 0;
+  virtual void do_cross_entropy_forward(const Tensor& logits, const Tensor& targets,
+                                        Tensor& losses) = 0;
+  virtual void do_cross_entropy_backward(const Tensor& logits, const Tensor& targets,
+                                         Tensor& dlogits, float scale) = 0;
+  virtual void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,
+                        const AdamWArgs& args, Tensor* params_out) = 0;
+  virtual void do_sum(const Tensor& x, Tensor& out) = 0;
+  virtual void do_squared_norm(const Tensor& x, Tensor& out) = 0;
+  virtual void do_cast(const Tensor& x, Tensor& y) = 0;
+  virtual void do_fill(Tensor& x, float value) = 0;
+  virtual void do_scale(Tensor& x, float s) = 0;
+};
+
+// The kernels for `device` (cpu or cuda). The device must outlive them.
+std::unique_ptr<Kernels> make_kernels(memory::Device& device);
+
+}  // namespace porter::nn
