@@ -35,40 +35,12 @@ bool CachingAllocator::BlockLess::operator()(const Block* a, const Block* b) con
   return a->ptr < b->ptr;
 }
 
-// ---- MemorySpan / DeviceBuffer --------------------------------------------------------
+// ---- MemorySpan -----------------------------------------------------------------------
 
 MemorySpan MemorySpan::subspan(size_t offset, size_t bytes) const {
   PORTER_CHECK(offset <= size_ && bytes <= size_ - offset, "subspan [", offset, ", ", offset,
                " + ", bytes, ") is outside a span of ", size_, " bytes");
   return MemorySpan(data_ + offset, bytes);
-}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
-  if (this != &other) {
-    reset();
-    owner_ = std::exchange(other.owner_, nullptr);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    category_ = other.category_;
-  }
-  return *this;
-}
-
-void DeviceBuffer::record_stream(Stream& stream) const {
-  if (owner_ != nullptr && data_ != nullptr) owner_->record_stream(data_, stream);
-}
-
-void DeviceBuffer::reset() {
-  if (owner_ != nullptr && data_ != nullptr) {
-    try {
-      owner_->raw_free(data_);
-    } catch (const std::exception& e) {
-      PORTER_LOG_ERROR("freeing a device buffer failed: {}", e.what());
-    }
-  }
-  owner_ = nullptr;
-  data_ = nullptr;
-  size_ = 0;
 }
 
 // ---- CachingAllocator -----------------------------------------------------------------

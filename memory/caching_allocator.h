@@ -31,57 +31,23 @@
 #include "memory/deferred_free.h"
 #include "memory/device.h"
 #include "memory/memory_stats.h"
+#include "memory/pooled_buffer.h"
 
 namespace porter::memory {
 
 class CachingAllocator;
 
-// A non-owning view of bytes in device memory.
-class MemorySpan {
- public:
-  MemorySpan() = default;
-  MemorySpan(void* data, size_t size_bytes) : data_(static_cast<std::byte*>(data)), size_(size_bytes) {}
-  void* data() const { return data_; }
-  size_t size_bytes() const { return size_; }
-  // Throws InvalidArgument when [offset, offset + bytes) is not inside this span.
-  MemorySpan subspan(size_t offset, size_t bytes) const;
-
- private:
-  std::byte* data_ = nullptr;  // not owned
-  size_t size_ = 0;
-};
-
-// Move-only owner of one allocation; frees it on destruction.
-class DeviceBuffer {
+// Move-only owner of one device allocation; frees it on destruction.
+class DeviceBuffer : public PooledBuffer<CachingAllocator> {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { reset(); }
-
-  void* data() const { return data_; }
-  template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
-  size_t size_bytes() const { return size_; }
   Category category() const { return category_; }
-  bool empty() const { return data_ == nullptr; }
-  MemorySpan span() const { return MemorySpan(data_, size_); }
-  MemorySpan subspan(size_t offset, size_t bytes) const { return span().subspan(offset, bytes); }
-  // Tells the allocator that `stream` uses this buffer (see Note [Deferred free]).
-  void record_stream(Stream& stream) const;
-  // Frees now (deferred if other streams were recorded).
-  void reset();
 
  private:
   friend class CachingAllocator;
   DeviceBuffer(CachingAllocator* owner, void* data, size_t size, Category category)
-      : owner_(owner), data_(data), size_(size), category_(category) {}
+      : PooledBuffer(owner, data, size), category_(category) {}
 
-  CachingAllocator* owner_ = nullptr;  // not owned; must outlive the buffer
-  void* data_ = nullptr;
-  size_t size_ = 0;
   Category category_ = Category::kWorkspace;
 };
 

@@ -238,37 +238,34 @@ bool try_reserve(std::atomic<size_t>& used, size_t bytes, size_t limit) {
   return true;
 }
 
-void* aligned_host_alloc(size_t bytes, size_t alignment) {
-  return std::aligned_alloc(alignment, round_up(bytes, alignment));
+// Host memory counted against `limit` in `used`: the cpu device's segments and pinned pool
+// are both this, with separate counters.
+void* counted_alloc(std::atomic<size_t>& used, size_t bytes, size_t limit) {
+  if (bytes == 0 || !try_reserve(used, bytes, limit)) return nullptr;
+  void* p = std::aligned_alloc(CpuDevice::kSegmentAlignment, round_up(bytes, CpuDevice::kSegmentAlignment));
+  if (p == nullptr) used -= bytes;
+  return p;
+}
+
+void counted_free(std::atomic<size_t>& used, void* ptr, size_t bytes) {
+  if (ptr == nullptr) return;
+  std::free(ptr);
+  used -= bytes;
 }
 
 }  // namespace
 
 void* CpuDevice::allocate_segment(size_t bytes) {
-  if (bytes == 0 || !try_reserve(segment_bytes_, bytes, capacity_bytes_)) return nullptr;
-  void* p = aligned_host_alloc(bytes, kSegmentAlignment);
-  if (p == nullptr) segment_bytes_ -= bytes;
-  return p;
+  return counted_alloc(segment_bytes_, bytes, capacity_bytes_);
 }
 
-void CpuDevice::free_segment(void* ptr, size_t bytes) {
-  if (ptr == nullptr) return;
-  std::free(ptr);
-  segment_bytes_ -= bytes;
-}
+void CpuDevice::free_segment(void* ptr, size_t bytes) { counted_free(segment_bytes_, ptr, bytes); }
 
 void* CpuDevice::allocate_pinned(size_t bytes) {
-  if (bytes == 0 || !try_reserve(pinned_bytes_, bytes, pinned_capacity_bytes_)) return nullptr;
-  void* p = aligned_host_alloc(bytes, kSegmentAlignment);
-  if (p == nullptr) pinned_bytes_ -= bytes;
-  return p;
+  return counted_alloc(pinned_bytes_, bytes, pinned_capacity_bytes_);
 }
 
-void CpuDevice::free_pinned(void* ptr, size_t bytes) {
-  if (ptr == nullptr) return;
-  std::free(ptr);
-  pinned_bytes_ -= bytes;
-}
+void CpuDevice::free_pinned(void* ptr, size_t bytes) { counted_free(pinned_bytes_, ptr, bytes); }
 
 std::unique_ptr<Stream> CpuDevice::create_stream(std::string name) {
   return std::make_unique<CpuCopyStream>(std::move(name), link_gbps_);

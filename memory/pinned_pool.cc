@@ -9,33 +9,6 @@
 
 namespace porter::memory {
 
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
-  if (this != &other) {
-    reset();
-    owner_ = std::exchange(other.owner_, nullptr);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-void PinnedBuffer::record_stream(Stream& stream) const {
-  if (owner_ != nullptr && data_ != nullptr) owner_->record_stream(data_, stream);
-}
-
-void PinnedBuffer::reset() {
-  if (owner_ != nullptr && data_ != nullptr) {
-    try {
-      owner_->raw_free(data_);
-    } catch (const std::exception& e) {
-      PORTER_LOG_ERROR("freeing a pinned buffer failed: {}", e.what());
-    }
-  }
-  owner_ = nullptr;
-  data_ = nullptr;
-  size_ = 0;
-}
-
 PinnedPool::PinnedPool(Device& device, size_t limit_bytes)
     : device_(&device),
       limit_bytes_(limit_bytes ? limit_bytes : device.pinned_capacity_bytes()),

@@ -20,37 +20,14 @@
 #include "base/error.h"
 #include "memory/deferred_free.h"
 #include "memory/device.h"
+#include "memory/pooled_buffer.h"
 
 namespace porter::memory {
 
 class PinnedPool;
 
 // Move-only owner of one pinned buffer; returns it to its pool on destruction.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(PinnedBuffer&& other) noexcept { *this = std::move(other); }
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() { reset(); }
-
-  void* data() const { return data_; }
-  template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
-  size_t size_bytes() const { return size_; }
-  bool empty() const { return data_ == nullptr; }
-  void record_stream(Stream& stream) const;
-  void reset();
-
- private:
-  friend class PinnedPool;
-  PinnedBuffer(PinnedPool* owner, void* data, size_t size) : owner_(owner), data_(data), size_(size) {}
-
-  PinnedPool* owner_ = nullptr;  // not owned; must outlive the buffer
-  void* data_ = nullptr;
-  size_t size_ = 0;
-};
+using PinnedBuffer = PooledBuffer<PinnedPool>;
 
 struct PinnedStats {
   size_t limit_bytes = 0;
