@@ -170,21 +170,31 @@ double measure_throttled(double gbps, size_t bytes, int copies) {
   return copies * static_cast<double>(bytes) / seconds / 1e9;
 }
 
+// A throttle must never exceed its rate, so every run is checked against the upper bound. A
+// loaded machine can only make a run slower (the worker thread is not scheduled), so the
+// lower bound holds for the best of three runs.
+template <typename Measure>
+void expect_within_20_percent(double gbps, Measure&& measure) {
+  double best = 0;
+  for (int run = 0; run < 3; ++run) {
+    double got = measure();
+    EXPECT_LT(got, 1.2 * gbps) << "configured " << gbps << " GB/s";
+    best = std::max(best, got);
+  }
+  EXPECT_GT(best, 0.8 * gbps) << "configured " << gbps << " GB/s";
+}
+
 TEST(CpuDeviceTest, ThrottledCopyMatchesConfiguredBandwidth) {
   const double gbps = link_rate_for_this_host();
   // About 80 ms of link time: long against scheduler jitter, short for the suite.
   const auto bytes = static_cast<size_t>(gbps * 1e9 * 0.08);
-  double got = measure_throttled(gbps, bytes, 1);
-  EXPECT_GT(got, 0.8 * gbps) << "configured " << gbps << " GB/s";
-  EXPECT_LT(got, 1.2 * gbps) << "configured " << gbps << " GB/s";
+  expect_within_20_percent(gbps, [&] { return measure_throttled(gbps, bytes, 1); });
 }
 
 TEST(CpuDeviceTest, BackToBackThrottledCopiesShareTheLink) {
   const double gbps = link_rate_for_this_host();
   const auto bytes = static_cast<size_t>(gbps * 1e9 * 0.02);
-  double got = measure_throttled(gbps, bytes, 4);
-  EXPECT_GT(got, 0.8 * gbps) << "configured " << gbps << " GB/s";
-  EXPECT_LT(got, 1.2 * gbps) << "configured " << gbps << " GB/s";
+  expect_within_20_percent(gbps, [&] { return measure_throttled(gbps, bytes, 4); });
 }
 
 TEST(CpuDeviceTest, DestructionDrainsQueuedWork) {
