@@ -32,13 +32,16 @@ PORTER_CPU_CLONES void column_sums(const T* dy, int64_t rows, int64_t cols, int6
   }
 }
 
+// 0.5 (1 + tanh(u)) = e / (e + 1) with e = exp(2u): the sigmoid form has no cancellation
+// for negative x, where 1 + tanh(u) would lose the low bits (PyTorch's f32 has that loss;
+// this stays within its rounding and is exact-er). 1 - tanh^2(u) = 4 s (1 - s).
 template <typename TX, typename TY>
 PORTER_CPU_CLONES void gelu_fwd(const TX* x, TY* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float v = load(x + i);
-    float t = cpu::fast_tanh(kGeluS * (v + kGeluC * v * v * v));
-    store(y + i, 0.5f * v * (1.0f + t));
+    float e = cpu::fast_exp(2.0f * kGeluS * (v + kGeluC * v * v * v));
+    store(y + i, v * (e / (e + 1.0f)));
   }
 }
 
@@ -47,9 +50,11 @@ PORTER_CPU_CLONES void gelu_bwd(const TX* x, const TD* dy, TO* dx, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float v = load(x + i);
-    float t = cpu::fast_tanh(kGeluS * (v + kGeluC * v * v * v));
+    float e = cpu::fast_exp(2.0f * kGeluS * (v + kGeluC * v * v * v));
+    float inv = 1.0f / (e + 1.0f);
+    float s = e * inv;  // 0.5 (1 + tanh(u))
     float du = kGeluS * (1.0f + 3.0f * kGeluC * v * v);
-    float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+    float grad = s + 2.0f * v * s * inv * du;
     store(dx + i, load(dy + i) * grad);
   }
 }

@@ -134,11 +134,6 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-inline float fast_tanh(float x) {
-  // tanh(x) = 1 - 2 / (exp(2x) + 1); exact enough in f32 and saturates cleanly.
-  return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f);
-}
-
 // Rows of a (..., C) tensor: the leading dimensions flattened.
 inline int64_t rows_of(const Tensor& t) { return t.dim(-1) == 0 ? 0 : t.numel() / t.dim(-1); }
 
