@@ -39,6 +39,8 @@ namespace porter::nn {
 
 class DnnlMatmul;
 
+// Runs on the calling thread (the cpu compute stream) with up to device.threads() OpenMP
+// threads. One compute stream per Kernels object: the scratch memory is not shared safely.
 class CpuKernels final : public Kernels {
  public:
   explicit CpuKernels(memory::Device& device);
