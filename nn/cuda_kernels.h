@@ -1,5 +1,4 @@
-// The cuda Kernels: cuBLASLt matmul plus porter's own kernels, on the device's compute
-// stream. Only built when PORTER_WITH_CUDA; reached through make_kernels().
+// The cuda Kernels (cuBLASLt matmul and porter's own kernels); built only with CUDA.
 #pragma once
 
 #include <memory>
