@@ -37,8 +37,11 @@ __global__ void gelu_backward_kernel(DevPtr x, DevPtr dy, DevPtr dx, int64_t n) 
 }
 
 // One thread per Philox group of four elements, so each group costs one Philox call. The mask
-// of element i is philox_uniform(key, i) >= p, exactly as on the cpu (Note [Dropout keys]).
-__global__ void dropout_kernel(DevPtr x, DevPtr y, int64_t n, float p, PhiloxKey key) {
+// of element i is philox_uniform(key, i) >= p, exactly as on the cpu (Note [Dropout keys]),
+// and a kept value is x * (1 / (1 - p)) with the scale rounded once on the host, as the cpu
+// computes it, so both devices produce the same bits.
+__global__ void dropout_kernel(DevPtr x, DevPtr y, int64_t n, float p, float keep_scale,
+                               PhiloxKey key) {
   const int64_t groups = (n + 3) / 4;
   PORTER_GRID_STRIDE(g, groups) {
     float u[4];
@@ -46,8 +49,7 @@ __global__ void dropout_kernel(DevPtr x, DevPtr y, int64_t n, float p, PhiloxKey
     for (int j = 0; j < 4; ++j) {
       int64_t i = 4 * g + j;
       if (i >= n) break;
-      float mask = u[j] >= p ? 1.0f : 0.0f;
-      st(y, i, ld(x, i) * mask / (1.0f - p));
+      st(y, i, u[j] >= p ? ld(x, i) * keep_scale : 0.0f);
     }
   }
 }
@@ -110,7 +112,8 @@ void gelu_backward(const Launch& l, DevPtr x, DevPtr dy, DevPtr dx, int64_t n) {
 
 void dropout(const Launch& l, DevPtr x, DevPtr y, int64_t n, float p, const PhiloxKey& key) {
   if (n == 0) return;
-  dropout_kernel<<<grid_for((n + 3) / 4), kBlock, 0, l.stream>>>(x, y, n, p, key);
+  const float keep_scale = 1.0f / (1.0f - p);
+  dropout_kernel<<<grid_for((n + 3) / 4), kBlock, 0, l.stream>>>(x, y, n, p, keep_scale, key);
   PORTER_NN_CUDA_CHECK_LAUNCH("dropout_kernel", l.device);
 }
 

@@ -197,14 +197,13 @@ class CudaKernels final : public Kernels {
 };
 
 // Note [Cuda matmul shapes]
-// out rank 3 (batch, M, N): a and b are each rank 3 (one matrix per batch entry) or rank 2
-// (the same matrix for every entry, batch stride 0). A rank-3 a without trans_a times a
-// rank-2 b is one (batch * M, K) @ (K, N) GEMM, which is both faster and exact.
-// out rank 2 (M, N): a and b are read as 2-D, their leading dimensions flattened, so
-// x (B, T, C)^T @ dy (B, T, N) gives the weight gradient (C, N) summed over all B * T rows.
+// The validation makes a, b and out all rank 2, or all rank 3 with one batch: rank 3 is a
+// cuBLASLt strided batch with one matrix per entry.
 void CudaKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out,
                             const MatmulSpec& spec) {
-  PORTER_ASSERT(out.rank() == 2 || out.rank() == 3, "cuda matmul of rank ", out.rank());
+  PORTER_ASSERT((out.rank() == 2 || out.rank() == 3) && a.rank() == out.rank() &&
+                    b.rank() == out.rank(),
+                "cuda matmul ranks a ", a.rank(), " b ", b.rank(), " out ", out.rank());
   GemmArgs g;
   g.ab_dtype = a.dtype();
   g.out_dtype = out.dtype();
@@ -215,28 +214,15 @@ void CudaKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out,
   g.a = a.data();
   g.b = b.data();
   g.out = out.data();
-  const int64_t a_cols = a.dim(-1), b_cols = b.dim(-1);
-  int64_t a_rows = 0, b_rows = 0;
+  const int64_t a_rows = a.dim(-2), a_cols = a.dim(-1);
+  const int64_t b_rows = b.dim(-2), b_cols = b.dim(-1);
+  g.m = out.dim(-2);
+  g.n = out.dim(-1);
   if (out.rank() == 3) {
     g.batch = out.dim(0);
-    g.m = out.dim(1);
-    g.n = out.dim(2);
-    a_rows = a.dim(-2);
-    b_rows = b.dim(-2);
-    g.stride_a = a.rank() == 3 ? a_rows * a_cols : 0;
-    g.stride_b = b.rank() == 3 ? b_rows * b_cols : 0;
+    g.stride_a = a_rows * a_cols;
+    g.stride_b = b_rows * b_cols;
     g.stride_out = g.m * g.n;
-    if (a.rank() == 3 && b.rank() == 2 && !spec.trans_a) {
-      g.m *= g.batch;
-      a_rows *= g.batch;
-      g.batch = 1;
-      g.stride_a = g.stride_out = 0;
-    }
-  } else {
-    g.m = out.dim(0);
-    g.n = out.dim(1);
-    a_rows = a_cols ? a.numel() / a_cols : 0;
-    b_rows = b_cols ? b.numel() / b_cols : 0;
   }
   g.k = spec.trans_a ? a_rows : a_cols;
   PORTER_ASSERT((spec.trans_a ? a_cols : a_rows) == g.m && (spec.trans_b ? b_cols : b_rows) == g.k &&

@@ -36,7 +36,8 @@ struct Launch {
 void bias_add(const Launch& l, DevPtr x, DevPtr bias, int64_t rows, int64_t cols);
 void gelu_forward(const Launch& l, DevPtr x, DevPtr y, int64_t n);
 void gelu_backward(const Launch& l, DevPtr x, DevPtr dy, DevPtr dx, int64_t n);
-// y = x * mask / (1 - p), mask_i = philox_uniform(key, i) >= p. Also the backward.
+// y = x * mask / (1 - p), mask_i = philox_uniform(key, i) >= p; dropped elements are +0.
+// Also the backward (dx from dy, same mask).
 void dropout(const Launch& l, DevPtr x, DevPtr y, int64_t n, float p, const PhiloxKey& key);
 // out = a + b (out may alias a or b).
 void add(const Launch& l, DevPtr a, DevPtr b, DevPtr out, int64_t n);
