@@ -124,7 +124,12 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, DevPtr wte, DevP
 // depend on scheduling. Instead one block owns one vocabulary row: it scans the tokens in
 // chunks of blockDim, compacts the positions holding its token in increasing order (warp
 // ballots plus a prefix over warps), and adds those rows of dout in that order. The scan is
-// O(V * N / blockDim) compares, cheap next to the matmuls for any GPT-sized batch.
+// O(V * N / blockDim) compares, cheap next to the matmuls for any GPT-sized batch. In f32
+// the additions happen in the cpu's order (token order), so the bits match the cpu; a bf16
+// dwte is rounded once per chunk of positions instead of after every token.
+// Unlike the cpu, which checks ids on the host, a token outside [0, V) is not reported here
+// (reading device memory to check would need a synchronisation); its row is skipped, and
+// the forward pass has already turned it into NaN.
 __global__ void embedding_backward_wte_kernel(DevPtr dout, const int32_t* tokens, DevPtr dwte,
                                               int64_t n_tokens, int64_t channels) {
   __shared__ int32_t hits[kBlock];
