@@ -9,6 +9,14 @@ if(NOT PORTER_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_ARCHITECTURES 80 90)
     endif()
     enable_language(CUDA)
+    # CMake < 3.26 has no CUDA20 flags for nvcc (it would refuse the dialect); nvcc >= 12
+    # takes -std=c++20, so tell CMake the flag.
+    if(NOT DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION
+       AND CMAKE_CUDA_COMPILER_ID STREQUAL "NVIDIA"
+       AND CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.0)
+      set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+      set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+    endif()
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     find_package(CUDAToolkit REQUIRED)

@@ -1,0 +1,153 @@
+// Elementwise cuda kernels: bias add, GELU, dropout, add, accumulate, cast, fill, scale, AdamW.
+// Grid-stride loops; each element is independent, so results do not depend on the launch shape.
+#include <cmath>
+
+#include "nn/cuda_common.cuh"
+#include "nn/philox.h"
+
+namespace porter::nn::cuda {
+namespace {
+
+__global__ void bias_add_kernel(DevPtr x, DevPtr bias, int64_t n, int64_t cols) {
+  PORTER_GRID_STRIDE(i, n) { st(x, i, ld(x, i) + ld(bias, i % cols)); }
+}
+
+// GELU, tanh form (as PyTorch's approximate="tanh").
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCoeff = 0.044715f;
+
+__global__ void gelu_forward_kernel(DevPtr x, DevPtr y, int64_t n) {
+  PORTER_GRID_STRIDE(i, n) {
+    float v = ld(x, i);
+    float u = kSqrt2OverPi * (v + kGeluCoeff * v * v * v);
+    st(y, i, 0.5f * v * (1.0f + tanhf(u)));
+  }
+}
+
+// d/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+__global__ void gelu_backward_kernel(DevPtr x, DevPtr dy, DevPtr dx, int64_t n) {
+  PORTER_GRID_STRIDE(i, n) {
+    float v = ld(x, i);
+    float u = kSqrt2OverPi * (v + kGeluCoeff * v * v * v);
+    float t = tanhf(u);
+    float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v * v);
+    float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+    st(dx, i, ld(dy, i) * grad);
+  }
+}
+
+// One thread per Philox group of four elements, so each group costs one Philox call. The mask
+// of element i is philox_uniform(key, i) >= p, exactly as on the cpu (Note [Dropout keys]),
+// and a kept value is x * (1 / (1 - p)) with the scale rounded once on the host, as the cpu
+// computes it, so both devices produce the same bits.
+__global__ void dropout_kernel(DevPtr x, DevPtr y, int64_t n, float p, float keep_scale,
+                               PhiloxKey key) {
+  const int64_t groups = (n + 3) / 4;
+  PORTER_GRID_STRIDE(g, groups) {
+    float u[4];
+    philox_uniform4(key, static_cast<uint64_t>(g), u);
+    for (int j = 0; j < 4; ++j) {
+      int64_t i = 4 * g + j;
+      if (i >= n) break;
+      st(y, i, u[j] >= p ? ld(x, i) * keep_scale : 0.0f);
+    }
+  }
+}
+
+__global__ void add_kernel(DevPtr a, DevPtr b, DevPtr out, int64_t n) {
+  PORTER_GRID_STRIDE(i, n) { st(out, i, ld(a, i) + ld(b, i)); }
+}
+
+__global__ void cast_kernel(DevPtr x, DevPtr y, int64_t n) {
+  PORTER_GRID_STRIDE(i, n) { st(y, i, ld(x, i)); }
+}
+
+__global__ void fill_kernel(DevPtr x, float value, int64_t n) {
+  PORTER_GRID_STRIDE(i, n) { st(x, i, value); }
+}
+
+__global__ void scale_kernel(DevPtr x, float s, int64_t n) {
+  PORTER_GRID_STRIDE(i, n) { st(x, i, ld(x, i) * s); }
+}
+
+// PyTorch's AdamW (single-tensor form):
+//   p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+//   p -= step_size * m / (sqrt(v) / sqrt(1 - b2^t) + eps),  step_size = lr / (1 - b1^t).
+__global__ void adamw_kernel(float* params, DevPtr grad, float* m, float* v, DevPtr params_out,
+                             int64_t n, AdamWStep s) {
+  PORTER_GRID_STRIDE(i, n) {
+    float g = ld(grad, i) * s.grad_scale;
+    float p = params[i] * (1.0f - s.lr * s.weight_decay);
+    float mi = s.beta1 * m[i] + (1.0f - s.beta1) * g;
+    float vi = s.beta2 * v[i] + (1.0f - s.beta2) * g * g;
+    float denom = sqrtf(vi) / s.bias_correction2_sqrt + s.eps;
+    p -= s.step_size * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+    params[i] = p;
+    if (params_out.data != nullptr) st(params_out, i, p);
+  }
+}
+
+}  // namespace
+
+void bias_add(const Launch& l, DevPtr x, DevPtr bias, int64_t rows, int64_t cols) {
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  bias_add_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, bias, n, cols);
+  PORTER_NN_CUDA_CHECK_LAUNCH("bias_add_kernel", l.device);
+}
+
+void gelu_forward(const Launch& l, DevPtr x, DevPtr y, int64_t n) {
+  if (n == 0) return;
+  gelu_forward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, y, n);
+  PORTER_NN_CUDA_CHECK_LAUNCH("gelu_forward_kernel", l.device);
+}
+
+void gelu_backward(const Launch& l, DevPtr x, DevPtr dy, DevPtr dx, int64_t n) {
+  if (n == 0) return;
+  gelu_backward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, dy, dx, n);
+  PORTER_NN_CUDA_CHECK_LAUNCH("gelu_backward_kernel", l.device);
+}
+
+void dropout(const Launch& l, DevPtr x, DevPtr y, int64_t n, float p, const PhiloxKey& key) {
+  if (n == 0) return;
+  const float keep_scale = 1.0f / (1.0f - p);
+  dropout_kernel<<<grid_for((n + 3) / 4), kBlock, 0, l.stream>>>(x, y, n, p, keep_scale, key);
+  PORTER_NN_CUDA_CHECK_LAUNCH("dropout_kernel", l.device);
+}
+
+void add(const Launch& l, DevPtr a, DevPtr b, DevPtr out, int64_t n) {
+  if (n == 0) return;
+  add_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(a, b, out, n);
+  PORTER_NN_CUDA_CHECK_LAUNCH("add_kernel", l.device);
+}
+
+void accumulate(const Launch& l, DevPtr acc, DevPtr x, int64_t n) { add(l, acc, x, acc, n); }
+
+void cast(const Launch& l, DevPtr x, DevPtr y, int64_t n) {
+  if (n == 0) return;
+  cast_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, y, n);
+  PORTER_NN_CUDA_CHECK_LAUNCH("cast_kernel", l.device);
+}
+
+void fill(const Launch& l, DevPtr x, float value, int64_t n) {
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, value, n);
+  PORTER_NN_CUDA_CHECK_LAUNCH("fill_kernel", l.device);
+}
+
+void scale(const Launch& l, DevPtr x, float s, int64_t n) {
+  if (n == 0) return;
+  scale_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, s, n);
+  PORTER_NN_CUDA_CHECK_LAUNCH("scale_kernel", l.device);
+}
+
+void adamw(const Launch& l, float* params, DevPtr grad, float* m, float* v, DevPtr params_out,
+           int64_t n, const AdamWStep& s) {
+  if (n == 0) return;
+  adamw_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(params, grad, m, v, params_out, n, s);
+  PORTER_NN_CUDA_CHECK_LAUNCH("adamw_kernel", l.device);
+}
+
+}  // namespace porter::nn::cuda

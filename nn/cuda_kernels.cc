@@ -1,0 +1,321 @@
+// CudaKernels: the Kernels interface on a cuda Device. Matmuls go to cuBLASLt
+// (cuda_matmul.cc); every other op is one of porter's kernels (cuda_*.cu) on the device's
+// compute stream. The public Kernels methods have already validated shapes and dtypes.
+//
+// This file is host code only, compiled by the host compiler: the .cu files see raw
+// pointers (cuda_launch.h), which keeps nvcc away from the Tensor and allocator headers.
+#include "nn/cuda_kernels.h"
+
+#include <cmath>
+
+#include "base/check.h"
+#include "nn/cuda_check.h"
+#include "nn/cuda_launch.h"
+#include "nn/cuda_matmul.h"
+
+namespace porter::nn {
+namespace {
+
+using cuda::DevPtr;
+using cuda::GemmArgs;
+
+DevPtr dev(const Tensor& t) { return DevPtr{t.data(), t.dtype()}; }
+
+// Note [Cuda kernel workspace]
+// Attention needs per-head copies of q, k, v (and their gradients, and dP) that do not fit
+// the packed (B, T, 3C) layout cuBLASLt's strided batches need, and reductions need a
+// partials buffer. These live in one workspace owned by CudaKernels and grown on demand: the
+// stream is synchronised before the old buffer is freed, so no queued kernel still reads it.
+// The workspace is a device segment (counted by the Device against its capacity) but not a
+// caching-allocator block, so MemoryStats does not show it.
+// TODO(issue 4): carve it from the caching allocator once Kernels can reach one.
+class Workspace {
+ public:
+  explicit Workspace(memory::Device& device) : device_(device) {}
+  ~Workspace() { release(); }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  // At least `floats` f32 elements; valid until the next call.
+  float* get(size_t floats, const char* op) {
+    const size_t bytes = floats * sizeof(float);
+    if (bytes <= bytes_) return static_cast<float*>(data_);
+    device_.compute_stream().synchronize();
+    release();
+    constexpr size_t kGranule = size_t{2} << 20;
+    const size_t want = (bytes + kGranule - 1) / kGranule * kGranule;
+    data_ = device_.allocate_segment(want);
+    if (data_ == nullptr) {
+      throw OutOfMemoryError(str_cat(op, " needs a ", want, "-byte kernel workspace that does not fit on ",
+                                     device_.description(),
+                                     "; reduce micro_batch_size or seq_len"),
+                             want);
+    }
+    bytes_ = want;
+    return static_cast<float*>(data_);
+  }
+
+ private:
+  void release() {
+    if (data_ != nullptr) device_.free_segment(data_, bytes_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+
+  memory::Device& device_;  // not owned; outlives this
+  void* data_ = nullptr;    // owned: a segment of device_
+  size_t bytes_ = 0;
+};
+
+// Sub-buffers of a workspace start on 256-byte boundaries (cuBLASLt's preferred alignment).
+size_t padded(size_t floats) { return (floats + 63) / 64 * 64; }
+
+class CudaKernels final : public Kernels {
+ public:
+  explicit CudaKernels(memory::Device& device)
+      : device_(device), matmul_(device), workspace_(device) {}
+
+  memory::DeviceKind kind() const override { return memory::DeviceKind::kCuda; }
+
+ protected:
+  void do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) override;
+  void do_bias_add(Tensor& x, const Tensor& bias) override {
+    const int64_t cols = bias.numel();
+    cuda::bias_add(launch(), dev(x), dev(bias), cols ? x.numel() / cols : 0, cols);
+  }
+  void do_bias_backward(const Tensor& dy, Tensor& dbias) override {
+    const int64_t cols = dbias.numel();
+    cuda::bias_backward(launch(), dev(dy), dev(dbias), cols ? dy.numel() / cols : 0, cols);
+  }
+  void do_layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, Tensor& y,
+                            Tensor& mean, Tensor& rstd, float eps) override {
+    const int64_t cols = x.dim(-1);
+    cuda::layernorm_forward(launch(), dev(x), dev(gamma), dev(beta), dev(y),
+                            mean.data_as<float>(), rstd.data_as<float>(),
+                            cols ? x.numel() / cols : 0, cols, eps);
+  }
+  void do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                             const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
+                             Tensor& dbeta) override {
+    const int64_t cols = x.dim(-1);
+    cuda::layernorm_backward(launch(), dev(dy), dev(x), dev(gamma), mean.data_as<float>(),
+                             rstd.data_as<float>(), dev(dx), dev(dgamma), dev(dbeta),
+                             cols ? x.numel() / cols : 0, cols);
+  }
+  void do_gelu_forward(const Tensor& x, Tensor& y) override {
+    cuda::gelu_forward(launch(), dev(x), dev(y), x.numel());
+  }
+  void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    cuda::gelu_backward(launch(), dev(x), dev(dy), dev(dx), x.numel());
+  }
+  void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override;
+  void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                             Tensor& dqkv, int heads) override;
+  void do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) override {
+    cuda::dropout(launch(), dev(x), dev(y), x.numel(), p, key);
+  }
+  void do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) override {
+    cuda::dropout(launch(), dev(dy), dev(dx), dy.numel(), p, key);
+  }
+  void do_add(const Tensor& a, const Tensor& b, Tensor& out) override {
+    cuda::add(launch(), dev(a), dev(b), dev(out), out.numel());
+  }
+  void do_accumulate(Tensor& acc, const Tensor& x) override {
+    cuda::accumulate(launch(), dev(acc), dev(x), acc.numel());
+  }
+  void do_embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe,
+                            Tensor& out) override {
+    const int64_t seq = tokens.dim(-1);
+    cuda::embedding_forward(launch(), tokens.data_as<int32_t>(), dev(wte), dev(wpe), dev(out),
+                            seq ? tokens.numel() / seq : 0, seq, wte.dim(-1), wte.dim(0));
+  }
+  void do_embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte,
+                             Tensor& dwpe) override {
+    const int64_t seq = tokens.dim(-1);
+    cuda::embedding_backward(launch(), dev(dout), tokens.data_as<int32_t>(), dev(dwte), dev(dwpe),
+                             seq ? tokens.numel() / seq : 0, seq, dwte.dim(-1), dwte.dim(0));
+  }
+  void do_cross_entropy_forward(const Tensor& logits, const Tensor& targets,
+                                Tensor& losses) override {
+    const int64_t vocab = logits.dim(-1);
+    cuda::cross_entropy_forward(launch(), dev(logits), targets.data_as<int32_t>(),
+                                losses.data_as<float>(), vocab ? logits.numel() / vocab : 0, vocab);
+  }
+  void do_cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
+                                 float scale) override {
+    const int64_t vocab = logits.dim(-1);
+    cuda::cross_entropy_backward(launch(), dev(logits), targets.data_as<int32_t>(), dev(dlogits),
+                                 vocab ? logits.numel() / vocab : 0, vocab, scale);
+  }
+  void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
+                Tensor* params_out) override {
+    // Bias corrections in double, as PyTorch computes them (Python floats).
+    const double step = static_cast<double>(args.step);
+    const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), step);
+    const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), step);
+    cuda::AdamWStep s{args.lr,
+                      args.beta1,
+                      args.beta2,
+                      args.eps,
+                      args.weight_decay,
+                      args.grad_scale,
+                      static_cast<float>(args.lr / bc1),
+                      static_cast<float>(std::sqrt(bc2))};
+    DevPtr out = params_out != nullptr && params_out->defined() ? dev(*params_out) : DevPtr{};
+    cuda::adamw(launch(), params.data_as<float>(), dev(grad), m.data_as<float>(),
+                v.data_as<float>(), out, params.numel(), s);
+  }
+  void do_sum(const Tensor& x, Tensor& out) override { reduce(x, out, false); }
+  void do_squared_norm(const Tensor& x, Tensor& out) override { reduce(x, out, true); }
+  void do_cast(const Tensor& x, Tensor& y) override {
+    cuda::cast(launch(), dev(x), dev(y), x.numel());
+  }
+  void do_fill(Tensor& x, float value) override {
+    cuda::fill(launch(), dev(x), value, x.numel());
+  }
+  void do_scale(Tensor& x, float s) override { cuda::scale(launch(), dev(x), s, x.numel()); }
+
+ private:
+  // Makes the device current on this thread and names the stream the kernels go to.
+  cuda::Launch launch() {
+    PORTER_NN_CUDA_CHECK(cudaSetDevice(device_.index()), device_.index());
+    return cuda::Launch{static_cast<cudaStream_t>(device_.compute_stream().native_handle()),
+                        device_.index()};
+  }
+
+  void reduce(const Tensor& x, Tensor& out, bool squared) {
+    float* partials = workspace_.get(static_cast<size_t>(cuda::reduction_partials_count()),
+                                     squared ? "squared_norm" : "sum");
+    cuda::sum(launch(), dev(x), x.numel(), squared, partials, out.data_as<float>());
+  }
+
+  void gemm(GemmArgs g) { matmul_.run(g, launch().stream); }
+
+  memory::Device& device_;  // not owned; outlives this
+  cuda::CublasLtMatmul matmul_;
+  Workspace workspace_;
+};
+
+// Note [Cuda matmul shapes]
+// The validation makes a, b and out all rank 2, or all rank 3 with one batch: rank 3 is a
+// cuBLASLt strided batch with one matrix per entry.
+void CudaKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out,
+                            const MatmulSpec& spec) {
+  PORTER_ASSERT((out.rank() == 2 || out.rank() == 3) && a.rank() == out.rank() &&
+                    b.rank() == out.rank(),
+                "cuda matmul ranks a ", a.rank(), " b ", b.rank(), " out ", out.rank());
+  GemmArgs g;
+  g.ab_dtype = a.dtype();
+  g.out_dtype = out.dtype();
+  g.trans_a = spec.trans_a;
+  g.trans_b = spec.trans_b;
+  g.alpha = spec.alpha;
+  g.beta = spec.beta;
+  g.a = a.data();
+  g.b = b.data();
+  g.out = out.data();
+  const int64_t a_rows = a.dim(-2), a_cols = a.dim(-1);
+  const int64_t b_rows = b.dim(-2), b_cols = b.dim(-1);
+  g.m = out.dim(-2);
+  g.n = out.dim(-1);
+  if (out.rank() == 3) {
+    g.batch = out.dim(0);
+    g.stride_a = a_rows * a_cols;
+    g.stride_b = b_rows * b_cols;
+    g.stride_out = g.m * g.n;
+  }
+  g.k = spec.trans_a ? a_rows : a_cols;
+  PORTER_ASSERT((spec.trans_a ? a_cols : a_rows) == g.m && (spec.trans_b ? b_cols : b_rows) == g.k &&
+                    (spec.trans_b ? b_rows : b_cols) == g.n,
+                "cuda matmul shapes a ", a.shape().to_string(), " b ", b.shape().to_string(),
+                " out ", out.shape().to_string(), " disagree with the validation");
+  if (g.k == 0) {
+    // An empty sum: out = beta * out (beta 0 clears it, even of NaNs, as a GEMM would).
+    if (g.beta == 0.0f) {
+      cuda::fill(launch(), dev(out), 0.0f, out.numel());
+    } else {
+      cuda::scale(launch(), dev(out), g.beta, out.numel());
+    }
+    return;
+  }
+  gemm(g);
+}
+
+// Note [Cuda attention]
+// q, k, v are copied out of the packed qkv (B, T, 3C) into f32 (B, H, T, hd) matrices, so
+// every head is one entry of a cuBLASLt strided batch (B * H entries) and the products are
+// f32 whatever the activations' dtype. Forward: S = q k^T / sqrt(hd) is written straight
+// into probs, the causal softmax runs in place, and O = P v is merged back into (B, T, C).
+// Backward: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dP P)), dQ = dS K / sqrt(hd),
+// dK = dS^T Q / sqrt(hd), merged into dqkv (overwritten).
+void CudaKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
+  const int64_t batch = qkv.dim(0), seq = qkv.dim(1), channels = qkv.dim(2) / 3;
+  const int64_t hd = channels / heads, bh = batch * heads;
+  const size_t head_floats = padded(static_cast<size_t>(batch * seq * channels));
+  float* q = workspace_.get(4 * head_floats, "attention_forward");
+  float* k = q + head_floats;
+  float* v = k + head_floats;
+  float* o = v + head_floats;
+  const cuda::Launch l = launch();
+  cuda::split_heads(l, dev(qkv), 3 * channels, 0, q, batch, seq, heads, hd);
+  cuda::split_heads(l, dev(qkv), 3 * channels, channels, k, batch, seq, heads, hd);
+  cuda::split_heads(l, dev(qkv), 3 * channels, 2 * channels, v, batch, seq, heads, hd);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* p = probs.data_as<float>();
+  gemm(GemmArgs{DType::kF32, DType::kF32, false, true, seq, seq, hd, bh, seq * hd, seq * hd,
+                seq * seq, q, k, p, scale, 0.0f});
+  cuda::causal_softmax_forward(l, p, bh, seq);
+  gemm(GemmArgs{DType::kF32, DType::kF32, false, false, seq, hd, seq, bh, seq * seq, seq * hd,
+                seq * hd, p, v, o, 1.0f, 0.0f});
+  cuda::merge_heads(l, o, dev(out), channels, 0, batch, seq, heads, hd);
+}
+
+void CudaKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                                        Tensor& dqkv, int heads) {
+  const int64_t batch = qkv.dim(0), seq = qkv.dim(1), channels = qkv.dim(2) / 3;
+  const int64_t hd = channels / heads, bh = batch * heads;
+  const size_t head_floats = padded(static_cast<size_t>(batch * seq * channels));
+  const size_t probs_floats = padded(static_cast<size_t>(bh * seq * seq));
+  float* q = workspace_.get(7 * head_floats + probs_floats, "attention_backward");
+  float* k = q + head_floats;
+  float* v = k + head_floats;
+  float* d_o = v + head_floats;
+  float* dq = d_o + head_floats;
+  float* dk = dq + head_floats;
+  float* dv = dk + head_floats;
+  float* dp = dv + head_floats;
+  const cuda::Launch l = launch();
+  cuda::split_heads(l, dev(qkv), 3 * channels, 0, q, batch, seq, heads, hd);
+  cuda::split_heads(l, dev(qkv), 3 * channels, channels, k, batch, seq, heads, hd);
+  cuda::split_heads(l, dev(qkv), 3 * channels, 2 * channels, v, batch, seq, heads, hd);
+  cuda::split_heads(l, dev(dout), channels, 0, d_o, batch, seq, heads, hd);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* p = probs.data_as<float>();
+  const int64_t s_hd = seq * hd, s_s = seq * seq;
+  // dV (T, hd) = P^T (T, T) dO (T, hd)
+  gemm(GemmArgs{DType::kF32, DType::kF32, true, false, seq, hd, seq, bh, s_s, s_hd, s_hd, p, d_o,
+                dv, 1.0f, 0.0f});
+  // dP (T, T) = dO (T, hd) V^T
+  gemm(GemmArgs{DType::kF32, DType::kF32, false, true, seq, seq, hd, bh, s_hd, s_hd, s_s, d_o, v,
+                dp, 1.0f, 0.0f});
+  cuda::softmax_backward(l, p, dp, bh, seq);
+  // dQ (T, hd) = dS (T, T) K (T, hd) * scale
+  gemm(GemmArgs{DType::kF32, DType::kF32, false, false, seq, hd, seq, bh, s_s, s_hd, s_hd, dp, k,
+                dq, scale, 0.0f});
+  // dK (T, hd) = dS^T Q * scale
+  gemm(GemmArgs{DType::kF32, DType::kF32, true, false, seq, hd, seq, bh, s_s, s_hd, s_hd, dp, q,
+                dk, scale, 0.0f});
+  cuda::merge_heads(l, dq, dev(dqkv), 3 * channels, 0, batch, seq, heads, hd);
+  cuda::merge_heads(l, dk, dev(dqkv), 3 * channels, channels, batch, seq, heads, hd);
+  cuda::merge_heads(l, dv, dev(dqkv), 3 * channels, 2 * channels, batch, seq, heads, hd);
+}
+
+}  // namespace
+
+std::unique_ptr<Kernels> make_cuda_kernels(memory::Device& device) {
+  PORTER_CHECK(device.kind() == memory::DeviceKind::kCuda,
+               "make_cuda_kernels needs a cuda device, got ", device.description());
+  return std::make_unique<CudaKernels>(device);
+}
+
+}  // namespace porter::nn

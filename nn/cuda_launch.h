@@ -1,0 +1,105 @@
+// Host-side launchers for porter's own cuda kernels (cuda_elementwise.cu, cuda_rowwise.cu,
+// cuda_attention.cu). They take raw device pointers, so the nvcc-compiled files need neither
+// Tensor nor the allocator headers; cuda_kernels.cc turns Tensors into these arguments.
+//
+// Note [Runtime dtypes in cuda kernels]
+// Every floating tensor argument is a DevPtr: a pointer and its dtype (f32, bf16 or f16).
+// Kernels load through ld() and store through st(), which switch on the dtype. The switch is
+// uniform across a warp, so it costs a few instructions per element on memory-bound kernels,
+// and in exchange each kernel is compiled once instead of once per dtype combination: compile
+// time stays small (CI has 2 cores, two architectures) and any mix the validation accepts
+// (bf16 activations with f32 parameters, ...) is handled by construction. Compute is f32.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "nn/dtype.h"
+#include "nn/philox.h"
+
+namespace porter::nn::cuda {
+
+struct DevPtr {
+  void* data = nullptr;  // device memory, owned by the caller's tensor
+  DType dtype = DType::kF32;
+};
+
+// Where a launch goes: the stream, and the device index for error messages.
+struct Launch {
+  cudaStream_t stream = nullptr;
+  int device = 0;
+};
+
+// --- cuda_elementwise.cu -------------------------------------------------------------------
+// x (rows, cols) += bias (cols).
+void bias_add(const Launch& l, DevPtr x, DevPtr bias, int64_t rows, int64_t cols);
+void gelu_forward(const Launch& l, DevPtr x, DevPtr y, int64_t n);
+void gelu_backward(const Launch& l, DevPtr x, DevPtr dy, DevPtr dx, int64_t n);
+// y = x * mask / (1 - p), mask_i = philox_uniform(key, i) >= p; dropped elements are +0.
+// Also the backward (dx from dy, same mask).
+void dropout(const Launch& l, DevPtr x, DevPtr y, int64_t n, float p, const PhiloxKey& key);
+// out = a + b (out may alias a or b).
+void add(const Launch& l, DevPtr a, DevPtr b, DevPtr out, int64_t n);
+// acc += x.
+void accumulate(const Launch& l, DevPtr acc, DevPtr x, int64_t n);
+// y = x, converted.
+void cast(const Launch& l, DevPtr x, DevPtr y, int64_t n);
+void fill(const Launch& l, DevPtr x, float value, int64_t n);
+void scale(const Launch& l, DevPtr x, float s, int64_t n);
+
+// AdamW with the bias corrections computed on the host in double (as PyTorch does).
+struct AdamWStep {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  float grad_scale;
+  float step_size;             // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+};
+// params, m, v f32; grad f32/bf16/f16; params_out optional (data == nullptr when absent).
+void adamw(const Launch& l, float* params, DevPtr grad, float* m, float* v, DevPtr params_out,
+           int64_t n, const AdamWStep& s);
+
+// --- cuda_rowwise.cu -----------------------------------------------------------------------
+// dbias (cols) += column sums of dy (rows, cols). Deterministic (fixed summation order).
+void bias_backward(const Launch& l, DevPtr dy, DevPtr dbias, int64_t rows, int64_t cols);
+void layernorm_forward(const Launch& l, DevPtr x, DevPtr gamma, DevPtr beta, DevPtr y,
+                       float* mean, float* rstd, int64_t rows, int64_t cols, float eps);
+// dx overwritten; dgamma, dbeta accumulated (deterministic).
+void layernorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, const float* mean,
+                        const float* rstd, DevPtr dx, DevPtr dgamma, DevPtr dbeta, int64_t rows,
+                        int64_t cols);
+// out (B, T, C) = wte[tokens] + wpe[t]; a token outside [0, vocab) gives a NaN row.
+void embedding_forward(const Launch& l, const int32_t* tokens, DevPtr wte, DevPtr wpe,
+                       DevPtr out, int64_t batch, int64_t seq, int64_t channels, int64_t vocab);
+// dwte, dwpe += (deterministic: see Note [Deterministic embedding backward]).
+void embedding_backward(const Launch& l, DevPtr dout, const int32_t* tokens, DevPtr dwte,
+                        DevPtr dwpe, int64_t batch, int64_t seq, int64_t channels, int64_t vocab);
+// losses (rows) f32; a target outside [0, vocab) gives NaN.
+void cross_entropy_forward(const Launch& l, DevPtr logits, const int32_t* targets, float* losses,
+                           int64_t rows, int64_t vocab);
+void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targets,
+                            DevPtr dlogits, int64_t rows, int64_t vocab, float scale);
+// out[0] = sum of x (or of x^2). `partials` holds reduction_partials_count() floats.
+// Deterministic: the block count depends only on n, never on the device.
+int64_t reduction_partials_count();
+void sum(const Launch& l, DevPtr x, int64_t n, bool squared, float* partials, float* out);
+
+// --- cuda_attention.cu ---------------------------------------------------------------------
+// dst (B, H, T, hd) f32 = the head-split columns [col_offset, col_offset + H * hd) of src
+// (B, T, row_stride).
+void split_heads(const Launch& l, DevPtr src, int64_t row_stride, int64_t col_offset, float* dst,
+                 int64_t batch, int64_t seq, int64_t heads, int64_t head_dim);
+// The inverse: dst columns [col_offset, col_offset + H * hd) of (B, T, row_stride) = src.
+void merge_heads(const Launch& l, const float* src, DevPtr dst, int64_t row_stride,
+                 int64_t col_offset, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim);
+// In place on s (batch_heads, T, T) f32: causal softmax per row, zero above the diagonal.
+void causal_softmax_forward(const Launch& l, float* s, int64_t batch_heads, int64_t seq);
+// In place: dp (batch_heads, T, T) becomes dS = P * (dP - rowsum(dP * P)).
+void softmax_backward(const Launch& l, const float* probs, float* dp, int64_t batch_heads,
+                      int64_t seq);
+
+}  // namespace porter::nn::cuda

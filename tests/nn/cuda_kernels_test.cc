@@ -1,0 +1,485 @@
+// The cuda kernels against the cpu kernels (the reference): the same random inputs on both
+// devices, each op run through the validated Kernels interface, results compared.
+// Skips when no GPU is visible; compiled only when porter is built with CUDA.
+//
+// Tolerances, as the max absolute difference over the tensor divided by the cpu tensor's
+// max magnitude:
+// - f32: 1e-5 (kF32Tol). Both sides compute in f32; they differ only in summation order
+//   and in the last ulps of expf/tanhf, far below this for the sizes tested.
+// - chains of matmuls and reductions in f32 (attention, layernorm backward): 5e-5.
+// - bf16 outputs: 1e-2 (kBF16Tol). One bf16 ulp is 2^-8 of the value; an f32 difference of
+//   one ulp before rounding can flip the rounded result by one bf16 ulp.
+// Dropout masks and f32 -> bf16 casts must match bit for bit.
+#include "base/build_config.h"
+
+#if PORTER_WITH_CUDA
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "memory/caching_allocator.h"
+#include "memory/device.h"
+#include "nn/cuda_kernels.h"
+#include "nn/kernels.h"
+#include "nn/tensor.h"
+
+namespace porter::nn {
+namespace {
+
+constexpr double kF32Tol = 1e-5;
+constexpr double kChainTol = 5e-5;
+constexpr double kBF16Tol = 1e-2;
+
+double tol_for(DType t, double f32_tol) { return t == DType::kF32 ? f32_tol : kBF16Tol; }
+
+// The same logical tensor on both devices.
+struct Pair {
+  Tensor cpu;
+  Tensor gpu;
+};
+
+class CudaKernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!memory::cuda_available()) {
+      GTEST_SKIP() << "no GPU visible: cuda kernels are not compared with the cpu here";
+    }
+    memory::DeviceOptions cpu_options;
+    cpu_options.kind = memory::DeviceKind::kCpu;
+    cpu_options.threads = 2;
+    cpu_dev_ = memory::make_device(cpu_options);
+    memory::DeviceOptions cuda_options;
+    cuda_options.kind = memory::DeviceKind::kCuda;
+    cuda_dev_ = memory::make_device(cuda_options);
+    cpu_alloc_ = std::make_unique<memory::CachingAllocator>(*cpu_dev_);
+    cuda_alloc_ = std::make_unique<memory::CachingAllocator>(*cuda_dev_);
+    cpu_ = make_kernels(*cpu_dev_);
+    gpu_ = make_cuda_kernels(*cuda_dev_);
+    ASSERT_EQ(gpu_->kind(), memory::DeviceKind::kCuda);
+  }
+
+  Pair empty(Shape shape, DType dtype) {
+    return {Tensor::empty(*cpu_alloc_, shape, dtype, memory::Category::kWorkspace),
+            Tensor::empty(*cuda_alloc_, shape, dtype, memory::Category::kWorkspace)};
+  }
+
+  // Values from `values` (rounded to the dtype on both sides identically).
+  Pair from(const std::vector<float>& values, Shape shape, DType dtype) {
+    Pair p = empty(shape, dtype);
+    from_host_f32(*cpu_dev_, values, p.cpu);
+    from_host_f32(*cuda_dev_, values, p.gpu);
+    return p;
+  }
+
+  std::vector<float> uniform(int64_t n, float lo = -1.0f, float hi = 1.0f) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& x : v) x = dist(rng_);
+    return v;
+  }
+
+  Pair random(Shape shape, DType dtype = DType::kF32, float lo = -1.0f, float hi = 1.0f) {
+    return from(uniform(shape.numel(), lo, hi), shape, dtype);
+  }
+
+  Pair ints(const std::vector<int32_t>& values, Shape shape) {
+    Pair p = empty(shape, DType::kI32);
+    cpu_dev_->copy_sync(p.cpu.data(), values.data(), values.size() * sizeof(int32_t));
+    cuda_dev_->copy_sync(p.gpu.data(), values.data(), values.size() * sizeof(int32_t));
+    return p;
+  }
+
+  std::vector<float> host(const Tensor& t, bool gpu) {
+    return to_host_f32(gpu ? *cuda_dev_ : *cpu_dev_, t);
+  }
+
+  // max |cpu - gpu| / max |cpu| <= tol.
+  void expect_close(const Pair& p, double tol, const std::string& what) {
+    std::vector<float> c = host(p.cpu, false), g = host(p.gpu, true);
+    ASSERT_EQ(c.size(), g.size()) << what;
+    double max_mag = 0.0, max_diff = 0.0;
+    size_t worst = 0;
+    for (size_t i = 0; i < c.size(); ++i) {
+      ASSERT_FALSE(std::isnan(g[i]) && !std::isnan(c[i])) << what << ": NaN on cuda at " << i;
+      max_mag = std::max(max_mag, std::abs(static_cast<double>(c[i])));
+      double d = std::abs(static_cast<double>(c[i]) - g[i]);
+      if (d > max_diff) {
+        max_diff = d;
+        worst = i;
+      }
+    }
+    const double rel = max_diff / std::max(max_mag, 1e-30);
+    EXPECT_LE(rel, tol) << what << ": max |cpu - cuda| = " << max_diff << " at element " << worst
+                        << " (cpu " << c[worst] << ", cuda " << g[worst]
+                        << "), max |cpu| = " << max_mag;
+  }
+
+  void expect_bitwise(const Pair& p, const std::string& what) {
+    ASSERT_EQ(p.cpu.nbytes(), p.gpu.nbytes());
+    std::vector<unsigned char> c(p.cpu.nbytes()), g(p.gpu.nbytes());
+    cpu_dev_->copy_sync(c.data(), p.cpu.data(), c.size());
+    cuda_dev_->copy_sync(g.data(), p.gpu.data(), g.size());
+    EXPECT_TRUE(c == g) << what << ": cpu and cuda bytes differ";
+  }
+
+  // Runs `op` once on each device, with the matching half of every Pair.
+  void both(const std::function<void(Kernels&, bool gpu)>& op) {
+    op(*cpu_, false);
+    op(*gpu_, true);
+    cuda_dev_->compute_stream().synchronize();
+  }
+
+  static Tensor& side(Pair& p, bool gpu) { return gpu ? p.gpu : p.cpu; }
+
+  std::mt19937 rng_{1234};
+  std::unique_ptr<memory::Device> cpu_dev_, cuda_dev_;
+  std::unique_ptr<memory::CachingAllocator> cpu_alloc_, cuda_alloc_;
+  std::unique_ptr<Kernels> cpu_, gpu_;
+};
+
+// ---- matmul ------------------------------------------------------------------------------
+
+struct MatmulCase {
+  int64_t m, k, n;
+};
+
+TEST_F(CudaKernelsTest, MatmulRank2AllTransposesF32) {
+  for (MatmulCase c : {MatmulCase{7, 13, 5}, MatmulCase{64, 48, 32}, MatmulCase{1, 130, 3}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        Pair a = random(ta ? Shape{c.k, c.m} : Shape{c.m, c.k});
+        Pair b = random(tb ? Shape{c.n, c.k} : Shape{c.k, c.n});
+        Pair out = random(Shape{c.m, c.n});
+        MatmulSpec spec{ta, tb, 0.5f, 0.25f};
+        both([&](Kernels& k, bool gpu) { k.matmul(side(a, gpu), side(b, gpu), side(out, gpu), spec); });
+        expect_close(out, kF32Tol,
+                     "matmul m=" + std::to_string(c.m) + " k=" + std::to_string(c.k) +
+                         " n=" + std::to_string(c.n) + " ta=" + std::to_string(ta) +
+                         " tb=" + std::to_string(tb));
+      }
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, MatmulBatchedF32) {
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      const int64_t batch = 3, m = 9, k = 17, n = 6;
+      Pair a = random(ta ? Shape{batch, k, m} : Shape{batch, m, k});
+      Pair b = random(tb ? Shape{batch, n, k} : Shape{batch, k, n});
+      Pair out = random(Shape{batch, m, n});
+      MatmulSpec spec{ta, tb, 1.0f, 0.0f};
+      both([&](Kernels& kern, bool gpu) { kern.matmul(side(a, gpu), side(b, gpu), side(out, gpu), spec); });
+      expect_close(out, kF32Tol, "batched matmul ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, MatmulBF16) {
+  for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+    for (bool tb : {false, true}) {
+      const int64_t m = 32, k = 64, n = 24;
+      Pair a = random(Shape{m, k}, DType::kBF16);
+      Pair b = random(tb ? Shape{n, k} : Shape{k, n}, DType::kBF16);
+      Pair out = random(Shape{m, n}, out_dtype);
+      MatmulSpec spec{false, tb, 1.0f, out_dtype == DType::kF32 ? 1.0f : 0.0f};
+      both([&](Kernels& kern, bool gpu) { kern.matmul(side(a, gpu), side(b, gpu), side(out, gpu), spec); });
+      // bf16 inputs are exact in f32, so an f32 output differs only by summation order.
+      expect_close(out, tol_for(out_dtype, kF32Tol),
+                   std::string("bf16 matmul -> ") + std::string(dtype_name(out_dtype)));
+    }
+  }
+}
+
+// ---- bias, layernorm, gelu ------------------------------------------------------------------
+
+TEST_F(CudaKernelsTest, BiasAddAndBackward) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const int64_t rows = 37, cols = 70;
+    Pair x = random(Shape{rows, cols}, dt);
+    Pair bias = random(Shape{cols}, dt);
+    both([&](Kernels& k, bool gpu) { k.bias_add(side(x, gpu), side(bias, gpu)); });
+    expect_close(x, tol_for(dt, kF32Tol), "bias_add");
+    Pair dy = random(Shape{rows, cols}, dt);
+    Pair dbias = random(Shape{cols}, dt);  // accumulates onto existing values
+    both([&](Kernels& k, bool gpu) { k.bias_backward(side(dy, gpu), side(dbias, gpu)); });
+    expect_close(dbias, tol_for(dt, kF32Tol), "bias_backward");
+  }
+}
+
+TEST_F(CudaKernelsTest, LayerNormForwardBackward) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (int64_t cols : {int64_t{24}, int64_t{768}}) {
+      const int64_t rows = 19;
+      Pair x = random(Shape{rows, cols}, dt, -2.0f, 3.0f);
+      Pair gamma = random(Shape{cols}, dt);
+      Pair beta = random(Shape{cols}, dt);
+      Pair y = empty(Shape{rows, cols}, dt);
+      Pair mean = empty(Shape{rows}, DType::kF32);
+      Pair rstd = empty(Shape{rows}, DType::kF32);
+      both([&](Kernels& k, bool gpu) {
+        k.layernorm_forward(side(x, gpu), side(gamma, gpu), side(beta, gpu), side(y, gpu), side(mean, gpu), side(rstd, gpu));
+      });
+      expect_close(y, tol_for(dt, kF32Tol), "layernorm y");
+      expect_close(mean, kF32Tol, "layernorm mean");
+      expect_close(rstd, kF32Tol, "layernorm rstd");
+      Pair dy = random(Shape{rows, cols}, dt);
+      Pair dx = random(Shape{rows, cols}, dt);  // overwritten
+      Pair dgamma = random(Shape{cols}, dt);    // accumulated
+      Pair dbeta = random(Shape{cols}, dt);
+      both([&](Kernels& k, bool gpu) {
+        k.layernorm_backward(side(dy, gpu), side(x, gpu), side(gamma, gpu), side(mean, gpu), side(rstd, gpu), side(dx, gpu), side(dgamma, gpu), side(dbeta, gpu));
+      });
+      expect_close(dx, tol_for(dt, kChainTol), "layernorm dx");
+      expect_close(dgamma, tol_for(dt, kChainTol), "layernorm dgamma");
+      expect_close(dbeta, tol_for(dt, kF32Tol), "layernorm dbeta");
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, Gelu) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    Pair x = random(Shape{1000}, dt, -5.0f, 5.0f);
+    Pair y = empty(Shape{1000}, dt);
+    both([&](Kernels& k, bool gpu) { k.gelu_forward(side(x, gpu), side(y, gpu)); });
+    expect_close(y, tol_for(dt, kF32Tol), "gelu forward");
+    Pair dy = random(Shape{1000}, dt);
+    Pair dx = empty(Shape{1000}, dt);
+    both([&](Kernels& k, bool gpu) { k.gelu_backward(side(x, gpu), side(dy, gpu), side(dx, gpu)); });
+    expect_close(dx, tol_for(dt, kF32Tol), "gelu backward");
+  }
+}
+
+// ---- attention ------------------------------------------------------------------------------
+
+struct AttentionCase {
+  int64_t batch, seq, channels;
+  int heads;
+};
+
+TEST_F(CudaKernelsTest, AttentionForwardBackward) {
+  for (AttentionCase c : {AttentionCase{2, 7, 12, 3}, AttentionCase{1, 33, 64, 4},
+                          AttentionCase{2, 1, 8, 1}}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      const std::string what = "attention B=" + std::to_string(c.batch) + " T=" +
+                               std::to_string(c.seq) + " C=" + std::to_string(c.channels) +
+                               " H=" + std::to_string(c.heads) + " " + std::string(dtype_name(dt));
+      Pair qkv = random(Shape{c.batch, c.seq, 3 * c.channels}, dt, -2.0f, 2.0f);
+      Pair out = empty(Shape{c.batch, c.seq, c.channels}, dt);
+      Pair probs = empty(Shape{c.batch, c.heads, c.seq, c.seq}, DType::kF32);
+      both([&](Kernels& k, bool gpu) { k.attention_forward(side(qkv, gpu), side(out, gpu), side(probs, gpu), c.heads); });
+      expect_close(out, tol_for(dt, kChainTol), what + " out");
+      expect_close(probs, kChainTol, what + " probs");
+      // Above the diagonal the probabilities are exactly zero.
+      std::vector<float> p = host(probs.gpu, true);
+      for (int64_t bh = 0; bh < c.batch * c.heads; ++bh) {
+        for (int64_t i = 0; i < c.seq; ++i) {
+          for (int64_t j = i + 1; j < c.seq; ++j) {
+            ASSERT_EQ(p[static_cast<size_t>((bh * c.seq + i) * c.seq + j)], 0.0f) << what;
+          }
+        }
+      }
+      Pair dout = random(Shape{c.batch, c.seq, c.channels}, dt);
+      Pair dqkv = random(Shape{c.batch, c.seq, 3 * c.channels}, dt);  // overwritten
+      both([&](Kernels& k, bool gpu) {
+        k.attention_backward(side(dout, gpu), side(qkv, gpu), side(probs, gpu), side(dqkv, gpu), c.heads);
+      });
+      expect_close(dqkv, tol_for(dt, kChainTol), what + " dqkv");
+    }
+  }
+}
+
+// ---- dropout, add, accumulate ------------------------------------------------------------
+
+TEST_F(CudaKernelsTest, DropoutMaskMatchesCpuBitForBit) {
+  const PhiloxKey key = dropout_key(42, 3, 1000, 2, 1);
+  for (float p : {0.0f, 0.1f, 0.5f}) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4099}}) {
+      Pair x = random(Shape{n});
+      Pair y = empty(Shape{n}, DType::kF32);
+      both([&](Kernels& k, bool gpu) { k.dropout_forward(side(x, gpu), side(y, gpu), p, key); });
+      std::vector<float> c = host(y.cpu, false), g = host(y.gpu, true);
+      for (size_t i = 0; i < c.size(); ++i) {
+        ASSERT_EQ(c[i] == 0.0f, g[i] == 0.0f) << "mask differs at " << i << " p=" << p;
+      }
+      expect_bitwise(y, "dropout forward");
+      Pair dy = random(Shape{n});
+      Pair dx = empty(Shape{n}, DType::kF32);
+      both([&](Kernels& k, bool gpu) { k.dropout_backward(side(dy, gpu), side(dx, gpu), p, key); });
+      expect_bitwise(dx, "dropout backward");
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, AddAndAccumulate) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    Pair a = random(Shape{3, 333}, dt);
+    Pair b = random(Shape{3, 333}, dt);
+    Pair out = empty(Shape{3, 333}, dt);
+    both([&](Kernels& k, bool gpu) { k.add(side(a, gpu), side(b, gpu), side(out, gpu)); });
+    expect_bitwise(out, "add");
+    both([&](Kernels& k, bool gpu) { k.add(side(a, gpu), side(b, gpu), side(a, gpu)); });  // out aliases a
+    expect_bitwise(a, "add in place");
+    both([&](Kernels& k, bool gpu) { k.accumulate(side(b, gpu), side(out, gpu)); });
+    expect_bitwise(b, "accumulate");
+  }
+}
+
+// ---- embedding, cross-entropy --------------------------------------------------------------
+
+TEST_F(CudaKernelsTest, EmbeddingForwardBackward) {
+  const int64_t batch = 3, seq = 10, channels = 20, vocab = 17, max_seq = 16;
+  std::vector<int32_t> tok(static_cast<size_t>(batch * seq));
+  for (size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int32_t>((i * 7) % 5 + (i % 3) * 4);
+  Pair tokens = ints(tok, Shape{batch, seq});
+  Pair wte = random(Shape{vocab, channels});
+  Pair wpe = random(Shape{max_seq, channels});
+  Pair out = empty(Shape{batch, seq, channels}, DType::kF32);
+  both([&](Kernels& k, bool gpu) { k.embedding_forward(side(tokens, gpu), side(wte, gpu), side(wpe, gpu), side(out, gpu)); });
+  expect_bitwise(out, "embedding forward");
+  Pair dout = random(Shape{batch, seq, channels});
+  Pair dwte = random(Shape{vocab, channels});
+  Pair dwpe = random(Shape{max_seq, channels});
+  both([&](Kernels& k, bool gpu) { k.embedding_backward(side(dout, gpu), side(tokens, gpu), side(dwte, gpu), side(dwpe, gpu)); });
+  expect_close(dwte, kF32Tol, "embedding dwte");
+  expect_close(dwpe, kF32Tol, "embedding dwpe");
+}
+
+TEST_F(CudaKernelsTest, CrossEntropyForwardBackward) {
+  for (int64_t vocab : {int64_t{50}, int64_t{1000}}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      const int64_t rows = 13;
+      std::vector<int32_t> t(static_cast<size_t>(rows));
+      for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>((i * 37) % vocab);
+      Pair targets = ints(t, Shape{rows});
+      Pair logits = random(Shape{rows, vocab}, dt, -8.0f, 8.0f);
+      Pair losses = empty(Shape{rows}, DType::kF32);
+      both([&](Kernels& k, bool gpu) { k.cross_entropy_forward(side(logits, gpu), side(targets, gpu), side(losses, gpu)); });
+      expect_close(losses, kF32Tol, "cross-entropy losses");
+      Pair dlogits = empty(Shape{rows, vocab}, dt);
+      both([&](Kernels& k, bool gpu) {
+        k.cross_entropy_backward(side(logits, gpu), side(targets, gpu), side(dlogits, gpu), 1.0f / rows);
+      });
+      expect_close(dlogits, tol_for(dt, kF32Tol), "cross-entropy dlogits");
+    }
+  }
+}
+
+// ---- optimizer, reductions, casts ---------------------------------------------------------
+
+TEST_F(CudaKernelsTest, AdamW) {
+  const int64_t n = 1027;
+  Pair params = random(Shape{n});
+  Pair grad = random(Shape{n}, DType::kBF16);
+  Pair m = random(Shape{n}, DType::kF32, -0.1f, 0.1f);
+  Pair v = random(Shape{n}, DType::kF32, 0.0f, 0.01f);
+  Pair out = empty(Shape{n}, DType::kBF16);
+  AdamWArgs args;
+  args.lr = 3e-3f;
+  args.weight_decay = 0.1f;
+  args.step = 3;
+  args.grad_scale = 0.5f;
+  both([&](Kernels& k, bool gpu) {
+    Tensor& o = side(out, gpu);
+    k.adamw(side(params, gpu), side(grad, gpu), side(m, gpu), side(v, gpu), args, &o);
+  });
+  expect_close(params, kF32Tol, "adamw params");
+  expect_close(m, kF32Tol, "adamw m");
+  expect_close(v, kF32Tol, "adamw v");
+  expect_close(out, kBF16Tol, "adamw params_out");
+}
+
+TEST_F(CudaKernelsTest, SumAndSquaredNormAreDeterministic) {
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{300001}}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      Pair x = random(Shape{n}, dt);
+      Pair s = empty(Shape{1}, DType::kF32);
+      Pair s2 = empty(Shape{1}, DType::kF32);
+      both([&](Kernels& k, bool gpu) {
+        k.sum(side(x, gpu), side(s, gpu));
+        k.squared_norm(side(x, gpu), side(s2, gpu));
+      });
+      // Summation order differs (cpu threads, cuda blocks), so the bound scales with
+      // sum |x|, as the classic f32 summation error bound does, with a far smaller constant.
+      std::vector<float> xs = host(x.cpu, false);
+      double abs_sum = 0.0;
+      for (float e : xs) abs_sum += std::abs(e);
+      std::vector<float> c = host(s.cpu, false), g = host(s.gpu, true);
+      EXPECT_NEAR(c[0], g[0], 2e-6 * abs_sum + 1e-6) << "sum n=" << n;
+      expect_close(s2, 1e-4, "squared_norm n=" + std::to_string(n));
+      Tensor again = Tensor::empty(*cuda_alloc_, Shape{1}, DType::kF32, memory::Category::kWorkspace);
+      gpu_->sum(x.gpu, again);
+      EXPECT_EQ(host(again, true)[0], g[0]) << "sum is not deterministic on cuda";
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, CastsFillScale) {
+  const int64_t n = 2049;
+  std::vector<float> values = uniform(n, -100.0f, 100.0f);
+  values[0] = 0.0f;
+  values[1] = -0.0f;
+  values[2] = 1.00390625f;  // exactly halfway between two bf16 values: ties to even
+  Pair x = from(values, Shape{n}, DType::kF32);
+  Pair h = empty(Shape{n}, DType::kBF16);
+  both([&](Kernels& k, bool gpu) { k.cast(side(x, gpu), side(h, gpu)); });
+  expect_bitwise(h, "cast f32 -> bf16");
+  Pair back = empty(Shape{n}, DType::kF32);
+  both([&](Kernels& k, bool gpu) { k.cast(side(h, gpu), side(back, gpu)); });
+  expect_bitwise(back, "cast bf16 -> f32");
+
+  // f16 exists only on cuda: a round trip keeps 11 significant bits.
+  Tensor f16 = Tensor::empty(*cuda_alloc_, Shape{n}, DType::kF16, memory::Category::kWorkspace);
+  Tensor round = Tensor::empty(*cuda_alloc_, Shape{n}, DType::kF32, memory::Category::kWorkspace);
+  gpu_->cast(x.gpu, f16);
+  gpu_->cast(f16, round);
+  std::vector<float> r = host(round, true);
+  for (size_t i = 0; i < r.size(); ++i) {
+    ASSERT_NEAR(r[i], values[i], std::abs(values[i]) * (1.0 / 2048)) << "f16 round trip at " << i;
+  }
+
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    Pair y = random(Shape{n}, dt);
+    both([&](Kernels& k, bool gpu) { k.scale(side(y, gpu), -1.5f); });
+    expect_bitwise(y, "scale");
+    both([&](Kernels& k, bool gpu) { k.fill(side(y, gpu), 0.3f); });
+    expect_bitwise(y, "fill");
+  }
+}
+
+// The checkpointing layer needs gradients bit-identical across runs: no float atomics.
+TEST_F(CudaKernelsTest, BackwardReductionsAreBitwiseRepeatable) {
+  const int64_t batch = 4, seq = 64, channels = 32, vocab = 8;
+  std::vector<int32_t> tok(static_cast<size_t>(batch * seq));
+  for (size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int32_t>(i % vocab);
+  Pair tokens = ints(tok, Shape{batch, seq});
+  Pair dout = random(Shape{batch, seq, channels});
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    Tensor dwte = Tensor::empty(*cuda_alloc_, Shape{vocab, channels}, DType::kF32,
+                                memory::Category::kWorkspace);
+    Tensor dwpe = Tensor::empty(*cuda_alloc_, Shape{seq, channels}, DType::kF32,
+                                memory::Category::kWorkspace);
+    gpu_->fill(dwte, 0.0f);
+    gpu_->fill(dwpe, 0.0f);
+    gpu_->embedding_backward(dout.gpu, tokens.gpu, dwte, dwpe);
+    std::vector<float> got = host(dwte, true);
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_EQ(0, std::memcmp(first.data(), got.data(), first.size() * sizeof(float)));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace porter::nn
+
+#endif  // PORTER_WITH_CUDA
