@@ -154,6 +154,12 @@ void Ctx::end() {
   tape_ = nullptr;
 }
 
+void Ctx::abort() noexcept {
+  if (tape_ != nullptr) tape_->clear();
+  active_ = false;
+  tape_ = nullptr;
+}
+
 Tape::Ref Ctx::find_producer(const Tensor& t) const {
   const auto* p = static_cast<const std::byte*>(t.data());
   // Newest first: memory freed by an earlier op's output may be reused by a later one.

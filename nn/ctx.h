@@ -151,6 +151,8 @@ class Ctx {
   // Ends the stage. After kCheckpoint this computes the recompute plan; after kRecompute it
   // drops the plan; it checks that recompute ran every op of the plan.
   void end();
+  // Ends the stage after an error without planning; the tape is left cleared.
+  void abort() noexcept;
 
   void set_run(const RunInfo& run) { run_ = run; }
   const RunInfo& run() const { return run_; }

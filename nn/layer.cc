@@ -74,23 +74,38 @@ Tensor forward_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, SaveMode mod
   PORTER_CHECK(mode == SaveMode::kSaveAll || mode == SaveMode::kCheckpoint,
                "forward_stage runs kSaveAll or kCheckpoint, not ", save_mode_name(mode));
   ctx.begin(stage, tape, mode, policy);
-  Tensor y = layer.forward(ctx, x);
-  ctx.end();
-  return y;
+  try {
+    Tensor y = layer.forward(ctx, x);
+    ctx.end();
+    return y;
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
 }
 
 void recompute_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, const Tensor& x) {
   ctx.begin(stage, tape, SaveMode::kRecompute);
-  layer.forward(ctx, x);  // its output is the next stage's input, which the engine has
-  ctx.end();
+  try {
+    layer.forward(ctx, x);  // its output is the next stage's input, which the engine has
+    ctx.end();
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
 }
 
 Tensor backward_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, const Tensor& dy) {
   ctx.begin(stage, tape, SaveMode::kBackward);
-  Tensor dx = layer.backward(ctx, dy);
-  ctx.end();
-  tape.clear();
-  return dx;
+  try {
+    Tensor dx = layer.backward(ctx, dy);
+    ctx.end();
+    tape.clear();
+    return dx;
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
 }
 
 }  // namespace porter::nn
