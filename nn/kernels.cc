@@ -1,11 +1,448 @@
-// The one definition of each op: shape and dtype rules, checked before any device runs it.
+// The one definition of each op: shape, dtype and aliasing rules, checked before any device
+// runs it. This file stays device-agnostic: it never reads tensor contents.
+//
+// Note [Kernel dtypes]
+// "float" below means f32 or bf16 (f16 too, on cuda). Unless an op says otherwise:
+// - activations (x, y, dy, dx, out, qkv, logits) are float, each independently;
+// - parameters and their gradients (bias, gamma, beta, wte, wpe, dbias, ...) are float, and
+//   the two tensors of a pair (gamma/beta, wte/wpe, dgamma/dbeta, dwte/dwpe) share a dtype;
+// - saved statistics (mean, rstd, probs) and losses are f32; token ids and targets are i32.
+//
+// Note [Kernel aliasing]
+// Outputs never partially overlap inputs. An output may be the very same memory as an input
+// only for elementwise ops (add, accumulate, gelu, dropout, scale: computed in place) and for
+// cross_entropy_backward's dlogits = logits (each row is read whole before it is written).
 #include "nn/kernels.h"
+
+#include <cstdint>
+#include <string>
 
 #include "base/check.h"
 
 namespace porter::nn {
+namespace {
 
-// Validation bodies are written with the cpu kernels (see the kernels issue); this file
-// must stay device-agnostic.
+bool is_float(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+std::string describe(const Tensor& t) {
+  return str_cat(t.shape().to_string(), " ", dtype_name(t.dtype()));
+}
+
+void check_defined(const char* op, const char* name, const Tensor& t) {
+  PORTER_CHECK(t.defined(), op, ": tensor ", name, " is undefined (no memory)");
+}
+
+void check_float(const char* op, const char* name, const Tensor& t) {
+  check_defined(op, name, t);
+  PORTER_CHECK(is_float(t.dtype()), op, ": ", name, " ", describe(t),
+               " must be f32 or bf16 (Note [Kernel dtypes])");
+}
+
+void check_dtype(const char* op, const char* name, const Tensor& t, DType want) {
+  check_defined(op, name, t);
+  PORTER_CHECK(t.dtype() == want, op, ": ", name, " ", describe(t), " must be ",
+               dtype_name(want));
+}
+
+void check_same_dtype(const char* op, const char* name_a, const Tensor& a, const char* name_b,
+                      const Tensor& b) {
+  PORTER_CHECK(a.dtype() == b.dtype(), op, ": ", name_a, " ", describe(a), " and ", name_b, " ",
+               describe(b), " must have the same dtype");
+}
+
+void check_shape(const char* op, const char* name, const Tensor& t, const Shape& want) {
+  PORTER_CHECK(t.shape() == want, op, ": ", name, " has shape ", t.shape().to_string(),
+               ", expected ", want.to_string());
+}
+
+void check_rank(const char* op, const char* name, const Tensor& t, int lo, int hi) {
+  PORTER_CHECK(t.rank() >= lo && t.rank() <= hi, op, ": ", name, " ", t.shape().to_string(),
+               " must have rank ", lo == hi ? std::to_string(lo) : str_cat(lo, " to ", hi));
+}
+
+// Rows of a (..., C) tensor: the leading dimensions flattened.
+int64_t rows_of(const Tensor& t) {
+  return t.dim(-1) == 0 ? 0 : t.numel() / t.dim(-1);
+}
+
+bool overlaps(const Tensor& a, const Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  auto a0 = reinterpret_cast<uintptr_t>(a.data()), b0 = reinterpret_cast<uintptr_t>(b.data());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// An output must not overlap an input (Note [Kernel aliasing]).
+void check_no_alias(const char* op, const char* out_name, const Tensor& out, const char* in_name,
+                    const Tensor& in) {
+  PORTER_CHECK(!overlaps(out, in), op, ": output ", out_name, " ", out.shape().to_string(),
+               " overlaps input ", in_name, " ", in.shape().to_string(),
+               "; this op cannot run in place");
+}
+
+// An output may be exactly an input, but must not partially overlap it.
+void check_same_or_disjoint(const char* op, const char* out_name, const Tensor& out,
+                            const char* in_name, const Tensor& in) {
+  bool same = out.data() == in.data() && out.nbytes() == in.nbytes();
+  PORTER_CHECK(same || !overlaps(out, in), op, ": output ", out_name, " ",
+               out.shape().to_string(), " partially overlaps input ", in_name, " ",
+               in.shape().to_string(), "; in place it must be the very same memory");
+}
+
+// The (N, C) checks shared by row-wise ops with a (C) parameter vector.
+void check_rows_param(const char* op, const char* x_name, const Tensor& x, const char* p_name,
+                      const Tensor& p) {
+  check_float(op, x_name, x);
+  check_float(op, p_name, p);
+  check_rank(op, x_name, x, 1, kMaxRank);
+  check_shape(op, p_name, p, Shape{x.dim(-1)});
+}
+
+}  // namespace
+
+void Kernels::matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) {
+  const char* op = "matmul";
+  check_float(op, "a", a);
+  check_float(op, "b", b);
+  check_float(op, "out", out);
+  check_rank(op, "a", a, 2, 3);
+  PORTER_CHECK(b.rank() == a.rank() && out.rank() == a.rank(), op, ": a ", describe(a), ", b ",
+               describe(b), " and out ", describe(out), " must all have rank 2 or all rank 3");
+  check_same_dtype(op, "a", a, "b", b);
+  PORTER_CHECK(out.dtype() == DType::kF32 || out.dtype() == a.dtype(), op, ": out ",
+               describe(out), " must be f32 or the inputs' dtype ", dtype_name(a.dtype()));
+  const int64_t m = spec.trans_a ? a.dim(-1) : a.dim(-2);
+  const int64_t ka = spec.trans_a ? a.dim(-2) : a.dim(-1);
+  const int64_t kb = spec.trans_b ? b.dim(-1) : b.dim(-2);
+  const int64_t n = spec.trans_b ? b.dim(-2) : b.dim(-1);
+  PORTER_CHECK(ka == kb, op, ": op(a) of a ", a.shape().to_string(),
+               spec.trans_a ? " (transposed)" : "", " and op(b) of b ", b.shape().to_string(),
+               spec.trans_b ? " (transposed)" : "", " have different inner dimensions (", ka,
+               " vs ", kb, ")");
+  if (a.rank() == 3) {
+    PORTER_CHECK(a.dim(0) == b.dim(0), op, ": batch of a ", a.shape().to_string(),
+                 " and b ", b.shape().to_string(), " differ");
+    check_shape(op, "out", out, Shape{a.dim(0), m, n});
+  } else {
+    check_shape(op, "out", out, Shape{m, n});
+  }
+  check_no_alias(op, "out", out, "a", a);
+  check_no_alias(op, "out", out, "b", b);
+  do_matmul(a, b, out, spec);
+}
+
+void Kernels::bias_add(Tensor& x, const Tensor& bias) {
+  check_rows_param("bias_add", "x", x, "bias", bias);
+  check_no_alias("bias_add", "x", x, "bias", bias);
+  do_bias_add(x, bias);
+}
+
+void Kernels::bias_backward(const Tensor& dy, Tensor& dbias) {
+  check_rows_param("bias_backward", "dy", dy, "dbias", dbias);
+  check_no_alias("bias_backward", "dbias", dbias, "dy", dy);
+  do_bias_backward(dy, dbias);
+}
+
+void Kernels::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                Tensor& y, Tensor& mean, Tensor& rstd, float eps) {
+  const char* op = "layernorm_forward";
+  check_rows_param(op, "x", x, "gamma", gamma);
+  check_float(op, "beta", beta);
+  check_shape(op, "beta", beta, gamma.shape());
+  check_same_dtype(op, "gamma", gamma, "beta", beta);
+  check_float(op, "y", y);
+  check_shape(op, "y", y, x.shape());
+  check_dtype(op, "mean", mean, DType::kF32);
+  check_dtype(op, "rstd", rstd, DType::kF32);
+  check_shape(op, "mean", mean, Shape{rows_of(x)});
+  check_shape(op, "rstd", rstd, Shape{rows_of(x)});
+  PORTER_CHECK(eps > 0.0f, op, ": eps ", eps, " must be positive");
+  for (const Tensor* in : {&x, &gamma, &beta}) {
+    check_no_alias(op, "y", y, "an input", *in);
+    check_no_alias(op, "mean", mean, "an input", *in);
+    check_no_alias(op, "rstd", rstd, "an input", *in);
+  }
+  check_no_alias(op, "mean", mean, "rstd", rstd);
+  do_layernorm_forward(x, gamma, beta, y, mean, rstd, eps);
+}
+
+void Kernels::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                 const Tensor& mean, const Tensor& rstd, Tensor& dx,
+                                 Tensor& dgamma, Tensor& dbeta) {
+  const char* op = "layernorm_backward";
+  check_rows_param(op, "x", x, "gamma", gamma);
+  check_float(op, "dy", dy);
+  check_shape(op, "dy", dy, x.shape());
+  check_float(op, "dx", dx);
+  check_shape(op, "dx", dx, x.shape());
+  check_dtype(op, "mean", mean, DType::kF32);
+  check_dtype(op, "rstd", rstd, DType::kF32);
+  check_shape(op, "mean", mean, Shape{rows_of(x)});
+  check_shape(op, "rstd", rstd, Shape{rows_of(x)});
+  check_float(op, "dgamma", dgamma);
+  check_float(op, "dbeta", dbeta);
+  check_shape(op, "dgamma", dgamma, gamma.shape());
+  check_shape(op, "dbeta", dbeta, gamma.shape());
+  check_same_dtype(op, "dgamma", dgamma, "dbeta", dbeta);
+  for (const Tensor* in : {&dy, &x, &gamma, &mean, &rstd}) {
+    check_no_alias(op, "dx", dx, "an input", *in);
+    check_no_alias(op, "dgamma", dgamma, "an input", *in);
+    check_no_alias(op, "dbeta", dbeta, "an input", *in);
+  }
+  check_no_alias(op, "dx", dx, "dgamma", dgamma);
+  check_no_alias(op, "dx", dx, "dbeta", dbeta);
+  check_no_alias(op, "dgamma", dgamma, "dbeta", dbeta);
+  do_layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+}
+
+void Kernels::gelu_forward(const Tensor& x, Tensor& y) {
+  check_float("gelu_forward", "x", x);
+  check_float("gelu_forward", "y", y);
+  check_shape("gelu_forward", "y", y, x.shape());
+  check_same_or_disjoint("gelu_forward", "y", y, "x", x);
+  do_gelu_forward(x, y);
+}
+
+void Kernels::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  const char* op = "gelu_backward";
+  check_float(op, "x", x);
+  check_float(op, "dy", dy);
+  check_float(op, "dx", dx);
+  check_shape(op, "dy", dy, x.shape());
+  check_shape(op, "dx", dx, x.shape());
+  check_same_or_disjoint(op, "dx", dx, "x", x);
+  check_same_or_disjoint(op, "dx", dx, "dy", dy);
+  do_gelu_backward(x, dy, dx);
+}
+
+namespace {
+
+// qkv (B, T, 3C), out (B, T, C), probs (B, heads, T, T).
+void check_attention(const char* op, const Tensor& qkv, const Tensor& out, const char* out_name,
+                     const Tensor& probs, int heads) {
+  check_float(op, "qkv", qkv);
+  check_float(op, out_name, out);
+  check_rank(op, "qkv", qkv, 3, 3);
+  PORTER_CHECK(heads >= 1, op, ": heads ", heads, " must be at least 1");
+  PORTER_CHECK(qkv.dim(2) % (3 * int64_t{heads}) == 0, op, ": qkv ", qkv.shape().to_string(),
+               " last dimension must be 3 * C with C divisible by heads = ", heads);
+  check_dtype(op, "probs", probs, DType::kF32);
+  check_shape(op, "probs", probs, Shape{qkv.dim(0), heads, qkv.dim(1), qkv.dim(1)});
+}
+
+}  // namespace
+
+void Kernels::attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
+  const char* op = "attention_forward";
+  check_attention(op, qkv, out, "out", probs, heads);
+  check_shape(op, "out", out, Shape{qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3});
+  check_no_alias(op, "out", out, "qkv", qkv);
+  check_no_alias(op, "probs", probs, "qkv", qkv);
+  check_no_alias(op, "probs", probs, "out", out);
+  do_attention_forward(qkv, out, probs, heads);
+}
+
+void Kernels::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                                 Tensor& dqkv, int heads) {
+  const char* op = "attention_backward";
+  check_attention(op, qkv, dqkv, "dqkv", probs, heads);
+  check_float(op, "dout", dout);
+  check_shape(op, "dout", dout, Shape{qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3});
+  check_shape(op, "dqkv", dqkv, qkv.shape());
+  for (const Tensor* in : {&dout, &qkv, &probs}) check_no_alias(op, "dqkv", dqkv, "an input", *in);
+  do_attention_backward(dout, qkv, probs, dqkv, heads);
+}
+
+namespace {
+
+void check_dropout(const char* op, const char* in_name, const Tensor& in, const char* out_name,
+                   const Tensor& out, float p) {
+  check_float(op, in_name, in);
+  check_float(op, out_name, out);
+  check_shape(op, out_name, out, in.shape());
+  check_same_or_disjoint(op, out_name, out, in_name, in);
+  PORTER_CHECK(p >= 0.0f && p < 1.0f, op, ": p = ", p, " must be in [0, 1)");
+}
+
+}  // namespace
+
+void Kernels::dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) {
+  check_dropout("dropout_forward", "x", x, "y", y, p);
+  do_dropout_forward(x, y, p, key);
+}
+
+void Kernels::dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) {
+  check_dropout("dropout_backward", "dy", dy, "dx", dx, p);
+  do_dropout_backward(dy, dx, p, key);
+}
+
+void Kernels::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  check_float("add", "a", a);
+  check_float("add", "b", b);
+  check_float("add", "out", out);
+  check_shape("add", "b", b, a.shape());
+  check_shape("add", "out", out, a.shape());
+  check_same_or_disjoint("add", "out", out, "a", a);
+  check_same_or_disjoint("add", "out", out, "b", b);
+  do_add(a, b, out);
+}
+
+void Kernels::accumulate(Tensor& acc, const Tensor& x) {
+  check_float("accumulate", "acc", acc);
+  check_float("accumulate", "x", x);
+  check_shape("accumulate", "x", x, acc.shape());
+  check_same_or_disjoint("accumulate", "acc", acc, "x", x);
+  do_accumulate(acc, x);
+}
+
+void Kernels::embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe,
+                                Tensor& out) {
+  const char* op = "embedding_forward";
+  check_dtype(op, "tokens", tokens, DType::kI32);
+  check_rank(op, "tokens", tokens, 2, 2);
+  check_float(op, "wte", wte);
+  check_float(op, "wpe", wpe);
+  check_rank(op, "wte", wte, 2, 2);
+  check_rank(op, "wpe", wpe, 2, 2);
+  check_same_dtype(op, "wte", wte, "wpe", wpe);
+  PORTER_CHECK(wpe.dim(1) == wte.dim(1), op, ": wte ", wte.shape().to_string(), " and wpe ",
+               wpe.shape().to_string(), " must have the same number of columns");
+  PORTER_CHECK(tokens.dim(1) <= wpe.dim(0), op, ": tokens ", tokens.shape().to_string(),
+               " has more positions than wpe ", wpe.shape().to_string(), " has rows");
+  check_float(op, "out", out);
+  check_shape(op, "out", out, Shape{tokens.dim(0), tokens.dim(1), wte.dim(1)});
+  for (const Tensor* in : {&tokens, &wte, &wpe}) check_no_alias(op, "out", out, "an input", *in);
+  do_embedding_forward(tokens, wte, wpe, out);
+}
+
+void Kernels::embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte,
+                                 Tensor& dwpe) {
+  const char* op = "embedding_backward";
+  check_dtype(op, "tokens", tokens, DType::kI32);
+  check_rank(op, "tokens", tokens, 2, 2);
+  check_float(op, "dwte", dwte);
+  check_float(op, "dwpe", dwpe);
+  check_rank(op, "dwte", dwte, 2, 2);
+  check_rank(op, "dwpe", dwpe, 2, 2);
+  check_same_dtype(op, "dwte", dwte, "dwpe", dwpe);
+  PORTER_CHECK(dwpe.dim(1) == dwte.dim(1), op, ": dwte ", dwte.shape().to_string(),
+               " and dwpe ", dwpe.shape().to_string(), " must have the same number of columns");
+  PORTER_CHECK(tokens.dim(1) <= dwpe.dim(0), op, ": tokens ", tokens.shape().to_string(),
+               " has more positions than dwpe ", dwpe.shape().to_string(), " has rows");
+  check_float(op, "dout", dout);
+  check_shape(op, "dout", dout, Shape{tokens.dim(0), tokens.dim(1), dwte.dim(1)});
+  for (const Tensor* in : {&dout, &tokens}) {
+    check_no_alias(op, "dwte", dwte, "an input", *in);
+    check_no_alias(op, "dwpe", dwpe, "an input", *in);
+  }
+  check_no_alias(op, "dwte", dwte, "dwpe", dwpe);
+  do_embedding_backward(dout, tokens, dwte, dwpe);
+}
+
+namespace {
+
+// logits (..., V) with targets holding one i32 per row.
+void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets) {
+  check_float(op, "logits", logits);
+  check_rank(op, "logits", logits, 2, kMaxRank);
+  check_dtype(op, "targets", targets, DType::kI32);
+  PORTER_CHECK(targets.numel() == rows_of(logits), op, ": targets ",
+               targets.shape().to_string(), " must hold one id per row of logits ",
+               logits.shape().to_string(), " (", rows_of(logits), " rows)");
+  PORTER_CHECK(logits.dim(-1) >= 1, op, ": logits ", logits.shape().to_string(),
+               " have no classes");
+}
+
+}  // namespace
+
+void Kernels::cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses) {
+  const char* op = "cross_entropy_forward";
+  check_cross_entropy(op, logits, targets);
+  check_dtype(op, "losses", losses, DType::kF32);
+  PORTER_CHECK(losses.numel() == rows_of(logits), op, ": losses ", losses.shape().to_string(),
+               " must hold one value per row of logits ", logits.shape().to_string());
+  check_no_alias(op, "losses", losses, "logits", logits);
+  check_no_alias(op, "losses", losses, "targets", targets);
+  do_cross_entropy_forward(logits, targets, losses);
+}
+
+void Kernels::cross_entropy_backward(const Tensor& logits, const Tensor& targets,
+                                     Tensor& dlogits, float scale) {
+  const char* op = "cross_entropy_backward";
+  check_cross_entropy(op, logits, targets);
+  check_float(op, "dlogits", dlogits);
+  check_shape(op, "dlogits", dlogits, logits.shape());
+  check_same_or_disjoint(op, "dlogits", dlogits, "logits", logits);
+  check_no_alias(op, "dlogits", dlogits, "targets", targets);
+  do_cross_entropy_backward(logits, targets, dlogits, scale);
+}
+
+void Kernels::adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,
+                    const AdamWArgs& args, Tensor* params_out) {
+  const char* op = "adamw";
+  check_dtype(op, "params", params, DType::kF32);
+  check_dtype(op, "m", m, DType::kF32);
+  check_dtype(op, "v", v, DType::kF32);
+  check_float(op, "grad", grad);
+  const int64_t n = params.numel();
+  PORTER_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n, op, ": params ",
+               params.shape().to_string(), ", grad ", grad.shape().to_string(), ", m ",
+               m.shape().to_string(), " and v ", v.shape().to_string(),
+               " must have the same number of elements");
+  PORTER_CHECK(args.step >= 1, op, ": step ", args.step, " must be >= 1 (bias correction)");
+  PORTER_CHECK(args.lr >= 0.0f && args.eps > 0.0f && args.beta1 >= 0.0f && args.beta1 < 1.0f &&
+                   args.beta2 >= 0.0f && args.beta2 < 1.0f,
+               op, ": lr ", args.lr, ", eps ", args.eps, ", beta1 ", args.beta1, ", beta2 ",
+               args.beta2, ": need lr >= 0, eps > 0 and betas in [0, 1)");
+  check_no_alias(op, "params", params, "grad", grad);
+  check_no_alias(op, "m", m, "grad", grad);
+  check_no_alias(op, "v", v, "grad", grad);
+  check_no_alias(op, "params", params, "m", m);
+  check_no_alias(op, "params", params, "v", v);
+  check_no_alias(op, "m", m, "v", v);
+  if (params_out != nullptr && params_out->defined() && params_out->numel() > 0) {
+    check_float(op, "params_out", *params_out);
+    PORTER_CHECK(params_out->numel() == n, op, ": params_out ",
+                 params_out->shape().to_string(), " must have as many elements as params ",
+                 params.shape().to_string());
+    const Tensor* others[] = {&params, &grad, &m, &v};
+    for (const Tensor* t : others) check_no_alias(op, "params_out", *params_out, "an argument", *t);
+  }
+  do_adamw(params, grad, m, v, args, params_out);
+}
+
+void Kernels::sum(const Tensor& x, Tensor& out) {
+  check_float("sum", "x", x);
+  check_dtype("sum", "out", out, DType::kF32);
+  PORTER_CHECK(out.numel() == 1, "sum: out ", out.shape().to_string(), " must hold 1 element");
+  check_no_alias("sum", "out", out, "x", x);
+  do_sum(x, out);
+}
+
+void Kernels::squared_norm(const Tensor& x, Tensor& out) {
+  check_float("squared_norm", "x", x);
+  check_dtype("squared_norm", "out", out, DType::kF32);
+  PORTER_CHECK(out.numel() == 1, "squared_norm: out ", out.shape().to_string(),
+               " must hold 1 element");
+  check_no_alias("squared_norm", "out", out, "x", x);
+  do_squared_norm(x, out);
+}
+
+void Kernels::cast(const Tensor& x, Tensor& y) {
+  check_float("cast", "x", x);
+  check_float("cast", "y", y);
+  check_shape("cast", "y", y, x.shape());
+  check_no_alias("cast", "y", y, "x", x);
+  do_cast(x, y);
+}
+
+void Kernels::fill(Tensor& x, float value) {
+  check_float("fill", "x", x);
+  do_fill(x, value);
+}
+
+void Kernels::scale(Tensor& x, float s) {
+  check_float("scale", "x", x);
+  do_scale(x, s);
+}
 
 }  // namespace porter::nn

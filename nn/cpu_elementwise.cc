@@ -1,0 +1,239 @@
+// Elementwise cpu kernels: bias, GELU, dropout, add/accumulate, cast, fill, scale.
+#include <cstdint>
+
+#include "nn/cpu_kernels.h"
+
+namespace porter::nn {
+namespace {
+
+using cpu::load;
+using cpu::store;
+
+constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+// Bias reductions work on column blocks of this width (Note [Cpu determinism]).
+constexpr int64_t kColumnBlock = 64;
+
+template <typename TX, typename TB>
+PORTER_CPU_CLONES void bias_add_row(TX* x, const TB* bias, int64_t cols) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) store(x + c, load(x + c) + load(bias + c));
+}
+
+// acc[0, width) += column sums of dy rows [0, rows) at columns [c0, c0 + width).
+template <typename T>
+PORTER_CPU_CLONES void column_sums(const T* dy, int64_t rows, int64_t cols, int64_t c0,
+                                   int64_t width, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = dy + r * cols + c0;
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) acc[j] += load(row + j);
+  }
+}
+
+template <typename TX, typename TY>
+PORTER_CPU_CLONES void gelu_fwd(const TX* x, TY* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = load(x + i);
+    float t = cpu::fast_tanh(kGeluS * (v + kGeluC * v * v * v));
+    store(y + i, 0.5f * v * (1.0f + t));
+  }
+}
+
+template <typename TX, typename TD, typename TO>
+PORTER_CPU_CLONES void gelu_bwd(const TX* x, const TD* dy, TO* dx, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = load(x + i);
+    float t = cpu::fast_tanh(kGeluS * (v + kGeluC * v * v * v));
+    float du = kGeluS * (1.0f + 3.0f * kGeluC * v * v);
+    float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+    store(dx + i, load(dy + i) * grad);
+  }
+}
+
+// y[i] = x[i] * keep(i) / (1 - p) for elements [begin, end); begin is a multiple of 4.
+template <typename TX, typename TY>
+void dropout_range(const TX* x, TY* y, int64_t begin, int64_t end, float p, float keep_scale,
+                   const PhiloxKey& key) {
+  for (int64_t g = begin / 4; g * 4 < end; ++g) {
+    float u[4];
+    philox_uniform4(key, static_cast<uint64_t>(g), u);
+    const int64_t i0 = g * 4;
+    for (int64_t l = 0; l < 4 && i0 + l < end; ++l) {
+      float v = load(x + i0 + l);
+      store(y + i0 + l, u[l] >= p ? v * keep_scale : 0.0f);
+    }
+  }
+}
+
+template <typename TA, typename TB, typename TO>
+PORTER_CPU_CLONES void add_range(const TA* a, const TB* b, TO* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) store(out + i, load(a + i) + load(b + i));
+}
+
+template <typename TX, typename TY>
+PORTER_CPU_CLONES void cast_range(const TX* x, TY* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) store(y + i, load(x + i));
+}
+
+template <typename T>
+PORTER_CPU_CLONES void scale_range(T* x, float s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) store(x + i, load(x + i) * s);
+}
+
+template <typename T>
+T* ptr(const Tensor& t) {
+  return static_cast<T*>(t.data());
+}
+
+}  // namespace
+
+void CpuKernels::do_bias_add(Tensor& x, const Tensor& bias) {
+  const int64_t cols = x.dim(-1), rows = cpu::rows_of(x);
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    cpu::dispatch_float(bias.dtype(), [&](auto tb) {
+      using TX = decltype(tx);
+      using TB = decltype(tb);
+      TX* xp = ptr<TX>(x);
+      const TB* bp = ptr<TB>(bias);
+      cpu::parallel_rows(threads_, rows, [&](int64_t r) { bias_add_row(xp + r * cols, bp, cols); });
+    });
+  });
+}
+
+void CpuKernels::do_bias_backward(const Tensor& dy, Tensor& dbias) {
+  const int64_t cols = dy.dim(-1), rows = cpu::rows_of(dy);
+  const int64_t blocks = (cols + kColumnBlock - 1) / kColumnBlock;
+  cpu::dispatch_float(dy.dtype(), [&](auto td) {
+    cpu::dispatch_float(dbias.dtype(), [&](auto tb) {
+      using TD = decltype(td);
+      using TB = decltype(tb);
+      const TD* dyp = ptr<TD>(dy);
+      TB* dbp = ptr<TB>(dbias);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t c0 = blk * kColumnBlock, width = std::min(kColumnBlock, cols - c0);
+        float acc[kColumnBlock] = {};
+        column_sums(dyp, rows, cols, c0, width, acc);
+        for (int64_t j = 0; j < width; ++j) store(dbp + c0 + j, load(dbp + c0 + j) + acc[j]);
+      }
+    });
+  });
+}
+
+void CpuKernels::do_gelu_forward(const Tensor& x, Tensor& y) {
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    cpu::dispatch_float(y.dtype(), [&](auto ty) {
+      using TX = decltype(tx);
+      using TY = decltype(ty);
+      const TX* xp = ptr<TX>(x);
+      TY* yp = ptr<TY>(y);
+      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+        gelu_fwd(xp + b, yp + b, e - b);
+      });
+    });
+  });
+}
+
+void CpuKernels::do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    cpu::dispatch_float(dy.dtype(), [&](auto td) {
+      cpu::dispatch_float(dx.dtype(), [&](auto to) {
+        using TX = decltype(tx);
+        using TD = decltype(td);
+        using TO = decltype(to);
+        const TX* xp = ptr<TX>(x);
+        const TD* dyp = ptr<TD>(dy);
+        TO* dxp = ptr<TO>(dx);
+        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+          gelu_bwd(xp + b, dyp + b, dxp + b, e - b);
+        });
+      });
+    });
+  });
+}
+
+void CpuKernels::do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) {
+  // The mask is a pure function of (key, element) (Note [Dropout keys]); blocks are a
+  // multiple of 4 elements, so each Philox group lies in one block.
+  static_assert(cpu::kBlockElems % 4 == 0);
+  const float keep_scale = 1.0f / (1.0f - p);
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    cpu::dispatch_float(y.dtype(), [&](auto ty) {
+      using TX = decltype(tx);
+      using TY = decltype(ty);
+      const TX* xp = ptr<TX>(x);
+      TY* yp = ptr<TY>(y);
+      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+        dropout_range(xp, yp, b, e, p, keep_scale, key);
+      });
+    });
+  });
+}
+
+void CpuKernels::do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) {
+  // dx = dy * mask / (1 - p): the same map as forward, with the regenerated mask.
+  do_dropout_forward(dy, dx, p, key);
+}
+
+void CpuKernels::do_add(const Tensor& a, const Tensor& b, Tensor& out) {
+  cpu::dispatch_float(a.dtype(), [&](auto ta) {
+    cpu::dispatch_float(b.dtype(), [&](auto tb) {
+      cpu::dispatch_float(out.dtype(), [&](auto to) {
+        using TA = decltype(ta);
+        using TB = decltype(tb);
+        using TO = decltype(to);
+        const TA* ap = ptr<TA>(a);
+        const TB* bp = ptr<TB>(b);
+        TO* op = ptr<TO>(out);
+        cpu::parallel_blocks(threads_, a.numel(), [&](int64_t s, int64_t e) {
+          add_range(ap + s, bp + s, op + s, e - s);
+        });
+      });
+    });
+  });
+}
+
+void CpuKernels::do_accumulate(Tensor& acc, const Tensor& x) { do_add(acc, x, acc); }
+
+void CpuKernels::do_cast(const Tensor& x, Tensor& y) {
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    cpu::dispatch_float(y.dtype(), [&](auto ty) {
+      using TX = decltype(tx);
+      using TY = decltype(ty);
+      const TX* xp = ptr<TX>(x);
+      TY* yp = ptr<TY>(y);
+      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+        cast_range(xp + b, yp + b, e - b);
+      });
+    });
+  });
+}
+
+void CpuKernels::do_fill(Tensor& x, float value) {
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    using TX = decltype(tx);
+    TX* xp = ptr<TX>(x);
+    cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) store(xp + i, value);
+    });
+  });
+}
+
+void CpuKernels::do_scale(Tensor& x, float s) {
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    using TX = decltype(tx);
+    TX* xp = ptr<TX>(x);
+    cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+      scale_range(xp + b, s, e - b);
+    });
+  });
+}
+
+}  // namespace porter::nn

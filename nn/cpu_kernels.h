@@ -1,0 +1,172 @@
+// The cpu Kernels: oneDNN matmul (cpu_matmul.cc) and vectorised OpenMP loops for the rest
+// (cpu_elementwise.cc, cpu_norm.cc, cpu_attention.cc, cpu_loss.cc, cpu_optimizer.cc,
+// cpu_reduce.cc). Shared helpers for those files live here.
+//
+// Note [Cpu determinism]
+// Every cpu kernel gives bit-identical results for any thread count:
+// - elementwise and per-row work is independent of the partition;
+// - reductions over rows (dbias, dgamma, dbeta, dwte, dwpe) are partitioned over columns, so
+//   each output element is summed by one thread in row order;
+// - whole-tensor reductions (sum, squared_norm) sum fixed-size chunks (kReduceChunkElems),
+//   independent of the thread count, then add the chunk partials in order, in double.
+// oneDNN matmul is the exception we cannot force: see Note [Matmul determinism].
+//
+// Note [Cpu vectorisation]
+// The project builds at -O2 for the x86-64 baseline. Hot loops carry `#pragma omp simd`
+// (vectorised regardless of GCC's -O2 "very cheap" cost model) and PORTER_CPU_CLONES, which
+// compiles AVX-512, AVX2 and baseline clones picked at load time. exp() is our own
+// polynomial (fast_exp), since libm's expf is never vectorised without -ffast-math.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "base/check.h"
+#include "memory/device.h"
+#include "nn/kernels.h"
+
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define PORTER_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PORTER_CPU_CLONES
+#endif
+
+namespace porter::nn {
+
+class DnnlMatmul;
+
+class CpuKernels final : public Kernels {
+ public:
+  explicit CpuKernels(memory::Device& device);
+  ~CpuKernels() override;
+  memory::DeviceKind kind() const override { return memory::DeviceKind::kCpu; }
+  int threads() const { return threads_; }
+
+ protected:
+  void do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) override;
+  void do_bias_add(Tensor& x, const Tensor& bias) override;
+  void do_bias_backward(const Tensor& dy, Tensor& dbias) override;
+  void do_layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, Tensor& y,
+                            Tensor& mean, Tensor& rstd, float eps) override;
+  void do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                             const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
+                             Tensor& dbeta) override;
+  void do_gelu_forward(const Tensor& x, Tensor& y) override;
+  void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override;
+  void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                             Tensor& dqkv, int heads) override;
+  void do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) override;
+  void do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) override;
+  void do_add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void do_accumulate(Tensor& acc, const Tensor& x) override;
+  void do_embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe,
+                            Tensor& out) override;
+  void do_embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte,
+                             Tensor& dwpe) override;
+  void do_cross_entropy_forward(const Tensor& logits, const Tensor& targets,
+                                Tensor& losses) override;
+  void do_cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
+                                 float scale) override;
+  void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
+                Tensor* params_out) override;
+  void do_sum(const Tensor& x, Tensor& out) override;
+  void do_squared_norm(const Tensor& x, Tensor& out) override;
+  void do_cast(const Tensor& x, Tensor& y) override;
+  void do_fill(Tensor& x, float value) override;
+  void do_scale(Tensor& x, float s) override;
+
+ private:
+  // Scratch for attention backward (Note [Attention scratch] in cpu_attention.cc).
+  float* scratch_f32(size_t elems);
+
+  memory::Device& device_;  // not owned; outlives the kernels
+  int threads_;
+  std::unique_ptr<DnnlMatmul> dnnl_;
+  std::vector<float> scratch_;
+};
+
+namespace cpu {
+
+// Element access: f32 is `float`, bf16 is its bit pattern in `uint16_t` (see nn/dtype.h).
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+
+// Calls fn(float{}) or fn(uint16_t{}) by dtype, so one template serves f32 and bf16.
+template <typename Fn>
+void dispatch_float(DType t, Fn&& fn) {
+  PORTER_CHECK(t == DType::kF32 || t == DType::kBF16, "the cpu kernels take f32 or bf16, not ",
+               dtype_name(t), " (f16 is cuda only)");
+  if (t == DType::kBF16) {
+    fn(uint16_t{});
+  } else {
+    fn(float{});
+  }
+}
+
+// exp(x) to a few ulp, with x clamped to [-87, 88] (below -87 it returns ~1e-38, which
+// every caller treats as 0); vectorisable (Note [Cpu vectorisation]).
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // Round to nearest integer by the 1.5 * 2^23 trick: pure arithmetic, so it vectorises.
+  constexpr float kRound = 12582912.0f;
+  float n = (x * 1.44269504088896341f + kRound) - kRound;
+  // Cody-Waite: ln2 split in a part exact in float and the rest.
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float fast_tanh(float x) {
+  // tanh(x) = 1 - 2 / (exp(2x) + 1); exact enough in f32 and saturates cleanly.
+  return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f);
+}
+
+// Rows of a (..., C) tensor: the leading dimensions flattened.
+inline int64_t rows_of(const Tensor& t) { return t.dim(-1) == 0 ? 0 : t.numel() / t.dim(-1); }
+
+// Elementwise work is cut into blocks of this many elements, one OpenMP task each.
+inline constexpr int64_t kBlockElems = 16384;
+inline int64_t blocks_of(int64_t n) { return (n + kBlockElems - 1) / kBlockElems; }
+
+// Runs fn(begin, end) over [0, n) in kBlockElems blocks on up to `threads` threads.
+template <typename Fn>
+void parallel_blocks(int threads, int64_t n, Fn&& fn) {
+  const int64_t blocks = blocks_of(n);
+  if (blocks <= 1) {
+    if (n > 0) fn(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t begin = blk * kBlockElems;
+    fn(begin, std::min(n, begin + kBlockElems));
+  }
+}
+
+// Runs fn(row) for each of `rows` rows on up to `threads` threads.
+template <typename Fn>
+void parallel_rows(int threads, int64_t rows, Fn&& fn) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) fn(r);
+}
+
+}  // namespace cpu
+}  // namespace porter::nn

@@ -1,0 +1,46 @@
+// oneDNN matmul for the cpu kernels: one engine and stream, and a cache of primitives keyed
+// by everything that shapes them, so a call after the first only binds pointers and runs.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "nn/dtype.h"
+
+namespace porter::nn {
+
+// out[b0, b1] = alpha * a[b0, b1] @ b[b0, b1] + beta * out[b0, b1], for a (M, K), b (K, N) and
+// out (M, N) in each of batch0 x batch1 batches, every operand at arbitrary element strides.
+// A transposed operand is the same matrix with its two strides swapped.
+struct MatmulProblem {
+  int64_t batch0 = 1, batch1 = 1, m = 0, n = 0, k = 0;
+  // {batch0, batch1, row, column} strides, in elements.
+  int64_t a_strides[4] = {0, 0, 0, 1};
+  int64_t b_strides[4] = {0, 0, 0, 1};
+  int64_t out_strides[4] = {0, 0, 0, 1};
+  DType a_dtype = DType::kF32, b_dtype = DType::kF32, out_dtype = DType::kF32;
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+class DnnlMatmul {
+ public:
+  explicit DnnlMatmul(int threads);
+  ~DnnlMatmul();
+  DnnlMatmul(const DnnlMatmul&) = delete;
+  DnnlMatmul& operator=(const DnnlMatmul&) = delete;
+
+  void run(const MatmulProblem& problem, const void* a, const void* b, void* out);
+  // Distinct problems seen so far (primitives created).
+  size_t cached_primitives() const;
+  // The oneDNN implementation chosen for `problem` ("brg:avx512_core", "gemm:jit", ...).
+  std::string implementation(const MatmulProblem& problem);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace porter::nn

@@ -1,0 +1,199 @@
+// matmul on cpu (oneDNN): transposes, alpha/beta, batches, bf16, odd sizes, the primitive
+// cache, determinism across thread counts, and shape validation.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "nn/cpu_matmul.h"
+#include "nn_test_util.h"
+
+namespace porter::nn {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Env;
+using testing::max_rel_error;
+using testing::random_values;
+using testing::round_bf16;
+
+// Reference: out = alpha * op(a) @ op(b) + beta * out0, in double, batch by batch.
+std::vector<double> reference(const std::vector<float>& a, const std::vector<float>& b,
+                              const std::vector<float>& out0, int64_t batch, int64_t m,
+                              int64_t n, int64_t k, const MatmulSpec& spec) {
+  std::vector<double> out(static_cast<size_t>(batch * m * n));
+  for (int64_t q = 0; q < batch; ++q) {
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0.0;
+        for (int64_t l = 0; l < k; ++l) {
+          double av = spec.trans_a ? a[q * m * k + l * m + i] : a[q * m * k + i * k + l];
+          double bv = spec.trans_b ? b[q * k * n + j * k + l] : b[q * k * n + l * n + j];
+          s += av * bv;
+        }
+        size_t o = static_cast<size_t>(q * m * n + i * n + j);
+        out[o] = spec.alpha * s + (spec.beta != 0.0f ? spec.beta * double{out0[o]} : 0.0);
+      }
+    }
+  }
+  return out;
+}
+
+struct Case {
+  int64_t batch, m, n, k;
+  bool trans_a, trans_b;
+  float alpha, beta;
+};
+
+// Runs one case in the given dtypes and returns the error relative to the max magnitude.
+double run_case(Env& env, const Case& c, DType in_dtype, DType out_dtype) {
+  const bool batched = c.batch > 0;
+  const int64_t batch = batched ? c.batch : 1;
+  auto shape = [&](int64_t r, int64_t cols) {
+    return batched ? Shape{batch, r, cols} : Shape{r, cols};
+  };
+  std::vector<float> a = random_values(static_cast<size_t>(batch * c.m * c.k), 1);
+  std::vector<float> b = random_values(static_cast<size_t>(batch * c.k * c.n), 2);
+  std::vector<float> out0 = random_values(static_cast<size_t>(batch * c.m * c.n), 3);
+  if (in_dtype == DType::kBF16) {
+    a = round_bf16(a);
+    b = round_bf16(b);
+  }
+  if (out_dtype == DType::kBF16) out0 = round_bf16(out0);
+  Tensor ta = env.from(a, c.trans_a ? shape(c.k, c.m) : shape(c.m, c.k), in_dtype);
+  Tensor tb = env.from(b, c.trans_b ? shape(c.n, c.k) : shape(c.k, c.n), in_dtype);
+  Tensor tout = env.from(out0, shape(c.m, c.n), out_dtype);
+  MatmulSpec spec{c.trans_a, c.trans_b, c.alpha, c.beta};
+  env.kernels->matmul(ta, tb, tout, spec);
+  return max_rel_error(env.host(tout), reference(a, b, out0, batch, c.m, c.n, c.k, spec));
+}
+
+const Case kCases[] = {
+    {0, 1, 1, 1, false, false, 1.0f, 0.0f},     {0, 3, 17, 5, false, false, 1.0f, 0.0f},
+    {0, 17, 33, 65, true, false, 1.0f, 0.0f},   {0, 17, 33, 65, false, true, 1.0f, 0.0f},
+    {0, 31, 15, 47, true, true, 1.0f, 0.0f},    {0, 64, 48, 80, false, false, 0.5f, 1.0f},
+    {0, 19, 23, 29, true, false, -2.0f, 0.25f}, {3, 17, 9, 33, false, false, 1.0f, 0.0f},
+    {2, 17, 9, 33, true, true, 1.5f, 1.0f},     {1, 1, 200, 3, false, true, 1.0f, 0.0f},
+};
+
+// f32: K <= 80 terms, each rounding at 2^-24; 1e-5 of the max magnitude is loose enough
+// for oneDNN's blocked summation order and tight enough to catch any indexing error.
+TEST(MatmulTest, F32MatchesReference) {
+  Env env;
+  for (const Case& c : kCases) {
+    EXPECT_LT(run_case(env, c, DType::kF32, DType::kF32), 1e-5)
+        << "batch " << c.batch << " m " << c.m << " n " << c.n << " k " << c.k << " ta "
+        << c.trans_a << " tb " << c.trans_b << " alpha " << c.alpha << " beta " << c.beta;
+  }
+}
+
+// bf16 inputs (exactly representable in the reference) with an f32 output: products are
+// exact in f32, so only summation rounding remains.
+TEST(MatmulTest, Bf16InputsF32OutputMatchReference) {
+  Env env;
+  for (const Case& c : kCases) {
+    EXPECT_LT(run_case(env, c, DType::kBF16, DType::kF32), 1e-5) << "m " << c.m << " k " << c.k;
+  }
+}
+
+// A bf16 output rounds each element to 8 bits of mantissa: 2^-8 relative, so 8e-3 of the
+// max magnitude covers it (plus beta * out0 rounding).
+TEST(MatmulTest, Bf16OutputWithinBf16Rounding) {
+  Env env;
+  for (const Case& c : kCases) {
+    EXPECT_LT(run_case(env, c, DType::kBF16, DType::kBF16), 8e-3) << "m " << c.m << " k " << c.k;
+  }
+}
+
+TEST(MatmulTest, ZeroInnerDimensionScalesOutputByBeta) {
+  Env env;
+  Tensor a = env.empty({3, 0});
+  Tensor b = env.empty({0, 2});
+  Tensor out = env.from({1, 2, 3, 4, 5, 6}, {3, 2});
+  env.kernels->matmul(a, b, out, {false, false, 1.0f, 0.5f});
+  EXPECT_EQ(env.host(out), (std::vector<float>{0.5f, 1, 1.5f, 2, 2.5f, 3}));
+  env.kernels->matmul(a, b, out);
+  EXPECT_EQ(env.host(out), std::vector<float>(6, 0.0f));
+}
+
+// Note [Matmul determinism]: the GPT's shapes give the same bits with 1 and 2 threads.
+TEST(MatmulTest, GptShapesBitIdenticalAcrossThreadCounts) {
+  Env one(1), two(2);
+  const int64_t tokens = 128, c = 768;
+  struct Shape3 {
+    int64_t m, n, k;
+    bool ta, tb;
+  };
+  const Shape3 shapes[] = {{tokens, 3 * c, c, false, false},
+                           {tokens, c, 4 * c, false, false},
+                           {tokens, c, 3 * c, false, true},   // dx = dy W^T
+                           {c, 3 * c, tokens, true, false}};  // dW = x^T dy
+  for (const Shape3& s : shapes) {
+    std::vector<float> a = random_values(static_cast<size_t>(s.m * s.k), 4);
+    std::vector<float> b = random_values(static_cast<size_t>(s.k * s.n), 5);
+    std::vector<float> results[2];
+    Env* envs[2] = {&one, &two};
+    for (int e = 0; e < 2; ++e) {
+      Env& env = *envs[e];
+      Tensor ta = env.from(a, s.ta ? Shape{s.k, s.m} : Shape{s.m, s.k});
+      Tensor tb = env.from(b, s.tb ? Shape{s.n, s.k} : Shape{s.k, s.n});
+      Tensor out = env.empty({s.m, s.n});
+      env.kernels->matmul(ta, tb, out, {s.ta, s.tb, 1.0f, 0.0f});
+      results[e] = env.host(out);
+    }
+    EXPECT_EQ(results[0], results[1]) << s.m << "x" << s.n << "x" << s.k;
+  }
+}
+
+TEST(MatmulTest, PrimitivesAreCachedPerProblem) {
+  DnnlMatmul mm(2);
+  std::vector<float> a(12, 1.0f), b(20, 2.0f), out(15, 0.0f);
+  MatmulProblem p;
+  p.m = 3;
+  p.n = 5;
+  p.k = 4;
+  p.a_strides[2] = 4;
+  p.b_strides[2] = 5;
+  p.out_strides[2] = 5;
+  for (int i = 0; i < 3; ++i) mm.run(p, a.data(), b.data(), out.data());
+  EXPECT_EQ(mm.cached_primitives(), 1u);
+  EXPECT_EQ(out, std::vector<float>(15, 8.0f));
+  p.alpha = 0.5f;
+  mm.run(p, a.data(), b.data(), out.data());
+  EXPECT_EQ(mm.cached_primitives(), 2u);
+  EXPECT_EQ(out, std::vector<float>(15, 4.0f));
+}
+
+TEST(MatmulTest, RejectsMismatchedShapesNamingTheOp) {
+  Env env;
+  Tensor a = env.empty({3, 4}), b = env.empty({5, 6}), out = env.empty({3, 6});
+  try {
+    env.kernels->matmul(a, b, out);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("matmul"));
+    EXPECT_THAT(e.what(), HasSubstr("(3, 4)"));
+    EXPECT_THAT(e.what(), HasSubstr("(5, 6)"));
+  }
+  Tensor b2 = env.empty({4, 6}), bad_out = env.empty({3, 7});
+  EXPECT_THROW(env.kernels->matmul(a, b2, bad_out), InvalidArgument);
+  Tensor b_bf16 = env.empty({4, 6}, DType::kBF16);
+  EXPECT_THROW(env.kernels->matmul(a, b_bf16, out), InvalidArgument);
+  Tensor a3 = env.empty({2, 3, 4});
+  EXPECT_THROW(env.kernels->matmul(a3, b2, out), InvalidArgument);
+  Tensor ids = env.empty({3, 4}, DType::kI32);
+  EXPECT_THROW(env.kernels->matmul(ids, b2, out), InvalidArgument);
+}
+
+TEST(MatmulTest, RejectsOutputAliasingAnInput) {
+  Env env;
+  Tensor a = env.empty({4, 4}), b = env.empty({4, 4});
+  try {
+    env.kernels->matmul(a, b, a);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("matmul: output out"));
+  }
+}
+
+}  // namespace
+}  // namespace porter::nn
