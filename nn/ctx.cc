@@ -306,7 +306,7 @@ Tensor Ctx::linear(std::string_view name, const Tensor& x, const Tensor& w, cons
             [&](std::span<Tensor> out) {
               Tensor y = out[0].reshape({n, w.dim(0)});
               kernels_->matmul(x.reshape({n, x.dim(-1)}), w, y, MatmulSpec{false, true});
-              if (b.numel() > 0) kernels_->bias_add(y, b);
+              if (b.data() != nullptr) kernels_->bias_add(y, b);
             })[0];
 }
 
