@@ -8,6 +8,10 @@ Run with Debian's python3 (python3-torch), e.g. through bench/compare_step.sh:
 PyTorch is run at its best: OPENBLAS_CORETYPE=SkylakeX is set before torch loads (without it
 Debian's OpenBLAS picks a slow generic kernel on this CPU), grads are set to None between
 steps rather than zeroed, and two warm-up steps run first.
+
+Debian's torch calls whatever libblas.so.3 the alternatives system points to. With only
+libblas3 installed that is the netlib reference BLAS (~25x slower); the script refuses to
+run then: `apt-get install libopenblas0-pthread` first. It reports the library it found.
 """
 import os
 
@@ -70,6 +74,13 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def blas_library():
+    """The libblas.so.3 this process loaded (from /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "blas" in line}
+    return sorted(os.path.realpath(l) for l in libs)
+
+
 def main():
     ap = argparse.ArgumentParser(description="PyTorch GPT step time")
     ap.add_argument("--threads", type=int, default=2)
@@ -82,6 +93,10 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    torch.mm(torch.ones(8, 8), torch.ones(8, 8))  # loads the BLAS
+    blas = blas_library()
+    if not any("openblas" in l for l in blas):
+        raise SystemExit(f"PyTorch is using {blas}, not OpenBLAS: apt-get install libopenblas0-pthread")
     torch.manual_seed(0)
     model = Gpt(args.layers, args.hidden, args.heads, args.seq_len, args.vocab)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len))
@@ -107,7 +122,7 @@ def main():
         "framework": f"pytorch {torch.__version__}",
         "threads": torch.get_num_threads(),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
-        "blas": "openblas" if "openblas" in torch.__config__.show().lower() else "other",
+        "blas": blas,
         "steps": args.steps,
         "median_s": statistics.median(times),
         "min_s": min(times),
