@@ -14,6 +14,7 @@
 //   kernels while a wrong kernel (off by O(1)) still fails.
 #include <cmath>
 #include <cstdio>
+#include <ostream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -39,6 +40,8 @@ constexpr RefConfig kConfigs[] = {
     {"tied_l2_c32_h2_t16", 2, 32, 2, 16, 64, true},
     {"untied_l2_c48_h4_t13", 2, 48, 4, 13, 67, false},
 };
+
+void PrintTo(const RefConfig& c, std::ostream* os) { *os << c.dir; }
 
 std::string fixture(const RefConfig& c, const std::string& rel) {
   return std::string(PORTER_NN_FIXTURE_DIR) + "/" + c.dir + "/" + rel;
