@@ -32,13 +32,16 @@ PORTER_CPU_CLONES void column_sums(const T* dy, int64_t rows, int64_t cols, int6
   }
 }
 
+// 0.5 (1 + tanh(u)) = e / (e + 1) with e = exp(2u): the sigmoid form has no cancellation
+// for negative x, where 1 + tanh(u) would lose the low bits (PyTorch's f32 has that loss;
+// this stays within its rounding and is exact-er). 1 - tanh^2(u) = 4 s (1 - s).
 template <typename TX, typename TY>
 PORTER_CPU_CLONES void gelu_fwd(const TX* x, TY* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float v = load(x + i);
-    float t = cpu::fast_tanh(kGeluS * (v + kGeluC * v * v * v));
-    store(y + i, 0.5f * v * (1.0f + t));
+    float e = cpu::fast_exp(2.0f * kGeluS * (v + kGeluC * v * v * v));
+    store(y + i, v * (e / (e + 1.0f)));
   }
 }
 
@@ -47,25 +50,71 @@ PORTER_CPU_CLONES void gelu_bwd(const TX* x, const TD* dy, TO* dx, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float v = load(x + i);
-    float t = cpu::fast_tanh(kGeluS * (v + kGeluC * v * v * v));
+    float e = cpu::fast_exp(2.0f * kGeluS * (v + kGeluC * v * v * v));
+    float inv = 1.0f / (e + 1.0f);
+    float s = e * inv;  // 0.5 (1 + tanh(u))
     float du = kGeluS * (1.0f + 3.0f * kGeluC * v * v);
-    float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+    float grad = s + 2.0f * v * s * inv * du;
     store(dx + i, load(dy + i) * grad);
   }
 }
 
+// Philox groups per vectorised batch in dropout: 4 uniforms each.
+constexpr int64_t kDropoutGroups = 256;
+
+// The raw Philox outputs of groups [g0, g0 + count): bits[4 j + l] is word l of group g0 + j,
+// the word for element 4 (g0 + j) + l. This is philox4x32_10 (nn/philox.h) written on plain scalars so
+// that GCC vectorises it one group per SIMD lane; the tests check it against philox.h bit
+// for bit, which keeps cpu and cuda masks identical.
+PORTER_CPU_CLONES void philox_batch(const PhiloxKey& key, uint64_t g0, int64_t count,
+                                    uint32_t* bits) {
+  const uint32_t key0 = static_cast<uint32_t>(key.seed);
+  const uint32_t key1 = static_cast<uint32_t>(key.seed >> 32);
+  const uint32_t s0 = key.stream[0], s1 = key.stream[1], s2 = key.stream[2];
+#pragma omp simd
+  for (int64_t j = 0; j < count; ++j) {
+    const uint64_t g = g0 + static_cast<uint64_t>(j);
+    uint32_t c0 = static_cast<uint32_t>(g), c1 = s0 ^ static_cast<uint32_t>(g >> 32);
+    uint32_t c2 = s1, c3 = s2, k0 = key0, k1 = key1;
+    for (int round = 0; round < 10; ++round) {
+      const uint64_t p0 = uint64_t{0xD2511F53u} * c0, p1 = uint64_t{0xCD9E8D57u} * c2;
+      const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+      const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+      c0 = hi1 ^ c1 ^ k0;
+      c1 = lo1;
+      c2 = hi0 ^ c3 ^ k1;
+      c3 = lo0;
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    bits[4 * j] = c0;
+    bits[4 * j + 1] = c1;
+    bits[4 * j + 2] = c2;
+    bits[4 * j + 3] = c3;
+  }
+}
+
 // y[i] = x[i] * keep(i) / (1 - p) for elements [begin, end); begin is a multiple of 4.
+// keep(i) is philox_uniform(key, i) >= p (nn/philox.h), computed kDropoutGroups at a time.
+template <typename TX, typename TY>
+PORTER_CPU_CLONES void dropout_apply(const TX* x, TY* y, const uint32_t* bits, int64_t n,
+                                     float p, float keep_scale) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    // philox_uniform: the top 24 bits, scaled to [0, 1).
+    const float u = static_cast<float>(bits[i] >> 8) * (1.0f / 16777216.0f);
+    store(y + i, u >= p ? load(x + i) * keep_scale : 0.0f);
+  }
+}
+
 template <typename TX, typename TY>
 void dropout_range(const TX* x, TY* y, int64_t begin, int64_t end, float p, float keep_scale,
                    const PhiloxKey& key) {
-  for (int64_t g = begin / 4; g * 4 < end; ++g) {
-    float u[4];
-    philox_uniform4(key, static_cast<uint64_t>(g), u);
-    const int64_t i0 = g * 4;
-    for (int64_t l = 0; l < 4 && i0 + l < end; ++l) {
-      float v = load(x + i0 + l);
-      store(y + i0 + l, u[l] >= p ? v * keep_scale : 0.0f);
-    }
+  uint32_t bits[4 * kDropoutGroups];
+  for (int64_t i0 = begin; i0 < end; i0 += 4 * kDropoutGroups) {
+    const int64_t n = std::min(end - i0, 4 * kDropoutGroups);
+    philox_batch(key, static_cast<uint64_t>(i0 / 4), (n + 3) / 4, bits);
+    dropout_apply(x + i0, y + i0, bits, n, p, keep_scale);
   }
 }
 

@@ -39,6 +39,8 @@ namespace porter::nn {
 
 class DnnlMatmul;
 
+// Runs on the calling thread (the cpu compute stream) with up to device.threads() OpenMP
+// threads. One compute stream per Kernels object: the scratch memory is not shared safely.
 class CpuKernels final : public Kernels {
  public:
   explicit CpuKernels(memory::Device& device);
@@ -132,11 +134,6 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
-}
-
-inline float fast_tanh(float x) {
-  // tanh(x) = 1 - 2 / (exp(2x) + 1); exact enough in f32 and saturates cleanly.
-  return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f);
 }
 
 // Rows of a (..., C) tensor: the leading dimensions flattened.

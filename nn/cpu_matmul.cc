@@ -7,6 +7,12 @@
 // thread counts oneDNN's f32 kernels for the shapes a GPT uses do not split K, and the tests
 // check bitwise equality of 1 vs 2 threads on those shapes; oneDNN does not promise it in
 // general (it has no deterministic mode before v3.4).
+//
+// Note [Matmul threads]
+// Debian's oneDNN runs on OpenMP and takes its thread count from omp_get_max_threads(), so
+// run() sets the calling thread's OpenMP thread count to porter.device.threads before each
+// call. The calling thread is the cpu compute stream, whose other kernels name their thread
+// count explicitly, so nothing else depends on that setting.
 #include "nn/cpu_matmul.h"
 
 #include <omp.h>
@@ -96,7 +102,8 @@ struct DnnlMatmul::Impl {
       ops.append_sum(p.beta);
       attr.set_post_ops(ops);
     }
-    // oneDNN sizes its blocking from the thread count at creation (Note [Matmul determinism]).
+    // oneDNN sizes its blocking from the thread count at creation (Note [Matmul determinism],
+    // Note [Matmul threads]).
     omp_set_num_threads(threads);
     dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, out_md), attr, engine);
     Entry e{dnnl::matmul(pd), dnnl::memory(a_md, engine, nullptr),
@@ -117,10 +124,8 @@ DnnlMatmul::~DnnlMatmul() = default;
 
 void DnnlMatmul::run(const MatmulProblem& p, const void* a, const void* b, void* out) {
   if (p.m == 0 || p.n == 0 || p.batch0 == 0 || p.batch1 == 0) return;
+  PORTER_ASSERT(p.k > 0, "matmul with K = 0 must be handled by the caller");
   std::lock_guard lock(impl_->mu);
-  if (p.k == 0) {
-    PORTER_ASSERT(false, "matmul with K = 0 must be handled by the caller");
-  }
   Impl::Entry& e = impl_->entry(p);
   e.a.set_data_handle(const_cast<void*>(a));
   e.b.set_data_handle(const_cast<void*>(b));
@@ -139,18 +144,6 @@ size_t DnnlMatmul::cached_primitives() const {
 std::string DnnlMatmul::implementation(const MatmulProblem& p) {
   std::lock_guard lock(impl_->mu);
   return impl_->entry(p).impl_name;
-}
-
-CpuKernels::CpuKernels(memory::Device& device)
-    : device_(device), threads_(device.threads()), dnnl_(std::make_unique<DnnlMatmul>(threads_)) {
-  PORTER_CHECK_GE(threads_, 1, "cpu kernels need at least one thread");
-}
-
-CpuKernels::~CpuKernels() = default;
-
-float* CpuKernels::scratch_f32(size_t elems) {
-  if (scratch_.size() < elems) scratch_.resize(elems);
-  return scratch_.data();
 }
 
 void CpuKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) {

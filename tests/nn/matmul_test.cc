@@ -73,6 +73,10 @@ const Case kCases[] = {
     {0, 31, 15, 47, true, true, 1.0f, 0.0f},    {0, 64, 48, 80, false, false, 0.5f, 1.0f},
     {0, 19, 23, 29, true, false, -2.0f, 0.25f}, {3, 17, 9, 33, false, false, 1.0f, 0.0f},
     {2, 17, 9, 33, true, true, 1.5f, 1.0f},     {1, 1, 200, 3, false, true, 1.0f, 0.0f},
+    // Transposed operands of backward-pass size (K in the hundreds, >= 2^16 elements), where
+    // oneDNN picks its blocked brgemm kernels rather than the small-matrix path.
+    {0, 300, 70, 260, true, true, 1.0f, 0.0f},  {0, 40, 300, 260, false, true, 1.0f, 0.5f},
+    {2, 260, 30, 256, true, false, 1.0f, 0.0f},
 };
 
 // f32: K <= 80 terms, each rounding at 2^-24; 1e-5 of the max magnitude is loose enough

@@ -1,0 +1,204 @@
+// Causal attention on cpu against a double reference: forward, probabilities (zero above the
+// diagonal), backward analytically and through central differences, bf16, thread counts.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "base/error.h"
+#include "nn_test_util.h"
+
+namespace porter::nn {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Env;
+using testing::max_rel_error;
+using testing::random_values;
+using testing::round_bf16;
+
+struct Dims {
+  int64_t b, t, c, heads;
+  int64_t hd() const { return c / heads; }
+};
+
+double at(const std::vector<double>& qkv, const Dims& d, int64_t b, int64_t t, int64_t part,
+          int64_t h, int64_t e) {
+  return qkv[(b * d.t + t) * 3 * d.c + part * d.c + h * d.hd() + e];
+}
+
+// out (B, T, C) and probs (B, H, T, T) in double.
+void attention_ref(const std::vector<double>& qkv, const Dims& d, std::vector<double>* out,
+                   std::vector<double>* probs) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.hd()));
+  out->assign(d.b * d.t * d.c, 0.0);
+  probs->assign(d.b * d.heads * d.t * d.t, 0.0);
+  for (int64_t b = 0; b < d.b; ++b) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      for (int64_t i = 0; i < d.t; ++i) {
+        std::vector<double> s(i + 1);
+        double mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0;
+          for (int64_t e = 0; e < d.hd(); ++e) dot += at(qkv, d, b, i, 0, h, e) * at(qkv, d, b, j, 1, h, e);
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - mx);
+        double* prow = probs->data() + ((b * d.heads + h) * d.t + i) * d.t;
+        for (int64_t j = 0; j <= i; ++j) prow[j] = std::exp(s[j] - mx) / sum;
+        for (int64_t e = 0; e < d.hd(); ++e) {
+          double acc = 0;
+          for (int64_t j = 0; j <= i; ++j) acc += prow[j] * at(qkv, d, b, j, 2, h, e);
+          (*out)[(b * d.t + i) * d.c + h * d.hd() + e] = acc;
+        }
+      }
+    }
+  }
+}
+
+// dqkv in double from the analytic softmax-attention gradient.
+std::vector<double> attention_backward_ref(const std::vector<double>& qkv,
+                                           const std::vector<double>& dout, const Dims& d) {
+  std::vector<double> out, probs;
+  attention_ref(qkv, d, &out, &probs);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.hd()));
+  std::vector<double> dqkv(qkv.size(), 0.0);
+  auto idx = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t e) {
+    return (b * d.t + t) * 3 * d.c + part * d.c + h * d.hd() + e;
+  };
+  for (int64_t b = 0; b < d.b; ++b) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      for (int64_t i = 0; i < d.t; ++i) {
+        const double* p = probs.data() + ((b * d.heads + h) * d.t + i) * d.t;
+        std::vector<double> dp(i + 1);
+        double rowdot = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double v = 0;
+          for (int64_t e = 0; e < d.hd(); ++e) v += dout[(b * d.t + i) * d.c + h * d.hd() + e] * at(qkv, d, b, j, 2, h, e);
+          dp[j] = v;
+          rowdot += p[j] * v;
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          const double ds = p[j] * (dp[j] - rowdot) * scale;
+          for (int64_t e = 0; e < d.hd(); ++e) {
+            dqkv[idx(b, i, 0, h, e)] += ds * at(qkv, d, b, j, 1, h, e);
+            dqkv[idx(b, j, 1, h, e)] += ds * at(qkv, d, b, i, 0, h, e);
+            dqkv[idx(b, j, 2, h, e)] += p[j] * dout[(b * d.t + i) * d.c + h * d.hd() + e];
+          }
+        }
+      }
+    }
+  }
+  return dqkv;
+}
+
+struct Result {
+  std::vector<float> out, probs, dqkv;
+};
+
+Result run(Env& env, const Dims& d, const std::vector<float>& qkv, const std::vector<float>& dout,
+           DType dtype) {
+  Tensor tq = env.from(qkv, {d.b, d.t, 3 * d.c}, dtype);
+  Tensor out = env.empty({d.b, d.t, d.c}, dtype), probs = env.empty({d.b, d.heads, d.t, d.t});
+  Tensor tdo = env.from(dout, {d.b, d.t, d.c}, dtype), dq = env.empty({d.b, d.t, 3 * d.c}, dtype);
+  env.kernels->attention_forward(tq, out, probs, static_cast<int>(d.heads));
+  env.kernels->attention_backward(tdo, tq, probs, dq, static_cast<int>(d.heads));
+  return {env.host(out), env.host(probs), env.host(dq)};
+}
+
+const Dims kDims[] = {{1, 1, 4, 1}, {2, 17, 12, 3}, {1, 64, 32, 4}, {2, 130, 64, 2}, {1, 129, 16, 1}};
+
+TEST(AttentionTest, F32MatchesReference) {
+  Env env;
+  for (const Dims& d : kDims) {
+    auto qkv = random_values(d.b * d.t * 3 * d.c, 1, -2.0f, 2.0f);
+    auto dout = random_values(d.b * d.t * d.c, 2);
+    Result r = run(env, d, qkv, dout, DType::kF32);
+    std::vector<double> want_out, want_probs;
+    std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
+    attention_ref(qd, d, &want_out, &want_probs);
+    // f32 dot products of <= 32 terms and softmax over <= 130: 1e-5 of the max magnitude.
+    EXPECT_LT(max_rel_error(r.out, want_out), 1e-5) << "T " << d.t << " C " << d.c;
+    EXPECT_LT(max_rel_error(r.probs, want_probs), 1e-5) << "T " << d.t << " C " << d.c;
+    for (int64_t bh = 0; bh < d.b * d.heads; ++bh) {
+      for (int64_t i = 0; i < d.t; ++i) {
+        for (int64_t j = i + 1; j < d.t; ++j) {
+          ASSERT_EQ(r.probs[(bh * d.t + i) * d.t + j], 0.0f) << "above the diagonal";
+        }
+      }
+    }
+    // Backward chains three f32 matmuls and the softmax gradient: 1e-5 of the max.
+    EXPECT_LT(max_rel_error(r.dqkv, attention_backward_ref(qd, dd, d)), 1e-5)
+        << "T " << d.t << " C " << d.c;
+  }
+}
+
+// Checks the analytic reference (and so the kernel) against central differences.
+TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
+  Env env;
+  const Dims d{2, 5, 6, 2};
+  auto qkv = random_values(d.b * d.t * 3 * d.c, 3, -1.0f, 1.0f);
+  auto dout = random_values(d.b * d.t * d.c, 4);
+  Result r = run(env, d, qkv, dout, DType::kF32);
+  std::vector<double> qd(qkv.begin(), qkv.end()), fd(qkv.size());
+  for (size_t i = 0; i < qd.size(); ++i) {
+    auto loss = [&](double v) {
+      std::vector<double> x = qd, out, probs;
+      x[i] = v;
+      attention_ref(x, d, &out, &probs);
+      double l = 0;
+      for (size_t k = 0; k < out.size(); ++k) l += out[k] * dout[k];
+      return l;
+    };
+    const double h = 1e-5;
+    fd[i] = (loss(qd[i] + h) - loss(qd[i] - h)) / (2 * h);
+  }
+  EXPECT_LT(max_rel_error(r.dqkv, fd), 1e-5);
+}
+
+// bf16 qkv/out/dout/dqkv (f32 probabilities): each output rounds once to bf16.
+TEST(AttentionTest, Bf16WithinBf16Rounding) {
+  Env env;
+  const Dims d{2, 70, 32, 2};
+  auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, 5, -2.0f, 2.0f));
+  auto dout = round_bf16(random_values(d.b * d.t * d.c, 6));
+  Result r = run(env, d, qkv, dout, DType::kBF16);
+  std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
+  std::vector<double> want_out, want_probs;
+  attention_ref(qd, d, &want_out, &want_probs);
+  EXPECT_LT(max_rel_error(r.out, want_out), 8e-3);
+  EXPECT_LT(max_rel_error(r.probs, want_probs), 1e-5);
+  EXPECT_LT(max_rel_error(r.dqkv, attention_backward_ref(qd, dd, d)), 8e-3);
+}
+
+// Note [Cpu determinism] for attention, including oneDNN's batched calls.
+TEST(AttentionTest, BitIdenticalAcrossThreadCounts) {
+  Env one(1), two(2);
+  const Dims d{2, 200, 96, 3};
+  auto qkv = random_values(d.b * d.t * 3 * d.c, 7);
+  auto dout = random_values(d.b * d.t * d.c, 8);
+  Result a = run(one, d, qkv, dout, DType::kF32), b = run(two, d, qkv, dout, DType::kF32);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.probs, b.probs);
+  EXPECT_EQ(a.dqkv, b.dqkv);
+}
+
+TEST(AttentionTest, RejectsBadShapesNamingTheOp) {
+  Env env;
+  Tensor qkv = env.empty({2, 4, 12}), out = env.empty({2, 4, 4}), probs = env.empty({2, 2, 4, 4});
+  try {
+    env.kernels->attention_forward(qkv, out, probs, 5);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("attention_forward"));
+    EXPECT_THAT(e.what(), HasSubstr("(2, 4, 12)"));
+  }
+  Tensor bad_probs = env.empty({2, 2, 4, 3});
+  EXPECT_THROW(env.kernels->attention_forward(qkv, out, bad_probs, 2), InvalidArgument);
+  Tensor dq = env.empty({2, 4, 12}), dout_bad = env.empty({2, 4, 5});
+  EXPECT_THROW(env.kernels->attention_backward(dout_bad, qkv, probs, dq, 2), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace porter::nn
