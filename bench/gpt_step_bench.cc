@@ -7,6 +7,7 @@
 // threads. Override with PORTER_BENCH_THREADS.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -57,9 +58,12 @@ Env& env() {
   return e;
 }
 
-// oneDNN sgemm 2048^3 (porter's matmul, which is oneDNN on cpu): GFLOP/s, best of 5.
+// oneDNN sgemm 2048^3 (porter's matmul, which is oneDNN on cpu): GFLOP/s, best of 5 per
+// call, and the best over all calls so far. Each benchmark measures it before and after its
+// steps, so one slow moment on a shared machine does not understate the peak.
 double sgemm_peak_gflops() {
-  static const double peak = [] {
+  static double best_peak = 0.0;
+  const double peak = [] {
     Env& e = env();
     const int64_t n = 2048;
     auto mk = [&](float v) {
@@ -77,13 +81,14 @@ double sgemm_peak_gflops() {
     }
     return 2.0 * n * n * n / best / 1e9;
   }();
-  return peak;
+  best_peak = std::max(best_peak, peak);
+  return best_peak;
 }
 
 void BM_GptStep(benchmark::State& state) {
   const DType dtype = state.range(0) == 0 ? DType::kF32 : DType::kBF16;
   Env& e = env();
-  const double peak = sgemm_peak_gflops();
+  sgemm_peak_gflops();
   config::ModelConfig mc;
   mc.layers = kLayers;
   mc.hidden = kHidden;
@@ -121,6 +126,7 @@ void BM_GptStep(benchmark::State& state) {
     e.kernels->fill(g, 0.0f);
     benchmark::DoNotOptimize(gpt.forward_backward(ctx, tokens, targets));
   }
+  const double peak = sgemm_peak_gflops();
   const double flops = model_flops();
   state.counters["model_TFLOP"] = flops / 1e12;
   state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
