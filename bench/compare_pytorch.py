@@ -15,7 +15,8 @@ run then: `apt-get install libopenblas0-pthread` first. It reports the library i
 """
 import os
 
-os.environ.setdefault("OPENBLAS_CORETYPE", "SkylakeX")
+# Forced, not defaulted: this machine's shell exports OPENBLAS_CORETYPE=Haswell.
+os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
