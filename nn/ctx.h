@@ -1,0 +1,216 @@
+// Ctx: the context every layer op runs through. It allocates op outputs with the right
+// memory category, saves what backward needs, and makes checkpointing and selective recompute
+// generic: a checkpointed forward keeps only what an op-kind policy keeps, and a recompute
+// re-runs the layer's forward, replaying kept outputs and recomputing the rest.
+//
+// Note [Save context]
+// A layer's forward is a sequence of ops, each run through `ctx.op(kind, name, inputs,
+// outputs, compute)` (or a named helper such as ctx.linear). The layer calls `ctx.save(name,
+// t)` for each tensor its backward reads, and backward reads them with `ctx.saved(name)`.
+// The stage's saved state lives in a Tape that the engine owns, never in the layer. A forward
+// runs in one of three modes:
+//
+// - kSaveAll: ops compute; saves are stored in the tape. This is "no checkpointing".
+// - kCheckpoint: ops compute, but the tape keeps only the outputs of ops whose kind the
+//   OpPolicy keeps (PyTorch's MUST_SAVE; every other kind is PREFER_RECOMPUTE). ctx also
+//   records the op graph: which op produced each input and each saved tensor (by address
+//   range, newest producer first, so reused memory resolves correctly). At the end,
+//   `finish_checkpoint` walks the graph backwards from the saved tensors and gives every op
+//   an action for the recompute:
+//     replay  - its kind is kept and some output is needed: the tape holds those outputs;
+//     compute - some output is needed and its kind is not kept: its op-produced inputs
+//               become needed in turn;
+//     skip    - nothing backward reads depends on it (e.g. a block's final fc2, dropout and
+//               residual), so recompute does not run it at all.
+//   Stage inputs and parameters are never stored: the engine hands the stage input back.
+// - kRecompute: the engine re-runs the same forward on the same stage input. Op i must
+//   have the kind and name it had in the checkpointed forward (else InternalError: the
+//   layer is not deterministic in its op sequence). Replayed ops return the kept tensors,
+//   computed ops run, skipped ops return placeholders (shape and dtype, no memory; never
+//   read, because every computed op's inputs are needed and so are real). The saves
+//   then land in the tape exactly as in kSaveAll, and backward runs unchanged.
+//
+// Gradients are bit-identical across modes because every tensor backward reads is either
+// the same bytes (replayed) or produced by the same kernels on the same inputs (computed),
+// and dropout masks are a pure function of (seed, stage, step, micro-batch, site) where the
+// site is the dropout's ordinal within the stage (Note [Dropout keys] in philox.h).
+//
+// Memory categories: outputs that may be saved are `activations` (all outputs in kSaveAll
+// and kRecompute, kept kinds' outputs in kCheckpoint); outputs that cannot be kept, and
+// backward temporaries, are `workspace`. After a forward, the tape's bytes are exactly the
+// stage's saved activations (Tape::saved_bytes counts each allocation once).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memory/caching_allocator.h"
+#include "nn/kernels.h"
+#include "nn/tensor.h"
+
+namespace porter::nn {
+
+// What an op computes, for checkpoint policies. kAttention is the core attention only
+// (softmax(QK^T)V), the part Korthikanti et al. recompute selectively.
+enum class OpKind : uint8_t {
+  kMatmul,     // matmuls and linear layers (matmul + bias fused)
+  kLayerNorm,
+  kGelu,
+  kAttention,
+  kDropout,
+  kAdd,        // residual adds
+  kBias,
+  kEmbedding,
+  kLoss,
+  kOther,      // user ops that fit none of the above
+};
+inline constexpr int kNumOpKinds = 10;
+std::string_view op_kind_name(OpKind kind);
+
+// Which op kinds a checkpointed forward keeps (MUST_SAVE); the rest are recomputed.
+class OpPolicy {
+ public:
+  static OpPolicy keep_none();                                  // full recompute
+  static OpPolicy keep_all();                                   // recompute nothing needed
+  static OpPolicy keep_only(std::initializer_list<OpKind> kinds);
+  static OpPolicy recompute_only(std::initializer_list<OpKind> kinds);
+  // Korthikanti et al.'s selective recompute: only core attention is recomputed.
+  static OpPolicy selective_attention() { return recompute_only({OpKind::kAttention}); }
+
+  bool keeps(OpKind kind) const { return keep_[static_cast<size_t>(kind)]; }
+  std::string to_string() const;  // "keep {matmul, layernorm}"
+
+ private:
+  std::array<bool, kNumOpKinds> keep_{};
+};
+
+enum class SaveMode { kSaveAll, kCheckpoint, kRecompute, kBackward };
+std::string_view save_mode_name(SaveMode mode);
+
+// Shape and dtype of one op output.
+struct OutSpec {
+  Shape shape;
+  DType dtype = DType::kF32;
+};
+
+// The saved state of one stage between its forward and its backward. Owned by the engine;
+// one per stage (per micro-batch in flight). See Note [Save context].
+class Tape {
+ public:
+  // Drops everything (after backward, or to abandon a step).
+  void clear();
+  // Bytes of distinct allocations the tape holds (saved tensors and kept op outputs).
+  size_t saved_bytes() const;
+  size_t num_saved() const { return saved_.size(); }
+  // Whether a checkpointed forward left a recompute plan.
+  bool has_plan() const { return !plan_.empty(); }
+  // Per op of the plan: "replay", "compute" or "skip" (for tests and reports).
+  std::vector<std::string> plan_actions() const;
+
+ private:
+  friend class Ctx;
+  enum class Action : uint8_t { kCompute, kReplay, kSkip };
+  struct Ref {  // a tensor identified by the op that produced it; op < 0 means external
+    int op = -1;
+    int slot = 0;
+  };
+  struct OpRecord {
+    OpKind kind;
+    std::string name;
+    std::vector<Ref> inputs;
+    std::vector<const void*> out_begin;  // address ranges of the outputs
+    std::vector<size_t> out_bytes;
+    std::vector<Tensor> kept;            // outputs, held only for kept kinds
+    Action action = Action::kCompute;
+  };
+  std::vector<std::pair<std::string, Tensor>> saved_;
+  std::vector<OpRecord> plan_;      // kCheckpoint records, then the recompute plan
+  std::vector<Ref> saved_refs_;     // kCheckpoint: producers of the saved tensors
+};
+
+// Per-run identity for dropout keys.
+struct RunInfo {
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint32_t micro_batch = 0;
+};
+
+class Ctx {
+ public:
+  Ctx(Kernels& kernels, memory::CachingAllocator& allocator, DType compute_dtype = DType::kF32);
+
+  // Starts a stage's forward (kSaveAll, kCheckpoint, kRecompute) or backward on `tape`.
+  // kCheckpoint uses `policy`; kRecompute requires the plan a kCheckpoint left in `tape`.
+  void begin(int stage, Tape& tape, SaveMode mode, const OpPolicy& policy = OpPolicy::keep_none());
+  // Ends the stage. After kCheckpoint this computes the recompute plan; after kRecompute it
+  // drops the plan; it checks that recompute ran every op of the plan.
+  void end();
+  // Ends the stage after an error without planning; the tape is left cleared.
+  void abort() noexcept;
+
+  void set_run(const RunInfo& run) { run_ = run; }
+  const RunInfo& run() const { return run_; }
+  SaveMode mode() const { return mode_; }
+  int stage() const { return stage_; }
+  DType compute_dtype() const { return dtype_; }
+  Kernels& kernels() { return *kernels_; }
+  memory::CachingAllocator& allocator() { return *allocator_; }
+
+  // The generic op: allocates `outputs`, then calls compute(outputs) unless the mode says
+  // to replay or skip it. `inputs` are every tensor compute reads (activations and
+  // parameters alike); checkpoint planning depends on this list being complete.
+  using Compute = std::function<void(std::span<Tensor> outputs)>;
+  std::vector<Tensor> op(OpKind kind, std::string_view name,
+                         std::initializer_list<Tensor> inputs,
+                         std::initializer_list<OutSpec> outputs, const Compute& compute);
+
+  // Saves `t` for backward under `name` (unique within the stage).
+  void save(std::string_view name, const Tensor& t);
+  // In backward: the tensor saved under `name`.
+  const Tensor& saved(std::string_view name) const;
+
+  // Named helpers over op(), for the ops a transformer needs.
+  // y (N, out) = x (N, in) @ w (out, in)^T + b (out); b may be undefined (no bias).
+  Tensor linear(std::string_view name, const Tensor& x, const Tensor& w, const Tensor& b);
+  // Returns {y, mean, rstd}.
+  std::array<Tensor, 3> layernorm(std::string_view name, const Tensor& x, const Tensor& gamma,
+                                  const Tensor& beta);
+  Tensor gelu(std::string_view name, const Tensor& x);
+  // Returns {out (B, T, C), probs (B, heads, T, T) f32}.
+  std::array<Tensor, 2> attention(std::string_view name, const Tensor& qkv, int heads);
+  // The mask's key is this stage's next dropout site (Note [Save context]). p == 0 copies
+  // nothing: it returns x itself without an op.
+  Tensor dropout(std::string_view name, const Tensor& x, float p);
+  Tensor add(std::string_view name, const Tensor& a, const Tensor& b);
+  // The PhiloxKey the n-th dropout of this stage uses (for backward).
+  PhiloxKey dropout_key_for(int site) const;
+
+  // A temporary for backward or inside an op (category workspace).
+  Tensor workspace(Shape shape, DType dtype);
+  // An activation gradient handed between stages (category workspace: it is transient).
+  Tensor grad_like(const Tensor& x) { return workspace(x.shape(), x.dtype()); }
+
+ private:
+  Tape::Ref find_producer(const Tensor& t) const;
+  void plan_recompute();
+
+  Kernels* kernels_;                       // not owned; outlives the ctx
+  memory::CachingAllocator* allocator_;    // not owned; outlives the ctx
+  DType dtype_;
+  RunInfo run_;
+  Tape* tape_ = nullptr;                   // not owned; the engine's, for the current stage
+  SaveMode mode_ = SaveMode::kSaveAll;
+  OpPolicy policy_ = OpPolicy::keep_none();
+  int stage_ = -1;
+  int op_index_ = 0;
+  int dropout_site_ = 0;
+  bool active_ = false;
+};
+
+}  // namespace porter::nn

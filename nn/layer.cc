@@ -1,0 +1,111 @@
+// Flat parameter layout, buffers and the stage runners of the layer contract.
+#include "nn/layer.h"
+
+#include "base/check.h"
+#include "base/error.h"
+
+namespace porter::nn {
+
+void ParamLayout::add(const std::string& prefix, const std::vector<ParamSpec>& specs) {
+  for (const ParamSpec& s : specs) {
+    std::string name = prefix.empty() ? s.name : prefix + "." + s.name;
+    for (const ParamEntry& e : entries_) {
+      PORTER_CHECK(e.name != name, "parameter '", name, "' declared twice");
+    }
+    entries_.push_back({name, s.shape, total_elems_});
+    int64_t n = s.shape.numel();
+    total_elems_ += (n + kParamAlignElems - 1) / kParamAlignElems * kParamAlignElems;
+  }
+}
+
+const ParamEntry& ParamLayout::find(const std::string& name) const {
+  for (const ParamEntry& e : entries_)
+    if (e.name == name) return e;
+  std::string near;
+  for (const ParamEntry& e : entries_) {
+    if (e.name.find(name) != std::string::npos || name.find(e.name) != std::string::npos)
+      near += (near.empty() ? "" : ", ") + e.name;
+  }
+  throw InvalidArgument("no parameter named '" + name + "' in the layout" +
+                        (near.empty() ? "" : " (similar: " + near + ")"));
+}
+
+int64_t ParamLayout::num_params() const {
+  int64_t n = 0;
+  for (const ParamEntry& e : entries_) n += e.shape.numel();
+  return n;
+}
+
+FlatParams::FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout,
+                       DType param_dtype, DType grad_dtype)
+    : layout_(&layout),
+      params_(Tensor::empty(allocator, Shape{layout.total_elems()}, param_dtype,
+                            memory::Category::kParams)),
+      grads_(Tensor::empty(allocator, Shape{layout.total_elems()}, grad_dtype,
+                           memory::Category::kGrads)) {}
+
+Tensor FlatParams::param(size_t i) const {
+  const ParamEntry& e = layout_->entries().at(i);
+  return params_.slice(e.offset_elems, e.offset_elems + e.shape.numel()).reshape(e.shape);
+}
+
+Tensor FlatParams::grad(size_t i) const {
+  const ParamEntry& e = layout_->entries().at(i);
+  return grads_.slice(e.offset_elems, e.offset_elems + e.shape.numel()).reshape(e.shape);
+}
+
+void bind_layer(Layer& layer, const std::string& prefix, const FlatParams& flat) {
+  std::vector<Tensor> p, g;
+  const auto& entries = flat.layout().entries();
+  for (const ParamSpec& s : layer.params()) {
+    std::string name = prefix.empty() ? s.name : prefix + "." + s.name;
+    const ParamEntry& e = flat.layout().find(name);
+    PORTER_CHECK(e.shape == s.shape, "parameter '", name, "' is ", s.shape.to_string(),
+                 " but the layout has ", e.shape.to_string());
+    size_t i = static_cast<size_t>(&e - entries.data());
+    p.push_back(flat.param(i));
+    g.push_back(flat.grad(i));
+  }
+  layer.bind(p, g);
+}
+
+Tensor forward_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, SaveMode mode,
+                     const Tensor& x, const OpPolicy& policy) {
+  PORTER_CHECK(mode == SaveMode::kSaveAll || mode == SaveMode::kCheckpoint,
+               "forward_stage runs kSaveAll or kCheckpoint, not ", save_mode_name(mode));
+  ctx.begin(stage, tape, mode, policy);
+  try {
+    Tensor y = layer.forward(ctx, x);
+    ctx.end();
+    return y;
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
+}
+
+void recompute_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, const Tensor& x) {
+  ctx.begin(stage, tape, SaveMode::kRecompute);
+  try {
+    layer.forward(ctx, x);  // its output is the next stage's input, which the engine has
+    ctx.end();
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
+}
+
+Tensor backward_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, const Tensor& dy) {
+  ctx.begin(stage, tape, SaveMode::kBackward);
+  try {
+    Tensor dx = layer.backward(ctx, dy);
+    ctx.end();
+    tape.clear();
+    return dx;
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
+}
+
+}  // namespace porter::nn

@@ -1,0 +1,114 @@
+// The layer contract users implement to wrap their own model, the flat parameter layout
+// that hands layers their storage, and the stage runners that drive a layer through a Ctx.
+//
+// Note [Layer contract]
+// - A layer declares its parameters as (name, Shape) in params(). It never allocates them:
+//   the engine lays all parameters of a model out in one flat buffer (and the gradients in
+//   a second one with the same layout, ParamLayout) and calls bind() with views into both.
+// - forward(ctx, x) runs every op through ctx and saves what backward needs with
+//   ctx.save(); backward(ctx, dy) reads it back with ctx.saved(). Nothing produced in forward
+//   is kept in a member: the same layer object then works under every checkpoint policy,
+//   with several micro-batches in flight, and with recompute (Note [Save context]).
+// - backward returns dx (freshly written, as kernels overwrite input gradients) and
+//   *accumulates* into the bound parameter gradients, so micro-batches sum in the flat
+//   gradient buffer. A layer whose input is not differentiable (token ids) returns an
+//   undefined Tensor.
+#pragma once
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include "memory/caching_allocator.h"
+#include "nn/ctx.h"
+#include "nn/tensor.h"
+
+namespace porter::nn {
+
+struct ParamSpec {
+  std::string name;  // unique within the layer, e.g. "qkv.weight"
+  Shape shape;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+
+  virtual std::vector<ParamSpec> params() const = 0;
+  // Views into the flat buffers, one per params() entry, in that order. The engine keeps the
+  // buffers alive for as long as the layer runs.
+  virtual void bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+    params_.assign(params.begin(), params.end());
+    grads_.assign(grads.begin(), grads.end());
+  }
+  virtual Tensor forward(Ctx& ctx, const Tensor& x) = 0;
+  virtual Tensor backward(Ctx& ctx, const Tensor& dy) = 0;
+
+ protected:
+  const Tensor& param(size_t i) const { return params_.at(i); }
+  Tensor& grad(size_t i) { return grads_.at(i); }
+
+ private:
+  std::vector<Tensor> params_;  // views into the engine's flat parameter buffer
+  std::vector<Tensor> grads_;   // views into the engine's flat gradient buffer
+};
+
+// Where each parameter lives in the flat buffers. Offsets are in elements; every tensor
+// starts at a multiple of kParamAlignElems (64 elements = 256 bytes in f32, 128 in bf16),
+// so each view is aligned for vector loads and cuBLAS.
+inline constexpr int64_t kParamAlignElems = 64;
+
+struct ParamEntry {
+  std::string name;  // "<prefix>.<layer's name>", e.g. "h.3.fc1.weight"
+  Shape shape;
+  int64_t offset_elems = 0;
+};
+
+class ParamLayout {
+ public:
+  // Appends a layer's params(), each name prefixed by `prefix` ("" for none).
+  void add(const std::string& prefix, const std::vector<ParamSpec>& specs);
+  const std::vector<ParamEntry>& entries() const { return entries_; }
+  int64_t total_elems() const { return total_elems_; }
+  // The entry named `name`; throws InvalidArgument naming the close matches otherwise.
+  const ParamEntry& find(const std::string& name) const;
+  // Sum of the parameters' element counts (without alignment padding).
+  int64_t num_params() const;
+
+ private:
+  std::vector<ParamEntry> entries_;
+  int64_t total_elems_ = 0;
+};
+
+// The flat parameter and gradient buffers of a layout, allocated once (categories params
+// and grads). Gradients may use another dtype than parameters (f32 gradients for bf16
+// compute).
+class FlatParams {
+ public:
+  FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout, DType param_dtype,
+             DType grad_dtype);
+  const Tensor& params() const { return params_; }  // (total_elems)
+  const Tensor& grads() const { return grads_; }    // (total_elems)
+  // Views of entry i.
+  Tensor param(size_t i) const;
+  Tensor grad(size_t i) const;
+  const ParamLayout& layout() const { return *layout_; }
+
+ private:
+  const ParamLayout* layout_;  // not owned; outlives this
+  Tensor params_;
+  Tensor grads_;
+};
+
+// Binds `layer`, whose params() were added to the layout under `prefix`, to views of `flat`.
+void bind_layer(Layer& layer, const std::string& prefix, const FlatParams& flat);
+
+// Stage runners: one stage's forward, recompute and backward through ctx, with the stage's
+// tape. forward_stage with kCheckpoint keeps what `policy` keeps (Note [Save context]).
+Tensor forward_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, SaveMode mode,
+                     const Tensor& x, const OpPolicy& policy = OpPolicy::keep_none());
+void recompute_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, const Tensor& x);
+// Runs backward, then clears the tape.
+Tensor backward_stage(Ctx& ctx, Layer& layer, int stage, Tape& tape, const Tensor& dy);
+
+}  // namespace porter::nn
