@@ -28,7 +28,7 @@ DevPtr dev(const Tensor& t) { return DevPtr{t.data(), t.dtype()}; }
 // stream is synchronised before the old buffer is freed, so no queued kernel still reads it.
 // The workspace is a device segment (counted by the Device against its capacity) but not a
 // caching-allocator block, so MemoryStats does not show it.
-// TODO(issue 4): carve it from the caching allocator once Kernels can reach one.
+// TODO(issue 5): carve it from the caching allocator once the engine hands Kernels one.
 class Workspace {
  public:
   explicit Workspace(memory::Device& device) : device_(device) {}
