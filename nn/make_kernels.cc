@@ -19,7 +19,7 @@ std::unique_ptr<Kernels> make_kernels(memory::Device& device) {
       return make_cuda_kernels(device);
 #else
       PORTER_CHECK(false, "make_kernels: a cuda device, but porter was built without CUDA; "
-                          "rebuild with -DPORTER_CUDA=ON or use porter.device.kind = \"cpu\"");
+                          "rebuild with -DPORTER_CUDA=ON or use porter.device.type = \"cpu\"");
 #endif
   }
   PORTER_CHECK(false, "make_kernels: unknown device kind ", static_cast<int>(device.kind()));
