@@ -136,76 +136,51 @@ PORTER_CPU_CLONES void scale_range(T* x, float s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store(x + i, load(x + i) * s);
 }
 
-template <typename T>
-T* ptr(const Tensor& t) {
-  return static_cast<T*>(t.data());
-}
-
 }  // namespace
 
 void CpuKernels::do_bias_add(Tensor& x, const Tensor& bias) {
   const int64_t cols = x.dim(-1), rows = cpu::rows_of(x);
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    cpu::dispatch_float(bias.dtype(), [&](auto tb) {
-      using TX = decltype(tx);
-      using TB = decltype(tb);
-      TX* xp = ptr<TX>(x);
-      const TB* bp = ptr<TB>(bias);
-      cpu::parallel_rows(threads_, rows, [&](int64_t r) { bias_add_row(xp + r * cols, bp, cols); });
-    });
-  });
+  cpu::with_typed(
+      [&](auto* xp, auto* bp) {
+        cpu::parallel_rows(threads_, rows, [&](int64_t r) { bias_add_row(xp + r * cols, bp, cols); });
+      },
+      x, bias);
 }
 
 void CpuKernels::do_bias_backward(const Tensor& dy, Tensor& dbias) {
   const int64_t cols = dy.dim(-1), rows = cpu::rows_of(dy);
   const int64_t blocks = (cols + kColumnBlock - 1) / kColumnBlock;
-  cpu::dispatch_float(dy.dtype(), [&](auto td) {
-    cpu::dispatch_float(dbias.dtype(), [&](auto tb) {
-      using TD = decltype(td);
-      using TB = decltype(tb);
-      const TD* dyp = ptr<TD>(dy);
-      TB* dbp = ptr<TB>(dbias);
+  cpu::with_typed(
+      [&](auto* dyp, auto* dbp) {
 #pragma omp parallel for num_threads(threads_) schedule(static)
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int64_t c0 = blk * kColumnBlock, width = std::min(kColumnBlock, cols - c0);
-        float acc[kColumnBlock] = {};
-        column_sums(dyp, rows, cols, c0, width, acc);
-        for (int64_t j = 0; j < width; ++j) store(dbp + c0 + j, load(dbp + c0 + j) + acc[j]);
-      }
-    });
-  });
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t c0 = blk * kColumnBlock, width = std::min(kColumnBlock, cols - c0);
+          float acc[kColumnBlock] = {};
+          column_sums(dyp, rows, cols, c0, width, acc);
+          for (int64_t j = 0; j < width; ++j) store(dbp + c0 + j, load(dbp + c0 + j) + acc[j]);
+        }
+      },
+      dy, dbias);
 }
 
 void CpuKernels::do_gelu_forward(const Tensor& x, Tensor& y) {
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    cpu::dispatch_float(y.dtype(), [&](auto ty) {
-      using TX = decltype(tx);
-      using TY = decltype(ty);
-      const TX* xp = ptr<TX>(x);
-      TY* yp = ptr<TY>(y);
-      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
-        gelu_fwd(xp + b, yp + b, e - b);
-      });
-    });
-  });
+  cpu::with_typed(
+      [&](auto* xp, auto* yp) {
+        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+          gelu_fwd(xp + b, yp + b, e - b);
+        });
+      },
+      x, y);
 }
 
 void CpuKernels::do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    cpu::dispatch_float(dy.dtype(), [&](auto td) {
-      cpu::dispatch_float(dx.dtype(), [&](auto to) {
-        using TX = decltype(tx);
-        using TD = decltype(td);
-        using TO = decltype(to);
-        const TX* xp = ptr<TX>(x);
-        const TD* dyp = ptr<TD>(dy);
-        TO* dxp = ptr<TO>(dx);
+  cpu::with_typed(
+      [&](auto* xp, auto* dyp, auto* dxp) {
         cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
           gelu_bwd(xp + b, dyp + b, dxp + b, e - b);
         });
-      });
-    });
-  });
+      },
+      x, dy, dx);
 }
 
 void CpuKernels::do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) {
@@ -213,17 +188,13 @@ void CpuKernels::do_dropout_forward(const Tensor& x, Tensor& y, float p, const P
   // multiple of 4 elements, so each Philox group lies in one block.
   static_assert(cpu::kBlockElems % 4 == 0);
   const float keep_scale = 1.0f / (1.0f - p);
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    cpu::dispatch_float(y.dtype(), [&](auto ty) {
-      using TX = decltype(tx);
-      using TY = decltype(ty);
-      const TX* xp = ptr<TX>(x);
-      TY* yp = ptr<TY>(y);
-      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
-        dropout_range(xp, yp, b, e, p, keep_scale, key);
-      });
-    });
-  });
+  cpu::with_typed(
+      [&](auto* xp, auto* yp) {
+        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+          dropout_range(xp, yp, b, e, p, keep_scale, key);
+        });
+      },
+      x, y);
 }
 
 void CpuKernels::do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) {
@@ -232,57 +203,45 @@ void CpuKernels::do_dropout_backward(const Tensor& dy, Tensor& dx, float p, cons
 }
 
 void CpuKernels::do_add(const Tensor& a, const Tensor& b, Tensor& out) {
-  cpu::dispatch_float(a.dtype(), [&](auto ta) {
-    cpu::dispatch_float(b.dtype(), [&](auto tb) {
-      cpu::dispatch_float(out.dtype(), [&](auto to) {
-        using TA = decltype(ta);
-        using TB = decltype(tb);
-        using TO = decltype(to);
-        const TA* ap = ptr<TA>(a);
-        const TB* bp = ptr<TB>(b);
-        TO* op = ptr<TO>(out);
+  cpu::with_typed(
+      [&](auto* ap, auto* bp, auto* op) {
         cpu::parallel_blocks(threads_, a.numel(), [&](int64_t s, int64_t e) {
           add_range(ap + s, bp + s, op + s, e - s);
         });
-      });
-    });
-  });
+      },
+      a, b, out);
 }
 
 void CpuKernels::do_accumulate(Tensor& acc, const Tensor& x) { do_add(acc, x, acc); }
 
 void CpuKernels::do_cast(const Tensor& x, Tensor& y) {
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    cpu::dispatch_float(y.dtype(), [&](auto ty) {
-      using TX = decltype(tx);
-      using TY = decltype(ty);
-      const TX* xp = ptr<TX>(x);
-      TY* yp = ptr<TY>(y);
-      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
-        cast_range(xp + b, yp + b, e - b);
-      });
-    });
-  });
+  cpu::with_typed(
+      [&](auto* xp, auto* yp) {
+        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+          cast_range(xp + b, yp + b, e - b);
+        });
+      },
+      x, y);
 }
 
 void CpuKernels::do_fill(Tensor& x, float value) {
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    using TX = decltype(tx);
-    TX* xp = ptr<TX>(x);
-    cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) store(xp + i, value);
-    });
-  });
+  cpu::with_typed(
+      [&](auto* xp) {
+        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) store(xp + i, value);
+        });
+      },
+      x);
 }
 
 void CpuKernels::do_scale(Tensor& x, float s) {
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    using TX = decltype(tx);
-    TX* xp = ptr<TX>(x);
-    cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
-      scale_range(xp + b, s, e - b);
-    });
-  });
+  cpu::with_typed(
+      [&](auto* xp) {
+        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+          scale_range(xp + b, s, e - b);
+        });
+      },
+      x);
 }
 
 }  // namespace porter::nn

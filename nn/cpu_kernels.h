@@ -18,6 +18,8 @@
 // polynomial (fast_exp), since libm's expf is never vectorised without -ffast-math.
 #pragma once
 
+#include <type_traits>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -110,6 +112,24 @@ void dispatch_float(DType t, Fn&& fn) {
   } else {
     fn(float{});
   }
+}
+
+// Calls fn with each tensor's data as a pointer to its element type (float, or uint16_t for
+// bf16), const for const tensors: with_typed(fn, x, dy, dx) calls fn(xp, dyp, dxp). Nests
+// dispatch_float, so each dtype combination is its own instantiation.
+template <typename Fn>
+void with_typed(Fn&& fn) {
+  fn();
+}
+
+template <typename Fn, typename First, typename... Rest>
+void with_typed(Fn&& fn, First& t, Rest&... rest) {
+  dispatch_float(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    using P = std::conditional_t<std::is_const_v<First>, const T*, T*>;
+    P p = static_cast<P>(t.data());
+    with_typed([&](auto... ps) { fn(p, ps...); }, rest...);
+  });
 }
 
 // exp(x) to a few ulp, with x clamped to [-87, 88] (below -87 it returns ~1e-38, which
