@@ -263,6 +263,23 @@ void check_dropout(const char* op, const char* in_name, const Tensor& in, const 
   PORTER_CHECK(p >= 0.0f && p < 1.0f, op, ": p = ", p, " must be in [0, 1)");
 }
 
+// tokens (B, T) i32 indexing a token table (V, C) and a position table (Tmax >= T, C) of one
+// float dtype: the rules embedding forward and backward share (for weights or their grads).
+void check_embedding_tables(const char* op, const Tensor& tokens, const char* te_name,
+                            const Tensor& te, const char* pe_name, const Tensor& pe) {
+  check_dtype(op, "tokens", tokens, DType::kI32);
+  check_rank(op, "tokens", tokens, 2, 2);
+  check_float(op, te_name, te);
+  check_float(op, pe_name, pe);
+  check_rank(op, te_name, te, 2, 2);
+  check_rank(op, pe_name, pe, 2, 2);
+  check_same_dtype(op, te_name, te, pe_name, pe);
+  PORTER_CHECK(pe.dim(1) == te.dim(1), op, ": ", te_name, " ", te.shape().to_string(), " and ",
+               pe_name, " ", pe.shape().to_string(), " must have the same number of columns");
+  PORTER_CHECK(tokens.dim(1) <= pe.dim(0), op, ": tokens ", tokens.shape().to_string(),
+               " has more positions than ", pe_name, " ", pe.shape().to_string(), " has rows");
+}
+
 }  // namespace
 
 void Kernels::dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) {
@@ -297,17 +314,7 @@ void Kernels::accumulate(Tensor& acc, const Tensor& x) {
 void Kernels::embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe,
                                 Tensor& out) {
   const char* op = "embedding_forward";
-  check_dtype(op, "tokens", tokens, DType::kI32);
-  check_rank(op, "tokens", tokens, 2, 2);
-  check_float(op, "wte", wte);
-  check_float(op, "wpe", wpe);
-  check_rank(op, "wte", wte, 2, 2);
-  check_rank(op, "wpe", wpe, 2, 2);
-  check_same_dtype(op, "wte", wte, "wpe", wpe);
-  PORTER_CHECK(wpe.dim(1) == wte.dim(1), op, ": wte ", wte.shape().to_string(), " and wpe ",
-               wpe.shape().to_string(), " must have the same number of columns");
-  PORTER_CHECK(tokens.dim(1) <= wpe.dim(0), op, ": tokens ", tokens.shape().to_string(),
-               " has more positions than wpe ", wpe.shape().to_string(), " has rows");
+  check_embedding_tables(op, tokens, "wte", wte, "wpe", wpe);
   check_float(op, "out", out);
   check_shape(op, "out", out, Shape{tokens.dim(0), tokens.dim(1), wte.dim(1)});
   for (const Tensor* in : {&tokens, &wte, &wpe}) check_no_alias(op, "out", out, "an input", *in);
@@ -317,17 +324,7 @@ void Kernels::embedding_forward(const Tensor& tokens, const Tensor& wte, const T
 void Kernels::embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte,
                                  Tensor& dwpe) {
   const char* op = "embedding_backward";
-  check_dtype(op, "tokens", tokens, DType::kI32);
-  check_rank(op, "tokens", tokens, 2, 2);
-  check_float(op, "dwte", dwte);
-  check_float(op, "dwpe", dwpe);
-  check_rank(op, "dwte", dwte, 2, 2);
-  check_rank(op, "dwpe", dwpe, 2, 2);
-  check_same_dtype(op, "dwte", dwte, "dwpe", dwpe);
-  PORTER_CHECK(dwpe.dim(1) == dwte.dim(1), op, ": dwte ", dwte.shape().to_string(),
-               " and dwpe ", dwpe.shape().to_string(), " must have the same number of columns");
-  PORTER_CHECK(tokens.dim(1) <= dwpe.dim(0), op, ": tokens ", tokens.shape().to_string(),
-               " has more positions than dwpe ", dwpe.shape().to_string(), " has rows");
+  check_embedding_tables(op, tokens, "dwte", dwte, "dwpe", dwpe);
   check_float(op, "dout", dout);
   check_shape(op, "dout", dout, Shape{tokens.dim(0), tokens.dim(1), dwte.dim(1)});
   for (const Tensor* in : {&dout, &tokens}) {
