@@ -77,6 +77,11 @@ CachingAllocator::~CachingAllocator() {
   }
 }
 
+void DeviceBuffer::retag(Category category) {
+  if (pool() != nullptr && data() != nullptr) pool()->retag(data(), category);
+  category_ = category;
+}
+
 DeviceBuffer CachingAllocator::allocate(size_t bytes, Category category) {
   if (bytes == 0) return DeviceBuffer();
   void* p = raw_allocate(bytes, category);
@@ -173,10 +178,45 @@ void* CachingAllocator::raw_allocate(size_t bytes, Category category) {
   stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_bytes);
   stats_.allocated_bytes += b->size;
   stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+  if (is_activation(category)) {
+    stats_.activation_bytes += bytes;
+    stats_.peak_activation_bytes = std::max(stats_.peak_activation_bytes, stats_.activation_bytes);
+  }
   if (options_.record_timeline) {
     timeline_.record(category, static_cast<int64_t>(bytes), cs.current_bytes);
   }
   return b->ptr;
+}
+
+void CachingAllocator::retag(void* ptr, Category category) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(ptr);
+  PORTER_CHECK_T(UsageError, it != live_.end(), "retag of ", ptr,
+                 ", which this allocator did not allocate or has already freed");
+  Block* b = it->second;
+  if (b->category == category) return;
+  CategoryStats& from = stats_[b->category];
+  CategoryStats& to = stats_[category];
+  from.current_bytes -= b->requested;
+  --from.live_count;
+  to.current_bytes += b->requested;
+  to.peak_bytes = std::max(to.peak_bytes, to.current_bytes);
+  ++to.live_count;
+  if (is_activation(b->category) != is_activation(category)) {
+    if (is_activation(category)) {
+      stats_.activation_bytes += b->requested;
+      stats_.peak_activation_bytes =
+          std::max(stats_.peak_activation_bytes, stats_.activation_bytes);
+    } else {
+      stats_.activation_bytes -= b->requested;
+    }
+  }
+  if (options_.record_timeline) {
+    timeline_.record(b->category, -static_cast<int64_t>(b->requested), from.current_bytes);
+    timeline_.record(category, static_cast<int64_t>(b->requested), to.current_bytes);
+  }
+  b->category = category;
 }
 
 void CachingAllocator::raw_free(void* ptr) {
@@ -193,6 +233,7 @@ void CachingAllocator::raw_free(void* ptr) {
   --cs.live_count;
   stats_.requested_bytes -= b->requested;
   stats_.allocated_bytes -= b->size;
+  if (is_activation(b->category)) stats_.activation_bytes -= b->requested;
   if (options_.record_timeline) {
     timeline_.record(b->category, -static_cast<int64_t>(b->requested), cs.current_bytes);
   }
@@ -282,6 +323,7 @@ void CachingAllocator::reset_peak() {
   stats_.peak_requested_bytes = stats_.requested_bytes;
   stats_.peak_allocated_bytes = stats_.allocated_bytes;
   stats_.peak_reserved_bytes = stats_.reserved_bytes;
+  stats_.peak_activation_bytes = stats_.activation_bytes;
 }
 
 size_t CachingAllocator::largest_free_block() const {

@@ -42,6 +42,8 @@ class DeviceBuffer : public PooledBuffer<CachingAllocator> {
  public:
   DeviceBuffer() = default;
   Category category() const { return category_; }
+  // Moves the allocation to another category (CachingAllocator::retag).
+  void retag(Category category);
 
  private:
   friend class CachingAllocator;
@@ -85,6 +87,10 @@ class CachingAllocator {
   // Throws UsageError for a pointer this allocator did not hand out (or already freed).
   void raw_free(void* ptr);
   void record_stream(void* ptr, Stream& stream);
+  // Moves a live allocation to another category (for example a stage's output that the
+  // engine holds as a checkpoint). Stats and the timeline see the bytes leave one category
+  // and enter the other. Throws UsageError for a pointer this allocator did not hand out.
+  void retag(void* ptr, Category category);
 
   // Returns every fully free cached segment to the device.
   void empty_cache();

@@ -37,4 +37,9 @@ std::string_view category_hint(Category c);
 
 constexpr size_t index_of(Category c) { return static_cast<size_t>(c); }
 
+// Whether bytes of `c` count toward the activation footprint (activations + checkpoints).
+constexpr bool is_activation(Category c) {
+  return c == Category::kActivations || c == Category::kCheckpoints;
+}
+
 }  // namespace porter::memory

@@ -76,6 +76,7 @@ class PooledBuffer {
  protected:
   friend Pool;
   PooledBuffer(Pool* pool, void* data, size_t size) : pool_(pool), data_(data), size_(size) {}
+  Pool* pool() const { return pool_; }
 
  private:
   Pool* pool_ = nullptr;  // not owned; must outlive the buffer

@@ -212,8 +212,11 @@ std::vector<Tensor> Ctx::op(OpKind kind, std::string_view name,
   }
 
   const bool may_keep = mode_ != SaveMode::kCheckpoint || policy_.keeps(kind);
-  const auto category = may_keep ? memory::Category::kActivations : memory::Category::kWorkspace;
-  for (const OutSpec& o : outputs) outs.push_back(Tensor::empty(*allocator_, o.shape, o.dtype, category));
+  // Every forward output is activation memory, kept or not: the activation footprint is
+  // what checkpoint policies trade (Note [Save context]).
+  for (const OutSpec& o : outputs) {
+    outs.push_back(Tensor::empty(*allocator_, o.shape, o.dtype, memory::Category::kActivations));
+  }
   compute(outs);
 
   if (mode_ == SaveMode::kCheckpoint) {

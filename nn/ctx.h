@@ -35,9 +35,11 @@
 // and dropout masks are a pure function of (seed, stage, step, micro-batch, site) where the
 // site is the dropout's ordinal within the stage (Note [Dropout keys] in philox.h).
 //
-// Memory categories: outputs that may be saved are `activations` (all outputs in kSaveAll
-// and kRecompute, kept kinds' outputs in kCheckpoint); outputs that cannot be kept, and
-// backward temporaries, are `workspace`. After a forward, the tape's bytes are exactly the
+// Memory categories: every op output of a forward (any mode) is `activations`, whether it is
+// saved or transient, so the allocator's activation footprint (MemoryStats::
+// peak_activation_bytes) is exactly what a policy spends; backward temporaries and
+// activation gradients are `workspace`. The engine retags stage inputs it holds as
+// checkpoints to `checkpoints`. After a forward, the tape's bytes are exactly the
 // stage's saved activations (Tape::saved_bytes counts each allocation once).
 #pragma once
 

@@ -43,6 +43,11 @@ Tensor Tensor::empty(memory::CachingAllocator& allocator, Shape shape, DType dty
   return t;
 }
 
+void Tensor::retag(memory::Category category) {
+  if (storage_) storage_->retag(category);
+  category_ = category;
+}
+
 Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, memory::Category category) {
   Tensor t;
   t.shape_ = shape;

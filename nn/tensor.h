@@ -54,7 +54,11 @@ class Tensor {
   int64_t dim(int i) const { return shape_[i < 0 ? i + shape_.rank() : i]; }
   int64_t numel() const { return shape_.numel(); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
-  memory::Category category() const { return category_; }
+  // The category of the memory (of the whole allocation, for views of one).
+  memory::Category category() const { return storage_ ? storage_->category() : category_; }
+  // Moves the whole underlying allocation to `category` (memory::CachingAllocator::retag);
+  // for a view of foreign memory only this Tensor's label changes.
+  void retag(memory::Category category);
 
   void* data() const { return data_; }
   // Typed access; throws InvalidArgument when T does not match the dtype

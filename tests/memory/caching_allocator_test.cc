@@ -84,6 +84,34 @@ TEST(CachingAllocatorTest, FragmentationIsResolvedByCoalescing) {
   EXPECT_EQ(snap[0].blocks.size(), 1u) << "all blocks must coalesce back into one";
 }
 
+TEST(CachingAllocatorTest, RetagMovesBytesAndTheActivationFootprintCountsBothKinds) {
+  auto dev = make_cpu(256 * kMiB);
+  CachingAllocator alloc(*dev);
+  DeviceBuffer a = alloc.allocate(1000, Category::kActivations);
+  DeviceBuffer w = alloc.allocate(300, Category::kWorkspace);
+  EXPECT_EQ(alloc.stats().activation_bytes, 1000u);
+  a.retag(Category::kCheckpoints);  // stays in the footprint
+  w.retag(Category::kActivations);  // enters it
+  MemoryStats s = alloc.stats();
+  EXPECT_EQ(a.category(), Category::kCheckpoints);
+  EXPECT_EQ(s[Category::kActivations].current_bytes, 300u);
+  EXPECT_EQ(s[Category::kActivations].live_count, 1u);
+  EXPECT_EQ(s[Category::kCheckpoints].current_bytes, 1000u);
+  EXPECT_EQ(s[Category::kWorkspace].current_bytes, 0u);
+  EXPECT_EQ(s.activation_bytes, 1300u);
+  EXPECT_EQ(s.peak_activation_bytes, 1300u);
+  EXPECT_EQ(s.requested_bytes, 1300u);
+  a.reset();  // freed from the category it was moved to
+  s = alloc.stats();
+  EXPECT_EQ(s[Category::kCheckpoints].current_bytes, 0u);
+  EXPECT_EQ(s.activation_bytes, 300u);
+  EXPECT_EQ(s.peak_activation_bytes, 1300u);
+  alloc.reset_peak();
+  EXPECT_EQ(alloc.stats().peak_activation_bytes, 300u);
+  int x = 0;
+  EXPECT_THROW(alloc.retag(&x, Category::kParams), UsageError);
+}
+
 TEST(CachingAllocatorTest, CategoryAccountingAndPeaks) {
   auto dev = make_cpu(256 * kMiB);
   CachingAllocator alloc(*dev);

@@ -1,0 +1,89 @@
+// The cost model of a chain of stages: what each stage's forward, recompute and backward cost
+// in time and in activation bytes, under each save option. Costs come from a profiling pass
+// (engine/profile.h) or from the analytic model of the built-in GPT (checkpoint/analytic.h);
+// the planner and the simulator only read them.
+//
+// Note [Activation bytes]
+// Every byte figure here is of the activation footprint: the allocator's activations +
+// checkpoints categories (memory::MemoryStats::activation_bytes). Figures are *deltas*,
+// measured on one stage in isolation, relative to the moment the operation starts. Because
+// the footprint is a plain sum of requested bytes, deltas add exactly: the simulator
+// (checkpoint/schedule.h) reproduces a whole step's peak from them to the byte. Stage
+// inputs and outputs are accounted as separate objects (input_bytes, output_bytes), so a
+// delta never counts them twice:
+//   forward_peak_bytes   peak above the start of the forward (input alive), including the
+//                        output while it is being produced;
+//   saved_bytes          what the stage's tape holds after its forward, not counting the
+//                        stage's input or output even when the tape references them (those
+//                        are the tape_refs_* flags);
+//   recompute_*          the same for the recompute that completes a partial tape.
+// Workspace (backward temporaries, activation gradients) is tracked separately in
+// *_total_peak_bytes, the peak of all categories above the start, for the total-peak
+// prediction.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace porter::checkpoint {
+
+// How a stage's forward saves for its backward (Rockmate's per-stage options).
+enum class SaveOption : uint8_t {
+  kKeep,        // save everything backward reads (nn::SaveMode::kSaveAll); no recompute
+  kSelective,   // keep the outputs of the op kinds the selective OpPolicy keeps; the rest is
+                // recomputed just before the stage's backward
+  kCheckpoint,  // keep nothing (OpPolicy::keep_none); the whole stage is recomputed
+};
+inline constexpr int kNumSaveOptions = 3;
+std::string_view save_option_name(SaveOption o);  // "keep", "selective", "checkpoint"
+
+// One stage under one save option.
+struct OptionCost {
+  bool available = false;  // e.g. selective is unavailable for a stage without attention
+  double forward_s = 0.0;
+  size_t forward_peak_bytes = 0;
+  size_t forward_total_peak_bytes = 0;
+  size_t saved_bytes = 0;
+  bool tape_refs_input = false;   // after the forward (kKeep only; partial tapes never do)
+  bool tape_refs_output = false;
+  // kSelective and kCheckpoint: the recompute before backward, starting from the saved tape
+  // with the input alive. Zero for kKeep.
+  double recompute_s = 0.0;
+  size_t recompute_peak_bytes = 0;     // above (start + saved_bytes)
+  size_t recompute_total_peak_bytes = 0;
+  size_t recompute_saved_bytes = 0;    // added to the tape by the recompute
+  bool operator==(const OptionCost&) const = default;
+};
+
+struct StageCost {
+  std::string name;         // "embedding", "block.3", "head"
+  bool is_block = false;    // a repeated layer (uniform/block count these)
+  size_t input_bytes = 0;   // of the stage's input in the footprint (0 for token ids)
+  size_t output_bytes = 0;  // of its output
+  double backward_s = 0.0;
+  size_t backward_total_peak_bytes = 0;  // all categories above the start of backward
+  // Forward FLOPs (analytic model; 0 when unknown). Recompute FLOPs scale with it.
+  double forward_flops = 0.0;
+  std::array<OptionCost, kNumSaveOptions> options{};
+
+  const OptionCost& option(SaveOption o) const { return options[static_cast<size_t>(o)]; }
+  OptionCost& option(SaveOption o) { return options[static_cast<size_t>(o)]; }
+  bool operator==(const StageCost&) const = default;
+};
+
+struct ChainCosts {
+  std::vector<StageCost> stages;
+  // "profiled" (times measured) or "analytic" (bytes exact, times unknown: 0).
+  std::string source;
+  // The op kinds selective recompute recomputes, e.g. "attention".
+  std::string selective_ops;
+  bool has_times() const { return source == "profiled"; }
+  int num_stages() const { return static_cast<int>(stages.size()); }
+};
+
+}  // namespace porter::checkpoint

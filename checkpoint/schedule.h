@@ -1,0 +1,79 @@
+// A schedule: the exact sequence of stage forwards, recomputes and backwards of one
+// micro-batch. Every policy compiles to one (checkpoint/planner.h); the engine executes it
+// (engine/engine.cc) and the simulator below predicts its activation peak and recompute time
+// from a ChainCosts without running anything.
+//
+// Note [Schedule semantics]
+// Stage i maps activation a_i to a_{i+1}; a_0 is the token ids, and the last stage's output
+// is the loss. The executor (engine or simulator) keeps this state:
+//   cur      the activation the last forward produced, a_{cur_stage};
+//   held[i]  a_i, held as a checkpoint (memory category `checkpoints`) until backward i;
+//   tape[i]  empty, partial (a kSelective/kCheckpoint forward left a recompute plan), or
+//            full (a kKeep forward, or a recompute, saved everything backward reads);
+//   grad     the gradient of a_g, starting at g = n (the loss needs none).
+// Ops:
+//   Forward(i, save, hold)  input = cur if cur_stage == i, else held[i] (else invalid). If
+//                           hold, held[i] = input. Runs the forward with `save`; tape[i]
+//                           becomes full (kKeep) or partial. cur = a_{i+1}. The first
+//                           forward of the last stage yields the micro-batch's loss.
+//   Recompute(i)            tape[i] must be partial and a_i available (cur or held[i]).
+//                           tape[i] becomes full; no output is produced.
+//   Backward(i)             tape[i] full and g == i + 1. Drops cur if it is a_{i+1} (an
+//                           unneeded output), runs the backward, clears tape[i], releases
+//                           held[i]; g = i.
+// A valid schedule ends with g == 0, every tape empty and nothing held: Backward(i) runs
+// exactly once per stage, in order n-1 .. 0. Forwards may repeat (Rotor's nested
+// recompute); dropout masks depend only on (seed, stage, step, micro-batch, site), so a
+// repeated forward reproduces them, and gradients are bit-identical under every schedule.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "checkpoint/costs.h"
+
+namespace porter::checkpoint {
+
+struct ScheduleOp {
+  enum class Kind : uint8_t { kForward, kRecompute, kBackward };
+  Kind kind = Kind::kForward;
+  int stage = 0;
+  SaveOption save = SaveOption::kKeep;  // kForward only
+  bool hold_input = false;              // kForward only
+  bool operator==(const ScheduleOp&) const = default;
+
+  static ScheduleOp forward(int stage, SaveOption save, bool hold_input) {
+    return {Kind::kForward, stage, save, hold_input};
+  }
+  static ScheduleOp recompute(int stage) { return {Kind::kRecompute, stage}; }
+  static ScheduleOp backward(int stage) { return {Kind::kBackward, stage}; }
+};
+
+struct Schedule {
+  int num_stages = 0;
+  std::vector<ScheduleOp> ops;
+  // "F0k+ F1c F2c R2 B2 ..." (k/s/c = keep/selective/checkpoint, + = hold input).
+  std::string to_string() const;
+};
+
+// Throws InvalidArgument naming the first op that breaks Note [Schedule semantics].
+void validate(const Schedule& schedule);
+
+// What the simulator predicts for one micro-batch of a schedule.
+struct Prediction {
+  size_t peak_activation_bytes = 0;  // peak of the footprint during the micro-batch
+  size_t peak_total_bytes = 0;       // the same for all categories (activations, gradients
+                                     // between stages, workspace), excluding model states
+  int peak_op = -1;                  // index of the op at which the footprint peaks
+  double compute_s = 0.0;            // forwards + recomputes + backwards
+  double recompute_s = 0.0;          // compute_s minus one forward per stage and backwards
+  double recompute_flops = 0.0;      // FLOPs of the forwards beyond one per stage
+  // Activation footprint after each op (for plots and tests).
+  std::vector<size_t> footprint_after_op;
+};
+
+// Replays `schedule` against `costs` (Note [Activation bytes]). Validates first.
+Prediction simulate(const Schedule& schedule, const ChainCosts& costs);
+
+}  // namespace porter::checkpoint

@@ -1,0 +1,132 @@
+// porter::engine::Engine: trains a Model one optimizer step at a time on one device, under
+// the config's checkpoint policy. See docs/engine.md.
+//
+// Note [One engine step]
+// 1. Zero the flat gradient buffer.
+// 2. For each micro-batch: copy its tokens and targets to the device (workspace), then run
+//    the plan's schedule (Note [Schedule semantics] in checkpoint/schedule.h). The loss
+//    stage scales its gradient by 1 / gradient_accumulation_steps, so the accumulated
+//    gradient is that of the mean loss.
+// 3. Global gradient norm over the flat buffer; clip coefficient min(1, clip / (norm +
+//    1e-6)) when gradient_clipping > 0 (DeepSpeed's rule). The gradient buffer itself is
+//    left unclipped (the coefficient is folded into AdamW), so it can be dumped.
+// 4. AdamW on the f32 master parameters (the parameters themselves in f32; a separate f32
+//    master copy for bf16, written back to the bf16 working copy), at the scheduler's lr.
+// 5. Record times and memory.
+// Everything the step allocates is returned to the allocator by the end of the step.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/planner.h"
+#include "config/config.h"
+#include "engine/data.h"
+#include "engine/lr_schedule.h"
+#include "engine/model.h"
+#include "engine/trace.h"
+#include "memory/caching_allocator.h"
+#include "memory/device.h"
+#include "nn/kernels.h"
+
+namespace porter::engine {
+
+struct StepResult {
+  int64_t step = 0;             // the step just completed (1-based count of steps done)
+  double loss = 0.0;            // mean over micro-batches
+  double grad_norm = 0.0;       // before clipping
+  double clip_coef = 1.0;       // applied to the gradients (1: no clipping)
+  double lr = 0.0;
+  double time_s = 0.0;          // wall time of train_step
+  double recompute_s = 0.0;     // measured: recomputes and repeated forwards
+  int64_t tokens = 0;           // tokens processed (batch * seq * micro-batches)
+  size_t peak_activation_bytes = 0;  // measured footprint peak during this step
+  size_t peak_bytes = 0;             // measured peak of all categories during this step
+};
+
+struct MemoryReport {
+  size_t capacity_bytes = 0;
+  size_t peak_bytes = 0;  // peak requested bytes over all categories since the last reset
+  std::array<size_t, memory::kNumCategories> peak_by_category{};
+  std::array<size_t, memory::kNumCategories> current_by_category{};
+  size_t peak_activation_bytes = 0;           // measured (activations + checkpoints)
+  size_t predicted_activation_bytes = 0;      // the plan's prediction
+  size_t model_state_bytes = 0;               // params + grads + optimizer
+  size_t predicted_peak_bytes = 0;            // model states + batch + predicted total peak
+  double predicted_recompute_s = 0.0;         // per step
+  double measured_recompute_s = 0.0;          // median per step
+  std::string format() const;                 // a table for the terminal
+};
+
+class Engine {
+ public:
+  // Builds the flat buffers (params, grads, optimizer state), initialises the parameters
+  // from config.porter.train.seed and plans the checkpoint schedule: from the analytic
+  // model's bytes for GptModel, or from a profiling pass when the policy needs costs it
+  // cannot know (optimal, or a user chain). Throws InvalidArgument for configs it cannot
+  // run (fp16 on cpu, zero stage > 0 until the distributed issue, ...).
+  Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // One optimizer step over `micro_batches` (gradient_accumulation_steps of them, each
+  // (micro_batch, seq)). Throws InvalidArgument for a wrong count or shape; on any error
+  // the engine's state is unchanged (the step can be retried).
+  StepResult train_step(const std::vector<HostBatch>& micro_batches);
+
+  // Measures every stage's costs (checkpoint/costs.h) on a synthetic micro-batch of the
+  // configured shape; leaves gradients and parameters unchanged.
+  checkpoint::ChainCosts profile();
+  // Replans with another checkpointing config (tests, benchmarks, `porter plan`).
+  void set_plan(const checkpoint::Plan& plan);
+  const checkpoint::Plan& plan() const;
+  const checkpoint::ChainCosts& costs() const;
+
+  MemoryReport memory_report() const;
+  void reset_peaks();
+
+  // Training checkpoints (engine/state_file.h): parameters, master weights, AdamW moments,
+  // the step, and the config they belong to. load_checkpoint checks that the model layout
+  // and dtypes match this engine's and throws IoError / InvalidArgument otherwise; after it,
+  // training continues bit-identically.
+  void save_checkpoint(const std::filesystem::path& dir) const;
+  void load_checkpoint(const std::filesystem::path& dir);
+
+  int64_t step() const { return step_; }
+  const config::Config& config() const { return config_; }
+  Model& model() { return *model_; }
+  memory::CachingAllocator& allocator() { return *allocator_; }
+  nn::Kernels& kernels() { return *kernels_; }
+  memory::Device& device() { return *device_; }
+  nn::DType compute_dtype() const { return compute_dtype_; }
+
+  // Host copies (f32) of the working parameters and of the gradient buffer as the last
+  // step left it (accumulated, before clipping), in layout order.
+  std::vector<float> params_host() const;
+  std::vector<float> grads_host() const;
+  // The micro-batches of the last step (for --dump-dir).
+  const std::vector<HostBatch>& last_batches() const { return last_batches_; }
+
+  // Spans and memory counters go to `trace` (null: none). Not owned.
+  void set_trace(TraceRecorder* trace) { trace_ = trace; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  memory::Device* device_;
+  std::unique_ptr<memory::CachingAllocator> allocator_;
+  std::unique_ptr<nn::Kernels> kernels_;
+  std::unique_ptr<Model> model_;
+  config::Config config_;
+  nn::DType compute_dtype_ = nn::DType::kF32;
+  int64_t step_ = 0;
+  std::vector<HostBatch> last_batches_;
+  TraceRecorder* trace_ = nullptr;
+};
+
+}  // namespace porter::engine

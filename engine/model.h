@@ -1,0 +1,102 @@
+// What the Engine trains: a chain of stages (nn::Layer) whose last stage computes the loss.
+// The built-in GPT is one (GptModel); any chain of user layers ending in a LossLayer is
+// another (ChainModel). See docs/engine.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "nn/gpt.h"
+#include "nn/layer.h"
+
+namespace porter::engine {
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual int num_stages() const = 0;
+  virtual nn::Layer& stage(int i) = 0;
+  virtual std::string stage_name(int i) const = 0;
+  // Whether stage i is a repeated layer (uniform and block policies count these).
+  virtual bool is_block(int i) const = 0;
+  virtual const nn::ParamLayout& layout() const = 0;
+  // Binds every stage to views of the flat buffers (laid out by layout()).
+  virtual void bind(const nn::FlatParams& flat) = 0;
+  // Initial parameter values in layout order (padding zero).
+  virtual std::vector<float> init_values(uint64_t seed) const = 0;
+  // The micro-batch's targets, for the loss stage; called before every forward of it.
+  virtual void set_targets(const nn::Tensor& targets) = 0;
+  // The gradient scale of the loss stage (1 / gradient_accumulation_steps, times the fp16
+  // loss scale).
+  virtual void set_loss_scale(float scale) = 0;
+};
+
+class GptModel : public Model {
+ public:
+  explicit GptModel(const config::ModelConfig& config) : gpt_(config) {}
+  int num_stages() const override { return gpt_.num_stages(); }
+  nn::Layer& stage(int i) override { return gpt_.stage(i); }
+  std::string stage_name(int i) const override { return gpt_.stage_name(i); }
+  bool is_block(int i) const override { return i > 0 && i < gpt_.num_stages() - 1; }
+  const nn::ParamLayout& layout() const override { return gpt_.layout(); }
+  void bind(const nn::FlatParams& flat) override { gpt_.bind(flat); }
+  std::vector<float> init_values(uint64_t seed) const override { return gpt_.init_values(seed); }
+  void set_targets(const nn::Tensor& targets) override { gpt_.head().set_targets(targets); }
+  void set_loss_scale(float scale) override { gpt_.head().set_loss_scale(scale); }
+  nn::Gpt& gpt() { return gpt_; }
+
+ private:
+  nn::Gpt gpt_;
+};
+
+// The last layer of a user chain: its forward returns the loss (1) f32, and its backward
+// ignores dy and scales the gradient of the loss by loss_scale().
+class LossLayer : public nn::Layer {
+ public:
+  void set_targets(const nn::Tensor& targets) { targets_ = targets; }
+  void set_loss_scale(float s) { loss_scale_ = s; }
+
+ protected:
+  const nn::Tensor& targets() const { return targets_; }
+  float loss_scale() const { return loss_scale_; }
+
+ private:
+  nn::Tensor targets_;  // the current micro-batch's input, not saved state
+  float loss_scale_ = 1.0f;
+};
+
+// A chain of user layers: stage i is layers[i], the last one a LossLayer. Parameter names
+// are prefixed "<i>." (e.g. "0.fc1.weight"). Every stage counts as a block. `init` gives
+// one parameter's initial values.
+class ChainModel : public Model {
+ public:
+  using Init = std::function<std::vector<float>(int stage, const nn::ParamSpec& spec,
+                                                uint64_t seed)>;
+  ChainModel(std::vector<std::unique_ptr<nn::Layer>> layers, std::unique_ptr<LossLayer> loss,
+             Init init = default_init);
+  // normal(0, 0.02) from Philox keyed by (seed, stage, name) for tensors of rank >= 2 and
+  // names ending in "weight"; 1 for names containing "norm" or "scale"; 0 otherwise.
+  static std::vector<float> default_init(int stage, const nn::ParamSpec& spec, uint64_t seed);
+
+  int num_stages() const override { return static_cast<int>(stages_.size()); }
+  nn::Layer& stage(int i) override { return *stages_.at(static_cast<size_t>(i)); }
+  std::string stage_name(int i) const override;
+  bool is_block(int) const override { return true; }
+  const nn::ParamLayout& layout() const override { return layout_; }
+  void bind(const nn::FlatParams& flat) override;
+  std::vector<float> init_values(uint64_t seed) const override;
+  void set_targets(const nn::Tensor& targets) override { loss_->set_targets(targets); }
+  void set_loss_scale(float scale) override { loss_->set_loss_scale(scale); }
+
+ private:
+  std::vector<std::unique_ptr<nn::Layer>> stages_;  // the layers, then the loss
+  LossLayer* loss_;                                 // owned by stages_
+  nn::ParamLayout layout_;
+  Init init_;
+};
+
+}  // namespace porter::engine
