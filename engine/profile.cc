@@ -6,7 +6,8 @@
 // once). Between stages the input waits on the host, and each option's run gets a fresh
 // device copy, so that dropping the copy reveals whether the tape still references it
 // (tape_refs_input) and at most one stage's input is on the device at a time: profiling fits
-// wherever the `full` policy fits. Per option:
+// wherever the `full` policy fits (stage 0's token ids get a fresh copy the same way). Per
+// option:
 //   reset_peak; forward            -> forward_s, forward_peak_bytes, forward_total_peak_bytes
 //   footprint delta - output        -> saved_bytes
 //   drop the output                 -> tape_refs_output (nothing freed)
@@ -89,7 +90,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
 
     {  // Warm-up, so that first-touch costs do not land on one option's time.
       nn::Tape tape;
-      nn::Tensor x = i == 0 ? tokens : upload(alloc, input);
+      nn::Tensor x = upload(alloc, input);
       if (last) model.set_targets(targets);
       nn::forward_stage(ctx, layer, i, tape, nn::SaveMode::kCheckpoint, x);
     }
@@ -97,7 +98,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
     for (SaveOption o : {SaveOption::kKeep, SaveOption::kSelective, SaveOption::kCheckpoint}) {
       OptionCost& oc = sc.option(o);
       nn::Tape tape;
-      nn::Tensor x = i == 0 ? tokens : upload(alloc, input);
+      nn::Tensor x = upload(alloc, input);
       if (last) model.set_targets(targets);
       const nn::SaveMode mode =
           o == SaveOption::kKeep ? nn::SaveMode::kSaveAll : nn::SaveMode::kCheckpoint;
@@ -126,11 +127,11 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
 
       if (o == SaveOption::kKeep) {
         oc.available = true;
-        if (i > 0) {
-          const size_t before = footprint(alloc);
-          x = nn::Tensor();
-          oc.tape_refs_input = before - footprint(alloc) < sc.input_bytes;
-        }
+        // All categories: stage 0's input (token ids) is workspace, outside the footprint.
+        const size_t before = alloc.stats().requested_bytes;
+        const size_t in_bytes = x.nbytes();
+        x = nn::Tensor();
+        oc.tape_refs_input = before - alloc.stats().requested_bytes < in_bytes;
         // Backward with the incoming gradient (workspace, the activation's dtype) alive, as
         // in a step; the loss stage ignores its dy.
         nn::Tensor dy;
@@ -148,7 +149,9 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       }
       const std::vector<std::string> actions = tape.plan_actions();
       bool recomputes = false;
-      for (const std::string& a : actions) recomputes = recomputes || a == "compute";
+      for (const std::string& a : actions) {  // "<op name>:<action>"
+        recomputes = recomputes || a.ends_with(":compute");
+      }
       oc.available = o == SaveOption::kCheckpoint || recomputes;
 
       if (last) model.set_targets(targets);
