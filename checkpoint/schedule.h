@@ -55,6 +55,7 @@ struct Schedule {
   std::vector<ScheduleOp> ops;
   // "F0k+ F1c F2c R2 B2 ..." (k/s/c = keep/selective/checkpoint, + = hold input).
   std::string to_string() const;
+  bool operator==(const Schedule&) const = default;
 };
 
 // Throws InvalidArgument naming the first op that breaks Note [Schedule semantics].
