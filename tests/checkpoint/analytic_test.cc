@@ -231,6 +231,33 @@ TEST(AnalyticTest, SimulatedPeaksOfFullAndSelectiveEqualAMeasuredStep) {
   }
 }
 
+// The worked example of docs/memory-model.md: examples/configs/gpt-small-cpu.json's model at
+// micro-batch 4.
+TEST(AnalyticTest, WorkedExampleOfTheDocs) {
+  config::ModelConfig mc;
+  mc.layers = 8;
+  mc.hidden = 256;
+  mc.heads = 8;
+  mc.seq_len = 256;
+  mc.vocab = 8192;
+  mc.dropout = 0.1;
+  const ChainCosts f = analytic_gpt_costs({mc, 4, 256, DType::kF32});
+  EXPECT_EQ(f.stages[1].option(SaveOption::kKeep).saved_bytes, 24'133'632u);
+  EXPECT_EQ(f.stages.back().option(SaveOption::kKeep).forward_peak_bytes, 34'611'204u);
+  EXPECT_EQ(simulate(schedule_none(f), f).peak_activation_bytes, 237'117'444u);
+  EXPECT_EQ(simulate(schedule_none(f), f).peak_op, 9);  // the head's forward
+  EXPECT_EQ(simulate(schedule_full(f), f).peak_activation_bytes, 44'048'388u);
+  EXPECT_EQ(simulate(schedule_selective(f), f).peak_activation_bytes, 161'619'972u);
+  EXPECT_EQ(simulate(schedule_uniform(f, 2), f).peak_activation_bytes, 54'558'720u);
+  EXPECT_EQ(simulate(schedule_sqrt(f), f).peak_activation_bytes, 77'643'776u);
+  const ChainCosts b = analytic_gpt_costs({mc, 4, 256, DType::kBF16});
+  EXPECT_EQ(simulate(schedule_none(b), b).peak_activation_bytes, 152'182'788u);
+  EXPECT_EQ(simulate(schedule_full(b), b).peak_activation_bytes, 22'560'768u);
+  EXPECT_EQ(simulate(schedule_full(b), b).peak_op, 8);  // the last block's forward
+  EXPECT_EQ(simulate(schedule_selective(b), b).peak_activation_bytes, 80'879'620u);
+  EXPECT_EQ(gpt_model_state_bytes(mc, DType::kF32).params, 33'925'120u);
+}
+
 TEST(AnalyticTest, ModelStateBytesUseTheRealLayout) {
   const config::ModelConfig mc = small_model(0.0, 50);
   const nn::Gpt gpt(mc);
