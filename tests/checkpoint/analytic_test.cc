@@ -197,6 +197,67 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
   }
 }
 
+// Gpt::forward_backward holds every stage input through the step, forwards every stage, then
+// recomputes and runs backward stage by stage: schedule_full when every stage checkpoints,
+// schedule_selective when the blocks run selective. The simulator predicts its peak exactly.
+TEST(AnalyticTest, SimulatedPeaksOfFullAndSelectiveEqualAMeasuredStep) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (double p : {0.0, 0.1}) {
+      const config::ModelConfig mc = small_model(p, 500);
+      const GptShape shape{mc, 2, 12, dt};
+      const ChainCosts costs = analytic_gpt_costs(shape);
+      Env env;
+      nn::Gpt gpt(mc);
+      nn::FlatParams flat(*env.alloc, gpt.layout(), dt, DType::kF32);
+      Tensor params = flat.params();
+      nn::from_host_f32(*env.device, gpt.init_values(5), params);
+      gpt.bind(flat);
+      nn::Ctx ctx(*env.kernels, *env.alloc, dt);
+      const int n = gpt.num_stages();
+      std::vector<nn::StagePlan> full(static_cast<size_t>(n), {SaveMode::kCheckpoint, OpPolicy::keep_none()});
+      std::vector<nn::StagePlan> sel(static_cast<size_t>(n), {SaveMode::kSaveAll, OpPolicy::keep_none()});
+      for (int s = 1; s + 1 < n; ++s) sel[s] = {SaveMode::kCheckpoint, OpPolicy::selective_attention()};
+      const std::pair<const std::vector<nn::StagePlan>*, Schedule> cases[] = {
+          {&full, schedule_full(costs)}, {&sel, schedule_selective(costs)}};
+      for (const auto& [plans, schedule] : cases) {
+        const size_t base = env.act();
+        env.alloc->reset_peak();
+        gpt.forward_backward(ctx, env.ids(2, 12, 500, 0), env.ids(2, 12, 500, 1), *plans);
+        EXPECT_EQ(env.peak_act() - base, simulate(schedule, costs).peak_activation_bytes)
+            << schedule.to_string() << " dropout " << p;
+        EXPECT_EQ(env.act(), base);
+      }
+    }
+  }
+}
+
+// The worked example of docs/memory-model.md: examples/configs/gpt-small-cpu.json's model at
+// micro-batch 4.
+TEST(AnalyticTest, WorkedExampleOfTheDocs) {
+  config::ModelConfig mc;
+  mc.layers = 8;
+  mc.hidden = 256;
+  mc.heads = 8;
+  mc.seq_len = 256;
+  mc.vocab = 8192;
+  mc.dropout = 0.1;
+  const ChainCosts f = analytic_gpt_costs({mc, 4, 256, DType::kF32});
+  EXPECT_EQ(f.stages[1].option(SaveOption::kKeep).saved_bytes, 24'133'632u);
+  EXPECT_EQ(f.stages.back().option(SaveOption::kKeep).forward_peak_bytes, 34'611'204u);
+  EXPECT_EQ(simulate(schedule_none(f), f).peak_activation_bytes, 237'117'444u);
+  EXPECT_EQ(simulate(schedule_none(f), f).peak_op, 9);  // the head's forward
+  EXPECT_EQ(simulate(schedule_full(f), f).peak_activation_bytes, 44'048'388u);
+  EXPECT_EQ(simulate(schedule_selective(f), f).peak_activation_bytes, 161'619'972u);
+  EXPECT_EQ(simulate(schedule_uniform(f, 2), f).peak_activation_bytes, 54'558'720u);
+  EXPECT_EQ(simulate(schedule_sqrt(f), f).peak_activation_bytes, 77'643'776u);
+  const ChainCosts b = analytic_gpt_costs({mc, 4, 256, DType::kBF16});
+  EXPECT_EQ(simulate(schedule_none(b), b).peak_activation_bytes, 152'182'788u);
+  EXPECT_EQ(simulate(schedule_full(b), b).peak_activation_bytes, 22'560'768u);
+  EXPECT_EQ(simulate(schedule_full(b), b).peak_op, 8);  // the last block's forward
+  EXPECT_EQ(simulate(schedule_selective(b), b).peak_activation_bytes, 80'879'620u);
+  EXPECT_EQ(gpt_model_state_bytes(mc, DType::kF32).params, 33'925'120u);
+}
+
 TEST(AnalyticTest, ModelStateBytesUseTheRealLayout) {
   const config::ModelConfig mc = small_model(0.0, 50);
   const nn::Gpt gpt(mc);
