@@ -416,8 +416,8 @@ std::string MemoryReport::format() const {
       format_bytes(peak_activation_bytes));
   row("total peak", format_bytes(predicted_peak_bytes), format_bytes(peak_bytes));
   std::ostringstream p, m;
-  p << std::fixed << std::setprecision(4) << predicted_recompute_s << " s";
-  m << std::fixed << std::setprecision(4) << measured_recompute_s << " s";
+  p << std::fixed << std::setprecision(3) << predicted_recompute_s * 1e3 << " ms";
+  m << std::fixed << std::setprecision(3) << measured_recompute_s * 1e3 << " ms";
   row("recompute per step", p.str(), m.str());
   return o.str();
 }

@@ -15,8 +15,9 @@
 //   kKeep: drop the input copy      -> tape_refs_input; then backward -> backward_s and
 //                                      backward_total_peak_bytes (the incoming dy alive)
 // A save option is available when it differs from kKeep: selective needs at least one op the
-// selective policy recomputes (a stage without attention has none). Times are one
-// measurement each (the stage's first run is a warm-up), enough for planning.
+// selective policy recomputes (a stage without attention has none). Times are the minimum of
+// kTimingRuns runs after a warm-up: cheap, and stable enough to rank plans.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -30,6 +31,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using checkpoint::OptionCost;
+
+constexpr int kTimingRuns = 3;
 using checkpoint::SaveOption;
 
 double seconds_since(Clock::time_point t0) {
@@ -165,6 +168,39 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       oc.recompute_total_peak_bytes = s1.peak_requested_bytes - s0.requested_bytes;
       oc.recompute_saved_bytes = s1.activation_bytes - s0.activation_bytes;
       tape.clear();
+    }
+
+    // Times: the minimum over kTimingRuns runs (the byte-measuring run above is the first),
+    // so that first-touch costs (new segments, cold caches) do not pass for compute.
+    for (int run = 1; run < kTimingRuns; ++run) {
+      for (SaveOption o : {SaveOption::kKeep, SaveOption::kSelective, SaveOption::kCheckpoint}) {
+        OptionCost& oc = sc.option(o);
+        nn::Tape tape;
+        nn::Tensor x = upload(alloc, input);
+        if (last) model.set_targets(targets);
+        const bool keep = o == SaveOption::kKeep;
+        auto t0 = Clock::now();
+        nn::Tensor y = nn::forward_stage(
+            ctx, layer, i, tape, keep ? nn::SaveMode::kSaveAll : nn::SaveMode::kCheckpoint, x,
+            o == SaveOption::kSelective ? selective_policy : nn::OpPolicy::keep_none());
+        oc.forward_s = std::min(oc.forward_s, seconds_since(t0));
+        nn::Tensor dy;
+        if (keep && !last) {
+          dy = ctx.workspace(y.shape(), y.dtype());
+          ctx.kernels().fill(dy, 0.0f);
+        }
+        y = nn::Tensor();
+        t0 = Clock::now();
+        if (keep) {
+          nn::backward_stage(ctx, layer, i, tape, dy);
+          sc.backward_s = std::min(sc.backward_s, seconds_since(t0));
+        } else {
+          if (last) model.set_targets(targets);
+          nn::recompute_stage(ctx, layer, i, tape, x);
+          oc.recompute_s = std::min(oc.recompute_s, seconds_since(t0));
+          tape.clear();
+        }
+      }
     }
     input = std::move(next);
   }
