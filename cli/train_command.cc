@@ -125,6 +125,15 @@ int train(const TrainOptions& o, const CommandContext& ctx) {
       << "  checkpointing: " << eng.plan().description << "\n";
   if (run.start_step > 0) out << "  resumed from " << o.resume << " at step " << run.start_step << "\n";
   out << std::flush;
+  {
+    const engine::MemoryReport mem = eng.memory_report();
+    if (mem.capacity_bytes > 0 && mem.predicted_peak_bytes > mem.capacity_bytes) {
+      err << "warning: the plan's predicted peak, " << format_bytes(mem.predicted_peak_bytes)
+          << ", exceeds the device's " << format_bytes(mem.capacity_bytes)
+          << "; expect out of memory (porter estimate --config " << o.file
+          << " compares the policies)\n";
+    }
+  }
 
   Progress progress(err, ctx.err_is_tty, run.start_step, last, cfg.porter.train.log_every);
   std::vector<float> dump_params;
