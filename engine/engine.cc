@@ -99,6 +99,12 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
     : device_(&device), config_(config) {
   PORTER_CHECK(model != nullptr, "Engine: the model is null");
   check_supported(config, device);
+  if (GptModel* gpt = as_gpt(*model)) {
+    PORTER_CHECK(gpt->gpt().config() == config.porter.model,
+                 "Engine: the GptModel was built from another model config than porter.model "
+                 "(the plan and the checkpoints describe porter.model); build it from "
+                 "config.porter.model");
+  }
   compute_dtype_ = config.bf16.enabled ? nn::DType::kBF16 : nn::DType::kF32;
   allocator_ = std::make_unique<memory::CachingAllocator>(device);
   kernels_ = nn::make_kernels(device);

@@ -180,6 +180,14 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
   expect_refused(c, "optimizer.params.adam_w_mode");
   c.optimizer->weight_decay = 0.0;
   EXPECT_NO_THROW(gpt_engine(*device, c));  // plain Adam without decay is AdamW
+  config::ModelConfig other = c.porter.model;
+  other.layers = 2;
+  try {
+    Engine e(*device, std::make_unique<GptModel>(other), c);
+    FAIL();
+  } catch (const InvalidArgument& err) {
+    EXPECT_THAT(err.what(), HasSubstr("another model config than porter.model"));
+  }
 }
 
 TEST(EngineStepTest, Bf16TrainsWithMasterWeights) {
