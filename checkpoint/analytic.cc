@@ -172,11 +172,12 @@ class GraphBuilder {
     return {static_cast<int>(g_.ops.size()) - 1, 0};
   }
   static Ref slot(Ref r, int s) { return {r.op, s}; }
-  // Ctx::dropout: an op only when p > 0; its output is a temporary of `consumer`, the next op.
-  Ref dropout(Ref x, size_t bytes, bool on) {
+  // Ctx::dropout: an op only when p > 0. Fed straight into the next op (a residual add), its
+  // output is a temporary of that op.
+  Ref dropout(Ref x, size_t bytes, bool on, bool temporary) {
     if (!on) return x;
     Ref d = op(nn::OpKind::kDropout, {bytes}, {x});
-    g_.ops[d.op].dies_after = d.op + 1;
+    if (temporary) g_.ops[d.op].dies_after = d.op + 1;
     return d;
   }
   StageGraph& graph() { return g_; }
@@ -235,7 +236,7 @@ StageGraph embedding_graph(const Dims& d) {
   GraphBuilder gb;
   const size_t act = d.n * d.c * d.dt;
   Ref x = gb.op(nn::OpKind::kEmbedding, {act}, {kExt, kExt, kExt});
-  Ref y = gb.dropout(x, act, d.drop);
+  Ref y = gb.dropout(x, act, d.drop, /*temporary=*/false);
   StageGraph& g = gb.graph();
   g.saves = {kIn};  // the tokens
   g.output = y;
@@ -253,12 +254,12 @@ StageGraph block_graph(const Dims& d) {
   Ref att = gb.op(nn::OpKind::kAttention, {a, d.b * d.h * d.t * d.t * 4}, {qkv},
                   4.0 * nc * static_cast<double>(d.t));
   Ref proj = gb.op(nn::OpKind::kMatmul, {a}, {att, kExt, kExt}, 2.0 * nc * cc);
-  Ref x2 = gb.op(nn::OpKind::kAdd, {a}, {kIn, gb.dropout(proj, a, d.drop)});
+  Ref x2 = gb.op(nn::OpKind::kAdd, {a}, {kIn, gb.dropout(proj, a, d.drop, true)});
   Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {x2, kExt, kExt});
   Ref h = gb.op(nn::OpKind::kMatmul, {4 * a}, {ln2, kExt, kExt}, 8.0 * nc * cc);
   Ref gl = gb.op(nn::OpKind::kGelu, {4 * a}, {h});
   Ref f = gb.op(nn::OpKind::kMatmul, {a}, {gl, kExt, kExt}, 8.0 * nc * cc);
-  Ref y = gb.op(nn::OpKind::kAdd, {a}, {x2, gb.dropout(f, a, d.drop)});
+  Ref y = gb.op(nn::OpKind::kAdd, {a}, {x2, gb.dropout(f, a, d.drop, true)});
   StageGraph& g = gb.graph();
   g.saves = {kIn,
              ln1, GraphBuilder::slot(ln1, 1), GraphBuilder::slot(ln1, 2),
@@ -285,8 +286,9 @@ StageGraph head_graph(const Dims& d) {
   StageGraph& g = gb.graph();
   g.saves = {kIn, lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2), logits, kExt};
   g.output = loss;
-  // GptHead::backward: dlogits and dlnf alive together.
-  g.backward_workspace_peak = d.n * d.v * d.dt + a;
+  // GptHead::backward: dlogits stays alive through a row view until the end, with dlnf and
+  // the returned dx.
+  g.backward_workspace_peak = d.n * d.v * d.dt + 2 * a;
   return g;
 }
 

@@ -99,6 +99,12 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
     : device_(&device), config_(config) {
   PORTER_CHECK(model != nullptr, "Engine: the model is null");
   check_supported(config, device);
+  if (GptModel* gpt = as_gpt(*model)) {
+    PORTER_CHECK(gpt->gpt().config() == config.porter.model,
+                 "Engine: the GptModel was built from another model config than porter.model "
+                 "(the plan and the checkpoints describe porter.model); build it from "
+                 "config.porter.model");
+  }
   compute_dtype_ = config.bf16.enabled ? nn::DType::kBF16 : nn::DType::kF32;
   allocator_ = std::make_unique<memory::CachingAllocator>(device);
   kernels_ = nn::make_kernels(device);
@@ -416,8 +422,8 @@ std::string MemoryReport::format() const {
       format_bytes(peak_activation_bytes));
   row("total peak", format_bytes(predicted_peak_bytes), format_bytes(peak_bytes));
   std::ostringstream p, m;
-  p << std::fixed << std::setprecision(4) << predicted_recompute_s << " s";
-  m << std::fixed << std::setprecision(4) << measured_recompute_s << " s";
+  p << std::fixed << std::setprecision(3) << predicted_recompute_s * 1e3 << " ms";
+  m << std::fixed << std::setprecision(3) << measured_recompute_s * 1e3 << " ms";
   row("recompute per step", p.str(), m.str());
   return o.str();
 }

@@ -66,9 +66,9 @@ class Engine {
  public:
   // Builds the flat buffers (params, grads, optimizer state), initialises the parameters
   // from config.porter.train.seed and plans the checkpoint schedule: from the analytic
-  // model's bytes for GptModel, or from a profiling pass when the policy needs costs it
-  // cannot know (optimal, or a user chain). Throws InvalidArgument for configs it cannot
-  // run (fp16 on cpu, zero stage > 0 until the distributed issue, ...).
+  // model's bytes for GptModel under `none`, else from a profiling pass (so the predicted
+  // recompute time is measured; Note [Engine costs] in engine.cc). Throws InvalidArgument
+  // for configs it cannot run (fp16, zero stage > 0 until the distributed issue, ...).
   Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config);
   ~Engine();
   Engine(const Engine&) = delete;

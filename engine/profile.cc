@@ -6,7 +6,8 @@
 // once). Between stages the input waits on the host, and each option's run gets a fresh
 // device copy, so that dropping the copy reveals whether the tape still references it
 // (tape_refs_input) and at most one stage's input is on the device at a time: profiling fits
-// wherever the `full` policy fits. Per option:
+// wherever the `full` policy fits (stage 0's token ids get a fresh copy the same way). Per
+// option:
 //   reset_peak; forward            -> forward_s, forward_peak_bytes, forward_total_peak_bytes
 //   footprint delta - output        -> saved_bytes
 //   drop the output                 -> tape_refs_output (nothing freed)
@@ -14,8 +15,9 @@
 //   kKeep: drop the input copy      -> tape_refs_input; then backward -> backward_s and
 //                                      backward_total_peak_bytes (the incoming dy alive)
 // A save option is available when it differs from kKeep: selective needs at least one op the
-// selective policy recomputes (a stage without attention has none). Times are one
-// measurement each (the stage's first run is a warm-up), enough for planning.
+// selective policy recomputes (a stage without attention has none). Times are the minimum of
+// kTimingRuns runs after a warm-up: cheap, and stable enough to rank plans.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -29,6 +31,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using checkpoint::OptionCost;
+
+constexpr int kTimingRuns = 3;
 using checkpoint::SaveOption;
 
 double seconds_since(Clock::time_point t0) {
@@ -89,7 +93,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
 
     {  // Warm-up, so that first-touch costs do not land on one option's time.
       nn::Tape tape;
-      nn::Tensor x = i == 0 ? tokens : upload(alloc, input);
+      nn::Tensor x = upload(alloc, input);
       if (last) model.set_targets(targets);
       nn::forward_stage(ctx, layer, i, tape, nn::SaveMode::kCheckpoint, x);
     }
@@ -97,7 +101,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
     for (SaveOption o : {SaveOption::kKeep, SaveOption::kSelective, SaveOption::kCheckpoint}) {
       OptionCost& oc = sc.option(o);
       nn::Tape tape;
-      nn::Tensor x = i == 0 ? tokens : upload(alloc, input);
+      nn::Tensor x = upload(alloc, input);
       if (last) model.set_targets(targets);
       const nn::SaveMode mode =
           o == SaveOption::kKeep ? nn::SaveMode::kSaveAll : nn::SaveMode::kCheckpoint;
@@ -126,11 +130,11 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
 
       if (o == SaveOption::kKeep) {
         oc.available = true;
-        if (i > 0) {
-          const size_t before = footprint(alloc);
-          x = nn::Tensor();
-          oc.tape_refs_input = before - footprint(alloc) < sc.input_bytes;
-        }
+        // All categories: stage 0's input (token ids) is workspace, outside the footprint.
+        const size_t before = alloc.stats().requested_bytes;
+        const size_t in_bytes = x.nbytes();
+        x = nn::Tensor();
+        oc.tape_refs_input = before - alloc.stats().requested_bytes < in_bytes;
         // Backward with the incoming gradient (workspace, the activation's dtype) alive, as
         // in a step; the loss stage ignores its dy.
         nn::Tensor dy;
@@ -148,7 +152,9 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       }
       const std::vector<std::string> actions = tape.plan_actions();
       bool recomputes = false;
-      for (const std::string& a : actions) recomputes = recomputes || a == "compute";
+      for (const std::string& a : actions) {  // "<op name>:<action>"
+        recomputes = recomputes || a.ends_with(":compute");
+      }
       oc.available = o == SaveOption::kCheckpoint || recomputes;
 
       if (last) model.set_targets(targets);
@@ -162,6 +168,39 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       oc.recompute_total_peak_bytes = s1.peak_requested_bytes - s0.requested_bytes;
       oc.recompute_saved_bytes = s1.activation_bytes - s0.activation_bytes;
       tape.clear();
+    }
+
+    // Times: the minimum over kTimingRuns runs (the byte-measuring run above is the first),
+    // so that first-touch costs (new segments, cold caches) do not pass for compute.
+    for (int run = 1; run < kTimingRuns; ++run) {
+      for (SaveOption o : {SaveOption::kKeep, SaveOption::kSelective, SaveOption::kCheckpoint}) {
+        OptionCost& oc = sc.option(o);
+        nn::Tape tape;
+        nn::Tensor x = upload(alloc, input);
+        if (last) model.set_targets(targets);
+        const bool keep = o == SaveOption::kKeep;
+        auto t0 = Clock::now();
+        nn::Tensor y = nn::forward_stage(
+            ctx, layer, i, tape, keep ? nn::SaveMode::kSaveAll : nn::SaveMode::kCheckpoint, x,
+            o == SaveOption::kSelective ? selective_policy : nn::OpPolicy::keep_none());
+        oc.forward_s = std::min(oc.forward_s, seconds_since(t0));
+        nn::Tensor dy;
+        if (keep && !last) {
+          dy = ctx.workspace(y.shape(), y.dtype());
+          ctx.kernels().fill(dy, 0.0f);
+        }
+        y = nn::Tensor();
+        t0 = Clock::now();
+        if (keep) {
+          nn::backward_stage(ctx, layer, i, tape, dy);
+          sc.backward_s = std::min(sc.backward_s, seconds_since(t0));
+        } else {
+          if (last) model.set_targets(targets);
+          nn::recompute_stage(ctx, layer, i, tape, x);
+          oc.recompute_s = std::min(oc.recompute_s, seconds_since(t0));
+          tape.clear();
+        }
+      }
     }
     input = std::move(next);
   }

@@ -92,20 +92,22 @@ TEST(EngineStepTest, WrongCountAndShapeAreRejected) {
 
 TEST(EngineStepTest, OutOfMemoryLeavesStateUnchangedAndRetryWorks) {
   const config::Config c = tiny_config(config::CheckpointPolicy::kNone, 0.1);
-  // Measure what a step needs, then give a device a little less.
-  size_t states = 0, peak = 0;
+  // Measure what a step needs under none and under full, then give a device the midpoint.
+  size_t none_peak = 0, full_peak = 0;
   std::vector<float> reference_params;
   double reference_loss = 0;
-  {
+  for (auto policy : {config::CheckpointPolicy::kNone, config::CheckpointPolicy::kFull}) {
+    config::Config pc = c;
+    pc.porter.checkpointing.policy = policy;
     auto device = cpu_device();
-    auto e = gpt_engine(*device, c);
-    states = e->allocator().stats().requested_bytes;
+    auto e = gpt_engine(*device, pc);
     const StepResult r = e->train_step(batches(c, 0));
-    peak = r.peak_bytes;
+    (policy == config::CheckpointPolicy::kNone ? none_peak : full_peak) = r.peak_bytes;
     reference_loss = r.loss;
     reference_params = e->params_host();
   }
-  auto device = cpu_device(states + (peak - states) / 2);
+  ASSERT_LT(full_peak, none_peak);
+  auto device = cpu_device((none_peak + full_peak) / 2);
   auto e = gpt_engine(*device, c);
   const std::vector<float> before = e->params_host();
   const size_t baseline = e->allocator().stats().requested_bytes;
@@ -117,8 +119,13 @@ TEST(EngineStepTest, OutOfMemoryLeavesStateUnchangedAndRetryWorks) {
     EXPECT_EQ(e->allocator().stats().requested_bytes, baseline);
   }
   // A plan that fits (every stage checkpointed) then runs the same step bit for bit.
-  (void)reference_params;
-  (void)reference_loss;
+  checkpoint::PlanOptions full;
+  full.checkpointing.policy = config::CheckpointPolicy::kFull;
+  e->set_plan(checkpoint::make_plan(full, e->costs()));
+  const StepResult r = e->train_step(batches(c, 0));
+  EXPECT_EQ(r.loss, reference_loss);
+  EXPECT_TRUE(bitwise_equal(e->params_host(), reference_params));
+  EXPECT_EQ(e->step(), 1);
 }
 
 TEST(EngineStepTest, TraceHasSpansPerStageAndMemoryCounters) {
@@ -173,6 +180,14 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
   expect_refused(c, "optimizer.params.adam_w_mode");
   c.optimizer->weight_decay = 0.0;
   EXPECT_NO_THROW(gpt_engine(*device, c));  // plain Adam without decay is AdamW
+  config::ModelConfig other = c.porter.model;
+  other.layers = 2;
+  try {
+    Engine e(*device, std::make_unique<GptModel>(other), c);
+    FAIL();
+  } catch (const InvalidArgument& err) {
+    EXPECT_THAT(err.what(), HasSubstr("another model config than porter.model"));
+  }
 }
 
 TEST(EngineStepTest, Bf16TrainsWithMasterWeights) {
