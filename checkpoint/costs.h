@@ -57,6 +57,7 @@ struct OptionCost {
   size_t recompute_peak_bytes = 0;     // above (start + saved_bytes)
   size_t recompute_total_peak_bytes = 0;
   size_t recompute_saved_bytes = 0;    // added to the tape by the recompute
+  double recompute_flops = 0.0;        // FLOPs of the recompute (analytic; 0 when unknown)
   bool operator==(const OptionCost&) const = default;
 };
 

@@ -21,6 +21,12 @@
 //   Backward(i)             tape[i] full and g == i + 1. Drops cur if it is a_{i+1} (an
 //                           unneeded output), runs the backward, clears tape[i], releases
 //                           held[i]; g = i.
+// `cur` is dropped when a forward replaces it and nothing else references it (held, or a
+// tape's input/output reference), at the start of Backward(i) when it is a_{i+1}, and at
+// once for the loss. A cur that is a_i stays alive through Backward(i) until the next op
+// drops it; the engine must keep exactly these lifetimes for measured peaks to equal the
+// simulated ones. A forward may replace a partial tape (Rotor's re-forwards) but never a
+// full one.
 // A valid schedule ends with g == 0, every tape empty and nothing held: Backward(i) runs
 // exactly once per stage, in order n-1 .. 0. Forwards may repeat (Rotor's nested
 // recompute); dropout masks depend only on (seed, stage, step, micro-batch, site), so a
@@ -55,6 +61,7 @@ struct Schedule {
   std::vector<ScheduleOp> ops;
   // "F0k+ F1c F2c R2 B2 ..." (k/s/c = keep/selective/checkpoint, + = hold input).
   std::string to_string() const;
+  bool operator==(const Schedule&) const = default;
 };
 
 // Throws InvalidArgument naming the first op that breaks Note [Schedule semantics].
@@ -63,12 +70,15 @@ void validate(const Schedule& schedule);
 // What the simulator predicts for one micro-batch of a schedule.
 struct Prediction {
   size_t peak_activation_bytes = 0;  // peak of the footprint during the micro-batch
-  size_t peak_total_bytes = 0;       // the same for all categories (activations, gradients
-                                     // between stages, workspace), excluding model states
+  // The same for all categories, excluding model states: at each op, the footprint at its
+  // start + the activation gradient alive between stages (that of a_g: stage g's
+  // input_bytes, none before the loss's backward) + the op's *_total_peak_bytes.
+  size_t peak_total_bytes = 0;
   int peak_op = -1;                  // index of the op at which the footprint peaks
   double compute_s = 0.0;            // forwards + recomputes + backwards
   double recompute_s = 0.0;          // compute_s minus one forward per stage and backwards
-  double recompute_flops = 0.0;      // FLOPs of the forwards beyond one per stage
+  double recompute_flops = 0.0;      // FLOPs of the forwards beyond one per stage, plus the
+                                     // Recompute ops' OptionCost::recompute_flops
   // Activation footprint after each op (for plots and tests).
   std::vector<size_t> footprint_after_op;
 };

@@ -1,0 +1,375 @@
+// The standard checkpoint policies as schedules, the per-stage summary, budgets, and
+// make_plan, which picks a policy's schedule and predicts it (Note [Policies] in planner.h).
+// The Rotor/Rockmate dynamic program lives in rotor.cc.
+#include "checkpoint/planner.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "base/check.h"
+#include "base/error.h"
+#include "base/units.h"
+
+namespace porter::checkpoint {
+
+namespace {
+
+using Kind = ScheduleOp::Kind;
+
+// A run of stages compiled together (Note [Policies]):
+//   kKeep        one stage, saved in full;
+//   kSegment     stages [s, e): the first input held, every forward keeps nothing; before
+//                the backwards the segment is re-forwarded with kKeep up to e-2 and e-1 is
+//                recomputed from `cur` (a one-stage segment is "hold, recompute");
+//   kSelective   one stage, forwarded kSelective with its input held, recomputed.
+struct Segment {
+  enum class Type : uint8_t { kKeep, kSegment, kSelective };
+  Type type;
+  int begin;
+  int end;
+};
+
+Schedule compile(int n, const std::vector<Segment>& segments) {
+  Schedule s;
+  s.num_stages = n;
+  auto& ops = s.ops;
+  for (const Segment& g : segments) {
+    switch (g.type) {
+      case Segment::Type::kKeep: ops.push_back(ScheduleOp::forward(g.begin, SaveOption::kKeep, false)); break;
+      case Segment::Type::kSelective:
+        ops.push_back(ScheduleOp::forward(g.begin, SaveOption::kSelective, true));
+        break;
+      case Segment::Type::kSegment:
+        for (int i = g.begin; i < g.end; ++i)
+          ops.push_back(ScheduleOp::forward(i, SaveOption::kCheckpoint, i == g.begin));
+        break;
+    }
+  }
+  for (auto it = segments.rbegin(); it != segments.rend(); ++it) {
+    const Segment& g = *it;
+    if (g.type == Segment::Type::kSegment) {
+      for (int i = g.begin; i + 1 < g.end; ++i) ops.push_back(ScheduleOp::forward(i, SaveOption::kKeep, false));
+    }
+    if (g.type != Segment::Type::kKeep) ops.push_back(ScheduleOp::recompute(g.end - 1));
+    for (int i = g.end - 1; i >= g.begin; --i) ops.push_back(ScheduleOp::backward(i));
+  }
+  return s;
+}
+
+int count_blocks(const ChainCosts& costs) {
+  int b = 0;
+  for (const StageCost& s : costs.stages) b += s.is_block ? 1 : 0;
+  return b;
+}
+
+// Blocks in segments of `per` consecutive blocks (at most `limit` blocks checkpointed, the
+// rest keep); non-block stages keep.
+std::vector<Segment> block_segments(const ChainCosts& costs, int per, int limit) {
+  std::vector<Segment> out;
+  const int n = costs.num_stages();
+  int done = 0;
+  for (int i = 0; i < n;) {
+    if (!costs.stages[i].is_block || done >= limit) {
+      out.push_back({Segment::Type::kKeep, i, i + 1});
+      ++i;
+      continue;
+    }
+    int e = i;
+    while (e < n && e - i < per && done < limit && costs.stages[e].is_block) {
+      ++e;
+      ++done;
+    }
+    out.push_back({Segment::Type::kSegment, i, e});
+    i = e;
+  }
+  return out;
+}
+
+// The objective the planner minimises: time when the costs have times, else recompute FLOPs.
+double objective(const Prediction& p, const ChainCosts& costs) {
+  return costs.has_times() ? p.compute_s : p.recompute_flops;
+}
+
+const char* kBudgetKey = "porter.checkpointing.memory_budget";
+
+struct Candidate {
+  std::string description;
+  Schedule schedule;
+  Prediction prediction;
+};
+
+// Every standard schedule the optimal planner compares with, simulated.
+std::vector<Candidate> standard_candidates(const ChainCosts& costs) {
+  std::vector<Candidate> out;
+  auto add = [&](std::string d, Schedule s) {
+    Prediction p = simulate(s, costs);
+    out.push_back({std::move(d), std::move(s), std::move(p)});
+  };
+  add("none", schedule_none(costs));
+  add("full", schedule_full(costs));
+  const int blocks = count_blocks(costs);
+  for (int per = 1; per <= blocks; ++per) add("uniform, " + std::to_string(per) + " blocks per segment", schedule_uniform(costs, per));
+  for (int b = 1; b < blocks; ++b) add("block, first " + std::to_string(b) + " blocks", schedule_block(costs, b));
+  add("sqrt", schedule_sqrt(costs));
+  bool any_selective = false;
+  for (const StageCost& s : costs.stages)
+    any_selective |= s.is_block && s.option(SaveOption::kSelective).available;
+  if (any_selective) add("selective", schedule_selective(costs));
+  return out;
+}
+
+// The schedule with the lowest simulated peak among the optimal planner's candidates.
+Candidate minimum_candidate(const ChainCosts& costs) {
+  std::vector<Candidate> all = standard_candidates(costs);
+  Candidate best = *std::min_element(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+    return a.prediction.peak_activation_bytes < b.prediction.peak_activation_bytes;
+  });
+  // Binary search on the DP's budget below the best standard peak. Feasibility is monotone
+  // in the budget up to the discretisation, so stop at 0.1% precision.
+  size_t lo = 0, hi = best.prediction.peak_activation_bytes;
+  while (hi > lo + std::max<size_t>(1, hi / 1000)) {
+    const size_t mid = lo + (hi - lo) / 2;
+    std::optional<Schedule> s = schedule_rotor(costs, mid);
+    if (!s) {
+      lo = mid;
+      continue;
+    }
+    Prediction p = simulate(*s, costs);
+    if (p.peak_activation_bytes < best.prediction.peak_activation_bytes) {
+      best = {"rotor", std::move(*s), std::move(p)};
+    }
+    hi = std::min(mid, best.prediction.peak_activation_bytes);
+  }
+  return best;
+}
+
+std::string policy_key(const char* key) { return std::string("porter.checkpointing.") + key; }
+
+}  // namespace
+
+std::string_view where_name(Where w) {
+  switch (w) {
+    case Where::kDevice: return "device";
+    case Where::kPartitioned: return "partitioned";
+    case Where::kHost: return "host";
+  }
+  return "?";
+}
+
+nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops) {
+  if (selective_ops.empty()) return nn::OpPolicy::selective_attention();
+  // The config names a GPT block's ops; the save context knows op kinds, so every linear
+  // (qkv, proj, fc1, fc2) is one kind: naming any of them recomputes all four.
+  std::vector<nn::OpKind> kinds;
+  for (const std::string& op : selective_ops) {
+    nn::OpKind k;
+    if (op == "layernorm") k = nn::OpKind::kLayerNorm;
+    else if (op == "qkv" || op == "proj" || op == "fc1" || op == "fc2") k = nn::OpKind::kMatmul;
+    else if (op == "core_attention" || op == "attention") k = nn::OpKind::kAttention;
+    else if (op == "gelu") k = nn::OpKind::kGelu;
+    else if (op == "dropout") k = nn::OpKind::kDropout;
+    else {
+      std::string names;
+      for (const std::string& s : config::selective_op_kinds()) names += (names.empty() ? "" : ", ") + s;
+      throw InvalidArgument("porter.checkpointing.selective_ops: unknown op \"" + op + "\" (expected one of " +
+                            names + ")");
+    }
+    kinds.push_back(k);
+  }
+  // OpPolicy takes a fixed list; repeating a kind is harmless.
+  while (kinds.size() < 5) kinds.push_back(kinds.front());
+  PORTER_ASSERT(kinds.size() <= 8, "selective_ops lists ", kinds.size(), " ops");
+  while (kinds.size() < 8) kinds.push_back(kinds.front());
+  return nn::OpPolicy::recompute_only(
+      {kinds[0], kinds[1], kinds[2], kinds[3], kinds[4], kinds[5], kinds[6], kinds[7]});
+}
+
+Schedule schedule_none(const ChainCosts& costs) {
+  std::vector<Segment> seg;
+  for (int i = 0; i < costs.num_stages(); ++i) seg.push_back({Segment::Type::kKeep, i, i + 1});
+  return compile(costs.num_stages(), seg);
+}
+
+Schedule schedule_full(const ChainCosts& costs) {
+  std::vector<Segment> seg;
+  for (int i = 0; i < costs.num_stages(); ++i) seg.push_back({Segment::Type::kSegment, i, i + 1});
+  return compile(costs.num_stages(), seg);
+}
+
+Schedule schedule_uniform(const ChainCosts& costs, int blocks_per_segment) {
+  PORTER_CHECK_GE(blocks_per_segment, 1, "uniform checkpointing: blocks per segment");
+  return compile(costs.num_stages(), block_segments(costs, blocks_per_segment, count_blocks(costs)));
+}
+
+Schedule schedule_block(const ChainCosts& costs, int checkpointed_blocks) {
+  PORTER_CHECK_GE(checkpointed_blocks, 0, "block checkpointing: checkpointed blocks");
+  return compile(costs.num_stages(), block_segments(costs, 1, checkpointed_blocks));
+}
+
+Schedule schedule_sqrt(const ChainCosts& costs) {
+  const int n = costs.num_stages();
+  const int per = std::max(1, static_cast<int>(std::lround(std::sqrt(static_cast<double>(n)))));
+  std::vector<Segment> seg;
+  for (int i = 0; i < n; i += per) seg.push_back({Segment::Type::kSegment, i, std::min(n, i + per)});
+  return compile(n, seg);
+}
+
+Schedule schedule_selective(const ChainCosts& costs) {
+  std::vector<Segment> seg;
+  for (int i = 0; i < costs.num_stages(); ++i) {
+    const StageCost& s = costs.stages[i];
+    const bool sel = s.is_block && s.option(SaveOption::kSelective).available;
+    seg.push_back({sel ? Segment::Type::kSelective : Segment::Type::kKeep, i, i + 1});
+  }
+  return compile(costs.num_stages(), seg);
+}
+
+std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs) {
+  std::vector<StagePlan> out(static_cast<size_t>(schedule.num_stages));
+  std::vector<bool> seen(out.size(), false);
+  for (StagePlan& p : out) p.forwards = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].name = i < costs.stages.size() ? costs.stages[i].name : "stage." + std::to_string(i);
+  }
+  for (const ScheduleOp& op : schedule.ops) {
+    PORTER_CHECK(op.stage >= 0 && op.stage < schedule.num_stages, "summarize: op stage ", op.stage,
+                 " outside the schedule's ", schedule.num_stages, " stages");
+    StagePlan& p = out[op.stage];
+    if (op.kind == Kind::kBackward) continue;
+    ++p.forwards;
+    if (op.kind != Kind::kForward) continue;
+    if (!seen[op.stage]) p.action = std::string(save_option_name(op.save));
+    seen[op.stage] = true;
+    p.holds_input = p.holds_input || op.hold_input;
+  }
+  return out;
+}
+
+size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& costs) {
+  if (!budget.is_fraction()) return static_cast<size_t>(std::get<uint64_t>(budget.value));
+  const double f = std::get<double>(budget.value);
+  if (!(f > 0.0 && f <= 1.0)) {
+    throw InvalidArgument(std::string(kBudgetKey) + " = " + std::to_string(f) +
+                          ": a fractional budget must be in (0, 1] (a fraction of the no-checkpointing "
+                          "activation peak); give bytes (\"2GiB\") for more");
+  }
+  const size_t none = simulate(schedule_none(costs), costs).peak_activation_bytes;
+  return static_cast<size_t>(std::floor(f * static_cast<double>(none)));
+}
+
+size_t minimum_budget_bytes(const ChainCosts& costs) {
+  return minimum_candidate(costs).prediction.peak_activation_bytes;
+}
+
+Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
+  PORTER_CHECK(costs.num_stages() >= 1, "make_plan: the chain has no stages");
+  const config::CheckpointingConfig& ck = options.checkpointing;
+  Plan plan;
+  plan.policy = ck.policy;
+  plan.selective_policy = selective_policy(ck.selective_ops);
+  const int blocks = count_blocks(costs);
+  switch (ck.policy) {
+    case config::CheckpointPolicy::kNone:
+      plan.schedule = schedule_none(costs);
+      plan.description = "none: every stage keeps its activations";
+      break;
+    case config::CheckpointPolicy::kFull:
+      plan.schedule = schedule_full(costs);
+      plan.description = "full: all " + std::to_string(costs.num_stages()) +
+                         " stages checkpointed and recomputed";
+      break;
+    case config::CheckpointPolicy::kUniform: {
+      int64_t per = 1;
+      if (ck.every_n_layers) {
+        per = *ck.every_n_layers;
+        PORTER_CHECK(per >= 1, policy_key("every_n_layers"), " = ", per, " must be >= 1");
+        PORTER_CHECK(per <= blocks, policy_key("every_n_layers"), " = ", per, " is more than the model's ",
+                     blocks, " blocks");
+      } else if (options.number_checkpoints) {
+        const int64_t k = *options.number_checkpoints;
+        PORTER_CHECK(k >= 1, "activation_checkpointing.number_checkpoints = ", k, " must be >= 1");
+        per = std::max<int64_t>(1, (blocks + k - 1) / k);
+      }
+      PORTER_CHECK(blocks >= 1, "policy \"uniform\" needs blocks to checkpoint; the chain has none");
+      plan.schedule = schedule_uniform(costs, static_cast<int>(per));
+      const int64_t segs = (blocks + per - 1) / per;
+      plan.description = "uniform: " + std::to_string(segs) + " segment" + (segs == 1 ? "" : "s") + " of " +
+                         std::to_string(per) + " block" + (per == 1 ? "" : "s");
+      break;
+    }
+    case config::CheckpointPolicy::kBlock: {
+      PORTER_CHECK(ck.block_layers.has_value(), policy_key("block_layers"),
+                   " is required by policy \"block\" (the number of blocks to checkpoint)");
+      const int64_t b = *ck.block_layers;
+      PORTER_CHECK(b >= 0, policy_key("block_layers"), " = ", b, " must be >= 0");
+      PORTER_CHECK(b <= blocks, policy_key("block_layers"), " = ", b, " is more than the model's ", blocks,
+                   " blocks");
+      plan.schedule = schedule_block(costs, static_cast<int>(b));
+      plan.description = "block: the first " + std::to_string(b) + " of " + std::to_string(blocks) +
+                         " blocks checkpointed";
+      break;
+    }
+    case config::CheckpointPolicy::kSqrt: {
+      const int per = std::max(1, static_cast<int>(std::lround(std::sqrt(costs.num_stages()))));
+      plan.schedule = schedule_sqrt(costs);
+      plan.description = "sqrt: segments of " + std::to_string(per) + " stages";
+      break;
+    }
+    case config::CheckpointPolicy::kSelective: {
+      int n_sel = 0;
+      for (const StageCost& s : costs.stages)
+        n_sel += s.is_block && s.option(SaveOption::kSelective).available ? 1 : 0;
+      PORTER_CHECK(n_sel > 0, "policy \"selective\": no block of this chain has a selective option (",
+                   policy_key("selective_ops"), " names ops it does not run)");
+      plan.schedule = schedule_selective(costs);
+      plan.description = "selective: " + std::to_string(n_sel) + " blocks " +
+                         plan.selective_policy.to_string() + ", the rest recomputed";
+      break;
+    }
+    case config::CheckpointPolicy::kOptimal: {
+      std::optional<config::MemoryBudget> b = options.budget ? options.budget : ck.memory_budget;
+      PORTER_CHECK(b.has_value(), kBudgetKey, " is required by policy \"optimal\" (bytes such as \"2GiB\", "
+                   "or a fraction of the no-checkpointing peak such as 0.5)");
+      const size_t budget = resolve_budget(*b, costs);
+      plan.budget_bytes = budget;
+      std::vector<Candidate> cands = standard_candidates(costs);
+      if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
+        Prediction p = simulate(*r, costs);
+        cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
+      }
+      const Candidate* best = nullptr;
+      for (const Candidate& c : cands) {
+        if (c.prediction.peak_activation_bytes > budget) continue;
+        if (best == nullptr) {
+          best = &c;
+          continue;
+        }
+        const double oc = objective(c.prediction, costs), ob = objective(best->prediction, costs);
+        if (oc < ob || (oc == ob && c.prediction.peak_activation_bytes < best->prediction.peak_activation_bytes)) {
+          best = &c;
+        }
+      }
+      Candidate minimum;
+      if (best == nullptr) {
+        // The discretised DP may miss a schedule that fits exactly; the minimum search
+        // (finer budgets) finds the lowest peak reachable.
+        minimum = minimum_candidate(costs);
+        if (minimum.prediction.peak_activation_bytes > budget) {
+          throw InvalidArgument(std::string(kBudgetKey) + ": " + format_bytes(budget) +
+                                " is below the minimum feasible activation peak of " +
+                                format_bytes(minimum.prediction.peak_activation_bytes) +
+                                " for this model and micro-batch (policy \"optimal\")");
+        }
+        best = &minimum;
+      }
+      plan.schedule = best->schedule;
+      plan.description = "optimal: budget " + format_bytes(budget) + ", chose " + best->description;
+      break;
+    }
+  }
+  plan.prediction = simulate(plan.schedule, costs);
+  plan.stages = summarize(plan.schedule, costs);
+  return plan;
+}
+
+}  // namespace porter::checkpoint

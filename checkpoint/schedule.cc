@@ -1,0 +1,245 @@
+// Schedules: printing, validation against Note [Schedule semantics], and the simulator that
+// replays a schedule over a chain's costs (Note [Activation bytes]).
+#include "checkpoint/schedule.h"
+
+#include <algorithm>
+
+#include "base/check.h"
+#include "base/error.h"
+
+namespace porter::checkpoint {
+
+namespace {
+
+char option_letter(SaveOption o) {
+  switch (o) {
+    case SaveOption::kKeep: return 'k';
+    case SaveOption::kSelective: return 's';
+    case SaveOption::kCheckpoint: return 'c';
+  }
+  return '?';
+}
+
+std::string op_string(const ScheduleOp& op) {
+  switch (op.kind) {
+    case ScheduleOp::Kind::kForward:
+      return "F" + std::to_string(op.stage) + option_letter(op.save) + (op.hold_input ? "+" : "");
+    case ScheduleOp::Kind::kRecompute: return "R" + std::to_string(op.stage);
+    case ScheduleOp::Kind::kBackward: return "B" + std::to_string(op.stage);
+  }
+  return "?";
+}
+
+enum class TapeState : uint8_t { kEmpty, kPartial, kFull };
+
+struct StageTape {
+  TapeState state = TapeState::kEmpty;
+  SaveOption option = SaveOption::kKeep;  // of the forward that filled it
+  bool refs_input = false;
+  bool refs_output = false;
+  size_t extra_bytes = 0;  // saved bytes beyond the stage's input and output
+};
+
+// The executor state of Note [Schedule semantics]. With costs it also keeps the footprint
+// (Note [Activation bytes]); without, it only checks the rules.
+class Replay {
+ public:
+  Replay(const Schedule& s, const ChainCosts* costs)
+      : schedule_(s), costs_(costs), n_(s.num_stages), held_(static_cast<size_t>(n_), false),
+        tapes_(static_cast<size_t>(n_)), forwards_(static_cast<size_t>(n_), 0), g_(n_) {}
+
+  void run() {
+    if (n_ < 1) throw InvalidArgument("schedule: num_stages = " + std::to_string(n_) + ", expected >= 1");
+    if (costs_ != nullptr && costs_->num_stages() != n_) {
+      throw InvalidArgument("schedule has " + std::to_string(n_) + " stages but the costs have " +
+                            std::to_string(costs_->num_stages()));
+    }
+    for (size_t k = 0; k < schedule_.ops.size(); ++k) apply(static_cast<int>(k), schedule_.ops[k]);
+    if (g_ != 0) {
+      fail_end("the backward of stage " + std::to_string(g_ - 1) + " never runs (backward must run "
+               "once per stage, " + std::to_string(n_ - 1) + " down to 0)");
+    }
+    for (int i = 0; i < n_; ++i) {
+      if (tapes_[i].state != TapeState::kEmpty) fail_end("the tape of stage " + std::to_string(i) + " is not empty");
+      if (held_[i]) fail_end("the input of stage " + std::to_string(i) + " is still held");
+    }
+  }
+
+  Prediction prediction() const { return pred_; }
+
+ private:
+  [[noreturn]] void fail(int k, const ScheduleOp& op, const std::string& rule) const {
+    throw InvalidArgument("schedule op " + std::to_string(k) + " (" + op_string(op) + "): " + rule);
+  }
+  [[noreturn]] void fail_end(const std::string& rule) const {
+    throw InvalidArgument("schedule ends after " + std::to_string(schedule_.ops.size()) +
+                          " ops with an unfinished micro-batch: " + rule);
+  }
+
+  // Bytes of a_j: a stage's input, or the last stage's output (the loss).
+  size_t act_bytes(int j) const {
+    if (costs_ == nullptr) return 0;
+    return j < n_ ? costs_->stages[j].input_bytes : costs_->stages[n_ - 1].output_bytes;
+  }
+
+  bool alive(int j) const {
+    if (cur_ == j) return true;
+    if (j < n_ && held_[j]) return true;
+    if (j < n_ && tapes_[j].state != TapeState::kEmpty && tapes_[j].refs_input) return true;
+    if (j > 0 && tapes_[j - 1].state != TapeState::kEmpty && tapes_[j - 1].refs_output) return true;
+    return false;
+  }
+
+  size_t footprint() const {
+    size_t total = 0;
+    for (int j = 0; j <= n_; ++j)
+      if (alive(j)) total += act_bytes(j);
+    for (const StageTape& t : tapes_) total += t.extra_bytes;
+    return total;
+  }
+
+  // The activation gradient alive between stages: that of a_g (none for the loss).
+  size_t grad_bytes() const { return g_ < n_ ? act_bytes(g_) : 0; }
+
+  void note_peak(int k, size_t activation_peak, size_t total_peak) {
+    if (pred_.peak_op < 0 || activation_peak > pred_.peak_activation_bytes) {
+      pred_.peak_op = k;
+      pred_.peak_activation_bytes = activation_peak;
+    }
+    pred_.peak_total_bytes = std::max(pred_.peak_total_bytes, total_peak);
+  }
+
+  const OptionCost& option_cost(int k, const ScheduleOp& op, int stage, SaveOption o) const {
+    const OptionCost& c = costs_->stages[stage].option(o);
+    if (!c.available) {
+      fail(k, op, "save option " + std::string(save_option_name(o)) + " is not available for stage " +
+                      std::to_string(stage) + " (" + costs_->stages[stage].name + ")");
+    }
+    return c;
+  }
+
+  void apply(int k, const ScheduleOp& op) {
+    const int i = op.stage;
+    if (i < 0 || i >= n_) fail(k, op, "stage " + std::to_string(i) + " is outside 0.." + std::to_string(n_ - 1));
+    StageTape& tape = tapes_[i];
+    const bool input_available = cur_ == i || held_[i];
+    switch (op.kind) {
+      case ScheduleOp::Kind::kForward: {
+        if (g_ <= i) fail(k, op, "the backward of stage " + std::to_string(i) + " already ran");
+        if (!input_available) {
+          fail(k, op, "its input a_" + std::to_string(i) + " is neither the current activation nor held");
+        }
+        if (tape.state == TapeState::kFull) {
+          fail(k, op, "the tape of stage " + std::to_string(i) + " is already full; a forward would "
+                      "discard it");
+        }
+        if (op.hold_input) held_[i] = true;
+        tape = StageTape{};  // a repeated forward replaces a partial tape
+        const bool first = forwards_[i]++ == 0;
+        if (costs_ != nullptr) {
+          const StageCost& st = costs_->stages[i];
+          const OptionCost& c = option_cost(k, op, i, op.save);
+          const size_t start = footprint();
+          note_peak(k, start + c.forward_peak_bytes, start + grad_bytes() + c.forward_total_peak_bytes);
+          tape.extra_bytes = c.saved_bytes;
+          tape.refs_input = c.tape_refs_input;
+          tape.refs_output = c.tape_refs_output;
+          pred_.compute_s += c.forward_s;
+          if (!first) {
+            pred_.recompute_s += c.forward_s;
+            pred_.recompute_flops += st.forward_flops;
+          }
+        }
+        tape.state = op.save == SaveOption::kKeep ? TapeState::kFull : TapeState::kPartial;
+        tape.option = op.save;
+        // The loss is consumed at once (Note [Activation bytes]): nothing holds it.
+        cur_ = i + 1 < n_ ? i + 1 : -1;
+        break;
+      }
+      case ScheduleOp::Kind::kRecompute: {
+        if (tape.state != TapeState::kPartial) {
+          fail(k, op, std::string("the tape of stage ") + std::to_string(i) + " is " +
+                          (tape.state == TapeState::kEmpty ? "empty" : "already full") +
+                          "; recompute needs the partial tape of a selective or checkpoint forward");
+        }
+        if (!input_available) {
+          fail(k, op, "its input a_" + std::to_string(i) + " is neither the current activation nor held");
+        }
+        if (costs_ != nullptr) {
+          const OptionCost& c = option_cost(k, op, i, tape.option);
+          const OptionCost& keep = costs_->stages[i].option(SaveOption::kKeep);
+          const size_t start = footprint();
+          note_peak(k, start + c.recompute_peak_bytes,
+                    start + grad_bytes() + c.recompute_total_peak_bytes);
+          tape.extra_bytes += c.recompute_saved_bytes;
+          // A completed tape holds what a kKeep forward saves, references included.
+          tape.refs_input = keep.tape_refs_input;
+          tape.refs_output = keep.tape_refs_output;
+          pred_.compute_s += c.recompute_s;
+          pred_.recompute_s += c.recompute_s;
+          pred_.recompute_flops += c.recompute_flops;
+        }
+        tape.state = TapeState::kFull;
+        break;
+      }
+      case ScheduleOp::Kind::kBackward: {
+        if (g_ != i + 1) {
+          fail(k, op, g_ <= i ? "the backward of stage " + std::to_string(i) + " already ran"
+                              : "the backward of stage " + std::to_string(g_ - 1) +
+                                    " must run first (backward runs " + std::to_string(n_ - 1) +
+                                    " down to 0)");
+        }
+        if (tape.state != TapeState::kFull) {
+          fail(k, op, std::string("the tape of stage ") + std::to_string(i) + " is " +
+                          (tape.state == TapeState::kEmpty ? "empty (no forward ran)"
+                                                           : "partial (recompute it first)"));
+        }
+        if (cur_ == i + 1) cur_ = -1;  // an output nobody needs any more
+        if (costs_ != nullptr) {
+          const size_t start = footprint();
+          note_peak(k, start, start + grad_bytes() + costs_->stages[i].backward_total_peak_bytes);
+          pred_.compute_s += costs_->stages[i].backward_s;
+        }
+        tape = StageTape{};
+        held_[i] = false;
+        g_ = i;
+        break;
+      }
+    }
+    if (costs_ != nullptr) pred_.footprint_after_op.push_back(footprint());
+  }
+
+  const Schedule& schedule_;
+  const ChainCosts* costs_;  // not owned; null when only validating
+  int n_;
+  int cur_ = 0;  // index j of the current activation a_j; -1 for none. a_0 = the tokens.
+  std::vector<bool> held_;
+  std::vector<StageTape> tapes_;
+  std::vector<int> forwards_;
+  int g_;
+  Prediction pred_;
+};
+
+}  // namespace
+
+std::string Schedule::to_string() const {
+  std::string s;
+  for (const ScheduleOp& op : ops) {
+    if (!s.empty()) s += ' ';
+    s += op_string(op);
+  }
+  return s;
+}
+
+void validate(const Schedule& schedule) {
+  Replay r(schedule, nullptr);
+  r.run();
+}
+
+Prediction simulate(const Schedule& schedule, const ChainCosts& costs) {
+  Replay r(schedule, &costs);
+  r.run();
+  return r.prediction();
+}
+
+}  // namespace porter::checkpoint
