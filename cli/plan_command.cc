@@ -70,10 +70,18 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
   const checkpoint::Prediction none =
       checkpoint::simulate(checkpoint::schedule_none(costs), costs);
+  // FLOPs come from the analytic model whatever the costs' source (profiles measure times,
+  // not FLOPs): the plan's schedule replayed on analytic costs counts its extra forwards.
+  const checkpoint::ChainCosts analytic = checkpoint::analytic_gpt_costs(
+      gpt_shape(cfg), checkpoint::selective_policy(cfg.porter.checkpointing.selective_ops));
+  const checkpoint::Prediction flops = checkpoint::simulate(plan.schedule, analytic);
   double forward_flops = 0.0;
-  for (const checkpoint::StageCost& s : costs.stages) forward_flops += s.forward_flops;
+  for (const checkpoint::StageCost& s : analytic.stages) forward_flops += s.forward_flops;
   const double flop_fraction =
-      forward_flops > 0.0 ? plan.prediction.recompute_flops / (3.0 * forward_flops) : 0.0;
+      forward_flops > 0.0 ? flops.recompute_flops / (3.0 * forward_flops) : 0.0;
+  // Measured-cost overhead: recompute time over the rest of the micro-batch's compute.
+  const double base_s = plan.prediction.compute_s - plan.prediction.recompute_s;
+  const double time_fraction = base_s > 0.0 ? plan.prediction.recompute_s / base_s : 0.0;
   const std::string policy(config::to_string(plan.policy));
 
   if (o.json) {
@@ -97,7 +105,9 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     j["predicted_recompute_s"] =
         costs.has_times() ? nlohmann::ordered_json(plan.prediction.recompute_s * micro_batches)
                           : nlohmann::ordered_json();
-    j["recompute_flops"] = plan.prediction.recompute_flops * static_cast<double>(micro_batches);
+    j["recompute_time_fraction"] =
+        costs.has_times() ? nlohmann::ordered_json(time_fraction) : nlohmann::ordered_json();
+    j["recompute_flops"] = flops.recompute_flops * static_cast<double>(micro_batches);
     j["recompute_flop_fraction"] = flop_fraction;
     j["schedule"] = plan.schedule.to_string();
     out << j.dump(2) << "\n";
@@ -126,9 +136,11 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::snprintf(pct, sizeof pct, "+%.1f%%", 100.0 * flop_fraction);
   out << "  predicted recompute: ";
   if (costs.has_times()) {
+    char tpct[32];
+    std::snprintf(tpct, sizeof tpct, "+%.1f%%", 100.0 * time_fraction);
     out << format_seconds(plan.prediction.recompute_s * static_cast<double>(micro_batches))
         << " per step (" << micro_batches << " micro-batch" << (micro_batches == 1 ? "" : "es")
-        << "), " << pct << " of the step's FLOPs\n";
+        << "): " << tpct << " of the step's compute time, " << pct << " of its FLOPs\n";
   } else {
     out << pct << " of the step's FLOPs (forward + backward = 3 x forward; the analytic model "
            "has no times)\n";
