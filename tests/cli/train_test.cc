@@ -2,6 +2,8 @@
 // trace and dump files, the JSON outputs, and the exit codes of bad configs and out-of-memory.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -26,12 +28,12 @@ struct CliRun {
   std::string err;
 };
 
-CliRun porter(std::vector<std::string> args) {
+CliRun porter(std::vector<std::string> args, bool tty = false) {
   args.insert(args.begin(), "porter");
   std::vector<const char*> argv;
   for (const std::string& a : args) argv.push_back(a.c_str());
   std::ostringstream out, err;
-  int rc = run(static_cast<int>(argv.size()), argv.data(), out, err);
+  int rc = run(static_cast<int>(argv.size()), argv.data(), out, err, tty);
   return CliRun{rc, out.str(), err.str()};
 }
 
@@ -132,6 +134,20 @@ TEST_F(CliTrain, ReportHasEveryField) {
   EXPECT_EQ(plan["stages"][1]["where"], "device");
   EXPECT_TRUE(plan["predicted_recompute_s"].is_number());
   EXPECT_GT(plan["measured_recompute_s"].get<double>(), 0.0);
+}
+
+TEST_F(CliTrain, OnATerminalProgressIsOneUpdatingLine) {
+  CliRun r = porter({"train", "--config", tiny()}, /*tty=*/true);
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  // One \r-rewritten line per step (log_every does not apply), erased to its end, ended by a
+  // newline after the last step.
+  for (const char* step : {"] step 1/3  loss ", "] step 2/3  loss ", "] step 3/3  loss "}) {
+    EXPECT_TRUE(contains(r.err, step)) << r.err;
+  }
+  EXPECT_TRUE(contains(r.err, "\r[")) << r.err;
+  EXPECT_TRUE(contains(r.err, " tok/s  ETA ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "\033[K\n")) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 TEST_F(CliTrain, TraceHasEverySpanKindAndAMemoryCounter) {
@@ -285,10 +301,14 @@ TEST_F(CliTrain, OutOfMemoryExitsThree) {
   const std::string uniform = "\"policy\": \"uniform\", \"every_n_layers\": 1";
   text.replace(text.find("\"64MiB\""), 7, "\"560KiB\"");
   text.replace(text.find(uniform), uniform.size(), "\"policy\": \"none\"");
-  CliRun oom = porter({"train", "--config", config(text, "oom.json")});
+  const fs::path trace = dir_ / "oom-trace.json";
+  CliRun oom = porter({"train", "--config", config(text, "oom.json"), "--trace", trace.string()});
   EXPECT_EQ(oom.rc, kExitOom) << oom.err;
   EXPECT_TRUE(contains(oom.err, "error: out of memory on cpu:0")) << oom.err;
   EXPECT_TRUE(contains(oom.err, "hint: ")) << oom.err;
+  EXPECT_TRUE(contains(oom.err, "warning: the plan's predicted peak")) << oom.err;
+  // The trace up to the error is written.
+  EXPECT_TRUE(read_json(trace)["traceEvents"].is_array());
 }
 
 }  // namespace
