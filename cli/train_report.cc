@@ -39,6 +39,13 @@ double tokens_per_s(const std::vector<engine::StepResult>& steps) {
   return time > 0 ? tokens / time : 0.0;
 }
 
+double mean_last_loss(const std::vector<engine::StepResult>& steps, size_t n) {
+  const size_t k = std::min(n, steps.size());
+  double sum = 0;
+  for (size_t i = steps.size() - k; i < steps.size(); ++i) sum += steps[i].loss;
+  return k ? sum / static_cast<double>(k) : 0.0;
+}
+
 ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   const engine::MemoryReport mem = engine.memory_report();
   const checkpoint::Plan& plan = engine.plan();
@@ -63,6 +70,8 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["losses"] = losses;
   j["first_loss"] = run.steps.empty() ? ordered_json() : ordered_json(run.steps.front().loss);
   j["final_loss"] = run.steps.empty() ? ordered_json() : ordered_json(run.steps.back().loss);
+  j["final_loss_mean_last_10"] =
+      run.steps.empty() ? ordered_json() : ordered_json(mean_last_loss(run.steps));
   j["lrs"] = lrs;
   j["grad_norms"] = norms;
   j["step_times_s"] = times;
@@ -121,6 +130,10 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
   if (!run.steps.empty()) {
     std::snprintf(buf, sizeof buf, "%.4f -> %.4f", run.steps.front().loss, run.steps.back().loss);
     t.add({"loss (first -> final)", buf});
+    std::snprintf(buf, sizeof buf, "%.4f", mean_last_loss(run.steps));
+    t.add({"loss (mean of the last " + std::to_string(std::min<size_t>(10, run.steps.size())) +
+               " steps)",
+           buf});
   }
   t.add({"step time (median, min, max)", format_seconds(st.median_s) + ", " +
                                              format_seconds(st.min_s) + ", " + format_seconds(st.max_s)});

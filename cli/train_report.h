@@ -29,6 +29,8 @@ struct StepTimes {
 StepTimes step_times(const std::vector<engine::StepResult>& steps);
 // Tokens over the sum of the steps' times.
 double tokens_per_s(const std::vector<engine::StepResult>& steps);
+// The mean loss of the last (up to) `n` steps: one step's loss is one batch's, and noisy.
+double mean_last_loss(const std::vector<engine::StepResult>& steps, size_t n = 10);
 
 // The report (docs/cli.md, "The report").
 nlohmann::ordered_json train_report(const TrainRun& run, engine::Engine& engine);

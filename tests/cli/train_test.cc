@@ -104,6 +104,9 @@ TEST_F(CliTrain, ReportHasEveryField) {
   ASSERT_EQ(j["losses"].size(), 3u);
   EXPECT_EQ(j["final_loss"], j["losses"][2]);
   EXPECT_EQ(j["first_loss"], j["losses"][0]);
+  EXPECT_DOUBLE_EQ(j["final_loss_mean_last_10"].get<double>(),
+                   (j["losses"][0].get<double>() + j["losses"][1].get<double>() +
+                    j["losses"][2].get<double>()) / 3);
   EXPECT_NEAR(j["losses"][0].get<double>(), std::log(64.0), 0.3);
   EXPECT_EQ(j["tokens_per_step"], 2 * 2 * 16);
   EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
