@@ -1,5 +1,5 @@
 # A thin wrapper over CMake presets. `make test` works on a fresh Debian 12 machine as root.
-.PHONY: all deps build test test-release test-asan test-tsan consumer bench clean
+.PHONY: all deps build test test-release test-asan test-tsan consumer bench demo clean
 
 JOBS ?= $(shell nproc)
 PREFIX ?= $(CURDIR)/build/install
@@ -36,6 +36,14 @@ consumer: build
 
 test: test-release consumer test-asan test-tsan
 	@echo "make test: all suites passed"
+
+# Trains examples/gpt-tiny.json: a byte-level GPT on porter's own docs and sources, under a
+# memory limit that the none policy would exceed (README.md, "make demo"). Runs from the
+# repository root, which the config's data paths are relative to.
+demo: deps
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS) --target porter
+	./build/release/cli/porter train --config examples/gpt-tiny.json --report build/demo-report.json
 
 bench: build
 	./build/release/bench/memory_bench --benchmark_counters_tabular=true

@@ -9,15 +9,21 @@
 
 namespace porter::cli {
 
-int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
+        bool err_is_tty) {
   CLI::App app{"porter: train models that do not fit, within a memory budget (ZeRO, activation "
                "checkpointing, offload)",
                "porter"};
   app.set_version_flag("--version", std::string("porter ") + PORTER_VERSION);
   app.require_subcommand(1);
-  app.footer("Exit codes: 0 success, 1 usage error, 2 invalid input (e.g. an invalid config).");
+  app.footer("Exit codes: 0 success, 1 usage error, 2 invalid input (e.g. an invalid config), "
+             "3 out of memory.");
 
   CommandContext context{&out, &err};
+  context.err_is_tty = err_is_tty;
+  add_train_command(app, context);
+  add_plan_command(app, context);
+  add_estimate_command(app, context);
   add_config_command(app, context);
 
   try {
@@ -26,6 +32,10 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     // --help and --version arrive here too, with exit code 0.
     int code = app.exit(e, out, err);
     return code == 0 ? kExitOk : kExitUsage;
+  } catch (const porter::OutOfMemoryError& e) {
+    // The allocator's message accounts for every byte and ends with a hint.
+    err << "error: " << e.what() << "\n";
+    return kExitOom;
   } catch (const porter::Error& e) {
     err << "error: " << e.what() << "\n";
     return kExitInvalid;

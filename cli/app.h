@@ -9,9 +9,13 @@ namespace porter::cli {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 1;    // bad flags or arguments (CLI11 prints why)
 inline constexpr int kExitInvalid = 2;  // the input (a config, a file) is invalid
+inline constexpr int kExitOom = 3;      // the device ran out of memory
+
 
 // Runs `porter` with these arguments, writing to `out` and `err` instead of the process's
-// streams (tests pass string streams). Returns the process exit code.
-int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+// streams (tests pass string streams). `err_is_tty` turns on the progress bar of `train`.
+// Returns the process exit code.
+int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
+        bool err_is_tty = false);
 
 }  // namespace porter::cli

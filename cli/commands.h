@@ -12,9 +12,17 @@ struct CommandContext {
   std::ostream* out;  // not owned: results
   std::ostream* err;  // not owned: warnings and errors
   int exit_code = 0;  // set by the subcommand that ran
+  bool err_is_tty = false;  // whether `err` is a terminal (progress bars)
 };
 
 // `porter config check FILE [--world-size N] [--strict] [--json]`
 void add_config_command(CLI::App& app, CommandContext& context);
+// `porter train --config F [--steps N] [--report F] [--trace F] [--dump-dir D] [--save D]
+// [--resume D]`
+void add_train_command(CLI::App& app, CommandContext& context);
+// `porter plan --config F [--budget B] [--json]`
+void add_plan_command(CLI::App& app, CommandContext& context);
+// `porter estimate --config F [--budget B] [--json]`
+void add_estimate_command(CLI::App& app, CommandContext& context);
 
 }  // namespace porter::cli

@@ -66,9 +66,9 @@ class Engine {
  public:
   // Builds the flat buffers (params, grads, optimizer state), initialises the parameters
   // from config.porter.train.seed and plans the checkpoint schedule: from the analytic
-  // model's bytes for GptModel, or from a profiling pass when the policy needs costs it
-  // cannot know (optimal, or a user chain). Throws InvalidArgument for configs it cannot
-  // run (fp16 on cpu, zero stage > 0 until the distributed issue, ...).
+  // model's bytes for GptModel under `none`, else from a profiling pass (so the predicted
+  // recompute time is measured; Note [Engine costs] in engine.cc). Throws InvalidArgument
+  // for configs it cannot run (fp16, zero stage > 0 until the distributed issue, ...).
   Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -115,9 +115,16 @@ class Engine {
   // Spans and memory counters go to `trace` (null: none). Not owned.
   void set_trace(TraceRecorder* trace) { trace_ = trace; }
 
+  // The mean loss of `micro_batches` at the current parameters, forward only: no gradient,
+  // no update, nothing kept (dropout masks are those of the next step). Same shape checks as
+  // train_step.
+  double evaluate(const std::vector<HostBatch>& micro_batches);
+  // Overwrites the parameters (and the f32 master copy for bf16) with `values` in layout
+  // order, e.g. pretrained weights or a finite-difference probe. Moments and step stay.
+  void set_params_host(const std::vector<float>& values);
+
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
   memory::Device* device_;
   std::unique_ptr<memory::CachingAllocator> allocator_;
   std::unique_ptr<nn::Kernels> kernels_;
@@ -126,7 +133,9 @@ class Engine {
   nn::DType compute_dtype_ = nn::DType::kF32;
   int64_t step_ = 0;
   std::vector<HostBatch> last_batches_;
-  TraceRecorder* trace_ = nullptr;
+  TraceRecorder* trace_ = nullptr;  // not owned; may be null
+  // Last: destroyed first, while the allocator its buffers came from is still alive.
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace porter::engine

@@ -1,0 +1,211 @@
+// The end-of-run summary, the --report JSON and the --dump-dir files of `porter train`.
+#include "cli/train_report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+
+#include "base/error.h"
+#include "base/units.h"
+#include "cli/common.h"
+#include "config/parse.h"
+#include "memory/category.h"
+#include "nn/npy.h"
+
+namespace porter::cli {
+
+namespace fs = std::filesystem;
+using nlohmann::ordered_json;
+
+StepTimes step_times(const std::vector<engine::StepResult>& steps) {
+  StepTimes t;
+  if (steps.empty()) return t;
+  std::vector<double> v;
+  for (const auto& s : steps) v.push_back(s.time_s);
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  t.median_s = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  t.min_s = v.front();
+  t.max_s = v.back();
+  return t;
+}
+
+double tokens_per_s(const std::vector<engine::StepResult>& steps) {
+  double tokens = 0, time = 0;
+  for (const auto& s : steps) {
+    tokens += static_cast<double>(s.tokens);
+    time += s.time_s;
+  }
+  return time > 0 ? tokens / time : 0.0;
+}
+
+ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
+  const engine::MemoryReport mem = engine.memory_report();
+  const checkpoint::Plan& plan = engine.plan();
+  const config::Config& cfg = engine.config();
+  ordered_json j;
+  j["config"] = run.config_file;
+  j["device"] = run.device;
+  j["data"] = run.data;
+  j["compute_dtype"] = nn::dtype_name(engine.compute_dtype());
+  j["num_params"] = engine.model().layout().num_params();
+  j["start_step"] = run.start_step;
+  j["steps"] = run.steps.size();
+  j["tokens_per_step"] = run.steps.empty() ? 0 : run.steps.front().tokens;
+  ordered_json losses = ordered_json::array(), lrs = ordered_json::array(),
+               norms = ordered_json::array(), times = ordered_json::array();
+  for (const auto& s : run.steps) {
+    losses.push_back(s.loss);
+    lrs.push_back(s.lr);
+    norms.push_back(s.grad_norm);
+    times.push_back(s.time_s);
+  }
+  j["losses"] = losses;
+  j["first_loss"] = run.steps.empty() ? ordered_json() : ordered_json(run.steps.front().loss);
+  j["final_loss"] = run.steps.empty() ? ordered_json() : ordered_json(run.steps.back().loss);
+  j["lrs"] = lrs;
+  j["grad_norms"] = norms;
+  j["step_times_s"] = times;
+  j["tokens_per_s"] = tokens_per_s(run.steps);
+  const StepTimes st = step_times(run.steps);
+  j["step_time_s"] = {{"median", st.median_s}, {"min", st.min_s}, {"max", st.max_s}};
+  j["wall_s"] = run.wall_s;
+
+  ordered_json by_cat = ordered_json::object(), cur_cat = ordered_json::object();
+  for (memory::Category c : memory::kAllCategories) {
+    by_cat[std::string(memory::category_name(c))] = mem.peak_by_category[memory::index_of(c)];
+    cur_cat[std::string(memory::category_name(c))] = mem.current_by_category[memory::index_of(c)];
+  }
+  size_t step_peak_activation = 0;
+  for (const auto& s : run.steps) step_peak_activation = std::max(step_peak_activation, s.peak_activation_bytes);
+  j["memory"] = {
+      {"capacity_bytes", mem.capacity_bytes},
+      {"peak_bytes", mem.peak_bytes},
+      {"predicted_peak_bytes", mem.predicted_peak_bytes},
+      {"peak_by_category", by_cat},
+      {"current_by_category", cur_cat},
+      {"model_state_bytes", mem.model_state_bytes},
+      {"activation_peak_bytes", mem.peak_activation_bytes},
+      {"predicted_activation_peak_bytes", mem.predicted_activation_bytes},
+  };
+  ordered_json stages = ordered_json::array();
+  for (const checkpoint::StagePlan& s : plan.stages) {
+    stages.push_back({{"name", s.name}, {"action", s.action}, {"holds_input", s.holds_input},
+                      {"forwards", s.forwards}, {"where", checkpoint::where_name(s.where)}});
+  }
+  double recompute_total = 0;
+  for (const auto& s : run.steps) recompute_total += s.recompute_s;
+  j["plan"] = {
+      {"policy", config::to_string(plan.policy)},
+      {"description", plan.description},
+      {"budget_bytes", plan.budget_bytes ? ordered_json(*plan.budget_bytes) : ordered_json()},
+      {"costs", engine.costs().source},
+      {"stages", stages},
+      {"predicted_recompute_s", mem.predicted_recompute_s},
+      {"measured_recompute_s", mem.measured_recompute_s},
+      {"measured_recompute_total_s", recompute_total},
+      {"schedule", plan.schedule.to_string()},
+  };
+  j["resolved_config"] = config::to_json(cfg);
+  return j;
+}
+
+void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& out) {
+  const engine::MemoryReport mem = engine.memory_report();
+  const StepTimes st = step_times(run.steps);
+  char buf[256];
+  out << "\nsummary\n";
+  Table t({"", ""});
+  t.add({"steps", std::to_string(run.steps.size()) +
+                      (run.start_step ? " (from step " + std::to_string(run.start_step) + ")" : "")});
+  if (!run.steps.empty()) {
+    std::snprintf(buf, sizeof buf, "%.4f -> %.4f", run.steps.front().loss, run.steps.back().loss);
+    t.add({"loss (first -> final)", buf});
+  }
+  t.add({"step time (median, min, max)", format_seconds(st.median_s) + ", " +
+                                             format_seconds(st.min_s) + ", " + format_seconds(st.max_s)});
+  t.add({"tokens/s", format_count(tokens_per_s(run.steps))});
+  std::snprintf(buf, sizeof buf, "%.1f s", run.wall_s);
+  t.add({"wall time", buf});
+  t.print(out);
+
+  out << "\nmemory: " << run.device << "\n";
+  Table m({"category", "peak"});
+  for (memory::Category c : memory::kAllCategories) {
+    m.add({std::string(memory::category_name(c)), format_bytes(mem.peak_by_category[memory::index_of(c)])});
+  }
+  m.add({"all (peak of the sum)", format_bytes(mem.peak_bytes)});
+  m.print(out);
+
+  out << "\npredicted vs measured (" << engine.plan().description << ")\n";
+  Table p({"", "predicted", "measured"});
+  p.add({"activation peak", format_bytes(mem.predicted_activation_bytes),
+         format_bytes(mem.peak_activation_bytes)});
+  p.add({"total peak", format_bytes(mem.predicted_peak_bytes), format_bytes(mem.peak_bytes)});
+  p.add({"recompute per step",
+         engine.costs().has_times() ? format_seconds(mem.predicted_recompute_s) : "(analytic: no times)",
+         format_seconds(mem.measured_recompute_s)});
+  p.print(out);
+}
+
+void write_dump(const fs::path& dir, engine::Engine& engine, const std::vector<float>& params,
+                const engine::StepResult& step) {
+  std::error_code ec;
+  for (const char* sub : {"params", "grads", "batch"}) {
+    fs::create_directories(dir / sub, ec);
+    if (ec) throw IoError("--dump-dir: cannot create \"" + (dir / sub).string() + "\": " + ec.message());
+  }
+  const std::vector<float> grads = engine.grads_host();
+  const nn::ParamLayout& layout = engine.model().layout();
+  ordered_json tensors = ordered_json::array();
+  for (const nn::ParamEntry& e : layout.entries()) {
+    const std::vector<int64_t> shape = e.shape.to_vector();
+    const int64_t numel = e.shape.numel();
+    const size_t end = static_cast<size_t>(e.offset_elems + numel);
+    if (end > params.size() || end > grads.size()) {
+      throw InternalError("--dump-dir: parameter " + e.name + " lies outside the flat buffers");
+    }
+    nn::write_npy((dir / "params" / (e.name + ".npy")).string(), params.data() + e.offset_elems,
+                  nn::DType::kF32, shape);
+    nn::write_npy((dir / "grads" / (e.name + ".npy")).string(), grads.data() + e.offset_elems,
+                  nn::DType::kF32, shape);
+    tensors.push_back({{"name", e.name}, {"shape", shape},
+                       {"param", "params/" + e.name + ".npy"}, {"grad", "grads/" + e.name + ".npy"}});
+  }
+  ordered_json batches = ordered_json::array();
+  const auto& mbs = engine.last_batches();
+  for (size_t m = 0; m < mbs.size(); ++m) {
+    const engine::HostBatch& b = mbs[m];
+    const std::vector<int64_t> shape = {b.batch, b.seq};
+    const std::string tok = "batch/tokens_" + std::to_string(m) + ".npy";
+    const std::string tgt = "batch/targets_" + std::to_string(m) + ".npy";
+    nn::write_npy((dir / tok).string(), b.tokens.data(), nn::DType::kI32, shape);
+    nn::write_npy((dir / tgt).string(), b.targets.data(), nn::DType::kI32, shape);
+    batches.push_back({{"tokens", tok}, {"targets", tgt}, {"shape", shape}});
+  }
+  const config::Config& cfg = engine.config();
+  ordered_json manifest;
+  manifest["format"] = "porter-dump/1";
+  manifest["step"] = step.step - 1;  // 0-based index of the dumped step
+  manifest["steps_done_after"] = step.step;
+  manifest["dtype"] = "float32";
+  manifest["compute_dtype"] = nn::dtype_name(engine.compute_dtype());
+  manifest["loss"] = step.loss;
+  manifest["grad_norm"] = step.grad_norm;
+  manifest["clip_coef"] = step.clip_coef;
+  manifest["lr"] = step.lr;
+  manifest["micro_batches"] = mbs.size();
+  manifest["grad_scale"] = "gradient of the mean loss over the micro-batches, before clipping";
+  manifest["names"] = ordered_json::array();
+  for (const nn::ParamEntry& e : layout.entries()) manifest["names"].push_back(e.name);
+  manifest["tensors"] = tensors;
+  manifest["batches"] = batches;
+  manifest["model"] = config::to_json(cfg)["porter"]["model"];
+  manifest["config"] = config::to_json(cfg);
+  const fs::path path = dir / "manifest.json";
+  std::ofstream out(path);
+  out << manifest.dump(2) << "\n";
+  if (!out) throw IoError("--dump-dir: cannot write \"" + path.string() + "\"");
+}
+
+}  // namespace porter::cli

@@ -1,0 +1,431 @@
+// The Engine: flat buffers, planning, one training step (Note [One engine step] in engine.h),
+// evaluation and the memory report. Training checkpoints are in state.cc, the schedule
+// executor in executor.cc, profiling in profile.cc.
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+
+#include "base/check.h"
+#include "base/error.h"
+#include "base/units.h"
+#include "checkpoint/analytic.h"
+#include "engine/engine_impl.h"
+#include "engine/executor.h"
+
+namespace porter::engine {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Note [What the engine runs]
+// One device, one rank, no ZeRO partitioning and no offload yet: those arrive with their
+// issues, and until then a config asking for them is refused rather than silently run
+// differently. Weight decay is decoupled (AdamW) and applies to every parameter, biases and
+// norms included (DeepSpeed applies the optimizer's weight_decay to every parameter group it
+// builds by default); Adam with coupled L2 decay (adam_w_mode false) is refused when
+// weight_decay > 0, because the kernel implements only the decoupled form.
+void check_supported(const config::Config& c, memory::Device& device) {
+  if (c.fp16.enabled) {
+    throw InvalidArgument(
+        std::string("fp16.enabled: fp16 training needs dynamic loss scaling, which the engine "
+                    "does not implement yet") +
+        (device.kind() == memory::DeviceKind::kCpu ? " (and the cpu device has no fp16 compute)"
+                                                   : "") +
+        "; use bf16.enabled instead");
+  }
+  if (c.zero_optimization.stage > 0) {
+    throw InvalidArgument("zero_optimization.stage: " + std::to_string(c.zero_optimization.stage) +
+                          " arrives with the distributed issue; this engine runs stage 0 "
+                          "(set it to 0)");
+  }
+  if (c.world_size > 1) {
+    throw InvalidArgument("world_size " + std::to_string(c.world_size) +
+                          ": the engine runs one rank until the distributed issue; launch one "
+                          "process");
+  }
+  if (c.zero_optimization.offload_optimizer.device != config::OffloadDevice::kNone ||
+      c.zero_optimization.offload_param.device != config::OffloadDevice::kNone) {
+    throw InvalidArgument(
+        "zero_optimization.offload_optimizer/offload_param.device: offload arrives with the "
+        "offload issue; set device to \"none\"");
+  }
+  if (c.activation_checkpointing) {
+    if (c.activation_checkpointing->cpu_checkpointing) {
+      throw InvalidArgument(
+          "activation_checkpointing.cpu_checkpointing: offloading checkpoints to the host "
+          "arrives with the offload issue; set it to false");
+    }
+    if (c.activation_checkpointing->partition_activations) {
+      throw InvalidArgument(
+          "activation_checkpointing.partition_activations: partitioned checkpoints need tensor "
+          "parallelism (the offload and distributed issues); set it to false");
+    }
+  }
+  const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
+  if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
+    throw InvalidArgument("optimizer.params.adam_w_mode: false with weight_decay " +
+                          std::to_string(opt.weight_decay) +
+                          " asks for Adam with L2 decay added to the gradient; porter's "
+                          "optimizer implements decoupled decay only: set adam_w_mode to true "
+                          "(AdamW) or weight_decay to 0");
+  }
+}
+
+nn::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t>& ids,
+                      int64_t batch, int64_t seq) {
+  nn::Tensor t = nn::Tensor::empty(alloc, nn::Shape{batch, seq}, nn::DType::kI32,
+                                   memory::Category::kWorkspace);
+  if (!ids.empty()) alloc.device().copy_sync(t.data(), ids.data(), t.nbytes());
+  return t;
+}
+
+GptModel* as_gpt(Model& m) { return dynamic_cast<GptModel*>(&m); }
+
+std::string selective_ops_name(const std::vector<std::string>& ops) {
+  if (ops.empty()) return "attention";
+  std::string s;
+  for (const std::string& o : ops) s += (s.empty() ? "" : ",") + o;
+  return s;
+}
+
+}  // namespace
+
+Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config)
+    : device_(&device), config_(config) {
+  PORTER_CHECK(model != nullptr, "Engine: the model is null");
+  check_supported(config, device);
+  if (GptModel* gpt = as_gpt(*model)) {
+    PORTER_CHECK(gpt->gpt().config() == config.porter.model,
+                 "Engine: the GptModel was built from another model config than porter.model "
+                 "(the plan and the checkpoints describe porter.model); build it from "
+                 "config.porter.model");
+  }
+  compute_dtype_ = config.bf16.enabled ? nn::DType::kBF16 : nn::DType::kF32;
+  allocator_ = std::make_unique<memory::CachingAllocator>(device);
+  kernels_ = nn::make_kernels(device);
+  model_ = std::move(model);
+  impl_ = std::make_unique<Impl>();
+  Impl& im = *impl_;
+  im.optimizer = config.optimizer.value_or(config::OptimizerConfig{});
+  im.lr = std::make_unique<LrSchedule>(im.optimizer.lr, config.scheduler);
+
+  // Model states: params in the compute dtype, f32 grads, f32 master (bf16) and moments.
+  const nn::ParamLayout& layout = model_->layout();
+  const int64_t p = layout.total_elems();
+  im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, compute_dtype_, nn::DType::kF32);
+  im.has_master = compute_dtype_ != nn::DType::kF32;
+  if (im.has_master) {
+    im.master = nn::Tensor::empty(*allocator_, nn::Shape{p}, nn::DType::kF32,
+                                  memory::Category::kOptimizer);
+  }
+  im.exp_avg = nn::Tensor::empty(*allocator_, nn::Shape{p}, nn::DType::kF32,
+                                 memory::Category::kOptimizer);
+  im.exp_avg_sq = nn::Tensor::empty(*allocator_, nn::Shape{p}, nn::DType::kF32,
+                                    memory::Category::kOptimizer);
+  kernels_->fill(im.exp_avg, 0.0f);
+  kernels_->fill(im.exp_avg_sq, 0.0f);
+  nn::Tensor grads = im.flat->grads();
+  kernels_->fill(grads, 0.0f);
+  set_params_host(model_->init_values(config.porter.train.seed));
+  model_->bind(*im.flat);
+  im.ctx = std::make_unique<nn::Ctx>(*kernels_, *allocator_, compute_dtype_);
+
+  // Note [Engine costs]: the built-in GPT under `none` plans from the analytic model (exact
+  // bytes, and `none` recomputes nothing, so times do not matter). Every other case is
+  // profiled, so that the plan's predicted recompute time is a measured one and a user
+  // chain's bytes are known at all.
+  const config::CheckpointPolicy policy = config.porter.checkpointing.policy;
+  if (as_gpt(*model_) != nullptr && policy == config::CheckpointPolicy::kNone) {
+    checkpoint::GptShape shape{config.porter.model, config.train_micro_batch_size_per_gpu,
+                               config.porter.model.seq_len, compute_dtype_};
+    im.costs = checkpoint::analytic_gpt_costs(
+        shape, checkpoint::selective_policy(config.porter.checkpointing.selective_ops));
+  } else {
+    im.costs = profile();
+  }
+  checkpoint::PlanOptions options;
+  options.checkpointing = config.porter.checkpointing;
+  if (config.activation_checkpointing) {
+    options.number_checkpoints = config.activation_checkpointing->number_checkpoints;
+  }
+  set_plan(checkpoint::make_plan(options, im.costs));
+  allocator_->reset_peak();
+}
+
+Engine::~Engine() = default;
+
+void Engine::set_plan(const checkpoint::Plan& plan) {
+  PORTER_CHECK(plan.schedule.num_stages == model_->num_stages(), "set_plan: the plan's schedule has ",
+               plan.schedule.num_stages, " stages, the model ", model_->num_stages());
+  checkpoint::validate(plan.schedule);
+  impl_->plan = plan;
+  impl_->recompute_s_per_step.clear();
+}
+
+const checkpoint::Plan& Engine::plan() const { return impl_->plan; }
+const checkpoint::ChainCosts& Engine::costs() const { return impl_->costs; }
+
+namespace {
+
+void check_batches(const config::Config& c, Model& model,
+                   const std::vector<HostBatch>& micro_batches, size_t expected_count) {
+  const int64_t b = c.train_micro_batch_size_per_gpu;
+  const int64_t t = c.porter.model.seq_len;
+  if (expected_count > 0) {
+    PORTER_CHECK(micro_batches.size() == expected_count, "train_step: ", micro_batches.size(),
+                 " micro-batches, but gradient_accumulation_steps is ", expected_count,
+                 "; pass one HostBatch per accumulation step");
+  } else {
+    PORTER_CHECK(!micro_batches.empty(), "evaluate: no micro-batches");
+  }
+  const bool gpt = as_gpt(model) != nullptr;
+  const int64_t vocab = c.porter.model.vocab;
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const HostBatch& mb = micro_batches[i];
+    PORTER_CHECK(mb.batch == b && mb.seq == t, "micro-batch ", i, " is (", mb.batch, ", ",
+                 mb.seq, "), the engine was planned for (train_micro_batch_size_per_gpu, "
+                 "porter.model.seq_len) = (", b, ", ", t, ")");
+    const size_t n = static_cast<size_t>(b * t);
+    PORTER_CHECK(mb.tokens.size() == n && mb.targets.size() == n, "micro-batch ", i, " has ",
+                 mb.tokens.size(), " tokens and ", mb.targets.size(), " targets; (", b, ", ", t,
+                 ") needs ", n, " of each");
+    if (!gpt) continue;
+    for (size_t j = 0; j < n; ++j) {
+      PORTER_CHECK(mb.tokens[j] >= 0 && mb.tokens[j] < vocab && mb.targets[j] >= 0 &&
+                       mb.targets[j] < vocab,
+                   "micro-batch ", i, " position ", j, ": token ", mb.tokens[j], " / target ",
+                   mb.targets[j], " outside the vocabulary [0, ", vocab, ")");
+    }
+  }
+}
+
+}  // namespace
+
+StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
+  Impl& im = *impl_;
+  const int64_t gas = config_.gradient_accumulation_steps;
+  check_batches(config_, *model_, micro_batches, static_cast<size_t>(gas));
+  const auto t0 = Clock::now();
+  ScopedSpan step_span(trace_, TraceSpan{"step " + std::to_string(step_), "step", "compute", 0,
+                                         0, step_, -1, -1});
+  im.fold_peaks(allocator_->stats());
+  allocator_->reset_peak();
+
+  // 1. Zero the gradients. 2. Every micro-batch through the schedule.
+  nn::Tensor grads = im.flat->grads();
+  kernels_->fill(grads, 0.0f);
+  model_->set_loss_scale(1.0f / static_cast<float>(gas));
+  StepResult r;
+  double loss_sum = 0.0;
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const HostBatch& mb = micro_batches[i];
+    nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
+    nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
+    ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy, trace_,
+                step_, static_cast<int>(i), config_.porter.train.seed};
+    const MicroBatchResult mr = run_schedule(env, tokens, targets);
+    loss_sum += mr.loss;
+    r.recompute_s += mr.recompute_s;
+  }
+
+  // 3. Global norm and clip coefficient. Nothing has changed the model yet, and nothing
+  // after the scratch allocation below can fail, so an error leaves the state as it was.
+  const int64_t opt_start_us = trace_ != nullptr ? trace_->now_us() : 0;
+  nn::Tensor sq = nn::Tensor::empty(*allocator_, nn::Shape{1}, nn::DType::kF32,
+                                    memory::Category::kWorkspace);
+  kernels_->squared_norm(grads, sq);
+  const double norm = std::sqrt(static_cast<double>(nn::to_host_f32(*device_, sq).at(0)));
+  sq = nn::Tensor();
+  double coef = 1.0;
+  if (config_.gradient_clipping > 0.0) coef = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+
+  // 4. AdamW over the whole flat buffer (master f32; the bf16 working copy written back).
+  const double lr = im.lr->lr(step_);
+  nn::AdamWArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(im.optimizer.beta1);
+  args.beta2 = static_cast<float>(im.optimizer.beta2);
+  args.eps = static_cast<float>(im.optimizer.eps);
+  args.weight_decay = static_cast<float>(im.optimizer.weight_decay);
+  args.step = step_ + 1;
+  args.grad_scale = static_cast<float>(coef);
+  nn::Tensor target = im.update_target();
+  nn::Tensor params = im.flat->params();
+  kernels_->adamw(target, grads, im.exp_avg, im.exp_avg_sq, args, im.has_master ? &params : nullptr);
+  if (trace_ != nullptr) {
+    trace_->span(TraceSpan{"optimizer adamw", "optimizer", "compute", opt_start_us,
+                           trace_->now_us() - opt_start_us, step_, -1, -1});
+  }
+
+  // 5. Record.
+  ++step_;
+  last_batches_ = micro_batches;
+  const memory::MemoryStats s = allocator_->stats();
+  r.step = step_;
+  r.loss = loss_sum / static_cast<double>(micro_batches.size());
+  r.grad_norm = norm;
+  r.clip_coef = coef;
+  r.lr = lr;
+  r.tokens = static_cast<int64_t>(micro_batches.size()) * micro_batches[0].batch * micro_batches[0].seq;
+  r.peak_activation_bytes = s.peak_activation_bytes;
+  r.peak_bytes = s.peak_requested_bytes;
+  r.time_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  im.recompute_s_per_step.push_back(r.recompute_s);
+  return r;
+}
+
+double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
+  Impl& im = *impl_;
+  check_batches(config_, *model_, micro_batches, 0);
+  const int n = model_->num_stages();
+  double sum = 0.0;
+  struct TargetsGuard {
+    Model& m;
+    ~TargetsGuard() { m.set_targets(nn::Tensor()); }
+  } guard{*model_};
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const HostBatch& mb = micro_batches[i];
+    nn::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
+    nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
+    im.ctx->set_run({config_.porter.train.seed, static_cast<uint64_t>(step_),
+                     static_cast<uint32_t>(i)});
+    for (int s = 0; s < n; ++s) {
+      nn::Tape tape;  // a checkpointed forward keeps nothing; dropped at once
+      if (s == n - 1) model_->set_targets(targets);
+      x = nn::forward_stage(*im.ctx, model_->stage(s), s, tape, nn::SaveMode::kCheckpoint, x);
+    }
+    sum += static_cast<double>(nn::to_host_f32(*device_, x).at(0));
+  }
+  return sum / static_cast<double>(micro_batches.size());
+}
+
+void Engine::set_params_host(const std::vector<float>& values) {
+  Impl& im = *impl_;
+  const int64_t p = model_->layout().total_elems();
+  PORTER_CHECK(static_cast<int64_t>(values.size()) == p, "set_params_host: ", values.size(),
+               " values for a layout of ", p, " elements (padding included)");
+  nn::Tensor params = im.flat->params();
+  if (im.has_master) {
+    nn::from_host_f32(*device_, values, im.master);
+    kernels_->cast(im.master, params);
+  } else {
+    nn::from_host_f32(*device_, values, params);
+  }
+}
+
+checkpoint::ChainCosts Engine::profile() {
+  Impl& im = *impl_;
+  im.fold_peaks(allocator_->stats());
+  const int64_t b = config_.train_micro_batch_size_per_gpu;
+  const int64_t t = config_.porter.model.seq_len;
+  const int64_t vocab = std::max<int64_t>(1, config_.porter.model.vocab);
+  HostBatch mb;
+  mb.batch = b;
+  mb.seq = t;
+  for (int64_t i = 0; i < b * t; ++i) {
+    mb.tokens.push_back(static_cast<int32_t>((i * 7 + 3) % vocab));
+    mb.targets.push_back(static_cast<int32_t>((i * 5 + 1) % vocab));
+  }
+  // Profiling runs real backwards: keep the gradient buffer as the last step left it.
+  const std::vector<float> saved_grads = grads_host();
+  nn::Tensor grads = im.flat->grads();
+  checkpoint::ChainCosts costs;
+  try {
+    nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, b, t);
+    nn::Tensor targets = upload_ids(*allocator_, mb.targets, b, t);
+    im.ctx->set_run({config_.porter.train.seed, 0, 0});
+    model_->set_loss_scale(1.0f / static_cast<float>(config_.gradient_accumulation_steps));
+    costs = profile_chain(*model_, *im.ctx, tokens, targets,
+                          checkpoint::selective_policy(config_.porter.checkpointing.selective_ops),
+                          selective_ops_name(config_.porter.checkpointing.selective_ops));
+  } catch (...) {
+    nn::from_host_f32(*device_, saved_grads, grads);
+    allocator_->reset_peak();
+    throw;
+  }
+  nn::from_host_f32(*device_, saved_grads, grads);
+  allocator_->reset_peak();
+  if (GptModel* gpt = as_gpt(*model_)) {  // FLOPs are not measured: take the analytic ones
+    (void)gpt;
+    checkpoint::GptShape shape{config_.porter.model, b, t, compute_dtype_};
+    const checkpoint::ChainCosts a = checkpoint::analytic_gpt_costs(
+        shape, checkpoint::selective_policy(config_.porter.checkpointing.selective_ops));
+    for (size_t i = 0; i < costs.stages.size() && i < a.stages.size(); ++i) {
+      costs.stages[i].forward_flops = a.stages[i].forward_flops;
+    }
+  }
+  return costs;
+}
+
+std::vector<float> Engine::params_host() const { return nn::to_host_f32(*device_, impl_->flat->params()); }
+std::vector<float> Engine::grads_host() const { return nn::to_host_f32(*device_, impl_->flat->grads()); }
+
+void Engine::reset_peaks() {
+  impl_->peak_by_category.fill(0);
+  impl_->peak_requested_bytes = 0;
+  impl_->peak_activation_bytes = 0;
+  allocator_->reset_peak();
+}
+
+MemoryReport Engine::memory_report() const {
+  const Impl& im = *impl_;
+  const memory::MemoryStats s = allocator_->stats();
+  MemoryReport r;
+  r.capacity_bytes = s.capacity_bytes;
+  r.peak_bytes = std::max(im.peak_requested_bytes, s.peak_requested_bytes);
+  for (size_t c = 0; c < memory::kNumCategories; ++c) {
+    r.peak_by_category[c] = std::max(im.peak_by_category[c], s.by_category[c].peak_bytes);
+    r.current_by_category[c] = s.by_category[c].current_bytes;
+  }
+  r.peak_activation_bytes = std::max(im.peak_activation_bytes, s.peak_activation_bytes);
+  r.predicted_activation_bytes = im.plan.prediction.peak_activation_bytes;
+  r.model_state_bytes = s[memory::Category::kParams].current_bytes +
+                        s[memory::Category::kGrads].current_bytes +
+                        s[memory::Category::kOptimizer].current_bytes;
+  // The batch: one micro-batch's token ids and targets (i32) live during its schedule.
+  const size_t batch_bytes = 2 * sizeof(int32_t) *
+                             static_cast<size_t>(config_.train_micro_batch_size_per_gpu *
+                                                 config_.porter.model.seq_len);
+  r.predicted_peak_bytes = r.model_state_bytes + batch_bytes + im.plan.prediction.peak_total_bytes;
+  r.predicted_recompute_s =
+      im.plan.prediction.recompute_s * static_cast<double>(config_.gradient_accumulation_steps);
+  if (!im.recompute_s_per_step.empty()) {
+    std::vector<double> v = im.recompute_s_per_step;
+    std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+    r.measured_recompute_s = v[v.size() / 2];
+  }
+  return r;
+}
+
+std::string MemoryReport::format() const {
+  std::ostringstream o;
+  auto row = [&](std::string_view name, const std::string& a, const std::string& b) {
+    o << "  " << std::left << std::setw(22) << name << std::right << std::setw(12) << a
+      << std::setw(14) << b << "\n";
+  };
+  o << "memory (capacity " << format_bytes(capacity_bytes) << ")\n";
+  row("category", "current", "peak");
+  for (memory::Category c : memory::kAllCategories) {
+    const size_t i = memory::index_of(c);
+    row(memory::category_name(c), format_bytes(current_by_category[i]),
+        format_bytes(peak_by_category[i]));
+  }
+  row("all categories", "", format_bytes(peak_bytes));
+  o << "\n";
+  row("", "predicted", "measured");
+  row("activation peak", format_bytes(predicted_activation_bytes),
+      format_bytes(peak_activation_bytes));
+  row("total peak", format_bytes(predicted_peak_bytes), format_bytes(peak_bytes));
+  std::ostringstream p, m;
+  p << std::fixed << std::setprecision(3) << predicted_recompute_s * 1e3 << " ms";
+  m << std::fixed << std::setprecision(3) << measured_recompute_s * 1e3 << " ms";
+  row("recompute per step", p.str(), m.str());
+  return o.str();
+}
+
+}  // namespace porter::engine

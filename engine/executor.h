@@ -1,0 +1,47 @@
+// The schedule executor: runs one micro-batch through a checkpoint::Schedule exactly as
+// Note [Schedule semantics] (checkpoint/schedule.h) says, and the profiler that measures a
+// chain's costs (Note [Activation bytes] in checkpoint/costs.h). Internal to the engine.
+#pragma once
+
+#include <cstdint>
+
+#include "checkpoint/costs.h"
+#include "checkpoint/schedule.h"
+#include "engine/model.h"
+#include "engine/trace.h"
+#include "memory/caching_allocator.h"
+#include "nn/ctx.h"
+#include "nn/tensor.h"
+
+namespace porter::engine {
+
+struct ExecEnv {
+  Model* model;                        // not owned
+  nn::Ctx* ctx;                        // not owned
+  const checkpoint::Schedule* schedule;
+  nn::OpPolicy selective_policy = nn::OpPolicy::selective_attention();
+  TraceRecorder* trace = nullptr;      // not owned; null: no spans
+  int64_t step = 0;                    // 0-based optimizer step (dropout key)
+  int micro_batch = 0;
+  uint64_t seed = 0;
+};
+
+struct MicroBatchResult {
+  double loss = 0.0;         // the first forward of the last stage
+  double recompute_s = 0.0;  // Recompute ops and every forward of a stage beyond its first
+};
+
+// Runs `env.schedule` on (tokens, targets) (B, T) i32, accumulating parameter gradients.
+// On an exception every tape, held input and gradient of this micro-batch is released before
+// it propagates, so the allocator is back where it was.
+MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
+                              const nn::Tensor& targets);
+
+// Profiles every stage of `model` under every save option on (tokens, targets). Gradients
+// accumulate into the bound gradient buffer: the caller saves and restores it.
+checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tensor& tokens,
+                                     const nn::Tensor& targets,
+                                     const nn::OpPolicy& selective_policy,
+                                     const std::string& selective_ops);
+
+}  // namespace porter::engine

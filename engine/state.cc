@@ -1,0 +1,147 @@
+// Training checkpoints of the Engine: what goes into the state file (engine/state_file.h)
+// and the checks on the way back. docs/engine.md, "Training checkpoints".
+//
+// Note [Engine state]
+// meta.json holds {"kind": "porter.engine", "step", "compute_dtype", "seed", "layout":
+// {"total_elems", "params": [{"name", "shape", "offset"}...]}, "config": {"model",
+// "optimizer"}}; the sections are the raw device bytes, in layout order with padding:
+//   params      the working parameters (compute dtype)
+//   master      the f32 master copy (bf16 compute only)
+//   exp_avg     AdamW m (f32)
+//   exp_avg_sq  AdamW v (f32)
+// Gradients are not saved: every step starts by zeroing them. Loading restores all of these
+// and the step, so the next train_step computes exactly what it would have without the
+// save (the LR schedule and the data are pure functions of the step).
+#include <cstring>
+#include <sstream>
+
+#include "base/error.h"
+#include "config/parse.h"
+#include "engine/engine.h"
+#include "engine/engine_impl.h"
+#include "engine/state_file.h"
+
+namespace porter::engine {
+
+namespace {
+
+std::vector<std::byte> download(memory::Device& device, const nn::Tensor& t) {
+  std::vector<std::byte> bytes(t.nbytes());
+  if (!bytes.empty()) device.copy_sync(bytes.data(), t.data(), bytes.size());
+  return bytes;
+}
+
+nlohmann::json layout_json(const nn::ParamLayout& layout) {
+  nlohmann::json params = nlohmann::json::array();
+  for (const nn::ParamEntry& e : layout.entries()) {
+    params.push_back({{"name", e.name}, {"shape", e.shape.to_vector()}, {"offset", e.offset_elems}});
+  }
+  return {{"total_elems", layout.total_elems()}, {"params", params}};
+}
+
+std::string shape_string(const nlohmann::json& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + shape[i].dump();
+  return s + ")";
+}
+
+// Throws InvalidArgument naming the first difference between the checkpoint's layout and
+// this engine's.
+void check_layout(const std::filesystem::path& dir, const nlohmann::json& saved,
+                  const nlohmann::json& mine) {
+  const std::string where = dir.string() + ": ";
+  const nlohmann::json& sp = saved.at("params");
+  const nlohmann::json& mp = mine.at("params");
+  for (size_t i = 0; i < std::min(sp.size(), mp.size()); ++i) {
+    const nlohmann::json& a = sp[i];
+    const nlohmann::json& b = mp[i];
+    if (a.at("name") != b.at("name") || a.at("shape") != b.at("shape") ||
+        a.at("offset") != b.at("offset")) {
+      throw InvalidArgument(where + "model layout differs at parameter " + std::to_string(i) +
+                            ": the checkpoint has '" + a.at("name").get<std::string>() + "' " +
+                            shape_string(a.at("shape")) + " at offset " + a.at("offset").dump() +
+                            ", this model has '" + b.at("name").get<std::string>() + "' " +
+                            shape_string(b.at("shape")) + " at offset " + b.at("offset").dump() +
+                            "; load it into an engine built from the same model config");
+    }
+  }
+  if (sp.size() != mp.size() || saved.at("total_elems") != mine.at("total_elems")) {
+    throw InvalidArgument(where + "model layout differs: the checkpoint has " +
+                          std::to_string(sp.size()) + " parameters (" +
+                          saved.at("total_elems").dump() + " elements), this model has " +
+                          std::to_string(mp.size()) + " (" + mine.at("total_elems").dump() +
+                          " elements)");
+  }
+}
+
+}  // namespace
+
+void Engine::save_checkpoint(const std::filesystem::path& dir) const {
+  const Impl& im = *impl_;
+  const nlohmann::ordered_json cfg = config::to_json(config_);
+  nlohmann::json meta;
+  meta["kind"] = "porter.engine";
+  meta["step"] = step_;
+  meta["compute_dtype"] = std::string(nn::dtype_name(compute_dtype_));
+  meta["seed"] = config_.porter.train.seed;
+  meta["layout"] = layout_json(model_->layout());
+  nlohmann::json sections_config;
+  sections_config["model"] = nlohmann::json::parse(cfg.at("porter").at("model").dump());
+  if (cfg.contains("optimizer")) {
+    sections_config["optimizer"] = nlohmann::json::parse(cfg.at("optimizer").dump());
+  }
+  meta["config"] = sections_config;
+  std::vector<StateSection> sections;
+  sections.push_back({"params", download(*device_, im.flat->params())});
+  if (im.has_master) sections.push_back({"master", download(*device_, im.master)});
+  sections.push_back({"exp_avg", download(*device_, im.exp_avg)});
+  sections.push_back({"exp_avg_sq", download(*device_, im.exp_avg_sq)});
+  write_state(dir, std::move(meta), sections);
+}
+
+void Engine::load_checkpoint(const std::filesystem::path& dir) {
+  Impl& im = *impl_;
+  const LoadedState state = read_state(dir);
+  const nlohmann::json& meta = state.meta;
+  const std::string where = dir.string() + ": ";
+  // Check everything before changing anything.
+  if (!meta.contains("kind") || meta.at("kind") != "porter.engine" || !meta.contains("step") ||
+      !meta.contains("compute_dtype") || !meta.contains("layout")) {
+    throw InvalidArgument(where + "meta.json is not an engine checkpoint (needs kind "
+                          "\"porter.engine\", step, compute_dtype and layout)");
+  }
+  const std::string dtype = meta.at("compute_dtype").get<std::string>();
+  const std::string mine(nn::dtype_name(compute_dtype_));
+  if (dtype != mine) {
+    throw InvalidArgument(where + "compute dtype differs: the checkpoint was trained in " + dtype +
+                          ", this engine computes in " + mine + " (bf16.enabled must match)");
+  }
+  check_layout(dir, meta.at("layout"), layout_json(model_->layout()));
+  const int64_t step = meta.at("step").get<int64_t>();
+  if (step < 0) throw InvalidArgument(where + "step " + std::to_string(step) + " is negative");
+
+  struct Target {
+    const char* name;
+    nn::Tensor tensor;
+  };
+  std::vector<Target> targets = {{"params", im.flat->params()}};
+  if (im.has_master) targets.push_back({"master", im.master});
+  targets.push_back({"exp_avg", im.exp_avg});
+  targets.push_back({"exp_avg_sq", im.exp_avg_sq});
+  for (const Target& t : targets) {
+    const StateSection& s = state.section(t.name);
+    if (s.bytes.size() != t.tensor.nbytes()) {
+      throw InvalidArgument(where + "section '" + t.name + "' has " +
+                            std::to_string(s.bytes.size()) + " bytes, this engine needs " +
+                            std::to_string(t.tensor.nbytes()));
+    }
+  }
+  for (const Target& t : targets) {
+    const StateSection& s = state.section(t.name);
+    if (!s.bytes.empty()) device_->copy_sync(t.tensor.data(), s.bytes.data(), s.bytes.size());
+  }
+  step_ = step;
+  last_batches_.clear();
+}
+
+}  // namespace porter::engine

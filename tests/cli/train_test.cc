@@ -1,0 +1,295 @@
+// `porter train`, `porter plan` and `porter estimate` run in-process on a tiny GPT: the report,
+// trace and dump files, the JSON outputs, and the exit codes of bad configs and out-of-memory.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/app.h"
+#include "nn/npy.h"
+
+namespace porter::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct CliRun {
+  int rc;
+  std::string out;
+  std::string err;
+};
+
+CliRun porter(std::vector<std::string> args) {
+  args.insert(args.begin(), "porter");
+  std::vector<const char*> argv;
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  int rc = run(static_cast<int>(argv.size()), argv.data(), out, err);
+  return CliRun{rc, out.str(), err.str()};
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return json::parse(in);
+}
+
+// A 2-layer GPT with 2 micro-batches per step and uniform checkpoints, so that every kind of
+// span (forward, recompute, backward, optimizer) appears.
+const char* kTinyConfig = R"({
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+  "porter": {
+    "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+    "data": {"type": "synthetic", "seed": 3},
+    "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
+    "checkpointing": {"policy": "uniform", "every_n_layers": 1},
+    "train": {"steps": 3, "log_every": 2}
+  }
+})";
+
+class CliTrain : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("porter_cli_train_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  std::string config(const std::string& text, const std::string& name = "config.json") {
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+  // The tiny config with one replacement applied.
+  std::string tiny(const std::string& from = "", const std::string& to = "") {
+    std::string text = kTinyConfig;
+    if (!from.empty()) {
+      size_t at = text.find(from);
+      EXPECT_NE(at, std::string::npos) << from;
+      text.replace(at, from.size(), to);
+    }
+    return config(text);
+  }
+  fs::path dir_;
+};
+
+TEST_F(CliTrain, ReportHasEveryField) {
+  const std::string report = (dir_ / "report.json").string();
+  CliRun r = porter({"train", "--config", tiny(), "--report", report});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  // Not a terminal: one plain line every log_every (2) steps and on the last step.
+  EXPECT_TRUE(contains(r.err, "step 2/3  loss ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "step 3/3  loss ")) << r.err;
+  EXPECT_FALSE(contains(r.err, "step 1/3")) << r.err;
+  EXPECT_FALSE(contains(r.err, "\r")) << r.err;
+  EXPECT_TRUE(contains(r.out, "summary")) << r.out;
+  EXPECT_TRUE(contains(r.out, "activation peak")) << r.out;
+
+  json j = read_json(report);
+  EXPECT_EQ(j["steps"], 3);
+  ASSERT_EQ(j["losses"].size(), 3u);
+  EXPECT_EQ(j["final_loss"], j["losses"][2]);
+  EXPECT_EQ(j["first_loss"], j["losses"][0]);
+  EXPECT_NEAR(j["losses"][0].get<double>(), std::log(64.0), 0.3);
+  EXPECT_EQ(j["tokens_per_step"], 2 * 2 * 16);
+  EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
+  for (const char* k : {"median", "min", "max"}) EXPECT_GT(j["step_time_s"][k].get<double>(), 0.0) << k;
+  EXPECT_LE(j["step_time_s"]["min"].get<double>(), j["step_time_s"]["median"].get<double>());
+  EXPECT_LE(j["step_time_s"]["median"].get<double>(), j["step_time_s"]["max"].get<double>());
+
+  const json& mem = j["memory"];
+  EXPECT_EQ(mem["capacity_bytes"], 64u << 20);
+  std::set<std::string> cats;
+  for (auto it = mem["peak_by_category"].begin(); it != mem["peak_by_category"].end(); ++it) cats.insert(it.key());
+  EXPECT_EQ(cats, (std::set<std::string>{"params", "grads", "optimizer", "activations", "checkpoints",
+                                         "staging", "workspace", "comm"}));
+  EXPECT_GT(mem["peak_by_category"]["params"].get<size_t>(), 0u);
+  EXPECT_EQ(mem["peak_by_category"]["params"], mem["peak_by_category"]["grads"]);
+  EXPECT_GT(mem["peak_by_category"]["checkpoints"].get<size_t>(), 0u);  // uniform holds inputs
+  EXPECT_GE(mem["peak_bytes"].get<size_t>(), mem["model_state_bytes"].get<size_t>());
+  EXPECT_GT(mem["predicted_peak_bytes"].get<size_t>(), 0u);
+  EXPECT_GT(mem["activation_peak_bytes"].get<size_t>(), 0u);
+  EXPECT_GT(mem["predicted_activation_peak_bytes"].get<size_t>(), 0u);
+
+  const json& plan = j["plan"];
+  EXPECT_EQ(plan["policy"], "uniform");
+  ASSERT_EQ(plan["stages"].size(), 4u);  // embedding, 2 blocks, head
+  EXPECT_EQ(plan["stages"][0]["name"], "embedding");
+  EXPECT_EQ(plan["stages"][1]["action"], "checkpoint");
+  EXPECT_EQ(plan["stages"][1]["holds_input"], true);
+  EXPECT_EQ(plan["stages"][1]["where"], "device");
+  EXPECT_TRUE(plan["predicted_recompute_s"].is_number());
+  EXPECT_GT(plan["measured_recompute_s"].get<double>(), 0.0);
+}
+
+TEST_F(CliTrain, TraceHasEverySpanKindAndAMemoryCounter) {
+  const fs::path trace = dir_ / "trace.json";
+  CliRun r = porter({"train", "--config", tiny(), "--trace", trace.string(), "--steps", "2"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  json j = read_json(trace);
+  std::set<std::string> cats;
+  int counters = 0;
+  for (const json& e : j["traceEvents"]) {
+    if (e["ph"] == "X") cats.insert(e["cat"].get<std::string>());
+    if (e["ph"] == "C" && e["name"] == "memory") ++counters;
+  }
+  for (const char* c : {"forward", "recompute", "backward", "optimizer"}) {
+    EXPECT_TRUE(cats.count(c)) << c;
+  }
+  EXPECT_GT(counters, 0);
+}
+
+TEST_F(CliTrain, DumpDirHasTheLastStepsTensors) {
+  const fs::path dump = dir_ / "dump";
+  CliRun r = porter({"train", "--config", tiny(), "--dump-dir", dump.string()});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  json m = read_json(dump / "manifest.json");
+  EXPECT_EQ(m["step"], 2);
+  EXPECT_EQ(m["dtype"], "float32");
+  EXPECT_TRUE(m["loss"].is_number());
+  ASSERT_FALSE(m["names"].empty());
+  EXPECT_EQ(m["names"][0], "wte");
+  for (const json& t : m["tensors"]) {
+    const std::string name = t["name"];
+    for (const char* kind : {"params", "grads"}) {
+      nn::NpyArray a = nn::read_npy((dump / kind / (name + ".npy")).string());
+      EXPECT_EQ(a.dtype, nn::DType::kF32) << name;
+      EXPECT_EQ(a.shape, t["shape"].get<std::vector<int64_t>>()) << name;
+    }
+  }
+  nn::NpyArray qkv = nn::read_npy((dump / "params" / "h.0.qkv.weight.npy").string());
+  EXPECT_EQ(qkv.shape, (std::vector<int64_t>{96, 32}));
+  nn::NpyArray wte = nn::read_npy((dump / "grads" / "wte.npy").string());
+  EXPECT_EQ(wte.shape, (std::vector<int64_t>{64, 32}));
+  for (int mb = 0; mb < 2; ++mb) {
+    for (const char* kind : {"tokens", "targets"}) {
+      nn::NpyArray b = nn::read_npy((dump / "batch" / (std::string(kind) + "_" + std::to_string(mb) + ".npy")).string());
+      EXPECT_EQ(b.dtype, nn::DType::kI32);
+      EXPECT_EQ(b.shape, (std::vector<int64_t>{2, 16}));
+    }
+  }
+  EXPECT_FALSE(fs::exists(dump / "batch" / "tokens_2.npy"));
+}
+
+TEST_F(CliTrain, SaveAndResumeContinueTheRun) {
+  const fs::path ckpt = dir_ / "ckpt";
+  const std::string cfg = tiny();
+  ASSERT_EQ(porter({"train", "--config", cfg, "--steps", "2", "--save", ckpt.string()}).rc, kExitOk);
+  const std::string report = (dir_ / "resumed.json").string();
+  CliRun r = porter({"train", "--config", cfg, "--resume", ckpt.string(), "--report", report});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  json j = read_json(report);
+  EXPECT_EQ(j["start_step"], 2);
+  EXPECT_EQ(j["steps"], 1);
+  // The same as an uninterrupted run's third step.
+  const std::string full = (dir_ / "full.json").string();
+  ASSERT_EQ(porter({"train", "--config", cfg, "--report", full}).rc, kExitOk);
+  EXPECT_EQ(j["losses"][0], read_json(full)["losses"][2]);
+}
+
+TEST_F(CliTrain, PlanJson) {
+  CliRun r = porter({"plan", "--config", tiny(), "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["policy"], "uniform");
+  EXPECT_EQ(j["costs"], "analytic");
+  ASSERT_EQ(j["stages"].size(), 4u);
+  EXPECT_EQ(j["stages"][2]["name"], "block.1");
+  EXPECT_EQ(j["stages"][2]["forwards"], 2);
+  EXPECT_TRUE(j["predicted_recompute_s"].is_null());
+  EXPECT_GT(j["recompute_flop_fraction"].get<double>(), 0.0);
+  EXPECT_LT(j["predicted_activation_peak_bytes"].get<size_t>(), j["none_activation_peak_bytes"].get<size_t>());
+
+  // A budget plans optimal from profiled costs.
+  CliRun opt = porter({"plan", "--config", tiny(), "--budget", "0.9", "--json"});
+  ASSERT_EQ(opt.rc, kExitOk) << opt.err;
+  json o = json::parse(opt.out);
+  EXPECT_EQ(o["policy"], "optimal");
+  EXPECT_EQ(o["costs"], "profiled");
+  EXPECT_TRUE(o["predicted_recompute_s"].is_number());
+  EXPECT_LE(o["predicted_activation_peak_bytes"].get<size_t>(), o["budget_bytes"].get<size_t>());
+
+  CliRun text = porter({"plan", "--config", tiny()});
+  EXPECT_TRUE(contains(text.out, "holds input")) << text.out;
+  EXPECT_TRUE(contains(text.out, "predicted activation peak")) << text.out;
+}
+
+TEST_F(CliTrain, EstimateJson) {
+  CliRun r = porter({"estimate", "--config", tiny(), "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  json j = json::parse(r.out);
+  std::vector<std::string> policies;
+  for (const json& p : j["policies"]) policies.push_back(p["policy"]);
+  EXPECT_EQ(policies, (std::vector<std::string>{"none", "full", "uniform", "block", "sqrt", "selective"}));
+  const json& none = j["policies"][0];
+  EXPECT_EQ(none["fits"], true);
+  EXPECT_EQ(none["params_bytes"], j["model_state_bytes"]["params"]);
+  EXPECT_GT(none["activation_peak_bytes"].get<size_t>(), j["policies"][1]["activation_peak_bytes"].get<size_t>());
+  EXPECT_EQ(j["capacity_bytes"], 64u << 20);
+
+  // With a budget, optimal appears; with a small device, none no longer fits.
+  CliRun b = porter({"estimate", "--config", tiny("\"64MiB\"", "\"600KiB\""), "--budget", "0.9", "--json"});
+  ASSERT_EQ(b.rc, kExitOk) << b.err;
+  json k = json::parse(b.out);
+  EXPECT_EQ(k["policies"].back()["policy"], "optimal");
+  EXPECT_EQ(k["policies"][0]["fits"], false);
+  EXPECT_EQ(k["policies"][1]["fits"], true);
+}
+
+TEST_F(CliTrain, BadConfigExitsTwo) {
+  for (const char* cmd : {"train", "plan", "estimate"}) {
+    CliRun r = porter({cmd, "--config", tiny("\"layers\": 2", "\"layers\": \"two\"")});
+    EXPECT_EQ(r.rc, kExitInvalid) << cmd;
+    EXPECT_TRUE(contains(r.err, "error: ")) << r.err;
+    EXPECT_TRUE(contains(r.err, "porter.model.layers")) << r.err;
+  }
+  CliRun missing = porter({"train", "--config", (dir_ / "nope.json").string()});
+  EXPECT_EQ(missing.rc, kExitInvalid);
+  CliRun bad_budget = porter({"plan", "--config", tiny(), "--budget", "lots"});
+  EXPECT_EQ(bad_budget.rc, kExitInvalid);
+  EXPECT_TRUE(contains(bad_budget.err, "--budget: expected a fraction")) << bad_budget.err;
+  EXPECT_EQ(porter({"train"}).rc, kExitUsage);
+}
+
+TEST_F(CliTrain, TextDataErrorsExitTwo) {
+  std::string text = kTinyConfig;
+  const std::string synthetic = "\"data\": {\"type\": \"synthetic\", \"seed\": 3}";
+  text.replace(text.find(synthetic), synthetic.size(),
+               "\"data\": {\"type\": \"text\", \"paths\": [\"no/such/dir\"]}");
+  // Byte-level text needs vocab 256.
+  CliRun vocab = porter({"train", "--config", config(text, "vocab.json")});
+  EXPECT_EQ(vocab.rc, kExitInvalid);
+  EXPECT_TRUE(contains(vocab.err, "porter.model.vocab: text data is byte-level")) << vocab.err;
+  const std::string vocab64 = "\"vocab\": 64";
+  text.replace(text.find(vocab64), vocab64.size(), "\"vocab\": 256");
+  CliRun missing = porter({"train", "--config", config(text, "missing.json")});
+  EXPECT_EQ(missing.rc, kExitInvalid);
+  EXPECT_TRUE(contains(missing.err, "\"no/such/dir\" does not exist")) << missing.err;
+}
+
+TEST_F(CliTrain, OutOfMemoryExitsThree) {
+  // Model states (~446 KiB) fit in 560 KiB; with the none policy the activations do not.
+  std::string text = kTinyConfig;
+  const std::string uniform = "\"policy\": \"uniform\", \"every_n_layers\": 1";
+  text.replace(text.find("\"64MiB\""), 7, "\"560KiB\"");
+  text.replace(text.find(uniform), uniform.size(), "\"policy\": \"none\"");
+  CliRun oom = porter({"train", "--config", config(text, "oom.json")});
+  EXPECT_EQ(oom.rc, kExitOom) << oom.err;
+  EXPECT_TRUE(contains(oom.err, "error: out of memory on cpu:0")) << oom.err;
+  EXPECT_TRUE(contains(oom.err, "hint: ")) << oom.err;
+}
+
+}  // namespace
+}  // namespace porter::cli

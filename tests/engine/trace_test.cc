@@ -1,0 +1,117 @@
+// TraceRecorder: Chrome Trace Event JSON with lanes, spans, counters; dropped events;
+// ScopedSpan timing; atomic file writes.
+#include "engine/trace.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "base/error.h"
+
+namespace porter::engine {
+namespace {
+
+using nlohmann::json;
+
+json to_json(const TraceRecorder& r) {
+  std::ostringstream s;
+  r.write_json(s);
+  return json::parse(s.str());
+}
+
+TEST(Trace, SpansCountersAndLanes) {
+  TraceRecorder r;
+  r.span({"forward block.0", "forward", "compute", 10, 5, 1, 1, 0});
+  r.span({"d2h block.0", "offload", "d2h", 12, 3, 1, 1, 0});
+  r.span({"custom", "misc", "mylane", 20, 1});
+  r.counter({"memory", 15, {{"activations", 1024.0}, {"checkpoints", 8.0}}});
+  json j = to_json(r);
+  EXPECT_EQ(j["displayTimeUnit"], "ms");
+  EXPECT_EQ(j["otherData"]["dropped_events"], 0);
+  std::map<std::string, int> tids;
+  int spans = 0, counters = 0;
+  for (const json& e : j["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") tids[e["args"]["name"]] = e["tid"];
+    if (e["ph"] == "X") ++spans;
+    if (e["ph"] == "C") {
+      ++counters;
+      EXPECT_EQ(e["name"], "memory");
+      EXPECT_EQ(e["ts"], 15);
+      EXPECT_EQ(e["args"]["activations"], 1024.0);
+      EXPECT_EQ(e["args"]["checkpoints"], 8.0);
+    }
+  }
+  EXPECT_EQ(spans, 3);
+  EXPECT_EQ(counters, 1);
+  EXPECT_EQ(tids["compute"], 1);
+  EXPECT_EQ(tids["d2h"], 2);
+  EXPECT_EQ(tids["h2d"], 3);
+  EXPECT_EQ(tids["comm"], 4);
+  EXPECT_EQ(tids["mylane"], 5);
+  for (const json& e : j["traceEvents"]) {
+    if (e["ph"] == "X" && e["name"] == "forward block.0") {
+      EXPECT_EQ(e["cat"], "forward");
+      EXPECT_EQ(e["tid"], 1);
+      EXPECT_EQ(e["ts"], 10);
+      EXPECT_EQ(e["dur"], 5);
+      EXPECT_EQ(e["args"]["step"], 1);
+      EXPECT_EQ(e["args"]["stage"], 1);
+      EXPECT_EQ(e["args"]["micro_batch"], 0);
+    }
+    if (e["ph"] == "X" && e["name"] == "custom") {
+      EXPECT_FALSE(e["args"].contains("step"));
+    }
+  }
+}
+
+TEST(Trace, EventsBeyondTheLimitAreCounted) {
+  TraceRecorder r(3);
+  for (int i = 0; i < 5; ++i) r.span({"s", "step", "compute", i, 1});
+  r.counter({"memory", 1, {{"x", 1.0}}});
+  EXPECT_EQ(r.spans().size(), 3u);
+  EXPECT_EQ(r.counters().size(), 0u);
+  EXPECT_EQ(r.dropped(), 3u);
+  EXPECT_EQ(to_json(r)["otherData"]["dropped_events"], 3);
+}
+
+TEST(Trace, ScopedSpanMeasuresItsScope) {
+  TraceRecorder r;
+  {
+    ScopedSpan s(&r, {"optimizer", "optimizer", "compute", 0, 0, 4});
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  { ScopedSpan none(nullptr, {"ignored", "x", "compute"}); }
+  auto spans = r.spans();
+  ASSERT_EQ(spans.size(), 1u);
+  EXPECT_EQ(spans[0].name, "optimizer");
+  EXPECT_EQ(spans[0].step, 4);
+  EXPECT_GE(spans[0].dur_us, 2000);
+  EXPECT_LE(spans[0].start_us + spans[0].dur_us, r.now_us());
+}
+
+TEST(Trace, WriteFileIsAtomicAndParses) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / "porter_trace_test";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  TraceRecorder r;
+  r.span({"step", "step", "compute", 0, 100, 1});
+  const fs::path file = dir / "trace.json";
+  r.write_file(file.string());
+  std::ifstream in(file);
+  json j = json::parse(in);
+  EXPECT_TRUE(j["traceEvents"].is_array());
+  // Nothing but the trace is left in the directory.
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++entries;
+  EXPECT_EQ(entries, 1);
+  EXPECT_THROW(r.write_file((dir / "no-such-dir" / "t.json").string()), IoError);
+}
+
+}  // namespace
+}  // namespace porter::engine

@@ -1,0 +1,141 @@
+// The user-layer example of docs/engine.md (also in examples/consumer/main.cc): layers
+// written to the nn::Layer contract and trained through the Engine as a ChainModel.
+// Host loops keep it short: on the cpu device, device memory is host memory.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/model.h"
+#include "nn/ctx.h"
+#include "nn/kernels.h"
+#include "nn/layer.h"
+
+namespace porter::engine::example {
+
+// --- begin docs/engine.md example ---
+// Stage 0: token ids (B, T) i32 -> rows of a learned table (B*T, C).
+class Lookup : public nn::Layer {
+ public:
+  Lookup(int64_t vocab, int64_t channels) : v_(vocab), c_(channels) {}
+  std::vector<nn::ParamSpec> params() const override { return {{"table.weight", nn::Shape{v_, c_}}}; }
+
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& ids) override {
+    const int64_t n = ids.numel();
+    nn::Tensor y = ctx.op(nn::OpKind::kEmbedding, "lookup", {ids, param(0)},
+                          {{nn::Shape{n, c_}, nn::DType::kF32}}, [&](std::span<nn::Tensor> out) {
+                            const int32_t* id = ids.data_as<int32_t>();
+                            const float* w = param(0).data_as<float>();
+                            float* o = out[0].data_as<float>();
+                            for (int64_t i = 0; i < n; ++i)
+                              for (int64_t j = 0; j < c_; ++j) o[i * c_ + j] = w[id[i] * c_ + j];
+                          })[0];
+    ctx.save("ids", ids);
+    return y;
+  }
+
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
+    const nn::Tensor& ids = ctx.saved("ids");
+    const int32_t* id = ids.data_as<int32_t>();
+    const float* d = dy.data_as<float>();
+    float* dw = grad(0).data_as<float>();  // accumulate: micro-batches sum
+    for (int64_t i = 0; i < ids.numel(); ++i)
+      for (int64_t j = 0; j < c_; ++j) dw[id[i] * c_ + j] += d[i * c_ + j];
+    return nn::Tensor();  // token ids have no gradient
+  }
+
+ private:
+  int64_t v_, c_;
+};
+
+// A residual MLP: y = x + fc2(gelu(fc1(x))), x (N, C).
+class ResidualMlp : public nn::Layer {
+ public:
+  ResidualMlp(int64_t channels, int64_t inner) : c_(channels), f_(inner) {}
+  std::vector<nn::ParamSpec> params() const override {
+    return {{"fc1.weight", nn::Shape{f_, c_}}, {"fc1.bias", nn::Shape{f_}},
+            {"fc2.weight", nn::Shape{c_, f_}}, {"fc2.bias", nn::Shape{c_}}};
+  }
+
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
+    nn::Tensor h = ctx.linear("fc1", x, param(0), param(1));
+    nn::Tensor g = ctx.gelu("gelu", h);
+    nn::Tensor f = ctx.linear("fc2", g, param(2), param(3));
+    nn::Tensor y = ctx.add("residual", x, f);
+    ctx.save("x", x);
+    ctx.save("h", h);
+    ctx.save("g", g);
+    return y;
+  }
+
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
+    nn::Kernels& k = ctx.kernels();
+    const nn::MatmulSpec acc{true, false, 1.0f, 1.0f};  // dW += dy^T @ input
+    nn::Tensor dg = ctx.workspace(ctx.saved("g").shape(), nn::DType::kF32);
+    k.matmul(dy, param(2), dg);
+    k.matmul(dy, ctx.saved("g"), grad(2), acc);
+    k.bias_backward(dy, grad(3));
+    nn::Tensor dh = ctx.workspace(dg.shape(), nn::DType::kF32);
+    k.gelu_backward(ctx.saved("h"), dg, dh);
+    nn::Tensor dx = ctx.grad_like(dy);
+    k.matmul(dh, param(0), dx);
+    k.matmul(dh, ctx.saved("x"), grad(0), acc);
+    k.bias_backward(dh, grad(1));
+    k.accumulate(dx, dy);  // the residual path
+    return dx;
+  }
+
+ private:
+  int64_t c_, f_;
+};
+
+// Mean squared error against targets / vocab, broadcast over the C channels:
+// loss = mean_{n,c} (x[n,c] - t_n)^2.
+class MseLoss : public LossLayer {
+ public:
+  explicit MseLoss(int64_t vocab) : v_(vocab) {}
+  std::vector<nn::ParamSpec> params() const override { return {}; }
+
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
+    const nn::Tensor& t = targets();
+    nn::Tensor loss = ctx.op(nn::OpKind::kLoss, "mse", {x, t}, {{nn::Shape{1}, nn::DType::kF32}},
+                             [&](std::span<nn::Tensor> out) {
+                               double sum = 0;
+                               for_each(x, t, [&](int64_t, float diff) { sum += double(diff) * diff; });
+                               out[0].data_as<float>()[0] = static_cast<float>(sum / double(x.numel()));
+                             })[0];
+    ctx.save("x", x);
+    return loss;
+  }
+
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor&) override {  // dy ignored (LossLayer)
+    const nn::Tensor& x = ctx.saved("x");
+    nn::Tensor dx = ctx.grad_like(x);
+    float* d = dx.data_as<float>();
+    const float k = 2.0f * loss_scale() / static_cast<float>(x.numel());
+    for_each(x, targets(), [&](int64_t i, float diff) { d[i] = k * diff; });
+    return dx;
+  }
+
+ private:
+  template <typename Fn>
+  void for_each(const nn::Tensor& x, const nn::Tensor& t, Fn fn) const {
+    const float* xv = x.data_as<float>();
+    const int32_t* tv = t.data_as<int32_t>();
+    const int64_t c = x.dim(-1);
+    for (int64_t i = 0; i < x.numel(); ++i)
+      fn(i, xv[i] - static_cast<float>(tv[i / c]) / static_cast<float>(v_));
+  }
+  int64_t v_;
+};
+
+inline std::unique_ptr<ChainModel> make_regressor(int64_t vocab, int64_t channels, int64_t inner) {
+  std::vector<std::unique_ptr<nn::Layer>> layers;
+  layers.push_back(std::make_unique<Lookup>(vocab, channels));
+  layers.push_back(std::make_unique<ResidualMlp>(channels, inner));
+  layers.push_back(std::make_unique<ResidualMlp>(channels, inner));
+  return std::make_unique<ChainModel>(std::move(layers), std::make_unique<MseLoss>(vocab));
+}
+// --- end docs/engine.md example ---
+
+}  // namespace porter::engine::example
