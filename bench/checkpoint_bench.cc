@@ -1,0 +1,168 @@
+// Each checkpoint policy's training-step time relative to `none`, and its activation peak,
+// on the GPT step model of bench/gpt_step_bench.cc (layers 6, hidden 768, heads 12, seq 512,
+// micro-batch 4, vocab 8192, f32, dropout 0, 2 threads). A step here is Engine::train_step:
+// forward, recompute, backward and AdamW; bench/compare_checkpoint.sh runs PyTorch 1.13's
+// torch.utils.checkpoint on the same model and step, and prints the ratios side by side.
+//
+// Counters per policy: peak_act_MiB (measured footprint peak), predicted_act_MiB (the
+// plan's), recompute_s (measured per step) and predicted_recompute_s. "optimal" runs at half
+// of the `none` peak, and "uniform@half" is the uniform plan with the most segments whose
+// peak fits that same budget, for the like-for-like comparison the issue asks for.
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "checkpoint/planner.h"
+#include "config/parse.h"
+#include "engine/data.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "memory/device.h"
+
+namespace {
+
+using namespace porter;
+
+int bench_threads() {
+  const char* s = std::getenv("PORTER_BENCH_THREADS");
+  return s != nullptr ? std::atoi(s) : 2;
+}
+
+config::Config bench_config(const std::string& checkpointing) {
+  const std::string json = R"({
+    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+    "porter": {
+      "model": {"layers": 6, "hidden": 768, "heads": 12, "seq_len": 512, "vocab": 8192,
+                "dropout": 0.0},
+      "device": {"type": "cpu", "memory_limit": "12GiB", "threads": )" +
+                           std::to_string(bench_threads()) + R"(},
+      "checkpointing": )" + checkpointing + R"(
+    }})";
+  return config::parse_config_string(json).config;
+}
+
+struct Run {
+  std::unique_ptr<memory::Device> device;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<engine::DataSource> data;
+};
+
+Run make_run(const config::Config& cfg) {
+  Run r;
+  memory::DeviceOptions o;
+  o.memory_limit_bytes = *cfg.porter.device.memory_limit_bytes;
+  o.threads = static_cast<int>(cfg.porter.device.threads);
+  r.device = memory::make_device(o);
+  r.engine = std::make_unique<engine::Engine>(
+      *r.device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
+  r.data = std::make_unique<engine::DataSource>(cfg.porter.data, cfg.porter.model.vocab,
+                                                cfg.train_micro_batch_size_per_gpu,
+                                                cfg.porter.model.seq_len);
+  return r;
+}
+
+// The `none` plan's predicted peak (analytic bytes are exact), for the half budget.
+size_t none_peak() {
+  static const size_t peak = [] {
+    Run r = make_run(bench_config(R"({"policy": "none"})"));
+    return r.engine->plan().prediction.peak_activation_bytes;
+  }();
+  return peak;
+}
+
+void run_policy(benchmark::State& state, const config::Config& cfg,
+                std::optional<checkpoint::Plan> plan = std::nullopt) {
+  Run r = make_run(cfg);
+  if (plan) r.engine->set_plan(*plan);
+  int64_t step = 0;
+  r.engine->train_step(r.data->step_batches(step++, 1));  // warm-up (oneDNN primitives)
+  double recompute = 0.0;
+  size_t peak = 0;
+  int n = 0;
+  for (auto _ : state) {
+    engine::StepResult s = r.engine->train_step(r.data->step_batches(step++, 1));
+    recompute += s.recompute_s;
+    peak = std::max(peak, s.peak_activation_bytes);
+    ++n;
+  }
+  const checkpoint::Plan& p = r.engine->plan();
+  state.counters["peak_act_MiB"] = static_cast<double>(peak) / (1 << 20);
+  state.counters["predicted_act_MiB"] =
+      static_cast<double>(p.prediction.peak_activation_bytes) / (1 << 20);
+  state.counters["recompute_s"] = n > 0 ? recompute / n : 0.0;
+  state.counters["predicted_recompute_s"] = p.prediction.recompute_s;
+  state.SetLabel(p.description);
+}
+
+void BM_Policy(benchmark::State& state, const std::string& checkpointing) {
+  run_policy(state, bench_config(checkpointing));
+}
+
+// The fastest uniform plan (any segment size) whose predicted peak fits half the none peak.
+void BM_UniformAtHalf(benchmark::State& state) {
+  const size_t budget = none_peak() / 2;
+  config::Config cfg = bench_config(R"({"policy": "full"})");
+  std::optional<checkpoint::Plan> best;
+  {
+    Run probe = make_run(cfg);  // profiled costs; gone (engine, then device) at the brace
+    const checkpoint::ChainCosts& costs = probe.engine->costs();
+    for (int k = 1; k <= static_cast<int>(cfg.porter.model.layers); ++k) {
+      checkpoint::Plan p;
+      p.policy = config::CheckpointPolicy::kUniform;
+      p.schedule = checkpoint::schedule_uniform(costs, k);
+      p.prediction = checkpoint::simulate(p.schedule, costs);
+      p.stages = checkpoint::summarize(p.schedule, costs);
+      p.description = "uniform, " + std::to_string(k) + " blocks per segment";
+      if (p.prediction.peak_activation_bytes > budget) continue;
+      if (!best || p.prediction.compute_s < best->prediction.compute_s) best = p;
+    }
+  }
+  if (!best) {
+    state.SkipWithError("no uniform plan fits half of the none peak");
+    return;
+  }
+  run_policy(state, cfg, best);
+}
+
+void BM_OptimalAtHalf(benchmark::State& state) {
+  const size_t budget = none_peak() / 2;
+  run_policy(state, bench_config(R"({"policy": "optimal", "memory_budget": )" +
+                                 std::to_string(budget) + "}"));
+}
+
+void register_all() {
+  const std::map<std::string, std::string> policies = {
+      {"a_none", R"({"policy": "none"})"},
+      {"b_full", R"({"policy": "full"})"},
+      {"c_uniform_3", R"({"policy": "uniform", "every_n_layers": 3})"},
+      {"d_block_3", R"({"policy": "block", "block_layers": 3})"},
+      {"e_sqrt", R"({"policy": "sqrt"})"},
+      {"f_selective", R"({"policy": "selective"})"},
+  };
+  for (const auto& [name, ck] : policies) {
+    benchmark::RegisterBenchmark(("BM_Policy/" + name.substr(2)).c_str(), BM_Policy, ck)
+        ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3)->Repetitions(3)
+        ->ReportAggregatesOnly(true);
+  }
+  benchmark::RegisterBenchmark("BM_Policy/uniform@half", BM_UniformAtHalf)
+      ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3)->Repetitions(3)
+      ->ReportAggregatesOnly(true);
+  benchmark::RegisterBenchmark("BM_Policy/optimal@half", BM_OptimalAtHalf)
+      ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3)->Repetitions(3)
+      ->ReportAggregatesOnly(true);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
