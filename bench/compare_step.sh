@@ -14,7 +14,9 @@ PORTER_BENCH_THREADS=$threads "$build/bench/gpt_step_bench" \
   --benchmark_out="$out/porter.json" --benchmark_out_format=json | grep -E "median|Benchmark|---"
 
 echo "== PyTorch (/usr/bin/python3, OPENBLAS_CORETYPE=SkylakeX, $threads threads)"
-OPENBLAS_CORETYPE=SkylakeX /usr/bin/python3 bench/compare_pytorch.py --threads "$threads" \
+# glibc malloc would mmap every large tensor and page-fault it in again each step (PyTorch's
+# cpu allocator does not cache); MALLOC_MMAP_MAX_=0 and no trimming run PyTorch at its best.
+MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 OPENBLAS_CORETYPE=SkylakeX /usr/bin/python3 bench/compare_pytorch.py --threads "$threads" \
   --steps "${PYTORCH_STEPS:-5}" | tee "$out/pytorch.json"
 
 /usr/bin/python3 - "$out/porter.json" "$out/pytorch.json" <<'PY'

@@ -323,7 +323,7 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
                    policy_key("selective_ops"), " names ops it does not run)");
       plan.schedule = schedule_selective(costs);
       plan.description = "selective: " + std::to_string(n_sel) + " blocks " +
-                         plan.selective_policy.to_string() + ", the rest recomputed";
+                         plan.selective_policy.to_string();
       break;
     }
     case config::CheckpointPolicy::kOptimal: {

@@ -75,10 +75,13 @@ OpPolicy OpPolicy::recompute_only(std::initializer_list<OpKind> kinds) {
 }
 
 std::string OpPolicy::to_string() const {
-  std::string s = "keep {";
+  // The shorter of the two spellings: "keep {matmul}" or "recompute {attention}".
+  const int kept = static_cast<int>(std::count(keep_.begin(), keep_.end(), true));
+  const bool list_kept = kept <= kNumOpKinds - kept;
+  std::string s = list_kept ? "keep {" : "recompute {";
   bool first = true;
   for (int i = 0; i < kNumOpKinds; ++i) {
-    if (!keep_[i]) continue;
+    if (keep_[i] != list_kept) continue;
     s += (first ? "" : ", ") + std::string(op_kind_name(static_cast<OpKind>(i)));
     first = false;
   }

@@ -86,7 +86,7 @@ class OpPolicy {
   static OpPolicy selective_attention() { return recompute_only({OpKind::kAttention}); }
 
   bool keeps(OpKind kind) const { return keep_[static_cast<size_t>(kind)]; }
-  std::string to_string() const;  // "keep {matmul, layernorm}"
+  std::string to_string() const;  // "keep {matmul}" or "recompute {attention}", the shorter
 
  private:
   std::array<bool, kNumOpKinds> keep_{};
