@@ -62,7 +62,9 @@ TEST(CrossStreamTest, FreedBlockIsNotReusedWhileCopyReadsIt) {
   EXPECT_TRUE(matches(host.data(), kBytes, 0x5a)) << "copied data was corrupted";
   for (void* p : others) alloc.raw_free(p);
 
-  // Once the event completed, the block is reusable.
+  // Once the stream has drained, the block is reusable. (Not merely once `done` fired: the
+  // allocator's own event, recorded by record_stream after `done`, completes a moment later.)
+  d2h->synchronize();
   void* again = alloc.raw_allocate(kBytes, Category::kCheckpoints);
   EXPECT_EQ(alloc.stats().pending_free_bytes, 0u);
   alloc.raw_free(again);
