@@ -1,4 +1,4 @@
-// A chain of user layers (tests/engine/user_layers.h, the docs/engine.md example) through the
+// A chain of user layers (examples/consumer/user_layers.h, the docs/engine.md example) through the
 // Engine: it trains, its gradients pass a finite-difference check, and checkpointing it
 // gives the same gradients bit for bit.
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
-#include "user_layers.h"
+#include "examples/consumer/user_layers.h"
 
 namespace porter::engine {
 namespace {

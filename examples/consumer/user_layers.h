@@ -1,15 +1,25 @@
-// The user-layer example of docs/engine.md (also in examples/consumer/main.cc): layers
-// written to the nn::Layer contract and trained through the Engine as a ChainModel.
+// The user-layer example of docs/engine.md: layers written to the nn::Layer contract (a
+// lookup, a residual MLP and a mean-squared-error LossLayer) and trained through the Engine
+// as an engine::ChainModel. examples/consumer/main.cc trains them against the installed
+// package; tests/engine/engine_user_layer_test.cc checks them in-tree (the loss falls, the
+// gradients pass finite differences, full checkpointing is bit-identical).
 // Host loops keep it short: on the cpu device, device memory is host memory.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#if __has_include(<porter/engine/model.h>)  // an installed porter (find_package)
+#include <porter/engine/model.h>
+#include <porter/nn/ctx.h>
+#include <porter/nn/kernels.h>
+#include <porter/nn/layer.h>
+#else  // porter's own tree
 #include "engine/model.h"
 #include "nn/ctx.h"
 #include "nn/kernels.h"
 #include "nn/layer.h"
+#endif
 
 namespace porter::engine::example {
 
