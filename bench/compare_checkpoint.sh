@@ -12,7 +12,7 @@ trap 'rm -rf "$out"' EXIT
 
 echo "== porter ($build/bench/checkpoint_bench, $threads threads)"
 PORTER_BENCH_THREADS=$threads "$build/bench/checkpoint_bench" \
-  --benchmark_out="$out/porter.json" --benchmark_out_format=json | grep -E "median|Benchmark|---"
+  --benchmark_out="$out/porter.json" --benchmark_out_format=json | grep -E "median|Benchmark|---|Interleaved"
 
 # glibc malloc would mmap every large tensor and page-fault it in again each step (PyTorch's
 # cpu allocator does not cache); without mmap and trimming PyTorch's step is 2.7x faster here.
@@ -32,6 +32,13 @@ for name, b in med.items():
     print(f"{name:16s} {b['real_time'] / 1e3:8.3f} {b['real_time'] / base:7.2f} "
           f"{b['peak_act_MiB']:13.1f} {b['predicted_act_MiB']:10.1f} "
           f"{b['recompute_s']:12.3f} {b['predicted_recompute_s']:10.3f}   {b.get('label', '')}")
+inter = [b for b in porter if b["name"].startswith("BM_Interleaved")]
+if inter:
+    c = inter[0]
+    names = [k[:-2] for k in c if k.endswith("_x")]
+    print(f"\ninterleaved ({c['iterations']} rounds, one step per policy per round):")
+    for name in names:
+        print(f"  {name:16s} {c[name + '_s']:8.3f} s  {c[name + '_x']:5.2f}x none (median of per-round ratios)")
 print(f"\nPyTorch {torch['framework']}:")
 for m, r in torch["ratio_to_none"].items():
     print(f"  {m:6s} {torch['median_s'][m]:8.3f} s  {r:5.2f}x none")
