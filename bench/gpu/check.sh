@@ -96,6 +96,14 @@ if ((built)); then
     --output-junit "$OUT/ctest.xml" || true
 fi
 
+# --- the engine on the GPU: the demo run on the cuda device --------------------------------
+if ((built)); then
+  sed 's/"type": "cpu", "memory_limit": "80MiB", "threads": 1/"type": "cuda", "memory_limit": "80MiB"/' \
+    examples/gpt-tiny.json >"$OUT/gpt-tiny-cuda.json"
+  stage train_cuda 30 build/release/cli/porter train --config "$OUT/gpt-tiny-cuda.json" \
+    --steps 100 --report "$OUT/train-cuda-report.json" --trace "$OUT/train-cuda-trace.json" || true
+fi
+
 # --- GPU benchmarks -------------------------------------------------------------------------
 if ((built)); then
   found=0
