@@ -28,9 +28,9 @@ DevPtr dev(const Tensor& t) { return DevPtr{t.data(), t.dtype()}; }
 // stream is synchronised before the old buffer is freed, so no queued kernel still reads it.
 // The workspace is a device segment (counted by the Device against its capacity) but not a
 // caching-allocator block, so MemoryStats does not show it.
-// TODO(issue 6): carve it from the caching allocator (category workspace): make_kernels would take the
-// engine's allocator, so offload's staging plans see every byte. The cpu attention scratch
-// (Note [Attention scratch]) is the same case.
+// TODO(issue 6): carve it from the caching allocator (category workspace): make_kernels
+// would take the engine's allocator, so offload's staging plans see every byte. The cpu
+// attention scratch (Note [Attention scratch]) is the same case.
 class Workspace {
  public:
   explicit Workspace(memory::Device& device) : device_(device) {}
