@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_pytorch import Gpt, blas_library  # noqa: E402
+from compare_pytorch import Gpt, add_model_args, blas_library  # noqa: E402
 
 
 class MaskedBlock(torch.nn.Module):
@@ -59,14 +59,8 @@ def forward(model, tokens, targets, mode):
 
 def main():
     ap = argparse.ArgumentParser(description="PyTorch torch.utils.checkpoint overhead")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.mm(torch.ones(8, 8), torch.ones(8, 8))

@@ -82,16 +82,21 @@ def blas_library():
     return sorted(os.path.realpath(l) for l in libs)
 
 
-def main():
-    ap = argparse.ArgumentParser(description="PyTorch GPT step time")
+def add_model_args(ap):
+    """The thread count and the model shape, defaulting to the bench's GPT step model."""
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="PyTorch GPT step time")
+    add_model_args(ap)
+    ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.mm(torch.ones(8, 8), torch.ones(8, 8))  # loads the BLAS
