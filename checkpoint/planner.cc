@@ -224,7 +224,9 @@ Schedule schedule_selective(const ChainCosts& costs) {
   return compile(costs.num_stages(), seg);
 }
 
-std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs) {
+std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,
+                                 const Prediction* prediction) {
+  PORTER_CHECK(prediction == nullptr, "summarize: exposed copy times arrive with the offload planner");
   std::vector<StagePlan> out(static_cast<size_t>(schedule.num_stages));
   std::vector<bool> seen(out.size(), false);
   for (StagePlan& p : out) p.forwards = 0;
@@ -257,7 +259,8 @@ size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& cost
   return static_cast<size_t>(std::floor(f * static_cast<double>(none)));
 }
 
-size_t minimum_budget_bytes(const ChainCosts& costs) {
+size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload) {
+  PORTER_CHECK(!offload.enabled, "minimum_budget_bytes: host holds arrive with the offload planner");
   return minimum_candidate(costs).prediction.peak_activation_bytes;
 }
 

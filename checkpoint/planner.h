@@ -26,6 +26,19 @@
 //              fastest is kept, so optimal is never slower than uniform or sqrt at the same
 //              memory. A budget below the minimum feasible one throws InvalidArgument
 //              stating that minimum.
+//
+// Note [Offload placement]
+// With offload on (activation_checkpointing.cpu_checkpointing), held inputs may live on the
+// host (Note [Offload semantics] in checkpoint/offload_plan.h).
+//   standard policies  every hold that can be offloaded (save != kKeep, stage > 0, input
+//                      bytes > 0) goes to the host except the last `keep_last_on_device` of
+//                      them in op order, which backward reads first (place_offload).
+//   optimal            the Rotor program gains a host option for each hold: it frees the
+//                      hold's device bytes for the rest of the subproblem and costs the copy
+//                      time that the neighbouring compute cannot hide (docs/offload.md).
+//                      keep_last_on_device does not constrain it; the program decides.
+// The plan's prediction then includes staging bytes, pinned bytes and, when the costs have
+// times and the link bandwidth is known, the exposed copy time per stage.
 #pragma once
 
 #include <cstddef>
@@ -34,13 +47,14 @@
 #include <vector>
 
 #include "checkpoint/costs.h"
+#include "checkpoint/offload_plan.h"
 #include "checkpoint/schedule.h"
 #include "config/config.h"
 #include "nn/ctx.h"
 
 namespace porter::checkpoint {
 
-// Where a stage's held input lives. Only kDevice exists until the offload issue.
+// Where a stage's held input lives. kPartitioned arrives with tensor parallelism.
 enum class Where : uint8_t { kDevice, kPartitioned, kHost };
 std::string_view where_name(Where w);  // "device", "partitioned", "host"
 
@@ -52,6 +66,7 @@ struct StagePlan {
   bool holds_input = false;  // its input is stored as a checkpoint
   int forwards = 1;          // forward runs per micro-batch (recomputes included)
   Where where = Where::kDevice;
+  double exposed_copy_s = 0.0;  // predicted compute-stream wait for its copies (timed only)
 };
 
 struct Plan {
@@ -62,6 +77,17 @@ struct Plan {
   std::optional<size_t> budget_bytes;  // optimal: the resolved budget
   Prediction prediction;
   std::string description;             // one line, e.g. "uniform: 3 segments of 4 blocks"
+  SimOptions sim;                      // what the prediction assumed (depth, arena, link)
+  OffloadLayout offload;               // empty without host holds
+};
+
+struct OffloadOptions {
+  bool enabled = false;         // activation_checkpointing.cpu_checkpointing
+  int prefetch_depth = 1;       // porter.checkpointing.prefetch_depth
+  int keep_last_on_device = 1;  // porter.checkpointing.keep_last_on_device
+  bool contiguous = false;      // activation_checkpointing.contiguous_memory_optimization
+  double link_bytes_per_s = 0;  // each direction: measured, or sim_link_gbps; 0 unknown
+  SimOptions sim() const { return {prefetch_depth, contiguous, link_bytes_per_s}; }
 };
 
 struct PlanOptions {
@@ -69,7 +95,11 @@ struct PlanOptions {
   std::optional<int64_t> number_checkpoints;  // activation_checkpointing.number_checkpoints
   // Overrides checkpointing.memory_budget (porter plan --budget); optimal only.
   std::optional<config::MemoryBudget> budget;
+  OffloadOptions offload;
 };
+
+// The offload options a config asks for (link_bytes_per_s from sim_link_gbps, else 0).
+OffloadOptions offload_options(const config::Config& config);
 
 // The OpPolicy of `selective_ops` (op kind names recomputed; empty: core attention).
 nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
@@ -78,8 +108,9 @@ nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
 // not apply to the chain (e.g. block_layers > blocks) or an infeasible budget.
 Plan make_plan(const PlanOptions& options, const ChainCosts& costs);
 
-// The smallest activation peak any schedule the optimal planner considers can reach.
-size_t minimum_budget_bytes(const ChainCosts& costs);
+// The smallest activation peak any schedule the optimal planner considers can reach (with
+// host holds when `offload` is enabled).
+size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload = {});
 
 // A budget as bytes: fractions are of the `none` plan's predicted peak.
 size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& costs);
@@ -93,10 +124,16 @@ Schedule schedule_block(const ChainCosts& costs, int checkpointed_blocks);
 Schedule schedule_sqrt(const ChainCosts& costs);
 Schedule schedule_selective(const ChainCosts& costs);
 // The Rotor/Rockmate DP alone (without the comparison with standard plans); nullopt when
-// nothing fits.
-std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes);
+// nothing fits. With `offload.enabled` it also chooses host holds (Note [Offload
+// placement]); its result then fits `budget_bytes` under simulate(..., offload.sim()).
+std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
+                                       const OffloadOptions& offload = {});
 
-// The per-stage summary of any schedule.
-std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs);
+// Marks host holds on a standard policy's schedule (Note [Offload placement]).
+void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on_device);
+
+// The per-stage summary of any schedule; exposed copy times from `prediction` when given.
+std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,
+                                 const Prediction* prediction = nullptr);
 
 }  // namespace porter::checkpoint

@@ -191,7 +191,9 @@ class Rotor {
 
 }  // namespace
 
-std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes) {
+std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
+                                       const OffloadOptions& offload) {
+  PORTER_CHECK(!offload.enabled, "schedule_rotor: host holds arrive with the offload planner");
   PORTER_CHECK(costs.num_stages() >= 1, "schedule_rotor: the chain has no stages");
   Rotor rotor(costs, budget_bytes);
   std::optional<Schedule> s = rotor.solve();

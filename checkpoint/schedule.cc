@@ -236,7 +236,10 @@ void validate(const Schedule& schedule) {
   r.run();
 }
 
-Prediction simulate(const Schedule& schedule, const ChainCosts& costs) {
+Prediction simulate(const Schedule& schedule, const ChainCosts& costs, const SimOptions& options) {
+  for (const ScheduleOp& op : schedule.ops) {
+    PORTER_CHECK(!op.offload, "simulate: host holds arrive with the offload planner");
+  }
   Replay r(schedule, &costs);
   r.run();
   return r.prediction();

@@ -21,6 +21,13 @@
 //   Backward(i)             tape[i] full and g == i + 1. Drops cur if it is a_{i+1} (an
 //                           unneeded output), runs the backward, clears tape[i], releases
 //                           held[i]; g = i.
+// Offload: Forward(i, save, hold, host) holds a_i on the host instead (Note [Offload
+// semantics] in checkpoint/offload_plan.h): a D2H copy starts before the forward, a_i is not
+// retagged to `checkpoints` and is dropped like an unheld cur, and it comes back into a
+// staging slot (memory category `staging`, part of the footprint) before the first later
+// op that reads held[i]; that slot is released by Backward(i). A host hold needs save !=
+// kKeep (a full tape references its input, so nothing would be freed) and i > 0 (token ids
+// are not activations).
 // `cur` is dropped when a forward replaces it and nothing else references it (held, or a
 // tape's input/output reference), at the start of Backward(i) when it is a_{i+1}, and at
 // once for the loss. A cur that is a_i stays alive through Backward(i) until the next op
@@ -47,10 +54,11 @@ struct ScheduleOp {
   int stage = 0;
   SaveOption save = SaveOption::kKeep;  // kForward only
   bool hold_input = false;              // kForward only
+  bool offload = false;                 // kForward with hold_input: held on the host
   bool operator==(const ScheduleOp&) const = default;
 
-  static ScheduleOp forward(int stage, SaveOption save, bool hold_input) {
-    return {Kind::kForward, stage, save, hold_input};
+  static ScheduleOp forward(int stage, SaveOption save, bool hold_input, bool offload = false) {
+    return {Kind::kForward, stage, save, hold_input, hold_input && offload};
   }
   static ScheduleOp recompute(int stage) { return {Kind::kRecompute, stage}; }
   static ScheduleOp backward(int stage) { return {Kind::kBackward, stage}; }
@@ -59,13 +67,39 @@ struct ScheduleOp {
 struct Schedule {
   int num_stages = 0;
   std::vector<ScheduleOp> ops;
-  // "F0k+ F1c F2c R2 B2 ..." (k/s/c = keep/selective/checkpoint, + = hold input).
+  // "F0k+ F1c^ F2c R2 B2 ..." (k/s/c = keep/selective/checkpoint, + = hold input on
+  // device, ^ = hold input on host).
   std::string to_string() const;
   bool operator==(const Schedule&) const = default;
 };
 
 // Throws InvalidArgument naming the first op that breaks Note [Schedule semantics].
 void validate(const Schedule& schedule);
+
+// What the simulator predicts for the offload of one micro-batch (zero without host holds).
+struct OffloadPrediction {
+  size_t d2h_bytes = 0;             // bytes copied to host (= offloaded bytes)
+  size_t h2d_bytes = 0;             // bytes copied back (a hold never read back is not)
+  size_t pinned_bytes = 0;          // pinned host memory the micro-batch needs
+  size_t peak_staging_bytes = 0;    // staging slots alive at once, at most
+  // Only when the costs have times and the link bandwidth is known (SimOptions):
+  bool timed = false;
+  double copy_busy_s = 0.0;         // D2H + H2D link time
+  double exposed_s = 0.0;           // time the compute stream waits for copies
+  std::vector<double> exposed_by_stage;  // per stage (the stage whose input waited)
+  // 1 - exposed / copy_busy (1 when there is nothing to copy).
+  double hidden_fraction() const {
+    return copy_busy_s > 0 ? 1.0 - exposed_s / copy_busy_s : 1.0;
+  }
+};
+
+struct SimOptions {
+  int prefetch_depth = 1;          // Note [Offload semantics]
+  // Staging from one arena sized at engine start (contiguous_memory_optimization): the
+  // arena's bytes count in the footprint for the whole micro-batch instead of per load.
+  bool contiguous = false;
+  double link_bytes_per_s = 0.0;   // each direction; 0: unknown (no timing)
+};
 
 // What the simulator predicts for one micro-batch of a schedule.
 struct Prediction {
@@ -81,9 +115,12 @@ struct Prediction {
                                      // Recompute ops' OptionCost::recompute_flops
   // Activation footprint after each op (for plots and tests).
   std::vector<size_t> footprint_after_op;
+  OffloadPrediction offload;
 };
 
-// Replays `schedule` against `costs` (Note [Activation bytes]). Validates first.
-Prediction simulate(const Schedule& schedule, const ChainCosts& costs);
+// Replays `schedule` against `costs` (Note [Activation bytes]), with the staging slots of
+// its host holds as `options` place them (checkpoint/offload_plan.h). Validates first.
+Prediction simulate(const Schedule& schedule, const ChainCosts& costs,
+                    const SimOptions& options = {});
 
 }  // namespace porter::checkpoint

@@ -154,6 +154,7 @@ struct DeviceConfig {
   std::optional<uint64_t> pinned_limit_bytes;  // none: no limit beyond the host's
   std::optional<double> sim_link_gbps;         // none: copies are not throttled (cpu)
   int64_t threads = 0;                         // 0: one per core
+  bool poison_freed = false;                   // debug: NaN-fill released device memory (cpu)
   bool operator==(const DeviceConfig&) const = default;
 };
 

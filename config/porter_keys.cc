@@ -83,6 +83,7 @@ void read_device(ObjectReader& r, DeviceConfig& d) {
     d.sim_link_gbps = r.real("sim_link_gbps", RealRange{0.0, 1e6, true, false});
   }
   d.threads = r.integer("threads", IntRange{0, 4096}).value_or(d.threads);
+  d.poison_freed = r.boolean("poison_freed").value_or(d.poison_freed);
   if (d.sim_link_gbps && d.type == DeviceType::kCuda) {
     fail(r.path_of("sim_link_gbps"), describe(*r.get("sim_link_gbps")) +
                                          ": only the simulated cpu device throttles copies, but "

@@ -102,7 +102,8 @@ OJson porter_json(const PorterSection& p) {
                  {"memory_limit", or_null(d.memory_limit_bytes)},
                  {"pinned_limit", or_null(d.pinned_limit_bytes)},
                  {"sim_link_gbps", or_null(d.sim_link_gbps)},
-                 {"threads", d.threads}};
+                 {"threads", d.threads},
+                 {"poison_freed", d.poison_freed}};
   const CheckpointingConfig& k = p.checkpointing;
   OJson ck;
   ck["policy"] = to_string(k.policy);

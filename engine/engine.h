@@ -31,7 +31,9 @@
 #include "engine/trace.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
+#include "memory/pinned_pool.h"
 #include "nn/kernels.h"
+#include "offload/stash.h"  // porter::offload joins the engine DEPS with stash.cc
 
 namespace porter::engine {
 
@@ -46,6 +48,7 @@ struct StepResult {
   int64_t tokens = 0;           // tokens processed (batch * seq * micro-batches)
   size_t peak_activation_bytes = 0;  // measured footprint peak during this step
   size_t peak_bytes = 0;             // measured peak of all categories during this step
+  offload::StashStats offload;       // this step's copies and waits (zero without offload)
 };
 
 struct MemoryReport {
@@ -53,12 +56,14 @@ struct MemoryReport {
   size_t peak_bytes = 0;  // peak requested bytes over all categories since the last reset
   std::array<size_t, memory::kNumCategories> peak_by_category{};
   std::array<size_t, memory::kNumCategories> current_by_category{};
-  size_t peak_activation_bytes = 0;           // measured (activations + checkpoints)
+  size_t peak_activation_bytes = 0;           // measured (activations + checkpoints + staging)
   size_t predicted_activation_bytes = 0;      // the plan's prediction
   size_t model_state_bytes = 0;               // params + grads + optimizer
   size_t predicted_peak_bytes = 0;            // model states + batch + predicted total peak
   double predicted_recompute_s = 0.0;         // per step
   double measured_recompute_s = 0.0;          // median per step
+  size_t peak_pinned_bytes = 0;               // the pinned pool's peak in use
+  size_t pinned_limit_bytes = 0;
   std::string format() const;                 // a table for the terminal
 };
 
@@ -111,6 +116,17 @@ class Engine {
   std::vector<float> grads_host() const;
   // The micro-batches of the last step (for --dump-dir).
   const std::vector<HostBatch>& last_batches() const { return last_batches_; }
+
+  // Offload (Note [Offload semantics] in checkpoint/offload_plan.h): cumulative copy and wait
+  // statistics since construction or reset_peaks(), and the per-checkpoint records of the
+  // last step (activation_checkpointing.profile keeps them for every step).
+  offload::StashStats offload_stats() const;
+  const std::vector<offload::CopyRecord>& last_copies() const;
+  const std::vector<offload::WaitRecord>& last_waits() const;
+  // The link bandwidth the planner used, bytes/s each way: sim_link_gbps, or measured at
+  // construction when offload is on (0 when offload is off and no link is simulated).
+  double link_bytes_per_s() const;
+  memory::PinnedPool& pinned_pool();
 
   // Spans and memory counters go to `trace` (null: none). Not owned.
   void set_trace(TraceRecorder* trace) { trace_ = trace; }

@@ -2,6 +2,7 @@
 #include "memory/caching_allocator.h"
 
 #include <algorithm>
+#include <cstring>
 #include <ostream>
 
 #include "base/check.h"
@@ -263,6 +264,7 @@ void CachingAllocator::record_stream(void* ptr, Stream& stream) {
 void CachingAllocator::release_block(Block* b) {
   FreeSet& pool = b->small ? small_free_ : large_free_;
   b->pending = false;
+  if (options_.poison_freed && device_->host_accessible()) std::memset(b->ptr, 0xFF, b->size);
   if (b->next != nullptr && b->next->is_free()) {
     Block* n = b->next;
     pool.erase(n);

@@ -55,6 +55,10 @@ class DeviceBuffer : public PooledBuffer<CachingAllocator> {
 
 struct AllocatorOptions {
   bool record_timeline = true;
+  // Debug: when a block returns to the free pool (after any deferred free), fill it with
+  // 0xFF bytes, a NaN in f32, bf16 and f16, so a read after release shows up in results.
+  // Host-accessible devices (cpu) only; ignored on cuda.
+  bool poison_freed = false;
   size_t timeline_capacity = size_t{1} << 20;  // entries
 };
 

@@ -37,9 +37,11 @@ std::string_view category_hint(Category c);
 
 constexpr size_t index_of(Category c) { return static_cast<size_t>(c); }
 
-// Whether bytes of `c` count toward the activation footprint (activations + checkpoints).
+// Whether bytes of `c` count toward the activation footprint: activations, device-resident
+// checkpoints, and the staging slots that offloaded checkpoints come back into (zero
+// without offload). The planner's byte model predicts exactly this sum.
 constexpr bool is_activation(Category c) {
-  return c == Category::kActivations || c == Category::kCheckpoints;
+  return c == Category::kActivations || c == Category::kCheckpoints || c == Category::kStaging;
 }
 
 }  // namespace porter::memory

@@ -4,7 +4,7 @@
 //   sum over categories of current_bytes  == sum of requested bytes of live allocations
 //   allocated_bytes                       == sum of block sizes of live allocations
 //   reserved_bytes == allocated_bytes + cached_free_bytes + pending_free_bytes
-//   activation_bytes == current bytes of activations + checkpoints
+//   activation_bytes == current bytes of activations + checkpoints + staging
 //   peak_x >= x for every tracked x; reset_peak() sets peak_x = x
 #pragma once
 
@@ -39,9 +39,9 @@ struct MemoryStats {
   size_t cached_free_bytes = 0;     // reserved, free, reusable now
   size_t pending_free_bytes = 0;    // freed, waiting for other streams' events
   size_t largest_free_block_bytes = 0;
-  // The activation footprint: activations + checkpoints, with the peak of that sum. A
-  // checkpoint policy moves bytes between the two (CachingAllocator::retag), so the sum's
-  // peak is what a policy is judged by (docs/memory-model.md).
+  // The activation footprint: activations + checkpoints + staging, with the peak of that
+  // sum. A checkpoint policy moves bytes between them (CachingAllocator::retag), so the
+  // sum's peak is what a policy is judged by (docs/memory-model.md).
   size_t activation_bytes = 0;
   size_t peak_activation_bytes = 0;
 

@@ -48,6 +48,10 @@ void Tensor::retag(memory::Category category) {
   category_ = category;
 }
 
+void Tensor::record_stream(memory::Stream& stream) const {
+  if (storage_) storage_->record_stream(stream);
+}
+
 Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, memory::Category category) {
   Tensor t;
   t.shape_ = shape;

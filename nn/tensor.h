@@ -59,6 +59,9 @@ class Tensor {
   // Moves the whole underlying allocation to `category` (memory::CachingAllocator::retag);
   // for a view of foreign memory only this Tensor's label changes.
   void retag(memory::Category category);
+  // Tells the allocator that `stream` uses this tensor's memory, so freeing it waits for
+  // the stream's queued work (Note [Deferred free]). No-op for views of foreign memory.
+  void record_stream(memory::Stream& stream) const;
 
   void* data() const { return data_; }
   // Typed access; throws InvalidArgument when T does not match the dtype

@@ -47,7 +47,7 @@ const std::vector<RoundTripCase>& round_trip_cases() {
                     "vocab": 32000, "dropout": 0.1, "tie_embeddings": false, "tensor_parallel": 2},
           "data": {"type": "text", "paths": ["a.txt", "b.txt"], "seed": 9},
           "device": {"type": "cpu", "memory_limit": "6GiB", "pinned_limit": 1000000000,
-                     "sim_link_gbps": 12.5, "threads": 8},
+                     "sim_link_gbps": 12.5, "threads": 8, "poison_freed": true},
           "checkpointing": {"prefetch_depth": 3, "keep_last_on_device": 0},
           "train": {"steps": 1000, "seed": 7, "log_every": 10},
           "trace": {"path": "trace.json"}}})",
