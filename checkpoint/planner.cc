@@ -224,6 +224,30 @@ Schedule schedule_selective(const ChainCosts& costs) {
   return compile(costs.num_stages(), seg);
 }
 
+void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on_device) {
+  PORTER_CHECK(keep_last_on_device >= 0, "porter.checkpointing.keep_last_on_device = ", keep_last_on_device,
+               " must be >= 0");
+  PORTER_CHECK_EQ(costs.num_stages(), schedule.num_stages, "place_offload: the costs' stages");
+  // The offloadable holds in op order (a stage held a second time while still held stays
+  // where its first hold is).
+  std::vector<size_t> holds;
+  std::vector<bool> held(static_cast<size_t>(schedule.num_stages), false);
+  for (size_t k = 0; k < schedule.ops.size(); ++k) {
+    ScheduleOp& op = schedule.ops[k];
+    if (op.stage < 0 || op.stage >= schedule.num_stages) continue;  // validate() names it
+    if (op.kind == Kind::kBackward) held[op.stage] = false;
+    if (op.kind != Kind::kForward || !op.hold_input) continue;
+    op.offload = false;
+    if (!held[op.stage] && op.save != SaveOption::kKeep && op.stage > 0 &&
+        costs.stages[op.stage].input_bytes > 0) {
+      holds.push_back(k);
+    }
+    held[op.stage] = true;
+  }
+  const size_t keep = std::min(holds.size(), static_cast<size_t>(keep_last_on_device));
+  for (size_t h = 0; h + keep < holds.size(); ++h) schedule.ops[holds[h]].offload = true;
+}
+
 std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,
                                  const Prediction* prediction) {
   PORTER_CHECK(prediction == nullptr, "summarize: exposed copy times arrive with the offload planner");
