@@ -231,9 +231,18 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           if (op.stage == n - 1 && !loss) {
             loss = static_cast<double>(nn::to_host_f32(ctx.allocator().device(), out).at(0));
           }
-          cur = std::move(out);
-          cur_stage = op.stage + 1;
-          has_cur = true;
+          if (op.stage == n - 1) {
+            // The loss is consumed at once (Note [Schedule semantics]); only a tape that
+            // references it keeps it. This matters where a prefetch precedes the head's
+            // backward: the simulator does not count a loss nothing holds there.
+            cur = nn::Tensor();
+            has_cur = false;
+          } else {
+            cur = std::move(out);
+            cur_stage = op.stage + 1;
+            has_cur = true;
+          }
+          out = nn::Tensor();
           if (repeat) result.recompute_s += seconds_since(t0);
           record(trace, env, repeat ? "recompute" : "forward", op.stage, start_us);
           break;

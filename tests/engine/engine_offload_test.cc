@@ -109,6 +109,31 @@ void expect_step_counters(const Engine& e, const StepResult& r, int64_t micro_ba
   EXPECT_EQ(e.last_waits().size(), read_back * mb);
 }
 
+// Rotor places host holds only where they buy time under the budget, and on this small
+// chain only near its minimum budget with per-load staging. The first such schedule, from the
+// minimum up, becomes a hand-built plan under the config's own depth and arena setting.
+checkpoint::Plan optimal_with_host_holds(Engine& e, const config::Config& c) {
+  checkpoint::PlanOptions o;
+  o.checkpointing = c.porter.checkpointing;
+  o.offload = checkpoint::offload_options(c);
+  o.offload.link_bytes_per_s = e.link_bytes_per_s();
+  o.offload.contiguous = false;
+  const size_t lo = checkpoint::minimum_budget_bytes(e.costs(), o.offload);
+  const size_t hi = checkpoint::resolve_budget(config::MemoryBudget{1.0}, e.costs());
+  for (int i = 0; i <= 16; ++i) {
+    o.budget = config::MemoryBudget{static_cast<uint64_t>(lo + (hi - lo) * i / 16)};
+    checkpoint::Plan plan = checkpoint::make_plan(o, e.costs());
+    if (plan.offload.empty()) continue;
+    const checkpoint::SimOptions sim = checkpoint::offload_options(c).sim();
+    plan.sim = sim;
+    plan.offload = checkpoint::layout_offload(plan.schedule, e.costs(), sim.prefetch_depth);
+    plan.prediction = checkpoint::simulate(plan.schedule, e.costs(), sim);
+    return plan;
+  }
+  ADD_FAILURE() << "no budget gives the optimal planner a host hold";
+  return e.plan();
+}
+
 TEST(EngineOffloadTest, BitIdenticalUnderEveryPolicyDepthAndArena) {
   const int kSteps = 3;
   for (bool bf16 : {false, true}) {
@@ -122,13 +147,10 @@ TEST(EngineOffloadTest, BitIdenticalUnderEveryPolicyDepthAndArena) {
           const config::Config c = offload_config(p, k, bf16);
           auto device = cpu_device();
           auto e = gpt_engine(*device, c);
-          const checkpoint::Plan& plan = e->plan();
-          // Every policy but selective holds an input that can go to the host (selective
-          // holds block inputs only when its tape does not already keep them).
-          if (p != CheckpointPolicy::kSelective && p != CheckpointPolicy::kOptimal) {
-            EXPECT_FALSE(plan.offload.empty()) << plan.schedule.to_string();
-          }
           EXPECT_GT(e->link_bytes_per_s(), 0.0);  // measured: no sim_link_gbps
+          if (p == CheckpointPolicy::kOptimal) e->set_plan(optimal_with_host_holds(*e, c));
+          const checkpoint::Plan& plan = e->plan();
+          EXPECT_FALSE(plan.offload.empty()) << plan.schedule.to_string();
           expect_same(run_steps(*e, c, kSteps), ref);
           // The footprint, staging included, is the one the planner predicted.
           EXPECT_EQ(e->memory_report().peak_activation_bytes,
@@ -329,16 +351,17 @@ TEST(EngineOffloadTest, TwoHundredStepsReturnToTheBaselineEveryStep) {
     const size_t requested = e->allocator().stats().requested_bytes;
     const size_t pinned = e->pinned_pool().stats().in_use_bytes;
     const size_t device_pinned = static_cast<memory::CpuDevice&>(*device).pinned_bytes_in_use();
+    const size_t micro_batches = static_cast<size_t>(c.gradient_accumulation_steps);
     for (int s = 0; s < 200; ++s) {
       const StepResult r = e->train_step(batches(c, s));
       ASSERT_EQ(e->allocator().stats().requested_bytes, requested) << "step " << s;
       ASSERT_EQ(e->pinned_pool().stats().in_use_bytes, pinned) << "step " << s;
       ASSERT_EQ(r.offload.d2h_bytes, 2 * e->plan().offload.offloaded_bytes) << "step " << s;
     }
-    // The pool reuses its buffers: the device was not asked for more pinned memory than
-    // one step's worth.
+    // The pool reuses its buffers: the device was never asked for more pinned memory than
+    // one step's worth (a micro-batch may start before the last one's slots are collected).
     EXPECT_LE(static_cast<memory::CpuDevice&>(*device).pinned_bytes_in_use(),
-              device_pinned + e->plan().offload.pinned_bytes);
+              device_pinned + micro_batches * e->plan().offload.pinned_bytes);
     EXPECT_EQ(e->offload_stats().d2h_bytes, 200 * 2 * e->plan().offload.offloaded_bytes);
   }
 }
