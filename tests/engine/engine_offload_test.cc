@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <string>
+
+#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -424,6 +427,36 @@ TEST(EngineOffloadTest, OutOfMemoryMidStepLeavesBaselinesAndTheNextStepSucceeds)
     EXPECT_EQ(e->step(), 1);
     EXPECT_EQ(e->allocator().stats().requested_bytes, replanned);
     EXPECT_EQ(e->pinned_pool().stats().in_use_bytes, e->plan().offload.pinned_bytes * contiguous);
+  }
+}
+
+TEST(EngineOffloadTest, ResumeAcrossOffloadSettings) {
+  // Offload keeps nothing between steps: a state saved with it on resumes with it off, and
+  // the reverse, bit-identically to an uninterrupted run.
+  const RunResult ref = reference_run(false, 4);
+  for (bool save_with_offload : {false, true}) {
+    SCOPED_TRACE(save_with_offload ? "saved with offload" : "saved without");
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() /
+        ("porter_engine_offload_resume_" + std::to_string(::getpid()) + "_" +
+         std::to_string(save_with_offload));
+    std::filesystem::remove_all(dir);
+    const config::Config saver = offload_config(CheckpointPolicy::kFull, {save_with_offload, 1, false, 0});
+    const config::Config loader = offload_config(CheckpointPolicy::kFull, {!save_with_offload, 1, false, 0});
+    {
+      auto device = cpu_device();
+      auto e = gpt_engine(*device, saver);
+      for (int s = 0; s < 2; ++s) e->train_step(batches(saver, s));
+      e->save_checkpoint(dir);
+    }
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, loader);
+    e->load_checkpoint(dir);
+    std::vector<double> losses = {ref.losses[0], ref.losses[1]};
+    for (int s = 2; s < 4; ++s) losses.push_back(e->train_step(batches(loader, s)).loss);
+    EXPECT_EQ(losses, ref.losses);
+    EXPECT_TRUE(bitwise_equal(e->params_host(), ref.params));
+    std::filesystem::remove_all(dir);
   }
 }
 
