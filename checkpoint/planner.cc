@@ -124,6 +124,10 @@ std::vector<Candidate> standard_candidates(const ChainCosts& costs, const Offloa
   std::vector<Candidate> out;
   const SimOptions sim = sim_options(offload);
   auto add = [&](std::string d, Schedule s) {
+    // A policy that needs an option some stage lacks (full and sqrt checkpoint every stage)
+    // is no candidate.
+    for (const ScheduleOp& op : s.ops)
+      if (op.kind == Kind::kForward && !costs.stages[op.stage].option(op.save).available) return;
     if (offload.enabled) {
       std::vector<int> keeps = {0, 1, 2, offload.keep_last_on_device};
       std::sort(keeps.begin(), keeps.end());
@@ -414,15 +418,24 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       const size_t budget = resolve_budget(*b, costs);
       plan.budget_bytes = budget;
       std::vector<Candidate> cands = standard_candidates(costs, offload);
-      if (offload.enabled) {  // the device-only program too: a slow link may not pay
+      if (offload.enabled) {
+        // The device-only program too (a slow link may not pay), or where its discretisation
+        // finds nothing, the device-only minimum, so that offload never plans slower than
+        // the same budget without it.
         if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
           Prediction p = simulate(*r, costs, sim);
           cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
+        } else {
+          Candidate m = minimum_candidate(costs, OffloadOptions{});
+          m.prediction = simulate(m.schedule, costs, sim);
+          cands.push_back(std::move(m));
         }
       }
       if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload)) {
         Prediction p = simulate(*r, costs, sim);
         cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
+      } else if (offload.enabled) {
+        cands.push_back(minimum_candidate(costs, offload));
       }
       const Candidate* best = nullptr;
       for (const Candidate& c : cands) {

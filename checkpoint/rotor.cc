@@ -43,10 +43,11 @@ namespace {
 // Two things the recurrence does not see, and how they are made safe or approximated:
 //   prefetch  a staged copy is alive from its prefetch op, up to `prefetch_depth` reads
 //             ahead of its use (and the contiguous arena always). schedule_rotor runs the
-//             program on the budget less a reserve (depth x the largest offloadable input in
-//             staging slots; one slot more with contiguous staging), then simulates the
-//             result exactly; over budget, it retries with twice and four times the reserve,
-//             then falls back to the device-only program. Its result always fits.
+//             program, simulates the result exactly and, over budget, reruns it on the budget
+//             less a reserve: the overshoot measured, accumulated over four tries, then at
+//             least depth x the largest offloadable input in staging slots (one slot more
+//             with contiguous staging). When nothing fits it falls back to the device-only
+//             program. Its result always fits under the simulator.
 //   time      a host variant costs the copy time the neighbouring compute cannot hide, per
 //             hold, with c = a_s / link: max(0, c - the forwards of stages s+1..n-1) for the
 //             D2H copy, plus for the H2D copy max(0, c - the backwards of the depth ops just
@@ -284,13 +285,15 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
     const size_t reserve =
         slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0));
     const SimOptions sim = offload.sim();
-    for (size_t times : {1, 2, 4}) {
-      const size_t r = reserve * times;
-      if (r >= budget_bytes) break;
+    // First no reserve, then the overshoot the simulator measured, added up (a few times),
+    // then the conservative reserve.
+    size_t r = 0;
+    for (int attempt = 0; attempt < 6 && r < budget_bytes; ++attempt) {
       std::optional<Schedule> s = Rotor(costs, budget_bytes - r, offload).solve();
       if (!s) break;  // a larger reserve leaves less
-      if (simulate(*s, costs, sim).peak_activation_bytes <= budget_bytes) return s;
-      if (reserve == 0) break;
+      const size_t peak = simulate(*s, costs, sim).peak_activation_bytes;
+      if (peak <= budget_bytes) return s;
+      r = attempt < 4 ? r + (peak - budget_bytes) : std::max(r + (peak - budget_bytes), reserve);
     }
   }
   Rotor rotor(costs, budget_bytes);

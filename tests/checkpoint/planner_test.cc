@@ -313,5 +313,330 @@ TEST(PlannerTest, RotorBeatsUniformSomewhereAndIsFast) {
   EXPECT_LT(secs, 5.0);
 }
 
+// ---- offload (Note [Offload placement]) --------------------------------------------------
+
+OffloadOptions offload_on(int depth = 1, int keep_last = 1, double link = 0.0, bool contiguous = false) {
+  OffloadOptions o;
+  o.enabled = true;
+  o.prefetch_depth = depth;
+  o.keep_last_on_device = keep_last;
+  o.link_bytes_per_s = link;
+  o.contiguous = contiguous;
+  return o;
+}
+
+TEST(PlannerOffloadTest, OptionsFromTheConfig) {
+  config::Config cfg;
+  EXPECT_FALSE(offload_options(cfg).enabled);
+  EXPECT_EQ(offload_options(cfg).link_bytes_per_s, 0.0);
+  cfg.activation_checkpointing = config::ActivationCheckpointingConfig{};
+  cfg.activation_checkpointing->cpu_checkpointing = true;
+  cfg.activation_checkpointing->contiguous_memory_optimization = true;
+  cfg.porter.checkpointing.prefetch_depth = 3;
+  cfg.porter.checkpointing.keep_last_on_device = 2;
+  cfg.porter.device.sim_link_gbps = 0.5;
+  const OffloadOptions o = offload_options(cfg);
+  EXPECT_TRUE(o.enabled);
+  EXPECT_TRUE(o.contiguous);
+  EXPECT_EQ(o.prefetch_depth, 3);
+  EXPECT_EQ(o.keep_last_on_device, 2);
+  EXPECT_DOUBLE_EQ(o.link_bytes_per_s, 0.5e9);
+  const SimOptions sim = o.sim();
+  EXPECT_EQ(sim.prefetch_depth, 3);
+  EXPECT_TRUE(sim.contiguous);
+  EXPECT_DOUBLE_EQ(sim.link_bytes_per_s, 0.5e9);
+}
+
+TEST(PlannerOffloadTest, StandardPlansPlaceAndPredictTheOffload) {
+  const ChainCosts c = with_times(analytic_gpt_costs({tiny(4), 2, 16, nn::DType::kF32}));
+  const size_t a = c.stages[2].input_bytes;  // every block's input: 2 x 16 x 32 floats
+  ASSERT_EQ(a, 2u * 16 * 32 * 4);
+  PlanOptions uo = options_for(config::CheckpointPolicy::kUniform);
+  uo.checkpointing.every_n_layers = 1;
+  uo.offload = offload_on(1, 1, /*link=*/a / 0.5);  // a block input copies in 0.5 s
+  const Plan p = make_plan(uo, c);
+  // Four one-block segments hold a_1..a_4; the last (a_4) stays on device.
+  Schedule want = schedule_uniform(c, 1);
+  place_offload(want, c, 1);
+  EXPECT_EQ(p.schedule, want);
+  EXPECT_EQ(p.schedule.to_string(), "F0k F1c^ F2c^ F3c^ F4c+ F5k B5 R4 B4 R3 B3 R2 B2 R1 B1 B0");
+  EXPECT_EQ(p.description, "uniform: 4 segments of 1 block; 3 checkpoints on host (" + format_bytes(3 * a) +
+                               "), prefetch depth 1");
+  EXPECT_EQ(p.sim.prefetch_depth, 1);
+  EXPECT_DOUBLE_EQ(p.sim.link_bytes_per_s, uo.offload.link_bytes_per_s);
+  EXPECT_EQ(p.offload, layout_offload(p.schedule, c, 1));
+  EXPECT_EQ(p.offload.entries.size(), 3u);
+  EXPECT_EQ(p.prediction.offload.d2h_bytes, 3 * a);
+  EXPECT_EQ(p.prediction.offload.pinned_bytes, 3 * round_up(a, kPinnedSlotAlignment));
+  ASSERT_TRUE(p.prediction.offload.timed);
+  const Prediction sim = simulate(p.schedule, c, p.sim);
+  EXPECT_EQ(p.prediction.peak_activation_bytes, sim.peak_activation_bytes);
+  EXPECT_DOUBLE_EQ(p.prediction.offload.exposed_s, sim.offload.exposed_s);
+  ASSERT_EQ(p.stages.size(), 6u);
+  EXPECT_EQ(p.stages[0].where, Where::kDevice);
+  for (int i = 1; i <= 3; ++i) EXPECT_EQ(p.stages[i].where, Where::kHost) << i;
+  EXPECT_EQ(p.stages[4].where, Where::kDevice);
+  double exposed = 0.0;
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_DOUBLE_EQ(p.stages[i].exposed_copy_s, sim.offload.exposed_by_stage[i]) << i;
+    exposed += p.stages[i].exposed_copy_s;
+  }
+  EXPECT_DOUBLE_EQ(exposed, p.prediction.offload.exposed_s);
+  EXPECT_LT(p.prediction.peak_activation_bytes, simulate(schedule_uniform(c, 1), c).peak_activation_bytes);
+
+  // Offload off: the same policy plans as before, with no host holds and no layout.
+  uo.offload.enabled = false;
+  const Plan off = make_plan(uo, c);
+  EXPECT_EQ(off.schedule, schedule_uniform(c, 1));
+  EXPECT_EQ(off.description, "uniform: 4 segments of 1 block");
+  EXPECT_TRUE(off.offload.empty());
+  EXPECT_EQ(off.prediction.offload.d2h_bytes, 0u);
+  // `none` holds nothing: offload on says so.
+  PlanOptions no = options_for(config::CheckpointPolicy::kNone);
+  no.offload = offload_on();
+  EXPECT_EQ(make_plan(no, c).description, "none: every stage keeps its activations; offload on, no checkpoint to offload");
+}
+
+TEST(PlannerOffloadTest, SummarizeMarksHostHoldsWithoutAPrediction) {
+  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, nn::DType::kF32});
+  Schedule s = schedule_full(c);
+  place_offload(s, c, 2);
+  const std::vector<StagePlan> sp = summarize(s, c);
+  const Where want[] = {Where::kDevice, Where::kHost, Where::kHost, Where::kHost, Where::kDevice, Where::kDevice};
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(sp[i].where, want[i]) << i;
+    EXPECT_EQ(sp[i].exposed_copy_s, 0.0);
+  }
+  EXPECT_EQ(where_name(sp[1].where), "host");
+}
+
+TEST(PlannerOffloadTest, OffloadNeverRaisesThePeakOfFullOrUniform) {
+  for (const ChainCosts& c : {with_times(analytic_gpt_costs({tiny(6), 2, 16, nn::DType::kF32})), hetero_chain(12, 7)}) {
+    std::vector<Schedule> scheds = {schedule_full(c), schedule_sqrt(c), schedule_selective(c)};
+    int blocks = 0;
+    for (const StageCost& s : c.stages) blocks += s.is_block;
+    for (int per = 1; per <= blocks; ++per) scheds.push_back(schedule_uniform(c, per));
+    for (const Schedule& dev : scheds) {
+      const Prediction base = simulate(dev, c);
+      for (int keep = 0; keep <= 2; ++keep) {
+        Schedule h = dev;
+        place_offload(h, c, keep);
+        for (int d = 0; d <= 3; ++d) {
+          SimOptions o;
+          o.prefetch_depth = d;
+          const Prediction p = simulate(h, c, o);
+          SCOPED_TRACE(h.to_string() + " depth " + std::to_string(d));
+          EXPECT_LE(p.peak_activation_bytes, base.peak_activation_bytes);
+          EXPECT_LE(p.peak_total_bytes, base.peak_total_bytes);
+          // Op by op, too: a host hold's bytes are off the device from its forward to its
+          // prefetch.
+          ASSERT_EQ(p.footprint_after_op.size(), base.footprint_after_op.size());
+          for (size_t k = 0; k < p.footprint_after_op.size(); ++k) {
+            EXPECT_LE(p.footprint_after_op[k], base.footprint_after_op[k]) << "op " << k;
+          }
+          EXPECT_DOUBLE_EQ(p.compute_s, base.compute_s);
+        }
+      }
+    }
+    // full with every hold on the host and depth 0: right after the forward pass nothing of
+    // a_1..a_{n-1} is on the device any more.
+    Schedule f = schedule_full(c);
+    place_offload(f, c, 0);
+    SimOptions o;
+    o.prefetch_depth = 0;
+    const Prediction p = simulate(f, c, o);
+    const Prediction base = simulate(schedule_full(c), c);
+    const int n = c.num_stages();
+    size_t held = 0;
+    for (int i = 1; i < n; ++i) held += c.stages[i].input_bytes;
+    EXPECT_EQ(base.footprint_after_op[n - 1] - p.footprint_after_op[n - 1], held);
+    EXPECT_EQ(p.offload.d2h_bytes, held);
+  }
+}
+
+// Every plan a budget admits: the optimal plan with offload fits under simulate(), is never
+// slower (compute + exposed) than a standard offloaded plan or the device-only optimum that
+// fits, and its Rotor schedule fits too.
+void check_optimal_offload(const ChainCosts& c, const OffloadOptions& off, const char* what) {
+  SCOPED_TRACE(what);
+  const SimOptions sim = off.sim();
+  const size_t none = simulate(schedule_none(c), c).peak_activation_bytes;
+  const size_t min_dev = minimum_budget_bytes(c);
+  const size_t min_off = minimum_budget_bytes(c, off);
+  // Never higher. Where every stage can be recomputed from the token ids the floor is one
+  // stage's own peak, which no offload lowers (docs/offload.md); stem_chain() shows lower.
+  EXPECT_LE(min_off, min_dev);
+
+  // The standard offloaded plans, at the configured keep_last.
+  std::vector<Schedule> rivals = {schedule_full(c), schedule_sqrt(c)};
+  int blocks = 0;
+  for (const StageCost& s : c.stages) blocks += s.is_block;
+  for (int per = 1; per <= blocks; ++per) rivals.push_back(schedule_uniform(c, per));
+  for (Schedule& r : rivals) place_offload(r, c, off.keep_last_on_device);
+  // full and sqrt checkpoint every stage: no rival where a stage cannot.
+  std::erase_if(rivals, [&](const Schedule& r) {
+    for (const ScheduleOp& op : r.ops)
+      if (op.kind == ScheduleOp::Kind::kForward && !c.stages[op.stage].option(op.save).available) return true;
+    return false;
+  });
+
+  PlanOptions o = options_for(config::CheckpointPolicy::kOptimal);
+  o.offload = off;
+  auto time = [](const Prediction& p) { return p.compute_s + p.offload.exposed_s; };
+  std::mt19937_64 rng(99);
+  std::uniform_int_distribution<size_t> u(min_off, none);
+  std::vector<size_t> budgets = {min_off, (min_off + min_dev) / 2, min_dev};
+  for (int k = 0; k < 8; ++k) budgets.push_back(u(rng));
+  for (const Schedule& r : rivals) budgets.push_back(simulate(r, c, sim).peak_activation_bytes);
+  for (size_t budget : budgets) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    o.budget = config::MemoryBudget{uint64_t{budget}};
+    const Plan p = make_plan(o, c);
+    EXPECT_NO_THROW(validate(p.schedule));
+    const Prediction exact = simulate(p.schedule, c, sim);
+    EXPECT_LE(exact.peak_activation_bytes, budget) << p.schedule.to_string();
+    EXPECT_EQ(exact.peak_activation_bytes, p.prediction.peak_activation_bytes);
+    EXPECT_EQ(p.offload, layout_offload(p.schedule, c, off.prefetch_depth));
+    for (const Schedule& r : rivals) {
+      const Prediction rp = simulate(r, c, sim);
+      if (rp.peak_activation_bytes <= budget) EXPECT_LE(time(p.prediction), time(rp) + 1e-9) << r.to_string();
+    }
+    if (budget >= min_dev) {
+      PlanOptions d = o;
+      d.offload.enabled = false;
+      const Plan dp = make_plan(d, c);
+      EXPECT_LE(time(p.prediction), time(simulate(dp.schedule, c, sim)) + 1e-9) << dp.schedule.to_string();
+    }
+    if (auto r = schedule_rotor(c, budget, off)) {
+      EXPECT_LE(simulate(*r, c, sim).peak_activation_bytes, budget) << r->to_string();
+    }
+  }
+
+  // Below the device-only minimum only offload fits: the device-only plan is refused, the
+  // offloaded one holds on the host, whatever keep_last_on_device says.
+  const size_t tight = (min_off + min_dev) / 2;
+  if (tight < min_dev) {
+    o.budget = config::MemoryBudget{uint64_t{tight}};
+    PlanOptions d = o;
+    d.offload.enabled = false;
+    EXPECT_THROW(make_plan(d, c), InvalidArgument);
+    o.offload.keep_last_on_device = 1000;
+    const Plan p = make_plan(o, c);
+    EXPECT_LE(p.prediction.peak_activation_bytes, tight);
+    EXPECT_GT(p.prediction.offload.d2h_bytes, 0u);
+    EXPECT_THAT(p.schedule.to_string(), HasSubstr("^"));
+    EXPECT_THAT(p.description, HasSubstr("on host"));
+  }
+  // Below the offload minimum: refused, stating it.
+  o.budget = config::MemoryBudget{uint64_t{min_off - 1}};
+  expect_error(o, c, "is below the minimum feasible activation peak of " + format_bytes(min_off));
+}
+
+TEST(PlannerOffloadTest, OptimalWithOffloadOnTheGpt) {
+  const ChainCosts c = with_times(analytic_gpt_costs({tiny(6), 2, 16, nn::DType::kF32}));
+  const double a = static_cast<double>(c.stages[2].input_bytes);
+  check_optimal_offload(c, offload_on(1, 1, a / 0.01), "fast link");
+  check_optimal_offload(c, offload_on(1, 1, a / 2.0), "slow link");
+  check_optimal_offload(c, offload_on(0, 0, a / 0.5), "depth 0");
+  check_optimal_offload(c, offload_on(2, 1, a / 0.5, true), "depth 2, contiguous");
+  check_optimal_offload(c, offload_on(1, 1, 0.0), "no link");
+}
+
+TEST(PlannerOffloadTest, OptimalWithOffloadOnAHeterogeneousChain) {
+  const ChainCosts c = hetero_chain(12, 7);
+  check_optimal_offload(c, offload_on(1, 1, 5000.0), "link 5000 B/s");
+  check_optimal_offload(c, offload_on(3, 2, 50000.0), "depth 3");
+}
+
+TEST(PlannerOffloadTest, RotorWithAFreeLinkRecomputesNoMore) {
+  // With a fast link the copies hide: the program with host holds recomputes no more than
+  // without, and fits.
+  const ChainCosts c = with_times(analytic_gpt_costs({tiny(6), 2, 16, nn::DType::kF32}));
+  const OffloadOptions off = offload_on(1, 1, 1e12);
+  for (int per : {1, 2, 3}) {
+    const size_t budget = simulate(schedule_uniform(c, per), c).peak_activation_bytes;
+    std::optional<Schedule> d = schedule_rotor(c, budget);
+    std::optional<Schedule> h = schedule_rotor(c, budget, off);
+    ASSERT_TRUE(d.has_value());
+    ASSERT_TRUE(h.has_value());
+    const Prediction hp = simulate(*h, c, off.sim());
+    EXPECT_LE(hp.peak_activation_bytes, budget);
+    EXPECT_LE(hp.compute_s, simulate(*d, c).compute_s + 1e-9);
+  }
+}
+
+// A chain whose stage 1 (a "stem") cannot be recomputed (keep only): its large output a_2
+// cannot be regenerated, so without offload it stays on the device through the forwards and
+// backwards of the later, larger stages 3..5; with offload it waits on the host. Stage 2,
+// which reads it, is small.
+ChainCosts stem_chain() {
+  ChainCosts c;
+  c.source = "profiled";
+  for (int i = 0; i < 6; ++i) {
+    StageCost s;
+    s.name = i == 1 ? "stem" : "s" + std::to_string(i);
+    s.is_block = i >= 2;
+    s.input_bytes = i == 0 ? 0 : i == 2 ? 40000 : 4000;
+    s.output_bytes = i == 5 ? 4 : i == 1 ? 40000 : 4000;
+    s.backward_s = 2.0;
+    OptionCost& k = s.option(SaveOption::kKeep);
+    k.available = true;
+    k.forward_s = 1.0;
+    k.saved_bytes = i == 1 ? 100 : i == 2 ? 2000 : 30000;
+    k.forward_peak_bytes = k.saved_bytes + s.output_bytes;
+    k.tape_refs_input = true;
+    if (i != 1) {
+      OptionCost& ck = s.option(SaveOption::kCheckpoint);
+      ck = k;
+      ck.saved_bytes = 0;
+      ck.tape_refs_input = false;
+      ck.recompute_s = 1.0;
+      ck.recompute_peak_bytes = k.saved_bytes;
+      ck.recompute_saved_bytes = k.saved_bytes;
+    }
+    c.stages.push_back(s);
+  }
+  return c;
+}
+
+TEST(PlannerOffloadTest, OffloadLowersTheMinimumWhereHoldsAreUnavoidable) {
+  const ChainCosts c = stem_chain();
+  for (const OffloadOptions& off : {offload_on(1, 1, 4000.0), offload_on(0, 0, 0.0), offload_on(2, 1, 1e9, true)}) {
+    const size_t min_dev = minimum_budget_bytes(c);
+    const size_t min_off = minimum_budget_bytes(c, off);
+    SCOPED_TRACE("depth " + std::to_string(off.prefetch_depth) + (off.contiguous ? ", contiguous" : ""));
+    if (off.contiguous) {
+      // The arena (a 40 KB slot for a_2) counts through the forwards of 3..5 too, where the
+      // device-only floor lies: no gain, and never a loss.
+      EXPECT_EQ(min_off, min_dev);
+    } else {
+      EXPECT_LT(min_off, min_dev);
+    }
+    if (off.prefetch_depth == 0 && !off.contiguous) {
+      // Hand-computed: a_2 on the host, the rest full. F2c^ peaks at a_1 4000 + the stem's
+      // tape 100 + a_2 40000 + stage 2's forward 6000 = 50100; after it only 8100 remain,
+      // and R2 on the staged a_2 is 4100 + 40000 + 2000 = 46100. (With depth 1 the only
+      // entry is issued at the first backward, B5, and sits in staging through B5..B3.)
+      using Op = ScheduleOp;
+      constexpr SaveOption K = SaveOption::kKeep, C = SaveOption::kCheckpoint;
+      const Schedule h{6, {Op::forward(0, C, true), Op::forward(1, K, false), Op::forward(2, C, true, true),
+                           Op::forward(3, C, true), Op::forward(4, C, true), Op::forward(5, C, true),
+                           Op::recompute(5), Op::backward(5), Op::recompute(4), Op::backward(4),
+                           Op::recompute(3), Op::backward(3), Op::recompute(2), Op::backward(2),
+                           Op::backward(1), Op::recompute(0), Op::backward(0)}};
+      const Prediction hp = simulate(h, c, off.sim());
+      EXPECT_EQ(hp.peak_activation_bytes, 50100u);
+      EXPECT_EQ(hp.peak_op, 2);
+      EXPECT_LE(min_off, 50100u);
+      // The same schedule with a_2 on the device peaks at the forward of stage 3 or later.
+      Schedule d = h;
+      d.ops[2].offload = false;
+      EXPECT_GE(simulate(d, c).peak_activation_bytes, 40000u + 42100u);
+      EXPECT_GE(min_dev, 80000u);
+    }
+    check_optimal_offload(c, off, "stem chain");
+  }
+}
+
 }  // namespace
 }  // namespace porter::checkpoint
