@@ -27,10 +27,10 @@ using Clock = std::chrono::steady_clock;
 // One device, one rank, no ZeRO partitioning and no tensor parallelism yet: those arrive
 // with their issues, and until then a config asking for them is refused rather than silently
 // run differently. Checkpoint offload (activation_checkpointing.cpu_checkpointing) runs
-// (docs/engine.md, Offload). Weight decay is decoupled (AdamW) and applies to every parameter, biases and
-// norms included (DeepSpeed applies the optimizer's weight_decay to every parameter group it
-// builds by default); Adam with coupled L2 decay (adam_w_mode false) is refused when
-// weight_decay > 0, because the kernel implements only the decoupled form.
+// (docs/engine.md, Offload). Weight decay is decoupled (AdamW) and applies to every
+// parameter, biases and norms included (DeepSpeed applies the optimizer's weight_decay to
+// every parameter group it builds by default); Adam with coupled L2 decay (adam_w_mode false)
+// is refused when weight_decay > 0, because the kernel implements only the decoupled form.
 void check_supported(const config::Config& c, memory::Device& device) {
   if (c.fp16.enabled) {
     throw InvalidArgument(

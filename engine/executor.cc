@@ -165,7 +165,9 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
   auto input_of = [&](size_t index, const ScheduleOp& op) -> nn::Tensor {
     if (has_cur && cur_stage == op.stage) return cur;
     const auto s = static_cast<size_t>(op.stage);
-    if (is_held[s] && on_host[s]) invalid_op(index, op, "it reads a host-held input before its use_op");
+    if (is_held[s] && on_host[s]) {
+      invalid_op(index, op, "it reads a host-held input before its use_op");
+    }
     if (is_held[s]) return held[s];
     invalid_op(index, op, "its input is neither the current activation nor held");
   };

@@ -467,8 +467,10 @@ TEST(EngineOffloadTest, ResumeAcrossOffloadSettings) {
         ("porter_engine_offload_resume_" + std::to_string(::getpid()) + "_" +
          std::to_string(save_with_offload));
     std::filesystem::remove_all(dir);
-    const config::Config saver = offload_config(CheckpointPolicy::kFull, {save_with_offload, 1, false, 0});
-    const config::Config loader = offload_config(CheckpointPolicy::kFull, {!save_with_offload, 1, false, 0});
+    const config::Config saver =
+        offload_config(CheckpointPolicy::kFull, {save_with_offload, 1, false, 0});
+    const config::Config loader =
+        offload_config(CheckpointPolicy::kFull, {!save_with_offload, 1, false, 0});
     {
       auto device = cpu_device();
       auto e = gpt_engine(*device, saver);
