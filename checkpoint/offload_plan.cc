@@ -19,7 +19,8 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
   PORTER_CHECK(prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", prefetch_depth,
                " must be >= 0 (0 loads each checkpoint on demand)");
   validate(schedule);
-  PORTER_CHECK_EQ(costs.num_stages(), schedule.num_stages, "layout_offload: the costs' stages");
+  PORTER_CHECK(costs.num_stages() == schedule.num_stages, "schedule has ", schedule.num_stages,
+               " stages but the costs have ", costs.num_stages());
   const int n = schedule.num_stages;
   const int num_ops = static_cast<int>(schedule.ops.size());
   OffloadLayout out;

@@ -37,6 +37,9 @@
 //                      hold's device bytes for the rest of the subproblem and costs the copy
 //                      time that the neighbouring compute cannot hide (docs/offload.md).
 //                      keep_last_on_device does not constrain it; the program decides.
+//                      make_plan keeps the fastest (simulated compute + exposed copy time)
+//                      of its result, the device-only program's and every standard plan on
+//                      device and offloaded, among those that fit the budget.
 // The plan's prediction then includes staging bytes, pinned bytes and, when the costs have
 // times and the link bandwidth is known, the exposed copy time per stage.
 #pragma once
