@@ -27,7 +27,7 @@ json to_json(const TraceRecorder& r) {
 TEST(Trace, SpansCountersAndLanes) {
   TraceRecorder r;
   r.span({"forward block.0", "forward", "compute", 10, 5, 1, 1, 0});
-  r.span({"d2h block.0", "offload", "d2h", 12, 3, 1, 1, 0});
+  r.span({"d2h block.0", "d2h", "d2h", 12, 3, 1, 1, 0, {{"bytes", 4096.0}}});
   r.span({"custom", "misc", "mylane", 20, 1});
   r.counter({"memory", 15, {{"activations", 1024.0}, {"checkpoints", 8.0}}});
   json j = to_json(r);
@@ -62,6 +62,11 @@ TEST(Trace, SpansCountersAndLanes) {
       EXPECT_EQ(e["args"]["step"], 1);
       EXPECT_EQ(e["args"]["stage"], 1);
       EXPECT_EQ(e["args"]["micro_batch"], 0);
+    }
+    if (e["ph"] == "X" && e["name"] == "d2h block.0") {
+      EXPECT_EQ(e["tid"], 2);
+      EXPECT_EQ(e["args"]["bytes"], 4096.0);
+      EXPECT_EQ(e["args"]["stage"], 1);
     }
     if (e["ph"] == "X" && e["name"] == "custom") {
       EXPECT_FALSE(e["args"].contains("step"));
