@@ -4,7 +4,8 @@
 // and measured bytes agree exactly.
 //
 // Note [Offload semantics]
-// A host hold is an op Forward(i, save, hold, offload) (checkpoint/schedule.h). For each one,
+// A host hold is an op Forward(i, save, hold, offload) (checkpoint/schedule.h; validate()
+// requires save != kKeep, i > 0 and a_i not already held). For each one,
 // in op order, a StashEntry:
 //   hold_op     the Forward. Before it runs, an event is recorded on the compute stream, the
 //               D2H stream waits on it and copies a_i into the entry's pinned slot, and a_i's

@@ -85,12 +85,31 @@ std::vector<Segment> block_segments(const ChainCosts& costs, int per, int limit)
   return out;
 }
 
-// The objective the planner minimises: time when the costs have times, else recompute FLOPs.
+// The objective the planner minimises: time when the costs have times (with the exposed copy
+// time when it is known), else recompute FLOPs.
 double objective(const Prediction& p, const ChainCosts& costs) {
-  return costs.has_times() ? p.compute_s : p.recompute_flops;
+  return costs.has_times() ? p.compute_s + p.offload.exposed_s : p.recompute_flops;
+}
+
+// Whether `a` is a better plan than `b` (both fit): a lower objective; on a tie, fewer bytes
+// copied to the host (copies cost time the model may not see), then a lower peak.
+bool better(const Prediction& a, const Prediction& b, const ChainCosts& costs) {
+  const double oa = objective(a, costs), ob = objective(b, costs);
+  if (oa != ob) return oa < ob;
+  if (a.offload.d2h_bytes != b.offload.d2h_bytes) return a.offload.d2h_bytes < b.offload.d2h_bytes;
+  return a.peak_activation_bytes < b.peak_activation_bytes;
 }
 
 const char* kBudgetKey = "porter.checkpointing.memory_budget";
+
+// What simulate() assumes for a plan: the offload options, or without offload only the link
+// (for OffloadPrediction::timed).
+SimOptions sim_options(const OffloadOptions& offload) {
+  if (offload.enabled) return offload.sim();
+  SimOptions s;
+  s.link_bytes_per_s = offload.link_bytes_per_s;
+  return s;
+}
 
 struct Candidate {
   std::string description;
@@ -98,11 +117,29 @@ struct Candidate {
   Prediction prediction;
 };
 
-// Every standard schedule the optimal planner compares with, simulated.
-std::vector<Candidate> standard_candidates(const ChainCosts& costs) {
+// Every standard schedule the optimal planner compares with, simulated. With offload, each
+// also with its holds placed on the host (place_offload, keeping the last 0, 1, 2 and the
+// configured number on device).
+std::vector<Candidate> standard_candidates(const ChainCosts& costs, const OffloadOptions& offload) {
   std::vector<Candidate> out;
+  const SimOptions sim = sim_options(offload);
   auto add = [&](std::string d, Schedule s) {
-    Prediction p = simulate(s, costs);
+    if (offload.enabled) {
+      std::vector<int> keeps = {0, 1, 2, offload.keep_last_on_device};
+      std::sort(keeps.begin(), keeps.end());
+      keeps.erase(std::unique(keeps.begin(), keeps.end()), keeps.end());
+      for (int keep : keeps) {
+        Schedule h = s;
+        place_offload(h, costs, keep);
+        if (h == s) continue;
+        bool seen = false;
+        for (const Candidate& c : out) seen = seen || c.schedule == h;
+        if (seen) continue;
+        Prediction p = simulate(h, costs, sim);
+        out.push_back({d + ", host holds but the last " + std::to_string(keep), std::move(h), std::move(p)});
+      }
+    }
+    Prediction p = simulate(s, costs, sim);
     out.push_back({std::move(d), std::move(s), std::move(p)});
   };
   add("none", schedule_none(costs));
@@ -119,8 +156,8 @@ std::vector<Candidate> standard_candidates(const ChainCosts& costs) {
 }
 
 // The schedule with the lowest simulated peak among the optimal planner's candidates.
-Candidate minimum_candidate(const ChainCosts& costs) {
-  std::vector<Candidate> all = standard_candidates(costs);
+Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offload) {
+  std::vector<Candidate> all = standard_candidates(costs, offload);
   Candidate best = *std::min_element(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
     return a.prediction.peak_activation_bytes < b.prediction.peak_activation_bytes;
   });
@@ -129,12 +166,12 @@ Candidate minimum_candidate(const ChainCosts& costs) {
   size_t lo = 0, hi = best.prediction.peak_activation_bytes;
   while (hi > lo + std::max<size_t>(1, hi / 1000)) {
     const size_t mid = lo + (hi - lo) / 2;
-    std::optional<Schedule> s = schedule_rotor(costs, mid);
+    std::optional<Schedule> s = schedule_rotor(costs, mid, offload);
     if (!s) {
       lo = mid;
       continue;
     }
-    Prediction p = simulate(*s, costs);
+    Prediction p = simulate(*s, costs, sim_options(offload));
     if (p.peak_activation_bytes < best.prediction.peak_activation_bytes) {
       best = {"rotor", std::move(*s), std::move(p)};
     }
@@ -224,9 +261,44 @@ Schedule schedule_selective(const ChainCosts& costs) {
   return compile(costs.num_stages(), seg);
 }
 
+void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on_device) {
+  PORTER_CHECK(keep_last_on_device >= 0, "porter.checkpointing.keep_last_on_device = ", keep_last_on_device,
+               " must be >= 0");
+  PORTER_CHECK_EQ(costs.num_stages(), schedule.num_stages, "place_offload: the costs' stages");
+  // The offloadable holds in op order (a stage held a second time while still held stays
+  // where its first hold is).
+  std::vector<size_t> holds;
+  std::vector<bool> held(static_cast<size_t>(schedule.num_stages), false);
+  for (size_t k = 0; k < schedule.ops.size(); ++k) {
+    ScheduleOp& op = schedule.ops[k];
+    if (op.stage < 0 || op.stage >= schedule.num_stages) continue;  // validate() names it
+    if (op.kind == Kind::kBackward) held[op.stage] = false;
+    if (op.kind != Kind::kForward || !op.hold_input) continue;
+    op.offload = false;
+    if (!held[op.stage] && op.save != SaveOption::kKeep && op.stage > 0 &&
+        costs.stages[op.stage].input_bytes > 0) {
+      holds.push_back(k);
+    }
+    held[op.stage] = true;
+  }
+  const size_t keep = std::min(holds.size(), static_cast<size_t>(keep_last_on_device));
+  for (size_t h = 0; h + keep < holds.size(); ++h) schedule.ops[holds[h]].offload = true;
+}
+
+OffloadOptions offload_options(const config::Config& config) {
+  OffloadOptions o;
+  if (config.activation_checkpointing) {
+    o.enabled = config.activation_checkpointing->cpu_checkpointing;
+    o.contiguous = config.activation_checkpointing->contiguous_memory_optimization;
+  }
+  o.prefetch_depth = static_cast<int>(config.porter.checkpointing.prefetch_depth);
+  o.keep_last_on_device = static_cast<int>(config.porter.checkpointing.keep_last_on_device);
+  o.link_bytes_per_s = config.porter.device.sim_link_gbps ? *config.porter.device.sim_link_gbps * 1e9 : 0.0;
+  return o;
+}
+
 std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,
                                  const Prediction* prediction) {
-  PORTER_CHECK(prediction == nullptr, "summarize: exposed copy times arrive with the offload planner");
   std::vector<StagePlan> out(static_cast<size_t>(schedule.num_stages));
   std::vector<bool> seen(out.size(), false);
   for (StagePlan& p : out) p.forwards = 0;
@@ -243,6 +315,11 @@ std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& cos
     if (!seen[op.stage]) p.action = std::string(save_option_name(op.save));
     seen[op.stage] = true;
     p.holds_input = p.holds_input || op.hold_input;
+    if (op.offload) p.where = Where::kHost;
+  }
+  if (prediction != nullptr && prediction->offload.timed) {
+    const std::vector<double>& e = prediction->offload.exposed_by_stage;
+    for (size_t i = 0; i < out.size() && i < e.size(); ++i) out[i].exposed_copy_s = e[i];
   }
   return out;
 }
@@ -260,13 +337,14 @@ size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& cost
 }
 
 size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload) {
-  PORTER_CHECK(!offload.enabled, "minimum_budget_bytes: host holds arrive with the offload planner");
-  return minimum_candidate(costs).prediction.peak_activation_bytes;
+  return minimum_candidate(costs, offload).prediction.peak_activation_bytes;
 }
 
 Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
   PORTER_CHECK(costs.num_stages() >= 1, "make_plan: the chain has no stages");
   const config::CheckpointingConfig& ck = options.checkpointing;
+  const OffloadOptions& offload = options.offload;
+  const SimOptions sim = sim_options(offload);
   Plan plan;
   plan.policy = ck.policy;
   plan.selective_policy = selective_policy(ck.selective_ops);
@@ -335,28 +413,27 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
                    "or a fraction of the no-checkpointing peak such as 0.5)");
       const size_t budget = resolve_budget(*b, costs);
       plan.budget_bytes = budget;
-      std::vector<Candidate> cands = standard_candidates(costs);
-      if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
-        Prediction p = simulate(*r, costs);
+      std::vector<Candidate> cands = standard_candidates(costs, offload);
+      if (offload.enabled) {  // the device-only program too: a slow link may not pay
+        if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
+          Prediction p = simulate(*r, costs, sim);
+          cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
+        }
+      }
+      if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload)) {
+        Prediction p = simulate(*r, costs, sim);
         cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
       }
       const Candidate* best = nullptr;
       for (const Candidate& c : cands) {
         if (c.prediction.peak_activation_bytes > budget) continue;
-        if (best == nullptr) {
-          best = &c;
-          continue;
-        }
-        const double oc = objective(c.prediction, costs), ob = objective(best->prediction, costs);
-        if (oc < ob || (oc == ob && c.prediction.peak_activation_bytes < best->prediction.peak_activation_bytes)) {
-          best = &c;
-        }
+        if (best == nullptr || better(c.prediction, best->prediction, costs)) best = &c;
       }
       Candidate minimum;
       if (best == nullptr) {
         // The discretised DP may miss a schedule that fits exactly; the minimum search
         // (finer budgets) finds the lowest peak reachable.
-        minimum = minimum_candidate(costs);
+        minimum = minimum_candidate(costs, offload);
         if (minimum.prediction.peak_activation_bytes > budget) {
           throw InvalidArgument(std::string(kBudgetKey) + ": " + format_bytes(budget) +
                                 " is below the minimum feasible activation peak of " +
@@ -370,8 +447,23 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       break;
     }
   }
-  plan.prediction = simulate(plan.schedule, costs);
-  plan.stages = summarize(plan.schedule, costs);
+  if (offload.enabled && ck.policy != config::CheckpointPolicy::kOptimal) {
+    place_offload(plan.schedule, costs, offload.keep_last_on_device);
+  }
+  plan.sim = sim;
+  plan.prediction = simulate(plan.schedule, costs, sim);
+  plan.stages = summarize(plan.schedule, costs, &plan.prediction);
+  if (offload.enabled) {
+    plan.offload = layout_offload(plan.schedule, costs, offload.prefetch_depth);
+    const size_t held = plan.offload.entries.size();
+    if (held == 0) {
+      plan.description += "; offload on, no checkpoint to offload";
+    } else {
+      plan.description += "; " + std::to_string(held) + " checkpoint" + (held == 1 ? "" : "s") + " on host (" +
+                          format_bytes(plan.offload.offloaded_bytes) + "), prefetch depth " +
+                          std::to_string(offload.prefetch_depth);
+    }
+  }
   return plan;
 }
 

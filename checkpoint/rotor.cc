@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "base/check.h"
+#include "base/units.h"
 #include "checkpoint/planner.h"
 
 namespace porter::checkpoint {
@@ -30,13 +31,39 @@ namespace {
 // or C(i, t) is a ck leaf, its input (a_{s+1}, a_i) is still alive during the caller's next
 // op, which the recurrence charges. Every size is rounded up to whole slots and the budget
 // down, so the DP never accepts a schedule the simulator would find over budget.
+//
+// Host holds (offload on, Note [Offload placement]). In a fresh context with s > 0 and
+// a_s > 0 bytes, F_all(o != keep) and F_ck(i) gain a host variant: the Forward of s holds
+// a_s on the host, so a_s is charged only while it is that forward's input (in F_ck(i),
+// not during the forwards s+1..i-1 either) and not in the subproblem that follows
+// (C(s+1, t, m - saved_o), C(i, t, m - saved_ck(s..i-1))). It is charged again where it is
+// back on the device: the Recompute(s) / Backward(s) of F_all, and the whole of C(s, i-1),
+// whose first op reads it. (A ck context never holds on the host: a_s is already held.)
+// Leaves have no host variant: nothing runs between the hold and the read.
+// Two things the recurrence does not see, and how they are made safe or approximated:
+//   prefetch  a staged copy is alive from its prefetch op, up to `prefetch_depth` reads
+//             ahead of its use (and the contiguous arena always). schedule_rotor runs the
+//             program on the budget less a reserve (depth x the largest offloadable input in
+//             staging slots; one slot more with contiguous staging), then simulates the
+//             result exactly; over budget, it retries with twice and four times the reserve,
+//             then falls back to the device-only program. Its result always fits.
+//   time      a host variant costs the copy time the neighbouring compute cannot hide, per
+//             hold, with c = a_s / link: max(0, c - the forwards of stages s+1..n-1) for the
+//             D2H copy, plus for the H2D copy max(0, c - the backwards of the depth ops just
+//             before the use: stages s+1.. for F_all, i.. for F_ck(i)), or c at depth 0.
+//             Copies queueing on one stream are not modelled; the planner picks among the
+//             program's result and the standard plans by the simulated time (compute +
+//             exposed), which models them exactly. Without a link bandwidth or times the
+//             copies cost nothing and ties go to the device variant.
 constexpr int kLeafRecompute = kNumSaveOptions;  // choice codes 0..2: an option
 constexpr int kCheckpointAt = 16;                // + i: F_ck(i)
+constexpr int kHost = 1 << 24;                   // | choice: the host variant
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class Rotor {
  public:
-  Rotor(const ChainCosts& costs, size_t budget_bytes) : costs_(costs), n_(costs.num_stages()) {
+  Rotor(const ChainCosts& costs, size_t budget_bytes, const OffloadOptions& offload = {})
+      : costs_(costs), n_(costs.num_stages()), host_(offload.enabled), depth_(offload.prefetch_depth) {
     const int64_t n3 = static_cast<int64_t>(n_) * n_ * n_;
     slots_ = static_cast<int>(std::clamp<int64_t>(50'000'000 / std::max<int64_t>(1, n3), 50, 500));
     slot_bytes_ = std::max<size_t>(1, (budget_bytes + slots_ - 1) / slots_);
@@ -68,6 +95,21 @@ class Rotor {
       }
       b_.push_back(costs.has_times() ? st.backward_s : 0.0);
       ck_prefix_.push_back(ck_prefix_.back() + opt_[2][j].saved);
+    }
+    // Host variants: the exposed copy time of each hold (see the Note), and which holds may go.
+    const bool timed = costs.has_times() && offload.link_bytes_per_s > 0.0;
+    fwd_after_.assign(static_cast<size_t>(n_) + 1, 0.0);
+    for (int j = n_ - 1; j >= 0; --j) {
+      double f = kInf;
+      for (const OptionCost& c : costs.stages[j].options)
+        if (c.available) f = std::min(f, c.forward_s);
+      fwd_after_[j] = fwd_after_[j + 1] + (f < kInf ? f : 0.0);
+    }
+    b_prefix_.assign(static_cast<size_t>(n_) + 1, 0.0);
+    for (int j = 0; j < n_; ++j) b_prefix_[j + 1] = b_prefix_[j] + b_[j];
+    for (int j = 0; j < n_; ++j) {
+      copy_s_.push_back(timed ? static_cast<double>(costs.stages[j].input_bytes) / offload.link_bytes_per_s : 0.0);
+      can_host_.push_back(host_ && j > 0 && costs.stages[j].input_bytes > 0);
     }
     cost_.assign(static_cast<size_t>(n_) * n_ * (m_ + 1), kInf);
     choice_.assign(cost_.size(), -1);
@@ -102,6 +144,16 @@ class Rotor {
   // The input of C(j, t) alive after it when it was a ck leaf (see the Note).
   int64_t stale_cur(int j, int t) const { return j == t && t < n_ - 1 ? in_[j] : 0; }
   const Opt& opt(int o, int j) const { return opt_[o][j]; }
+  // The exposed copy time of holding a_s on the host when it is next read after the backward
+  // of stage `next` (s+1 for F_all, i for F_ck(i)).
+  double host_cost(int s, int next) const {
+    const double c = copy_s_[s];
+    if (c == 0.0) return 0.0;
+    const double d2h = std::max(0.0, c - fwd_after_[s + 1]);
+    if (depth_ == 0) return d2h + c;
+    const int end = std::min(n_, next + depth_);
+    return d2h + std::max(0.0, c - (b_prefix_[end] - b_prefix_[next]));
+  }
 
   void fill(int s, int t, int m) {
     double best = kInf;
@@ -128,27 +180,42 @@ class Rotor {
         if (a + st + std::max(p.rc_peak, p.rc_saved) <= m) consider(p.r + b_[s], kLeafRecompute);
       }
     } else {
+      // Host variants only where a_s is not held yet: the fresh context (see the Note).
+      const bool host = can_host_[s] && t == n_ - 1;
       for (int o = 0; o < kNumSaveOptions; ++o) {
         const Opt& p = opt(o, s);
         if (!p.available || a + st + p.fwd_peak > m) continue;
         const int64_t after = a + p.saved;
         if (o != 0 && after + std::max(p.rc_peak + stale_cur(s + 1, t), p.rc_saved) > m) continue;
+        const double own = p.f + (o != 0 ? p.r : 0.0) + b_[s];
         const double sub = at(s + 1, t, m - after);
-        if (sub < kInf) consider(p.f + (o != 0 ? p.r : 0.0) + b_[s] + sub, o);
+        if (sub < kInf) consider(own + sub, o);
+        if (host && o != 0) {
+          const double hsub = at(s + 1, t, m - p.saved);
+          if (hsub < kInf) consider(own + hsub + host_cost(s, s + 1), o | kHost);
+        }
       }
       double fwd = 0.0;
-      int64_t fneed = 0;
+      int64_t fneed = 0, hneed = 0;  // the pass's peak with a_s held on device / on host
       for (int i = s + 1; i <= t; ++i) {
         const int j = i - 1;  // the last stage of the kCheckpoint pass
         const Opt& p = opt(2, j);
         if (!p.available) break;
         fwd += p.f;
-        fneed = std::max(fneed, a + (j > s ? in_[j] : 0) + (ck_prefix_[j] - ck_prefix_[s]) + p.fwd_peak + st);
-        if (fneed > m) break;
-        const double sub1 = at(i, t, m - a - (ck_prefix_[i] - ck_prefix_[s]));
-        if (sub1 == kInf) continue;
+        const int64_t rest = (ck_prefix_[j] - ck_prefix_[s]) + p.fwd_peak + st;
+        fneed = std::max(fneed, a + (j > s ? in_[j] : 0) + rest);
+        hneed = std::max(hneed, (j > s ? in_[j] : a) + rest);
+        if ((host ? hneed : fneed) > m) break;
         const double sub2 = at(s, i - 1, m - stale_cur(i, t));
-        if (sub2 < kInf) consider(fwd + sub1 + sub2, kCheckpointAt + i);
+        if (sub2 == kInf) continue;
+        if (fneed <= m) {
+          const double sub1 = at(i, t, m - a - (ck_prefix_[i] - ck_prefix_[s]));
+          if (sub1 < kInf) consider(fwd + sub1 + sub2, kCheckpointAt + i);
+        }
+        if (host) {
+          const double hsub1 = at(i, t, m - (ck_prefix_[i] - ck_prefix_[s]));
+          if (hsub1 < kInf) consider(fwd + hsub1 + sub2 + host_cost(s, i), (kCheckpointAt + i) | kHost);
+        }
       }
     }
     cost_[idx(s, t, m)] = best;
@@ -157,27 +224,35 @@ class Rotor {
 
   void emit(int s, int t, int64_t m, std::vector<ScheduleOp>& ops) const {
     m = std::min<int64_t>(m, m_);
-    const int c = choice_[idx(s, t, m)];
-    PORTER_ASSERT(c >= 0, "rotor: no choice for C(", s, ", ", t, ", ", m, ")");
+    const int code = choice_[idx(s, t, m)];
+    PORTER_ASSERT(code >= 0, "rotor: no choice for C(", s, ", ", t, ", ", m, ")");
+    const bool host = (code & kHost) != 0;
+    const int c = code & ~kHost;
+    // A host hold's input is not charged in the subproblem that follows (see the Note).
+    const int64_t a = host ? 0 : in_[s];
     if (c == kLeafRecompute) {
       ops.push_back(ScheduleOp::recompute(s));
       ops.push_back(ScheduleOp::backward(s));
     } else if (c < kNumSaveOptions) {
       const auto o = static_cast<SaveOption>(c);
-      ops.push_back(ScheduleOp::forward(s, o, o != SaveOption::kKeep));
-      if (s < t) emit(s + 1, t, m - in_[s] - opt(c, s).saved, ops);
+      ops.push_back(ScheduleOp::forward(s, o, o != SaveOption::kKeep, host));
+      if (s < t) emit(s + 1, t, m - a - opt(c, s).saved, ops);
       if (o != SaveOption::kKeep) ops.push_back(ScheduleOp::recompute(s));
       ops.push_back(ScheduleOp::backward(s));
     } else {
       const int i = c - kCheckpointAt;
-      for (int j = s; j < i; ++j) ops.push_back(ScheduleOp::forward(j, SaveOption::kCheckpoint, j == s));
-      emit(i, t, m - in_[s] - (ck_prefix_[i] - ck_prefix_[s]), ops);
+      for (int j = s; j < i; ++j) {
+        ops.push_back(ScheduleOp::forward(j, SaveOption::kCheckpoint, j == s, j == s && host));
+      }
+      emit(i, t, m - a - (ck_prefix_[i] - ck_prefix_[s]), ops);
       emit(s, i - 1, m - stale_cur(i, t), ops);
     }
   }
 
   const ChainCosts& costs_;
   int n_;
+  bool host_ = false;  // host variants (offload on)
+  int depth_ = 1;      // prefetch depth
   int slots_ = 0;
   size_t slot_bytes_ = 1;
   int m_ = 0;  // the budget in slots
@@ -185,6 +260,10 @@ class Rotor {
   std::array<std::vector<Opt>, kNumSaveOptions> opt_;
   std::vector<double> b_;
   std::vector<int64_t> ck_prefix_;  // prefix sums of kCheckpoint saved slots
+  std::vector<double> fwd_after_;   // forward time of stages j..n-1 (their fastest option)
+  std::vector<double> b_prefix_;    // prefix sums of backward times
+  std::vector<double> copy_s_;      // a_j / link (0 without times or link)
+  std::vector<bool> can_host_;      // a_j may be held on the host
   std::vector<double> cost_;
   std::vector<int> choice_;
 };
@@ -193,8 +272,27 @@ class Rotor {
 
 std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
                                        const OffloadOptions& offload) {
-  PORTER_CHECK(!offload.enabled, "schedule_rotor: host holds arrive with the offload planner");
   PORTER_CHECK(costs.num_stages() >= 1, "schedule_rotor: the chain has no stages");
+  if (offload.enabled) {
+    PORTER_CHECK(offload.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", offload.prefetch_depth,
+                 " must be >= 0");
+    // The staging the program does not see (Note [Rotor recurrence]): prefetched copies ahead
+    // of their use, and with contiguous staging the arena's slot for the copy in use.
+    size_t largest = 0;
+    for (int j = 1; j < costs.num_stages(); ++j) largest = std::max(largest, costs.stages[j].input_bytes);
+    const size_t slot = round_up(largest, kStagingSlotAlignment);
+    const size_t reserve =
+        slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0));
+    const SimOptions sim = offload.sim();
+    for (size_t times : {1, 2, 4}) {
+      const size_t r = reserve * times;
+      if (r >= budget_bytes) break;
+      std::optional<Schedule> s = Rotor(costs, budget_bytes - r, offload).solve();
+      if (!s) break;  // a larger reserve leaves less
+      if (simulate(*s, costs, sim).peak_activation_bytes <= budget_bytes) return s;
+      if (reserve == 0) break;
+    }
+  }
   Rotor rotor(costs, budget_bytes);
   std::optional<Schedule> s = rotor.solve();
   if (s) {

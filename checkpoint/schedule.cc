@@ -6,6 +6,7 @@
 
 #include "base/check.h"
 #include "base/error.h"
+#include "checkpoint/offload_plan.h"
 
 namespace porter::checkpoint {
 
@@ -23,7 +24,8 @@ char option_letter(SaveOption o) {
 std::string op_string(const ScheduleOp& op) {
   switch (op.kind) {
     case ScheduleOp::Kind::kForward:
-      return "F" + std::to_string(op.stage) + option_letter(op.save) + (op.hold_input ? "+" : "");
+      return "F" + std::to_string(op.stage) + option_letter(op.save) +
+             (op.offload ? "^" : op.hold_input ? "+" : "");
     case ScheduleOp::Kind::kRecompute: return "R" + std::to_string(op.stage);
     case ScheduleOp::Kind::kBackward: return "B" + std::to_string(op.stage);
   }
@@ -38,15 +40,22 @@ struct StageTape {
   bool refs_input = false;
   bool refs_output = false;
   size_t extra_bytes = 0;  // saved bytes beyond the stage's input and output
+  // The input the tape references is the staged copy of a host hold (counted as staging).
+  bool input_staged = false;
 };
 
 // The executor state of Note [Schedule semantics]. With costs it also keeps the footprint
 // (Note [Activation bytes]); without, it only checks the rules.
 class Replay {
  public:
-  Replay(const Schedule& s, const ChainCosts* costs)
-      : schedule_(s), costs_(costs), n_(s.num_stages), held_(static_cast<size_t>(n_), false),
-        tapes_(static_cast<size_t>(n_)), forwards_(static_cast<size_t>(n_), 0), g_(n_) {}
+  // `layout` (with `options`): the staging of host holds (Note [Offload semantics]).
+  Replay(const Schedule& s, const ChainCosts* costs, const OffloadLayout* layout = nullptr,
+         const SimOptions* options = nullptr)
+      : schedule_(s), costs_(costs), layout_(layout), options_(options), n_(s.num_stages),
+        held_(static_cast<size_t>(std::max(n_, 0)), false),
+        held_host_(static_cast<size_t>(std::max(n_, 0)), false),
+        tapes_(static_cast<size_t>(std::max(n_, 0))), forwards_(static_cast<size_t>(std::max(n_, 0)), 0),
+        g_(n_) {}
 
   void run() {
     if (n_ < 1) throw InvalidArgument("schedule: num_stages = " + std::to_string(n_) + ", expected >= 1");
@@ -54,7 +63,14 @@ class Replay {
       throw InvalidArgument("schedule has " + std::to_string(n_) + " stages but the costs have " +
                             std::to_string(costs_->num_stages()));
     }
-    for (size_t k = 0; k < schedule_.ops.size(); ++k) apply(static_cast<int>(k), schedule_.ops[k]);
+    for (size_t k = 0; k < schedule_.ops.size(); ++k) {
+      op_ = static_cast<int>(k);
+      after_ = false;
+      if (costs_ != nullptr) {
+        pred_.offload.peak_staging_bytes = std::max(pred_.offload.peak_staging_bytes, staging_bytes());
+      }
+      apply(static_cast<int>(k), schedule_.ops[k]);
+    }
     if (g_ != 0) {
       fail_end("the backward of stage " + std::to_string(g_ - 1) + " never runs (backward must run "
                "once per stage, " + std::to_string(n_ - 1) + " down to 0)");
@@ -66,6 +82,8 @@ class Replay {
   }
 
   Prediction prediction() const { return pred_; }
+  // Compute time of each op (forward_s, recompute_s or backward_s); with costs only.
+  const std::vector<double>& op_seconds() const { return op_s_; }
 
  private:
   [[noreturn]] void fail(int k, const ScheduleOp& op, const std::string& rule) const {
@@ -82,10 +100,14 @@ class Replay {
     return j < n_ ? costs_->stages[j].input_bytes : costs_->stages[n_ - 1].output_bytes;
   }
 
+  // A host hold is not alive as a checkpoint: its a_i left with the D2H copy, and its staged
+  // copy (also when a tape references it) is counted by staging_bytes().
   bool alive(int j) const {
     if (cur_ == j) return true;
-    if (j < n_ && held_[j]) return true;
-    if (j < n_ && tapes_[j].state != TapeState::kEmpty && tapes_[j].refs_input) return true;
+    if (j < n_ && held_[j] && !held_host_[j]) return true;
+    if (j < n_ && tapes_[j].state != TapeState::kEmpty && tapes_[j].refs_input && !tapes_[j].input_staged) {
+      return true;
+    }
     if (j > 0 && tapes_[j - 1].state != TapeState::kEmpty && tapes_[j - 1].refs_output) return true;
     return false;
   }
@@ -95,6 +117,20 @@ class Replay {
     for (int j = 0; j <= n_; ++j)
       if (alive(j)) total += act_bytes(j);
     for (const StageTape& t : tapes_) total += t.extra_bytes;
+    return total + staging_bytes();
+  }
+
+  // Staging in the footprint at the start of op op_ (after_ false) or after it (after_ true):
+  // an entry's bytes from just before its prefetch op to just after its release op; the
+  // whole arena throughout with contiguous staging.
+  size_t staging_bytes() const {
+    if (layout_ == nullptr) return 0;
+    if (options_ != nullptr && options_->contiguous) return layout_->staging_arena_bytes();
+    size_t total = 0;
+    for (const StashEntry& e : layout_->entries) {
+      if (e.prefetch_op < 0 || op_ < e.prefetch_op) continue;
+      if (after_ ? op_ < e.release_op : op_ <= e.release_op) total += e.bytes;
+    }
     return total;
   }
 
@@ -133,8 +169,20 @@ class Replay {
           fail(k, op, "the tape of stage " + std::to_string(i) + " is already full; a forward would "
                       "discard it");
         }
+        if (op.offload) {
+          if (!op.hold_input) fail(k, op, "a host hold (offload) needs hold_input");
+          if (op.save == SaveOption::kKeep) {
+            fail(k, op, "a host hold needs save option selective or checkpoint (a keep tape references "
+                        "its input, so offloading it would free nothing)");
+          }
+          if (i == 0) fail(k, op, "a host hold needs stage > 0 (a_0 is the token ids, not an activation)");
+          if (held_[i]) fail(k, op, "a host hold of a_" + std::to_string(i) + ", which is already held");
+        }
+        const bool staged_input = cur_ != i && held_host_[i];
+        if (op.hold_input && !held_[i]) held_host_[i] = op.offload;
         if (op.hold_input) held_[i] = true;
         tape = StageTape{};  // a repeated forward replaces a partial tape
+        tape.input_staged = staged_input;
         const bool first = forwards_[i]++ == 0;
         if (costs_ != nullptr) {
           const StageCost& st = costs_->stages[i];
@@ -145,6 +193,7 @@ class Replay {
           tape.refs_input = c.tape_refs_input;
           tape.refs_output = c.tape_refs_output;
           pred_.compute_s += c.forward_s;
+          op_s_.push_back(c.forward_s);
           if (!first) {
             pred_.recompute_s += c.forward_s;
             pred_.recompute_flops += st.forward_flops;
@@ -175,7 +224,9 @@ class Replay {
           // A completed tape holds what a kKeep forward saves, references included.
           tape.refs_input = keep.tape_refs_input;
           tape.refs_output = keep.tape_refs_output;
+          tape.input_staged = cur_ != i && held_host_[i];
           pred_.compute_s += c.recompute_s;
+          op_s_.push_back(c.recompute_s);
           pred_.recompute_s += c.recompute_s;
           pred_.recompute_flops += c.recompute_flops;
         }
@@ -199,26 +250,85 @@ class Replay {
           const size_t start = footprint();
           note_peak(k, start, start + grad_bytes() + costs_->stages[i].backward_total_peak_bytes);
           pred_.compute_s += costs_->stages[i].backward_s;
+          op_s_.push_back(costs_->stages[i].backward_s);
         }
         tape = StageTape{};
         held_[i] = false;
+        held_host_[i] = false;
         g_ = i;
         break;
       }
     }
+    after_ = true;
     if (costs_ != nullptr) pred_.footprint_after_op.push_back(footprint());
   }
 
   const Schedule& schedule_;
   const ChainCosts* costs_;  // not owned; null when only validating
+  const OffloadLayout* layout_;  // not owned; null without host holds
+  const SimOptions* options_;
   int n_;
   int cur_ = 0;  // index j of the current activation a_j; -1 for none. a_0 = the tokens.
   std::vector<bool> held_;
+  std::vector<bool> held_host_;  // held_[i] is a host hold (Note [Offload semantics])
   std::vector<StageTape> tapes_;
   std::vector<int> forwards_;
   int g_;
   Prediction pred_;
+  std::vector<double> op_s_;
+  int op_ = 0;          // the op being applied
+  bool after_ = false;  // its footprint is taken after it ran
 };
+
+// Note [Offload timing]
+// The copy timing model of simulate() (docs/offload.md). A compute clock T advances by each
+// op's compute time. An entry's D2H copy starts at max(T at the start of hold_op, the D2H
+// stream free) and lasts bytes / link; its H2D copy is issued at the start of prefetch_op and
+// starts at max(T there, its D2H end, the H2D stream free), lasting bytes / link. At the
+// start of use_op the compute stream waits max(0, H2D end - T): the wait is added to T, to
+// exposed_s and to exposed_by_stage[stage]. Copies of one direction run one at a time, in
+// issue order; the two directions overlap each other and the compute.
+void time_copies(const Schedule& schedule, const OffloadLayout& layout, const std::vector<double>& op_s,
+                 double link, int n, OffloadPrediction& out) {
+  out.timed = true;
+  out.exposed_by_stage.assign(static_cast<size_t>(n), 0.0);
+  std::vector<double> d2h_end(layout.entries.size(), 0.0), h2d_end(layout.entries.size(), 0.0);
+  // H2D issue order at one op: by use (the order layout_offload assigns prefetches in).
+  std::vector<size_t> by_use;
+  for (size_t e = 0; e < layout.entries.size(); ++e)
+    if (layout.entries[e].use_op >= 0) by_use.push_back(e);
+  std::sort(by_use.begin(), by_use.end(),
+            [&](size_t a, size_t b) { return layout.entries[a].use_op < layout.entries[b].use_op; });
+  double t = 0.0, d2h_free = 0.0, h2d_free = 0.0;
+  for (size_t k = 0; k < schedule.ops.size(); ++k) {
+    const int op = static_cast<int>(k);
+    for (size_t e : by_use) {
+      const StashEntry& s = layout.entries[e];
+      if (s.prefetch_op != op) continue;
+      const double c = static_cast<double>(s.bytes) / link;
+      const double start = std::max({t, d2h_end[e], h2d_free});
+      h2d_end[e] = h2d_free = start + c;
+      out.copy_busy_s += c;
+    }
+    for (size_t e : by_use) {
+      const StashEntry& s = layout.entries[e];
+      if (s.use_op != op) continue;
+      const double wait = std::max(0.0, h2d_end[e] - t);
+      t += wait;
+      out.exposed_s += wait;
+      out.exposed_by_stage[static_cast<size_t>(s.stage)] += wait;
+    }
+    for (size_t e = 0; e < layout.entries.size(); ++e) {
+      const StashEntry& s = layout.entries[e];
+      if (s.hold_op != op) continue;
+      const double c = static_cast<double>(s.bytes) / link;
+      const double start = std::max(t, d2h_free);
+      d2h_end[e] = d2h_free = start + c;
+      out.copy_busy_s += c;
+    }
+    t += op_s[k];
+  }
+}
 
 }  // namespace
 
@@ -237,12 +347,34 @@ void validate(const Schedule& schedule) {
 }
 
 Prediction simulate(const Schedule& schedule, const ChainCosts& costs, const SimOptions& options) {
-  for (const ScheduleOp& op : schedule.ops) {
-    PORTER_CHECK(!op.offload, "simulate: host holds arrive with the offload planner");
+  PORTER_CHECK(options.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", options.prefetch_depth,
+               " must be >= 0");
+  PORTER_CHECK(options.link_bytes_per_s >= 0.0, "simulate: link bandwidth ", options.link_bytes_per_s,
+               " B/s must be >= 0 (porter.device.sim_link_gbps)");
+  const bool any_host = std::any_of(schedule.ops.begin(), schedule.ops.end(),
+                                    [](const ScheduleOp& op) { return op.offload; });
+  const bool timed = costs.has_times() && options.link_bytes_per_s > 0.0;
+  if (!any_host) {
+    Replay r(schedule, &costs);
+    r.run();
+    Prediction p = r.prediction();
+    if (timed) {
+      p.offload.timed = true;
+      p.offload.exposed_by_stage.assign(static_cast<size_t>(schedule.num_stages), 0.0);
+    }
+    return p;
   }
-  Replay r(schedule, &costs);
+  const OffloadLayout layout = layout_offload(schedule, costs, options.prefetch_depth);
+  Replay r(schedule, &costs, &layout, &options);
   r.run();
-  return r.prediction();
+  Prediction p = r.prediction();
+  p.offload.d2h_bytes = layout.offloaded_bytes;
+  for (const StashEntry& e : layout.entries) p.offload.h2d_bytes += e.use_op >= 0 ? e.bytes : 0;
+  p.offload.pinned_bytes = layout.pinned_bytes;
+  if (timed) {
+    time_copies(schedule, layout, r.op_seconds(), options.link_bytes_per_s, schedule.num_stages, p.offload);
+  }
+  return p;
 }
 
 }  // namespace porter::checkpoint

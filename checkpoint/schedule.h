@@ -26,8 +26,9 @@
 // retagged to `checkpoints` and is dropped like an unheld cur, and it comes back into a
 // staging slot (memory category `staging`, part of the footprint) before the first later
 // op that reads held[i]; that slot is released by Backward(i). A host hold needs save !=
-// kKeep (a full tape references its input, so nothing would be freed) and i > 0 (token ids
-// are not activations).
+// kKeep (a full tape references its input, so nothing would be freed), i > 0 (token ids
+// are not activations) and a_i not already held (a re-forward of a held input keeps it where
+// it is).
 // `cur` is dropped when a forward replaces it and nothing else references it (held, or a
 // tape's input/output reference), at the start of Backward(i) when it is a_{i+1}, and at
 // once for the loss. A cur that is a_i stays alive through Backward(i) until the next op
@@ -81,10 +82,19 @@ struct OffloadPrediction {
   size_t d2h_bytes = 0;             // bytes copied to host (= offloaded bytes)
   size_t h2d_bytes = 0;             // bytes copied back (a hold never read back is not)
   size_t pinned_bytes = 0;          // pinned host memory the micro-batch needs
-  size_t peak_staging_bytes = 0;    // staging slots alive at once, at most
-  // Only when the costs have times and the link bandwidth is known (SimOptions):
+  size_t peak_staging_bytes = 0;    // staging bytes in the footprint at once, at most
+                                    // (the whole arena with contiguous staging)
+  // Only when the costs have times and the link bandwidth is known (SimOptions). The model
+  // (Note [Offload timing] in schedule.cc, docs/offload.md): a compute clock T advances by
+  // each op's time (forward_s of its option, recompute_s, backward_s). Entry e's D2H copy
+  // starts at max(T at the start of its hold_op, the D2H stream free) and lasts bytes / link;
+  // its H2D copy is issued at the start of prefetch_op and starts at max(T there, the D2H
+  // end, the H2D stream free), lasting bytes / link. At the start of use_op the compute
+  // stream waits max(0, H2D end - T), which is added to T, to exposed_s and to
+  // exposed_by_stage[e.stage]. Prediction::compute_s and recompute_s never include waits;
+  // the step's predicted time is compute_s + exposed_s.
   bool timed = false;
-  double copy_busy_s = 0.0;         // D2H + H2D link time
+  double copy_busy_s = 0.0;         // D2H + H2D link time (sum of copy durations)
   double exposed_s = 0.0;           // time the compute stream waits for copies
   std::vector<double> exposed_by_stage;  // per stage (the stage whose input waited)
   // 1 - exposed / copy_busy (1 when there is nothing to copy).
@@ -103,7 +113,7 @@ struct SimOptions {
 
 // What the simulator predicts for one micro-batch of a schedule.
 struct Prediction {
-  size_t peak_activation_bytes = 0;  // peak of the footprint during the micro-batch
+  size_t peak_activation_bytes = 0;  // peak of the footprint (staging included)
   // The same for all categories, excluding model states: at each op, the footprint at its
   // start + the activation gradient alive between stages (that of a_g: stage g's
   // input_bytes, none before the loss's backward) + the op's *_total_peak_bytes.

@@ -33,7 +33,7 @@
 #include "memory/device.h"
 #include "memory/pinned_pool.h"
 #include "nn/kernels.h"
-#include "offload/stash.h"  // porter::offload joins the engine DEPS with stash.cc
+#include "offload/stash.h"
 
 namespace porter::engine {
 

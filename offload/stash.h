@@ -95,8 +95,9 @@ class CheckpointStash {
   // the pinned pool's limit first and throws OutOfMemoryError naming
   // porter.device.pinned_limit, the bytes needed and the limit. With contiguous, allocates
   // the pinned arena (layout.pinned_bytes) and the staging arena (staging_arena_bytes(),
-  // category `staging`) and frees the previous ones. On any failure nothing new stays
-  // allocated and the previous layout remains.
+  // category `staging`) beside the previous ones, then frees those. On failure nothing new
+  // stays allocated and the previous layout remains, except when only freeing the previous
+  // arenas first would have made room: then the stash is left with an empty layout.
   void prepare(const checkpoint::OffloadLayout& layout);
   const checkpoint::OffloadLayout& layout() const { return layout_; }
 

@@ -196,5 +196,170 @@ TEST(ScheduleTest, SimulateRejectsUnavailableOptionsAndMismatchedCosts) {
   }
 }
 
+// ---- host holds (Note [Offload semantics]) ----------------------------------------------
+
+// full on toy_chain(3) with a_1 and a_2 on the host: 0 F0c+, 1 F1c^, 2 F2c^, 3 R2, 4 B2, 5 R1,
+// 6 B1, 7 R0, 8 B0. a_2 is read at 3, released at 4; a_1 read at 5, released at 6. The first
+// backward is op 4, so with depth 1 both loads are issued at 3 (a_2 clamped to its use).
+Schedule full_host(bool keep_a2_on_device = false) {
+  return make(3, {Op::forward(0, C, true), Op::forward(1, C, true, true), Op::forward(2, C, true, !keep_a2_on_device),
+                  Op::recompute(2), Op::backward(2), Op::recompute(1), Op::backward(1), Op::recompute(0),
+                  Op::backward(0)});
+}
+
+TEST(ScheduleTest, HostHoldsPrintAsCaret) {
+  EXPECT_EQ(full_host().to_string(), "F0c+ F1c^ F2c^ R2 B2 R1 B1 R0 B0");
+  EXPECT_EQ(full_host(true).to_string(), "F0c+ F1c^ F2c+ R2 B2 R1 B1 R0 B0");
+  EXPECT_NO_THROW(validate(full_host()));
+}
+
+TEST(ScheduleTest, ValidateRejectsImpossibleHostHolds) {
+  ScheduleOp no_hold = Op::forward(1, C, false);
+  no_hold.offload = true;  // the factory would have cleared it
+  const std::vector<BadCase> cases = {
+      {"host hold of a keep forward",
+       make(2, {Op::forward(0, K, false), Op::forward(1, K, true, true), Op::backward(1), Op::backward(0)}),
+       "schedule op 1 (F1k^): a host hold needs save option selective or checkpoint"},
+      {"host hold of the token ids",
+       make(1, {Op::forward(0, C, true, true), Op::recompute(0), Op::backward(0)}),
+       "schedule op 0 (F0c^): a host hold needs stage > 0"},
+      {"offload without hold",
+       make(2, {Op::forward(0, K, false), no_hold, Op::recompute(1), Op::backward(1), Op::backward(0)}),
+       "schedule op 1 (F1c^): a host hold (offload) needs hold_input"},
+      {"host hold of a held input",
+       make(3, {Op::forward(0, K, false), Op::forward(1, C, true), Op::forward(2, K, false), Op::backward(2),
+                Op::forward(1, C, true, true), Op::recompute(1), Op::backward(1), Op::backward(0)}),
+       "schedule op 4 (F1c^): a host hold of a_1, which is already held"},
+  };
+  for (const BadCase& c : cases) {
+    try {
+      validate(c.schedule);
+      ADD_FAILURE() << c.what << ": accepted " << c.schedule.to_string();
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(c.message)) << c.what;
+    }
+  }
+}
+
+TEST(ScheduleTest, HostHoldsLeaveTheFootprintAndStagingComesBack) {
+  const ChainCosts c = toy_chain(3);
+  // Depth 0: F0 0+110 -> a_1 10; F1c^ 10+110 -> a_2 10 (a_1 left); F2c^ 10+101 -> 0; R2 with
+  // a_2 staged: 10+100 -> tape 100 + staged 10 (the tape's input reference is the staged
+  // copy, counted once); B2 -> 0 (staging released); R1 (staged a_1) 10+100 -> 110; B1 -> 0;
+  // R0 0+100 -> 100; B0 -> 0.
+  SimOptions d0;
+  d0.prefetch_depth = 0;
+  const Prediction p0 = simulate(full_host(), c, d0);
+  EXPECT_THAT(p0.footprint_after_op, ElementsAre(10u, 10u, 0u, 110u, 0u, 110u, 0u, 100u, 0u));
+  EXPECT_EQ(p0.peak_activation_bytes, 120u);
+  EXPECT_EQ(p0.peak_op, 1);
+  EXPECT_EQ(p0.offload.d2h_bytes, 20u);
+  EXPECT_EQ(p0.offload.h2d_bytes, 20u);
+  EXPECT_EQ(p0.offload.pinned_bytes, 8192u);
+  EXPECT_EQ(p0.offload.peak_staging_bytes, 10u);
+  EXPECT_FALSE(p0.offload.timed);  // no link bandwidth
+  // Compute and recompute are those of the device schedule.
+  const Prediction dev = simulate(full_host(true), c);
+  EXPECT_DOUBLE_EQ(p0.compute_s, 12.0);
+  EXPECT_DOUBLE_EQ(p0.recompute_s, 3.0);
+  EXPECT_DOUBLE_EQ(p0.recompute_flops, 270.0);
+
+  // Depth 1: a_1 is staged from op 3 on, alongside a_2: R2 starts at 20 (+100 = 120), after
+  // it 120; B2 -> 10 (a_1's staging); R1 10+100 -> 110.
+  const Prediction p1 = simulate(full_host(), c, SimOptions{});
+  EXPECT_THAT(p1.footprint_after_op, ElementsAre(10u, 10u, 0u, 120u, 10u, 110u, 0u, 100u, 0u));
+  EXPECT_EQ(p1.peak_activation_bytes, 120u);
+  EXPECT_EQ(p1.offload.peak_staging_bytes, 20u);
+  // Total: B2 starts at 120 with no gradient (the loss's) + 50; B1 at 110 + a_2's gradient 10
+  // + 50 = 170.
+  EXPECT_EQ(p1.peak_total_bytes, 170u);
+
+  // Contiguous, depth 1: two slots of 512 bytes (10 rounded) count throughout.
+  SimOptions ct;
+  ct.contiguous = true;
+  const Prediction pc = simulate(full_host(), c, ct);
+  EXPECT_THAT(pc.footprint_after_op,
+              ElementsAre(1034u, 1034u, 1024u, 1124u, 1024u, 1124u, 1024u, 1124u, 1024u));
+  EXPECT_EQ(pc.peak_activation_bytes, 1024u + 120u);  // F1 at 10 + 110, plus the arena
+  EXPECT_EQ(pc.peak_op, 1);
+  EXPECT_EQ(pc.offload.peak_staging_bytes, 1024u);
+  // B1: 100 (tape) + 1024 + gradient 10 + workspace 50.
+  EXPECT_EQ(pc.peak_total_bytes, 1184u);
+
+  // The same schedule without host holds peaks higher (Note [Activation bytes]: 121).
+  const Schedule dev_full = make(3, {Op::forward(0, C, true), Op::forward(1, C, true), Op::forward(2, C, true),
+                                     Op::recompute(2), Op::backward(2), Op::recompute(1), Op::backward(1),
+                                     Op::recompute(0), Op::backward(0)});
+  EXPECT_EQ(simulate(dev_full, c, SimOptions{}).peak_activation_bytes, 121u);
+  EXPECT_EQ(simulate(dev_full, c, SimOptions{}).offload.d2h_bytes, 0u);
+  EXPECT_EQ(dev.offload.d2h_bytes, 10u);
+}
+
+TEST(ScheduleTest, ReforwardReadingAStagedInputCountsItOnce) {
+  const ChainCosts c = toy_chain(3);
+  // uniform-like: hold a_1 on the host, forward 1..2 with kCheckpoint, re-forward 1 with
+  // kKeep from the staged a_1 (its tape references the staged copy), recompute 2 from cur.
+  Schedule s = make(3, {Op::forward(0, K, false), Op::forward(1, C, true, true), Op::forward(2, C, false),
+                        Op::forward(1, K, false), Op::recompute(2), Op::backward(2), Op::backward(1),
+                        Op::backward(0)});
+  SimOptions d0;
+  d0.prefetch_depth = 0;
+  const Prediction p = simulate(s, c, d0);
+  // F0k 0+110 -> tape 100 + a_1 10 = 110;
+  // F1c^: 110+110 -> 100 + a_2 10 (a_1 left) = 110; F2c 110+101 -> 100; F1k reads the staged
+  // a_1 (use = prefetch = 3): 100 + 10 + 110 -> 100 + 10 + 100 + a_2 10 = 220; R2 from cur a_2:
+  // 220+100 -> 320; B2 -> 220 (cur a_2 stays until B1); B1 -> 100 (staging released);
+  // B0 -> 0.
+  EXPECT_THAT(p.footprint_after_op, ElementsAre(110u, 110u, 100u, 220u, 320u, 220u, 100u, 0u));
+  EXPECT_EQ(p.peak_activation_bytes, 320u);
+}
+
+// Timing (Note [Offload timing]): ops take F 1, R 1, B 2 seconds; a copy of 10 bytes takes
+// 10 / link.
+TEST(ScheduleTest, SlowLinkIsExposedAndFastLinkHidden) {
+  const ChainCosts c = toy_chain(3);
+  SimOptions o;
+  o.prefetch_depth = 1;
+  o.link_bytes_per_s = 2.0;  // 5 s per copy
+  // Both host holds, depth 1. D2H a_1 1..6, a_2 max(2, 6)..11. At R2 (T = 3): H2D a_2
+  // max(3, 11)..16, a_1 16..21; R2 waits 13 (T = 16 -> 17), B2 -> 19, R1 waits 2 (T = 21).
+  Prediction p = simulate(full_host(), c, o);
+  ASSERT_TRUE(p.offload.timed);
+  EXPECT_DOUBLE_EQ(p.offload.copy_busy_s, 20.0);
+  EXPECT_DOUBLE_EQ(p.offload.exposed_s, 15.0);
+  EXPECT_THAT(p.offload.exposed_by_stage, ElementsAre(0.0, 2.0, 13.0));
+  EXPECT_DOUBLE_EQ(p.compute_s, 12.0);  // no waits inside
+  EXPECT_DOUBLE_EQ(p.offload.hidden_fraction(), 0.25);
+  // Depth 0: a_1 is loaded at R1 (T = 19): max(19, 16)..24, a wait of 5.
+  o.prefetch_depth = 0;
+  p = simulate(full_host(), c, o);
+  EXPECT_DOUBLE_EQ(p.offload.exposed_s, 18.0);
+  EXPECT_THAT(p.offload.exposed_by_stage, ElementsAre(0.0, 5.0, 13.0));
+
+  // a_2 on device, only a_1 on the host, depth 1: prefetched at B2 (op 4, T = 4).
+  o.prefetch_depth = 1;
+  // Slow: D2H 1..6, H2D max(4, 6)..11, R1 at T = 6 waits 5.
+  p = simulate(full_host(true), c, o);
+  EXPECT_DOUBLE_EQ(p.offload.copy_busy_s, 10.0);
+  EXPECT_DOUBLE_EQ(p.offload.exposed_s, 5.0);
+  EXPECT_DOUBLE_EQ(p.offload.hidden_fraction(), 0.5);
+  // Fast (0.1 s per copy): D2H 1..1.1, H2D 4..4.1, R1 at T = 6: hidden.
+  o.link_bytes_per_s = 100.0;
+  p = simulate(full_host(true), c, o);
+  EXPECT_DOUBLE_EQ(p.offload.copy_busy_s, 0.2);
+  EXPECT_DOUBLE_EQ(p.offload.exposed_s, 0.0);
+  EXPECT_DOUBLE_EQ(p.offload.hidden_fraction(), 1.0);
+  // Fast but on demand (depth 0): the load starts at R1 itself, fully exposed.
+  o.prefetch_depth = 0;
+  p = simulate(full_host(true), c, o);
+  EXPECT_NEAR(p.offload.exposed_s, 0.1, 1e-12);
+  EXPECT_NEAR(p.offload.exposed_by_stage[1], 0.1, 1e-12);
+  // Without times (analytic costs) nothing is timed.
+  ChainCosts a = c;
+  a.source = "analytic";
+  EXPECT_FALSE(simulate(full_host(), a, o).offload.timed);
+  EXPECT_DOUBLE_EQ(simulate(full_host(), a, o).offload.exposed_s, 0.0);
+}
+
 }  // namespace
 }  // namespace porter::checkpoint

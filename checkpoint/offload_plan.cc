@@ -1,0 +1,108 @@
+// The layout of a schedule's host holds: stash entries, their prefetch, use and release ops,
+// pinned offsets and staging slots (Note [Offload semantics] in offload_plan.h).
+#include "checkpoint/offload_plan.h"
+
+#include <algorithm>
+
+#include "base/check.h"
+#include "base/units.h"
+
+namespace porter::checkpoint {
+
+int OffloadLayout::entry_at_hold(int op_index) const {
+  for (size_t e = 0; e < entries.size(); ++e)
+    if (entries[e].hold_op == op_index) return static_cast<int>(e);
+  return -1;
+}
+
+OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth) {
+  PORTER_CHECK(prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", prefetch_depth,
+               " must be >= 0 (0 loads each checkpoint on demand)");
+  validate(schedule);
+  PORTER_CHECK_EQ(costs.num_stages(), schedule.num_stages, "layout_offload: the costs' stages");
+  const int n = schedule.num_stages;
+  const int num_ops = static_cast<int>(schedule.ops.size());
+  OffloadLayout out;
+
+  // One pass keeping `cur` as the executor does (Note [Schedule semantics]): an op reads
+  // held[i] only when its input is not cur. open[i] is the entry whose a_i is on the host.
+  std::vector<int> open(static_cast<size_t>(n), -1);
+  int cur = 0;
+  int first_backward = -1;
+  for (int k = 0; k < num_ops; ++k) {
+    const ScheduleOp& op = schedule.ops[k];
+    const int i = op.stage;
+    switch (op.kind) {
+      case ScheduleOp::Kind::kForward:
+      case ScheduleOp::Kind::kRecompute:
+        if (cur != i && open[i] >= 0 && out.entries[open[i]].use_op < 0) out.entries[open[i]].use_op = k;
+        if (op.kind == ScheduleOp::Kind::kForward) {
+          if (op.offload) {
+            StashEntry e;
+            e.stage = i;
+            e.bytes = costs.stages[i].input_bytes;
+            e.hold_op = k;
+            open[i] = static_cast<int>(out.entries.size());
+            out.entries.push_back(e);
+          }
+          cur = i + 1 < n ? i + 1 : -1;
+        }
+        break;
+      case ScheduleOp::Kind::kBackward:
+        if (first_backward < 0) first_backward = k;
+        if (cur == i + 1) cur = -1;
+        if (open[i] >= 0) out.entries[open[i]].release_op = k;
+        open[i] = -1;
+        break;
+    }
+  }
+
+  // Prefetch: read-back entries in use order; entry k is issued at the use of entry k - d,
+  // the first d at the first backward, clamped to [hold_op + 1, use_op].
+  std::vector<int> by_use;
+  for (size_t e = 0; e < out.entries.size(); ++e)
+    if (out.entries[e].use_op >= 0) by_use.push_back(static_cast<int>(e));
+  std::sort(by_use.begin(), by_use.end(),
+            [&](int a, int b) { return out.entries[a].use_op < out.entries[b].use_op; });
+  for (size_t k = 0; k < by_use.size(); ++k) {
+    StashEntry& e = out.entries[by_use[k]];
+    int at = first_backward;
+    if (k >= static_cast<size_t>(prefetch_depth)) at = out.entries[by_use[k - prefetch_depth]].use_op;
+    e.prefetch_op = std::clamp(at, e.hold_op + 1, e.use_op);
+  }
+
+  // Staging slots, greedily in prefetch order: the lowest slot whose last entry was released
+  // before this prefetch. Greedy interval colouring is optimal: slots = the most alive at once.
+  std::vector<int> by_prefetch = by_use;
+  std::stable_sort(by_prefetch.begin(), by_prefetch.end(), [&](int a, int b) {
+    return out.entries[a].prefetch_op < out.entries[b].prefetch_op;
+  });
+  std::vector<int> slot_release;  // release op of each slot's latest entry
+  for (int idx : by_prefetch) {
+    StashEntry& e = out.entries[idx];
+    int slot = -1;
+    for (size_t s = 0; s < slot_release.size(); ++s) {
+      if (slot_release[s] < e.prefetch_op) {
+        slot = static_cast<int>(s);
+        break;
+      }
+    }
+    if (slot < 0) {
+      slot = static_cast<int>(slot_release.size());
+      slot_release.push_back(0);
+    }
+    slot_release[slot] = e.release_op;
+    e.staging_slot = slot;
+    out.staging_slot_bytes = std::max(out.staging_slot_bytes, round_up(e.bytes, kStagingSlotAlignment));
+  }
+  out.staging_slots = static_cast<int>(slot_release.size());
+
+  for (StashEntry& e : out.entries) {
+    e.pinned_offset = out.pinned_bytes;
+    out.pinned_bytes += round_up(e.bytes, kPinnedSlotAlignment);
+    out.offloaded_bytes += e.bytes;
+  }
+  return out;
+}
+
+}  // namespace porter::checkpoint
