@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <iomanip>
 #include <sstream>
 
@@ -23,9 +24,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Note [What the engine runs]
-// One device, one rank, no ZeRO partitioning and no offload yet: those arrive with their
-// issues, and until then a config asking for them is refused rather than silently run
-// differently. Weight decay is decoupled (AdamW) and applies to every parameter, biases and
+// One device, one rank, no ZeRO partitioning and no tensor parallelism yet: those arrive
+// with their issues, and until then a config asking for them is refused rather than silently
+// run differently. Checkpoint offload (activation_checkpointing.cpu_checkpointing) runs
+// (docs/engine.md, Offload). Weight decay is decoupled (AdamW) and applies to every parameter, biases and
 // norms included (DeepSpeed applies the optimizer's weight_decay to every parameter group it
 // builds by default); Adam with coupled L2 decay (adam_w_mode false) is refused when
 // weight_decay > 0, because the kernel implements only the decoupled form.
@@ -51,20 +53,15 @@ void check_supported(const config::Config& c, memory::Device& device) {
   if (c.zero_optimization.offload_optimizer.device != config::OffloadDevice::kNone ||
       c.zero_optimization.offload_param.device != config::OffloadDevice::kNone) {
     throw InvalidArgument(
-        "zero_optimization.offload_optimizer/offload_param.device: offload arrives with the "
-        "offload issue; set device to \"none\"");
+        "zero_optimization.offload_optimizer/offload_param.device: optimizer and parameter "
+        "offload arrive with ZeRO (the distributed issue); set device to \"none\" "
+        "(activation_checkpointing.cpu_checkpointing offloads checkpoints and runs)");
   }
-  if (c.activation_checkpointing) {
-    if (c.activation_checkpointing->cpu_checkpointing) {
-      throw InvalidArgument(
-          "activation_checkpointing.cpu_checkpointing: offloading checkpoints to the host "
-          "arrives with the offload issue; set it to false");
-    }
-    if (c.activation_checkpointing->partition_activations) {
-      throw InvalidArgument(
-          "activation_checkpointing.partition_activations: partitioned checkpoints need tensor "
-          "parallelism (the offload and distributed issues); set it to false");
-    }
+  if (c.activation_checkpointing && c.activation_checkpointing->partition_activations) {
+    throw InvalidArgument(
+        "activation_checkpointing.partition_activations: partitioned checkpoints need tensor "
+        "parallelism, which arrives with a later issue; set it to false "
+        "(cpu_checkpointing offloads whole checkpoints without it)");
   }
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
@@ -86,6 +83,103 @@ nn::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t
 
 GptModel* as_gpt(Model& m) { return dynamic_cast<GptModel*>(&m); }
 
+// Note [Link probe]
+// With offload on and no porter.device.sim_link_gbps, the planner needs the link's bandwidth
+// to charge exposed copy time. The engine times copies of one buffer device -> pinned on the
+// stash's D2H stream and pinned -> device on its H2D stream, best of three each (the first
+// touches fresh pages), and takes the slower direction. The buffer is the largest stage input
+// (a checkpoint's size, which is what offload copies), at most 16 MiB and at most the pinned
+// limit: it fits wherever profiling fitted, so the probe never makes a run fail that would
+// otherwise fit. Both buffers are returned before planning (the pinned cache emptied), so
+// the pool starts training empty.
+constexpr size_t kLinkProbeMaxBytes = size_t{16} << 20;
+constexpr int kLinkProbeRuns = 3;
+
+double measure_link_bytes_per_s(memory::CachingAllocator& alloc, memory::PinnedPool& pinned,
+                                offload::CheckpointStash& stash,
+                                const checkpoint::ChainCosts& costs) {
+  size_t bytes = 0;
+  for (const checkpoint::StageCost& st : costs.stages) bytes = std::max(bytes, st.input_bytes);
+  bytes = std::min({bytes, kLinkProbeMaxBytes, pinned.stats().limit_bytes});
+  if (bytes == 0) return 0.0;
+  double best_s[2] = {0.0, 0.0};
+  {
+    memory::DeviceBuffer dev = alloc.allocate(bytes, memory::Category::kWorkspace);
+    memory::PinnedBuffer host = pinned.allocate(bytes);
+    std::memset(host.data(), 0, bytes);
+    for (int dir = 0; dir < 2; ++dir) {
+      memory::Stream& stream = dir == 0 ? stash.d2h_stream() : stash.h2d_stream();
+      for (int run = 0; run < kLinkProbeRuns; ++run) {
+        const auto t0 = Clock::now();
+        if (dir == 0) {
+          stream.copy_async(host.data(), dev.data(), bytes);
+        } else {
+          stream.copy_async(dev.data(), host.data(), bytes);
+        }
+        stream.synchronize();
+        const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (run == 0 || dt < best_s[dir]) best_s[dir] = dt;
+      }
+    }
+  }
+  pinned.empty_cache();
+  const double slower_s = std::max({best_s[0], best_s[1], 1e-9});
+  return static_cast<double>(bytes) / slower_s;
+}
+
+void add_stats(offload::StashStats& total, const offload::StashStats& s) {
+  total.d2h_bytes += s.d2h_bytes;
+  total.h2d_bytes += s.h2d_bytes;
+  total.copy_busy_s += s.copy_busy_s;
+  total.exposed_wait_s += s.exposed_wait_s;
+  total.pinned_peak_bytes = std::max(total.pinned_peak_bytes, s.pinned_peak_bytes);
+  total.staging_peak_bytes = std::max(total.staging_peak_bytes, s.staging_peak_bytes);
+}
+
+// Converts a stash time point to the recorder's microseconds (both are steady_clock).
+int64_t trace_us(const TraceRecorder& trace, offload::Clock::time_point t) {
+  const auto now = offload::Clock::now();
+  return trace.now_us() - std::chrono::duration_cast<std::chrono::microseconds>(now - t).count();
+}
+
+// Note [Offload trace]
+// The stash's records become spans once the step has synchronised: each copy on the "d2h" or
+// "h2d" lane (name "d2h block.3", bytes in args), and each exposed wait (> 0) on the compute
+// lane as "wait block.3", so a trace viewer shows the copies beside the compute they overlap.
+void trace_offload(TraceRecorder& trace, Model& model, int64_t step,
+                   const std::vector<offload::CopyRecord>& copies,
+                   const std::vector<offload::WaitRecord>& waits) {
+  for (const offload::CopyRecord& c : copies) {
+    const bool d2h = c.direction == offload::CopyRecord::Direction::kD2H;
+    TraceSpan span;
+    span.name = std::string(d2h ? "d2h " : "h2d ") + model.stage_name(c.stage);
+    span.category = d2h ? "d2h" : "h2d";
+    span.lane = span.category;
+    span.start_us = trace_us(trace, c.start);
+    span.dur_us = std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::microseconds>(c.end - c.start).count());
+    span.step = step;
+    span.stage = c.stage;
+    span.micro_batch = c.micro_batch;
+    span.args = {{"bytes", static_cast<double>(c.bytes)}};
+    trace.span(std::move(span));
+  }
+  for (const offload::WaitRecord& w : waits) {
+    if (w.exposed_s <= 0.0) continue;
+    TraceSpan span;
+    span.name = "wait " + model.stage_name(w.stage);
+    span.category = "wait";
+    span.lane = "compute";
+    span.start_us = trace_us(trace, w.reached);
+    span.dur_us = static_cast<int64_t>(w.exposed_s * 1e6);
+    span.step = step;
+    span.stage = w.stage;
+    span.micro_batch = w.micro_batch;
+    span.args = {{"exposed_s", w.exposed_s}};
+    trace.span(std::move(span));
+  }
+}
+
 std::string selective_ops_name(const std::vector<std::string>& ops) {
   if (ops.empty()) return "attention";
   std::string s;
@@ -106,11 +200,26 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
                  "config.porter.model");
   }
   compute_dtype_ = config.bf16.enabled ? nn::DType::kBF16 : nn::DType::kF32;
-  allocator_ = std::make_unique<memory::CachingAllocator>(device);
+  memory::AllocatorOptions alloc_options;
+  alloc_options.poison_freed = config.porter.device.poison_freed;
+  allocator_ = std::make_unique<memory::CachingAllocator>(device, alloc_options);
   kernels_ = nn::make_kernels(device);
   model_ = std::move(model);
   impl_ = std::make_unique<Impl>();
   Impl& im = *impl_;
+  // Offload (docs/engine.md, Offload): the pool within porter.device.pinned_limit (0: the
+  // device's pinned capacity) and the stash, whose streams exist whether or not the plan
+  // holds anything on the host (set_plan may bring host holds later).
+  im.pinned = std::make_unique<memory::PinnedPool>(
+      device, static_cast<size_t>(config.porter.device.pinned_limit_bytes.value_or(0)));
+  offload::StashOptions stash_options;
+  if (config.activation_checkpointing) {
+    stash_options.contiguous = config.activation_checkpointing->contiguous_memory_optimization;
+    stash_options.synchronize_boundary =
+        config.activation_checkpointing->synchronize_checkpoint_boundary;
+    im.keep_all_records = config.activation_checkpointing->profile;
+  }
+  im.stash = std::make_unique<offload::CheckpointStash>(*allocator_, *im.pinned, stash_options);
   im.optimizer = config.optimizer.value_or(config::OptimizerConfig{});
   im.lr = std::make_unique<LrSchedule>(im.optimizer.lr, config.scheduler);
 
@@ -153,6 +262,14 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   if (config.activation_checkpointing) {
     options.number_checkpoints = config.activation_checkpointing->number_checkpoints;
   }
+  options.offload = checkpoint::offload_options(config);
+  // Note [Link probe]: sim_link_gbps when set, else measured when offload is on.
+  if (config.porter.device.sim_link_gbps) {
+    im.link_bytes_per_s = *config.porter.device.sim_link_gbps * 1e9;
+  } else if (options.offload.enabled) {
+    im.link_bytes_per_s = measure_link_bytes_per_s(*allocator_, *im.pinned, *im.stash, im.costs);
+  }
+  options.offload.link_bytes_per_s = im.link_bytes_per_s;
   set_plan(checkpoint::make_plan(options, im.costs));
   allocator_->reset_peak();
 }
@@ -163,6 +280,15 @@ void Engine::set_plan(const checkpoint::Plan& plan) {
   PORTER_CHECK(plan.schedule.num_stages == model_->num_stages(), "set_plan: the plan's schedule has ",
                plan.schedule.num_stages, " stages, the model ", model_->num_stages());
   checkpoint::validate(plan.schedule);
+  const bool host_holds = std::any_of(plan.schedule.ops.begin(), plan.schedule.ops.end(),
+                                      [](const checkpoint::ScheduleOp& op) { return op.offload; });
+  PORTER_CHECK(!host_holds || !plan.offload.empty(),
+               "set_plan: the schedule holds inputs on the host but plan.offload is empty; "
+               "build it with checkpoint::layout_offload(schedule, costs, prefetch_depth) "
+               "(make_plan does)");
+  // Before adopting the plan: a pinned shortfall is an OutOfMemoryError naming
+  // porter.device.pinned_limit, and on any failure the previous plan and layout remain.
+  impl_->stash->prepare(plan.offload);
   impl_->plan = plan;
   impl_->recompute_s_per_step.clear();
 }
@@ -211,10 +337,18 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   const int64_t gas = config_.gradient_accumulation_steps;
   check_batches(config_, *model_, micro_batches, static_cast<size_t>(gas));
   const auto t0 = Clock::now();
-  ScopedSpan step_span(trace_, TraceSpan{"step " + std::to_string(step_), "step", "compute", 0,
-                                         0, step_, -1, -1});
+  TraceSpan step_trace;
+  step_trace.name = "step " + std::to_string(step_);
+  step_trace.category = "step";
+  step_trace.lane = "compute";
+  step_trace.step = step_;
+  ScopedSpan step_span(trace_, std::move(step_trace));
   im.fold_peaks(allocator_->stats());
   allocator_->reset_peak();
+  // This step's offload statistics and records start empty (a failed step's are dropped).
+  im.stash->reset_stats();
+  (void)im.stash->take_copies();
+  (void)im.stash->take_waits();
 
   // 1. Zero the gradients. 2. Every micro-batch through the schedule.
   nn::Tensor grads = im.flat->grads();
@@ -227,7 +361,7 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
     nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
     nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
     ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy, trace_,
-                step_, static_cast<int>(i), config_.porter.train.seed};
+                step_, static_cast<int>(i), config_.porter.train.seed, im.stash.get()};
     const MicroBatchResult mr = run_schedule(env, tokens, targets);
     loss_sum += mr.loss;
     r.recompute_s += mr.recompute_s;
@@ -258,9 +392,31 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   nn::Tensor params = im.flat->params();
   kernels_->adamw(target, grads, im.exp_avg, im.exp_avg_sq, args, im.has_master ? &params : nullptr);
   if (trace_ != nullptr) {
-    trace_->span(TraceSpan{"optimizer adamw", "optimizer", "compute", opt_start_us,
-                           trace_->now_us() - opt_start_us, step_, -1, -1});
+    TraceSpan span;
+    span.name = "optimizer adamw";
+    span.category = "optimizer";
+    span.lane = "compute";
+    span.start_us = opt_start_us;
+    span.dur_us = trace_->now_us() - opt_start_us;
+    span.step = step_;
+    trace_->span(std::move(span));
   }
+
+  // The copies of this step: the D2H copies of holds never read back may still be running
+  // (every other copy was waited on by a fetch). The host waits here, once per step, so the
+  // stash's statistics and records are complete (docs/engine.md, Offload).
+  im.stash->synchronize();
+  r.offload = im.stash->stats();
+  add_stats(im.offload_total, r.offload);
+  std::vector<offload::CopyRecord> copies = im.stash->take_copies();
+  std::vector<offload::WaitRecord> waits = im.stash->take_waits();
+  if (trace_ != nullptr) trace_offload(*trace_, *model_, step_, copies, waits);
+  if (!im.keep_all_records) {
+    im.copies.clear();
+    im.waits.clear();
+  }
+  im.copies.insert(im.copies.end(), copies.begin(), copies.end());
+  im.waits.insert(im.waits.end(), waits.begin(), waits.end());
 
   // 5. Record.
   ++step_;
@@ -369,8 +525,16 @@ void Engine::reset_peaks() {
   impl_->peak_by_category.fill(0);
   impl_->peak_requested_bytes = 0;
   impl_->peak_activation_bytes = 0;
+  impl_->offload_total = offload::StashStats{};
+  impl_->stash->reset_stats();
   allocator_->reset_peak();
 }
+
+offload::StashStats Engine::offload_stats() const { return impl_->offload_total; }
+const std::vector<offload::CopyRecord>& Engine::last_copies() const { return impl_->copies; }
+const std::vector<offload::WaitRecord>& Engine::last_waits() const { return impl_->waits; }
+double Engine::link_bytes_per_s() const { return impl_->link_bytes_per_s; }
+memory::PinnedPool& Engine::pinned_pool() { return *impl_->pinned; }
 
 MemoryReport Engine::memory_report() const {
   const Impl& im = *impl_;
@@ -394,6 +558,11 @@ MemoryReport Engine::memory_report() const {
   r.predicted_peak_bytes = r.model_state_bytes + batch_bytes + im.plan.prediction.peak_total_bytes;
   r.predicted_recompute_s =
       im.plan.prediction.recompute_s * static_cast<double>(config_.gradient_accumulation_steps);
+  r.peak_pinned_bytes = im.offload_total.pinned_peak_bytes;
+  r.pinned_limit_bytes = im.pinned->stats().limit_bytes;
+  r.predicted_pinned_bytes = im.plan.offload.pinned_bytes;
+  r.offloaded_bytes = im.plan.offload.offloaded_bytes;
+  r.offload = im.offload_total;
   if (!im.recompute_s_per_step.empty()) {
     std::vector<double> v = im.recompute_s_per_step;
     std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
@@ -425,6 +594,15 @@ std::string MemoryReport::format() const {
   p << std::fixed << std::setprecision(3) << predicted_recompute_s * 1e3 << " ms";
   m << std::fixed << std::setprecision(3) << measured_recompute_s * 1e3 << " ms";
   row("recompute per step", p.str(), m.str());
+  row("pinned peak", format_bytes(predicted_pinned_bytes), format_bytes(peak_pinned_bytes));
+  o << "  pinned limit " << format_bytes(pinned_limit_bytes) << "\n";
+  if (offloaded_bytes > 0 || offload.d2h_bytes > 0) {
+    o << std::fixed << std::setprecision(3) << "  offload: " << format_bytes(offloaded_bytes)
+      << " per micro-batch to host; copied d2h " << format_bytes(offload.d2h_bytes) << ", h2d "
+      << format_bytes(offload.h2d_bytes) << "; copy busy " << offload.copy_busy_s * 1e3
+      << " ms, exposed wait " << offload.exposed_wait_s * 1e3 << " ms, hidden "
+      << std::setprecision(1) << offload.hidden_fraction() * 100.0 << "%\n";
+  }
   return o.str();
 }
 

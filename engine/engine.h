@@ -4,16 +4,18 @@
 // Note [One engine step]
 // 1. Zero the flat gradient buffer.
 // 2. For each micro-batch: copy its tokens and targets to the device (workspace), then run
-//    the plan's schedule (Note [Schedule semantics] in checkpoint/schedule.h). The loss
-//    stage scales its gradient by 1 / gradient_accumulation_steps, so the accumulated
-//    gradient is that of the mean loss.
+//    the plan's schedule (Note [Schedule semantics] in checkpoint/schedule.h); host-held
+//    checkpoints go through the checkpoint stash at the ops plan.offload names (Note
+//    [Offload semantics] in checkpoint/offload_plan.h). The loss stage scales its gradient
+//    by 1 / gradient_accumulation_steps, so the accumulated gradient is that of the mean loss.
 // 3. Global gradient norm over the flat buffer; clip coefficient min(1, clip / (norm +
 //    1e-6)) when gradient_clipping > 0 (DeepSpeed's rule). The gradient buffer itself is
 //    left unclipped (the coefficient is folded into AdamW), so it can be dumped.
 // 4. AdamW on the f32 master parameters (the parameters themselves in f32; a separate f32
 //    master copy for bf16, written back to the bf16 working copy), at the scheduler's lr.
-// 5. Record times and memory.
-// Everything the step allocates is returned to the allocator by the end of the step.
+// 5. Wait for the stash's copy streams; record times, memory and the offload statistics.
+// Everything the step allocates is returned to the allocator and the pinned pool by the end
+// of the step (the contiguous arenas, sized by set_plan, stay).
 #pragma once
 
 #include <cstdint>
@@ -62,8 +64,11 @@ struct MemoryReport {
   size_t predicted_peak_bytes = 0;            // model states + batch + predicted total peak
   double predicted_recompute_s = 0.0;         // per step
   double measured_recompute_s = 0.0;          // median per step
-  size_t peak_pinned_bytes = 0;               // the pinned pool's peak in use
-  size_t pinned_limit_bytes = 0;
+  size_t peak_pinned_bytes = 0;               // pinned bytes the stash held at once, at most
+  size_t pinned_limit_bytes = 0;              // the pinned pool's (porter.device.pinned_limit)
+  size_t predicted_pinned_bytes = 0;          // the plan's plan.offload.pinned_bytes
+  size_t offloaded_bytes = 0;                 // the plan's, per micro-batch (0: no offload)
+  offload::StashStats offload;                // Engine::offload_stats()
   std::string format() const;                 // a table for the terminal
 };
 

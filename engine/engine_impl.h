@@ -11,10 +11,19 @@
 #include "engine/lr_schedule.h"
 #include "nn/ctx.h"
 #include "nn/layer.h"
+#include "offload/stash.h"
 
 namespace porter::engine {
 
 struct Engine::Impl {
+  // The pinned pool before the stash: the stash returns its slots to it when destroyed.
+  std::unique_ptr<memory::PinnedPool> pinned;
+  std::unique_ptr<offload::CheckpointStash> stash;
+  double link_bytes_per_s = 0.0;  // Engine::link_bytes_per_s
+  offload::StashStats offload_total;  // since construction or reset_peaks()
+  std::vector<offload::CopyRecord> copies;  // the last step's (every step's with profile)
+  std::vector<offload::WaitRecord> waits;
+  bool keep_all_records = false;  // activation_checkpointing.profile
   std::unique_ptr<nn::FlatParams> flat;  // params (compute dtype) and grads (f32)
   bool has_master = false;               // bf16 compute
   nn::Tensor master;                     // (P) f32 master copy, category optimizer; bf16 only

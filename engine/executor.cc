@@ -1,7 +1,9 @@
 // The schedule executor (Note [Schedule semantics] in checkpoint/schedule.h): the state
-// machine of cur / held / tape / grad, one stage runner per op.
+// machine of cur / held / tape / grad, one stage runner per op, and the checkpoint stash's
+// calls at the ops its layout names (Note [Offload semantics], Note [Stash protocol]).
 #include "engine/executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -52,6 +54,73 @@ void record(TraceRecorder* trace, const ExecEnv& env, const char* category, int 
   trace->counter(std::move(c));
 }
 
+// The stash calls of every op index, from the layout (Note [Offload semantics]).
+struct StashCalls {
+  std::vector<int> hold;                    // entry offloaded before the op, or -1
+  std::vector<int> use;                     // entry fetched before the op, or -1
+  std::vector<std::vector<int>> prefetch;   // entries prefetched before the op, by use_op
+  std::vector<std::vector<int>> release;    // entries released after the op
+};
+
+[[noreturn]] void bad_layout(size_t entry, const std::string& why) {
+  throw InternalError("stash entry " + std::to_string(entry) + ": " + why +
+                      " (Note [Offload semantics]; the plan's offload layout does not belong "
+                      "to its schedule)");
+}
+
+// Checks that each entry's ops are those the Note names for its stage, so that the executor
+// cannot drive the stash off its layout.
+StashCalls stash_calls(const checkpoint::OffloadLayout& layout,
+                       const checkpoint::Schedule& schedule) {
+  const size_t n = schedule.ops.size();
+  StashCalls c{std::vector<int>(n, -1), std::vector<int>(n, -1),
+               std::vector<std::vector<int>>(n), std::vector<std::vector<int>>(n)};
+  auto op_at = [&](size_t e, int index, const char* what) -> const ScheduleOp& {
+    if (index < 0 || static_cast<size_t>(index) >= n) {
+      bad_layout(e, std::string(what) + " " + std::to_string(index) + " is outside the " +
+                        std::to_string(n) + " ops");
+    }
+    return schedule.ops[static_cast<size_t>(index)];
+  };
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const checkpoint::StashEntry& x = layout.entries[e];
+    const ScheduleOp& hold = op_at(e, x.hold_op, "hold_op");
+    if (hold.kind != ScheduleOp::Kind::kForward || !hold.offload || hold.stage != x.stage) {
+      bad_layout(e, "hold_op " + std::to_string(x.hold_op) + " is not a host-holding forward "
+                    "of stage " + std::to_string(x.stage));
+    }
+    const ScheduleOp& rel = op_at(e, x.release_op, "release_op");
+    if (rel.kind != ScheduleOp::Kind::kBackward || rel.stage != x.stage) {
+      bad_layout(e, "release_op " + std::to_string(x.release_op) + " is not Backward(" +
+                    std::to_string(x.stage) + ")");
+    }
+    c.hold[static_cast<size_t>(x.hold_op)] = static_cast<int>(e);
+    c.release[static_cast<size_t>(x.release_op)].push_back(static_cast<int>(e));
+    if (x.use_op < 0) continue;
+    const ScheduleOp& use = op_at(e, x.use_op, "use_op");
+    if (use.stage != x.stage || x.use_op <= x.hold_op || x.use_op > x.release_op) {
+      bad_layout(e, "use_op " + std::to_string(x.use_op) + " does not read stage " +
+                    std::to_string(x.stage) + "'s input between its hold and its release");
+    }
+    (void)op_at(e, x.prefetch_op, "prefetch_op");
+    if (x.prefetch_op <= x.hold_op || x.prefetch_op > x.use_op) {
+      bad_layout(e, "prefetch_op " + std::to_string(x.prefetch_op) + " is not in (hold_op " +
+                    std::to_string(x.hold_op) + ", use_op " + std::to_string(x.use_op) + "]");
+    }
+    if (c.use[static_cast<size_t>(x.use_op)] >= 0) bad_layout(e, "shares its use_op");
+    c.use[static_cast<size_t>(x.use_op)] = static_cast<int>(e);
+    c.prefetch[static_cast<size_t>(x.prefetch_op)].push_back(static_cast<int>(e));
+  }
+  // Copies are issued in the order they are needed.
+  for (std::vector<int>& p : c.prefetch) {
+    std::sort(p.begin(), p.end(), [&](int a, int b) {
+      return layout.entries[static_cast<size_t>(a)].use_op <
+             layout.entries[static_cast<size_t>(b)].use_op;
+    });
+  }
+  return c;
+}
+
 }  // namespace
 
 MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
@@ -64,11 +133,13 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
                 " stages, model has ", n);
   ctx.set_run({env.seed, static_cast<uint64_t>(env.step), static_cast<uint32_t>(env.micro_batch)});
 
-  // Note [Schedule semantics]. Destroying these on unwind releases every tape, held input
-  // and gradient of the micro-batch.
+  // Note [Schedule semantics]. Cleared on unwind (before the stash aborts), releasing every
+  // tape, held input and gradient of the micro-batch.
   std::vector<nn::Tape> tapes(static_cast<size_t>(n));
   std::vector<nn::Tensor> held(static_cast<size_t>(n));
   std::vector<bool> is_held(static_cast<size_t>(n), false);
+  // Held on the host and not fetched yet: held[i] is empty until its use_op.
+  std::vector<bool> on_host(static_cast<size_t>(n), false);
   std::vector<int> forwards(static_cast<size_t>(n), 0);
   nn::Tensor cur = tokens;  // a_{cur_stage}
   int cur_stage = 0;
@@ -79,6 +150,11 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
   MicroBatchResult result;
   TraceRecorder* trace = env.trace;
 
+  offload::CheckpointStash* stash = env.stash;
+  const bool offloading = stash != nullptr && !stash->layout().empty();
+  StashCalls calls;
+  if (offloading) calls = stash_calls(stash->layout(), schedule);
+
   // The loss stage reads the micro-batch's targets on every forward and recompute; the
   // reference is dropped however the micro-batch ends.
   struct TargetsGuard {
@@ -88,79 +164,121 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
 
   auto input_of = [&](size_t index, const ScheduleOp& op) -> nn::Tensor {
     if (has_cur && cur_stage == op.stage) return cur;
-    if (is_held[static_cast<size_t>(op.stage)]) return held[static_cast<size_t>(op.stage)];
+    const auto s = static_cast<size_t>(op.stage);
+    if (is_held[s] && on_host[s]) invalid_op(index, op, "it reads a host-held input before its use_op");
+    if (is_held[s]) return held[s];
     invalid_op(index, op, "its input is neither the current activation nor held");
   };
 
-  for (size_t k = 0; k < schedule.ops.size(); ++k) {
-    const ScheduleOp& op = schedule.ops[k];
-    if (op.stage < 0 || op.stage >= n) invalid_op(k, op, "no such stage");
-    const auto s = static_cast<size_t>(op.stage);
-    nn::Layer& layer = model.stage(op.stage);
-    const int64_t start_us = trace != nullptr ? trace->now_us() : 0;
-    const auto t0 = Clock::now();
-    switch (op.kind) {
-      case ScheduleOp::Kind::kForward: {
-        nn::Tensor input = input_of(k, op);
-        if (op.hold_input && !is_held[s]) {
-          // Token ids stay in workspace: they are the batch, not an activation.
-          if (op.stage > 0) input.retag(memory::Category::kCheckpoints);
-          held[s] = input;
-          is_held[s] = true;
+  if (offloading) stash->begin(env.micro_batch);
+  try {
+    for (size_t k = 0; k < schedule.ops.size(); ++k) {
+      const ScheduleOp& op = schedule.ops[k];
+      if (op.stage < 0 || op.stage >= n) invalid_op(k, op, "no such stage");
+      const auto s = static_cast<size_t>(op.stage);
+      nn::Layer& layer = model.stage(op.stage);
+      // Note [Stash protocol]: prefetches, then the fetch of this op's input, before it runs.
+      if (offloading) {
+        for (int e : calls.prefetch[k]) stash->prefetch(e);
+        if (const int e = calls.use[k]; e >= 0) {
+          if (!is_held[s] || !on_host[s]) invalid_op(k, op, "fetches an input not on the host");
+          held[s] = stash->fetch(e);  // category `staging`: never retagged
+          on_host[s] = false;
         }
-        if (op.stage == n - 1) model.set_targets(targets);
-        const bool repeat = forwards[s]++ > 0;
-        nn::Tensor out;
-        switch (op.save) {
-          case SaveOption::kKeep:
-            out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kSaveAll, input);
-            break;
-          case SaveOption::kCheckpoint:
-            out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kCheckpoint,
-                                    input, nn::OpPolicy::keep_none());
-            break;
-          case SaveOption::kSelective:
-            out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kCheckpoint,
-                                    input, env.selective_policy);
-            break;
-        }
-        input = nn::Tensor();
-        if (op.stage == n - 1 && !loss) {
-          loss = static_cast<double>(nn::to_host_f32(ctx.allocator().device(), out).at(0));
-        }
-        cur = std::move(out);
-        cur_stage = op.stage + 1;
-        has_cur = true;
-        if (repeat) result.recompute_s += seconds_since(t0);
-        record(trace, env, repeat ? "recompute" : "forward", op.stage, start_us);
-        break;
       }
-      case ScheduleOp::Kind::kRecompute: {
-        if (!tapes[s].has_plan()) invalid_op(k, op, "recompute without a partial tape");
-        nn::Tensor input = input_of(k, op);
-        if (op.stage == n - 1) model.set_targets(targets);
-        nn::recompute_stage(ctx, layer, op.stage, tapes[s], input);
-        result.recompute_s += seconds_since(t0);
-        record(trace, env, "recompute", op.stage, start_us);
-        break;
-      }
-      case ScheduleOp::Kind::kBackward: {
-        if (g != op.stage + 1) invalid_op(k, op, "backward out of order");
-        if (tapes[s].has_plan()) invalid_op(k, op, "backward on a partial tape");
-        if (has_cur && cur_stage == op.stage + 1) {  // an output nothing reads any more
-          cur = nn::Tensor();
-          has_cur = false;
+      int64_t start_us = trace != nullptr ? trace->now_us() : 0;
+      auto t0 = Clock::now();
+      switch (op.kind) {
+        case ScheduleOp::Kind::kForward: {
+          nn::Tensor input = input_of(k, op);
+          const int hold_entry = offloading ? calls.hold[k] : -1;
+          if (op.hold_input && !is_held[s]) {
+            if (op.offload) {
+              if (hold_entry < 0) invalid_op(k, op, "a host hold without a stash entry");
+              // a_i goes to the host and is dropped like an unheld cur; its buffer is freed
+              // when the D2H copy lands (record_stream inside offload()).
+              stash->offload(hold_entry, input);
+              on_host[s] = true;
+              start_us = trace != nullptr ? trace->now_us() : 0;
+              t0 = Clock::now();
+            } else {
+              // Token ids stay in workspace: they are the batch, not an activation.
+              if (op.stage > 0) input.retag(memory::Category::kCheckpoints);
+              held[s] = input;
+            }
+            is_held[s] = true;
+          } else if (hold_entry >= 0) {
+            invalid_op(k, op, "the stash holds an input here that the schedule does not");
+          }
+          if (op.stage == n - 1) model.set_targets(targets);
+          const bool repeat = forwards[s]++ > 0;
+          nn::Tensor out;
+          switch (op.save) {
+            case SaveOption::kKeep:
+              out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kSaveAll,
+                                      input);
+              break;
+            case SaveOption::kCheckpoint:
+              out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kCheckpoint,
+                                      input, nn::OpPolicy::keep_none());
+              break;
+            case SaveOption::kSelective:
+              out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kCheckpoint,
+                                      input, env.selective_policy);
+              break;
+          }
+          input = nn::Tensor();
+          if (op.stage == n - 1 && !loss) {
+            loss = static_cast<double>(nn::to_host_f32(ctx.allocator().device(), out).at(0));
+          }
+          cur = std::move(out);
+          cur_stage = op.stage + 1;
+          has_cur = true;
+          if (repeat) result.recompute_s += seconds_since(t0);
+          record(trace, env, repeat ? "recompute" : "forward", op.stage, start_us);
+          break;
         }
-        nn::Tensor dy = std::move(grad);
-        grad = nn::backward_stage(ctx, layer, op.stage, tapes[s], dy);
-        dy = nn::Tensor();
-        held[s] = nn::Tensor();
-        is_held[s] = false;
-        g = op.stage;
-        record(trace, env, "backward", op.stage, start_us);
-        break;
+        case ScheduleOp::Kind::kRecompute: {
+          if (!tapes[s].has_plan()) invalid_op(k, op, "recompute without a partial tape");
+          nn::Tensor input = input_of(k, op);
+          if (op.stage == n - 1) model.set_targets(targets);
+          nn::recompute_stage(ctx, layer, op.stage, tapes[s], input);
+          result.recompute_s += seconds_since(t0);
+          record(trace, env, "recompute", op.stage, start_us);
+          break;
+        }
+        case ScheduleOp::Kind::kBackward: {
+          if (g != op.stage + 1) invalid_op(k, op, "backward out of order");
+          if (tapes[s].has_plan()) invalid_op(k, op, "backward on a partial tape");
+          if (has_cur && cur_stage == op.stage + 1) {  // an output nothing reads any more
+            cur = nn::Tensor();
+            has_cur = false;
+          }
+          nn::Tensor dy = std::move(grad);
+          grad = nn::backward_stage(ctx, layer, op.stage, tapes[s], dy);
+          dy = nn::Tensor();
+          held[s] = nn::Tensor();
+          is_held[s] = false;
+          on_host[s] = false;
+          g = op.stage;
+          // The staged copy was dropped just above: its slot and pinned slot can go.
+          if (offloading) {
+            for (int e : calls.release[k]) stash->release(e);
+          }
+          record(trace, env, "backward", op.stage, start_us);
+          break;
+        }
       }
     }
+    if (offloading) stash->end();
+  } catch (...) {
+    // Drop every reference into staging slots before the stash frees them.
+    tapes.clear();
+    held.clear();
+    cur = nn::Tensor();
+    grad = nn::Tensor();
+    if (offloading) stash->abort();
+    throw;
   }
   if (g != 0 || !loss) {
     throw InternalError("schedule ended with gradient at stage " + std::to_string(g) +

@@ -1,6 +1,7 @@
 // The schedule executor: runs one micro-batch through a checkpoint::Schedule exactly as
 // Note [Schedule semantics] (checkpoint/schedule.h) says, and the profiler that measures a
 // chain's costs (Note [Activation bytes] in checkpoint/costs.h). Internal to the engine.
+// Host holds go through the checkpoint stash (offload/stash.h) at the ops its layout names.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "memory/caching_allocator.h"
 #include "nn/ctx.h"
 #include "nn/tensor.h"
+#include "offload/stash.h"
 
 namespace porter::engine {
 
@@ -24,6 +26,9 @@ struct ExecEnv {
   int64_t step = 0;                    // 0-based optimizer step (dropout key)
   int micro_batch = 0;
   uint64_t seed = 0;
+  // Required when the schedule has host holds; drives them per stash->layout(), which must
+  // be the layout of `schedule` (Engine::set_plan prepares it). Not owned.
+  offload::CheckpointStash* stash = nullptr;
 };
 
 struct MicroBatchResult {
@@ -32,8 +37,9 @@ struct MicroBatchResult {
 };
 
 // Runs `env.schedule` on (tokens, targets) (B, T) i32, accumulating parameter gradients.
-// On an exception every tape, held input and gradient of this micro-batch is released before
-// it propagates, so the allocator is back where it was.
+// On an exception every tape, held input and gradient of this micro-batch is released and
+// the stash is aborted before it propagates, so the allocator and the pinned pool are back
+// where they were.
 MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
                               const nn::Tensor& targets);
 

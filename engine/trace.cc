@@ -82,6 +82,7 @@ void TraceRecorder::write_json(std::ostream& out) const {
     if (s.step >= 0) args["step"] = s.step;
     if (s.stage >= 0) args["stage"] = s.stage;
     if (s.micro_batch >= 0) args["micro_batch"] = s.micro_batch;
+    for (const auto& [key, value] : s.args) args[key] = value;
     events.push_back({{"name", s.name}, {"cat", s.category}, {"ph", "X"}, {"pid", kPid},
                       {"tid", lane_ids[s.lane.empty() ? "compute" : s.lane]},
                       {"ts", s.start_us}, {"dur", s.dur_us}, {"args", std::move(args)}});

@@ -22,6 +22,7 @@ struct TraceSpan {
   int64_t step = -1;
   int stage = -1;
   int micro_batch = -1;
+  std::vector<std::pair<std::string, double>> args;  // extra args, e.g. {"bytes", 4096}
 };
 
 struct TraceCounter {

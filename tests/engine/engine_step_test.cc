@@ -173,8 +173,8 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
   expect_refused(c, "world_size 2");
   c = tiny_config();
   c.activation_checkpointing = config::ActivationCheckpointingConfig{};
-  c.activation_checkpointing->cpu_checkpointing = true;
-  expect_refused(c, "activation_checkpointing.cpu_checkpointing");
+  c.activation_checkpointing->partition_activations = true;
+  expect_refused(c, "activation_checkpointing.partition_activations");
   c = tiny_config();
   c.optimizer->adam_w_mode = false;
   expect_refused(c, "optimizer.params.adam_w_mode");
