@@ -232,11 +232,15 @@ Variation draw_variation(const config::Config& base, uint64_t seed, int64_t run)
     case CheckpointPolicy::kUniform: k.every_n_layers = d.integer(1, m.layers); break;
     case CheckpointPolicy::kBlock: k.block_layers = d.integer(1, m.layers); break;
     case CheckpointPolicy::kSelective: {
-      // Core attention (the default), or one other op kind.
-      const std::vector<std::string>& kinds = config::selective_op_kinds();
-      const int64_t i = d.integer(0, static_cast<int64_t>(kinds.size()));
-      k.selective_ops = {i == static_cast<int64_t>(kinds.size()) ? "core_attention"
-                                                                 : kinds[static_cast<size_t>(i)]};
+      // Core attention (the default, drawn twice as often), or one other op kind. Not
+      // "dropout" alone: its output is saved for the next op anyway, so recomputing it saves
+      // nothing and the planner rejects the policy (no block has a selective option).
+      std::vector<std::string> kinds;
+      for (const std::string& kind : config::selective_op_kinds()) {
+        if (kind != "dropout") kinds.push_back(kind);
+      }
+      kinds.push_back("core_attention");
+      k.selective_ops = {kinds[static_cast<size_t>(d.integer(0, static_cast<int64_t>(kinds.size()) - 1))]};
       break;
     }
     case CheckpointPolicy::kOptimal: {

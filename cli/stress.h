@@ -41,7 +41,7 @@
 
 namespace porter::cli {
 
-inline constexpr size_t kMarginBytes = size_t{256} << 10;
+inline constexpr size_t kMarginBytes = size_t{1} << 20;
 inline constexpr double kMarginFraction = 0.02;
 inline constexpr int kBelowEvery = 4;       // runs 3, 7, 11, ... also check below the peak
 inline constexpr size_t kBelowBytes = 512;  // one allocator block under the measured peak

@@ -1,10 +1,13 @@
 // `porter stress --config F [--runs N] [--seed S] [--first R] [--steps K] [--json]`: the
 // memory-pressure stress test (cli/stress.h, docs/cli.md): a progress line per run on stderr,
 // then a summary (or JSON) on stdout. Exit 0 when every run passes, 1 when any fails.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -149,22 +152,25 @@ int stress(const StressCommandOptions& o, std::ostream& out, std::ostream& err) 
   out << "porter stress: " << o.file << ", seed " << o.seed << ", runs " << o.first << ".."
       << o.first + o.runs - 1 << ", " << o.steps << " step" << (o.steps == 1 ? "" : "s")
       << " each\n\nsummary\n";
-  Table t({"", ""});
-  t.add({"runs", std::to_string(summary.runs.size())});
-  t.add({"passed", std::to_string(summary.passed())});
-  t.add({"failed", std::to_string(summary.failed())});
-  t.add({"below-peak checks", std::to_string(below) + " (" + std::to_string(below_oom) +
-                                  " out of memory, cleanly)"});
-  t.add({"worst activation peak error", worst_text(summary.worst_activation(), true)});
-  t.add({"worst total peak error", worst_text(summary.worst_total(), false)});
+  // Two columns, both left-aligned: the values are phrases, not numbers.
+  std::vector<std::pair<std::string, std::string>> rows;
+  rows.emplace_back("runs", std::to_string(summary.runs.size()));
+  rows.emplace_back("passed", std::to_string(summary.passed()));
+  rows.emplace_back("failed", std::to_string(summary.failed()));
+  rows.emplace_back("below-peak checks", std::to_string(below) + " (" + std::to_string(below_oom) +
+                                             " out of memory, cleanly)");
+  rows.emplace_back("worst activation peak error", worst_text(summary.worst_activation(), true));
+  rows.emplace_back("worst total peak error", worst_text(summary.worst_total(), false));
   char margin[96];
   std::snprintf(margin, sizeof margin, "predicted peak + %s + %.0f%%",
                 format_bytes(kMarginBytes).c_str(), 100.0 * kMarginFraction);
-  t.add({"limit", margin});
+  rows.emplace_back("limit", margin);
   char wall[32];
   std::snprintf(wall, sizeof wall, "%.1f s", wall_s);
-  t.add({"wall time", wall});
-  t.print(out);
+  rows.emplace_back("wall time", wall);
+  size_t width = 0;
+  for (const auto& [k, v] : rows) width = std::max(width, k.size());
+  for (const auto& [k, v] : rows) out << "  " << k << std::string(width - k.size() + 2, ' ') << v << "\n";
   if (summary.failed() > 0) {
     out << "\nfailures\n";
     for (const RunResult& r : summary.runs) {
