@@ -38,12 +38,14 @@ test: test-release consumer test-asan test-tsan
 	@echo "make test: all suites passed"
 
 # Trains examples/gpt-tiny.json: a byte-level GPT on porter's own docs and sources, under a
-# memory limit that the none policy would exceed (README.md, "make demo"). Runs from the
-# repository root, which the config's data paths are relative to.
+# memory limit that the none policy would exceed, with checkpoints offloaded to pinned host
+# memory (README.md, "make demo"). Runs from the repository root, which the config's data
+# paths are relative to; writes the report and a Perfetto trace with the copy lanes.
 demo: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target porter
-	./build/release/cli/porter train --config examples/gpt-tiny.json --report build/demo-report.json
+	./build/release/cli/porter train --config examples/gpt-tiny.json --report build/demo-report.json \
+	  --trace build/demo-trace.json
 
 bench: build
 	./build/release/bench/memory_bench --benchmark_counters_tabular=true

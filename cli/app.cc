@@ -24,6 +24,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   add_train_command(app, context);
   add_plan_command(app, context);
   add_estimate_command(app, context);
+  add_stress_command(app, context);
   add_config_command(app, context);
 
   try {

@@ -24,5 +24,7 @@ void add_train_command(CLI::App& app, CommandContext& context);
 void add_plan_command(CLI::App& app, CommandContext& context);
 // `porter estimate --config F [--budget B] [--json]`
 void add_estimate_command(CLI::App& app, CommandContext& context);
+// `porter stress --config F [--runs N] [--seed S] [--first R] [--steps K] [--json]`
+void add_stress_command(CLI::App& app, CommandContext& context);
 
 }  // namespace porter::cli

@@ -70,6 +70,7 @@ checkpoint::PlanOptions plan_options(const config::Config& config) {
   if (config.activation_checkpointing) {
     o.number_checkpoints = config.activation_checkpointing->number_checkpoints;
   }
+  o.offload = checkpoint::offload_options(config);
   return o;
 }
 

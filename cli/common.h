@@ -30,7 +30,8 @@ std::optional<size_t> planned_capacity_bytes(const config::Config& config);
 
 // The analytic model's shape of one micro-batch.
 checkpoint::GptShape gpt_shape(const config::Config& config);
-// The planner's options from the config.
+// The planner's options from the config, offload included (offload_options: the link is
+// sim_link_gbps, or unknown; the Engine measures it instead).
 checkpoint::PlanOptions plan_options(const config::Config& config);
 
 // "--budget": a fraction in [0, 1] or bytes ("6GiB", "123456"). Throws InvalidArgument naming

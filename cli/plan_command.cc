@@ -1,10 +1,13 @@
 // `porter plan --config F [--budget B] [--json]`: the checkpoint plan of a config: per stage
-// what is kept, held and recomputed, with the predicted activation peak and recompute cost.
-// Costs come from the analytic model (no allocation) unless the policy is optimal, which
-// needs measured times: then the Engine is built on the configured device and profiles.
+// what is kept, held and recomputed and where held inputs live (device or host), with the
+// predicted activation peak, recompute cost and, with offload, the copies.
+// Costs come from the analytic model (no allocation) unless the policy is optimal or offload
+// is on, which need measured times: then the Engine is built on the configured device and
+// profiles (and, with offload, measures the link unless sim_link_gbps sets it).
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -31,6 +34,66 @@ struct PlanCommandOptions {
 
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err);
 
+// Bytes each stage's held input sends to the host per micro-batch (0: none).
+std::vector<size_t> offloaded_by_stage(const checkpoint::Plan& plan) {
+  std::vector<size_t> v(plan.stages.size(), 0);
+  for (const checkpoint::StashEntry& e : plan.offload.entries) {
+    if (e.stage >= 0 && static_cast<size_t>(e.stage) < v.size()) v[static_cast<size_t>(e.stage)] += e.bytes;
+  }
+  return v;
+}
+
+nlohmann::ordered_json offload_json(const checkpoint::Plan& plan, double link_bytes_per_s) {
+  using nlohmann::ordered_json;
+  const checkpoint::OffloadPrediction& p = plan.prediction.offload;
+  const checkpoint::OffloadLayout& l = plan.offload;
+  auto timed = [&](double v) { return p.timed ? ordered_json(v) : ordered_json(); };
+  return {{"enabled", !l.empty()},
+          {"checkpoints", l.entries.size()},
+          {"offloaded_bytes", l.offloaded_bytes},
+          {"pinned_bytes", l.pinned_bytes},
+          {"staging_peak_bytes", p.peak_staging_bytes},
+          {"staging_slots", l.staging_slots},
+          {"staging_slot_bytes", l.staging_slot_bytes},
+          {"contiguous", plan.sim.contiguous},
+          {"prefetch_depth", plan.sim.prefetch_depth},
+          {"d2h_bytes", p.d2h_bytes},
+          {"h2d_bytes", p.h2d_bytes},
+          {"link_bytes_per_s", link_bytes_per_s > 0 ? ordered_json(link_bytes_per_s) : ordered_json()},
+          {"timed", p.timed},
+          {"copy_busy_s", timed(p.copy_busy_s)},
+          {"exposed_s", timed(p.exposed_s)},
+          {"hidden_fraction", timed(p.hidden_fraction())}};
+}
+
+// The offload lines of the text output (nothing without host holds).
+void print_offload(const checkpoint::Plan& plan, double link_bytes_per_s, int64_t micro_batches,
+                   std::ostream& out) {
+  const checkpoint::OffloadLayout& l = plan.offload;
+  if (l.empty()) return;
+  const checkpoint::OffloadPrediction& p = plan.prediction.offload;
+  out << "  offload: " << l.entries.size() << " checkpoint" << (l.entries.size() == 1 ? "" : "s")
+      << ", " << format_bytes(l.offloaded_bytes) << " to the host per micro-batch ("
+      << format_bytes(p.h2d_bytes) << " back); pinned " << format_bytes(l.pinned_bytes)
+      << "; staging " << format_bytes(p.peak_staging_bytes) << " at most ("
+      << l.staging_slots << " slot" << (l.staging_slots == 1 ? "" : "s") << " of "
+      << format_bytes(l.staging_slot_bytes) << (plan.sim.contiguous ? ", one contiguous arena" : "")
+      << "); prefetch depth " << plan.sim.prefetch_depth << "\n";
+  if (p.timed) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * p.hidden_fraction());
+    out << "  predicted copies: " << format_seconds(p.copy_busy_s * static_cast<double>(micro_batches))
+        << " on the link per step, " << format_seconds(p.exposed_s * static_cast<double>(micro_batches))
+        << " exposed (" << buf << " hidden) at " << format_bytes(static_cast<uint64_t>(link_bytes_per_s))
+        << "/s each way\n";
+  } else {
+    out << "  predicted copies: untimed ("
+        << (link_bytes_per_s > 0 ? "the analytic model has no compute times"
+                                 : "no link bandwidth: set porter.device.sim_link_gbps")
+        << ")\n";
+  }
+}
+
 // Errors about the budget name the flag when the budget came from it.
 int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   try {
@@ -55,7 +118,10 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::string where_from;
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<engine::Engine> eng;
-  if (cfg.porter.checkpointing.policy == config::CheckpointPolicy::kOptimal) {
+  // Optimal needs measured times, and so does the exposed copy time of an offloading plan.
+  const bool offload_on =
+      cfg.activation_checkpointing && cfg.activation_checkpointing->cpu_checkpointing;
+  if (cfg.porter.checkpointing.policy == config::CheckpointPolicy::kOptimal || offload_on) {
     device = memory::make_device(device_options(cfg));
     eng = std::make_unique<engine::Engine>(
         *device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
@@ -83,6 +149,10 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const double base_s = plan.prediction.compute_s - plan.prediction.recompute_s;
   const double time_fraction = base_s > 0.0 ? plan.prediction.recompute_s / base_s : 0.0;
   const std::string policy(config::to_string(plan.policy));
+  // Offload: the engine's link (measured, or sim_link_gbps) when it planned, else the config's.
+  const double link_bytes_per_s = eng ? eng->link_bytes_per_s() : plan.sim.link_bytes_per_s;
+  const bool timed = plan.prediction.offload.timed;
+  const std::vector<size_t> offloaded = offloaded_by_stage(plan);
 
   if (o.json) {
     nlohmann::ordered_json j;
@@ -93,10 +163,14 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
                                           : nlohmann::ordered_json();
     j["costs"] = costs.source;
     j["stages"] = nlohmann::ordered_json::array();
-    for (const checkpoint::StagePlan& s : plan.stages) {
+    for (size_t i = 0; i < plan.stages.size(); ++i) {
+      const checkpoint::StagePlan& s = plan.stages[i];
       j["stages"].push_back({{"name", s.name}, {"action", s.action},
                              {"holds_input", s.holds_input}, {"forwards", s.forwards},
-                             {"where", checkpoint::where_name(s.where)}});
+                             {"where", checkpoint::where_name(s.where)},
+                             {"offloaded_bytes", offloaded[i]},
+                             {"exposed_copy_s", timed ? nlohmann::ordered_json(s.exposed_copy_s)
+                                                      : nlohmann::ordered_json()}});
     }
     j["predicted_activation_peak_bytes"] = plan.prediction.peak_activation_bytes;
     j["predicted_total_peak_bytes"] = plan.prediction.peak_total_bytes;
@@ -109,6 +183,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
         costs.has_times() ? nlohmann::ordered_json(time_fraction) : nlohmann::ordered_json();
     j["recompute_flops"] = flops.recompute_flops * static_cast<double>(micro_batches);
     j["recompute_flop_fraction"] = flop_fraction;
+    j["offload"] = offload_json(plan, link_bytes_per_s);
     j["schedule"] = plan.schedule.to_string();
     out << j.dump(2) << "\n";
     return kExitOk;
@@ -118,10 +193,19 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   out << "  " << plan.description << "\n";
   if (plan.budget_bytes) out << "  budget " << format_bytes(*plan.budget_bytes) << "\n";
   out << "  costs: " << where_from << "\n\n";
-  Table t({"stage", "action", "holds input", "forwards", "where"});
-  for (const checkpoint::StagePlan& s : plan.stages) {
-    t.add({s.name, s.action, s.holds_input ? "yes" : "no", std::to_string(s.forwards),
-           std::string(checkpoint::where_name(s.where))});
+  const bool offload = !plan.offload.empty();
+  std::vector<std::string> header = {"stage", "action", "holds input", "forwards", "where"};
+  if (offload) header.push_back("offloaded");
+  if (offload && timed) header.push_back("exposed copy");
+  Table t(header);
+  for (size_t i = 0; i < plan.stages.size(); ++i) {
+    const checkpoint::StagePlan& s = plan.stages[i];
+    std::vector<std::string> row = {s.name, s.action, s.holds_input ? "yes" : "no",
+                                    std::to_string(s.forwards),
+                                    std::string(checkpoint::where_name(s.where))};
+    if (offload) row.push_back(offloaded[i] ? format_bytes(offloaded[i]) : "-");
+    if (offload && timed) row.push_back(s.where == checkpoint::Where::kHost ? format_seconds(s.exposed_copy_s) : "-");
+    t.add(row);
   }
   t.print(out);
   char pct[64];
@@ -145,6 +229,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     out << pct << " of the step's FLOPs (forward + backward = 3 x forward; the analytic model "
            "has no times)\n";
   }
+  print_offload(plan, link_bytes_per_s, micro_batches, out);
   out << "  schedule: " << plan.schedule.to_string() << "\n";
   return kExitOk;
 }

@@ -2,6 +2,8 @@
 #include "cli/train_report.h"
 
 #include <algorithm>
+#include <chrono>
+#include <optional>
 #include <cstdio>
 #include <fstream>
 
@@ -96,11 +98,20 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
       {"model_state_bytes", mem.model_state_bytes},
       {"activation_peak_bytes", mem.peak_activation_bytes},
       {"predicted_activation_peak_bytes", mem.predicted_activation_bytes},
+      {"pinned_peak_bytes", mem.peak_pinned_bytes},
+      {"pinned_limit_bytes", mem.pinned_limit_bytes},
   };
+  const bool timed = plan.prediction.offload.timed;
   ordered_json stages = ordered_json::array();
   for (const checkpoint::StagePlan& s : plan.stages) {
+    size_t offloaded = 0;
+    for (const checkpoint::StashEntry& e : plan.offload.entries) {
+      if (static_cast<size_t>(e.stage) == stages.size()) offloaded += e.bytes;
+    }
     stages.push_back({{"name", s.name}, {"action", s.action}, {"holds_input", s.holds_input},
-                      {"forwards", s.forwards}, {"where", checkpoint::where_name(s.where)}});
+                      {"forwards", s.forwards}, {"where", checkpoint::where_name(s.where)},
+                      {"offloaded_bytes", offloaded},
+                      {"exposed_copy_s", timed ? ordered_json(s.exposed_copy_s) : ordered_json()}});
   }
   double recompute_total = 0;
   for (const auto& s : run.steps) recompute_total += s.recompute_s;
@@ -115,7 +126,82 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
       {"measured_recompute_total_s", recompute_total},
       {"schedule", plan.schedule.to_string()},
   };
+  j["offload"] = offload_report(run, engine);
   j["resolved_config"] = config::to_json(cfg);
+  return j;
+}
+
+offload::StashStats offload_totals(const std::vector<engine::StepResult>& steps) {
+  offload::StashStats t;
+  for (const engine::StepResult& s : steps) {
+    t.d2h_bytes += s.offload.d2h_bytes;
+    t.h2d_bytes += s.offload.h2d_bytes;
+    t.copy_busy_s += s.offload.copy_busy_s;
+    t.exposed_wait_s += s.offload.exposed_wait_s;
+    t.pinned_peak_bytes = std::max(t.pinned_peak_bytes, s.offload.pinned_peak_bytes);
+    t.staging_peak_bytes = std::max(t.staging_peak_bytes, s.offload.staging_peak_bytes);
+  }
+  return t;
+}
+
+ordered_json offload_report(const TrainRun& run, engine::Engine& engine) {
+  const checkpoint::Plan& plan = engine.plan();
+  const checkpoint::OffloadPrediction& p = plan.prediction.offload;
+  const offload::StashStats m = offload_totals(run.steps);
+  const double mbs = static_cast<double>(engine.config().gradient_accumulation_steps);
+  const double link = engine.link_bytes_per_s();
+  auto timed = [&](double v) { return p.timed ? ordered_json(v) : ordered_json(); };
+  ordered_json j;
+  j["enabled"] = !plan.offload.empty();
+  // Measured, summed over the run's steps (the peaks: the largest of any step).
+  j["d2h_bytes"] = m.d2h_bytes;
+  j["h2d_bytes"] = m.h2d_bytes;
+  j["copy_busy_s"] = m.copy_busy_s;
+  j["exposed_wait_s"] = m.exposed_wait_s;
+  j["hidden_fraction"] = m.hidden_fraction();
+  j["pinned_peak_bytes"] = m.pinned_peak_bytes;
+  j["staging_peak_bytes"] = m.staging_peak_bytes;
+  j["link_bytes_per_s"] = link > 0 ? ordered_json(link) : ordered_json();
+  // The plan's prediction, per step (micro-batches x the simulator's micro-batch).
+  j["predicted"] = {
+      {"checkpoints", plan.offload.entries.size()},
+      {"offloaded_bytes_per_micro_batch", plan.offload.offloaded_bytes},
+      {"d2h_bytes_per_step", static_cast<size_t>(static_cast<double>(p.d2h_bytes) * mbs)},
+      {"h2d_bytes_per_step", static_cast<size_t>(static_cast<double>(p.h2d_bytes) * mbs)},
+      {"pinned_bytes", plan.offload.pinned_bytes},
+      {"staging_peak_bytes", p.peak_staging_bytes},
+      {"prefetch_depth", plan.sim.prefetch_depth},
+      {"contiguous", plan.sim.contiguous},
+      {"timed", p.timed},
+      {"copy_busy_s_per_step", timed(p.copy_busy_s * mbs)},
+      {"exposed_s_per_step", timed(p.exposed_s * mbs)},
+      {"hidden_fraction", timed(p.hidden_fraction())},
+  };
+  // Per-checkpoint records (activation_checkpointing.profile): times in seconds from the
+  // first record.
+  const auto& ac = engine.config().activation_checkpointing;
+  if (ac && ac->profile) {
+    const std::vector<offload::CopyRecord>& copies = engine.last_copies();
+    const std::vector<offload::WaitRecord>& waits = engine.last_waits();
+    std::optional<offload::Clock::time_point> t0;
+    for (const auto& c : copies) t0 = t0 ? std::min(*t0, c.start) : c.start;
+    for (const auto& w : waits) t0 = t0 ? std::min(*t0, w.reached) : w.reached;
+    auto since = [&](offload::Clock::time_point t) {
+      return std::chrono::duration<double>(t - *t0).count();
+    };
+    ordered_json cj = ordered_json::array(), wj = ordered_json::array();
+    for (const auto& c : copies) {
+      cj.push_back({{"direction", c.direction == offload::CopyRecord::Direction::kD2H ? "d2h" : "h2d"},
+                    {"stage", c.stage}, {"micro_batch", c.micro_batch}, {"bytes", c.bytes},
+                    {"start_s", since(c.start)}, {"seconds", c.seconds()}});
+    }
+    for (const auto& w : waits) {
+      wj.push_back({{"stage", w.stage}, {"micro_batch", w.micro_batch},
+                    {"reached_s", since(w.reached)}, {"exposed_s", w.exposed_s}});
+    }
+    j["copies"] = std::move(cj);
+    j["waits"] = std::move(wj);
+  }
   return j;
 }
 
@@ -149,6 +235,21 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
   }
   m.add({"all (peak of the sum)", format_bytes(mem.peak_bytes)});
   m.print(out);
+
+  const checkpoint::Plan& plan = engine.plan();
+  if (!plan.offload.empty()) {
+    const offload::StashStats o = offload_totals(run.steps);
+    const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
+    std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * o.hidden_fraction());
+    out << "\noffload: " << format_bytes(static_cast<uint64_t>(static_cast<double>(o.d2h_bytes) / n))
+        << " to the host and " << format_bytes(static_cast<uint64_t>(static_cast<double>(o.h2d_bytes) / n))
+        << " back per step; copies " << format_seconds(o.copy_busy_s / n) << " per step, "
+        << format_seconds(o.exposed_wait_s / n) << " exposed (" << buf << " hidden); pinned peak "
+        << format_bytes(o.pinned_peak_bytes) << "; link ";
+    const double link = engine.link_bytes_per_s();
+    out << (link > 0 ? format_bytes(static_cast<uint64_t>(link)) + "/s" : std::string("unknown"))
+        << "\n";
+  }
 
   out << "\npredicted vs measured (" << engine.plan().description << ")\n";
   Table p({"", "predicted", "measured"});

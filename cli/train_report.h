@@ -32,6 +32,12 @@ double tokens_per_s(const std::vector<engine::StepResult>& steps);
 // The mean loss of the last (up to) `n` steps: one step's loss is one batch's, and noisy.
 double mean_last_loss(const std::vector<engine::StepResult>& steps, size_t n = 10);
 
+// The offload statistics of the run's steps, summed (the peaks: the largest of any step).
+offload::StashStats offload_totals(const std::vector<engine::StepResult>& steps);
+// The report's "offload" section: measured, the plan's prediction, and with
+// activation_checkpointing.profile the last step's per-checkpoint copy and wait records.
+nlohmann::ordered_json offload_report(const TrainRun& run, engine::Engine& engine);
+
 // The report (docs/cli.md, "The report").
 nlohmann::ordered_json train_report(const TrainRun& run, engine::Engine& engine);
 // The summary table printed at the end.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -137,6 +138,126 @@ TEST_F(CliTrain, ReportHasEveryField) {
   EXPECT_EQ(plan["stages"][1]["where"], "device");
   EXPECT_TRUE(plan["predicted_recompute_s"].is_number());
   EXPECT_GT(plan["measured_recompute_s"].get<double>(), 0.0);
+}
+
+// The tiny config with checkpoints offloaded to pinned host memory over a simulated link, and
+// the per-checkpoint records on.
+std::string offload_text() {
+  std::string text = kTinyConfig;
+  const std::string device = "\"threads\": 1}";
+  text.replace(text.find(device), device.size(), "\"threads\": 1, \"sim_link_gbps\": 2}");
+  const std::string head = "\"gradient_accumulation_steps\": 2,";
+  text.replace(text.find(head), head.size(),
+               head + R"( "activation_checkpointing": {"cpu_checkpointing": true, "profile": true},)");
+  return text;
+}
+
+TEST_F(CliTrain, OffloadShowsInTheReportSummaryAndTrace) {
+  const std::string report = (dir_ / "report.json").string();
+  const fs::path trace = dir_ / "trace.json";
+  CliRun r = porter({"train", "--config", config(offload_text()), "--report", report, "--trace",
+                     trace.string()});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_TRUE(contains(r.out, "\noffload: ")) << r.out;
+  EXPECT_TRUE(contains(r.out, " hidden); pinned peak ")) << r.out;
+
+  json j = read_json(report);
+  const json& o = j["offload"];
+  EXPECT_EQ(o["enabled"], true);
+  // uniform every 1 layer, keep_last_on_device 1: block.0's input goes to the host, block.1's
+  // stays; 3 steps of 2 micro-batches each copy it out and back.
+  const json& p = o["predicted"];
+  EXPECT_EQ(p["checkpoints"], 1);
+  EXPECT_GT(o["d2h_bytes"].get<size_t>(), 0u);
+  EXPECT_EQ(o["d2h_bytes"].get<size_t>(), 3 * p["d2h_bytes_per_step"].get<size_t>());
+  EXPECT_EQ(o["h2d_bytes"].get<size_t>(), 3 * p["h2d_bytes_per_step"].get<size_t>());
+  EXPECT_EQ(p["d2h_bytes_per_step"].get<size_t>(), 2 * p["offloaded_bytes_per_micro_batch"].get<size_t>());
+  EXPECT_GT(o["copy_busy_s"].get<double>(), 0.0);
+  EXPECT_GE(o["exposed_wait_s"].get<double>(), 0.0);
+  EXPECT_LE(o["hidden_fraction"].get<double>(), 1.0);
+  EXPECT_GT(o["pinned_peak_bytes"].get<size_t>(), 0u);
+  EXPECT_GE(j["memory"]["pinned_peak_bytes"].get<size_t>(), o["pinned_peak_bytes"].get<size_t>());
+  EXPECT_DOUBLE_EQ(o["link_bytes_per_s"].get<double>(), 2e9);
+  EXPECT_EQ(p["timed"], true);  // profiled costs and a known link
+  EXPECT_TRUE(p["exposed_s_per_step"].is_number());
+  // profile: the last step's copies, one each way per micro-batch, and the compute waits.
+  ASSERT_TRUE(o["copies"].is_array());
+  std::set<std::string> dirs;
+  for (const json& c : o["copies"]) {
+    dirs.insert(c["direction"].get<std::string>());
+    EXPECT_EQ(c["stage"], 1);
+    EXPECT_EQ(c["bytes"], p["offloaded_bytes_per_micro_batch"]);
+  }
+  EXPECT_EQ(dirs, (std::set<std::string>{"d2h", "h2d"}));
+  EXPECT_FALSE(o["waits"].empty());
+  const json& stages = j["plan"]["stages"];
+  EXPECT_EQ(stages[1]["where"], "host");
+  EXPECT_EQ(stages[1]["offloaded_bytes"], p["offloaded_bytes_per_micro_batch"]);
+  EXPECT_EQ(stages[2]["where"], "device");
+  EXPECT_EQ(stages[2]["offloaded_bytes"], 0);
+
+  // The trace has spans on the d2h and h2d lanes.
+  json t = read_json(trace);
+  std::map<int, std::string> lanes;
+  for (const json& e : t["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") lanes[e["tid"]] = e["args"]["name"];
+  }
+  std::map<std::string, int> spans;
+  for (const json& e : t["traceEvents"]) {
+    if (e["ph"] == "X") ++spans[lanes[e["tid"].get<int>()]];
+  }
+  EXPECT_GT(spans["d2h"], 0);
+  EXPECT_GT(spans["h2d"], 0);
+  EXPECT_GT(spans["compute"], 0);
+}
+
+TEST_F(CliTrain, WithoutOffloadTheSectionIsZero) {
+  const std::string report = (dir_ / "report.json").string();
+  ASSERT_EQ(porter({"train", "--config", tiny(), "--report", report, "--steps", "1"}).rc, kExitOk);
+  const json o = read_json(report)["offload"];
+  EXPECT_EQ(o["enabled"], false);
+  EXPECT_EQ(o["d2h_bytes"], 0);
+  EXPECT_EQ(o["h2d_bytes"], 0);
+  EXPECT_EQ(o["hidden_fraction"], 1.0);
+  EXPECT_FALSE(o.contains("copies"));
+}
+
+TEST_F(CliTrain, PlanShowsOffload) {
+  const std::string cfg = config(offload_text());
+  CliRun r = porter({"plan", "--config", cfg, "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["costs"], "profiled");  // offload plans from measured times
+  EXPECT_EQ(j["stages"][1]["where"], "host");
+  EXPECT_GT(j["stages"][1]["offloaded_bytes"].get<size_t>(), 0u);
+  EXPECT_TRUE(j["stages"][1]["exposed_copy_s"].is_number());
+  EXPECT_EQ(j["stages"][2]["where"], "device");
+  const json& o = j["offload"];
+  EXPECT_EQ(o["enabled"], true);
+  EXPECT_EQ(o["checkpoints"], 1);
+  EXPECT_EQ(o["offloaded_bytes"], j["stages"][1]["offloaded_bytes"]);
+  EXPECT_GE(o["pinned_bytes"].get<size_t>(), o["offloaded_bytes"].get<size_t>());
+  EXPECT_EQ(o["pinned_bytes"].get<size_t>() % 4096, 0u);
+  EXPECT_GT(o["staging_peak_bytes"].get<size_t>(), 0u);
+  EXPECT_EQ(o["prefetch_depth"], 1);
+  EXPECT_DOUBLE_EQ(o["link_bytes_per_s"].get<double>(), 2e9);
+  EXPECT_EQ(o["timed"], true);
+  EXPECT_TRUE(o["hidden_fraction"].is_number());
+
+  CliRun text = porter({"plan", "--config", cfg});
+  ASSERT_EQ(text.rc, kExitOk) << text.err;
+  EXPECT_TRUE(contains(text.out, "exposed copy")) << text.out;
+  EXPECT_TRUE(contains(text.out, "  offload: 1 checkpoint, ")) << text.out;
+  EXPECT_TRUE(contains(text.out, "prefetch depth 1")) << text.out;
+  EXPECT_TRUE(contains(text.out, "predicted copies: ")) << text.out;
+
+  // Without offload: no offload column, an empty section.
+  CliRun plain = porter({"plan", "--config", tiny(), "--json"});
+  ASSERT_EQ(plain.rc, kExitOk) << plain.err;
+  json pj = json::parse(plain.out);
+  EXPECT_EQ(pj["offload"]["enabled"], false);
+  EXPECT_EQ(pj["stages"][1]["offloaded_bytes"], 0);
+  EXPECT_TRUE(pj["stages"][1]["exposed_copy_s"].is_null());
 }
 
 TEST_F(CliTrain, OnATerminalProgressIsOneUpdatingLine) {
