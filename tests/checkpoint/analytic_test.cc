@@ -33,7 +33,7 @@ struct Env {
     o.threads = 1;
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = nn::make_kernels(*device);
+    kernels = nn::make_kernels(*alloc);
   }
   Tensor ids(int64_t b, int64_t t, int64_t vocab, int salt) {
     std::vector<int32_t> v(static_cast<size_t>(b * t));

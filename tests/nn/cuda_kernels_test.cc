@@ -60,8 +60,8 @@ class CudaKernelsTest : public ::testing::Test {
     cuda_dev_ = memory::make_device(cuda_options);
     cpu_alloc_ = std::make_unique<memory::CachingAllocator>(*cpu_dev_);
     cuda_alloc_ = std::make_unique<memory::CachingAllocator>(*cuda_dev_);
-    cpu_ = make_kernels(*cpu_dev_);
-    gpu_ = make_cuda_kernels(*cuda_dev_);
+    cpu_ = make_kernels(*cpu_alloc_);
+    gpu_ = make_cuda_kernels(*cuda_alloc_);
     ASSERT_EQ(gpu_->kind(), memory::DeviceKind::kCuda);
   }
 
