@@ -261,7 +261,8 @@ void CudaKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, c
   const memory::DeviceBuffer buffer =
       workspace(attention_backward_workspace_bytes(kind(), call), "attention_backward");
   PORTER_ASSERT(buffer.size_bytes() ==
-                    (workspace_layout::kCudaBackwardHeadBuffers * head_floats + layout.probs_elems) * 4,
+                    (workspace_layout::kCudaBackwardHeadBuffers * head_floats +
+                     layout.probs_elems) * 4,
                 "attention_backward workspace layout");
   float* q = buffer.as<float>();
   float* k = q + head_floats;

@@ -28,8 +28,8 @@ size_t attention_forward_workspace_bytes(memory::DeviceKind kind, const Attentio
     case memory::DeviceKind::kCpu:
       return workspace_layout::cpu_attention_forward(call).total_elems() * sizeof(float);
     case memory::DeviceKind::kCuda:
-      return workspace_layout::kCudaForwardHeadBuffers * workspace_layout::cuda_attention(call).head_elems *
-             sizeof(float);
+      return workspace_layout::kCudaForwardHeadBuffers *
+             workspace_layout::cuda_attention(call).head_elems * sizeof(float);
   }
   PORTER_ASSERT(false, "unknown device kind ", static_cast<int>(kind));
   return 0;

@@ -172,7 +172,8 @@ TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
 INSTANTIATE_TEST_SUITE_P(DtypesAndDropout, AnalyticVsMeasured,
                          ::testing::Values(Case{DType::kF32, 0.0, 50}, Case{DType::kF32, 0.1, 50},
                                            Case{DType::kBF16, 0.0, 500}, Case{DType::kBF16, 0.1, 500},
-                                           Case{DType::kF32, 0.1, 500}, Case{DType::kF32, 0.1, 50, 70},
+                                           Case{DType::kF32, 0.1, 500},
+                                           Case{DType::kF32, 0.1, 50, 70},
                                            Case{DType::kBF16, 0.0, 50, 70}));
 
 TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
@@ -260,6 +261,12 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
   EXPECT_EQ(simulate(schedule_full(b), b).peak_activation_bytes, 22'560'768u);
   EXPECT_EQ(simulate(schedule_full(b), b).peak_op, 8);  // the last block's forward
   EXPECT_EQ(simulate(schedule_selective(b), b).peak_activation_bytes, 80'879'620u);
+  // Kernel workspace: the block's backward peaks during the attention backward.
+  EXPECT_EQ(f.stages[1].backward_total_peak_bytes, 10'485'760u);
+  EXPECT_EQ(b.stages[1].backward_total_peak_bytes, 13'631'488u);
+  EXPECT_EQ(nn::attention_forward_workspace_bytes(memory::DeviceKind::kCpu,
+                                                  {4, 256, 256, 8, DType::kBF16, DType::kBF16}),
+            4u << 20);
   EXPECT_EQ(gpt_model_state_bytes(mc, DType::kF32).params, 33'925'120u);
 }
 

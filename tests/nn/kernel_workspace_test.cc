@@ -27,11 +27,12 @@ struct AttentionTensors {
 AttentionTensors attention_tensors(testing::Env& env, const AttentionCall& c) {
   const int64_t b = c.batch, t = c.seq, ch = c.channels;
   AttentionTensors a;
-  a.qkv = env.from(testing::random_values(static_cast<size_t>(b * t * 3 * ch), 1), Shape{b, t, 3 * ch},
-                   c.qkv);
+  a.qkv = env.from(testing::random_values(static_cast<size_t>(b * t * 3 * ch), 1),
+                   Shape{b, t, 3 * ch}, c.qkv);
   a.out = env.empty(Shape{b, t, ch}, c.out);
   a.probs = env.empty(Shape{b, c.heads, t, t}, DType::kF32);
-  a.dout = env.from(testing::random_values(static_cast<size_t>(b * t * ch), 2), Shape{b, t, ch}, c.out);
+  a.dout = env.from(testing::random_values(static_cast<size_t>(b * t * ch), 2), Shape{b, t, ch},
+                    c.out);
   a.dqkv = env.empty(Shape{b, t, 3 * ch}, c.dqkv);
   return a;
 }
@@ -53,7 +54,8 @@ CallStats measure(memory::CachingAllocator& alloc, Fn&& fn) {
   const memory::MemoryStats after = alloc.stats();
   CallStats s;
   s.peak_above_start = after.peak_requested_bytes - before.requested_bytes;
-  s.workspace_allocs = after[Category::kWorkspace].alloc_count - before[Category::kWorkspace].alloc_count;
+  s.workspace_allocs =
+      after[Category::kWorkspace].alloc_count - before[Category::kWorkspace].alloc_count;
   s.requested_before = before.requested_bytes;
   s.requested_after = after.requested_bytes;
   return s;
