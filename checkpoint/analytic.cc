@@ -8,6 +8,7 @@
 
 #include "base/check.h"
 #include "nn/gpt.h"
+#include "nn/kernels.h"
 
 namespace porter::checkpoint {
 
@@ -211,7 +212,16 @@ StageCost stage_cost(std::string name, bool is_block, size_t input_bytes, StageG
 struct Dims {
   size_t b, t, c, h, v, dt, n;  // n = b * t rows
   bool drop;
+  nn::DType dtype;
+  memory::DeviceKind device;
 };
+
+// The attention call of a block: qkv, out, dout and dqkv all in the compute dtype.
+nn::AttentionCall attention_call(const Dims& d) {
+  return nn::AttentionCall{static_cast<int64_t>(d.b), static_cast<int64_t>(d.t),
+                           static_cast<int64_t>(d.c), static_cast<int>(d.h), d.dtype, d.dtype,
+                           d.dtype};
+}
 
 Dims dims_of(const GptShape& shape) {
   const config::ModelConfig& m = shape.model;
@@ -229,6 +239,8 @@ Dims dims_of(const GptShape& shape) {
   d.dt = nn::dtype_size(shape.compute_dtype);
   d.n = d.b * d.t;
   d.drop = m.dropout > 0.0;
+  d.dtype = shape.compute_dtype;
+  d.device = shape.device;
   return d;
 }
 
@@ -251,8 +263,10 @@ StageGraph block_graph(const Dims& d) {
   const double cc = static_cast<double>(d.c);
   Ref ln1 = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {kIn, kExt, kExt});
   Ref qkv = gb.op(nn::OpKind::kMatmul, {3 * a}, {ln1, kExt, kExt}, 2.0 * nc * 3.0 * cc);
+  // The kernel's scratch is workspace inside the op (Note [Kernel workspace]).
   Ref att = gb.op(nn::OpKind::kAttention, {a, d.b * d.h * d.t * d.t * 4}, {qkv},
-                  4.0 * nc * static_cast<double>(d.t));
+                  4.0 * nc * static_cast<double>(d.t),
+                  nn::attention_forward_workspace_bytes(d.device, attention_call(d)));
   Ref proj = gb.op(nn::OpKind::kMatmul, {a}, {att, kExt, kExt}, 2.0 * nc * cc);
   Ref x2 = gb.op(nn::OpKind::kAdd, {a}, {kIn, gb.dropout(proj, a, d.drop, true)});
   Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {x2, kExt, kExt});
@@ -269,9 +283,14 @@ StageGraph block_graph(const Dims& d) {
              ln2, GraphBuilder::slot(ln2, 1), GraphBuilder::slot(ln2, 2),
              h, gl};
   g.output = y;
-  // GptBlock::backward's workspace, in units of a: df (dropout) 1, dg 4, dh 4 is the peak
-  // (Note in docs/memory-model.md, "Workspace"); the returned dx is part of the later ones.
-  g.backward_workspace_peak = (8 + (d.drop ? 1 : 0)) * a;
+  // GptBlock::backward's workspace, in units of a (docs/memory-model.md, "porter's GPT, op
+  // by op"): df (dropout) δ, dg 4, dh 4 while the GELU backward runs; or df δ, dln2 1, dx2 1,
+  // dproj δ, datt 1, dqkv 3 and the attention kernel's scratch while attention backward
+  // runs. The returned dx is part of the later, smaller moments.
+  const size_t drop = d.drop ? 1 : 0;
+  g.backward_workspace_peak =
+      std::max((8 + drop) * a, (6 + 2 * drop) * a + nn::attention_backward_workspace_bytes(
+                                                        d.device, attention_call(d)));
   return g;
 }
 
@@ -281,8 +300,9 @@ StageGraph head_graph(const Dims& d) {
   const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
   Ref lnf = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {kIn, kExt, kExt});
   Ref logits = gb.op(nn::OpKind::kMatmul, {d.n * d.v * d.dt}, {lnf, kExt}, 2.0 * nc * static_cast<double>(d.v));
-  // The per-row losses are workspace inside the op.
-  Ref loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExt}, 0.0, d.n * 4);
+  // The per-row losses are workspace inside the op, and so are the partials of their sum.
+  Ref loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExt}, 0.0,
+                   d.n * 4 + nn::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n)));
   StageGraph& g = gb.graph();
   g.saves = {kIn, lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2), logits, kExt};
   g.output = loss;

@@ -8,6 +8,7 @@
 
 #include "checkpoint/costs.h"
 #include "config/config.h"
+#include "memory/device.h"
 #include "nn/ctx.h"
 #include "nn/dtype.h"
 
@@ -18,6 +19,9 @@ struct GptShape {
   int64_t micro_batch = 1;  // B
   int64_t seq = 0;          // T; 0 = model.seq_len
   nn::DType compute_dtype = nn::DType::kF32;
+  // The device the kernels run on: their workspace differs (Note [Kernel workspace] in
+  // nn/kernels.h), and with it the *_total_peak_bytes figures; the activation figures do not.
+  memory::DeviceKind device = memory::DeviceKind::kCpu;
 };
 
 // Bytes (and forward FLOPs) of every stage and option; times are 0 (source "analytic").

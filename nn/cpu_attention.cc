@@ -9,20 +9,26 @@
 // oneDNN primitive.
 //
 // Note [Attention scratch]
-// Backward needs dP / dS for one row block, (B, heads, kRowBlock, T) f32, which it keeps in
-// a scratch vector owned by the Kernels object (6 MiB for B = 4, 12 heads, T = 512). bf16
-// tensors are widened to f32 scratch copies first, since oneDNN cannot multiply the f32
-// probabilities by bf16 values. This scratch is host memory outside the caching allocator.
+// Backward needs dP / dS for one row block, (B, heads, kRowBlock, T) f32 (6 MiB for B = 4,
+// 12 heads, T = 512). Tensors that are not f32 (bf16) are widened to f32 copies first, and
+// a bf16 result is computed in f32 and narrowed at the end, since oneDNN cannot multiply the
+// f32 probabilities by bf16 values. All of it is one workspace buffer per call from the
+// kernels' allocator (Note [Kernel workspace] in kernels.h), laid out as
+// workspace_layout::CpuAttentionForward / CpuAttentionBackward (kernel_workspace.h): f32 forward
+// takes none, bf16 forward 16·N·C bytes (N = B·T), backward B·heads·min(64, T)·T·4 bytes
+// plus 28·N·C in bf16. The buffer is freed when the call returns; the allocator keeps the
+// block cached, so the next call reuses it without touching the device.
 #include <cmath>
 #include <cstdint>
 
 #include "nn/cpu_kernels.h"
 #include "nn/cpu_matmul.h"
+#include "nn/kernel_workspace.h"
 
 namespace porter::nn {
 namespace {
 
-constexpr int64_t kRowBlock = 64;
+constexpr int64_t kRowBlock = workspace_layout::kCpuAttentionRowBlock;
 
 // Sizes of one attention call.
 struct Dims {
@@ -115,16 +121,23 @@ const float* as_f32(int threads, const Tensor& t, float* scratch) {
   return scratch;
 }
 
+AttentionCall call_of(const Dims& d, DType qkv, DType out, DType dqkv) {
+  return AttentionCall{d.b, d.t, d.c, static_cast<int>(d.heads), qkv, out, dqkv};
+}
+
 }  // namespace
 
 void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
   const Dims d = dims_of(qkv, heads);
   if (d.b == 0 || d.t == 0 || d.c == 0) return;
-  const bool widen_in = qkv.dtype() != DType::kF32, narrow_out = out.dtype() != DType::kF32;
-  const size_t in_elems = widen_in ? static_cast<size_t>(qkv.numel()) : 0;
-  float* scratch = scratch_f32(in_elems + (narrow_out ? static_cast<size_t>(out.numel()) : 0));
+  // Scratch layout (Note [Attention scratch]): f32 qkv, then f32 out, each when needed.
+  const workspace_layout::CpuAttentionForward layout =
+      workspace_layout::cpu_attention_forward(call_of(d, qkv.dtype(), out.dtype(), DType::kF32));
+  const memory::DeviceBuffer buffer =
+      workspace(layout.total_elems() * sizeof(float), "attention_forward");
+  float* scratch = buffer.as<float>();
   const float* x = as_f32(threads_, qkv, scratch);
-  float* o = narrow_out ? scratch + in_elems : out.data_as<float>();
+  float* o = layout.out_elems ? scratch + layout.qkv_elems : out.data_as<float>();
   float* pr = probs.data_as<float>();
 
   const int64_t c3 = 3 * d.c, t = d.t;
@@ -146,7 +159,7 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
     run_batched(*dnnl_, d, rows, d.hd, i1, op(pr + i0 * t, probs_str), op(x + 2 * d.c, qkv_str),
                 o + i0 * d.c, out_str, 1.0f, 0.0f);
   }
-  if (narrow_out) narrow(threads_, o, out);
+  if (layout.out_elems) narrow(threads_, o, out);
 }
 
 void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
@@ -155,12 +168,17 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
   if (d.b == 0 || d.t == 0 || d.c == 0) return;
   const int64_t c3 = 3 * d.c, t = d.t;
   const int64_t block_rows = std::min(kRowBlock, t);
-  // Scratch layout: dS block, then the f32 copies bf16 arguments need (Note [Attention scratch]).
-  const size_t ds_elems = static_cast<size_t>(d.b * d.heads * block_rows * t);
-  const size_t qkv_elems = qkv.dtype() == DType::kF32 ? 0 : static_cast<size_t>(qkv.numel());
-  const size_t dout_elems = dout.dtype() == DType::kF32 ? 0 : static_cast<size_t>(dout.numel());
-  const size_t dqkv_elems = dqkv.dtype() == DType::kF32 ? 0 : static_cast<size_t>(dqkv.numel());
-  float* scratch = scratch_f32(ds_elems + qkv_elems + dout_elems + dqkv_elems);
+  // Scratch layout: the dS block, then the f32 copies of the arguments that are not f32
+  // (Note [Attention scratch]).
+  const workspace_layout::CpuAttentionBackward layout =
+      workspace_layout::cpu_attention_backward(call_of(d, qkv.dtype(), dout.dtype(), dqkv.dtype()));
+  PORTER_ASSERT(layout.ds_elems == static_cast<size_t>(d.b * d.heads * block_rows * t),
+                "attention_backward scratch layout disagrees with the row blocks");
+  const memory::DeviceBuffer buffer =
+      workspace(layout.total_elems() * sizeof(float), "attention_backward");
+  float* scratch = buffer.as<float>();
+  const size_t ds_elems = layout.ds_elems, qkv_elems = layout.qkv_elems;
+  const size_t dout_elems = layout.dout_elems, dqkv_elems = layout.dqkv_elems;
   float* ds = scratch;
   const float* x = as_f32(threads_, qkv, scratch + ds_elems);
   const float* dy = as_f32(threads_, dout, scratch + ds_elems + qkv_elems);

@@ -1,4 +1,4 @@
-// CpuKernels' construction and the scratch memory its kernels share.
+// CpuKernels' construction.
 #include "nn/cpu_kernels.h"
 
 #include "base/check.h"
@@ -6,16 +6,16 @@
 
 namespace porter::nn {
 
-CpuKernels::CpuKernels(memory::Device& device)
-    : device_(device), threads_(device.threads()), dnnl_(std::make_unique<DnnlMatmul>(threads_)) {
+CpuKernels::CpuKernels(memory::CachingAllocator& allocator)
+    : Kernels(allocator),
+      device_(allocator.device()),
+      threads_(device_.threads()),
+      dnnl_(std::make_unique<DnnlMatmul>(threads_)) {
+  PORTER_CHECK(device_.kind() == memory::DeviceKind::kCpu, "CpuKernels need a cpu device, got ",
+               device_.description());
   PORTER_CHECK_GE(threads_, 1, "cpu kernels need at least one thread");
 }
 
 CpuKernels::~CpuKernels() = default;
-
-float* CpuKernels::scratch_f32(size_t elems) {
-  if (scratch_.size() < elems) scratch_.resize(elems);
-  return scratch_.data();
-}
 
 }  // namespace porter::nn

@@ -42,10 +42,11 @@ namespace porter::nn {
 class DnnlMatmul;
 
 // Runs on the calling thread (the cpu compute stream) with up to device.threads() OpenMP
-// threads. One compute stream per Kernels object: the scratch memory is not shared safely.
+// threads. Scratch memory comes from the allocator per call (Note [Kernel workspace]).
 class CpuKernels final : public Kernels {
  public:
-  explicit CpuKernels(memory::Device& device);
+  // Kernels for the allocator's (cpu) device, with workspace from `allocator`.
+  explicit CpuKernels(memory::CachingAllocator& allocator);
   ~CpuKernels() override;
   memory::DeviceKind kind() const override { return memory::DeviceKind::kCpu; }
   int threads() const { return threads_; }
@@ -85,13 +86,9 @@ class CpuKernels final : public Kernels {
   void do_scale(Tensor& x, float s) override;
 
  private:
-  // Scratch for attention backward (Note [Attention scratch] in cpu_attention.cc).
-  float* scratch_f32(size_t elems);
-
   memory::Device& device_;  // not owned; outlives the kernels
   int threads_;
   std::unique_ptr<DnnlMatmul> dnnl_;
-  std::vector<float> scratch_;
 };
 
 namespace cpu {

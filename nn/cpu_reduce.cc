@@ -1,7 +1,7 @@
 // Whole-tensor reductions on cpu: sum and squared norm, deterministic for any thread count
-// (Note [Cpu determinism]: fixed chunks, partials added in order in double).
+// (Note [Cpu determinism]: fixed chunks, partials added in order in double). The partials
+// are kernel workspace (Note [Kernel workspace]): one double per chunk.
 #include <cstdint>
-#include <vector>
 
 #include "nn/cpu_kernels.h"
 
@@ -32,11 +32,11 @@ PORTER_CPU_CLONES double chunk_sum(const T* x, int64_t n) {
   return total;
 }
 
+// `partials` holds cpu::blocks_of(x.numel()) doubles.
 template <bool kSquare>
-float reduce(int threads, const Tensor& x) {
+float reduce(int threads, const Tensor& x, double* partials) {
   const int64_t n = x.numel();
   const int64_t chunks = cpu::blocks_of(n);
-  std::vector<double> partials(static_cast<size_t>(chunks));
   cpu::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.data());
@@ -47,18 +47,22 @@ float reduce(int threads, const Tensor& x) {
     }
   });
   double total = 0.0;
-  for (double p : partials) total += p;
+  for (int64_t c = 0; c < chunks; ++c) total += partials[c];
   return static_cast<float>(total);
 }
 
 }  // namespace
 
 void CpuKernels::do_sum(const Tensor& x, Tensor& out) {
-  *out.data_as<float>() = reduce<false>(threads_, x);
+  const memory::DeviceBuffer partials =
+      workspace(reduction_workspace_bytes(kind(), x.numel()), "sum");
+  *out.data_as<float>() = reduce<false>(threads_, x, partials.as<double>());
 }
 
 void CpuKernels::do_squared_norm(const Tensor& x, Tensor& out) {
-  *out.data_as<float>() = reduce<true>(threads_, x);
+  const memory::DeviceBuffer partials =
+      workspace(reduction_workspace_bytes(kind(), x.numel()), "squared_norm");
+  *out.data_as<float>() = reduce<true>(threads_, x, partials.as<double>());
 }
 
 }  // namespace porter::nn

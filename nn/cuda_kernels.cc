@@ -12,6 +12,7 @@
 #include "nn/cuda_check.h"
 #include "nn/cuda_launch.h"
 #include "nn/cuda_matmul.h"
+#include "nn/kernel_workspace.h"
 
 namespace porter::nn {
 namespace {
@@ -24,58 +25,25 @@ DevPtr dev(const Tensor& t) { return DevPtr{t.data(), t.dtype()}; }
 // Note [Cuda kernel workspace]
 // Attention needs per-head copies of q, k, v (and their gradients, and dP) that do not fit
 // the packed (B, T, 3C) layout cuBLASLt's strided batches need, and reductions need a
-// partials buffer. These live in one workspace owned by CudaKernels and grown on demand: the
-// stream is synchronised before the old buffer is freed, so no queued kernel still reads it.
-// The workspace is a device segment (counted by the Device against its capacity) but not a
-// caching-allocator block, so MemoryStats does not show it.
-// TODO(issue 6): carve it from the caching allocator (category workspace): make_kernels
-// would take the engine's allocator, so offload's staging plans see every byte. The cpu
-// attention scratch (Note [Attention scratch]) is the same case.
-class Workspace {
- public:
-  explicit Workspace(memory::Device& device) : device_(device) {}
-  ~Workspace() { release(); }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-
-  // At least `floats` f32 elements; valid until the next call.
-  float* get(size_t floats, const char* op) {
-    const size_t bytes = floats * sizeof(float);
-    if (bytes <= bytes_) return static_cast<float*>(data_);
-    device_.compute_stream().synchronize();
-    release();
-    constexpr size_t kGranule = size_t{2} << 20;
-    const size_t want = (bytes + kGranule - 1) / kGranule * kGranule;
-    data_ = device_.allocate_segment(want);
-    if (data_ == nullptr) {
-      throw OutOfMemoryError(str_cat(op, " needs a ", want, "-byte kernel workspace that does not fit on ",
-                                     device_.description(),
-                                     "; reduce micro_batch_size or seq_len"),
-                             want);
-    }
-    bytes_ = want;
-    return static_cast<float*>(data_);
-  }
-
- private:
-  void release() {
-    if (data_ != nullptr) device_.free_segment(data_, bytes_);
-    data_ = nullptr;
-    bytes_ = 0;
-  }
-
-  memory::Device& device_;  // not owned; outlives this
-  void* data_ = nullptr;    // owned: a segment of device_
-  size_t bytes_ = 0;
-};
-
-// Sub-buffers of a workspace start on 256-byte boundaries (cuBLASLt's preferred alignment).
-size_t padded(size_t floats) { return (floats + 63) / 64 * 64; }
+// partials buffer. Each call takes one buffer from the kernels' allocator, category
+// workspace (Note [Kernel workspace] in kernels.h), carved as kernel_workspace.h lays out:
+// attention forward 4 padded (B, H, T, hd) f32 matrices, backward 7 and a padded dP
+// (B, H, T, T) f32, reductions 1024 f32 partials. The buffer is freed as the call returns,
+// with its kernels still queued on the compute stream: the allocator only hands the block
+// out again to later compute-stream work (or to a copy stream that first waits on the
+// compute stream), so no kernel reads memory another one reuses, and nothing synchronises.
+// Sub-buffers start on 256-byte boundaries (kernel_workspace.h), cuBLASLt's preferred
+// alignment; the allocator's blocks are at least that aligned.
 
 class CudaKernels final : public Kernels {
  public:
-  explicit CudaKernels(memory::Device& device)
-      : device_(device), matmul_(device), workspace_(device) {}
+  explicit CudaKernels(memory::CachingAllocator& allocator)
+      : Kernels(allocator), device_(allocator.device()), matmul_(device_) {
+    PORTER_ASSERT(static_cast<size_t>(cuda::reduction_partials_count()) <=
+                      workspace_layout::kCudaReductionPartials,
+                  "cuda reductions need ", cuda::reduction_partials_count(),
+                  " partials, kernel_workspace.h sizes ", workspace_layout::kCudaReductionPartials);
+  }
 
   memory::DeviceKind kind() const override { return memory::DeviceKind::kCuda; }
 
@@ -186,17 +154,21 @@ class CudaKernels final : public Kernels {
   }
 
   void reduce(const Tensor& x, Tensor& out, bool squared) {
-    float* partials = workspace_.get(static_cast<size_t>(cuda::reduction_partials_count()),
-                                     squared ? "squared_norm" : "sum");
-    cuda::sum(launch(), dev(x), x.numel(), squared, partials, out.data_as<float>());
+    const memory::DeviceBuffer partials = workspace(reduction_workspace_bytes(kind(), x.numel()),
+                                                    squared ? "squared_norm" : "sum");
+    cuda::sum(launch(), dev(x), x.numel(), squared, partials.as<float>(), out.data_as<float>());
   }
 
   void gemm(GemmArgs g) { matmul_.run(g, launch().stream); }
 
   memory::Device& device_;  // not owned; outlives this
   cuda::CublasLtMatmul matmul_;
-  Workspace workspace_;
 };
+
+AttentionCall call_of(const Tensor& qkv, const Tensor& out, const Tensor* dqkv, int heads) {
+  return AttentionCall{qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3, heads, qkv.dtype(), out.dtype(),
+                       dqkv != nullptr ? dqkv->dtype() : DType::kF32};
+}
 
 // Note [Cuda matmul shapes]
 // The validation makes a, b and out all rank 2, or all rank 3 with one batch: rank 3 is a
@@ -253,8 +225,14 @@ void CudaKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out,
 void CudaKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
   const int64_t batch = qkv.dim(0), seq = qkv.dim(1), channels = qkv.dim(2) / 3;
   const int64_t hd = channels / heads, bh = batch * heads;
-  const size_t head_floats = padded(static_cast<size_t>(batch * seq * channels));
-  float* q = workspace_.get(4 * head_floats, "attention_forward");
+  if (bh == 0 || seq == 0 || hd == 0) return;
+  const AttentionCall call = call_of(qkv, out, nullptr, heads);
+  const size_t head_floats = workspace_layout::cuda_attention(call).head_elems;
+  const memory::DeviceBuffer buffer =
+      workspace(attention_forward_workspace_bytes(kind(), call), "attention_forward");
+  PORTER_ASSERT(buffer.size_bytes() == workspace_layout::kCudaForwardHeadBuffers * head_floats * 4,
+                "attention_forward workspace layout");
+  float* q = buffer.as<float>();
   float* k = q + head_floats;
   float* v = k + head_floats;
   float* o = v + head_floats;
@@ -276,9 +254,17 @@ void CudaKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, c
                                         Tensor& dqkv, int heads) {
   const int64_t batch = qkv.dim(0), seq = qkv.dim(1), channels = qkv.dim(2) / 3;
   const int64_t hd = channels / heads, bh = batch * heads;
-  const size_t head_floats = padded(static_cast<size_t>(batch * seq * channels));
-  const size_t probs_floats = padded(static_cast<size_t>(bh * seq * seq));
-  float* q = workspace_.get(7 * head_floats + probs_floats, "attention_backward");
+  if (bh == 0 || seq == 0 || hd == 0) return;
+  const AttentionCall call = call_of(qkv, dout, &dqkv, heads);
+  const workspace_layout::CudaAttention layout = workspace_layout::cuda_attention(call);
+  const size_t head_floats = layout.head_elems;
+  const memory::DeviceBuffer buffer =
+      workspace(attention_backward_workspace_bytes(kind(), call), "attention_backward");
+  PORTER_ASSERT(buffer.size_bytes() ==
+                    (workspace_layout::kCudaBackwardHeadBuffers * head_floats +
+                     layout.probs_elems) * 4,
+                "attention_backward workspace layout");
+  float* q = buffer.as<float>();
   float* k = q + head_floats;
   float* v = k + head_floats;
   float* d_o = v + head_floats;
@@ -314,10 +300,16 @@ void CudaKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, c
 
 }  // namespace
 
+std::unique_ptr<Kernels> make_cuda_kernels(memory::CachingAllocator& allocator) {
+  PORTER_CHECK(allocator.device().kind() == memory::DeviceKind::kCuda,
+               "make_cuda_kernels needs a cuda device, got ", allocator.device().description());
+  return std::make_unique<CudaKernels>(allocator);
+}
+
 std::unique_ptr<Kernels> make_cuda_kernels(memory::Device& device) {
   PORTER_CHECK(device.kind() == memory::DeviceKind::kCuda,
                "make_cuda_kernels needs a cuda device, got ", device.description());
-  return std::make_unique<CudaKernels>(device);
+  return make_kernels(device);
 }
 
 }  // namespace porter::nn

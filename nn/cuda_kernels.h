@@ -3,11 +3,15 @@
 
 #include <memory>
 
+#include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/kernels.h"
 
 namespace porter::nn {
 
+// Workspace from `allocator`, whose device must be cuda (Note [Kernel workspace]).
+std::unique_ptr<Kernels> make_cuda_kernels(memory::CachingAllocator& allocator);
+// The same with a private allocator on `device` (as make_kernels(device)).
 std::unique_ptr<Kernels> make_cuda_kernels(memory::Device& device);
 
 }  // namespace porter::nn

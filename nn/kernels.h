@@ -11,10 +11,45 @@
 //   to f32 on load and rounded to nearest-even on store. Reductions accumulate in f32.
 // - Kernels run on the device's compute stream; on cpu that is the calling thread, using up
 //   to device.threads() OpenMP threads.
+//
+// Note [Kernel workspace]
+// Every device byte a kernel uses beyond its arguments comes from a CachingAllocator, in
+// category `workspace`: the cpu attention's f32 scratch (Note [Attention scratch] in
+// cpu_attention.cc), the cpu reduction partials (cpu_reduce.cc), and the cuda attention and
+// reduction buffers (Note [Cuda kernel workspace] in cuda_kernels.cc). So the device's
+// capacity, MemoryStats, the out-of-memory accounting and the offload staging plans see
+// those bytes like any other; the activation footprint does not (workspace is not in it).
+// - Which allocator: the one given to make_kernels(allocator) at construction; the engine
+//   passes its own, so the workspace lands in the step's statistics. Kernels are called
+//   without a Ctx (tests, benchmarks, the optimizer step), so the allocator is the kernels'
+//   own dependency rather than a per-call argument, and nn::Ctx stays as it is.
+//   make_kernels(device) gives the kernels a private allocator on that device, for kernels
+//   used alone: the bytes count against the device's capacity, but no other allocator's
+//   statistics show them, and a block the private allocator caches is not released when
+//   another allocator on the device runs out. Anything that also allocates tensors on the
+//   device should share its allocator.
+// - Lifetime: a buffer is allocated when a call starts and freed before it returns, so no
+//   workspace is held between calls and the allocator returns to its baseline after every
+//   op. Reuse is cheap: the allocator caches the freed block (rule 2 in
+//   caching_allocator.h); an allocate/free pair of a cached 6 MiB block costs about 0.4 us
+//   (3 us with the allocator's timeline on), against milliseconds for the attention call.
+//   On cuda the free happens while the call's kernels are still queued; that is safe
+//   because the allocator hands blocks out in compute-stream order, and a copy stream that
+//   writes into a block first waits on a compute-stream event (Note [Stash protocol]).
+// - Sizes are exact functions of the call's shapes and dtypes, published below for the
+//   analytic memory model (checkpoint/analytic.cc, docs/memory-model.md "Kernel
+//   workspace"); the kernels allocate exactly these requested bytes, laid out as
+//   kernel_workspace.h defines. A call that needs none allocates nothing.
+// - The exceptions are the matmul libraries' own temporaries, whose sizes the library picks
+//   at run time: cuBLASLt's fixed 32 MiB workspace (cuda_matmul.h), a device segment owned
+//   by the matmul object for the kernels' lifetime (the device counts it against its
+//   capacity; MemoryStats does not show it), and oneDNN's library-managed scratchpad on cpu
+//   (host heap, outside the simulated capacity).
 #pragma once
 
 #include <memory>
 
+#include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/philox.h"
 #include "nn/tensor.h"
@@ -40,8 +75,12 @@ struct AdamWArgs {
 
 class Kernels {
  public:
-  virtual ~Kernels() = default;
+  virtual ~Kernels();
+  Kernels(const Kernels&) = delete;
+  Kernels& operator=(const Kernels&) = delete;
   virtual memory::DeviceKind kind() const = 0;
+  // Where kernel workspace comes from (Note [Kernel workspace]).
+  memory::CachingAllocator& workspace_allocator() const { return *allocator_; }
 
   // out (M, N) = alpha * op(a) @ op(b) + beta * out, with op(a) (M, K) and op(b) (K, N).
   // Rank 3 (batch, rows, cols) for a, b and out multiplies batch by batch. a and b are both
@@ -97,6 +136,13 @@ class Kernels {
   void scale(Tensor& x, float s);
 
  protected:
+  explicit Kernels(memory::CachingAllocator& allocator) : allocator_(&allocator) {}
+
+  // `bytes` of device memory for one call's temporaries, category workspace, freed when the
+  // buffer dies (Note [Kernel workspace]). Zero bytes gives an empty buffer. Throws
+  // OutOfMemoryError naming `op`, with the allocator's accounting.
+  memory::DeviceBuffer workspace(size_t bytes, const char* op);
+
   virtual void do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) = 0;
   virtual void do_bias_add(Tensor& x, const Tensor& bias) = 0;
   virtual void do_bias_backward(const Tensor& dy, Tensor& dbias) = 0;
@@ -129,9 +175,37 @@ class Kernels {
   virtual void do_cast(const Tensor& x, Tensor& y) = 0;
   virtual void do_fill(Tensor& x, float value) = 0;
   virtual void do_scale(Tensor& x, float s) = 0;
+
+ private:
+  friend std::unique_ptr<Kernels> make_kernels(memory::Device& device);
+
+  memory::CachingAllocator* allocator_;  // not owned (or owned_allocator_); outlives this
+  std::unique_ptr<memory::CachingAllocator> owned_allocator_;  // make_kernels(device) only
 };
 
-// The kernels for `device` (cpu or cuda). The device must outlive them.
+// The kernels for the allocator's device (cpu or cuda), taking their workspace from
+// `allocator` (Note [Kernel workspace]). The allocator and its device must outlive them.
+std::unique_ptr<Kernels> make_kernels(memory::CachingAllocator& allocator);
+// The same with a private allocator on `device`, owned by the kernels: for kernels used
+// alone. The device must outlive them.
 std::unique_ptr<Kernels> make_kernels(memory::Device& device);
+
+// The shapes and dtypes of one attention call: qkv (batch, seq, 3 * channels).
+struct AttentionCall {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t channels = 0;
+  int heads = 1;
+  DType qkv = DType::kF32;
+  DType out = DType::kF32;   // forward: out; backward: dout
+  DType dqkv = DType::kF32;  // backward only
+};
+
+// Requested bytes of workspace one call takes from the allocator on a device of `kind`
+// (Note [Kernel workspace]); 0 when it takes none.
+size_t attention_forward_workspace_bytes(memory::DeviceKind kind, const AttentionCall& call);
+size_t attention_backward_workspace_bytes(memory::DeviceKind kind, const AttentionCall& call);
+// sum and squared_norm of a tensor of `numel` elements.
+size_t reduction_workspace_bytes(memory::DeviceKind kind, int64_t numel);
 
 }  // namespace porter::nn

@@ -33,7 +33,7 @@ struct Env {
     o.threads = 1;
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = nn::make_kernels(*device);
+    kernels = nn::make_kernels(*alloc);
   }
   Tensor ids(int64_t b, int64_t t, int64_t vocab, int salt) {
     std::vector<int32_t> v(static_cast<size_t>(b * t));
@@ -48,12 +48,12 @@ struct Env {
   size_t peak_req() const { return alloc->stats().peak_requested_bytes; }
 };
 
-config::ModelConfig small_model(double dropout, int64_t vocab) {
+config::ModelConfig small_model(double dropout, int64_t vocab, int64_t seq_len = 12) {
   config::ModelConfig m;
   m.layers = 2;
   m.hidden = 32;
   m.heads = 4;
-  m.seq_len = 12;
+  m.seq_len = seq_len;
   m.vocab = vocab;
   m.dropout = dropout;
   return m;
@@ -105,6 +105,7 @@ struct Case {
   DType dtype;
   double dropout;
   int64_t vocab;
+  int64_t seq = 12;  // > 64: the cpu attention backward works in two row blocks
 };
 
 class AnalyticVsMeasured : public ::testing::TestWithParam<Case> {};
@@ -112,13 +113,13 @@ class AnalyticVsMeasured : public ::testing::TestWithParam<Case> {};
 TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
   const Case k = GetParam();
   Env env;
-  const config::ModelConfig mc = small_model(k.dropout, k.vocab);
+  const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq);
   nn::Gpt gpt(mc);
   nn::FlatParams flat(*env.alloc, gpt.layout(), k.dtype, DType::kF32);
   Tensor p = flat.params();
   nn::from_host_f32(*env.device, gpt.init_values(5), p);
   gpt.bind(flat);
-  const int64_t B = 2, T = 12;
+  const int64_t B = 2, T = k.seq;
   Tensor tokens = env.ids(B, T, mc.vocab, 0);
   gpt.head().set_targets(env.ids(B, T, mc.vocab, 1));
   nn::Ctx ctx(*env.kernels, *env.alloc, k.dtype);
@@ -165,10 +166,15 @@ TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
 }
 
 // vocab 50 < 3 * hidden: the last block's forward is the none peak; vocab 500: the head's.
+// The total peaks include the kernels' workspace (Note [Kernel workspace] in nn/kernels.h):
+// in bf16 the attention scratch sets the block's backward and selective-recompute totals,
+// and at T = 70 the f32 backward's dS block does.
 INSTANTIATE_TEST_SUITE_P(DtypesAndDropout, AnalyticVsMeasured,
                          ::testing::Values(Case{DType::kF32, 0.0, 50}, Case{DType::kF32, 0.1, 50},
                                            Case{DType::kBF16, 0.0, 500}, Case{DType::kBF16, 0.1, 500},
-                                           Case{DType::kF32, 0.1, 500}));
+                                           Case{DType::kF32, 0.1, 500},
+                                           Case{DType::kF32, 0.1, 50, 70},
+                                           Case{DType::kBF16, 0.0, 50, 70}));
 
 TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
   for (DType dt : {DType::kF32, DType::kBF16}) {
@@ -255,7 +261,52 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
   EXPECT_EQ(simulate(schedule_full(b), b).peak_activation_bytes, 22'560'768u);
   EXPECT_EQ(simulate(schedule_full(b), b).peak_op, 8);  // the last block's forward
   EXPECT_EQ(simulate(schedule_selective(b), b).peak_activation_bytes, 80'879'620u);
+  // Kernel workspace: the block's backward peaks during the attention backward.
+  EXPECT_EQ(f.stages[1].backward_total_peak_bytes, 10'485'760u);
+  EXPECT_EQ(b.stages[1].backward_total_peak_bytes, 13'631'488u);
+  EXPECT_EQ(nn::attention_forward_workspace_bytes(memory::DeviceKind::kCpu,
+                                                  {4, 256, 256, 8, DType::kBF16, DType::kBF16}),
+            4u << 20);
   EXPECT_EQ(gpt_model_state_bytes(mc, DType::kF32).params, 33'925'120u);
+}
+
+// Kernel workspace is in the total figures only, and depends on the device the kernels run
+// on: the activation footprint is the same for cpu and cuda, the totals follow
+// nn::attention_*_workspace_bytes (Note [Kernel workspace] in nn/kernels.h).
+TEST(AnalyticTest, KernelWorkspaceEntersTheTotalsOnlyPerDevice) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const config::ModelConfig mc = small_model(0.0, 50, 70);
+    GptShape shape{mc, 2, 70, dt};
+    const ChainCosts cpu = analytic_gpt_costs(shape);
+    shape.device = memory::DeviceKind::kCuda;
+    const ChainCosts cuda = analytic_gpt_costs(shape);
+    ASSERT_EQ(cpu.num_stages(), cuda.num_stages());
+    for (int s = 0; s < cpu.num_stages(); ++s) {
+      for (int o = 0; o < kNumSaveOptions; ++o) {
+        const OptionCost& x = cpu.stages[s].options[o];
+        const OptionCost& y = cuda.stages[s].options[o];
+        EXPECT_EQ(x.forward_peak_bytes, y.forward_peak_bytes);
+        EXPECT_EQ(x.saved_bytes, y.saved_bytes);
+        EXPECT_EQ(x.recompute_peak_bytes, y.recompute_peak_bytes);
+        EXPECT_EQ(x.recompute_saved_bytes, y.recompute_saved_bytes);
+      }
+    }
+    EXPECT_EQ(simulate(schedule_none(cpu), cpu).peak_activation_bytes,
+              simulate(schedule_none(cuda), cuda).peak_activation_bytes);
+
+    // The block's backward: the GELU moment (8A) or the attention moment (6A + scratch).
+    const size_t a = 2 * 70 * 32 * nn::dtype_size(dt);
+    const nn::AttentionCall call{2, 70, 32, 4, dt, dt, dt};
+    for (const auto& [costs, kind] : {std::pair{&cpu, memory::DeviceKind::kCpu},
+                                      std::pair{&cuda, memory::DeviceKind::kCuda}}) {
+      EXPECT_EQ(costs->stages[1].backward_total_peak_bytes,
+                std::max(8 * a, 6 * a + nn::attention_backward_workspace_bytes(kind, call)));
+      // Selective recomputes only the attention: its outputs (A + P) and its scratch.
+      const size_t p = 2 * 4 * 70 * 70 * 4;
+      EXPECT_EQ(costs->stages[1].option(SaveOption::kSelective).recompute_total_peak_bytes,
+                a + p + nn::attention_forward_workspace_bytes(kind, call));
+    }
+  }
 }
 
 TEST(AnalyticTest, ModelStateBytesUseTheRealLayout) {

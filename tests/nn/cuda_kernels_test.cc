@@ -22,6 +22,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "memory/caching_allocator.h"
@@ -60,8 +61,8 @@ class CudaKernelsTest : public ::testing::Test {
     cuda_dev_ = memory::make_device(cuda_options);
     cpu_alloc_ = std::make_unique<memory::CachingAllocator>(*cpu_dev_);
     cuda_alloc_ = std::make_unique<memory::CachingAllocator>(*cuda_dev_);
-    cpu_ = make_kernels(*cpu_dev_);
-    gpu_ = make_cuda_kernels(*cuda_dev_);
+    cpu_ = make_kernels(*cpu_alloc_);
+    gpu_ = make_cuda_kernels(*cuda_alloc_);
     ASSERT_EQ(gpu_->kind(), memory::DeviceKind::kCuda);
   }
 
@@ -292,6 +293,37 @@ TEST_F(CudaKernelsTest, AttentionForwardBackward) {
         k.attention_backward(side(dout, gpu), side(qkv, gpu), side(probs, gpu), side(dqkv, gpu), c.heads);
       });
       expect_close(dqkv, tol_for(dt, kChainTol), what + " dqkv");
+    }
+  }
+}
+
+// The cuda workspace comes from the kernels' allocator (Note [Kernel workspace]): exactly
+// the published bytes, freed before the call returns.
+TEST_F(CudaKernelsTest, WorkspaceComesFromTheAllocatorInThePublishedBytes) {
+  ASSERT_EQ(&gpu_->workspace_allocator(), cuda_alloc_.get());
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const AttentionCall call{2, 33, 64, 4, dt, dt, dt};
+    Pair qkv = random(Shape{2, 33, 192}, dt);
+    Pair out = empty(Shape{2, 33, 64}, dt);
+    Pair probs = empty(Shape{2, 4, 33, 33}, DType::kF32);
+    Pair dout = random(Shape{2, 33, 64}, dt);
+    Pair dqkv = empty(Shape{2, 33, 192}, dt);
+    Tensor s = Tensor::empty(*cuda_alloc_, Shape{1}, DType::kF32, memory::Category::kWorkspace);
+    const std::pair<size_t, std::function<void()>> calls[] = {
+        {attention_forward_workspace_bytes(memory::DeviceKind::kCuda, call),
+         [&] { gpu_->attention_forward(qkv.gpu, out.gpu, probs.gpu, 4); }},
+        {attention_backward_workspace_bytes(memory::DeviceKind::kCuda, call),
+         [&] { gpu_->attention_backward(dout.gpu, qkv.gpu, probs.gpu, dqkv.gpu, 4); }},
+        {reduction_workspace_bytes(memory::DeviceKind::kCuda, qkv.gpu.numel()),
+         [&] { gpu_->squared_norm(qkv.gpu, s); }}};
+    for (const auto& [bytes, run] : calls) {
+      const size_t before = cuda_alloc_->stats().requested_bytes;
+      cuda_alloc_->reset_peak();
+      run();
+      cuda_dev_->compute_stream().synchronize();
+      EXPECT_GT(bytes, 0u);
+      EXPECT_EQ(cuda_alloc_->stats().peak_requested_bytes - before, bytes) << dtype_name(dt);
+      EXPECT_EQ(cuda_alloc_->stats().requested_bytes, before);
     }
   }
 }

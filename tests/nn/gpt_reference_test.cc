@@ -65,7 +65,7 @@ TEST_P(GptReferenceTest, LossAndGradientsMatchPyTorch) {
   opts.threads = 2;
   auto device = memory::make_device(opts);
   memory::CachingAllocator alloc(*device);
-  auto kernels = make_kernels(*device);
+  auto kernels = make_kernels(alloc);
 
   config::ModelConfig mc;
   mc.layers = rc.layers;

@@ -41,7 +41,7 @@ struct Env {
     o.threads = 2;
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = make_kernels(*device);
+    kernels = make_kernels(*alloc);
   }
   Tensor tokens(int64_t b, int64_t t, int64_t vocab, int salt) {
     std::vector<int32_t> v(static_cast<size_t>(b * t));

@@ -84,7 +84,7 @@ class ScaledMlp : public Layer {
 struct Fixture {
   std::unique_ptr<memory::Device> device = memory::make_device({});
   memory::CachingAllocator alloc{*device};
-  std::unique_ptr<Kernels> kernels = make_kernels(*device);
+  std::unique_ptr<Kernels> kernels = make_kernels(alloc);
   ScaledMlp layer{8, 16};
   ParamLayout layout;
   std::unique_ptr<FlatParams> flat;

@@ -26,7 +26,7 @@ struct Env {
     o.threads = threads;
     device = memory::make_device(o);
     allocator = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = make_kernels(*device);
+    kernels = make_kernels(*allocator);
   }
 
   Tensor empty(Shape shape, DType dtype = DType::kF32) {

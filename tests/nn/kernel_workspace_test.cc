@@ -1,0 +1,222 @@
+// Kernel workspace (Note [Kernel workspace] in nn/kernels.h): every scratch byte a kernel
+// uses comes from the kernels' CachingAllocator in category workspace, in exactly the bytes
+// the published size functions give, is freed before the call returns, and counts against
+// the device's capacity.
+#include <gtest/gtest.h>
+
+#include <gmock/gmock.h>
+
+#include <string>
+
+#include "base/error.h"
+#include "nn/kernels.h"
+#include "nn_test_util.h"
+
+namespace porter::nn {
+namespace {
+
+using ::testing::HasSubstr;
+using memory::Category;
+using memory::DeviceKind;
+
+// Tensors for one attention call: qkv (B, T, 3C), out / dout (B, T, C), probs, dqkv.
+struct AttentionTensors {
+  Tensor qkv, out, probs, dout, dqkv;
+};
+
+AttentionTensors attention_tensors(testing::Env& env, const AttentionCall& c) {
+  const int64_t b = c.batch, t = c.seq, ch = c.channels;
+  AttentionTensors a;
+  a.qkv = env.from(testing::random_values(static_cast<size_t>(b * t * 3 * ch), 1),
+                   Shape{b, t, 3 * ch}, c.qkv);
+  a.out = env.empty(Shape{b, t, ch}, c.out);
+  a.probs = env.empty(Shape{b, c.heads, t, t}, DType::kF32);
+  a.dout = env.from(testing::random_values(static_cast<size_t>(b * t * ch), 2), Shape{b, t, ch},
+                    c.out);
+  a.dqkv = env.empty(Shape{b, t, 3 * ch}, c.dqkv);
+  return a;
+}
+
+// What one call did to the allocator: the peak of requested bytes above the start, and the
+// workspace allocations it made.
+struct CallStats {
+  size_t peak_above_start = 0;
+  uint64_t workspace_allocs = 0;
+  size_t requested_after = 0;
+  size_t requested_before = 0;
+};
+
+template <typename Fn>
+CallStats measure(memory::CachingAllocator& alloc, Fn&& fn) {
+  const memory::MemoryStats before = alloc.stats();
+  alloc.reset_peak();
+  fn();
+  const memory::MemoryStats after = alloc.stats();
+  CallStats s;
+  s.peak_above_start = after.peak_requested_bytes - before.requested_bytes;
+  s.workspace_allocs =
+      after[Category::kWorkspace].alloc_count - before[Category::kWorkspace].alloc_count;
+  s.requested_before = before.requested_bytes;
+  s.requested_after = after.requested_bytes;
+  return s;
+}
+
+struct DtypeCase {
+  DType qkv, out, dqkv;
+};
+
+TEST(KernelWorkspaceTest, CpuAttentionScratchComesFromTheAllocatorInExactBytes) {
+  for (const DtypeCase& d : {DtypeCase{DType::kF32, DType::kF32, DType::kF32},
+                             DtypeCase{DType::kBF16, DType::kBF16, DType::kBF16},
+                             DtypeCase{DType::kBF16, DType::kF32, DType::kF32},
+                             DtypeCase{DType::kF32, DType::kBF16, DType::kBF16}}) {
+    // T = 70 > 64: two row blocks, the dS block is (B, H, 64, T).
+    for (int64_t seq : {5, 70}) {
+      SCOPED_TRACE(std::string(dtype_name(d.qkv)) + "/" + std::string(dtype_name(d.out)) + "/" +
+                   std::string(dtype_name(d.dqkv)) + " T=" + std::to_string(seq));
+      testing::Env env;
+      const AttentionCall call{2, seq, 24, 3, d.qkv, d.out, d.dqkv};
+      AttentionTensors a = attention_tensors(env, call);
+
+      const size_t fwd = attention_forward_workspace_bytes(DeviceKind::kCpu, call);
+      const size_t n = static_cast<size_t>(2 * seq * 24);
+      EXPECT_EQ(fwd, (d.qkv == DType::kF32 ? 0 : 12 * n) + (d.out == DType::kF32 ? 0 : 4 * n));
+      const CallStats f = measure(*env.allocator, [&] {
+        env.kernels->attention_forward(a.qkv, a.out, a.probs, call.heads);
+      });
+      EXPECT_EQ(f.peak_above_start, fwd);
+      EXPECT_EQ(f.workspace_allocs, fwd == 0 ? 0u : 1u);
+      EXPECT_EQ(f.requested_after, f.requested_before);
+
+      const size_t bwd = attention_backward_workspace_bytes(DeviceKind::kCpu, call);
+      const size_t ds = static_cast<size_t>(2 * 3 * std::min<int64_t>(seq, 64) * seq) * 4;
+      EXPECT_EQ(bwd, ds + (d.qkv == DType::kF32 ? 0 : 12 * n) + (d.out == DType::kF32 ? 0 : 4 * n) +
+                         (d.dqkv == DType::kF32 ? 0 : 12 * n));
+      const CallStats b = measure(*env.allocator, [&] {
+        env.kernels->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
+      });
+      EXPECT_EQ(b.peak_above_start, bwd);
+      EXPECT_EQ(b.workspace_allocs, 1u);
+      EXPECT_EQ(b.requested_after, b.requested_before);
+    }
+  }
+}
+
+TEST(KernelWorkspaceTest, CpuReductionPartialsComeFromTheAllocator) {
+  testing::Env env;
+  for (int64_t n : {int64_t{1}, int64_t{16384}, int64_t{40000}}) {
+    Tensor x = env.from(testing::random_values(static_cast<size_t>(n), 3), Shape{n});
+    Tensor out = env.empty(Shape{1});
+    const size_t expected = static_cast<size_t>((n + 16383) / 16384) * sizeof(double);
+    EXPECT_EQ(reduction_workspace_bytes(DeviceKind::kCpu, n), expected);
+    for (bool squared : {false, true}) {
+      const CallStats s = measure(*env.allocator, [&] {
+        if (squared) {
+          env.kernels->squared_norm(x, out);
+        } else {
+          env.kernels->sum(x, out);
+        }
+      });
+      EXPECT_EQ(s.peak_above_start, expected) << n;
+      EXPECT_EQ(s.workspace_allocs, 1u);
+      EXPECT_EQ(s.requested_after, s.requested_before);
+    }
+  }
+}
+
+TEST(KernelWorkspaceTest, RepeatedCallsReuseTheCachedBlock) {
+  testing::Env env;
+  const AttentionCall call{2, 70, 24, 3, DType::kBF16, DType::kBF16, DType::kBF16};
+  AttentionTensors a = attention_tensors(env, call);
+  env.kernels->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
+  const memory::MemoryStats first = env.allocator->stats();
+  for (int i = 0; i < 3; ++i) {
+    env.kernels->attention_forward(a.qkv, a.out, a.probs, call.heads);
+    env.kernels->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
+  }
+  const memory::MemoryStats later = env.allocator->stats();
+  EXPECT_EQ(later.num_segment_allocs, first.num_segment_allocs);
+  EXPECT_EQ(later.reserved_bytes, first.reserved_bytes);
+  EXPECT_EQ(later.requested_bytes, first.requested_bytes);
+}
+
+// The scratch counts against the device's capacity: a bf16 backward whose f32 copies do not
+// fit next to its arguments fails with the allocator's accounting, naming the op, and the
+// allocator is consistent afterwards.
+TEST(KernelWorkspaceTest, ScratchThatDoesNotFitIsAnOutOfMemoryErrorNamingTheOp) {
+  testing::Env env;
+  // Replace the 1 GiB device with an 8 MiB one.
+  memory::DeviceOptions o;
+  o.kind = DeviceKind::kCpu;
+  o.memory_limit_bytes = size_t{8} << 20;
+  o.threads = 2;
+  env.kernels.reset();
+  env.allocator.reset();
+  env.device = memory::make_device(o);
+  env.allocator = std::make_unique<memory::CachingAllocator>(*env.device);
+  env.kernels = make_kernels(*env.allocator);
+  // Arguments ~4 MiB in bf16; the scratch is 28·N·C = 7 MiB of f32 copies plus dS.
+  const AttentionCall call{4, 64, 1024, 8, DType::kBF16, DType::kBF16, DType::kBF16};
+  AttentionTensors a = attention_tensors(env, call);
+  const size_t bwd = attention_backward_workspace_bytes(DeviceKind::kCpu, call);
+  ASSERT_GT(bwd, size_t{7} << 20);
+  const size_t before = env.allocator->stats().requested_bytes;
+  try {
+    env.kernels->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
+    ADD_FAILURE() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("attention_backward"));
+    EXPECT_THAT(e.what(), HasSubstr("kernel workspace"));
+    EXPECT_THAT(e.what(), HasSubstr("for workspace"));
+    EXPECT_EQ(e.requested_bytes(), bwd);
+  }
+  const memory::MemoryStats s = env.allocator->stats();
+  EXPECT_EQ(s.requested_bytes, before);
+  EXPECT_EQ(s.num_ooms, 1u);
+  // Smaller workspace still works afterwards.
+  Tensor total = env.empty(Shape{1});
+  env.kernels->sum(a.qkv, total);
+  EXPECT_EQ(env.allocator->stats().requested_bytes, before + total.nbytes());
+}
+
+// make_kernels(device): a private allocator. The user's allocator sees none of the scratch;
+// the kernels' own allocator does, on the same device.
+TEST(KernelWorkspaceTest, StandaloneKernelsUseAPrivateAllocatorOnTheDevice) {
+  testing::Env env;
+  std::unique_ptr<Kernels> alone = make_kernels(*env.device);
+  EXPECT_NE(&alone->workspace_allocator(), env.allocator.get());
+  EXPECT_EQ(&alone->workspace_allocator().device(), env.device.get());
+  EXPECT_EQ(&env.kernels->workspace_allocator(), env.allocator.get());
+  const AttentionCall call{2, 70, 24, 3, DType::kF32, DType::kF32, DType::kF32};
+  AttentionTensors a = attention_tensors(env, call);
+  const CallStats user = measure(*env.allocator, [&] {
+    const CallStats own = measure(alone->workspace_allocator(), [&] {
+      alone->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
+    });
+    EXPECT_EQ(own.peak_above_start, attention_backward_workspace_bytes(DeviceKind::kCpu, call));
+    EXPECT_EQ(own.workspace_allocs, 1u);
+  });
+  EXPECT_EQ(user.peak_above_start, 0u);
+  EXPECT_EQ(user.workspace_allocs, 0u);
+  // Same results as the kernels on the user's allocator.
+  Tensor dqkv2 = env.empty(a.dqkv.shape());
+  env.kernels->attention_backward(a.dout, a.qkv, a.probs, dqkv2, call.heads);
+  EXPECT_EQ(env.host(a.dqkv), env.host(dqkv2));
+}
+
+// The cuda sizes are pure functions (no GPU needed): padded (B, H, T, hd) f32 matrices, four
+// in forward, seven and a padded dP in backward; 1024 f32 partials per reduction.
+TEST(KernelWorkspaceTest, CudaSizesFollowTheLayout) {
+  // N·C = 2·7·12 = 168 -> 192 floats; dP 2·3·7·7 = 294 -> 320 floats.
+  const AttentionCall call{2, 7, 12, 3, DType::kBF16, DType::kBF16, DType::kF32};
+  EXPECT_EQ(attention_forward_workspace_bytes(DeviceKind::kCuda, call), 4u * 192 * 4);
+  EXPECT_EQ(attention_backward_workspace_bytes(DeviceKind::kCuda, call), (7u * 192 + 320) * 4);
+  EXPECT_EQ(reduction_workspace_bytes(DeviceKind::kCuda, 5), 4096u);
+  EXPECT_EQ(reduction_workspace_bytes(DeviceKind::kCuda, 1 << 24), 4096u);
+  const AttentionCall empty{0, 7, 12, 3};
+  EXPECT_EQ(attention_forward_workspace_bytes(DeviceKind::kCuda, empty), 0u);
+  EXPECT_EQ(attention_backward_workspace_bytes(DeviceKind::kCpu, empty), 0u);
+}
+
+}  // namespace
+}  // namespace porter::nn
