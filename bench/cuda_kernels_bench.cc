@@ -57,7 +57,7 @@ Gpu& gpu() {
     options.kind = memory::DeviceKind::kCuda;
     env->device = memory::make_device(options);
     env->allocator = std::make_unique<memory::CachingAllocator>(*env->device);
-    env->kernels = make_cuda_kernels(*env->device);
+    env->kernels = make_cuda_kernels(*env->allocator);
     return env;
   }();
   return *g;

@@ -49,7 +49,7 @@ struct Env {
     o.threads = bench_threads();
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device, memory::AllocatorOptions{false});
-    kernels = make_kernels(*device);
+    kernels = make_kernels(*alloc);
   }
 };
 

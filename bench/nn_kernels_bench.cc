@@ -40,7 +40,7 @@ struct Env {
     o.threads = bench_threads();
     device = memory::make_device(o);
     allocator = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = make_kernels(*device);
+    kernels = make_kernels(*allocator);
   }
   Tensor random(Shape shape, uint32_t seed, DType dtype = DType::kF32, float lo = -1.0f,
                 float hi = 1.0f) {

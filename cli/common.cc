@@ -61,6 +61,7 @@ checkpoint::GptShape gpt_shape(const config::Config& config) {
   s.micro_batch = config.train_micro_batch_size_per_gpu;
   s.seq = config.porter.model.seq_len;
   s.compute_dtype = compute_dtype(config);
+  s.device = device_options(config).kind;
   return s;
 }
 

@@ -203,7 +203,7 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   memory::AllocatorOptions alloc_options;
   alloc_options.poison_freed = config.porter.device.poison_freed;
   allocator_ = std::make_unique<memory::CachingAllocator>(device, alloc_options);
-  kernels_ = nn::make_kernels(device);
+  kernels_ = nn::make_kernels(*allocator_);
   model_ = std::move(model);
   impl_ = std::make_unique<Impl>();
   Impl& im = *impl_;
@@ -251,7 +251,7 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   const config::CheckpointPolicy policy = config.porter.checkpointing.policy;
   if (as_gpt(*model_) != nullptr && policy == config::CheckpointPolicy::kNone) {
     checkpoint::GptShape shape{config.porter.model, config.train_micro_batch_size_per_gpu,
-                               config.porter.model.seq_len, compute_dtype_};
+                               config.porter.model.seq_len, compute_dtype_, device.kind()};
     im.costs = checkpoint::analytic_gpt_costs(
         shape, checkpoint::selective_policy(config.porter.checkpointing.selective_ops));
   } else {
@@ -508,7 +508,7 @@ checkpoint::ChainCosts Engine::profile() {
   allocator_->reset_peak();
   if (GptModel* gpt = as_gpt(*model_)) {  // FLOPs are not measured: take the analytic ones
     (void)gpt;
-    checkpoint::GptShape shape{config_.porter.model, b, t, compute_dtype_};
+    checkpoint::GptShape shape{config_.porter.model, b, t, compute_dtype_, device_->kind()};
     const checkpoint::ChainCosts a = checkpoint::analytic_gpt_costs(
         shape, checkpoint::selective_policy(config_.porter.checkpointing.selective_ops));
     for (size_t i = 0; i < costs.stages.size() && i < a.stages.size(); ++i) {

@@ -499,7 +499,9 @@ void check_optimal_offload(const ChainCosts& c, const OffloadOptions& off, const
     EXPECT_EQ(p.offload, layout_offload(p.schedule, c, off.prefetch_depth));
     for (const Schedule& r : rivals) {
       const Prediction rp = simulate(r, c, sim);
-      if (rp.peak_activation_bytes <= budget) EXPECT_LE(time(p.prediction), time(rp) + 1e-9) << r.to_string();
+      if (rp.peak_activation_bytes <= budget) {
+        EXPECT_LE(time(p.prediction), time(rp) + 1e-9) << r.to_string();
+      }
     }
     if (budget >= min_dev) {
       PlanOptions d = o;
