@@ -26,8 +26,12 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
   OffloadLayout out;
 
   // One pass keeping `cur` as the executor does (Note [Schedule semantics]): an op reads
-  // held[i] only when its input is not cur. open[i] is the entry whose a_i is on the host.
+  // held[i] only when its input is not cur. open[i] is the entry whose a_i is on the host;
+  // device_open[i] says a_i is held on the device and not read back yet. `segments` collects
+  // the first read of every hold, device or host: where each segment's backward starts.
   std::vector<int> open(static_cast<size_t>(n), -1);
+  std::vector<bool> device_open(static_cast<size_t>(n), false);
+  std::vector<int> segments;
   int cur = 0;
   int first_backward = -1;
   for (int k = 0; k < num_ops; ++k) {
@@ -36,8 +40,16 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
     switch (op.kind) {
       case ScheduleOp::Kind::kForward:
       case ScheduleOp::Kind::kRecompute:
-        if (cur != i && open[i] >= 0 && out.entries[open[i]].use_op < 0) out.entries[open[i]].use_op = k;
+        if (cur != i && open[i] >= 0 && out.entries[open[i]].use_op < 0) {
+          out.entries[open[i]].use_op = k;
+          segments.push_back(k);
+        }
+        if (cur != i && device_open[i]) {
+          device_open[i] = false;
+          segments.push_back(k);
+        }
         if (op.kind == ScheduleOp::Kind::kForward) {
+          if (op.hold_input && !op.offload && open[i] < 0) device_open[i] = true;
           if (op.offload) {
             StashEntry e;
             e.stage = i;
@@ -54,21 +66,26 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
         if (cur == i + 1) cur = -1;
         if (open[i] >= 0) out.entries[open[i]].release_op = k;
         open[i] = -1;
+        device_open[i] = false;
         break;
     }
   }
 
-  // Prefetch: read-back entries in use order; entry k is issued at the use of entry k - d,
-  // the first d at the first backward, clamped to [hold_op + 1, use_op].
+  // Prefetch: an entry whose use is segment start j (in the order segments start, device
+  // holds included) is issued at segment start j - d, or at the first backward when j < d,
+  // clamped to [hold_op + 1, use_op].
+  std::sort(segments.begin(), segments.end());
   std::vector<int> by_use;
   for (size_t e = 0; e < out.entries.size(); ++e)
     if (out.entries[e].use_op >= 0) by_use.push_back(static_cast<int>(e));
   std::sort(by_use.begin(), by_use.end(),
             [&](int a, int b) { return out.entries[a].use_op < out.entries[b].use_op; });
-  for (size_t k = 0; k < by_use.size(); ++k) {
-    StashEntry& e = out.entries[by_use[k]];
+  for (int idx : by_use) {
+    StashEntry& e = out.entries[idx];
+    const auto j = static_cast<size_t>(
+        std::lower_bound(segments.begin(), segments.end(), e.use_op) - segments.begin());
     int at = first_backward;
-    if (k >= static_cast<size_t>(prefetch_depth)) at = out.entries[by_use[k - prefetch_depth]].use_op;
+    if (j >= static_cast<size_t>(prefetch_depth)) at = segments[j - prefetch_depth];
     e.prefetch_op = std::clamp(at, e.hold_op + 1, e.use_op);
   }
 

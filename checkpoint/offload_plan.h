@@ -16,12 +16,13 @@
 //               input is not cur; the executor prefers cur), or -1 if none does. Before it
 //               runs, the compute stream waits on the entry's H2D event, and held[i] becomes
 //               the staged copy.
-//   prefetch_op where the H2D copy is issued, before that op runs (-1 with use_op). With
-//               prefetch depth d, order the read-back entries by use_op: entry k is issued at
-//               the use_op of entry k-d ("when the backward of segment j starts, prefetch
-//               j-1 .. j-d"); the first d are issued at the schedule's first Backward op.
-//               Never before hold_op + 1, never after use_op; d = 0 issues at use_op (on
-//               demand, fully exposed). The H2D stream first waits on the entry's D2H event
+//   prefetch_op where the H2D copy is issued, before that op runs (-1 with use_op). A
+//               *segment start* is the first read of any hold's input, device or host (where
+//               that segment's recompute, and so its backward, begins). With prefetch depth d,
+//               an entry whose use_op is segment start j (in op order) is issued at segment
+//               start j-d ("when the backward of segment j starts, prefetch j-1 .. j-d"), or
+//               at the schedule's first Backward op when j < d. Never before hold_op + 1,
+//               never after use_op; d = 0 issues at use_op (on demand, fully exposed). The H2D stream first waits on the entry's D2H event
 //               and on an event recorded on the compute stream at prefetch_op (the staging
 //               slot may have been compute-stream memory a moment ago).
 //   release_op  Backward(i): after it runs, the staged copy (category `staging`) is freed and

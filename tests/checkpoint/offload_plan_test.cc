@@ -122,6 +122,24 @@ TEST(OffloadLayoutTest, FullScheduleAtEachDepth) {
   EXPECT_EQ(d3.staging_arena_bytes(), 4 * 5120u);
 }
 
+// Device holds are segments too: a host hold is prefetched d segments ahead of its use,
+// counting the device-held segments that backward visits first.
+TEST(OffloadLayoutTest, DeviceHeldSegmentsCountTowardThePrefetchDepth) {
+  const ChainCosts c = layout_chain();
+  const Schedule s = offloaded(schedule_full(c), c, 2);
+  // Ops as in FullScheduleAtEachDepth. Segment starts: 6 (a_5, device), 8 (a_4, device),
+  // 10 (a_3), 12 (a_2), 14 (a_1), 16 (a_0, the token ids on the device).
+  ASSERT_EQ(s.to_string(), "F0c+ F1c^ F2c^ F3c^ F4c+ F5c+ R5 B5 R4 B4 R3 B3 R2 B2 R1 B1 R0 B0");
+  // Depth 1: a_3 at a_4's start 8 (not the first backward 7), a_2 at 10, a_1 at 12. Slots:
+  // a_3 0, a_2 1 (a_3 out after 11), a_1 0.
+  expect_entries(layout_offload(s, c, 1),
+                 {{1, 1, 14, 12, 15, 0, 0}, {2, 2, 12, 10, 13, 1, 4096}, {3, 3, 10, 8, 11, 0, 12288}});
+  // Depth 2: a_3 at a_5's start 6, a_2 at 8, a_1 at 10: three copies staged at once.
+  const OffloadLayout d2 = layout_offload(s, c, 2);
+  expect_entries(d2, {{1, 1, 14, 10, 15, 2, 0}, {2, 2, 12, 8, 13, 1, 4096}, {3, 3, 10, 6, 11, 0, 12288}});
+  EXPECT_EQ(d2.staging_slots, 3);
+}
+
 TEST(OffloadLayoutTest, UniformScheduleReadsTheHoldInTheReforward) {
   const ChainCosts c = layout_chain();
   const Schedule s = offloaded(schedule_uniform(c, 2), c, 0);
@@ -147,7 +165,9 @@ TEST(OffloadLayoutTest, UniformScheduleReadsTheHoldInTheReforward) {
   const Schedule k1 = offloaded(schedule_uniform(c, 2), c, 1);
   ASSERT_EQ(k1.to_string(), "F0k F1c^ F2c F3c+ F4c F5k B5 F3k R4 B4 B3 F1k R2 B2 B1 B0");
   expect_entries(layout_offload(k1, c, 0), {{1, 1, 11, 11, 14, 0, 0}});
-  expect_entries(layout_offload(k1, c, 1), {{1, 1, 11, 6, 14, 0, 0}});
+  // Depth 1: a_1 is one segment behind a_3's (device-held) segment, which starts at 7.
+  expect_entries(layout_offload(k1, c, 1), {{1, 1, 11, 7, 14, 0, 0}});
+  expect_entries(layout_offload(k1, c, 2), {{1, 1, 11, 6, 14, 0, 0}});  // the first backward
   EXPECT_EQ(layout_offload(k1, c, 1).staging_slot_bytes, 1024u);
 }
 

@@ -617,8 +617,8 @@ TEST(PlannerOffloadTest, OffloadLowersTheMinimumWhereHoldsAreUnavoidable) {
     if (off.prefetch_depth == 0 && !off.contiguous) {
       // Hand-computed: a_2 on the host, the rest full. F2c^ peaks at a_1 4000 + the stem's
       // tape 100 + a_2 40000 + stage 2's forward 6000 = 50100; after it only 8100 remain,
-      // and R2 on the staged a_2 is 4100 + 40000 + 2000 = 46100. (With depth 1 the only
-      // entry is issued at the first backward, B5, and sits in staging through B5..B3.)
+      // and R2 on the staged a_2 is 4100 + 40000 + 2000 = 46100. (With depth 1 the entry is
+      // issued one segment ahead, at R3, and sits in staging through B3.)
       using Op = ScheduleOp;
       constexpr SaveOption K = SaveOption::kKeep, C = SaveOption::kCheckpoint;
       const Schedule h{6, {Op::forward(0, C, true), Op::forward(1, K, false), Op::forward(2, C, true, true),
