@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_engine.h"
 #include "config/parse.h"
 #include "engine/data.h"
 #include "engine/engine.h"
@@ -56,33 +57,11 @@ config::Config bench_config(const std::string& checkpointing, bool offload, doub
   return config::parse_config_string(json).config;
 }
 
-struct Run {
-  std::unique_ptr<memory::Device> device;
-  std::unique_ptr<engine::Engine> engine;
-  std::unique_ptr<engine::DataSource> data;
-};
+using Run = bench::EngineRun;
 
-Run make_run(const config::Config& cfg) {
-  Run r;
-  memory::DeviceOptions o;
-  o.memory_limit_bytes = *cfg.porter.device.memory_limit_bytes;
-  o.pinned_limit_bytes = *cfg.porter.device.pinned_limit_bytes;
-  o.sim_link_gbps = cfg.porter.device.sim_link_gbps.value_or(0.0);
-  o.threads = static_cast<int>(cfg.porter.device.threads);
-  r.device = memory::make_device(o);
-  r.engine = std::make_unique<engine::Engine>(
-      *r.device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
-  r.data = std::make_unique<engine::DataSource>(cfg.porter.data, cfg.porter.model.vocab,
-                                                cfg.train_micro_batch_size_per_gpu,
-                                                cfg.porter.model.seq_len);
-  return r;
-}
+Run make_run(const config::Config& cfg) { return bench::make_engine_run(cfg); }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0.0 : n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 constexpr double kMiB = 1 << 20;
 
