@@ -8,36 +8,22 @@
 #include <vector>
 
 #include "cli/app.h"
+#include "tests/cli/cli_test_util.h"
 #include "config/parse.h"
 
 namespace porter::cli {
 namespace {
 
+using testing::contains;
+using testing::CliRun;
+using testing::porter;
+
 const std::filesystem::path kRealWorld = PORTER_REALWORLD_CONFIG_DIR;
-
-struct CliRun {
-  int rc;
-  std::string out;
-  std::string err;
-};
-
-CliRun porter(std::vector<std::string> args) {
-  args.insert(args.begin(), "porter");
-  std::vector<const char*> argv;
-  for (const std::string& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  int rc = run(static_cast<int>(argv.size()), argv.data(), out, err);
-  return CliRun{rc, out.str(), err.str()};
-}
 
 std::string write_temp(const std::string& name, const std::string& text) {
   std::filesystem::path p = std::filesystem::temp_directory_path() / ("porter_cli_test_" + name);
   std::ofstream(p) << text;
   return p.string();
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
 }
 
 TEST(ConfigCheck, EveryRealWorldConfigIsValid) {

@@ -13,33 +13,19 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/app.h"
+#include "tests/cli/cli_test_util.h"
 #include "cli/stress.h"
 #include "config/parse.h"
 
 namespace porter::cli {
 namespace {
 
+using testing::contains;
+using testing::CliRun;
+using testing::porter;
+
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-struct CliRun {
-  int rc;
-  std::string out;
-  std::string err;
-};
-
-CliRun porter(std::vector<std::string> args) {
-  args.insert(args.begin(), "porter");
-  std::vector<const char*> argv;
-  for (const std::string& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  int rc = run(static_cast<int>(argv.size()), argv.data(), out, err);
-  return CliRun{rc, out.str(), err.str()};
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
 
 // A small GPT the draws scale down from; one micro-batch of 4 x 32 tokens.
 const char* kBase = R"({
