@@ -26,16 +26,6 @@ fs::path temp_dir(const std::string& name) {
   return p;
 }
 
-template <typename E>
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 TEST(EngineCheckpointTest, ResumeContinuesBitIdentically) {
   for (bool bf16 : {false, true}) {
     SCOPED_TRACE(bf16 ? "bf16" : "f32");

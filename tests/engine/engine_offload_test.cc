@@ -309,16 +309,6 @@ TEST(EngineOffloadTest, PoisonMakesAReadAfterReleaseVisible) {
   }
 }
 
-template <typename E>
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 TEST(EngineOffloadTest, PinnedLimitBelowThePlanIsAClearErrorBeforeTraining) {
   for (bool contiguous : {false, true}) {
     SCOPED_TRACE(contiguous ? "contiguous" : "slots");

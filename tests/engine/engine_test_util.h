@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "config/config.h"
@@ -69,6 +71,17 @@ inline std::unique_ptr<Engine> gpt_engine(memory::Device& device, const config::
 
 inline bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The message of the E that fn throws, or "(no error)".
+template <typename E>
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "(no error)";
 }
 
 }  // namespace porter::engine::testing
