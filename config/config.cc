@@ -24,6 +24,7 @@ std::string_view to_string(ModelType v) { return name_of(detail::kModelTypes, v)
 std::string_view to_string(DataType v) { return name_of(detail::kDataTypes, v); }
 std::string_view to_string(DeviceType v) { return name_of(detail::kDeviceTypes, v); }
 std::string_view to_string(CheckpointPolicy v) { return name_of(detail::kCheckpointPolicies, v); }
+std::string_view to_string(CommBackend v) { return name_of(detail::kCommBackends, v); }
 
 const std::vector<std::string>& selective_op_kinds() {
   // The ops of one GPT block, in forward order.

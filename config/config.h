@@ -186,6 +186,16 @@ struct TrainConfig {
   bool operator==(const TrainConfig&) const = default;
 };
 
+// Collective communication (comm/). Every blocking call (store get/wait, collectives,
+// rendezvous) gives up after timeout_s with an error naming the rank and the operation.
+enum class CommBackend { kAuto, kGloo, kNccl };  // auto: gloo on cpu, nccl on cuda
+
+struct CommConfig {
+  CommBackend backend = CommBackend::kAuto;
+  double timeout_s = 300.0;
+  bool operator==(const CommConfig&) const = default;
+};
+
 struct TraceConfig {
   std::optional<std::string> path;
   bool operator==(const TraceConfig&) const = default;
@@ -198,6 +208,7 @@ struct PorterSection {
   CheckpointingConfig checkpointing;
   TrainConfig train;
   TraceConfig trace;
+  CommConfig comm;
   bool operator==(const PorterSection&) const = default;
 };
 
@@ -238,6 +249,7 @@ std::string_view to_string(ModelType v);
 std::string_view to_string(DataType v);
 std::string_view to_string(DeviceType v);
 std::string_view to_string(CheckpointPolicy v);
+std::string_view to_string(CommBackend v);
 
 // The op kinds `porter.checkpointing.selective_ops` may name.
 const std::vector<std::string>& selective_op_kinds();

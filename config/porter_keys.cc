@@ -152,6 +152,12 @@ void read_trace(ObjectReader& r, TraceConfig& t) {
   r.finish();
 }
 
+void read_comm(ObjectReader& r, CommConfig& m) {
+  m.backend = r.enumeration("backend", kCommBackends).value_or(m.backend);
+  m.timeout_s = r.real("timeout_s", RealRange{0.0, 1e7, true, false}).value_or(m.timeout_s);
+  r.finish();
+}
+
 }  // namespace
 
 PorterReadState read_porter_section(ObjectReader& root, Config& c) {
@@ -166,6 +172,7 @@ PorterReadState read_porter_section(ObjectReader& root, Config& c) {
     }
     if (std::optional<ObjectReader> s = r->object("train")) read_train(*s, c.porter.train);
     if (std::optional<ObjectReader> s = r->object("trace")) read_trace(*s, c.porter.trace);
+    if (std::optional<ObjectReader> s = r->object("comm")) read_comm(*s, c.porter.comm);
     r->finish();
   }
   check_model("porter.model", c);

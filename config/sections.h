@@ -18,6 +18,8 @@ inline constexpr EnumName<WarmupType> kWarmupTypes[] = {{"log", WarmupType::kLog
 inline constexpr EnumName<ModelType> kModelTypes[] = {{"gpt", ModelType::kGpt}};
 inline constexpr EnumName<DataType> kDataTypes[] = {{"synthetic", DataType::kSynthetic},
                                                     {"text", DataType::kText}};
+inline constexpr EnumName<CommBackend> kCommBackends[] = {
+    {"auto", CommBackend::kAuto}, {"gloo", CommBackend::kGloo}, {"nccl", CommBackend::kNccl}};
 inline constexpr EnumName<DeviceType> kDeviceTypes[] = {
     {"auto", DeviceType::kAuto}, {"cpu", DeviceType::kCpu}, {"cuda", DeviceType::kCuda}};
 inline constexpr EnumName<CheckpointPolicy> kCheckpointPolicies[] = {

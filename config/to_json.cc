@@ -118,6 +118,7 @@ OJson porter_json(const PorterSection& p) {
   j["checkpointing"] = ck;
   j["train"] = {{"steps", p.train.steps}, {"seed", p.train.seed}, {"log_every", p.train.log_every}};
   j["trace"] = {{"path", or_null(p.trace.path)}};
+  j["comm"] = {{"backend", to_string(p.comm.backend)}, {"timeout_s", p.comm.timeout_s}};
   return j;
 }
 

@@ -189,9 +189,12 @@ std::string selective_ops_name(const std::vector<std::string>& ops) {
 
 }  // namespace
 
-Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config)
+Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
+               std::shared_ptr<comm::Communicator> dp)
     : device_(&device), config_(config) {
   PORTER_CHECK(model != nullptr, "Engine: the model is null");
+  PORTER_CHECK(dp == nullptr || dp->size() == 1,
+               "Engine: data-parallel communicators arrive with ZeRO (issue 7)");
   check_supported(config, device);
   if (GptModel* gpt = as_gpt(*model)) {
     PORTER_CHECK(gpt->gpt().config() == config.porter.model,
@@ -517,6 +520,10 @@ checkpoint::ChainCosts Engine::profile() {
   }
   return costs;
 }
+
+int Engine::dp_rank() const { return 0; }
+int Engine::dp_size() const { return 1; }
+ZeroStats Engine::zero_stats() const { return ZeroStats{}; }
 
 std::vector<float> Engine::params_host() const { return nn::to_host_f32(*device_, impl_->flat->params()); }
 std::vector<float> Engine::grads_host() const { return nn::to_host_f32(*device_, impl_->flat->grads()); }

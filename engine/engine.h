@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "checkpoint/planner.h"
+#include "comm/communicator.h"
 #include "config/config.h"
 #include "engine/data.h"
 #include "engine/lr_schedule.h"
@@ -39,6 +40,22 @@
 
 namespace porter::engine {
 
+// ZeRO and data-parallel figures of one step, or cumulative (Engine::zero_stats()).
+struct ZeroStats {
+  int stage = 0;
+  int world_size = 1;            // data-parallel ranks
+  int64_t shard_elems = 0;       // S (Note [Flat partition] in zero/partition.h)
+  int64_t padded_elems = 0;
+  uint64_t comm_bytes = 0;       // payload bytes of this rank's collectives
+  double comm_busy_s = 0.0;      // comm-stream busy time
+  double comm_exposed_s = 0.0;   // time the compute stream waited on collectives
+  // Of the gradient reductions (reduce-scatter or all-reduce) issued during backward, the
+  // fraction of their busy time that ran while backward was still computing (1: all hidden).
+  double reduce_hidden_fraction = 0.0;
+  double loss_scale = 1.0;       // fp16 dynamic loss scale after the step (1 otherwise)
+  int64_t skipped_steps = 0;     // fp16 overflow: steps whose update was skipped
+};
+
 struct StepResult {
   int64_t step = 0;             // the step just completed (1-based count of steps done)
   double loss = 0.0;            // mean over micro-batches
@@ -51,6 +68,8 @@ struct StepResult {
   size_t peak_activation_bytes = 0;  // measured footprint peak during this step
   size_t peak_bytes = 0;             // measured peak of all categories during this step
   offload::StashStats offload;       // this step's copies and waits (zero without offload)
+  ZeroStats zero;                    // this step's communication (stage 0, ws 1: all zero)
+  bool skipped = false;              // fp16 overflow on some rank: no update this step
 };
 
 struct MemoryReport {
@@ -79,7 +98,14 @@ class Engine {
   // model's bytes for GptModel under `none`, else from a profiling pass (so the predicted
   // recompute time is measured; Note [Engine costs] in engine.cc). Throws InvalidArgument
   // for configs it cannot run (fp16, zero stage > 0 until the distributed issue, ...).
-  Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config);
+  //
+  // Data parallel (docs/zero.md): `dp` is the data-parallel communicator, of
+  // config.data_parallel_size() ranks; null runs one rank. Every rank constructs its Engine
+  // with the same config and calls train_step with its own micro-batches
+  // (DataSource::rank_batches); ZeRO stages 0, 1 and 2 partition as
+  // zero_optimization.stage says, and stage 3 is refused with an error.
+  Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
+         std::shared_ptr<comm::Communicator> dp = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -108,6 +134,10 @@ class Engine {
   void load_checkpoint(const std::filesystem::path& dir);
 
   int64_t step() const { return step_; }
+  int dp_rank() const;
+  int dp_size() const;
+  // Cumulative since construction or reset_peaks().
+  ZeroStats zero_stats() const;
   const config::Config& config() const { return config_; }
   Model& model() { return *model_; }
   memory::CachingAllocator& allocator() { return *allocator_; }

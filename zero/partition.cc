@@ -1,0 +1,47 @@
+// ZeRO's flat partition and per-rank model-state bytes (Note [Flat partition]).
+#include "zero/partition.h"
+
+#include "base/check.h"
+#include "nn/layer.h"
+
+namespace porter::zero {
+
+Partition make_partition(int64_t total_elems, int world_size) {
+  PORTER_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
+  PORTER_CHECK(total_elems >= 0, "a flat buffer of ", total_elems, " elements");
+  Partition p;
+  p.total_elems = total_elems;
+  p.world_size = world_size;
+  const int64_t unit = static_cast<int64_t>(world_size) * nn::kParamAlignElems;
+  p.padded_elems = (total_elems + unit - 1) / unit * unit;
+  p.shard_elems = p.padded_elems / world_size;
+  return p;
+}
+
+StateBytes exact_bytes(const Partition& part, int stage, const StateDTypes& dtypes) {
+  PORTER_CHECK(stage >= 0 && stage <= 3, "zero_optimization.stage must be 0..3, got ", stage);
+  const auto full = static_cast<size_t>(part.padded_elems);
+  const auto shard = static_cast<size_t>(part.shard_elems);
+  StateBytes b;
+  b.params = dtypes.param_bytes() * (stage >= 3 ? shard : full);
+  b.grads = dtypes.grad_bytes() * (stage >= 2 ? shard : full);
+  b.optimizer = dtypes.optimizer_bytes() * (stage >= 1 ? shard : full);
+  return b;
+}
+
+StateBytes paper_bytes(int64_t num_params, int world_size, int stage, const StateDTypes& dtypes) {
+  PORTER_CHECK(stage >= 0 && stage <= 3, "zero_optimization.stage must be 0..3, got ", stage);
+  PORTER_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
+  const double psi = static_cast<double>(num_params);
+  const double n = world_size;
+  auto part = [&](size_t per_elem, bool sharded) {
+    return static_cast<size_t>(static_cast<double>(per_elem) * (sharded ? psi / n : psi) + 0.5);
+  };
+  StateBytes b;
+  b.params = part(dtypes.param_bytes(), stage >= 3);
+  b.grads = part(dtypes.grad_bytes(), stage >= 2);
+  b.optimizer = part(dtypes.optimizer_bytes(), stage >= 1);
+  return b;
+}
+
+}  // namespace porter::zero

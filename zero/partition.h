@@ -1,0 +1,67 @@
+// ZeRO's flat-buffer partition and its per-rank model-state bytes: porter's exact bytes
+// (padding included) beside the ZeRO paper's formulas. See docs/zero.md.
+//
+// Note [Flat partition]
+// The flat parameter layout (nn::ParamLayout: every tensor at a multiple of
+// nn::kParamAlignElems) has P = total_elems elements. For N ranks it is padded to
+//   padded = round_up(P, N * align)   (align = nn::kParamAlignElems)
+// and shard r is [r*S, (r+1)*S) with S = padded / N, itself a multiple of align. The padding
+// is zero in the parameters and the gradients and never changes. Every stage, 0 included,
+// uses the padded buffers, so a checkpoint written at one world size is a prefix-compatible
+// flat buffer at any other.
+//
+// Note [Model-state bytes per rank]
+// With p = bytes of a working parameter (2 for bf16/fp16, 4 for f32), g = bytes of a stored
+// gradient element (porter keeps gradients in f32: 4), and k = optimizer bytes per element
+// (AdamW's two f32 moments, plus an f32 master copy when the parameters are not f32: 8 or
+// 12), porter holds per rank, in elements of the padded buffer:
+//   stage 0: params p*padded, grads g*padded, optimizer k*padded
+//   stage 1: params p*padded, grads g*padded, optimizer k*S
+//   stage 2: params p*padded, grads g*S,      optimizer k*S
+//   stage 3: params p*S,      grads g*S,      optimizer k*S      (estimate only)
+// Stage 2's reduce buckets are transient and count under `comm`, not `grads`
+// (docs/zero.md, "Buckets"). The ZeRO paper (Rajbhandari et al. 2020) writes the same with
+// Psi = P unpadded, fp16 params and grads (2 + 2) and K = 12: stage 0 (2+2+K)Psi, stage 1
+// 4Psi + K Psi/N, stage 2 2Psi + (2+K)Psi/N, stage 3 (2+2+K)Psi/N. paper_bytes() gives those
+// with porter's p, g, k in place of 2, 2, K, so the two differ by the padding only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "nn/dtype.h"
+
+namespace porter::zero {
+
+struct Partition {
+  int64_t total_elems = 0;   // P (the layout's, per-tensor alignment included)
+  int64_t padded_elems = 0;  // round_up(P, N * align)
+  int world_size = 1;        // N
+  int64_t shard_elems = 0;   // S = padded / N
+  int64_t begin(int rank) const { return static_cast<int64_t>(rank) * shard_elems; }
+  int64_t end(int rank) const { return begin(rank) + shard_elems; }
+};
+// Throws InvalidArgument for world_size < 1 or total_elems < 0.
+Partition make_partition(int64_t total_elems, int world_size);
+
+// The dtypes that set p, g, k (Note [Model-state bytes per rank]).
+struct StateDTypes {
+  nn::DType param = nn::DType::kF32;
+  size_t param_bytes() const { return nn::dtype_size(param); }
+  size_t grad_bytes() const { return 4; }
+  size_t optimizer_bytes() const { return param == nn::DType::kF32 ? 8 : 12; }
+};
+
+struct StateBytes {
+  size_t params = 0;
+  size_t grads = 0;
+  size_t optimizer = 0;
+  size_t total() const { return params + grads + optimizer; }
+};
+
+// porter's exact per-rank bytes at `stage` (0..3).
+StateBytes exact_bytes(const Partition& part, int stage, const StateDTypes& dtypes);
+// The paper's formula with porter's dtypes, Psi = num_params (unpadded parameter count).
+StateBytes paper_bytes(int64_t num_params, int world_size, int stage, const StateDTypes& dtypes);
+
+}  // namespace porter::zero
