@@ -2,6 +2,8 @@
 // function of (seed, step, micro-batch), so a resumed run sees the same data.
 #include "engine/data.h"
 
+#include "base/check.h"
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -101,10 +103,19 @@ DataSource::DataSource(const config::DataConfig& data, int64_t vocab, int64_t mi
 }
 
 std::vector<HostBatch> DataSource::step_batches(int64_t step, int64_t micro_batches) const {
+  return rank_batches(step, micro_batches, 0, 1);
+}
+
+std::vector<HostBatch> DataSource::rank_batches(int64_t step, int64_t micro_batches, int dp_rank,
+                                                int dp_size) const {
+  PORTER_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "rank_batches: dp rank ",
+               dp_rank, " of ", dp_size);
   std::vector<HostBatch> out(static_cast<size_t>(micro_batches));
   const size_t n = static_cast<size_t>(micro_batch_ * seq_);
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    HostBatch& b = out[static_cast<size_t>(m)];
+  for (int64_t local = 0; local < micro_batches; ++local) {
+    // The global micro-batch index: rank r takes [r * micro_batches, (r + 1) * micro_batches).
+    const int64_t m = static_cast<int64_t>(dp_rank) * micro_batches + local;
+    HostBatch& b = out[static_cast<size_t>(local)];
     b.batch = micro_batch_;
     b.seq = seq_;
     b.tokens.resize(n);

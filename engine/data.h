@@ -30,6 +30,11 @@ class DataSource {
   DataSource(const config::DataConfig& data, int64_t vocab, int64_t micro_batch, int64_t seq);
   // The micro-batches of optimizer step `step` (0-based).
   std::vector<HostBatch> step_batches(int64_t step, int64_t micro_batches) const;
+  // Data-parallel rank dp_rank's share of step `step`: global micro-batches
+  // [dp_rank * micro_batches, (dp_rank + 1) * micro_batches) of the step, so dp ranks with
+  // micro_batches each see exactly what one rank with dp * micro_batches sees.
+  std::vector<HostBatch> rank_batches(int64_t step, int64_t micro_batches, int dp_rank,
+                                      int dp_size) const;
   size_t corpus_bytes() const { return corpus_.size(); }
   std::string describe() const;  // "text: 412 KiB from 57 files" / "synthetic (seed 7)"
 
