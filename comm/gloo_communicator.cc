@@ -21,10 +21,18 @@
 // rank brings the whole group down in milliseconds instead of one timeout per hop. abort()
 // also wakes this rank's own pending wait (abortWaitRecv/abortWaitSend on the buffers the op
 // in flight registered in pending_).
+//
+// Note [SIGPIPE]
+// Gloo writes to its sockets with writev(), without MSG_NOSIGNAL, so a write to a peer that
+// just died raises SIGPIPE, whose default action kills the whole process before the error can
+// be reported. The first Gloo communicator of a process therefore ignores SIGPIPE when it
+// still has its default action (a handler the application installed is left alone); writes
+// then fail with EPIPE, which Gloo turns into an error on that pair.
 #include "comm/gloo_communicator.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -691,6 +699,19 @@ std::unique_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ra
                                             static_cast<int>(ranks.size()), sub, transport_);
 }
 
+// Note [SIGPIPE].
+void ignore_default_sigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction old {};
+    if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL &&
+        (old.sa_flags & SA_SIGINFO) == 0) {
+      signal(SIGPIPE, SIG_IGN);
+      PORTER_LOG_DEBUG("gloo: SIGPIPE is now ignored, so a dead peer is an error, not a kill");
+    }
+  });
+}
+
 }  // namespace
 
 std::unique_ptr<Communicator> make_gloo_communicator(memory::Device& device,
@@ -698,6 +719,7 @@ std::unique_ptr<Communicator> make_gloo_communicator(memory::Device& device,
                                                      int size, const CommOptions& options) {
   PORTER_CHECK(device.kind() == memory::DeviceKind::kCpu,
                "the gloo backend needs a cpu device, got ", device.description());
+  ignore_default_sigpipe();
   gloo::transport::tcp::attr attr;
   attr.hostname = gloo_host();
   auto transport = gloo::transport::tcp::CreateDevice(attr);
