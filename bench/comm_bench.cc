@@ -89,7 +89,9 @@ struct RankBuffers {
   void check(Op op, int ws) const {
     const float sum = static_cast<float>(ws * (ws + 1) / 2);
     if (op == Op::kAllReduce) PORTER_CHECK_EQ(in[in.size() / 2], sum, "all_reduce result");
-    if (op == Op::kReduceScatter) PORTER_CHECK_EQ(out[out.size() / 2], sum, "reduce_scatter result");
+    if (op == Op::kReduceScatter) {
+      PORTER_CHECK_EQ(out[out.size() / 2], sum, "reduce_scatter result");
+    }
     if (op == Op::kAllGather) {
       const size_t block = out.size() / static_cast<size_t>(ws);
       for (int p = 0; p < ws; ++p) {
@@ -151,7 +153,8 @@ void bm_collective(benchmark::State& state, Op op, int ws, size_t bytes, int64_t
   // busbw / memcpy: a rate counter cannot be divided after the fact, so this one carries
   // busbw / peak per op and is turned into a rate the same way.
   state.counters["busbw_vs_memcpy"] = benchmark::Counter(
-      factor * static_cast<double>(bytes) / 1e9 / peak, benchmark::Counter::kIsIterationInvariantRate);
+      factor * static_cast<double>(bytes) / 1e9 / peak,
+      benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(std::string(op_name(op)) + " ws" + std::to_string(ws));
 }
 
@@ -165,7 +168,8 @@ int main(int argc, char** argv) {
       for (size_t mib : {size_t{1}, size_t{4}, size_t{16}, size_t{64}}) {
         const size_t bytes = mib << 20;
         // About 512 MiB through each benchmark, at least 3 ops.
-        const int64_t iters = std::max<int64_t>(3, static_cast<int64_t>((size_t{512} << 20) / bytes));
+        const int64_t iters =
+            std::max<int64_t>(3, static_cast<int64_t>((size_t{512} << 20) / bytes));
         const std::string name = std::string(porter::comm::op_name(op)) + "/ws" +
                                  std::to_string(ws) + "/" + std::to_string(mib) + "MiB";
         benchmark::RegisterBenchmark(name.c_str(),

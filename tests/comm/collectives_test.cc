@@ -195,7 +195,9 @@ TEST_P(CollectivesTest, AllGatherOutOfPlaceAndInPlace) {
       std::vector<float> in(count), out(total, -1.0f), want(total);
       for (size_t j = 0; j < count; ++j) in[j] = int_value(r, j);
       for (int p = 0; p < ws; ++p) {
-        for (size_t j = 0; j < count; ++j) want[static_cast<size_t>(p) * count + j] = int_value(p, j);
+        for (size_t j = 0; j < count; ++j) {
+          want[static_cast<size_t>(p) * count + j] = int_value(p, j);
+        }
       }
       comm.all_gather(in.data(), out.data(), count, ElemType::kF32).wait();
       EXPECT_EQ(mismatches(out, want), 0u) << "count " << count << " rank " << r;
@@ -239,8 +241,8 @@ TEST_P(CollectivesTest, QueuedOpsCompleteInOrder) {
       for (size_t i = 0; i < bufs[static_cast<size_t>(k)].size(); ++i) {
         bufs[static_cast<size_t>(k)][i] = int_value(r + k, i);
       }
-      works.push_back(
-          comm.all_reduce(bufs[static_cast<size_t>(k)].data(), 1003, ElemType::kF32, ReduceOp::kSum));
+      works.push_back(comm.all_reduce(bufs[static_cast<size_t>(k)].data(), 1003, ElemType::kF32,
+                                      ReduceOp::kSum));
     }
     for (int k = 0; k < kOps; ++k) {
       works[static_cast<size_t>(k)].wait_on(device.compute_stream());
