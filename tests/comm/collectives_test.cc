@@ -6,6 +6,8 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <future>
+#include <thread>
 #include <random>
 #include <vector>
 
@@ -360,6 +362,42 @@ TEST(Collectives, SameGroupTwiceOnOneStore) {
       EXPECT_EQ(v, 3 + 3 * round);
     }
   });
+  for (auto& e : errors) EXPECT_FALSE(e) << what_of(e);
+}
+
+// The multi-process path: a TcpStore (rank 0 serves) instead of the in-memory store.
+TEST(Collectives, OverATcpStore) {
+  constexpr int kWs = 3;
+  std::promise<uint16_t> port_promise;
+  std::shared_future<uint16_t> port = port_promise.get_future().share();
+  std::vector<std::exception_ptr> errors(kWs);
+  std::vector<std::thread> threads;
+  bool port_set = false;  // rank 0's thread only
+  for (int rank = 0; rank < kWs; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        TcpStoreOptions so;
+        so.is_server = rank == 0;
+        so.port = rank == 0 ? 0 : port.get();
+        so.timeout = Seconds{20};
+        auto store = std::make_shared<TcpStore>(so);
+        if (rank == 0) {
+          port_promise.set_value(store->port());
+          port_set = true;
+        }
+        auto device = testing::small_cpu_device();
+        auto comm = make_communicator(*device, store, rank, kWs, CommOptions{});
+        std::vector<float> v(1003, static_cast<float>(rank + 1));
+        comm->all_reduce(v.data(), v.size(), ElemType::kF32, ReduceOp::kSum).wait();
+        EXPECT_EQ(v[1002], 6.0f);
+        comm->barrier().wait();  // rank 0's server outlives the others' last request
+      } catch (...) {
+        errors[static_cast<size_t>(rank)] = std::current_exception();
+        if (rank == 0 && !port_set) port_promise.set_value(0);  // the others fail at once
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
   for (auto& e : errors) EXPECT_FALSE(e) << what_of(e);
 }
 
