@@ -266,11 +266,6 @@ void check_across_sections(const PorterReadState& state, Config& c) {
     case CheckpointPolicy::kSqrt:
       break;
   }
-
-  if (c.fp16.enabled && c.porter.device.type == DeviceType::kCpu) {
-    fail("fp16.enabled", "true, but porter.device.type is \"cpu\": fp16 (with loss scaling) runs "
-                         "only on cuda; use bf16 on cpu");
-  }
 }
 
 }  // namespace porter::config::detail

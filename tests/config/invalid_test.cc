@@ -105,8 +105,6 @@ const std::vector<InvalidCase>& invalid_cases() {
       {"fp16_hysteresis_zero", with("\"fp16\": {\"hysteresis\": 0}"), "fp16.hysteresis", "got 0"},
       {"fp16_scale_power_huge", with("\"fp16\": {\"initial_scale_power\": 200}"),
        "fp16.initial_scale_power", "got 200"},
-      {"fp16_on_cpu_device", with("\"fp16\": {\"enabled\": true}, \"porter\": {\"device\": {\"type\": \"cpu\"}}"),
-       "fp16.enabled", "\"cpu\""},
       {"bf16_with_old_name", with("\"bf16\": {}, \"bfloat16\": {}"), "bfloat16", "\"bf16\""},
       // --- zero_optimization ----------------------------------------------------------------
       {"zero_stage_word", with("\"zero_optimization\": {\"stage\": \"two\"}"), "zero_optimization.stage",
