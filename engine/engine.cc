@@ -27,18 +27,13 @@ using Clock = std::chrono::steady_clock;
 // One device per rank; data parallelism over a dp communicator with ZeRO stages 0, 1 and 2
 // (docs/zero.md). Stage 3, optimizer/parameter offload and tensor parallelism arrive with
 // later issues, and until then a config asking for them is refused rather than silently run
-// differently. fp16 needs fp16 kernels, which the cpu device does not have yet. Checkpoint
+// differently. fp16 runs with loss scaling (zero/loss_scaler.h) on both devices. Checkpoint
 // offload (activation_checkpointing.cpu_checkpointing) runs (docs/engine.md, Offload). Weight
 // decay is decoupled (AdamW) and applies to every parameter, biases and norms included
 // (DeepSpeed applies the optimizer's weight_decay to every parameter group it builds by
 // default); Adam with coupled L2 decay (adam_w_mode false) is refused when weight_decay > 0,
 // because the kernel implements only the decoupled form.
 void check_supported(const config::Config& c, memory::Device& device, int dp_size) {
-  if (c.fp16.enabled && device.kind() == memory::DeviceKind::kCpu) {
-    throw InvalidArgument(
-        "fp16.enabled: the cpu device has no fp16 compute; use bf16.enabled instead (fp16 "
-        "with dynamic loss scaling runs where the device has fp16 kernels)");
-  }
   if (c.zero_optimization.stage == 3) {
     throw InvalidArgument(
         "zero_optimization.stage: 3 (partitioned parameters) arrives in a later issue; this "
@@ -496,12 +491,12 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
       total_sq = nn::to_host_f32(*device_, sq).at(0);
     }
     if (config_.fp16.enabled) {
-      overflow = !std::isfinite(local_sq);
+      // The flag: this rank's count of inf/nan gradients, max over ranks.
+      kernels_->nonfinite_count(shard, sq);
       if (comm != nullptr) {
-        nn::from_host_f32(*device_, {overflow ? 1.0f : 0.0f}, sq);
         wait(comm->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
-        overflow = nn::to_host_f32(*device_, sq).at(0) != 0.0f;
       }
+      overflow = nn::to_host_f32(*device_, sq).at(0) != 0.0f || !std::isfinite(total_sq);
     }
     sq = nn::Tensor();
     norm = std::sqrt(total_sq) / loss_scale;

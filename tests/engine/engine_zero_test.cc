@@ -9,6 +9,8 @@
 // within 1e-6 relative.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <unistd.h>
 #include <stdexcept>
 
 #include <gtest/gtest.h>
@@ -277,31 +279,36 @@ TEST(EngineZeroTest, OneRankStageTwoEqualsStageZero) {
   }
 }
 
-// Wraps a GptModel; its stage `bomb_stage` throws in backward on rank `bomb_rank` at step
-// `bomb_step`.
+// Wraps a GptModel layer: when armed, its backward throws, or (inf mode) returns a dx of
+// infinities, which the earlier stages turn into inf/nan parameter gradients.
 class BombLayer : public nn::Layer {
  public:
-  BombLayer(nn::Layer& inner, std::function<bool()> armed) : inner_(inner), armed_(std::move(armed)) {}
+  BombLayer(nn::Layer& inner, std::function<bool()> armed, bool inf = false)
+      : inner_(inner), armed_(std::move(armed)), inf_(inf) {}
   std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
   void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override { inner_.bind(p, g); }
   nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override { return inner_.forward(ctx, x); }
   nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
-    if (armed_()) throw std::runtime_error("bomb: injected failure in backward");
-    return inner_.backward(ctx, dy);
+    if (armed_() && !inf_) throw std::runtime_error("bomb: injected failure in backward");
+    nn::Tensor dx = inner_.backward(ctx, dy);
+    if (armed_() && inf_) ctx.kernels().fill(dx, INFINITY);
+    return dx;
   }
 
  private:
   nn::Layer& inner_;
   std::function<bool()> armed_;
+  bool inf_;
 };
 
 class BombModel : public Model {
  public:
-  BombModel(const config::ModelConfig& c, int bomb_stage, std::function<bool()> armed)
+  BombModel(const config::ModelConfig& c, int bomb_stage, std::function<bool()> armed,
+            bool inf = false)
       : inner_(c) {
     for (int i = 0; i < inner_.num_stages(); ++i) {
       layers_.push_back(std::make_unique<BombLayer>(
-          inner_.stage(i), i == bomb_stage ? armed : [] { return false; }));
+          inner_.stage(i), i == bomb_stage ? armed : [] { return false; }, inf));
     }
   }
   int num_stages() const override { return inner_.num_stages(); }
@@ -351,6 +358,94 @@ TEST(EngineZeroTest, ARankThatThrowsMidStepFailsThePeersWithinTheTimeout) {
                 dynamic_cast<const TimeoutError*>(&e) != nullptr)
         << m;
   }
+}
+
+TEST(EngineZeroTest, Fp16OverflowOnOneRankSkipsTheStepOnAll) {
+  config::Config c = zero_config(2, 2);
+  c.fp16.enabled = true;
+  c.fp16.loss_scale = 0.0;
+  c.fp16.initial_scale_power = 8;
+  c.fp16.hysteresis = 1;
+  std::vector<RankRun> runs(2);
+  auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+    int step = 0;
+    auto armed = [&step, rank] { return rank == 1 && step == 3; };
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, true), c, dp);
+    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    std::vector<float> before;
+    for (step = 0; step < 6; ++step) {
+      if (step == 3) before = e.params_host();
+      runs[static_cast<size_t>(rank)].steps.push_back(
+          e.train_step(data.rank_batches(step, 1, rank, 2)));
+      if (step == 3) EXPECT_TRUE(bitwise_equal(e.params_host(), before)) << "rank " << rank;
+    }
+    runs[static_cast<size_t>(rank)].params = e.params_host();
+    runs[static_cast<size_t>(rank)].total = e.zero_stats();
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  for (const RankRun& r : runs) {
+    for (size_t s = 0; s < r.steps.size(); ++s) {
+      EXPECT_EQ(r.steps[s].skipped, s == 3) << s;
+      EXPECT_TRUE(std::isfinite(r.steps[s].loss)) << s;
+    }
+    EXPECT_EQ(r.steps[2].zero.loss_scale, 256.0);
+    EXPECT_EQ(r.steps[3].zero.loss_scale, 128.0);
+    EXPECT_EQ(r.total.skipped_steps, 1);
+  }
+  EXPECT_TRUE(bitwise_equal(runs[0].params, runs[1].params));
+  EXPECT_LT(runs[0].steps[5].loss + runs[1].steps[5].loss,
+            runs[0].steps[0].loss + runs[1].steps[0].loss);
+}
+
+TEST(EngineZeroTest, CheckpointSaveAndResumeAtTwoRanks) {
+  const config::Config c = zero_config(2, 2);
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_zero_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<std::vector<double>> straight(2), resumed(2);
+  for (int phase = 0; phase < 3; ++phase) {
+    auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+      auto device = cpu_device();
+      comm::CommOptions o;
+      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+      std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      // phase 0: 6 straight steps; 1: 3 steps then save; 2: load, 3 more steps.
+      int begin = 0, end = phase == 1 ? 3 : 6;
+      if (phase == 2) {
+        e.load_checkpoint(dir);
+        begin = static_cast<int>(e.step());
+      }
+      for (int s = begin; s < end; ++s) {
+        const double loss = e.train_step(data.rank_batches(s, 1, rank, 2)).loss;
+        if (phase == 0) straight[static_cast<size_t>(rank)].push_back(loss);
+        if (phase == 2) resumed[static_cast<size_t>(rank)].push_back(loss);
+      }
+      if (phase == 1) e.save_checkpoint(dir);
+    });
+    for (auto& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "rank0"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "rank1"));
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(resumed[r].size(), 3u);
+    for (size_t s = 0; s < 3; ++s) EXPECT_EQ(resumed[r][s], straight[r][s + 3]) << r << " " << s;
+  }
+  // A one-rank engine refuses the two-rank checkpoint.
+  auto device = cpu_device();
+  auto one = gpt_engine(*device, zero_config(1, 2));
+  const std::string msg = error_of<InvalidArgument>([&] { one->load_checkpoint(dir / "rank0"); });
+  EXPECT_NE(msg.find("2 data-parallel ranks"), std::string::npos) << msg;
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
