@@ -140,6 +140,22 @@ TEST(EngineZeroTest, StagesGiveBitwiseEqualLossesAtTwoRanks) {
   }
 }
 
+TEST(EngineZeroTest, ScalingVariantsAndStageOneAllReduceAgree) {
+  // Default: sum, then x 1/2. prescale_gradients: x 1/2, then sum. predivide factor 2 at two
+  // ranks: x 1/2, sum, no post-scale. Stage 1 with reduce_scatter false all-reduces.
+  const std::vector<double> ref = global_losses(run_ranks(zero_config(2, 2), 6));
+  config::Config pre = zero_config(2, 2);
+  pre.prescale_gradients = true;
+  expect_close(global_losses(run_ranks(pre, 6)), ref, 1e-6, "prescale_gradients");
+  config::Config div = zero_config(2, 2);
+  div.gradient_predivide_factor = 2.0;
+  expect_close(global_losses(run_ranks(div, 6)), ref, 1e-6, "gradient_predivide_factor 2");
+  config::Config ar = zero_config(2, 1);
+  ar.zero_optimization.reduce_scatter = false;
+  const std::vector<double> all_reduce = global_losses(run_ranks(ar, 6));
+  for (size_t s = 0; s < ref.size(); ++s) EXPECT_EQ(all_reduce[s], ref[s]) << s;
+}
+
 TEST(EngineZeroTest, StagesAgreeAtFourRanks) {
   std::vector<double> ref;
   for (int stage = 0; stage <= 2; ++stage) {
