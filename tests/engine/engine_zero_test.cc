@@ -83,7 +83,8 @@ std::vector<RankRun> run_ranks(const config::Config& c, int steps, ModelFactory 
     const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) {
-      run.steps.push_back(e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)));
+      run.steps.push_back(
+          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)));
     }
     const memory::MemoryStats s1 = e.allocator().stats();
     for (size_t k = 0; k < memory::kNumCategories; ++k) {
@@ -131,7 +132,9 @@ TEST(EngineZeroTest, StagesGiveBitwiseEqualLossesAtTwoRanks) {
       ref_params = runs[0].params;
       continue;
     }
-    for (size_t s = 0; s < ref.size(); ++s) EXPECT_EQ(losses[s], ref[s]) << "stage " << stage << " step " << s;
+    for (size_t s = 0; s < ref.size(); ++s) {
+      EXPECT_EQ(losses[s], ref[s]) << "stage " << stage << " step " << s;
+    }
     EXPECT_TRUE(bitwise_equal(runs[0].params, ref_params)) << "stage " << stage;
     // Communication happened and is reported.
     EXPECT_GT(runs[0].total.comm_bytes, 0u);
@@ -239,7 +242,8 @@ TEST(EngineZeroTest, ModelStateBytesEqualTheShardFormulas) {
       zero::StateDTypes dt;
       dt.param = bf16 ? nn::DType::kBF16 : nn::DType::kF32;
       const zero::StateBytes want = zero::exact_bytes(part, stage, dt);
-      const std::string what = std::string(bf16 ? "bf16" : "f32") + " stage " + std::to_string(stage);
+      const std::string what =
+          std::string(bf16 ? "bf16" : "f32") + " stage " + std::to_string(stage);
       for (const RankRun& r : runs) {
         for (const auto* bytes : {&r.bytes_after_init, &r.bytes_after_step}) {
           EXPECT_EQ((*bytes)[memory::index_of(memory::Category::kParams)], want.params) << what;
@@ -304,7 +308,9 @@ class BombLayer : public nn::Layer {
   BombLayer(nn::Layer& inner, std::function<bool()> armed, bool inf = false)
       : inner_(inner), armed_(std::move(armed)), inf_(inf) {}
   std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
-  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override { inner_.bind(p, g); }
+  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
+    inner_.bind(p, g);
+  }
   nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override { return inner_.forward(ctx, x); }
   nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
     if (armed_() && !inf_) throw std::runtime_error("bomb: injected failure in backward");
