@@ -462,11 +462,11 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
       const HostBatch& mb = micro_batches[i];
       nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
       nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
-      ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy,
-                  trace_, step_, static_cast<int>(i), config_.porter.train.seed, im.stash.get()};
       zero::GradReducer* reducer = im.reducer.get();
-      env.before_backward = [reducer](int stage) { reducer->before_backward(stage); };
-      env.after_backward = [reducer](int stage) { reducer->after_backward(stage); };
+      ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy,
+                  trace_, step_, static_cast<int>(i), config_.porter.train.seed, im.stash.get(),
+                  [reducer](int stage) { reducer->before_backward(stage); },
+                  [reducer](int stage) { reducer->after_backward(stage); }};
       reducer->begin_micro_batch(i + 1 == micro_batches.size());
       const MicroBatchResult mr = run_schedule(env, tokens, targets);
       reducer->end_micro_batch();

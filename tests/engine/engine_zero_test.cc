@@ -405,7 +405,9 @@ TEST(EngineZeroTest, Fp16OverflowOnOneRankSkipsTheStepOnAll) {
       if (step == 3) before = e.params_host();
       runs[static_cast<size_t>(rank)].steps.push_back(
           e.train_step(data.rank_batches(step, 1, rank, 2)));
-      if (step == 3) EXPECT_TRUE(bitwise_equal(e.params_host(), before)) << "rank " << rank;
+      if (step == 3) {
+        EXPECT_TRUE(bitwise_equal(e.params_host(), before)) << "rank " << rank;
+      }
     }
     runs[static_cast<size_t>(rank)].params = e.params_host();
     runs[static_cast<size_t>(rank)].total = e.zero_stats();
