@@ -10,9 +10,11 @@
 // bf16/f16 partials rounded after every addition. all_reduce is that reduce_scatter in place
 // (chunk c = elements [c*count/n, (c+1)*count/n), so any count works) followed by a ring
 // all_gather, so it is bitwise identical to reduce_scatter block by block and reproducible
-// run to run (Note [Collective semantics]). Every message has its own slot (op sequence
-// number << 16 | step), so a rank that issues a different op than its peers times out
-// instead of reading the wrong bytes.
+// run to run (Note [Collective semantics]). The ring needs one chunk of scratch in place
+// (the incoming partial) and three out of place (plus two alternating partials); it is kept
+// by the communicator and grows to the largest op seen. Every message has its own slot (op
+// sequence number << 16 | step), so a rank that issues a different op than its peers times
+// out instead of reading the wrong bytes.
 //
 // Note [Gloo abort]
 // Failing fast is the point: an op that fails (timeout, peer gone) or an abort() marks the
@@ -120,9 +122,10 @@ std::string gloo_host() {
     socklen_t len = sizeof(ss);
     char buf[INET6_ADDRSTRLEN] = {};
     if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
-      const void* addr = ss.ss_family == AF_INET
-                             ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr)
-                             : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr);
+      auto* v4 = reinterpret_cast<sockaddr_in*>(&ss);
+      auto* v6 = reinterpret_cast<sockaddr_in6*>(&ss);
+      const void* addr = ss.ss_family == AF_INET ? static_cast<const void*>(&v4->sin_addr)
+                                                 : static_cast<const void*>(&v6->sin6_addr);
       if (inet_ntop(ss.ss_family, addr, buf, sizeof(buf)) != nullptr) local = buf;
     }
   }
@@ -232,6 +235,16 @@ class GlooCommunicator final : public Communicator {
   void register_buffer(UnboundBuffer* buf, const OpInfo& op);
   void unregister_buffer(UnboundBuffer* buf);
   double now_s() const { return Seconds(Clock::now() - t0_).count(); }
+  // Comm-thread scratch of at least `bytes`, kept between ops: first-touch page faults of a
+  // fresh buffer per op cost more than the transfer (Note [Gloo ring]).
+  char* scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes_) {
+      scratch_.reset();
+      scratch_ = std::make_unique_for_overwrite<char[]>(bytes);
+      scratch_bytes_ = bytes;
+    }
+    return scratch_.get();
+  }
 
   void ring_reduce_scatter(Exchange& x, const char* src, char* out, const Chunks& chunks,
                            ElemType type, ReduceOp op, bool in_place);
@@ -250,6 +263,8 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::rendezvous::Context> context_;  // null when size_ == 1
   std::unique_ptr<memory::Event> compute_done_;         // calling thread only
   uint64_t next_seq_ = 0;                               // calling thread only
+  std::unique_ptr<char[]> scratch_;                     // comm thread only
+  size_t scratch_bytes_ = 0;                            // comm thread only
 
   mutable std::mutex mu_;  // guards failure_, pending_, stats_
   std::exception_ptr failure_;
@@ -516,10 +531,10 @@ void GlooCommunicator::ring_reduce_scatter(Exchange& x, const char* src, char* o
   const size_t es = elem_size(type);
   const int n = size_;
   const size_t max_bytes = chunks.max_len() * es;
-  std::vector<char> scratch(max_bytes * (in_place ? 1 : 3));
-  char* recv_ptr = scratch.data();
-  char* acc[2] = {in_place ? nullptr : scratch.data() + max_bytes,
-                  in_place ? nullptr : scratch.data() + 2 * max_bytes};
+  char* scratch = scratch_for(max_bytes * (in_place ? 1 : 3));
+  char* recv_ptr = scratch;
+  char* acc[2] = {in_place ? nullptr : scratch + max_bytes,
+                  in_place ? nullptr : scratch + 2 * max_bytes};
   UnboundBuffer* recv_buf = x.buffer(recv_ptr, max_bytes);
   UnboundBuffer* src_buf = x.buffer(src, chunks.count * es);
   UnboundBuffer* acc_buf[2] = {in_place ? nullptr : x.buffer(acc[0], max_bytes),

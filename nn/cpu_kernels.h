@@ -127,8 +127,9 @@ void dispatch_float(DType t, Fn&& fn) {
 // which is every mix a bf16 or fp16 model makes (f32 master parameters and gradients with
 // 16-bit activations), so each argument dispatches over {f32, that type}: 2 * 2^k + 1
 // instantiations. A cpu call mixing bf16 with f16 throws InvalidArgument (the validation in
-// kernels.cc accepts it, and cuda runs it); cast, AdamW, embedding and the losses dispatch
-// each argument over all three types and take any mix.
+// kernels.cc accepts it, and cuda runs it); cast, AdamW, attention, embedding and
+// cross-entropy dispatch each argument on its own and take any mix (matmul's rule, a and b
+// alike and out f32 or theirs, admits none).
 
 // The one 16-bit dtype among `dtypes` (kF32 when all are f32); throws on bf16 mixed with f16.
 inline DType half_dtype_of(std::initializer_list<DType> dtypes) {

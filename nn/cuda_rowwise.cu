@@ -220,7 +220,8 @@ __global__ void sum_partials_kernel(DevPtr x, int64_t n, SumOf what, float* part
     float v = ld(x, i);
     // Counts are whole numbers, so their f32 sums are exact up to 2^24.
     if (what == SumOf::kSquares) v = v * v;
-    if (what == SumOf::kNonfinite) v = isfinite(v) ? 0.0f : 1.0f;
+    // |v| <= FLT_MAX is false exactly for inf and NaN (a NaN compares false).
+    if (what == SumOf::kNonfinite) v = fabsf(v) <= 3.40282347e38f ? 0.0f : 1.0f;
     s += v;
   }
   s = block_reduce<false>(s, scratch);

@@ -8,7 +8,8 @@
 //   the two tensors of a pair (gamma/beta, wte/wpe, dgamma/dbeta, dwte/dwpe) share a dtype;
 // - saved statistics (mean, rstd, probs) and losses are f32; token ids and targets are i32.
 // The cpu kernels take one 16-bit type per call next to f32 (bf16 with f16 only in cast,
-// adamw, embedding and cross-entropy: Note [Cpu dtype combinations] in cpu_kernels.h).
+// adamw, attention, embedding and cross-entropy: Note [Cpu dtype combinations] in
+// cpu_kernels.h).
 //
 // Note [Kernel aliasing]
 // Outputs never partially overlap inputs. An output may be the very same memory as an input

@@ -172,6 +172,25 @@ TEST(AttentionTest, Bf16WithinBf16Rounding) {
   EXPECT_LT(max_rel_error(r.dqkv, attention_backward_ref(qd, dd, d)), 8e-3);
 }
 
+// f16 qkv/out/dout/dqkv: each output rounds once to f16 (2^-11), 8x tighter than bf16.
+TEST(AttentionTest, F16WithinF16Rounding) {
+  Env env;
+  const Dims d{2, 70, 32, 2};
+  auto qkv = testing::round_f16(random_values(d.b * d.t * 3 * d.c, 5, -2.0f, 2.0f));
+  auto dout = testing::round_f16(random_values(d.b * d.t * d.c, 6));
+  Result r = run(env, d, qkv, dout, DType::kF16);
+  std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
+  std::vector<double> want_out, want_probs;
+  attention_ref(qd, d, &want_out, &want_probs);
+  EXPECT_LT(max_rel_error(r.out, want_out), 1e-3);
+  EXPECT_LT(max_rel_error(r.probs, want_probs), 1e-5);
+  EXPECT_LT(max_rel_error(r.dqkv, attention_backward_ref(qd, dd, d)), 1e-3);
+  // f16 is the f32 computation on the same values, rounded once at the end.
+  Result r32 = run(env, d, qkv, dout, DType::kF32);
+  EXPECT_EQ(r.out, testing::round_f16(r32.out));
+  EXPECT_EQ(r.dqkv, testing::round_f16(r32.dqkv));
+}
+
 // Note [Cpu determinism] for attention, including oneDNN's batched calls.
 TEST(AttentionTest, BitIdenticalAcrossThreadCounts) {
   Env one(1), two(2);

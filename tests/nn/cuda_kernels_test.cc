@@ -9,7 +9,9 @@
 // - chains of matmuls and reductions in f32 (attention, layernorm backward): 5e-5.
 // - bf16 outputs: 1e-2 (kBF16Tol). One bf16 ulp is 2^-8 of the value; an f32 difference of
 //   one ulp before rounding can flip the rounded result by one bf16 ulp.
-// Dropout masks and f32 -> bf16 casts must match bit for bit.
+// - f16 outputs: 2e-3 (kF16Tol), the same argument with f16's 2^-11 ulp.
+// Dropout masks and f32 -> bf16 / f16 casts must match bit for bit (porter's f16 conversion
+// and cuda's __float2half_rn both round to nearest-even).
 #include "base/build_config.h"
 
 #if PORTER_WITH_CUDA
@@ -37,8 +39,11 @@ namespace {
 constexpr double kF32Tol = 1e-5;
 constexpr double kChainTol = 5e-5;
 constexpr double kBF16Tol = 1e-2;
+constexpr double kF16Tol = 2e-3;
 
-double tol_for(DType t, double f32_tol) { return t == DType::kF32 ? f32_tol : kBF16Tol; }
+double tol_for(DType t, double f32_tol) {
+  return t == DType::kF32 ? f32_tol : (t == DType::kF16 ? kF16Tol : kBF16Tol);
+}
 
 // The same logical tensor on both devices.
 struct Pair {
@@ -199,10 +204,26 @@ TEST_F(CudaKernelsTest, MatmulBF16) {
   }
 }
 
+// cuBLASLt multiplies f16 directly; the cpu multiplies f32 copies (Note [Cpu f16 matmul]).
+TEST_F(CudaKernelsTest, MatmulF16) {
+  for (DType out_dtype : {DType::kF32, DType::kF16}) {
+    for (bool tb : {false, true}) {
+      const int64_t batch = 2, m = 32, k = 64, n = 24;
+      Pair a = random(Shape{batch, m, k}, DType::kF16);
+      Pair b = random(tb ? Shape{batch, n, k} : Shape{batch, k, n}, DType::kF16);
+      Pair out = random(Shape{batch, m, n}, out_dtype);
+      MatmulSpec spec{false, tb, 1.0f, 1.0f};
+      both([&](Kernels& kern, bool gpu) { kern.matmul(side(a, gpu), side(b, gpu), side(out, gpu), spec); });
+      expect_close(out, tol_for(out_dtype, kF32Tol),
+                   std::string("f16 matmul -> ") + std::string(dtype_name(out_dtype)));
+    }
+  }
+}
+
 // ---- bias, layernorm, gelu ------------------------------------------------------------------
 
 TEST_F(CudaKernelsTest, BiasAddAndBackward) {
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const int64_t rows = 37, cols = 70;
     Pair x = random(Shape{rows, cols}, dt);
     Pair bias = random(Shape{cols}, dt);
@@ -216,7 +237,7 @@ TEST_F(CudaKernelsTest, BiasAddAndBackward) {
 }
 
 TEST_F(CudaKernelsTest, LayerNormForwardBackward) {
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (int64_t cols : {int64_t{24}, int64_t{768}}) {
       const int64_t rows = 19;
       Pair x = random(Shape{rows, cols}, dt, -2.0f, 3.0f);
@@ -246,7 +267,7 @@ TEST_F(CudaKernelsTest, LayerNormForwardBackward) {
 }
 
 TEST_F(CudaKernelsTest, Gelu) {
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     Pair x = random(Shape{1000}, dt, -5.0f, 5.0f);
     Pair y = empty(Shape{1000}, dt);
     both([&](Kernels& k, bool gpu) { k.gelu_forward(side(x, gpu), side(y, gpu)); });
@@ -268,7 +289,7 @@ struct AttentionCase {
 TEST_F(CudaKernelsTest, AttentionForwardBackward) {
   for (AttentionCase c : {AttentionCase{2, 7, 12, 3}, AttentionCase{1, 33, 64, 4},
                           AttentionCase{2, 1, 8, 1}}) {
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       const std::string what = "attention B=" + std::to_string(c.batch) + " T=" +
                                std::to_string(c.seq) + " C=" + std::to_string(c.channels) +
                                " H=" + std::to_string(c.heads) + " " + std::string(dtype_name(dt));
@@ -301,7 +322,7 @@ TEST_F(CudaKernelsTest, AttentionForwardBackward) {
 // the published bytes, freed before the call returns.
 TEST_F(CudaKernelsTest, WorkspaceComesFromTheAllocatorInThePublishedBytes) {
   ASSERT_EQ(&gpu_->workspace_allocator(), cuda_alloc_.get());
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const AttentionCall call{2, 33, 64, 4, dt, dt, dt};
     Pair qkv = random(Shape{2, 33, 192}, dt);
     Pair out = empty(Shape{2, 33, 64}, dt);
@@ -315,7 +336,9 @@ TEST_F(CudaKernelsTest, WorkspaceComesFromTheAllocatorInThePublishedBytes) {
         {attention_backward_workspace_bytes(memory::DeviceKind::kCuda, call),
          [&] { gpu_->attention_backward(dout.gpu, qkv.gpu, probs.gpu, dqkv.gpu, 4); }},
         {reduction_workspace_bytes(memory::DeviceKind::kCuda, qkv.gpu.numel()),
-         [&] { gpu_->squared_norm(qkv.gpu, s); }}};
+         [&] { gpu_->squared_norm(qkv.gpu, s); }},
+        {reduction_workspace_bytes(memory::DeviceKind::kCuda, qkv.gpu.numel()),
+         [&] { gpu_->nonfinite_count(qkv.gpu, s); }}};
     for (const auto& [bytes, run] : calls) {
       const size_t before = cuda_alloc_->stats().requested_bytes;
       cuda_alloc_->reset_peak();
@@ -351,7 +374,7 @@ TEST_F(CudaKernelsTest, DropoutMaskMatchesCpuBitForBit) {
 }
 
 TEST_F(CudaKernelsTest, AddAndAccumulate) {
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     Pair a = random(Shape{3, 333}, dt);
     Pair b = random(Shape{3, 333}, dt);
     Pair out = empty(Shape{3, 333}, dt);
@@ -386,7 +409,7 @@ TEST_F(CudaKernelsTest, EmbeddingForwardBackward) {
 
 TEST_F(CudaKernelsTest, CrossEntropyForwardBackward) {
   for (int64_t vocab : {int64_t{50}, int64_t{1000}}) {
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       const int64_t rows = 13;
       std::vector<int32_t> t(static_cast<size_t>(rows));
       for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>((i * 37) % vocab);
@@ -407,30 +430,32 @@ TEST_F(CudaKernelsTest, CrossEntropyForwardBackward) {
 // ---- optimizer, reductions, casts ---------------------------------------------------------
 
 TEST_F(CudaKernelsTest, AdamW) {
-  const int64_t n = 1027;
-  Pair params = random(Shape{n});
-  Pair grad = random(Shape{n}, DType::kBF16);
-  Pair m = random(Shape{n}, DType::kF32, -0.1f, 0.1f);
-  Pair v = random(Shape{n}, DType::kF32, 0.0f, 0.01f);
-  Pair out = empty(Shape{n}, DType::kBF16);
-  AdamWArgs args;
-  args.lr = 3e-3f;
-  args.weight_decay = 0.1f;
-  args.step = 3;
-  args.grad_scale = 0.5f;
-  both([&](Kernels& k, bool gpu) {
-    Tensor& o = side(out, gpu);
-    k.adamw(side(params, gpu), side(grad, gpu), side(m, gpu), side(v, gpu), args, &o);
-  });
-  expect_close(params, kF32Tol, "adamw params");
-  expect_close(m, kF32Tol, "adamw m");
-  expect_close(v, kF32Tol, "adamw v");
-  expect_close(out, kBF16Tol, "adamw params_out");
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    const int64_t n = 1027;
+    Pair params = random(Shape{n});
+    Pair grad = random(Shape{n}, dt);
+    Pair m = random(Shape{n}, DType::kF32, -0.1f, 0.1f);
+    Pair v = random(Shape{n}, DType::kF32, 0.0f, 0.01f);
+    Pair out = empty(Shape{n}, dt);
+    AdamWArgs args;
+    args.lr = 3e-3f;
+    args.weight_decay = 0.1f;
+    args.step = 3;
+    args.grad_scale = 0.5f;
+    both([&](Kernels& k, bool gpu) {
+      Tensor& o = side(out, gpu);
+      k.adamw(side(params, gpu), side(grad, gpu), side(m, gpu), side(v, gpu), args, &o);
+    });
+    expect_close(params, kF32Tol, "adamw params");
+    expect_close(m, kF32Tol, "adamw m");
+    expect_close(v, kF32Tol, "adamw v");
+    expect_close(out, tol_for(dt, kF32Tol), "adamw params_out");
+  }
 }
 
 TEST_F(CudaKernelsTest, SumAndSquaredNormAreDeterministic) {
   for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{300001}}) {
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       Pair x = random(Shape{n}, dt);
       Pair s = empty(Shape{1}, DType::kF32);
       Pair s2 = empty(Shape{1}, DType::kF32);
@@ -467,22 +492,51 @@ TEST_F(CudaKernelsTest, CastsFillScale) {
   both([&](Kernels& k, bool gpu) { k.cast(side(h, gpu), side(back, gpu)); });
   expect_bitwise(back, "cast bf16 -> f32");
 
-  // f16 exists only on cuda: a round trip keeps 11 significant bits.
-  Tensor f16 = Tensor::empty(*cuda_alloc_, Shape{n}, DType::kF16, memory::Category::kWorkspace);
-  Tensor round = Tensor::empty(*cuda_alloc_, Shape{n}, DType::kF32, memory::Category::kWorkspace);
-  gpu_->cast(x.gpu, f16);
-  gpu_->cast(f16, round);
-  std::vector<float> r = host(round, true);
-  for (size_t i = 0; i < r.size(); ++i) {
-    ASSERT_NEAR(r[i], values[i], std::abs(values[i]) * (1.0 / 2048)) << "f16 round trip at " << i;
-  }
+  // f16: the same bits on both devices, ties to even included, and past 65504 inf.
+  values[3] = 1.00048828125f;  // 1 + 2^-11: halfway between two f16 values
+  values[4] = 70000.0f;
+  values[5] = 6e-6f;           // an f16 subnormal
+  Pair x16 = from(values, Shape{n}, DType::kF32);
+  Pair f16 = empty(Shape{n}, DType::kF16);
+  both([&](Kernels& k, bool gpu) { k.cast(side(x16, gpu), side(f16, gpu)); });
+  expect_bitwise(f16, "cast f32 -> f16");
+  Pair back16 = empty(Shape{n}, DType::kF32);
+  both([&](Kernels& k, bool gpu) { k.cast(side(f16, gpu), side(back16, gpu)); });
+  expect_bitwise(back16, "cast f16 -> f32");
+  EXPECT_EQ(host(back16.gpu, true)[4], INFINITY);
+  Pair f16_to_bf16 = empty(Shape{n}, DType::kBF16);
+  both([&](Kernels& k, bool gpu) { k.cast(side(f16, gpu), side(f16_to_bf16, gpu)); });
+  expect_bitwise(f16_to_bf16, "cast f16 -> bf16");
 
-  for (DType dt : {DType::kF32, DType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     Pair y = random(Shape{n}, dt);
     both([&](Kernels& k, bool gpu) { k.scale(side(y, gpu), -1.5f); });
     expect_bitwise(y, "scale");
     both([&](Kernels& k, bool gpu) { k.fill(side(y, gpu), 0.3f); });
     expect_bitwise(y, "fill");
+  }
+}
+
+// The fp16 loss scaler's overflow test: the same count on both devices, for every dtype.
+TEST_F(CudaKernelsTest, NonfiniteCountMatchesCpu) {
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{300001}}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      std::vector<float> values = uniform(n);
+      Pair count = empty(Shape{1}, DType::kF32);
+      Pair clean = from(values, Shape{n}, dt);
+      both([&](Kernels& k, bool gpu) { k.nonfinite_count(side(clean, gpu), side(count, gpu)); });
+      EXPECT_EQ(host(count.gpu, true)[0], 0.0f) << dtype_name(dt) << " n=" << n;
+      const float specials[] = {INFINITY, -INFINITY, NAN, 1e30f};  // 1e30: inf in f16 only
+      for (int64_t i = 0; i < n; i += 997) values[static_cast<size_t>(i)] = specials[(i / 997) % 4];
+      Pair dirty = from(values, Shape{n}, dt);
+      int expected = 0;
+      for (float v : host(dirty.cpu, false)) expected += std::isfinite(v) ? 0 : 1;
+      EXPECT_GT(expected, 0);
+      both([&](Kernels& k, bool gpu) { k.nonfinite_count(side(dirty, gpu), side(count, gpu)); });
+      EXPECT_EQ(host(count.gpu, true)[0], static_cast<float>(expected))
+          << dtype_name(dt) << " n=" << n;
+      expect_bitwise(count, std::string("nonfinite_count ") + std::string(dtype_name(dt)));
+    }
   }
 }
 

@@ -69,7 +69,9 @@ TEST(KernelWorkspaceTest, CpuAttentionScratchComesFromTheAllocatorInExactBytes) 
   for (const DtypeCase& d : {DtypeCase{DType::kF32, DType::kF32, DType::kF32},
                              DtypeCase{DType::kBF16, DType::kBF16, DType::kBF16},
                              DtypeCase{DType::kBF16, DType::kF32, DType::kF32},
-                             DtypeCase{DType::kF32, DType::kBF16, DType::kBF16}}) {
+                             DtypeCase{DType::kF32, DType::kBF16, DType::kBF16},
+                             DtypeCase{DType::kF16, DType::kF16, DType::kF16},
+                             DtypeCase{DType::kF16, DType::kF32, DType::kF32}}) {
     // T = 70 > 64: two row blocks, the dS block is (B, H, 64, T).
     for (int64_t seq : {5, 70}) {
       SCOPED_TRACE(std::string(dtype_name(d.qkv)) + "/" + std::string(dtype_name(d.out)) + "/" +
@@ -102,6 +104,52 @@ TEST(KernelWorkspaceTest, CpuAttentionScratchComesFromTheAllocatorInExactBytes) 
   }
 }
 
+// Note [Cpu f16 matmul]: f32 copies of f16 a and b, and of an f16 out, in one buffer of
+// exactly matmul_workspace_bytes; f32 and bf16 take none.
+TEST(KernelWorkspaceTest, CpuMatmulF16CopiesComeFromTheAllocatorInExactBytes) {
+  struct Case {
+    int64_t batch, m, n, k;
+    DType ab, out;
+    float beta;
+  };
+  for (const Case& c : {Case{0, 5, 7, 3, DType::kF16, DType::kF16, 0.0f},
+                        Case{0, 5, 7, 3, DType::kF16, DType::kF32, 1.0f},
+                        Case{3, 4, 6, 9, DType::kF16, DType::kF16, 1.0f},
+                        Case{0, 5, 7, 3, DType::kBF16, DType::kBF16, 0.0f},
+                        Case{2, 5, 7, 3, DType::kF32, DType::kF32, 0.0f},
+                        Case{0, 5, 7, 0, DType::kF16, DType::kF16, 1.0f},
+                        Case{0, 0, 7, 3, DType::kF16, DType::kF16, 0.0f}}) {
+    SCOPED_TRACE(std::string(dtype_name(c.ab)) + " -> " + std::string(dtype_name(c.out)) +
+                 " batch " + std::to_string(c.batch) + " k " + std::to_string(c.k));
+    testing::Env env;
+    const int64_t batch = c.batch == 0 ? 1 : c.batch;
+    auto shape = [&](int64_t r, int64_t cols) {
+      return c.batch == 0 ? Shape{r, cols} : Shape{c.batch, r, cols};
+    };
+    Tensor a = env.from(testing::random_values(static_cast<size_t>(batch * c.m * c.k), 1),
+                        shape(c.m, c.k), c.ab);
+    Tensor b = env.from(testing::random_values(static_cast<size_t>(batch * c.k * c.n), 2),
+                        shape(c.k, c.n), c.ab);
+    Tensor out = env.from(testing::random_values(static_cast<size_t>(batch * c.m * c.n), 3),
+                          shape(c.m, c.n), c.out);
+    const size_t want = matmul_workspace_bytes(
+        DeviceKind::kCpu, MatmulCall{batch, c.m, c.n, c.k, c.ab, c.out});
+    const bool any = c.ab == DType::kF16 && c.m > 0 && c.k > 0;
+    EXPECT_EQ(want, any ? 4 * static_cast<size_t>(batch * (c.m * c.k + c.k * c.n) +
+                                                  (c.out == DType::kF16 ? batch * c.m * c.n : 0))
+                        : 0u);
+    const CallStats s = measure(*env.allocator, [&] {
+      env.kernels->matmul(a, b, out, {false, false, 1.0f, c.beta});
+    });
+    EXPECT_EQ(s.peak_above_start, want);
+    EXPECT_EQ(s.workspace_allocs, want == 0 ? 0u : 1u);
+    EXPECT_EQ(s.requested_after, s.requested_before);
+    EXPECT_EQ(matmul_workspace_bytes(DeviceKind::kCuda, MatmulCall{batch, c.m, c.n, c.k, c.ab,
+                                                                    c.out}),
+              0u);
+  }
+}
+
 TEST(KernelWorkspaceTest, CpuReductionPartialsComeFromTheAllocator) {
   testing::Env env;
   for (int64_t n : {int64_t{1}, int64_t{16384}, int64_t{40000}}) {
@@ -109,13 +157,11 @@ TEST(KernelWorkspaceTest, CpuReductionPartialsComeFromTheAllocator) {
     Tensor out = env.empty(Shape{1});
     const size_t expected = static_cast<size_t>((n + 16383) / 16384) * sizeof(double);
     EXPECT_EQ(reduction_workspace_bytes(DeviceKind::kCpu, n), expected);
-    for (bool squared : {false, true}) {
+    for (int op = 0; op < 3; ++op) {
       const CallStats s = measure(*env.allocator, [&] {
-        if (squared) {
-          env.kernels->squared_norm(x, out);
-        } else {
-          env.kernels->sum(x, out);
-        }
+        if (op == 0) env.kernels->sum(x, out);
+        if (op == 1) env.kernels->squared_norm(x, out);
+        if (op == 2) env.kernels->nonfinite_count(x, out);
       });
       EXPECT_EQ(s.peak_above_start, expected) << n;
       EXPECT_EQ(s.workspace_allocs, 1u);

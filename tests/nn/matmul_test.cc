@@ -14,7 +14,7 @@ using ::testing::HasSubstr;
 using testing::Env;
 using testing::max_rel_error;
 using testing::random_values;
-using testing::round_bf16;
+using testing::round_to;
 
 // Reference: out = alpha * op(a) @ op(b) + beta * out0, in double, batch by batch.
 std::vector<double> reference(const std::vector<float>& a, const std::vector<float>& b,
@@ -54,11 +54,9 @@ double run_case(Env& env, const Case& c, DType in_dtype, DType out_dtype) {
   std::vector<float> a = random_values(static_cast<size_t>(batch * c.m * c.k), 1);
   std::vector<float> b = random_values(static_cast<size_t>(batch * c.k * c.n), 2);
   std::vector<float> out0 = random_values(static_cast<size_t>(batch * c.m * c.n), 3);
-  if (in_dtype == DType::kBF16) {
-    a = round_bf16(a);
-    b = round_bf16(b);
-  }
-  if (out_dtype == DType::kBF16) out0 = round_bf16(out0);
+  a = round_to(in_dtype, a);
+  b = round_to(in_dtype, b);
+  out0 = round_to(out_dtype, out0);
   Tensor ta = env.from(a, c.trans_a ? shape(c.k, c.m) : shape(c.m, c.k), in_dtype);
   Tensor tb = env.from(b, c.trans_b ? shape(c.n, c.k) : shape(c.k, c.n), in_dtype);
   Tensor tout = env.from(out0, shape(c.m, c.n), out_dtype);
@@ -106,6 +104,57 @@ TEST(MatmulTest, Bf16OutputWithinBf16Rounding) {
   for (const Case& c : kCases) {
     EXPECT_LT(run_case(env, c, DType::kBF16, DType::kBF16), 8e-3) << "m " << c.m << " k " << c.k;
   }
+}
+
+// f16 inputs go through f32 copies (Note [Cpu f16 matmul]): products exact in f32, so an
+// f32 output differs from the reference by summation rounding only, as with bf16.
+TEST(MatmulTest, F16InputsF32OutputMatchReference) {
+  Env env;
+  for (const Case& c : kCases) {
+    EXPECT_LT(run_case(env, c, DType::kF16, DType::kF32), 1e-5) << "m " << c.m << " k " << c.k;
+  }
+}
+
+// An f16 output rounds each element to 11 bits of mantissa: 2^-11 relative, so 1e-3 of the
+// max magnitude covers it (plus beta * out0 rounding), 8x tighter than bf16's bound.
+TEST(MatmulTest, F16OutputWithinF16Rounding) {
+  Env env;
+  for (const Case& c : kCases) {
+    EXPECT_LT(run_case(env, c, DType::kF16, DType::kF16), 1e-3) << "m " << c.m << " k " << c.k;
+  }
+}
+
+// The f16 path is the f32 matmul of the widened operands, rounded once: bit for bit.
+TEST(MatmulTest, F16IsTheF32ProductOfTheWidenedOperandsRoundedOnce) {
+  Env env;
+  const int64_t m = 37, n = 29, k = 70;
+  auto a = testing::round_f16(random_values(static_cast<size_t>(m * k), 7, -3.0f, 3.0f));
+  auto b = testing::round_f16(random_values(static_cast<size_t>(k * n), 8, -3.0f, 3.0f));
+  auto out0 = testing::round_f16(random_values(static_cast<size_t>(m * n), 9));
+  for (float beta : {0.0f, 0.5f}) {
+    Tensor a32 = env.from(a, {m, k}), b32 = env.from(b, {k, n}), out32 = env.from(out0, {m, n});
+    Tensor a16 = env.from(a, {m, k}, DType::kF16), b16 = env.from(b, {k, n}, DType::kF16);
+    Tensor out16 = env.from(out0, {m, n}, DType::kF16);
+    env.kernels->matmul(a32, b32, out32, {false, false, 1.0f, beta});
+    env.kernels->matmul(a16, b16, out16, {false, false, 1.0f, beta});
+    EXPECT_EQ(env.host(out16), round_to(DType::kF16, env.host(out32))) << "beta " << beta;
+  }
+}
+
+// Past 65504 an f16 output is inf (the overflow the fp16 loss scaler looks for).
+TEST(MatmulTest, F16OutputOverflowsToInf) {
+  Env env;
+  Tensor a = env.from({300.0f, 300.0f}, {1, 2}, DType::kF16);
+  Tensor b = env.from({100.0f, 120.0f}, {2, 1}, DType::kF16);
+  Tensor out = env.empty({1, 1}, DType::kF16), out32 = env.empty({1, 1});
+  env.kernels->matmul(a, b, out32);
+  EXPECT_EQ(env.host(out32)[0], 66000.0f);
+  env.kernels->matmul(a, b, out);
+  EXPECT_EQ(env.host(out)[0], INFINITY);
+  env.kernels->matmul(a, b, out, {false, false, -1.0f, 0.0f});
+  EXPECT_EQ(env.host(out)[0], -INFINITY);
+  env.kernels->matmul(a, b, out, {false, false, 0.5f, 0.0f});
+  EXPECT_EQ(env.host(out)[0], 32992.0f);  // 33000 to the f16 grid (spacing 32 there)
 }
 
 TEST(MatmulTest, ZeroInnerDimensionScalesOutputByBeta) {

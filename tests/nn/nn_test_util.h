@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "memory/caching_allocator.h"
@@ -63,6 +64,25 @@ inline std::vector<float> random_values(size_t n, uint32_t seed, float lo = -1.0
 inline std::vector<float> round_bf16(std::vector<float> v) {
   for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
   return v;
+}
+
+// Values rounded to f16 (to inf beyond 65504), so an f16 tensor holds what the reference sees.
+inline std::vector<float> round_f16(std::vector<float> v) {
+  for (float& x : v) x = f16_to_f32(f32_to_f16(x));
+  return v;
+}
+
+// Values rounded to `dtype` (unchanged for f32).
+inline std::vector<float> round_to(DType dtype, std::vector<float> v) {
+  if (dtype == DType::kBF16) return round_bf16(std::move(v));
+  if (dtype == DType::kF16) return round_f16(std::move(v));
+  return v;
+}
+
+inline float round_to(DType dtype, float x) {
+  if (dtype == DType::kBF16) return bf16_to_f32(f32_to_bf16(x));
+  if (dtype == DType::kF16) return f16_to_f32(f32_to_f16(x));
+  return x;
 }
 
 // max |got - want| / max(max |want|, floor): the error relative to the tensor's magnitude.

@@ -16,6 +16,7 @@ using testing::Env;
 using testing::max_rel_error;
 using testing::random_values;
 using testing::round_bf16;
+using testing::round_f16;
 
 // y = layernorm(x) per row, in double.
 std::vector<double> layernorm_ref(const std::vector<double>& x, const std::vector<float>& g,
@@ -106,6 +107,74 @@ TEST(LayerNormTest, Bf16ActivationsWithF32Parameters) {
   std::vector<double> xd(x.begin(), x.end());
   // One bf16 rounding of y: 2^-8 relative, 8e-3 of the max.
   EXPECT_LT(max_rel_error(env.host(ty), layernorm_ref(xd, g, b, rows, cols, 1e-5)), 8e-3);
+}
+
+// f16 activations and parameters, f16 dgamma/dbeta accumulators: each output rounds once
+// to f16 (2^-11 relative), against the reference on the f16-rounded inputs.
+TEST(LayerNormTest, F16ForwardAndBackwardWithinF16Rounding) {
+  Env env;
+  const int64_t rows = 9, cols = 33;
+  auto x = round_f16(random_values(rows * cols, 7));
+  auto g = round_f16(random_values(cols, 8)), b = round_f16(random_values(cols, 9));
+  auto dy = round_f16(random_values(rows * cols, 10));
+  const DType h = DType::kF16;
+  Tensor tx = env.from(x, {rows, cols}, h), ty = env.empty({rows, cols}, h);
+  Tensor tg = env.from(g, {cols}, h), tb = env.from(b, {cols}, h);
+  Tensor mean = env.empty({rows}), rstd = env.empty({rows});
+  env.kernels->layernorm_forward(tx, tg, tb, ty, mean, rstd);
+  std::vector<double> xd(x.begin(), x.end()), xhat;
+  const std::vector<double> want_y = layernorm_ref(xd, g, b, rows, cols, 1e-5, &xhat);
+  EXPECT_LT(max_rel_error(env.host(ty), want_y), 1e-3);
+
+  Tensor tdy = env.from(dy, {rows, cols}, h), tdx = env.empty({rows, cols}, h);
+  Tensor dg = env.from(std::vector<float>(cols, 0.0f), {cols}, h);
+  Tensor db = env.from(std::vector<float>(cols, 0.0f), {cols}, h);
+  env.kernels->layernorm_backward(tdy, tx, tg, mean, rstd, tdx, dg, db);
+  std::vector<double> want_dg(cols, 0.0), want_db(cols, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      want_dg[c] += dy[r * cols + c] * xhat[r * cols + c];
+      want_db[c] += dy[r * cols + c];
+    }
+  }
+  EXPECT_LT(max_rel_error(env.host(dg), want_dg), 2e-3);
+  EXPECT_LT(max_rel_error(env.host(db), want_db), 2e-3);
+  // dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma, in double.
+  std::vector<double> want_dx(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    double mean_x = 0, var = 0, mg = 0, mgx = 0;
+    for (int64_t c = 0; c < cols; ++c) mean_x += x[r * cols + c];
+    mean_x /= cols;
+    for (int64_t c = 0; c < cols; ++c) var += std::pow(x[r * cols + c] - mean_x, 2);
+    const double rs = 1.0 / std::sqrt(var / cols + 1e-5);
+    for (int64_t c = 0; c < cols; ++c) {
+      mg += double{dy[r * cols + c]} * g[c] / cols;
+      mgx += double{dy[r * cols + c]} * g[c] * xhat[r * cols + c] / cols;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      want_dx[r * cols + c] =
+          rs * (double{dy[r * cols + c]} * g[c] - mg - xhat[r * cols + c] * mgx);
+    }
+  }
+  EXPECT_LT(max_rel_error(env.host(tdx), want_dx), 2e-3);
+}
+
+TEST(EmbeddingTest, F16TablesAndOutput) {
+  Env env;
+  const int64_t vocab = 11, cols = 9, t_max = 6, batch = 2, seq = 5;
+  auto wte = round_f16(random_values(vocab * cols, 30)), wpe = round_f16(random_values(t_max * cols, 31));
+  std::vector<int32_t> tok = {3, 0, 10, 3, 7, 1, 1, 2, 9, 4};
+  Tensor twte = env.from(wte, {vocab, cols}, DType::kF16);
+  Tensor twpe = env.from(wpe, {t_max, cols}, DType::kF16);
+  Tensor out = env.empty({batch, seq, cols}, DType::kF16);
+  env.kernels->embedding_forward(env.ids(tok, {batch, seq}), twte, twpe, out);
+  std::vector<float> got = env.host(out);
+  for (int64_t n = 0; n < batch * seq; ++n) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float want = wte[tok[n] * cols + c] + wpe[(n % seq) * cols + c];
+      ASSERT_EQ(got[n * cols + c], testing::round_to(DType::kF16, want)) << n << " " << c;
+    }
+  }
 }
 
 TEST(EmbeddingTest, ForwardAddsTokenAndPositionRows) {
@@ -213,6 +282,24 @@ TEST(CrossEntropyTest, Bf16LogitsAndGradient) {
   env.kernels->cross_entropy_backward(tl, env.ids(tgt, {rows}), dl, 1.0f);
   EXPECT_LT(max_rel_error(env.host(losses), want_loss), 1e-6);
   EXPECT_LT(max_rel_error(env.host(dl), want_d), 8e-3);
+}
+
+TEST(CrossEntropyTest, F16LogitsAndGradient) {
+  Env env;
+  const int64_t rows = 4, classes = 33;
+  auto logits = round_f16(random_values(rows * classes, 16, -3.0f, 3.0f));
+  std::vector<int32_t> tgt = {0, 32, 5, 17};
+  std::vector<double> want_loss, want_d;
+  cross_entropy_ref(logits, tgt, rows, classes, 1.0f, &want_loss, &want_d);
+  Tensor tl = env.from(logits, {rows, classes}, DType::kF16), losses = env.empty({rows});
+  Tensor dl = env.empty({rows, classes}, DType::kF16);
+  env.kernels->cross_entropy_forward(tl, env.ids(tgt, {rows}), losses);
+  env.kernels->cross_entropy_backward(tl, env.ids(tgt, {rows}), dl, 1.0f);
+  EXPECT_LT(max_rel_error(env.host(losses), want_loss), 1e-6);
+  EXPECT_LT(max_rel_error(env.host(dl), want_d), 1e-3);
+  // In place (dlogits = logits), as the GPT head does.
+  env.kernels->cross_entropy_backward(tl, env.ids(tgt, {rows}), tl, 1.0f);
+  EXPECT_EQ(env.host(tl), env.host(dl));
 }
 
 TEST(CrossEntropyTest, RejectsOutOfRangeTargets) {

@@ -122,8 +122,13 @@ TEST(ValidationTest, EveryOpRejectsBadArgumentsNamingItself) {
        [](Env& e, Kernels& k) { Tensor x = e.empty({2}, DType::kI32); k.fill(x, 1.0f); }},
       {"scale", {"scale", "undefined"},
        [](Env&, Kernels& k) { Tensor x; k.scale(x, 1.0f); }},
-      {"cpu f16", {"f16", "cuda"},
-       [](Env& e, Kernels& k) { Tensor x = e.empty({2}, DType::kF16); k.fill(x, 1.0f); }},
+      {"nonfinite_count", {"nonfinite_count", "1 element"},
+       [](Env& e, Kernels& k) { Tensor out = e.empty({2}); k.nonfinite_count(e.empty({4}), out); }},
+      {"cpu bf16 with f16", {"mixes bf16 and f16", "Note [Cpu dtype combinations]"},
+       [](Env& e, Kernels& k) {
+         Tensor x = e.empty({2}, DType::kF16);
+         k.bias_add(x, e.empty({2}, DType::kBF16));
+       }},
   };
   for (const BadCall& c : calls) {
     try {

@@ -64,11 +64,13 @@ CublasLtMatmul::~CublasLtMatmul() = default;
 
 static float ldv(const void* p, DType t, int64_t i) {
   if (t == DType::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  if (t == DType::kF16) return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
   if (t == DType::kF32) return static_cast<const float*>(p)[i];
   throw std::runtime_error("emu gemm dtype");
 }
 static void stv(void* p, DType t, int64_t i, float v) {
   if (t == DType::kBF16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else if (t == DType::kF16) static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
   else static_cast<float*>(p)[i] = v;
 }
 

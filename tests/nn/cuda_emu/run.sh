@@ -11,7 +11,8 @@
 # warp intrinsics). emu_support.cc provides a "cuda" device that is a cpu device, cuBLASLt
 # by definition, and stubs for the runtime calls. Needs a release build (for the cpu kernels):
 #   cmake --preset release && cmake --build --preset release --target porter_nn
-#   tests/nn/cuda_emu/run.sh [gtest args]     # about 4 minutes on 2 cores
+#   tests/nn/cuda_emu/run.sh [gtest args]     # ~20 min on 2 busy cores; the 300001-element
+#                                             # reductions take most: filter with --gtest_filter
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
