@@ -1,0 +1,681 @@
+// TcpStore: the rendezvous key/value server (Boost.Asio, one io_context thread on rank 0) and
+// its client on every rank. Protocol and failure behaviour: Note [TcpStore protocol] below.
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string_view>
+#include <thread>
+#include <utility>  // before asio: Boost 1.74's awaitable.hpp uses std::exchange unincluded
+
+#include <boost/asio.hpp>
+
+#include "base/check.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "comm/store.h"
+
+// Note [TcpStore protocol]
+// Every message is a frame: a u32 little-endian byte count, then that many bytes.
+//   request: u64 id | u8 op | u32 nfields | nfields x (u32 length | bytes)
+//            kSet [key, value]  kGet [key]  kWait [key...]  kAdd [key, i64 delta]  kCheck [key]
+//   reply:   u64 id | u8 status (0 ok, 1 error) | payload
+//            set, wait: empty; get: the value; add: the new i64; check: one byte 0/1;
+//            error: a message (add on a value that is not an 8-byte counter).
+// All integers are little-endian. The server answers set/add/check at once. get and wait are
+// deferred replies: the server parks a waiter and answers when the last missing key is set, so
+// a blocked client costs nothing but a socket.
+// Timeouts are the client's: it polls its socket with a deadline. On timeout it throws
+// TimeoutError and keeps the connection; the server's late reply carries the old request id
+// and the next call on that connection reads and drops it. A deadline that passes in the
+// middle of a reply frame closes that connection instead (the next call opens a fresh one).
+// Threads of one rank that share a TcpStore each take their own connection from a pool, so a
+// thread blocked in get() never delays another thread's set().
+// Failure: the server's sockets close when its process dies or its TcpStore is destroyed; a
+// client parked in poll() sees EOF/reset at once and throws PeerError naming host:port and the
+// operation, and any later call does too (a refused reconnect is not retried once the server
+// had been reached). Only a silent network partition waits out the timeout.
+
+namespace porter::comm {
+namespace {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using boost::system::error_code;
+
+enum class Op : uint8_t { kSet = 1, kGet = 2, kWait = 3, kAdd = 4, kCheck = 5 };
+constexpr uint8_t kStatusOk = 0;
+constexpr uint8_t kStatusError = 1;
+constexpr uint32_t kMaxFrameBytes = 1u << 30;  // 1 GiB: larger frames are corrupt streams
+const std::string kJoinedKey = "porter.tcp_store/joined";
+const std::string kAllJoinedKey = "porter.tcp_store/all_joined";
+
+// --- encoding ----------------------------------------------------------------------------
+
+void put_u32(std::vector<char>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void put_u64(std::vector<char>& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t load_le(const char* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+void put_field(std::vector<char>& out, std::string_view bytes) {
+  put_u32(out, static_cast<uint32_t>(bytes.size()));
+  out.insert(out.end(), bytes.begin(), bytes.end());
+}
+// Patches the frame's leading length once the body is complete.
+void finish_frame(std::vector<char>& frame) {
+  const auto n = static_cast<uint32_t>(frame.size() - 4);
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+}
+
+// Bounds-checked reading of one frame body; any overrun clears ok.
+struct Reader {
+  const char* p;
+  size_t n;
+  bool ok = true;
+  uint64_t u(int bytes) {
+    if (n < static_cast<size_t>(bytes)) {
+      ok = false;
+      return 0;
+    }
+    uint64_t v = load_le(p, bytes);
+    p += bytes;
+    n -= bytes;
+    return v;
+  }
+  std::string_view field() {
+    auto len = static_cast<size_t>(u(4));
+    if (!ok || n < len) {
+      ok = false;
+      return {};
+    }
+    std::string_view v(p, len);
+    p += len;
+    n -= len;
+    return v;
+  }
+};
+
+std::string quoted(std::string_view key) { return str_cat("\"", std::string(key), "\""); }
+
+// --- server ------------------------------------------------------------------------------
+
+// Lock rule: none needed. Every member below the thread is touched only by the io thread
+// (the constructor runs before the thread starts; the destructor posts its shutdown).
+class Server {
+ public:
+  Server(const std::string& host, uint16_t port) : acceptor_(io_) {
+    error_code ec;
+    tcp::resolver resolver(io_);
+    auto results = resolver.resolve(host, std::to_string(port), ec);
+    PORTER_CHECK(!ec && !results.empty(), "TcpStore: cannot resolve MASTER_ADDR \"", host,
+                 "\" (", ec.message(), "); set MASTER_ADDR to this host's name or address");
+    // Listen on every interface of the resolved family, so that ranks on other hosts reach
+    // the server by MASTER_ADDR whatever interface that name maps to.
+    const bool v6 = results.begin()->endpoint().address().is_v6();
+    tcp::endpoint ep(v6 ? tcp::v6() : tcp::v4(), port);
+    acceptor_.open(ep.protocol(), ec);
+    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(ep, ec);
+    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    PORTER_CHECK(!ec, "TcpStore: cannot listen on port ", port, " (", ec.message(),
+                 "); another job may hold MASTER_PORT: pick a free MASTER_PORT (or port 0 in "
+                 "tests)");
+    port_ = acceptor_.local_endpoint().port();
+    accept();
+    thread_ = std::thread([this] {
+      try {
+        io_.run();
+      } catch (const std::exception& e) {
+        PORTER_LOG_ERROR("TcpStore server on port {} stopped: {}", port_, e.what());
+      }
+    });
+  }
+
+  ~Server() {
+    asio::post(io_, [this] {
+      error_code ec;
+      acceptor_.close(ec);
+      for (auto& [ptr, weak] : sessions_) {
+        if (auto s = weak.lock()) {
+          s->socket.shutdown(tcp::socket::shutdown_both, ec);
+          s->socket.close(ec);
+        }
+      }
+      sessions_.clear();
+      waiters_.clear();
+      io_.stop();
+    });
+    if (thread_.joinable()) thread_.join();
+  }
+
+  uint16_t port() const { return port_; }
+
+ private:
+  struct Session {
+    explicit Session(tcp::socket s) : socket(std::move(s)) {}
+    tcp::socket socket;
+    char header[4] = {};
+    std::vector<char> body;
+    std::deque<std::vector<char>> outbox;  // replies not yet written; front() in flight
+    bool writing = false;
+  };
+  struct Waiter {
+    std::weak_ptr<Session> session;
+    uint64_t id = 0;
+    Op op = Op::kWait;
+    std::string get_key;    // kGet: the value to answer with
+    size_t missing = 0;     // keys not yet set
+  };
+
+  void accept() {
+    acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
+      if (!acceptor_.is_open()) return;
+      if (!ec) {
+        socket.set_option(tcp::no_delay(true), ec);
+        auto s = std::make_shared<Session>(std::move(socket));
+        sessions_[s.get()] = s;
+        read_frame(s);
+      }
+      accept();
+    });
+  }
+
+  void drop(const std::shared_ptr<Session>& s) {
+    error_code ec;
+    s->socket.close(ec);
+    sessions_.erase(s.get());
+  }
+
+  void read_frame(std::shared_ptr<Session> s) {
+    asio::async_read(s->socket, asio::buffer(s->header), [this, s](error_code ec, size_t) {
+      if (ec) return drop(s);
+      const auto n = static_cast<uint32_t>(load_le(s->header, 4));
+      if (n > kMaxFrameBytes) return drop(s);
+      s->body.resize(n);
+      asio::async_read(s->socket, asio::buffer(s->body), [this, s](error_code ec2, size_t) {
+        if (ec2) return drop(s);
+        if (!handle(s)) return drop(s);
+        read_frame(s);
+      });
+    });
+  }
+
+  void reply(const std::shared_ptr<Session>& s, uint64_t id, uint8_t status,
+             std::string_view payload) {
+    std::vector<char> frame(4);
+    frame.reserve(4 + 9 + payload.size());
+    put_u64(frame, id);
+    frame.push_back(static_cast<char>(status));
+    frame.insert(frame.end(), payload.begin(), payload.end());
+    finish_frame(frame);
+    s->outbox.push_back(std::move(frame));  // deque: references to front() stay valid
+    if (!s->writing) write_next(s);
+  }
+
+  void write_next(const std::shared_ptr<Session>& s) {
+    if (s->outbox.empty()) {
+      s->writing = false;
+      return;
+    }
+    s->writing = true;
+    asio::async_write(s->socket, asio::buffer(s->outbox.front()), [this, s](error_code ec,
+                                                                            size_t) {
+      if (ec) return drop(s);
+      s->outbox.pop_front();
+      write_next(s);
+    });
+  }
+
+  // A key was set or added: answer the waiters whose last missing key it was.
+  void on_key(const std::string& key) {
+    auto it = waiters_.find(key);
+    if (it == waiters_.end()) return;
+    auto list = std::move(it->second);
+    waiters_.erase(it);
+    for (auto& w : list) {
+      if (--w->missing != 0) continue;
+      auto s = w->session.lock();
+      if (s == nullptr) continue;  // the client left (timed out and closed, or died)
+      if (w->op == Op::kGet) {
+        const Bytes& v = values_.at(w->get_key);
+        reply(s, w->id, kStatusOk, std::string_view(v.data(), v.size()));
+      } else {
+        reply(s, w->id, kStatusOk, {});
+      }
+    }
+  }
+
+  // Serves one request; false means a malformed frame (the session is dropped).
+  bool handle(const std::shared_ptr<Session>& s) {
+    Reader r{s->body.data(), s->body.size()};
+    const uint64_t id = r.u(8);
+    const auto op = static_cast<Op>(r.u(1));
+    const auto nfields = static_cast<size_t>(r.u(4));
+    if (!r.ok || nfields > r.n / 4) return false;
+    std::vector<std::string_view> f;
+    f.reserve(nfields);
+    for (size_t i = 0; i < nfields; ++i) f.push_back(r.field());
+    if (!r.ok || r.n != 0) return false;
+    switch (op) {
+      case Op::kSet: {
+        if (f.size() != 2) return false;
+        std::string key(f[0]);
+        values_[key] = Bytes(f[1].begin(), f[1].end());
+        reply(s, id, kStatusOk, {});
+        on_key(key);
+        return true;
+      }
+      case Op::kGet: {
+        if (f.size() != 1) return false;
+        std::string key(f[0]);
+        auto it = values_.find(key);
+        if (it != values_.end()) {
+          reply(s, id, kStatusOk, std::string_view(it->second.data(), it->second.size()));
+        } else {
+          auto w = std::make_shared<Waiter>();
+          *w = Waiter{s, id, Op::kGet, key, 1};
+          waiters_[key].push_back(std::move(w));
+        }
+        return true;
+      }
+      case Op::kWait: {
+        std::set<std::string> missing;
+        for (auto k : f) {
+          if (values_.find(std::string(k)) == values_.end()) missing.emplace(k);
+        }
+        if (missing.empty()) {
+          reply(s, id, kStatusOk, {});
+          return true;
+        }
+        auto w = std::make_shared<Waiter>();
+        *w = Waiter{s, id, Op::kWait, "", missing.size()};
+        for (const auto& k : missing) waiters_[k].push_back(w);
+        return true;
+      }
+      case Op::kAdd: {
+        if (f.size() != 2 || f[1].size() != 8) return false;
+        std::string key(f[0]);
+        uint64_t v = load_le(f[1].data(), 8);
+        auto it = values_.find(key);
+        if (it != values_.end()) {
+          if (it->second.size() != 8) {
+            reply(s, id, kStatusError,
+                  str_cat("TcpStore: add(", quoted(key), ") on a value of ", it->second.size(),
+                          " bytes that is not an 8-byte counter (it was set() with other "
+                          "bytes); use a separate key for counters"));
+            return true;
+          }
+          v += load_le(it->second.data(), 8);  // two's complement wrap-around
+        }
+        Bytes enc;
+        enc.reserve(8);
+        put_u64(enc, v);
+        values_[key] = enc;
+        reply(s, id, kStatusOk, std::string_view(enc.data(), enc.size()));
+        on_key(key);
+        return true;
+      }
+      case Op::kCheck: {
+        if (f.size() != 1) return false;
+        const char found = values_.count(std::string(f[0])) != 0 ? 1 : 0;
+        reply(s, id, kStatusOk, std::string_view(&found, 1));
+        return true;
+      }
+    }
+    return false;  // unknown op
+  }
+
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  uint16_t port_ = 0;
+  std::map<std::string, Bytes> values_;
+  std::map<std::string, std::vector<std::shared_ptr<Waiter>>> waiters_;  // by missing key
+  std::map<Session*, std::weak_ptr<Session>> sessions_;
+  std::thread thread_;  // last: started after everything above exists
+};
+
+// --- client ------------------------------------------------------------------------------
+
+// Why a client read or write stopped.
+enum class IoResult { kOk, kTimeout, kClosed };
+
+struct Conn {
+  explicit Conn(asio::io_context& io) : socket(io) {}
+  tcp::socket socket;  // non-blocking; waited on with poll()
+  uint64_t next_id = 1;
+  std::string error;  // the last kClosed cause
+};
+
+// Waits for `events` on fd until the deadline; false on timeout.
+bool poll_until(int fd, short events, Clock::time_point deadline) {
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                            Clock::now());
+    if (left.count() <= 0) {
+      pollfd p{fd, events, 0};
+      return ::poll(&p, 1, 0) > 0;
+    }
+    pollfd p{fd, events, 0};
+    const int timeout_ms = static_cast<int>(std::min<int64_t>(left.count() + 1, 1 << 30));
+    const int rc = ::poll(&p, 1, timeout_ms);
+    if (rc > 0) return true;  // ready, or POLLHUP/POLLERR: the read/write reports why
+    if (rc < 0 && errno != EINTR) return true;
+  }
+}
+
+IoResult write_all(Conn& c, const std::vector<char>& buf, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < buf.size()) {
+    error_code ec;
+    done += c.socket.write_some(asio::buffer(buf.data() + done, buf.size() - done), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      if (!poll_until(c.socket.native_handle(), POLLOUT, deadline)) return IoResult::kTimeout;
+    } else if (ec) {
+      c.error = ec.message();
+      return IoResult::kClosed;
+    }
+  }
+  return IoResult::kOk;
+}
+
+IoResult read_all(Conn& c, char* out, size_t n, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < n) {
+    error_code ec;
+    done += c.socket.read_some(asio::buffer(out + done, n - done), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      if (!poll_until(c.socket.native_handle(), POLLIN, deadline)) return IoResult::kTimeout;
+    } else if (ec) {
+      c.error = ec == asio::error::eof ? "connection closed by the server" : ec.message();
+      return IoResult::kClosed;
+    }
+  }
+  return IoResult::kOk;
+}
+
+}  // namespace
+
+struct TcpStore::Impl {
+  explicit Impl(const TcpStoreOptions& o) : options(o) {}
+
+  TcpStoreOptions options;
+  std::unique_ptr<Server> server;  // rank 0 only
+  uint16_t port = 0;               // where the client connects
+  asio::io_context client_io;      // owns the client sockets' services; never run
+  std::mutex mu;                   // guards idle and reached
+  std::vector<std::unique_ptr<Conn>> idle;
+  bool reached = false;  // a connection succeeded once: later refusals mean the server left
+
+  std::string address() const { return str_cat(options.host, ":", port); }
+
+  [[noreturn]] void peer_error(const std::string& what, const std::string& cause) const {
+    throw PeerError(str_cat("TcpStore: lost the store server at ", address(), " during ", what,
+                            " (", cause, "); rank 0 hosts the server: it exited or failed, "
+                            "see its log"));
+  }
+
+  // One connection attempt to every resolved address; empty on success, else the error.
+  std::string try_connect(Conn& c, Clock::time_point deadline) {
+    error_code ec;
+    tcp::resolver resolver(client_io);
+    auto results = resolver.resolve(options.host, std::to_string(port), ec);
+    if (ec) return str_cat("cannot resolve \"", options.host, "\": ", ec.message());
+    std::string last = "no address";
+    for (const auto& entry : results) {
+      const tcp::endpoint ep = entry.endpoint();
+      error_code ignored;
+      c.socket.close(ignored);
+      c.socket.open(ep.protocol(), ec);
+      if (!ec) c.socket.non_blocking(true, ec);
+      if (ec) return ec.message();
+      // asio's synchronous connect waits without a bound, so connect the socket directly.
+      const int fd = c.socket.native_handle();
+      int rc = ::connect(fd, ep.data(), static_cast<socklen_t>(ep.size()));
+      int err = rc == 0 ? 0 : errno;
+      if (err == EINPROGRESS) {
+        if (!poll_until(fd, POLLOUT, deadline)) {
+          last = "connect timed out";
+          continue;
+        }
+        socklen_t len = sizeof(err);
+        if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+      }
+      if (err == 0) {
+        c.socket.set_option(tcp::no_delay(true), ec);
+        return "";
+      }
+      last = std::strerror(err);
+    }
+    c.socket.close(ec);
+    return last;
+  }
+
+  // A connection for one call: an idle one, else a new one. `retry` keeps trying until the
+  // deadline (clients may start before the server); otherwise a refusal is a PeerError.
+  std::unique_ptr<Conn> acquire(const std::string& what, Clock::time_point deadline,
+                                bool retry) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!idle.empty()) {
+        auto c = std::move(idle.back());
+        idle.pop_back();
+        return c;
+      }
+    }
+    auto c = std::make_unique<Conn>(client_io);
+    auto pause = std::chrono::milliseconds(10);
+    while (true) {
+      std::string err = try_connect(*c, deadline);
+      if (err.empty()) {
+        std::lock_guard<std::mutex> lock(mu);
+        reached = true;
+        return c;
+      }
+      if (!retry) peer_error(what, str_cat("reconnecting failed: ", err));
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw TimeoutError(str_cat(
+            "TcpStore: could not connect to the store server at ", address(), " within ",
+            options.timeout.count(), " s (last error: ", err,
+            "); rank 0 starts the server: check that it runs and that MASTER_ADDR and "
+            "MASTER_PORT are the same on every rank"));
+      }
+      std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
+      pause = std::min(pause * 2, std::chrono::milliseconds(200));
+    }
+  }
+
+  void release(std::unique_ptr<Conn> c) {
+    std::lock_guard<std::mutex> lock(mu);
+    idle.push_back(std::move(c));
+  }
+
+  // Sends one request and returns the reply's payload. `what` names the operation for
+  // errors; on timeout throws TimeoutError with `on_timeout()`'s message.
+  template <typename TimeoutMessage>
+  Bytes call(Op op, const std::vector<std::string_view>& fields, const std::string& what,
+             Seconds timeout, TimeoutMessage&& on_timeout) {
+    size_t total = 4 + 8 + 1 + 4;
+    for (auto f : fields) total += 4 + f.size();
+    PORTER_CHECK_LE(total, size_t{kMaxFrameBytes}, "TcpStore: ", what,
+                    " is larger than the 1 GiB a store message may carry");
+    if (timeout.count() <= 0) timeout = options.timeout;
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout);
+    bool was_reached;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      was_reached = reached;
+    }
+    auto c = acquire(what, deadline, /*retry=*/!was_reached);
+    const uint64_t id = c->next_id++;
+    std::vector<char> frame(4);
+    frame.reserve(total);
+    put_u64(frame, id);
+    frame.push_back(static_cast<char>(op));
+    put_u32(frame, static_cast<uint32_t>(fields.size()));
+    for (auto f : fields) put_field(frame, f);
+    finish_frame(frame);
+
+    IoResult res = write_all(*c, frame, deadline);
+    if (res == IoResult::kClosed) peer_error(what, c->error);
+    if (res == IoResult::kTimeout) throw TimeoutError(on_timeout(timeout));  // conn dropped
+    while (true) {
+      char header[4];
+      res = read_all(*c, header, 1, deadline);  // a timeout before the reply: conn stays
+      if (res == IoResult::kTimeout) {
+        release(std::move(c));
+        throw TimeoutError(on_timeout(timeout));
+      }
+      if (res == IoResult::kOk) res = read_all(*c, header + 1, 3, deadline);
+      const auto n = static_cast<uint32_t>(load_le(header, 4));
+      if (res == IoResult::kOk && (n < 9 || n > kMaxFrameBytes)) {
+        peer_error(what, str_cat("corrupt reply frame of ", n, " bytes"));
+      }
+      Bytes body;
+      if (res == IoResult::kOk) {
+        body.resize(n);
+        res = read_all(*c, body.data(), n, deadline);
+      }
+      if (res == IoResult::kClosed) peer_error(what, c->error);
+      if (res == IoResult::kTimeout) throw TimeoutError(on_timeout(timeout));  // mid-frame
+      if (load_le(body.data(), 8) != id) continue;  // a late reply to a timed-out call
+      const auto status = static_cast<uint8_t>(body[8]);
+      Bytes payload(body.begin() + 9, body.end());
+      release(std::move(c));
+      if (status != kStatusOk) throw InvalidArgument(std::string(payload.begin(), payload.end()));
+      return payload;
+    }
+  }
+
+  bool check_key(const std::string& key, Seconds timeout) {
+    const std::string what = str_cat("check(", quoted(key), ")");
+    Bytes r = call(Op::kCheck, {key}, what, timeout,
+                   [&](Seconds t) { return no_reply(what, t); });
+    if (r.size() != 1) peer_error(what, "corrupt reply");
+    return r[0] != 0;
+  }
+
+  // For calls the server answers at once: a timeout means the server hangs.
+  std::string no_reply(const std::string& what, Seconds t) const {
+    return str_cat("TcpStore: ", what, " got no reply from the store server at ", address(),
+                   " within ", t.count(), " s; rank 0 (the server) is hung or overloaded");
+  }
+};
+
+TcpStore::TcpStore(const TcpStoreOptions& options)
+    : options_(options), impl_(std::make_unique<Impl>(options)) {
+  PORTER_CHECK(options.timeout.count() > 0, "TcpStore: the timeout must be > 0 s, got ",
+               options.timeout.count(), " s (porter.comm.timeout_s)");
+  PORTER_CHECK_GE(options.world_size, 0, "TcpStore: world_size must be >= 0 (0: do not wait)");
+  PORTER_CHECK(!options.host.empty(), "TcpStore: MASTER_ADDR is empty");
+  PORTER_CHECK(options.is_server || options.port != 0,
+               "TcpStore: a client needs the server's port; MASTER_PORT is 0");
+  impl_->port = options.port;
+  if (options.is_server) {
+    impl_->server = std::make_unique<Server>(options.host, options.port);
+    impl_->port = impl_->server->port();
+  }
+  // The first connection retries until the timeout: the server may not be up yet.
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(options.timeout);
+  impl_->release(impl_->acquire("connect", deadline, /*retry=*/true));
+  if (options.world_size > 0) {
+    const int64_t joined = add(kJoinedKey, 1);
+    if (joined >= options.world_size) set(kAllJoinedKey, Bytes{1});
+    try {
+      wait({kAllJoinedKey}, options.timeout);
+    } catch (const TimeoutError&) {
+      const int64_t now = add(kJoinedKey, 0);
+      throw TimeoutError(str_cat("TcpStore at ", impl_->address(), ": only ", now, " of ",
+                                 options.world_size, " ranks joined within ",
+                                 options.timeout.count(),
+                                 " s; the missing ranks did not start, or cannot reach "
+                                 "MASTER_ADDR:MASTER_PORT"));
+    }
+  }
+}
+
+TcpStore::~TcpStore() {
+  try {
+    {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      for (auto& c : impl_->idle) {
+        error_code ec;
+        c->socket.shutdown(tcp::socket::shutdown_both, ec);
+        c->socket.close(ec);
+      }
+      impl_->idle.clear();
+    }
+    impl_->server.reset();  // closes its sessions, joins its thread
+  } catch (const std::exception& e) {
+    PORTER_LOG_ERROR("TcpStore at {}: shutdown failed: {}", impl_->address(), e.what());
+  }
+}
+
+uint16_t TcpStore::port() const { return impl_->port; }
+
+void TcpStore::set(const std::string& key, const Bytes& value) {
+  const std::string what = str_cat("set(", quoted(key), ")");
+  impl_->call(Op::kSet, {key, std::string_view(value.data(), value.size())}, what, Seconds{0},
+              [&](Seconds t) { return impl_->no_reply(what, t); });
+}
+
+Bytes TcpStore::get(const std::string& key, Seconds timeout) {
+  return impl_->call(Op::kGet, {key}, str_cat("get(", quoted(key), ")"), timeout,
+                     [&](Seconds t) {
+                       return str_cat("TcpStore at ", impl_->address(), ": get timed out after ",
+                                      t.count(), " s; keys still missing: [", quoted(key),
+                                      "]. A rank that should set them is slow or failed; raise "
+                                      "porter.comm.timeout_s if it is only slow");
+                     });
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys, Seconds timeout) {
+  std::vector<std::string_view> fields(keys.begin(), keys.end());
+  std::string list;
+  for (const auto& k : keys) list += (list.empty() ? "" : ", ") + quoted(k);
+  impl_->call(Op::kWait, fields, str_cat("wait([", list, "])"), timeout, [&](Seconds t) {
+    // Name only the keys still missing (best effort: the server may be gone too).
+    std::string missing;
+    for (const auto& k : keys) {
+      bool present = false;
+      try {
+        present = impl_->check_key(k, std::min(t, Seconds{1}));
+      } catch (const Error&) {
+      }
+      if (!present) missing += (missing.empty() ? "" : ", ") + quoted(k);
+    }
+    return str_cat("TcpStore at ", impl_->address(), ": wait timed out after ", t.count(),
+                   " s; keys still missing: [", missing,
+                   "]. A rank that should set them is slow or failed; raise "
+                   "porter.comm.timeout_s if it is only slow");
+  });
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  std::vector<char> enc;
+  put_u64(enc, static_cast<uint64_t>(delta));
+  const std::string what = str_cat("add(", quoted(key), ")");
+  Bytes r = impl_->call(Op::kAdd, {key, std::string_view(enc.data(), enc.size())}, what,
+                        Seconds{0}, [&](Seconds t) { return impl_->no_reply(what, t); });
+  if (r.size() != 8) impl_->peer_error(what, "corrupt reply");
+  return static_cast<int64_t>(load_le(r.data(), 8));
+}
+
+bool TcpStore::check(const std::string& key) { return impl_->check_key(key, Seconds{0}); }
+
+}  // namespace porter::comm
