@@ -196,5 +196,114 @@ TEST(LaunchBinary, SigtermIsForwardedToEveryRank) {
   EXPECT_TRUE(contains(run.output, "rank 0 exit code 5; rank 1 exit code 5;")) << run.output;
 }
 
+// A 2-layer GPT for 2 ranks with ZeRO stage 2 and buckets small enough that backward
+// reduce-scatters several of them.
+const char* kZero2Config = R"({
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+  "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 20000},
+  "porter": {
+    "model": {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 16, "vocab": 64},
+    "data": {"type": "synthetic", "seed": 3},
+    "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
+    "checkpointing": {"policy": "uniform", "every_n_layers": 1},
+    "comm": {"timeout_s": 20},
+    "train": {"steps": 3, "log_every": 1}
+  }
+})";
+
+class LaunchTrain : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("porter_cli_launch_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    config_ = (dir_ / "zero2.json").string();
+    std::ofstream(config_) << kZero2Config;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+  std::string config_;
+};
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+// THE multi-process test: two porter processes train with ZeRO-2 over Gloo through the
+// launcher; rank 0's report has both ranks' memory and the zero section.
+TEST_F(LaunchTrain, DISABLED_TwoProcessesTrainWithZero2) {
+  const std::string report = (dir_ / "r.json").string();
+  CliRun r = porter({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config", config_,
+                     "--steps", "3", "--report", report});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] summary")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 0] memory per rank")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 0] zero: stage 2 over 2 ranks (gloo)")) << r.out;
+  EXPECT_FALSE(contains(r.out, "[rank 1] ")) << r.out;  // rank 1 prints only errors
+  EXPECT_TRUE(contains(r.err, "[rank 0] step 3/3")) << r.err;
+  const nlohmann::json j = read_json(report);
+  EXPECT_EQ(j["world_size"], 2);
+  EXPECT_EQ(j["comm_backend"], "gloo");
+  EXPECT_EQ(j["zero"]["stage"], 2);
+  EXPECT_EQ(j["zero"]["world_size"], 2);
+  EXPECT_GT(j["zero"]["comm_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["steps"], 3);
+  ASSERT_EQ(j["ranks"].size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    const nlohmann::json& rj = j["ranks"][static_cast<size_t>(rank)];
+    EXPECT_EQ(rj["rank"], rank);
+    EXPECT_EQ(rj["zero"]["stage"], 2);
+    EXPECT_EQ(rj["zero"]["shard_elems"], j["zero"]["shard_elems"]);
+    // Each rank holds its shard of the gradients and of the AdamW moments, exactly.
+    EXPECT_EQ(rj["memory"]["peak_by_category"]["optimizer"],
+              rj["zero"]["model_state_bytes"]["optimizer"]) << rank;
+    EXPECT_EQ(rj["memory"]["peak_by_category"]["grads"],
+              rj["zero"]["model_state_bytes"]["grads"]) << rank;
+  }
+  EXPECT_EQ(j["memory"], j["ranks"][0]["memory"]);
+}
+
+// `train --nproc 2` re-executes porter under the launcher.
+TEST_F(LaunchTrain, DISABLED_NprocIsTheLaunchShorthand) {
+  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "2"});
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  EXPECT_EQ(WEXITSTATUS(run.status), 0) << run.output;
+  EXPECT_TRUE(contains(run.output, "launch: 2 ranks")) << run.output;
+  EXPECT_TRUE(contains(run.output, "train --config " + config_ + " --steps 2\n")) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] step 2/2")) << run.output;
+}
+
+// A rank that fails before the rendezvous leaves rank 0 waiting for it in the store, which
+// gives up after porter.comm.timeout_s; the launcher names the rank that failed first.
+TEST_F(LaunchTrain, ARankThatFailsMakesTheOthersFailWithinTheTimeout) {
+  std::string text = kZero2Config;
+  const std::string from = "\"timeout_s\": 20";
+  text.replace(text.find(from), from.size(), "\"timeout_s\": 1");
+  std::ofstream(config_) << text;
+  const std::string script = std::string("if [ \"$RANK\" = 1 ]; then exec \"$0\" train --config ") +
+                             (dir_ / "missing.json").string() + "; fi; exec \"$0\" train --config " +
+                             config_;
+  CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c", script, PORTER_EXE});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 1] error: rank 1 of 2: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "cannot read config file")) << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: rank 1 failed (exit code 2)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 0] error: rank 0 of 2: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "first failure: rank 1")) << r.err;
+  EXPECT_FALSE(contains(r.err, "killed by the launcher")) << r.err;
+}
+
+TEST_F(LaunchTrain, NprocInsideALaunchedRankIsRefused) {
+  CliRun r = porter({"launch", "-n", "1", "--", PORTER_EXE, "train", "--nproc", "2", "--config",
+                     config_});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "--nproc 2: this process is already rank 0 of 1")) << r.err;
+}
+
 }  // namespace
 }  // namespace porter::cli
