@@ -103,8 +103,10 @@ class Progress {
 //   waits for all WORLD_SIZE clients), builds the world communicator from it
 //   (comm::make_communicator, porter.comm.timeout_s) and the data-parallel group, and gives
 //   that to the Engine; it trains on DataSource::rank_batches, its slice of every step;
-// - only rank 0 prints the header, the progress and the summary and writes --report, --trace
-//   and --dump-dir; config warnings are printed by rank 0 only;
+// - only rank 0 prints the header, the progress and the summary and writes --report and
+//   --trace; config warnings are printed by rank 0 only. --save and --resume are every
+//   rank's (each saves and loads its own `DIR`/rank<r>); --dump-dir is refused (a rank holds
+//   only its gradient shard);
 // - after the last step every rank hands its memory report to rank 0 (Note [Per-rank
 //   report] in cli/train_report.h);
 // - a rank that fails aborts its communicator (so its peers fail at once rather than at the
@@ -219,15 +221,10 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                const std::string& trace_path, memory::Device& dev, const World& w,
                std::ostream& out, std::ostream& err) {
   memory::Device* device = &dev;
-  if (w.distributed()) {
-    for (const auto& [flag, value] : {std::pair{"--save", &o.save}, std::pair{"--resume", &o.resume},
-                                      std::pair{"--dump-dir", &o.dump_dir}}) {
-      if (!value->empty()) {
-        throw InvalidArgument(std::string(flag) + ": not available with WORLD_SIZE > 1 yet "
-                              "(each rank holds only its shard of the optimizer state and "
-                              "gradients); run it on one rank");
-      }
-    }
+  if (w.distributed() && !o.dump_dir.empty()) {
+    throw InvalidArgument("--dump-dir: not available with WORLD_SIZE > 1 (at ZeRO stages 1 and 2 "
+                          "each rank holds only its shard of the gradients); dump a one-rank run "
+                          "of the same global batch instead");
   }
   engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                           cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
@@ -310,6 +307,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   }
   run.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+  // Every rank saves its own state (engine/state.cc: `dir`/rank<r> with several ranks).
+  if (!o.save.empty()) eng.save_checkpoint(o.save);
   run.ranks = gather_rank_reports(w, eng, cfg.porter.comm.timeout_s);
   if (!w.leader()) return kExitOk;
   print_summary(run, eng, out);
@@ -332,8 +331,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     }
   }
   if (!o.save.empty()) {
-    eng.save_checkpoint(o.save);
-    out << "saved: " << o.save << " (step " << eng.step() << ")\n";
+    out << "saved: " << o.save << " (step " << eng.step() << ")"
+        << (w.distributed() ? ", one rank<r> folder per rank" : "") << "\n";
   }
   return kExitOk;
 }
