@@ -24,38 +24,47 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Note [What the engine runs]
-// One device, one rank, no ZeRO partitioning and no tensor parallelism yet: those arrive
-// with their issues, and until then a config asking for them is refused rather than silently
-// run differently. Checkpoint offload (activation_checkpointing.cpu_checkpointing) runs
-// (docs/engine.md, Offload). Weight decay is decoupled (AdamW) and applies to every
-// parameter, biases and norms included (DeepSpeed applies the optimizer's weight_decay to
-// every parameter group it builds by default); Adam with coupled L2 decay (adam_w_mode false)
-// is refused when weight_decay > 0, because the kernel implements only the decoupled form.
-void check_supported(const config::Config& c, memory::Device& device) {
-  if (c.fp16.enabled) {
+// One device per rank; data parallelism over a dp communicator with ZeRO stages 0, 1 and 2
+// (docs/zero.md). Stage 3, optimizer/parameter offload and tensor parallelism arrive with
+// later issues, and until then a config asking for them is refused rather than silently run
+// differently. fp16 runs with loss scaling (zero/loss_scaler.h) on both devices. Checkpoint
+// offload (activation_checkpointing.cpu_checkpointing) runs (docs/engine.md, Offload). Weight
+// decay is decoupled (AdamW) and applies to every parameter, biases and norms included
+// (DeepSpeed applies the optimizer's weight_decay to every parameter group it builds by
+// default); Adam with coupled L2 decay (adam_w_mode false) is refused when weight_decay > 0,
+// because the kernel implements only the decoupled form.
+void check_supported(const config::Config& c, memory::Device& device, int dp_size) {
+  if (c.zero_optimization.stage == 3) {
     throw InvalidArgument(
-        std::string("fp16.enabled: fp16 training needs dynamic loss scaling, which the engine "
-                    "does not implement yet") +
-        (device.kind() == memory::DeviceKind::kCpu ? " (and the cpu device has no fp16 compute)"
-                                                   : "") +
-        "; use bf16.enabled instead");
+        "zero_optimization.stage: 3 (partitioned parameters) arrives in a later issue; this "
+        "engine runs stages 0, 1 and 2 (stage 2 partitions gradients and optimizer state)");
   }
-  if (c.zero_optimization.stage > 0) {
-    throw InvalidArgument("zero_optimization.stage: " + std::to_string(c.zero_optimization.stage) +
-                          " arrives with the distributed issue; this engine runs stage 0 "
-                          "(set it to 0)");
+  if (c.zero_optimization.stage < 0 || c.zero_optimization.stage > 3) {
+    throw InvalidArgument("zero_optimization.stage: expected 0..3, got " +
+                          std::to_string(c.zero_optimization.stage));
   }
-  if (c.world_size > 1) {
-    throw InvalidArgument("world_size " + std::to_string(c.world_size) +
-                          ": the engine runs one rank until the distributed issue; launch one "
-                          "process");
+  if (c.porter.model.tensor_parallel > 1) {
+    throw InvalidArgument("porter.model.tensor_parallel: " +
+                          std::to_string(c.porter.model.tensor_parallel) +
+                          ": tensor parallelism arrives with a later issue; set it to 1");
+  }
+  if (c.world_size != static_cast<int64_t>(dp_size) * c.porter.model.tensor_parallel) {
+    throw InvalidArgument(
+        "world_size " + std::to_string(c.world_size) + " does not match the data-parallel "
+        "communicator's " + std::to_string(dp_size) + " ranks times porter.model."
+        "tensor_parallel " + std::to_string(c.porter.model.tensor_parallel) +
+        ": parse the config with the launch's world size and pass the dp group of that world");
   }
   if (c.zero_optimization.offload_optimizer.device != config::OffloadDevice::kNone ||
       c.zero_optimization.offload_param.device != config::OffloadDevice::kNone) {
     throw InvalidArgument(
         "zero_optimization.offload_optimizer/offload_param.device: optimizer and parameter "
-        "offload arrive with ZeRO (the distributed issue); set device to \"none\" "
+        "offload arrive in a later issue; set device to \"none\" "
         "(activation_checkpointing.cpu_checkpointing offloads checkpoints and runs)");
+  }
+  if (c.gradient_predivide_factor <= 0.0) {
+    throw InvalidArgument("gradient_predivide_factor: expected > 0, got " +
+                          std::to_string(c.gradient_predivide_factor));
   }
   if (c.activation_checkpointing && c.activation_checkpointing->partition_activations) {
     throw InvalidArgument(
@@ -82,6 +91,16 @@ nn::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t
 }
 
 GptModel* as_gpt(Model& m) { return dynamic_cast<GptModel*>(&m); }
+
+comm::ElemType elem_type(nn::DType t) {
+  switch (t) {
+    case nn::DType::kF32: return comm::ElemType::kF32;
+    case nn::DType::kBF16: return comm::ElemType::kBF16;
+    case nn::DType::kF16: return comm::ElemType::kF16;
+    case nn::DType::kI32: return comm::ElemType::kI32;
+  }
+  return comm::ElemType::kF32;
+}
 
 // Note [Link probe]
 // With offload on and no porter.device.sim_link_gbps, the planner needs the link's bandwidth
@@ -187,22 +206,56 @@ std::string selective_ops_name(const std::vector<std::string>& ops) {
   return s;
 }
 
+// Each stage's flat range, from the layout: a model lays out stage 0's params() first, then
+// stage 1's, ... (GptModel and ChainModel do); anything else is refused, since ZeRO's
+// buckets follow stages (Note [Gradient buckets]).
+void stage_ranges(Model& model, std::vector<zero::StageRange>& ranges,
+                  std::vector<std::vector<int>>& writers, std::vector<int>& entry_stage) {
+  const auto& entries = model.layout().entries();
+  size_t next = 0;
+  int64_t at = 0;
+  for (int s = 0; s < model.num_stages(); ++s) {
+    const std::vector<nn::ParamSpec> specs = model.stage(s).params();
+    zero::StageRange r{at, at};
+    for (const nn::ParamSpec& spec : specs) {
+      const bool ok = next < entries.size() && entries[next].shape == spec.shape &&
+                      entries[next].name.size() >= spec.name.size() &&
+                      entries[next].name.compare(entries[next].name.size() - spec.name.size(),
+                                                 spec.name.size(), spec.name) == 0;
+      PORTER_CHECK(ok, "Engine: stage ", s, " (", model.stage_name(s), ") declares '", spec.name,
+                   "' but the layout's entry ", next, " is ",
+                   next < entries.size() ? "'" + entries[next].name + "'" : "missing",
+                   "; the model's layout must list the stages' parameters in stage order");
+      const int64_t numel = entries[next].shape.numel();
+      r.hi = entries[next].offset_elems +
+             (numel + nn::kParamAlignElems - 1) / nn::kParamAlignElems * nn::kParamAlignElems;
+      entry_stage.push_back(s);
+      ++next;
+    }
+    at = r.hi;
+    ranges.push_back(r);
+    writers.push_back(model.grad_writers(s));
+  }
+  PORTER_CHECK(next == entries.size(), "Engine: the layout has ", entries.size(),
+               " parameters but the stages declare ", next);
+}
+
 }  // namespace
 
 Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
                std::shared_ptr<comm::Communicator> dp)
     : device_(&device), config_(config) {
   PORTER_CHECK(model != nullptr, "Engine: the model is null");
-  PORTER_CHECK(dp == nullptr || dp->size() == 1,
-               "Engine: data-parallel communicators arrive with ZeRO (issue 7)");
-  check_supported(config, device);
+  check_supported(config, device, dp != nullptr ? dp->size() : 1);
   if (GptModel* gpt = as_gpt(*model)) {
     PORTER_CHECK(gpt->gpt().config() == config.porter.model,
                  "Engine: the GptModel was built from another model config than porter.model "
                  "(the plan and the checkpoints describe porter.model); build it from "
                  "config.porter.model");
   }
-  compute_dtype_ = config.bf16.enabled ? nn::DType::kBF16 : nn::DType::kF32;
+  compute_dtype_ = config.fp16.enabled   ? nn::DType::kF16
+                   : config.bf16.enabled ? nn::DType::kBF16
+                                         : nn::DType::kF32;
   memory::AllocatorOptions alloc_options;
   alloc_options.poison_freed = config.porter.device.poison_freed;
   allocator_ = std::make_unique<memory::CachingAllocator>(device, alloc_options);
@@ -226,23 +279,55 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   im.optimizer = config.optimizer.value_or(config::OptimizerConfig{});
   im.lr = std::make_unique<LrSchedule>(im.optimizer.lr, config.scheduler);
 
-  // Model states: params in the compute dtype, f32 grads, f32 master (bf16) and moments.
+  // Model states (Note [Model-state bytes per rank] in zero/partition.h): params in the
+  // compute dtype over the padded buffer, f32 grads (the full buffer at stages 0 and 1, the
+  // shard at stage 2), f32 master (bf16/fp16) and moments over the optimizer's range.
+  im.dp = std::move(dp);
+  im.zero_stage = config.zero_optimization.stage;
   const nn::ParamLayout& layout = model_->layout();
-  const int64_t p = layout.total_elems();
-  im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, compute_dtype_, nn::DType::kF32);
+  const int n = im.dp != nullptr ? im.dp->size() : 1;
+  const int rank = im.dp != nullptr ? im.dp->rank() : 0;
+  im.part = zero::make_partition(layout.total_elems(), n);
+  im.opt_lo = im.zero_stage >= 1 ? im.part.begin(rank) : 0;
+  im.opt_hi = im.zero_stage >= 1 ? im.part.end(rank) : im.part.padded_elems;
+  const int64_t opt_elems = im.opt_hi - im.opt_lo;
+  im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, compute_dtype_, nn::DType::kF32,
+                                             im.part.padded_elems, im.zero_stage < 2);
   im.has_master = compute_dtype_ != nn::DType::kF32;
   if (im.has_master) {
-    im.master = nn::Tensor::empty(*allocator_, nn::Shape{p}, nn::DType::kF32,
+    im.master = nn::Tensor::empty(*allocator_, nn::Shape{opt_elems}, nn::DType::kF32,
                                   memory::Category::kOptimizer);
   }
-  im.exp_avg = nn::Tensor::empty(*allocator_, nn::Shape{p}, nn::DType::kF32,
+  im.exp_avg = nn::Tensor::empty(*allocator_, nn::Shape{opt_elems}, nn::DType::kF32,
                                  memory::Category::kOptimizer);
-  im.exp_avg_sq = nn::Tensor::empty(*allocator_, nn::Shape{p}, nn::DType::kF32,
+  im.exp_avg_sq = nn::Tensor::empty(*allocator_, nn::Shape{opt_elems}, nn::DType::kF32,
                                     memory::Category::kOptimizer);
   kernels_->fill(im.exp_avg, 0.0f);
   kernels_->fill(im.exp_avg_sq, 0.0f);
-  nn::Tensor grads = im.flat->grads();
-  kernels_->fill(grads, 0.0f);
+  im.scaler = zero::LossScaler(config.fp16);
+  {
+    std::vector<zero::StageRange> ranges;
+    std::vector<std::vector<int>> writers;
+    std::vector<int> entry_stage;
+    stage_ranges(*model_, ranges, writers, entry_stage);
+    zero::ReducerOptions ro;
+    ro.stage = im.zero_stage;
+    ro.overlap_comm = config.zero_optimization.overlap_comm;
+    ro.reduce_scatter = config.zero_optimization.reduce_scatter;
+    ro.prescale_gradients = config.prescale_gradients;
+    ro.predivide_factor = config.gradient_predivide_factor;
+    Model* m = model_.get();
+    nn::FlatParams* flat = im.flat.get();
+    im.reducer = std::make_unique<zero::GradReducer>(
+        *im.flat, *kernels_, *allocator_, im.comm(), im.part,
+        zero::plan_buckets(ranges, writers, config.zero_optimization.reduce_bucket_size_elems),
+        std::move(entry_stage), ro, [m, flat] { m->bind(*flat); });
+  }
+  if (im.flat->grads().defined()) {
+    nn::Tensor grads = im.flat->grads();
+    kernels_->fill(grads, 0.0f);
+  }
+  im.reducer->zero_grads();
   set_params_host(model_->init_values(config.porter.train.seed));
   model_->bind(*im.flat);
   im.ctx = std::make_unique<nn::Ctx>(*kernels_, *allocator_, compute_dtype_);
@@ -353,57 +438,115 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   (void)im.stash->take_copies();
   (void)im.stash->take_waits();
 
-  // 1. Zero the gradients. 2. Every micro-batch through the schedule.
-  nn::Tensor grads = im.flat->grads();
-  kernels_->fill(grads, 0.0f);
-  model_->set_loss_scale(1.0f / static_cast<float>(gas));
+  // 1. Zero the gradients. 2. Every micro-batch through the schedule, its gradient buckets
+  // reduced as Note [Gradient reduction] says. 3. Norm, overflow, clip. 4. AdamW on the
+  // optimizer's range, then the all-gather of the parameters (stages 1 and 2).
+  comm::Communicator* comm = im.comm();
+  const comm::CommStats comm0 = comm != nullptr ? comm->stats() : comm::CommStats{};
+  double exposed_s = 0.0;  // host time waiting on collectives outside the reducer
+  auto wait = [&](comm::Work work) {
+    const auto w0 = Clock::now();
+    work.wait_on(device_->compute_stream());
+    exposed_s += std::chrono::duration<double>(Clock::now() - w0).count();
+  };
+  const double loss_scale = im.scaler.scale();
   StepResult r;
   double loss_sum = 0.0;
-  for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const HostBatch& mb = micro_batches[i];
-    nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
-    nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
-    ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy, trace_,
-                step_, static_cast<int>(i), config_.porter.train.seed, im.stash.get()};
-    const MicroBatchResult mr = run_schedule(env, tokens, targets);
-    loss_sum += mr.loss;
-    r.recompute_s += mr.recompute_s;
-  }
+  double norm = 0.0, coef = 1.0, lr = 0.0;
+  bool overflow = false;
+  zero::ReducerStats rs;
+  try {
+    im.reducer->zero_grads();
+    model_->set_loss_scale(static_cast<float>(loss_scale / static_cast<double>(gas)));
+    for (size_t i = 0; i < micro_batches.size(); ++i) {
+      const HostBatch& mb = micro_batches[i];
+      nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
+      nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
+      ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy,
+                  trace_, step_, static_cast<int>(i), config_.porter.train.seed, im.stash.get()};
+      zero::GradReducer* reducer = im.reducer.get();
+      env.before_backward = [reducer](int stage) { reducer->before_backward(stage); };
+      env.after_backward = [reducer](int stage) { reducer->after_backward(stage); };
+      reducer->begin_micro_batch(i + 1 == micro_batches.size());
+      const MicroBatchResult mr = run_schedule(env, tokens, targets);
+      reducer->end_micro_batch();
+      loss_sum += mr.loss;
+      r.recompute_s += mr.recompute_s;
+    }
+    rs = im.reducer->take_stats();
 
-  // 3. Global norm and clip coefficient. Nothing has changed the model yet, and nothing
-  // after the scratch allocation below can fail, so an error leaves the state as it was.
-  const int64_t opt_start_us = trace_ != nullptr ? trace_->now_us() : 0;
-  nn::Tensor sq = nn::Tensor::empty(*allocator_, nn::Shape{1}, nn::DType::kF32,
-                                    memory::Category::kWorkspace);
-  kernels_->squared_norm(grads, sq);
-  const double norm = std::sqrt(static_cast<double>(nn::to_host_f32(*device_, sq).at(0)));
-  sq = nn::Tensor();
-  double coef = 1.0;
-  if (config_.gradient_clipping > 0.0) coef = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+    // 3. Global norm (Note [One engine step]): the local buffer at stage 0 (every rank holds
+    // the whole reduced gradient), else an all-reduce of the shards' squared norms. With
+    // fp16 the gradients are still scaled: the norm is divided by the loss scale, and an
+    // inf/nan on any rank (all_reduce max of the flag) skips the update.
+    const int64_t opt_start_us = trace_ != nullptr ? trace_->now_us() : 0;
+    const nn::Tensor& shard = im.reducer->shard();
+    nn::Tensor sq = nn::Tensor::empty(*allocator_, nn::Shape{1}, nn::DType::kF32,
+                                      memory::Category::kWorkspace);
+    kernels_->squared_norm(shard, sq);
+    const float local_sq = nn::to_host_f32(*device_, sq).at(0);
+    double total_sq = local_sq;
+    if (comm != nullptr && im.zero_stage >= 1) {
+      wait(comm->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
+      total_sq = nn::to_host_f32(*device_, sq).at(0);
+    }
+    if (config_.fp16.enabled) {
+      // The flag: this rank's count of inf/nan gradients, max over ranks.
+      kernels_->nonfinite_count(shard, sq);
+      if (comm != nullptr) {
+        wait(comm->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
+      }
+      overflow = nn::to_host_f32(*device_, sq).at(0) != 0.0f || !std::isfinite(total_sq);
+    }
+    sq = nn::Tensor();
+    norm = std::sqrt(total_sq) / loss_scale;
+    if (!overflow && config_.gradient_clipping > 0.0) {
+      coef = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+    }
 
-  // 4. AdamW over the whole flat buffer (master f32; the bf16 working copy written back).
-  const double lr = im.lr->lr(step_);
-  nn::AdamWArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(im.optimizer.beta1);
-  args.beta2 = static_cast<float>(im.optimizer.beta2);
-  args.eps = static_cast<float>(im.optimizer.eps);
-  args.weight_decay = static_cast<float>(im.optimizer.weight_decay);
-  args.step = step_ + 1;
-  args.grad_scale = static_cast<float>(coef);
-  nn::Tensor target = im.update_target();
-  nn::Tensor params = im.flat->params();
-  kernels_->adamw(target, grads, im.exp_avg, im.exp_avg_sq, args, im.has_master ? &params : nullptr);
-  if (trace_ != nullptr) {
-    TraceSpan span;
-    span.name = "optimizer adamw";
-    span.category = "optimizer";
-    span.lane = "compute";
-    span.start_us = opt_start_us;
-    span.dur_us = trace_->now_us() - opt_start_us;
-    span.step = step_;
-    trace_->span(std::move(span));
+    // 4. AdamW over the optimizer's range (master f32; the working copy written back), then
+    // every rank's updated range is all-gathered into the working buffer.
+    lr = im.lr->lr(im.optimizer_steps);
+    if (!overflow) {
+      nn::AdamWArgs args;
+      args.lr = static_cast<float>(lr);
+      args.beta1 = static_cast<float>(im.optimizer.beta1);
+      args.beta2 = static_cast<float>(im.optimizer.beta2);
+      args.eps = static_cast<float>(im.optimizer.eps);
+      args.weight_decay = static_cast<float>(im.optimizer.weight_decay);
+      args.step = im.optimizer_steps + 1;
+      args.grad_scale = static_cast<float>(coef / loss_scale);
+      nn::Tensor target = im.update_target();
+      nn::Tensor params = im.flat->params().slice(im.opt_lo, im.opt_hi);
+      kernels_->adamw(target, shard, im.exp_avg, im.exp_avg_sq, args,
+                      im.has_master ? &params : nullptr);
+      if (comm != nullptr && im.zero_stage >= 1) {
+        const nn::Tensor& all = im.flat->params();
+        wait(comm->all_gather(params.data(), all.data(), static_cast<size_t>(im.part.shard_elems),
+                              elem_type(compute_dtype_)));
+      }
+    }
+    if (trace_ != nullptr) {
+      TraceSpan span;
+      span.name = "optimizer adamw";
+      span.category = "optimizer";
+      span.lane = "compute";
+      span.start_us = opt_start_us;
+      span.dur_us = trace_->now_us() - opt_start_us;
+      span.step = step_;
+      trace_->span(std::move(span));
+    }
+  } catch (const std::exception& e) {
+    // Note [Comm failure]: peers must not wait out the timeout for this rank.
+    if (comm != nullptr) {
+      comm->abort("rank " + std::to_string(comm->rank()) + ": train_step " +
+                  std::to_string(step_) + " failed: " + e.what());
+    }
+    im.reducer->abort();
+    throw;
   }
+  if (config_.fp16.enabled) im.scaler.update(overflow);
+  if (!overflow) ++im.optimizer_steps;
 
   // The copies of this step: the D2H copies of holds never read back may still be running
   // (every other copy was waited on by a fetch). The host waits here, once per step, so the
@@ -428,8 +571,32 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   r.step = step_;
   r.loss = loss_sum / static_cast<double>(micro_batches.size());
   r.grad_norm = norm;
-  r.clip_coef = coef;
+  r.clip_coef = overflow ? 1.0 : coef;
   r.lr = lr;
+  r.skipped = overflow;
+  ZeroStats& z = r.zero;
+  z.stage = im.zero_stage;
+  z.world_size = im.part.world_size;
+  z.shard_elems = im.part.shard_elems;
+  z.padded_elems = im.part.padded_elems;
+  if (comm != nullptr) {
+    const comm::CommStats comm1 = comm->stats();
+    z.comm_bytes = comm1.payload_bytes - comm0.payload_bytes;
+    z.comm_busy_s = comm1.busy_s - comm0.busy_s;
+  }
+  z.comm_exposed_s = exposed_s + rs.reduce_exposed_s;
+  z.reduce_hidden_fraction =
+      rs.reduce_busy_s > 0.0 ? std::clamp(1.0 - rs.reduce_exposed_s / rs.reduce_busy_s, 0.0, 1.0)
+                             : 0.0;
+  z.loss_scale = im.scaler.scale();
+  z.skipped_steps = overflow ? 1 : 0;
+  ZeroStats& t = im.zero_total;
+  t.comm_bytes += z.comm_bytes;
+  t.comm_busy_s += z.comm_busy_s;
+  t.comm_exposed_s += z.comm_exposed_s;
+  t.skipped_steps += z.skipped_steps;
+  im.reduce_busy_total_s += rs.reduce_busy_s;
+  im.reduce_exposed_total_s += rs.reduce_exposed_s;
   r.tokens = static_cast<int64_t>(micro_batches.size()) * micro_batches[0].batch * micro_batches[0].seq;
   r.peak_activation_bytes = s.peak_activation_bytes;
   r.peak_bytes = s.peak_requested_bytes;
@@ -468,12 +635,14 @@ void Engine::set_params_host(const std::vector<float>& values) {
   const int64_t p = model_->layout().total_elems();
   PORTER_CHECK(static_cast<int64_t>(values.size()) == p, "set_params_host: ", values.size(),
                " values for a layout of ", p, " elements (padding included)");
+  // Note [Flat partition]: the tail past the layout is zero.
+  std::vector<float> padded = values;
+  padded.resize(static_cast<size_t>(im.part.padded_elems), 0.0f);
   nn::Tensor params = im.flat->params();
+  nn::from_host_f32(*device_, padded, params);
   if (im.has_master) {
-    nn::from_host_f32(*device_, values, im.master);
-    kernels_->cast(im.master, params);
-  } else {
-    nn::from_host_f32(*device_, values, params);
+    const std::vector<float> mine(padded.begin() + im.opt_lo, padded.begin() + im.opt_hi);
+    nn::from_host_f32(*device_, mine, im.master);
   }
 }
 
@@ -490,9 +659,35 @@ checkpoint::ChainCosts Engine::profile() {
     mb.tokens.push_back(static_cast<int32_t>((i * 7 + 3) % vocab));
     mb.targets.push_back(static_cast<int32_t>((i * 5 + 1) % vocab));
   }
-  // Profiling runs real backwards: keep the gradient buffer as the last step left it.
-  const std::vector<float> saved_grads = grads_host();
-  nn::Tensor grads = im.flat->grads();
+  // Profiling runs real backwards: keep the gradient buffer as the last step left it. At
+  // stage 2 there is none: every entry is bound to a scratch buffer (comm) for the pass.
+  const bool scratch = !im.flat->grads().defined();
+  nn::Tensor grads = scratch ? nn::Tensor::empty(*allocator_, nn::Shape{im.part.padded_elems},
+                                                 nn::DType::kF32, memory::Category::kComm)
+                             : im.flat->grads();
+  const std::vector<float> saved_grads = scratch ? std::vector<float>{}
+                                                 : nn::to_host_f32(*device_, grads);
+  const size_t num_entries = model_->layout().entries().size();
+  auto bind_scratch = [&](bool on) {
+    for (size_t i = 0; i < num_entries; ++i) {
+      const nn::ParamEntry& e = model_->layout().entries()[i];
+      im.flat->set_grad_view(
+          i, on ? grads.slice(e.offset_elems, e.offset_elems + e.shape.numel()).reshape(e.shape)
+                : nn::Tensor());
+    }
+    model_->bind(*im.flat);
+  };
+  if (scratch) {
+    kernels_->fill(grads, 0.0f);
+    bind_scratch(true);
+  }
+  auto restore = [&] {
+    if (scratch) {
+      bind_scratch(false);
+    } else {
+      nn::from_host_f32(*device_, saved_grads, grads);
+    }
+  };
   checkpoint::ChainCosts costs;
   try {
     nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, b, t);
@@ -503,11 +698,12 @@ checkpoint::ChainCosts Engine::profile() {
                           checkpoint::selective_policy(config_.porter.checkpointing.selective_ops),
                           selective_ops_name(config_.porter.checkpointing.selective_ops));
   } catch (...) {
-    nn::from_host_f32(*device_, saved_grads, grads);
+    restore();
     allocator_->reset_peak();
     throw;
   }
-  nn::from_host_f32(*device_, saved_grads, grads);
+  restore();
+  grads = nn::Tensor();
   allocator_->reset_peak();
   if (GptModel* gpt = as_gpt(*model_)) {  // FLOPs are not measured: take the analytic ones
     (void)gpt;
@@ -521,18 +717,51 @@ checkpoint::ChainCosts Engine::profile() {
   return costs;
 }
 
-int Engine::dp_rank() const { return 0; }
-int Engine::dp_size() const { return 1; }
-ZeroStats Engine::zero_stats() const { return ZeroStats{}; }
+int Engine::dp_rank() const { return impl_->dp != nullptr ? impl_->dp->rank() : 0; }
+int Engine::dp_size() const { return impl_->part.world_size; }
 
-std::vector<float> Engine::params_host() const { return nn::to_host_f32(*device_, impl_->flat->params()); }
-std::vector<float> Engine::grads_host() const { return nn::to_host_f32(*device_, impl_->flat->grads()); }
+ZeroStats Engine::zero_stats() const {
+  const Impl& im = *impl_;
+  ZeroStats z = im.zero_total;
+  z.stage = im.zero_stage;
+  z.world_size = im.part.world_size;
+  z.shard_elems = im.part.shard_elems;
+  z.padded_elems = im.part.padded_elems;
+  z.reduce_hidden_fraction =
+      im.reduce_busy_total_s > 0.0
+          ? std::clamp(1.0 - im.reduce_exposed_total_s / im.reduce_busy_total_s, 0.0, 1.0)
+          : 0.0;
+  z.loss_scale = im.scaler.scale();
+  return z;
+}
+
+std::vector<float> Engine::params_host() const {
+  const int64_t p = model_->layout().total_elems();
+  return nn::to_host_f32(*device_, impl_->flat->params().slice(0, p));
+}
+
+// Stage 0: the whole (reduced) buffer. Stages 1 and 2: the rank's shard, zero elsewhere (with
+// one rank the shard is the whole buffer).
+std::vector<float> Engine::grads_host() const {
+  const Impl& im = *impl_;
+  const int64_t p = model_->layout().total_elems();
+  if (im.zero_stage == 0) return nn::to_host_f32(*device_, im.flat->grads().slice(0, p));
+  std::vector<float> out(static_cast<size_t>(p), 0.0f);
+  const std::vector<float> shard = nn::to_host_f32(*device_, im.reducer->shard());
+  for (int64_t i = 0; i < static_cast<int64_t>(shard.size()) && im.opt_lo + i < p; ++i) {
+    out[static_cast<size_t>(im.opt_lo + i)] = shard[static_cast<size_t>(i)];
+  }
+  return out;
+}
 
 void Engine::reset_peaks() {
   impl_->peak_by_category.fill(0);
   impl_->peak_requested_bytes = 0;
   impl_->peak_activation_bytes = 0;
   impl_->offload_total = offload::StashStats{};
+  impl_->zero_total = ZeroStats{};
+  impl_->reduce_busy_total_s = 0.0;
+  impl_->reduce_exposed_total_s = 0.0;
   impl_->stash->reset_stats();
   allocator_->reset_peak();
 }

@@ -2,20 +2,31 @@
 // the config's checkpoint policy. See docs/engine.md.
 //
 // Note [One engine step]
-// 1. Zero the flat gradient buffer.
+// With N data-parallel ranks (dp; docs/zero.md) at ZeRO stage z in {0, 1, 2}:
+// 1. Zero the gradients: the full flat buffer (stages 0, 1), the rank's shard (stage 2).
 // 2. For each micro-batch: copy its tokens and targets to the device (workspace), then run
 //    the plan's schedule (Note [Schedule semantics] in checkpoint/schedule.h); host-held
 //    checkpoints go through the checkpoint stash at the ops plan.offload names (Note
 //    [Offload semantics] in checkpoint/offload_plan.h). The loss stage scales its gradient
-//    by 1 / gradient_accumulation_steps, so the accumulated gradient is that of the mean loss.
-// 3. Global gradient norm over the flat buffer; clip coefficient min(1, clip / (norm +
-//    1e-6)) when gradient_clipping > 0 (DeepSpeed's rule). The gradient buffer itself is
-//    left unclipped (the coefficient is folded into AdamW), so it can be dumped.
-// 4. AdamW on the f32 master parameters (the parameters themselves in f32; a separate f32
-//    master copy for bf16, written back to the bf16 working copy), at the scheduler's lr.
-// 5. Wait for the stash's copy streams; record times, memory and the offload statistics.
-// Everything the step allocates is returned to the allocator and the pinned pool by the end
-// of the step (the contiguous arenas, sized by set_plan, stay).
+//    by loss_scale / gradient_accumulation_steps (loss_scale 1 without fp16), so the
+//    accumulated gradient is that of the mean loss. Around each Backward the gradient reducer
+//    (Note [Gradient reduction] in zero/reducer.h) allocates and binds stage 2's buckets and
+//    issues each complete bucket's reduction on the comm stream (overlap_comm; else after
+//    backward): stage 2 in every micro-batch, stages 0 and 1 in the last; every reduction is
+//    complete, averaged and in the shard when the micro-batch (the step) ends.
+// 3. Global gradient norm: of the local full buffer at stage 0, else the square root of the
+//    all-reduced sum of the shards' squared norms; divided by the loss scale. With fp16 an
+//    inf/nan on any rank (all_reduce max) skips steps 4 for everyone. Clip coefficient
+//    min(1, clip / (norm + 1e-6)) when gradient_clipping > 0 (DeepSpeed's rule), folded into
+//    AdamW with 1 / loss_scale; the gradients themselves stay unclipped, so they can be dumped.
+// 4. AdamW on the optimizer's range (the whole padded buffer at stage 0, the rank's shard
+//    above): the f32 parameters, or an f32 master copy written back to the bf16/fp16
+//    working copy; at the scheduler's lr for the count of updating steps. At stages 1 and 2
+//    the ranks' updated ranges are all-gathered into every rank's working buffer.
+// 5. Wait for the stash's copy streams; record times, memory, offload and ZeRO statistics
+//    (StepResult::zero). Everything the step allocates is returned to the allocator and the
+//    pinned pool by the end of the step (the contiguous arenas, sized by set_plan, stay).
+// With one rank nothing is communicated and the step is exactly the single-device step.
 #pragma once
 
 #include <cstdint>
@@ -97,13 +108,17 @@ class Engine {
   // from config.porter.train.seed and plans the checkpoint schedule: from the analytic
   // model's bytes for GptModel under `none`, else from a profiling pass (so the predicted
   // recompute time is measured; Note [Engine costs] in engine.cc). Throws InvalidArgument
-  // for configs it cannot run (fp16, zero stage > 0 until the distributed issue, ...).
+  // for configs it cannot run (zero stage 3, optimizer offload, tensor parallelism, a
+  // world_size other than dp->size() * tensor_parallel, ...).
   //
   // Data parallel (docs/zero.md): `dp` is the data-parallel communicator, of
   // config.data_parallel_size() ranks; null runs one rank. Every rank constructs its Engine
   // with the same config and calls train_step with its own micro-batches
   // (DataSource::rank_batches); ZeRO stages 0, 1 and 2 partition as
-  // zero_optimization.stage says, and stage 3 is refused with an error.
+  // zero_optimization.stage says, and stage 3 is refused with an error. config.world_size
+  // must be dp->size() (tensor_parallel 1). A rank whose step fails aborts `dp` (Note [Comm
+  // failure]) so that its peers fail at once; after a communication error the engine cannot
+  // step again.
   Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
          std::shared_ptr<comm::Communicator> dp = nullptr);
   ~Engine();
@@ -111,8 +126,9 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // One optimizer step over `micro_batches` (gradient_accumulation_steps of them, each
-  // (micro_batch, seq)). Throws InvalidArgument for a wrong count or shape; on any error
-  // the engine's state is unchanged (the step can be retried).
+  // (micro_batch, seq)): this rank's share of the global batch. Throws InvalidArgument for a
+  // wrong count or shape; on one rank, on any error the engine's state is unchanged (the
+  // step can be retried). StepResult::loss is this rank's mean loss.
   StepResult train_step(const std::vector<HostBatch>& micro_batches);
 
   // Measures every stage's costs (checkpoint/costs.h) on a synthetic micro-batch of the
@@ -127,7 +143,8 @@ class Engine {
   void reset_peaks();
 
   // Training checkpoints (engine/state_file.h): parameters, master weights, AdamW moments,
-  // the step, and the config they belong to. load_checkpoint checks that the model layout
+  // the step, and the config they belong to. With N > 1 ranks every rank calls both with
+  // the same dir and uses dir/rank<r> (Note [Data-parallel checkpoints] in state.cc). load_checkpoint checks that the model layout
   // and dtypes match this engine's and throws IoError / InvalidArgument otherwise; after it,
   // training continues bit-identically.
   void save_checkpoint(const std::filesystem::path& dir) const;
@@ -146,7 +163,9 @@ class Engine {
   nn::DType compute_dtype() const { return compute_dtype_; }
 
   // Host copies (f32) of the working parameters and of the gradient buffer as the last
-  // step left it (accumulated, before clipping), in layout order.
+  // step left it (accumulated and averaged over ranks, before clipping; with fp16 still
+  // scaled), in layout order. At stages 1 and 2 with N > 1 only the rank's shard is known:
+  // the other elements are 0.
   std::vector<float> params_host() const;
   std::vector<float> grads_host() const;
   // The micro-batches of the last step (for --dump-dir).

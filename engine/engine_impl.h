@@ -12,6 +12,9 @@
 #include "nn/ctx.h"
 #include "nn/layer.h"
 #include "offload/stash.h"
+#include "zero/loss_scaler.h"
+#include "zero/partition.h"
+#include "zero/reducer.h"
 
 namespace porter::engine {
 
@@ -24,11 +27,23 @@ struct Engine::Impl {
   std::vector<offload::CopyRecord> copies;  // the last step's (every step's with profile)
   std::vector<offload::WaitRecord> waits;
   bool keep_all_records = false;  // activation_checkpointing.profile
-  std::unique_ptr<nn::FlatParams> flat;  // params (compute dtype) and grads (f32)
-  bool has_master = false;               // bf16 compute
-  nn::Tensor master;                     // (P) f32 master copy, category optimizer; bf16 only
-  nn::Tensor exp_avg;                    // (P) f32 AdamW m, category optimizer
-  nn::Tensor exp_avg_sq;                 // (P) f32 AdamW v, category optimizer
+  // Data parallel and ZeRO (docs/zero.md). Null or a size-1 communicator: one rank.
+  std::shared_ptr<comm::Communicator> dp;
+  int zero_stage = 0;
+  zero::Partition part;  // Note [Flat partition]
+  // The optimizer's flat range: [0, padded) at stage 0, the rank's shard above.
+  int64_t opt_lo = 0, opt_hi = 0;
+  std::unique_ptr<nn::FlatParams> flat;  // params (compute dtype), grads (f32; none at stage 2)
+  bool has_master = false;               // bf16/fp16 compute
+  nn::Tensor master;                     // f32 master copy of the optimizer range (optimizer)
+  nn::Tensor exp_avg;                    // f32 AdamW m of the optimizer range (optimizer)
+  nn::Tensor exp_avg_sq;                 // f32 AdamW v of the optimizer range (optimizer)
+  // After flat: destroyed first (it unbinds its buckets from the flat buffers).
+  std::unique_ptr<zero::GradReducer> reducer;
+  zero::LossScaler scaler{config::Fp16Config{}};
+  int64_t optimizer_steps = 0;  // steps that updated (fp16 overflow skips; LR and AdamW step)
+  ZeroStats zero_total;         // cumulative since construction or reset_peaks()
+  double reduce_busy_total_s = 0.0, reduce_exposed_total_s = 0.0;
   std::unique_ptr<nn::Ctx> ctx;
   config::OptimizerConfig optimizer;
   std::unique_ptr<LrSchedule> lr;
@@ -41,8 +56,12 @@ struct Engine::Impl {
   size_t peak_requested_bytes = 0;
   size_t peak_activation_bytes = 0;
 
-  // The f32 tensor AdamW updates: the master copy for bf16, else the parameters.
-  nn::Tensor update_target() const { return has_master ? master : flat->params(); }
+  // The communicator when there is more than one rank, else null.
+  comm::Communicator* comm() const { return dp != nullptr && dp->size() > 1 ? dp.get() : nullptr; }
+  // The f32 tensor AdamW updates: the master copy for bf16/fp16, else the parameters' range.
+  nn::Tensor update_target() const {
+    return has_master ? master : flat->params().slice(opt_lo, opt_hi);
+  }
   void fold_peaks(const memory::MemoryStats& s) {
     for (size_t c = 0; c < memory::kNumCategories; ++c)
       peak_by_category[c] = std::max(peak_by_category[c], s.by_category[c].peak_bytes);

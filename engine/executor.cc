@@ -266,8 +266,10 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
             has_cur = false;
           }
           nn::Tensor dy = std::move(grad);
+          if (env.before_backward) env.before_backward(op.stage);
           grad = nn::backward_stage(ctx, layer, op.stage, tapes[s], dy);
           dy = nn::Tensor();
+          if (env.after_backward) env.after_backward(op.stage);
           held[s] = nn::Tensor();
           is_held[s] = false;
           on_host[s] = false;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "checkpoint/costs.h"
 #include "checkpoint/schedule.h"
@@ -29,6 +30,11 @@ struct ExecEnv {
   // Required when the schedule has host holds; drives them per stash->layout(), which must
   // be the layout of `schedule` (Engine::set_plan prepares it). Not owned.
   offload::CheckpointStash* stash = nullptr;
+  // Called around every Backward op with its stage (ZeRO's gradient buckets, Note [Gradient
+  // reduction] in zero/reducer.h); null: nothing. An exception from either unwinds like one
+  // from the stage.
+  std::function<void(int stage)> before_backward;
+  std::function<void(int stage)> after_backward;
 };
 
 struct MicroBatchResult {

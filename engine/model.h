@@ -33,6 +33,10 @@ class Model {
   // The gradient scale of the loss stage (1 / gradient_accumulation_steps, times the fp16
   // loss scale).
   virtual void set_loss_scale(float scale) = 0;
+  // The stages whose backward writes into stage i's parameter gradients: i itself, plus any
+  // other (Note [Gradient buckets] in zero/buckets.h). ZeRO-2 needs it to know when a bucket
+  // is complete. GptModel with tied embeddings reports the head as a writer of stage 0's.
+  virtual std::vector<int> grad_writers(int i) const { return {i}; }
 };
 
 class GptModel : public Model {
@@ -47,6 +51,10 @@ class GptModel : public Model {
   std::vector<float> init_values(uint64_t seed) const override { return gpt_.init_values(seed); }
   void set_targets(const nn::Tensor& targets) override { gpt_.head().set_targets(targets); }
   void set_loss_scale(float scale) override { gpt_.head().set_loss_scale(scale); }
+  std::vector<int> grad_writers(int i) const override {
+    if (i == 0 && gpt_.config().tie_embeddings) return {0, gpt_.num_stages() - 1};
+    return {i};
+  }
   nn::Gpt& gpt() { return gpt_; }
 
  private:

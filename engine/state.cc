@@ -12,6 +12,16 @@
 // Gradients are not saved: every step starts by zeroing them. Loading restores all of these
 // and the step, so the next train_step computes exactly what it would have without the
 // save (the LR schedule and the data are pure functions of the step).
+//
+// Note [Data-parallel checkpoints]
+// meta.json also holds "dp_size", "zero_stage", "optimizer_steps" (steps that updated: fp16
+// overflow skips some) and "loss_scaler" {scale, iteration, last_overflow, hysteresis_left,
+// skipped}. The sections hold the padded buffers (Note [Flat partition]): params the whole
+// padded buffer, master and the moments the rank's optimizer range. With one rank the
+// files sit in `dir` itself, as before. With N > 1 ranks each rank writes its own state into
+// `dir`/rank<r> (every rank calls save_checkpoint with the same dir; at stage 0 the N copies
+// are identical), and load_checkpoint reads `dir`/rank<r> and refuses a checkpoint written by
+// another number of ranks or another stage: resharding is not implemented.
 #include <cstring>
 #include <sstream>
 
@@ -76,8 +86,17 @@ void check_layout(const std::filesystem::path& dir, const nlohmann::json& saved,
 
 }  // namespace
 
-void Engine::save_checkpoint(const std::filesystem::path& dir) const {
+namespace {
+
+std::filesystem::path rank_dir(const std::filesystem::path& dir, int rank, int size) {
+  return size > 1 ? dir / ("rank" + std::to_string(rank)) : dir;
+}
+
+}  // namespace
+
+void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   const Impl& im = *impl_;
+  const std::filesystem::path dir = rank_dir(dir_in, dp_rank(), dp_size());
   const nlohmann::ordered_json cfg = config::to_json(config_);
   nlohmann::json meta;
   meta["kind"] = "porter.engine";
@@ -85,6 +104,15 @@ void Engine::save_checkpoint(const std::filesystem::path& dir) const {
   meta["compute_dtype"] = std::string(nn::dtype_name(compute_dtype_));
   meta["seed"] = config_.porter.train.seed;
   meta["layout"] = layout_json(model_->layout());
+  meta["dp_size"] = dp_size();
+  meta["zero_stage"] = im.zero_stage;
+  meta["optimizer_steps"] = im.optimizer_steps;
+  const zero::LossScaler::State ls = im.scaler.state();
+  meta["loss_scaler"] = {{"scale", ls.scale},
+                         {"iteration", ls.iteration},
+                         {"last_overflow", ls.last_overflow_iteration},
+                         {"hysteresis_left", ls.hysteresis_left},
+                         {"skipped", ls.skipped}};
   nlohmann::json sections_config;
   sections_config["model"] = nlohmann::json::parse(cfg.at("porter").at("model").dump());
   if (cfg.contains("optimizer")) {
@@ -99,8 +127,9 @@ void Engine::save_checkpoint(const std::filesystem::path& dir) const {
   write_state(dir, std::move(meta), sections);
 }
 
-void Engine::load_checkpoint(const std::filesystem::path& dir) {
+void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   Impl& im = *impl_;
+  const std::filesystem::path dir = rank_dir(dir_in, dp_rank(), dp_size());
   const LoadedState state = read_state(dir);
   const nlohmann::json& meta = state.meta;
   const std::string where = dir.string() + ": ";
@@ -119,6 +148,25 @@ void Engine::load_checkpoint(const std::filesystem::path& dir) {
   check_layout(dir, meta.at("layout"), layout_json(model_->layout()));
   const int64_t step = meta.at("step").get<int64_t>();
   if (step < 0) throw InvalidArgument(where + "step " + std::to_string(step) + " is negative");
+  const int saved_dp = meta.value("dp_size", 1);
+  const int saved_stage = meta.value("zero_stage", 0);
+  if (saved_dp != dp_size() || (dp_size() > 1 && saved_stage != im.zero_stage)) {
+    throw InvalidArgument(where + "written by " + std::to_string(saved_dp) +
+                          " data-parallel ranks at ZeRO stage " + std::to_string(saved_stage) +
+                          ", this engine runs " + std::to_string(dp_size()) + " at stage " +
+                          std::to_string(im.zero_stage) +
+                          "; resume with the same world size and zero_optimization.stage");
+  }
+  const int64_t optimizer_steps = meta.value("optimizer_steps", step);
+  zero::LossScaler::State ls = im.scaler.state();
+  if (meta.contains("loss_scaler") && config_.fp16.enabled) {
+    const nlohmann::json& j = meta.at("loss_scaler");
+    ls.scale = j.at("scale").get<double>();
+    ls.iteration = j.at("iteration").get<int64_t>();
+    ls.last_overflow_iteration = j.at("last_overflow").get<int64_t>();
+    ls.hysteresis_left = j.at("hysteresis_left").get<int64_t>();
+    ls.skipped = j.at("skipped").get<int64_t>();
+  }
 
   struct Target {
     const char* name;
@@ -141,6 +189,8 @@ void Engine::load_checkpoint(const std::filesystem::path& dir) {
     if (!s.bytes.empty()) device_->copy_sync(t.tensor.data(), s.bytes.data(), s.bytes.size());
   }
   step_ = step;
+  im.optimizer_steps = optimizer_steps;
+  im.scaler.set_state(ls);
   last_batches_.clear();
 }
 

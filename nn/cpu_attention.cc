@@ -10,14 +10,15 @@
 //
 // Note [Attention scratch]
 // Backward needs dP / dS for one row block, (B, heads, kRowBlock, T) f32 (6 MiB for B = 4,
-// 12 heads, T = 512). Tensors that are not f32 (bf16) are widened to f32 copies first, and
-// a bf16 result is computed in f32 and narrowed at the end, since oneDNN cannot multiply the
-// f32 probabilities by bf16 values. All of it is one workspace buffer per call from the
-// kernels' allocator (Note [Kernel workspace] in kernels.h), laid out as
-// workspace_layout::CpuAttentionForward / CpuAttentionBackward (kernel_workspace.h): f32 forward
-// takes none, bf16 forward 16·N·C bytes (N = B·T), backward B·heads·min(64, T)·T·4 bytes
-// plus 28·N·C in bf16. The buffer is freed when the call returns; the allocator keeps the
-// block cached, so the next call reuses it without touching the device.
+// 12 heads, T = 512). Tensors that are not f32 (bf16, f16) are widened to f32 copies first,
+// and a bf16 or f16 result is computed in f32 and narrowed at the end, since oneDNN cannot
+// multiply the f32 probabilities by 16-bit values. All of it is one workspace buffer per
+// call from the kernels' allocator (Note [Kernel workspace] in kernels.h), laid out as
+// workspace_layout::CpuAttentionForward / CpuAttentionBackward (kernel_workspace.h): f32
+// forward takes none, bf16 or f16 forward 16·N·C bytes (N = B·T), backward
+// B·heads·min(64, T)·T·4 bytes plus 28·N·C in bf16 or f16. The buffer is freed when the call
+// returns; the allocator keeps the block cached, so the next call reuses it without touching
+// the device.
 #include <cmath>
 #include <cstdint>
 
@@ -99,25 +100,10 @@ PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i
   for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
 }
 
-template <typename T>
-void widen(int threads, const Tensor& src, float* dst) {
-  const T* sp = static_cast<const T*>(src.data());
-  cpu::parallel_blocks(threads, src.numel(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = cpu::load(sp + i);
-  });
-}
-
-void narrow(int threads, const float* src, Tensor& dst) {
-  uint16_t* dp = static_cast<uint16_t*>(dst.data());
-  cpu::parallel_blocks(threads, dst.numel(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) cpu::store(dp + i, src[i]);
-  });
-}
-
 // f32 view of a float tensor: the tensor itself, or a widened copy at `scratch`.
 const float* as_f32(int threads, const Tensor& t, float* scratch) {
   if (t.dtype() == DType::kF32) return static_cast<const float*>(t.data());
-  widen<uint16_t>(threads, t, scratch);
+  cpu::widen_to_f32(threads, t, scratch);
   return scratch;
 }
 
@@ -159,7 +145,7 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
     run_batched(*dnnl_, d, rows, d.hd, i1, op(pr + i0 * t, probs_str), op(x + 2 * d.c, qkv_str),
                 o + i0 * d.c, out_str, 1.0f, 0.0f);
   }
-  if (layout.out_elems) narrow(threads_, o, out);
+  if (layout.out_elems) cpu::narrow_from_f32(threads_, o, out);
 }
 
 void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
@@ -216,7 +202,7 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
     run_batched(*dnnl_, d, i1, d.hd, rows, op(pr + i0 * t, probs_t_str), op(dy + i0 * d.c, out_str),
                 dx + 2 * d.c, qkv_str, 1.0f, beta);
   }
-  if (dqkv_elems) narrow(threads_, dx, dqkv);
+  if (dqkv_elems) cpu::narrow_from_f32(threads_, dx, dqkv);
 }
 
 }  // namespace porter::nn

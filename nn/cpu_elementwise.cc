@@ -215,13 +215,35 @@ void CpuKernels::do_add(const Tensor& a, const Tensor& b, Tensor& out) {
 void CpuKernels::do_accumulate(Tensor& acc, const Tensor& x) { do_add(acc, x, acc); }
 
 void CpuKernels::do_cast(const Tensor& x, Tensor& y) {
-  cpu::with_typed(
-      [&](auto* xp, auto* yp) {
-        cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
-          cast_range(xp + b, yp + b, e - b);
-        });
-      },
-      x, y);
+  // Any pair of float dtypes, bf16 <-> f16 included (Note [Cpu dtype combinations]): the value
+  // goes through f32, which holds both exactly, so bf16 -> f16 rounds once.
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    cpu::dispatch_float(y.dtype(), [&](auto ty) {
+      const auto* xp = static_cast<const decltype(tx)*>(x.data());
+      auto* yp = static_cast<decltype(ty)*>(y.data());
+      cpu::parallel_blocks(threads_, x.numel(), [&](int64_t b, int64_t e) {
+        cast_range(xp + b, yp + b, e - b);
+      });
+    });
+  });
+}
+
+void cpu::widen_to_f32(int threads, const Tensor& x, float* dst) {
+  cpu::dispatch_float(x.dtype(), [&](auto tx) {
+    const auto* xp = static_cast<const decltype(tx)*>(x.data());
+    cpu::parallel_blocks(threads, x.numel(), [&](int64_t b, int64_t e) {
+      cast_range(xp + b, dst + b, e - b);
+    });
+  });
+}
+
+void cpu::narrow_from_f32(int threads, const float* src, Tensor& y) {
+  cpu::dispatch_float(y.dtype(), [&](auto ty) {
+    auto* yp = static_cast<decltype(ty)*>(y.data());
+    cpu::parallel_blocks(threads, y.numel(), [&](int64_t b, int64_t e) {
+      cast_range(src + b, yp + b, e - b);
+    });
+  });
 }
 
 void CpuKernels::do_fill(Tensor& x, float value) {

@@ -18,13 +18,13 @@
 // polynomial (fast_exp), since libm's expf is never vectorised without -ffast-math.
 #pragma once
 
-#include <type_traits>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "base/check.h"
@@ -81,6 +81,7 @@ class CpuKernels final : public Kernels {
                 Tensor* params_out) override;
   void do_sum(const Tensor& x, Tensor& out) override;
   void do_squared_norm(const Tensor& x, Tensor& out) override;
+  void do_nonfinite_count(const Tensor& x, Tensor& out) override;
   void do_cast(const Tensor& x, Tensor& y) override;
   void do_fill(Tensor& x, float value) override;
   void do_scale(Tensor& x, float s) override;
@@ -93,41 +94,101 @@ class CpuKernels final : public Kernels {
 
 namespace cpu {
 
-// Element access: f32 is `float`, bf16 is its bit pattern in `uint16_t` (see nn/dtype.h).
+// Element access: f32 is `float`, bf16 is its bit pattern in `uint16_t`, f16 its bit
+// pattern in `Half` (a distinct type, so that load and store overload on it); see
+// nn/dtype.h. Loads widen to f32, stores round to nearest-even.
+struct Half {
+  uint16_t bits;
+};
+static_assert(sizeof(Half) == 2 && alignof(Half) == 2, "Half must be the bare f16 bits");
+
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
+inline float load(const Half* p) { return f16_to_f32(p->bits); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+inline void store(Half* p, float v) { p->bits = f32_to_f16(v); }
 
-// Calls fn(float{}) or fn(uint16_t{}) by dtype, so one template serves f32 and bf16.
+// The element type of a float dtype: float (f32), uint16_t (bf16) or Half (f16).
 template <typename Fn>
 void dispatch_float(DType t, Fn&& fn) {
-  PORTER_CHECK(t == DType::kF32 || t == DType::kBF16, "the cpu kernels take f32 or bf16, not ",
-               dtype_name(t), " (f16 is cuda only)");
-  if (t == DType::kBF16) {
-    fn(uint16_t{});
-  } else {
-    fn(float{});
+  switch (t) {
+    case DType::kF32: fn(float{}); return;
+    case DType::kBF16: fn(uint16_t{}); return;
+    case DType::kF16: fn(Half{}); return;
+    case DType::kI32: break;
   }
+  PORTER_CHECK(false, "the cpu kernels take f32, bf16 or f16 tensors here, not ", dtype_name(t));
 }
 
-// Calls fn with each tensor's data as a pointer to its element type (float, or uint16_t for
-// bf16), const for const tensors: with_typed(fn, x, dy, dx) calls fn(xp, dyp, dxp). Nests
-// dispatch_float, so each dtype combination is its own instantiation.
-template <typename Fn>
-void with_typed(Fn&& fn) {
+// Note [Cpu dtype combinations]
+// An op with k float arguments could take 3^k dtype combinations, each its own template
+// instantiation (times 3 PORTER_CPU_CLONES). A call mixes f32 with at most one 16-bit type,
+// which is every mix a bf16 or fp16 model makes (f32 master parameters and gradients with
+// 16-bit activations), so each argument dispatches over {f32, that type}: 2 * 2^k + 1
+// instantiations. A cpu call mixing bf16 with f16 throws InvalidArgument (the validation in
+// kernels.cc accepts it, and cuda runs it); cast, AdamW, embedding and the losses dispatch
+// each argument over all three types and take any mix.
+
+// The one 16-bit dtype among `dtypes` (kF32 when all are f32); throws on bf16 mixed with f16.
+inline DType half_dtype_of(std::initializer_list<DType> dtypes) {
+  DType half = DType::kF32;
+  for (DType t : dtypes) {
+    PORTER_CHECK(t == DType::kF32 || t == DType::kBF16 || t == DType::kF16,
+                 "the cpu kernels take f32, bf16 or f16 tensors here, not ", dtype_name(t));
+    if (t == DType::kF32) continue;
+    PORTER_CHECK(half == DType::kF32 || half == t, "a cpu kernel call mixes bf16 and f16 "
+                 "tensors; use one 16-bit type per call, or cast first (Note [Cpu dtype "
+                 "combinations])");
+    half = t;
+  }
+  return half;
+}
+
+template <typename H, typename Fn>
+void dispatch_floats_as(Fn&& fn) {
   fn();
 }
 
-template <typename Fn, typename First, typename... Rest>
-void with_typed(Fn&& fn, First& t, Rest&... rest) {
-  dispatch_float(t.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    using P = std::conditional_t<std::is_const_v<First>, const T*, T*>;
-    P p = static_cast<P>(t.data());
-    with_typed([&](auto... ps) { fn(p, ps...); }, rest...);
-  });
+template <typename H, typename Fn, typename... Rest>
+void dispatch_floats_as(Fn&& fn, DType first, Rest... rest) {
+  auto next = [&](auto tag) {
+    dispatch_floats_as<H>([&](auto... tags) { fn(tag, tags...); }, rest...);
+  };
+  if (first == DType::kF32) {
+    next(float{});
+  } else {
+    next(H{});
+  }
 }
+
+// Calls fn(T1{}, T2{}, ...) with the element type of each dtype, which may mix f32 with one
+// 16-bit type (Note [Cpu dtype combinations]).
+template <typename Fn, typename... D>
+void dispatch_floats(Fn&& fn, D... dtypes) {
+  switch (half_dtype_of({dtypes...})) {
+    case DType::kBF16: dispatch_floats_as<uint16_t>(fn, dtypes...); return;
+    case DType::kF16: dispatch_floats_as<Half>(fn, dtypes...); return;
+    default: dispatch_floats_as<float>(fn, dtypes...); return;
+  }
+}
+
+// Calls fn with each tensor's data as a pointer to its element type, const for const
+// tensors: with_typed(fn, x, dy, dx) calls fn(xp, dyp, dxp). Dispatches as dispatch_floats.
+template <typename Fn, typename... Ts>
+void with_typed(Fn&& fn, Ts&... ts) {
+  dispatch_floats(
+      [&](auto... tags) {
+        fn(static_cast<std::conditional_t<std::is_const_v<Ts>, const decltype(tags)*,
+                                          decltype(tags)*>>(ts.data())...);
+      },
+      ts.dtype()...);
+}
+
+// dst (x.numel() f32) = x widened; x is any float dtype (cpu_elementwise.cc).
+void widen_to_f32(int threads, const Tensor& x, float* dst);
+// y = src (y.numel() f32) rounded to y's dtype (cpu_elementwise.cc).
+void narrow_from_f32(int threads, const float* src, Tensor& y);
 
 // exp(x) to a few ulp, with x clamped to [-87, 88] (below -87 it returns ~1e-38, which
 // every caller treats as 0); vectorisable (Note [Cpu vectorisation]).

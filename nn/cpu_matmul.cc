@@ -13,6 +13,19 @@
 // run() sets the calling thread's OpenMP thread count to porter.device.threads before each
 // call. The calling thread is the cpu compute stream, whose other kernels name their thread
 // count explicitly, so nothing else depends on that setting.
+//
+// Note [Cpu f16 matmul]
+// Debian's oneDNN 2.6 refuses an f16 matmul primitive on cpus without AVX512-FP16 ("could
+// not create a primitive descriptor iterator", seen on the CI machine), so f16 operands are
+// widened to f32 copies, same layout, in kernel workspace (Note [Kernel workspace] in
+// kernels.h) and multiplied in f32; an f16 out is computed into an f32 copy (holding out
+// widened first when beta != 0, for the sum post-op) and rounded to f16 at the end. The
+// products of f16 values are exact in f32 and accumulate in f32, as cuBLASLt's f16 GEMM with
+// f32 compute does; only the summation order differs. The buffer is
+// workspace_layout::CpuMatmul (kernel_workspace.h): 4·(batch·m·k + batch·k·n) bytes, plus
+// 4·batch·m·n when out is f16 (matmul_workspace_bytes). Always widening, rather than trying
+// oneDNN first, keeps the workspace an exact function of the call on every cpu, which the
+// analytic memory model needs.
 #include "nn/cpu_matmul.h"
 
 #include <omp.h>
@@ -24,6 +37,7 @@
 
 #include "base/check.h"
 #include "nn/cpu_kernels.h"
+#include "nn/kernel_workspace.h"
 
 namespace porter::nn {
 namespace {
@@ -179,7 +193,24 @@ void CpuKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const 
     }
     return;
   }
-  dnnl_->run(p, a.data(), b.data(), out.data());
+  if (a.dtype() != DType::kF16) {
+    dnnl_->run(p, a.data(), b.data(), out.data());
+    return;
+  }
+  // f16: multiply f32 copies (Note [Cpu f16 matmul]).
+  if (p.m == 0 || p.n == 0 || p.batch0 == 0) return;
+  const workspace_layout::CpuMatmul layout =
+      workspace_layout::cpu_matmul(MatmulCall{p.batch0, p.m, p.n, p.k, a.dtype(), out.dtype()});
+  const memory::DeviceBuffer buffer = workspace(layout.total_elems() * sizeof(float), "matmul");
+  float* a32 = buffer.as<float>();
+  float* b32 = a32 + layout.a_elems;
+  float* out32 = layout.out_elems ? b32 + layout.b_elems : out.data_as<float>();
+  cpu::widen_to_f32(threads_, a, a32);
+  cpu::widen_to_f32(threads_, b, b32);
+  if (layout.out_elems && p.beta != 0.0f) cpu::widen_to_f32(threads_, out, out32);
+  p.a_dtype = p.b_dtype = p.out_dtype = DType::kF32;
+  dnnl_->run(p, a32, b32, out32);
+  if (layout.out_elems) cpu::narrow_from_f32(threads_, out32, out);
 }
 
 }  // namespace porter::nn

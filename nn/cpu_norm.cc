@@ -76,11 +76,6 @@ PORTER_CPU_CLONES void ln_param_grads(const TD* dy, const TX* x, const float* me
   }
 }
 
-template <typename T>
-T* ptr(const Tensor& t) {
-  return static_cast<T*>(t.data());
-}
-
 }  // namespace
 
 void CpuKernels::do_layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
@@ -88,22 +83,15 @@ void CpuKernels::do_layernorm_forward(const Tensor& x, const Tensor& gamma, cons
   const int64_t cols = x.dim(-1), rows = cpu::rows_of(x);
   float* mp = mean.data_as<float>();
   float* rp = rstd.data_as<float>();
-  cpu::dispatch_float(x.dtype(), [&](auto tx) {
-    cpu::dispatch_float(gamma.dtype(), [&](auto tp) {
-      cpu::dispatch_float(y.dtype(), [&](auto ty) {
-        using TX = decltype(tx);
-        using TP = decltype(tp);
-        using TY = decltype(ty);
-        const TX* xp = ptr<TX>(x);
-        const TP* gp = ptr<TP>(gamma);
-        const TP* bp = ptr<TP>(beta);
-        TY* yp = ptr<TY>(y);
+  cpu::with_typed(
+      [&](const auto* xp, const auto* gp, auto* yp) {
+        // beta has gamma's dtype (Note [Kernel dtypes]).
+        const auto* bp = static_cast<decltype(gp)>(beta.data());
         cpu::parallel_rows(threads_, rows, [&](int64_t r) {
           ln_fwd_row(xp + r * cols, gp, bp, yp + r * cols, cols, eps, mp + r, rp + r);
         });
-      });
-    });
-  });
+      },
+      x, gamma, y);
 }
 
 void CpuKernels::do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
@@ -112,27 +100,16 @@ void CpuKernels::do_layernorm_backward(const Tensor& dy, const Tensor& x, const 
   const int64_t cols = x.dim(-1), rows = cpu::rows_of(x);
   const float* mp = mean.data_as<float>();
   const float* rp = rstd.data_as<float>();
-  cpu::dispatch_float(dy.dtype(), [&](auto td) {
-    cpu::dispatch_float(x.dtype(), [&](auto tx) {
-      using TD = decltype(td);
-      using TX = decltype(tx);
-      const TD* dyp = ptr<TD>(dy);
-      const TX* xp = ptr<TX>(x);
-      cpu::dispatch_float(gamma.dtype(), [&](auto tp) {
-        cpu::dispatch_float(dx.dtype(), [&](auto to) {
-          using TP = decltype(tp);
-          using TO = decltype(to);
-          const TP* gp = ptr<TP>(gamma);
-          TO* dxp = ptr<TO>(dx);
-          cpu::parallel_rows(threads_, rows, [&](int64_t r) {
-            ln_bwd_row(dyp + r * cols, xp + r * cols, gp, mp[r], rp[r], dxp + r * cols, cols);
-          });
+  cpu::with_typed(
+      [&](const auto* dyp, const auto* xp, const auto* gp, auto* dxp) {
+        cpu::parallel_rows(threads_, rows, [&](int64_t r) {
+          ln_bwd_row(dyp + r * cols, xp + r * cols, gp, mp[r], rp[r], dxp + r * cols, cols);
         });
-      });
-      cpu::dispatch_float(dgamma.dtype(), [&](auto tg) {
-        using TG = decltype(tg);
-        TG* dgp = ptr<TG>(dgamma);
-        TG* dbp = ptr<TG>(dbeta);
+      },
+      dy, x, gamma, dx);
+  cpu::with_typed(
+      [&](const auto* dyp, const auto* xp, auto* dgp) {
+        auto* dbp = static_cast<decltype(dgp)>(dbeta.data());  // dgamma's dtype
         const int64_t blocks = (cols + kColumnBlock - 1) / kColumnBlock;
 #pragma omp parallel for num_threads(threads_) schedule(static)
         for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -144,9 +121,8 @@ void CpuKernels::do_layernorm_backward(const Tensor& dy, const Tensor& x, const 
             store(dbp + c0 + j, load(dbp + c0 + j) + acc_beta[j]);
           }
         }
-      });
-    });
-  });
+      },
+      dy, x, dgamma);
 }
 
 }  // namespace porter::nn

@@ -135,8 +135,13 @@ class CudaKernels final : public Kernels {
     cuda::adamw(launch(), params.data_as<float>(), dev(grad), m.data_as<float>(),
                 v.data_as<float>(), out, params.numel(), s);
   }
-  void do_sum(const Tensor& x, Tensor& out) override { reduce(x, out, false); }
-  void do_squared_norm(const Tensor& x, Tensor& out) override { reduce(x, out, true); }
+  void do_sum(const Tensor& x, Tensor& out) override { reduce(x, out, cuda::SumOf::kValues); }
+  void do_squared_norm(const Tensor& x, Tensor& out) override {
+    reduce(x, out, cuda::SumOf::kSquares);
+  }
+  void do_nonfinite_count(const Tensor& x, Tensor& out) override {
+    reduce(x, out, cuda::SumOf::kNonfinite);
+  }
   void do_cast(const Tensor& x, Tensor& y) override {
     cuda::cast(launch(), dev(x), dev(y), x.numel());
   }
@@ -153,10 +158,13 @@ class CudaKernels final : public Kernels {
                         device_.index()};
   }
 
-  void reduce(const Tensor& x, Tensor& out, bool squared) {
-    const memory::DeviceBuffer partials = workspace(reduction_workspace_bytes(kind(), x.numel()),
-                                                    squared ? "squared_norm" : "sum");
-    cuda::sum(launch(), dev(x), x.numel(), squared, partials.as<float>(), out.data_as<float>());
+  void reduce(const Tensor& x, Tensor& out, cuda::SumOf what) {
+    const char* op = what == cuda::SumOf::kValues    ? "sum"
+                     : what == cuda::SumOf::kSquares ? "squared_norm"
+                                                      : "nonfinite_count";
+    const memory::DeviceBuffer partials =
+        workspace(reduction_workspace_bytes(kind(), x.numel()), op);
+    cuda::sum(launch(), dev(x), x.numel(), what, partials.as<float>(), out.data_as<float>());
   }
 
   void gemm(GemmArgs g) { matmul_.run(g, launch().stream); }

@@ -83,10 +83,12 @@ void cross_entropy_forward(const Launch& l, DevPtr logits, const int32_t* target
                            int64_t rows, int64_t vocab);
 void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targets,
                             DevPtr dlogits, int64_t rows, int64_t vocab, float scale);
-// out[0] = sum of x (or of x^2). `partials` holds reduction_partials_count() floats.
-// Deterministic: the block count depends only on n, never on the device.
+// out[0] = sum of x, of x^2, or of 1 per inf or NaN element (a count, exact up to 2^24).
+// `partials` holds reduction_partials_count() floats. Deterministic: the block count depends
+// only on n, never on the device.
+enum class SumOf : int { kValues, kSquares, kNonfinite };
 int64_t reduction_partials_count();
-void sum(const Launch& l, DevPtr x, int64_t n, bool squared, float* partials, float* out);
+void sum(const Launch& l, DevPtr x, int64_t n, SumOf what, float* partials, float* out);
 
 // --- cuda_attention.cu ---------------------------------------------------------------------
 // dst (B, H, T, hd) f32 = the head-split columns [col_offset, col_offset + H * hd) of src

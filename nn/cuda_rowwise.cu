@@ -1,5 +1,5 @@
 // Row- and column-wise cuda kernels: layernorm, bias and layernorm parameter gradients,
-// embedding, cross-entropy, sum and squared-norm.
+// embedding, cross-entropy, sum, squared-norm and the non-finite count.
 //
 // Note [Deterministic cuda reductions]
 // Every reduction here sums in an order fixed by the shapes alone: warp butterflies, then a
@@ -213,12 +213,15 @@ __global__ void cross_entropy_backward_kernel(DevPtr logits, const int32_t* targ
 constexpr int64_t kMaxPartials = 1024;
 constexpr int64_t kElemsPerThread = 8;  // below this much work per thread, use fewer blocks
 
-__global__ void sum_partials_kernel(DevPtr x, int64_t n, bool squared, float* partials) {
+__global__ void sum_partials_kernel(DevPtr x, int64_t n, SumOf what, float* partials) {
   __shared__ float scratch[kWarp];
   float s = 0.0f;
   PORTER_GRID_STRIDE(i, n) {
     float v = ld(x, i);
-    s += squared ? v * v : v;
+    // Counts are whole numbers, so their f32 sums are exact up to 2^24.
+    if (what == SumOf::kSquares) v = v * v;
+    if (what == SumOf::kNonfinite) v = isfinite(v) ? 0.0f : 1.0f;
+    s += v;
   }
   s = block_reduce<false>(s, scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
@@ -297,10 +300,10 @@ void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targe
 
 int64_t reduction_partials_count() { return kMaxPartials; }
 
-void sum(const Launch& l, DevPtr x, int64_t n, bool squared, float* partials, float* out) {
+void sum(const Launch& l, DevPtr x, int64_t n, SumOf what, float* partials, float* out) {
   int64_t blocks = (n + kBlock * kElemsPerThread - 1) / (kBlock * kElemsPerThread);
   blocks = blocks < 1 ? 1 : (blocks > kMaxPartials ? kMaxPartials : blocks);
-  sum_partials_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, l.stream>>>(x, n, squared,
+  sum_partials_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, l.stream>>>(x, n, what,
                                                                              partials);
   PORTER_NN_CUDA_CHECK_LAUNCH("sum_partials_kernel", l.device);
   sum_final_kernel<<<1, kBlock, 0, l.stream>>>(partials, blocks, out);

@@ -50,6 +50,17 @@ size_t attention_backward_workspace_bytes(memory::DeviceKind kind, const Attenti
   return 0;
 }
 
+size_t matmul_workspace_bytes(memory::DeviceKind kind, const MatmulCall& call) {
+  switch (kind) {
+    case memory::DeviceKind::kCpu:
+      return workspace_layout::cpu_matmul(call).total_elems() * sizeof(float);
+    case memory::DeviceKind::kCuda:
+      return 0;
+  }
+  PORTER_ASSERT(false, "unknown device kind ", static_cast<int>(kind));
+  return 0;
+}
+
 size_t reduction_workspace_bytes(memory::DeviceKind kind, int64_t numel) {
   switch (kind) {
     case memory::DeviceKind::kCpu:

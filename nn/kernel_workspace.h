@@ -45,6 +45,21 @@ inline CpuAttentionBackward cpu_attention_backward(const AttentionCall& c) {
           f32_copy_elems(c.out, n), f32_copy_elems(c.dqkv, 3 * n)};
 }
 
+// cpu matmul with f16 operands, in f32 elements, carved in this order (Note [Cpu f16 matmul]
+// in cpu_matmul.cc). Other dtypes take none.
+struct CpuMatmul {
+  size_t a_elems = 0;    // an f32 copy of a, same layout
+  size_t b_elems = 0;    // an f32 copy of b, same layout
+  size_t out_elems = 0;  // an f32 out, narrowed into out at the end, when out is f16
+  size_t total_elems() const { return a_elems + b_elems + out_elems; }
+};
+
+inline CpuMatmul cpu_matmul(const MatmulCall& c) {
+  if (c.ab != DType::kF16 || c.batch == 0 || c.m == 0 || c.n == 0 || c.k == 0) return {};
+  return {static_cast<size_t>(c.batch * c.m * c.k), static_cast<size_t>(c.batch * c.k * c.n),
+          c.out == DType::kF16 ? static_cast<size_t>(c.batch * c.m * c.n) : 0};
+}
+
 // cuda sub-buffers start on 256-byte boundaries (cuBLASLt's preferred alignment).
 inline size_t cuda_padded_elems(size_t elems) { return (elems + 63) / 64 * 64; }
 

@@ -2,11 +2,13 @@
 // runs it. This file stays device-agnostic: it never reads tensor contents.
 //
 // Note [Kernel dtypes]
-// "float" below means f32 or bf16 (f16 too, on cuda). Unless an op says otherwise:
+// "float" below means f32, bf16 or f16, on both devices. Unless an op says otherwise:
 // - activations (x, y, dy, dx, out, qkv, logits) are float, each independently;
 // - parameters and their gradients (bias, gamma, beta, wte, wpe, dbias, ...) are float, and
 //   the two tensors of a pair (gamma/beta, wte/wpe, dgamma/dbeta, dwte/dwpe) share a dtype;
 // - saved statistics (mean, rstd, probs) and losses are f32; token ids and targets are i32.
+// The cpu kernels take one 16-bit type per call next to f32 (bf16 with f16 only in cast,
+// adamw, embedding and cross-entropy: Note [Cpu dtype combinations] in cpu_kernels.h).
 //
 // Note [Kernel aliasing]
 // Outputs never partially overlap inputs. An output may be the very same memory as an input
@@ -35,7 +37,7 @@ void check_defined(const char* op, const char* name, const Tensor& t) {
 void check_float(const char* op, const char* name, const Tensor& t) {
   check_defined(op, name, t);
   PORTER_CHECK(is_float(t.dtype()), op, ": ", name, " ", describe(t),
-               " must be f32 or bf16 (Note [Kernel dtypes])");
+               " must be f32, bf16 or f16 (Note [Kernel dtypes])");
 }
 
 void check_dtype(const char* op, const char* name, const Tensor& t, DType want) {
@@ -422,6 +424,15 @@ void Kernels::squared_norm(const Tensor& x, Tensor& out) {
                " must hold 1 element");
   check_no_alias("squared_norm", "out", out, "x", x);
   do_squared_norm(x, out);
+}
+
+void Kernels::nonfinite_count(const Tensor& x, Tensor& out) {
+  check_float("nonfinite_count", "x", x);
+  check_dtype("nonfinite_count", "out", out, DType::kF32);
+  PORTER_CHECK(out.numel() == 1, "nonfinite_count: out ", out.shape().to_string(),
+               " must hold 1 element");
+  check_no_alias("nonfinite_count", "out", out, "x", x);
+  do_nonfinite_count(x, out);
 }
 
 void Kernels::cast(const Tensor& x, Tensor& y) {

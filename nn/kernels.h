@@ -7,15 +7,18 @@
 // - Forward ops write their outputs. Backward ops *overwrite* input gradients (dx) and
 //   *accumulate* (+=) parameter gradients (dweight, dbias, dgamma, dbeta, dwte, dwpe), so
 //   micro-batches accumulate into the flat gradient buffer without extra passes.
-// - Compute is f32. f32 and bf16 tensors are accepted wherever noted; bf16 values are widened
-//   to f32 on load and rounded to nearest-even on store. Reductions accumulate in f32.
+// - Compute is f32. f32, bf16 and f16 tensors are accepted wherever noted (Note [Kernel
+//   dtypes] in kernels.cc); 16-bit values are widened to f32 on load and rounded to
+//   nearest-even on store (an f16 store of |v| >= 65520 gives inf). Reductions accumulate in
+//   f32.
 // - Kernels run on the device's compute stream; on cpu that is the calling thread, using up
 //   to device.threads() OpenMP threads.
 //
 // Note [Kernel workspace]
 // Every device byte a kernel uses beyond its arguments comes from a CachingAllocator, in
 // category `workspace`: the cpu attention's f32 scratch (Note [Attention scratch] in
-// cpu_attention.cc), the cpu reduction partials (cpu_reduce.cc), and the cuda attention and
+// cpu_attention.cc), the cpu matmul's f32 copies of f16 operands (Note [Cpu f16 matmul] in
+// cpu_matmul.cc), the cpu reduction partials (cpu_reduce.cc), and the cuda attention and
 // reduction buffers (Note [Cuda kernel workspace] in cuda_kernels.cc). So the device's
 // capacity, MemoryStats, the out-of-memory accounting and the offload staging plans see
 // those bytes like any other; the activation footprint does not (workspace is not in it).
@@ -83,8 +86,8 @@ class Kernels {
   memory::CachingAllocator& workspace_allocator() const { return *allocator_; }
 
   // out (M, N) = alpha * op(a) @ op(b) + beta * out, with op(a) (M, K) and op(b) (K, N).
-  // Rank 3 (batch, rows, cols) for a, b and out multiplies batch by batch. a and b are both
-  // f32 or both bf16; out is f32 or the inputs' dtype.
+  // Rank 3 (batch, rows, cols) for a, b and out multiplies batch by batch. a and b share a
+  // dtype (f32, bf16 or f16); out is f32 or the inputs' dtype.
   void matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec = {});
   // x (N, C) += bias (C), in place.
   void bias_add(Tensor& x, const Tensor& bias);
@@ -123,14 +126,20 @@ class Kernels {
   // dlogits (N, V) = (softmax(logits) - onehot(targets)) * scale (overwrite).
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
                               float scale);
-  // One AdamW step on f32 master params with f32 moments m, v; grad f32 or bf16. When
-  // `params_out` is defined (bf16 or f32 working copy), the updated params are written there too.
+  // One AdamW step on f32 master params with f32 moments m, v; grad f32, bf16 or f16. When
+  // `params_out` is defined (an f32, bf16 or f16 working copy), the updated params are
+  // written there too, rounded to its dtype.
   void adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
              Tensor* params_out = nullptr);
   // out (1) f32 = sum of x; out (1) f32 = sum of x^2.
   void sum(const Tensor& x, Tensor& out);
   void squared_norm(const Tensor& x, Tensor& out);
-  // y = x converted between f32 and bf16 (or f16 on cuda); same shape.
+  // out (1) f32 = the number of elements of x (any float dtype) that are inf or NaN: exact
+  // up to 2^24, and > 0 exactly when x has one. Overwrites out. The fp16 loss scaler's
+  // overflow test: one call per gradient buffer (or shard), with no host sync until out is
+  // read; counts add across calls and ranks, so a sum all-reduce of them tests all ranks.
+  void nonfinite_count(const Tensor& x, Tensor& out);
+  // y = x converted between float dtypes (f32, bf16, f16); same shape.
   void cast(const Tensor& x, Tensor& y);
   void fill(Tensor& x, float value);
   void scale(Tensor& x, float s);
@@ -172,6 +181,7 @@ class Kernels {
                         const AdamWArgs& args, Tensor* params_out) = 0;
   virtual void do_sum(const Tensor& x, Tensor& out) = 0;
   virtual void do_squared_norm(const Tensor& x, Tensor& out) = 0;
+  virtual void do_nonfinite_count(const Tensor& x, Tensor& out) = 0;
   virtual void do_cast(const Tensor& x, Tensor& y) = 0;
   virtual void do_fill(Tensor& x, float value) = 0;
   virtual void do_scale(Tensor& x, float s) = 0;
@@ -205,7 +215,24 @@ struct AttentionCall {
 // (Note [Kernel workspace]); 0 when it takes none.
 size_t attention_forward_workspace_bytes(memory::DeviceKind kind, const AttentionCall& call);
 size_t attention_backward_workspace_bytes(memory::DeviceKind kind, const AttentionCall& call);
-// sum and squared_norm of a tensor of `numel` elements.
+// sum, squared_norm and nonfinite_count of a tensor of `numel` elements.
 size_t reduction_workspace_bytes(memory::DeviceKind kind, int64_t numel);
+
+// The shapes and dtypes of one matmul call: out (batch, m, n) = op(a) (batch, m, k) @
+// op(b) (batch, k, n); batch 1 for rank 2.
+struct MatmulCall {
+  int64_t batch = 1;
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  DType ab = DType::kF32;   // a and b
+  DType out = DType::kF32;
+};
+
+// Requested workspace bytes of one matmul (Note [Cpu f16 matmul] in cpu_matmul.cc): on cpu
+// with f16 operands 4·(batch·m·k + batch·k·n) for their f32 copies, plus 4·batch·m·n when out
+// is f16 too; 0 otherwise, and 0 when batch, m, n or k is 0. On cuda always 0 (cuBLASLt
+// multiplies f16 directly; its own workspace is the exception above).
+size_t matmul_workspace_bytes(memory::DeviceKind kind, const MatmulCall& call);
 
 }  // namespace porter::nn

@@ -1,6 +1,8 @@
 // Flat parameter layout, buffers and the stage runners of the layer contract.
 #include "nn/layer.h"
 
+#include <algorithm>
+
 #include "base/check.h"
 #include "base/error.h"
 
@@ -37,12 +39,17 @@ int64_t ParamLayout::num_params() const {
 }
 
 FlatParams::FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout,
-                       DType param_dtype, DType grad_dtype)
-    : layout_(&layout),
-      params_(Tensor::empty(allocator, Shape{layout.total_elems()}, param_dtype,
-                            memory::Category::kParams)),
-      grads_(Tensor::empty(allocator, Shape{layout.total_elems()}, grad_dtype,
-                           memory::Category::kGrads)) {}
+                       DType param_dtype, DType grad_dtype, int64_t padded_elems,
+                       bool allocate_grads)
+    : layout_(&layout), grad_dtype_(grad_dtype) {
+  const int64_t n = std::max(padded_elems, layout.total_elems());
+  params_ = Tensor::empty(allocator, Shape{n}, param_dtype, memory::Category::kParams);
+  if (allocate_grads) {
+    grads_ = Tensor::empty(allocator, Shape{n}, grad_dtype, memory::Category::kGrads);
+  }
+  grad_views_.resize(layout.entries().size());
+  has_view_.assign(layout.entries().size(), false);
+}
 
 Tensor FlatParams::param(size_t i) const {
   const ParamEntry& e = layout_->entries().at(i);
@@ -51,7 +58,23 @@ Tensor FlatParams::param(size_t i) const {
 
 Tensor FlatParams::grad(size_t i) const {
   const ParamEntry& e = layout_->entries().at(i);
+  if (has_view_.at(i)) return grad_views_[i];
+  if (!grads_.defined() || grads_.numel() == 0) return Tensor();
   return grads_.slice(e.offset_elems, e.offset_elems + e.shape.numel()).reshape(e.shape);
+}
+
+void FlatParams::set_grad_view(size_t i, Tensor view) {
+  const ParamEntry& e = layout_->entries().at(i);
+  PORTER_CHECK(!view.defined() || (view.shape() == e.shape && view.dtype() == grad_dtype_),
+               "set_grad_view: parameter '", e.name, "' is ", e.shape.to_string(),
+               ", the view ", view.shape().to_string());
+  grad_views_[i] = std::move(view);
+  has_view_[i] = true;
+}
+
+void FlatParams::clear_grad_view(size_t i) {
+  grad_views_.at(i) = Tensor();
+  has_view_[i] = false;
 }
 
 void bind_layer(Layer& layer, const std::string& prefix, const FlatParams& flat) {

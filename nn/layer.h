@@ -83,21 +83,38 @@ class ParamLayout {
 // The flat parameter and gradient buffers of a layout, allocated once (categories params
 // and grads). Gradients may use another dtype than parameters (f32 gradients for bf16
 // compute).
+//
+// Note [Gradient views]
+// Both buffers hold `padded_elems` >= layout.total_elems() elements (ZeRO pads them, Note
+// [Flat partition] in zero/partition.h; the tail is never a parameter). With
+// allocate_grads false there is no gradient buffer (ZeRO stage 2 keeps only a shard): every
+// entry's gradient view is then whatever set_grad_view gave it, and undefined (a Tensor()
+// that any kernel rejects) otherwise. set_grad_view also overrides a view of an allocated
+// buffer; clear_grad_view returns entry i to the default. A layer sees a change only when it
+// is bound again (Model::bind), so an engine that moves gradient storage rebinds the model.
 class FlatParams {
  public:
   FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout, DType param_dtype,
-             DType grad_dtype);
-  const Tensor& params() const { return params_; }  // (total_elems)
-  const Tensor& grads() const { return grads_; }    // (total_elems)
+             DType grad_dtype, int64_t padded_elems = 0, bool allocate_grads = true);
+  const Tensor& params() const { return params_; }  // (padded_elems)
+  const Tensor& grads() const { return grads_; }    // (padded_elems), undefined without
+  int64_t padded_elems() const { return params_.numel(); }
+  DType grad_dtype() const { return grad_dtype_; }
   // Views of entry i.
   Tensor param(size_t i) const;
   Tensor grad(size_t i) const;
+  // Note [Gradient views]: `view` must have entry i's shape, or be undefined (unbound).
+  void set_grad_view(size_t i, Tensor view);
+  void clear_grad_view(size_t i);
   const ParamLayout& layout() const { return *layout_; }
 
  private:
   const ParamLayout* layout_;  // not owned; outlives this
+  DType grad_dtype_;
   Tensor params_;
   Tensor grads_;
+  std::vector<Tensor> grad_views_;   // per entry: the override, when has_view_[i]
+  std::vector<bool> has_view_;
 };
 
 // Binds `layer`, whose params() were added to the layout under `prefix`, to views of `flat`.

@@ -106,10 +106,11 @@ std::vector<float> to_host_f32(memory::Device& device, const Tensor& t) {
       std::memcpy(out.data(), raw.data(), raw.size());
       break;
     case DType::kBF16:
+    case DType::kF16:
       for (size_t i = 0; i < out.size(); ++i) {
         uint16_t h;
         std::memcpy(&h, raw.data() + 2 * i, 2);
-        out[i] = bf16_to_f32(h);
+        out[i] = t.dtype() == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
       }
       break;
     case DType::kI32:
@@ -119,8 +120,6 @@ std::vector<float> to_host_f32(memory::Device& device, const Tensor& t) {
         out[i] = static_cast<float>(v);
       }
       break;
-    case DType::kF16:
-      PORTER_CHECK(false, "to_host_f32 of an f16 tensor is not supported; cast to f32 on device");
   }
   return out;
 }
@@ -132,9 +131,12 @@ void from_host_f32(memory::Device& device, const std::vector<float>& values, Ten
     device.copy_sync(t.data(), values.data(), t.nbytes());
     return;
   }
-  PORTER_CHECK(t.dtype() == DType::kBF16, "from_host_f32 into ", dtype_name(t.dtype()));
+  const bool bf16 = t.dtype() == DType::kBF16;
+  PORTER_CHECK(bf16 || t.dtype() == DType::kF16, "from_host_f32 into ", dtype_name(t.dtype()));
   std::vector<uint16_t> h(values.size());
-  for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(values[i]);
+  for (size_t i = 0; i < h.size(); ++i) {
+    h[i] = bf16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
+  }
   device.copy_sync(t.data(), h.data(), t.nbytes());
 }
 

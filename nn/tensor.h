@@ -88,7 +88,8 @@ class Tensor {
 // Copies a tensor's bytes to the host (through the compute stream, then waits), converting
 // bf16/f16 to f32 when asked. For tests, .npy dumps and debugging, not for the hot path.
 std::vector<float> to_host_f32(memory::Device& device, const Tensor& t);
-// Copies host floats into a tensor (f32, or converted to bf16), through the compute stream.
+// Copies host floats into a tensor (f32, or rounded to bf16 or f16), through the compute
+// stream.
 void from_host_f32(memory::Device& device, const std::vector<float>& values, Tensor& t);
 
 }  // namespace porter::nn

@@ -1,0 +1,452 @@
+// Data parallelism and ZeRO stages 0, 1 and 2 through the Engine (docs/zero.md): ranks run as
+// threads (comm::run_thread_ranks), each with its own cpu device and Gloo communicator.
+//
+// Exactness (docs/zero.md, "Exactness"): with 2 ranks, one micro-batch per rank and no
+// clipping, stages 0, 1 and 2 give bitwise equal losses: every element is the sum of the same
+// two values (a + b == b + a in floating point) times 1/N, and AdamW is elementwise. With
+// clipping the norm is summed in another order (the local full buffer at stage 0, shard norms
+// all-reduced above), and with 4 ranks or accumulation the sums' order differs; those agree
+// within 1e-6 relative.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <unistd.h>
+#include <stdexcept>
+
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "comm/communicator.h"
+#include "engine_test_util.h"
+#include "zero/partition.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+
+config::Config zero_config(int world_size, int stage, int64_t gas = 1) {
+  config::Config c;
+  c.world_size = world_size;
+  c.train_micro_batch_size_per_gpu = 2;
+  c.gradient_accumulation_steps = gas;
+  c.train_batch_size = 2 * gas * world_size;
+  c.gradient_clipping = 0.0;
+  config::OptimizerConfig opt;
+  opt.lr = 3e-3;
+  opt.weight_decay = 0.01;
+  c.optimizer = opt;
+  c.porter.model.layers = 2;
+  c.porter.model.hidden = 64;
+  c.porter.model.heads = 2;
+  c.porter.model.seq_len = 16;
+  c.porter.model.vocab = 256;
+  c.porter.model.dropout = 0.0;
+  c.porter.train.seed = 11;
+  c.porter.comm.timeout_s = 20.0;
+  c.zero_optimization.stage = stage;
+  // Small buckets, so that buckets straddle shards and several are in flight.
+  c.zero_optimization.reduce_bucket_size_elems = 20000;
+  c.zero_optimization.overlap_comm = true;
+  return c;
+}
+
+struct RankRun {
+  std::vector<StepResult> steps;
+  std::vector<float> params;
+  std::array<size_t, memory::kNumCategories> bytes_after_init{};
+  std::array<size_t, memory::kNumCategories> bytes_after_step{};
+  ZeroStats total;
+};
+
+using ModelFactory = std::function<std::unique_ptr<Model>(const config::Config&, int rank)>;
+
+std::unique_ptr<Model> gpt(const config::Config& c, int) {
+  return std::make_unique<GptModel>(c.porter.model);
+}
+
+// Runs `steps` steps on c.world_size thread ranks; rethrows the first rank's error.
+std::vector<RankRun> run_ranks(const config::Config& c, int steps, ModelFactory make = gpt) {
+  const int ws = static_cast<int>(c.world_size);
+  std::vector<RankRun> runs(static_cast<size_t>(ws));
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, ws, o);
+    Engine e(*device, make(c, rank), c, dp);
+    RankRun& run = runs[static_cast<size_t>(rank)];
+    const memory::MemoryStats s0 = e.allocator().stats();
+    for (size_t k = 0; k < memory::kNumCategories; ++k) {
+      run.bytes_after_init[k] = s0.by_category[k].current_bytes;
+    }
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.steps.push_back(e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)));
+    }
+    const memory::MemoryStats s1 = e.allocator().stats();
+    for (size_t k = 0; k < memory::kNumCategories; ++k) {
+      run.bytes_after_step[k] = s1.by_category[k].current_bytes;
+    }
+    run.params = e.params_host();
+    run.total = e.zero_stats();
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  return runs;
+}
+
+// The mean loss over ranks of each step (each rank reports its own micro-batches' loss).
+std::vector<double> global_losses(const std::vector<RankRun>& runs) {
+  std::vector<double> out(runs[0].steps.size(), 0.0);
+  for (const RankRun& r : runs) {
+    for (size_t s = 0; s < out.size(); ++s) out[s] += r.steps[s].loss / runs.size();
+  }
+  return out;
+}
+
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double rel,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i], b[i], rel * std::fabs(b[i])) << what << " step " << i;
+  }
+}
+
+TEST(EngineZeroTest, StagesGiveBitwiseEqualLossesAtTwoRanks) {
+  std::vector<double> ref;
+  std::vector<float> ref_params;
+  for (int stage = 0; stage <= 2; ++stage) {
+    const std::vector<RankRun> runs = run_ranks(zero_config(2, stage), 20);
+    // Every rank holds the same parameters after the all-reduce / all-gather.
+    EXPECT_TRUE(bitwise_equal(runs[0].params, runs[1].params)) << "stage " << stage;
+    const std::vector<double> losses = global_losses(runs);
+    EXPECT_LT(losses.back(), losses.front()) << "stage " << stage;
+    if (stage == 0) {
+      ref = losses;
+      ref_params = runs[0].params;
+      continue;
+    }
+    for (size_t s = 0; s < ref.size(); ++s) EXPECT_EQ(losses[s], ref[s]) << "stage " << stage << " step " << s;
+    EXPECT_TRUE(bitwise_equal(runs[0].params, ref_params)) << "stage " << stage;
+    // Communication happened and is reported.
+    EXPECT_GT(runs[0].total.comm_bytes, 0u);
+    EXPECT_EQ(runs[0].steps[0].zero.stage, stage);
+    EXPECT_EQ(runs[0].steps[0].zero.world_size, 2);
+  }
+}
+
+TEST(EngineZeroTest, StagesAgreeAtFourRanks) {
+  std::vector<double> ref;
+  for (int stage = 0; stage <= 2; ++stage) {
+    const std::vector<RankRun> runs = run_ranks(zero_config(4, stage), 20);
+    for (const RankRun& r : runs) EXPECT_TRUE(bitwise_equal(r.params, runs[0].params));
+    const std::vector<double> losses = global_losses(runs);
+    if (stage == 0) {
+      ref = losses;
+    } else {
+      expect_close(losses, ref, 1e-6, "stage " + std::to_string(stage));
+    }
+  }
+}
+
+TEST(EngineZeroTest, StageZeroMatchesOneRankAtTheSameGlobalBatch) {
+  const std::vector<double> dp = global_losses(run_ranks(zero_config(2, 0), 10));
+  config::Config one = zero_config(1, 0, 2);  // 2 micro-batches = the two ranks' one each
+  auto device = cpu_device();
+  auto e = gpt_engine(*device, one);
+  const DataSource data(one.porter.data, one.porter.model.vocab, 2, one.porter.model.seq_len);
+  std::vector<double> single;
+  for (int s = 0; s < 10; ++s) single.push_back(e->train_step(data.step_batches(s, 2)).loss);
+  expect_close(dp, single, 1e-6, "stage 0 at 2 ranks vs 1 rank");
+}
+
+TEST(EngineZeroTest, GradientAccumulationAgreesAcrossStages) {
+  std::vector<double> ref;
+  for (int stage = 0; stage <= 2; ++stage) {
+    config::Config c = zero_config(2, stage, 2);
+    c.zero_optimization.overlap_comm = stage != 1;  // both orders of issue
+    const std::vector<double> losses = global_losses(run_ranks(c, 8));
+    if (stage == 0) {
+      ref = losses;
+    } else {
+      expect_close(losses, ref, 1e-6, "gas 2 stage " + std::to_string(stage));
+    }
+  }
+}
+
+TEST(EngineZeroTest, ClippingMatchesAcrossStages) {
+  std::vector<double> ref;
+  for (int stage = 0; stage <= 2; ++stage) {
+    config::Config c = zero_config(2, stage);
+    c.gradient_clipping = 0.05;
+    const std::vector<RankRun> runs = run_ranks(c, 8);
+    EXPECT_LT(runs[0].steps[0].clip_coef, 1.0);  // active
+    EXPECT_EQ(runs[0].steps[0].grad_norm, runs[1].steps[0].grad_norm);
+    const std::vector<double> losses = global_losses(runs);
+    if (stage == 0) {
+      ref = losses;
+    } else {
+      expect_close(losses, ref, 1e-6, "clipped stage " + std::to_string(stage));
+    }
+  }
+}
+
+TEST(EngineZeroTest, CheckpointingAndOffloadLeaveZero2Unchanged) {
+  const config::Config plain = zero_config(2, 2);
+  config::Config ckpt = plain;
+  ckpt.porter.checkpointing.policy = config::CheckpointPolicy::kUniform;
+  config::ActivationCheckpointingConfig ac;
+  ac.cpu_checkpointing = true;
+  ckpt.activation_checkpointing = ac;
+  const std::vector<RankRun> a = run_ranks(plain, 6);
+  const std::vector<RankRun> b = run_ranks(ckpt, 6);
+  for (size_t r = 0; r < 2; ++r) {
+    for (size_t s = 0; s < 6; ++s) EXPECT_EQ(a[r].steps[s].loss, b[r].steps[s].loss) << s;
+    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params));
+    EXPECT_GT(b[r].steps[0].offload.d2h_bytes, 0u);
+  }
+}
+
+TEST(EngineZeroTest, ModelStateBytesEqualTheShardFormulas) {
+  for (bool bf16 : {false, true}) {
+    for (int stage = 0; stage <= 2; ++stage) {
+      config::Config c = zero_config(2, stage);
+      c.bf16.enabled = bf16;
+      const std::vector<RankRun> runs = run_ranks(c, 2);
+      const nn::Gpt model(c.porter.model);
+      const zero::Partition part = zero::make_partition(model.layout().total_elems(), 2);
+      zero::StateDTypes dt;
+      dt.param = bf16 ? nn::DType::kBF16 : nn::DType::kF32;
+      const zero::StateBytes want = zero::exact_bytes(part, stage, dt);
+      const std::string what = std::string(bf16 ? "bf16" : "f32") + " stage " + std::to_string(stage);
+      for (const RankRun& r : runs) {
+        for (const auto* bytes : {&r.bytes_after_init, &r.bytes_after_step}) {
+          EXPECT_EQ((*bytes)[memory::index_of(memory::Category::kParams)], want.params) << what;
+          EXPECT_EQ((*bytes)[memory::index_of(memory::Category::kGrads)], want.grads) << what;
+          EXPECT_EQ((*bytes)[memory::index_of(memory::Category::kOptimizer)], want.optimizer)
+              << what;
+          EXPECT_EQ((*bytes)[memory::index_of(memory::Category::kComm)], 0u) << what;
+        }
+        EXPECT_TRUE(std::isfinite(r.steps.back().loss)) << what;
+      }
+      EXPECT_EQ(runs[0].steps[0].zero.shard_elems, part.shard_elems);
+    }
+  }
+}
+
+TEST(EngineZeroTest, Bf16RunsAtStageTwo) {
+  config::Config c = zero_config(2, 2);
+  c.bf16.enabled = true;
+  const std::vector<double> two = global_losses(run_ranks(c, 10));
+  c.zero_optimization.stage = 0;
+  const std::vector<double> zero = global_losses(run_ranks(c, 10));
+  EXPECT_LT(two.back(), two.front());
+  expect_close(two, zero, 1e-6, "bf16 stage 2 vs stage 0");
+}
+
+TEST(EngineZeroTest, RefusesStageThreeAndAWrongWorldSize) {
+  auto device = cpu_device();
+  config::Config c = zero_config(1, 3);
+  const std::string msg = error_of<InvalidArgument>([&] { gpt_engine(*device, c); });
+  EXPECT_NE(msg.find("zero_optimization.stage: 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("later issue"), std::string::npos) << msg;
+  c = zero_config(2, 1);  // world_size 2 without a communicator
+  const std::string ws = error_of<InvalidArgument>([&] { gpt_engine(*device, c); });
+  EXPECT_NE(ws.find("world_size 2"), std::string::npos) << ws;
+  c = zero_config(1, 2);
+  c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
+  const std::string off = error_of<InvalidArgument>([&] { gpt_engine(*device, c); });
+  EXPECT_NE(off.find("offload_optimizer"), std::string::npos) << off;
+}
+
+TEST(EngineZeroTest, OneRankStageTwoEqualsStageZero) {
+  // dp null: stage 2 still moves each bucket into the (whole-buffer) shard.
+  std::vector<double> ref;
+  for (int stage : {0, 2}) {
+    const config::Config c = zero_config(1, stage, 2);
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    std::vector<double> losses;
+    for (int s = 0; s < 5; ++s) losses.push_back(e->train_step(batches(c, s)).loss);
+    if (stage == 0) {
+      ref = losses;
+    } else {
+      expect_close(losses, ref, 1e-6, "one rank stage 2");
+    }
+  }
+}
+
+// Wraps a GptModel layer: when armed, its backward throws, or (inf mode) returns a dx of
+// infinities, which the earlier stages turn into inf/nan parameter gradients.
+class BombLayer : public nn::Layer {
+ public:
+  BombLayer(nn::Layer& inner, std::function<bool()> armed, bool inf = false)
+      : inner_(inner), armed_(std::move(armed)), inf_(inf) {}
+  std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
+  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override { inner_.bind(p, g); }
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override { return inner_.forward(ctx, x); }
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
+    if (armed_() && !inf_) throw std::runtime_error("bomb: injected failure in backward");
+    nn::Tensor dx = inner_.backward(ctx, dy);
+    if (armed_() && inf_) ctx.kernels().fill(dx, INFINITY);
+    return dx;
+  }
+
+ private:
+  nn::Layer& inner_;
+  std::function<bool()> armed_;
+  bool inf_;
+};
+
+class BombModel : public Model {
+ public:
+  BombModel(const config::ModelConfig& c, int bomb_stage, std::function<bool()> armed,
+            bool inf = false)
+      : inner_(c) {
+    for (int i = 0; i < inner_.num_stages(); ++i) {
+      layers_.push_back(std::make_unique<BombLayer>(
+          inner_.stage(i), i == bomb_stage ? armed : [] { return false; }, inf));
+    }
+  }
+  int num_stages() const override { return inner_.num_stages(); }
+  nn::Layer& stage(int i) override { return *layers_.at(static_cast<size_t>(i)); }
+  std::string stage_name(int i) const override { return inner_.stage_name(i); }
+  bool is_block(int i) const override { return inner_.is_block(i); }
+  const nn::ParamLayout& layout() const override { return inner_.layout(); }
+  void bind(const nn::FlatParams& flat) override { inner_.bind(flat); }
+  std::vector<float> init_values(uint64_t seed) const override { return inner_.init_values(seed); }
+  void set_targets(const nn::Tensor& t) override { inner_.set_targets(t); }
+  void set_loss_scale(float s) override { inner_.set_loss_scale(s); }
+  std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
+
+ private:
+  GptModel inner_;
+  std::vector<std::unique_ptr<BombLayer>> layers_;
+};
+
+TEST(EngineZeroTest, ARankThatThrowsMidStepFailsThePeersWithinTheTimeout) {
+  config::Config c = zero_config(2, 2);
+  c.porter.comm.timeout_s = 2.0;
+  c.zero_optimization.reduce_bucket_size_elems = 1000;  // the head's bucket is issued first
+  auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+    int step = 0;
+    auto armed = [&step, rank] { return rank == 1 && step == 2; };
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 1, armed), c, dp);
+    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    for (step = 0; step < 4; ++step) e.train_step(data.rank_batches(step, 1, rank, 2));
+  });
+  ASSERT_TRUE(errors[0] != nullptr);
+  ASSERT_TRUE(errors[1] != nullptr);
+  try {
+    std::rethrow_exception(errors[1]);
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("bomb"), std::string::npos) << e.what();
+  }
+  try {
+    std::rethrow_exception(errors[0]);
+  } catch (const std::exception& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("rank"), std::string::npos) << m;
+    EXPECT_TRUE(dynamic_cast<const PeerError*>(&e) != nullptr ||
+                dynamic_cast<const TimeoutError*>(&e) != nullptr)
+        << m;
+  }
+}
+
+TEST(EngineZeroTest, Fp16OverflowOnOneRankSkipsTheStepOnAll) {
+  config::Config c = zero_config(2, 2);
+  c.fp16.enabled = true;
+  c.fp16.loss_scale = 0.0;
+  c.fp16.initial_scale_power = 8;
+  c.fp16.hysteresis = 1;
+  std::vector<RankRun> runs(2);
+  auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+    int step = 0;
+    auto armed = [&step, rank] { return rank == 1 && step == 3; };
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, true), c, dp);
+    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    std::vector<float> before;
+    for (step = 0; step < 6; ++step) {
+      if (step == 3) before = e.params_host();
+      runs[static_cast<size_t>(rank)].steps.push_back(
+          e.train_step(data.rank_batches(step, 1, rank, 2)));
+      if (step == 3) EXPECT_TRUE(bitwise_equal(e.params_host(), before)) << "rank " << rank;
+    }
+    runs[static_cast<size_t>(rank)].params = e.params_host();
+    runs[static_cast<size_t>(rank)].total = e.zero_stats();
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  for (const RankRun& r : runs) {
+    for (size_t s = 0; s < r.steps.size(); ++s) {
+      EXPECT_EQ(r.steps[s].skipped, s == 3) << s;
+      EXPECT_TRUE(std::isfinite(r.steps[s].loss)) << s;
+    }
+    EXPECT_EQ(r.steps[2].zero.loss_scale, 256.0);
+    EXPECT_EQ(r.steps[3].zero.loss_scale, 128.0);
+    EXPECT_EQ(r.total.skipped_steps, 1);
+  }
+  EXPECT_TRUE(bitwise_equal(runs[0].params, runs[1].params));
+  EXPECT_LT(runs[0].steps[5].loss + runs[1].steps[5].loss,
+            runs[0].steps[0].loss + runs[1].steps[0].loss);
+}
+
+TEST(EngineZeroTest, CheckpointSaveAndResumeAtTwoRanks) {
+  const config::Config c = zero_config(2, 2);
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_zero_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<std::vector<double>> straight(2), resumed(2);
+  for (int phase = 0; phase < 3; ++phase) {
+    auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+      auto device = cpu_device();
+      comm::CommOptions o;
+      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+      std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      // phase 0: 6 straight steps; 1: 3 steps then save; 2: load, 3 more steps.
+      int begin = 0, end = phase == 1 ? 3 : 6;
+      if (phase == 2) {
+        e.load_checkpoint(dir);
+        begin = static_cast<int>(e.step());
+      }
+      for (int s = begin; s < end; ++s) {
+        const double loss = e.train_step(data.rank_batches(s, 1, rank, 2)).loss;
+        if (phase == 0) straight[static_cast<size_t>(rank)].push_back(loss);
+        if (phase == 2) resumed[static_cast<size_t>(rank)].push_back(loss);
+      }
+      if (phase == 1) e.save_checkpoint(dir);
+    });
+    for (auto& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "rank0"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "rank1"));
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(resumed[r].size(), 3u);
+    for (size_t s = 0; s < 3; ++s) EXPECT_EQ(resumed[r][s], straight[r][s + 3]) << r << " " << s;
+  }
+  // A one-rank engine refuses the two-rank checkpoint.
+  auto device = cpu_device();
+  auto one = gpt_engine(*device, zero_config(1, 2));
+  const std::string msg = error_of<InvalidArgument>([&] { one->load_checkpoint(dir / "rank0"); });
+  EXPECT_NE(msg.find("2 data-parallel ranks"), std::string::npos) << msg;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace porter::engine

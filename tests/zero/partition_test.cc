@@ -1,0 +1,94 @@
+// zero::make_partition, exact_bytes and paper_bytes against hand-computed numbers.
+#include "zero/partition.h"
+
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+
+namespace porter::zero {
+namespace {
+
+TEST(PartitionTest, PadsToWorldSizeTimesAlignment) {
+  // 1000 elements, 3 ranks: unit 3 * 64 = 192; round_up(1000, 192) = 1152; S = 384.
+  const Partition p = make_partition(1000, 3);
+  EXPECT_EQ(p.total_elems, 1000);
+  EXPECT_EQ(p.padded_elems, 1152);
+  EXPECT_EQ(p.shard_elems, 384);
+  EXPECT_EQ(p.begin(0), 0);
+  EXPECT_EQ(p.end(0), 384);
+  EXPECT_EQ(p.begin(2), 768);
+  EXPECT_EQ(p.end(2), 1152);
+  EXPECT_EQ(p.shard_elems % 64, 0);
+}
+
+TEST(PartitionTest, ExactMultiplesAreNotPadded) {
+  const Partition one = make_partition(640, 1);
+  EXPECT_EQ(one.padded_elems, 640);
+  EXPECT_EQ(one.shard_elems, 640);
+  const Partition two = make_partition(640, 2);  // 640 = 5 * 128
+  EXPECT_EQ(two.padded_elems, 640);
+  EXPECT_EQ(two.shard_elems, 320);
+  const Partition four = make_partition(640, 4);  // unit 256 -> 768
+  EXPECT_EQ(four.padded_elems, 768);
+  EXPECT_EQ(four.shard_elems, 192);
+}
+
+TEST(PartitionTest, EmptyAndOneElement) {
+  const Partition e = make_partition(0, 4);
+  EXPECT_EQ(e.padded_elems, 0);
+  EXPECT_EQ(e.shard_elems, 0);
+  const Partition o = make_partition(1, 8);  // unit 512
+  EXPECT_EQ(o.padded_elems, 512);
+  EXPECT_EQ(o.shard_elems, 64);
+}
+
+TEST(PartitionTest, RejectsBadArguments) {
+  EXPECT_THROW(make_partition(10, 0), InvalidArgument);
+  EXPECT_THROW(make_partition(-1, 2), InvalidArgument);
+  EXPECT_THROW(exact_bytes(make_partition(10, 2), 4, StateDTypes{}), InvalidArgument);
+}
+
+TEST(PartitionTest, ExactBytesPerStage) {
+  // P = 1000, N = 3: padded 1152, S = 384. bf16: p = 2, g = 4, k = 12.
+  const Partition p = make_partition(1000, 3);
+  const StateDTypes bf16{nn::DType::kBF16};
+  StateBytes b = exact_bytes(p, 0, bf16);
+  EXPECT_EQ(b.params, 2u * 1152);
+  EXPECT_EQ(b.grads, 4u * 1152);
+  EXPECT_EQ(b.optimizer, 12u * 1152);
+  b = exact_bytes(p, 1, bf16);
+  EXPECT_EQ(b.params, 2304u);
+  EXPECT_EQ(b.grads, 4608u);
+  EXPECT_EQ(b.optimizer, 12u * 384);
+  b = exact_bytes(p, 2, bf16);
+  EXPECT_EQ(b.grads, 4u * 384);
+  EXPECT_EQ(b.optimizer, 4608u);
+  EXPECT_EQ(b.total(), 2304u + 1536u + 4608u);
+  b = exact_bytes(p, 3, bf16);
+  EXPECT_EQ(b.params, 2u * 384);
+  // f32: k = 8.
+  b = exact_bytes(p, 2, StateDTypes{nn::DType::kF32});
+  EXPECT_EQ(b.params, 4u * 1152);
+  EXPECT_EQ(b.grads, 4u * 384);
+  EXPECT_EQ(b.optimizer, 8u * 384);
+}
+
+TEST(PartitionTest, PaperBytesUseTheUnpaddedCount) {
+  // Psi = 1000, N = 4, fp16-like params (2 bytes), g = 4, K = 12.
+  const StateDTypes half{nn::DType::kF16};
+  StateBytes b = paper_bytes(1000, 4, 0, half);
+  EXPECT_EQ(b.total(), (2u + 4u + 12u) * 1000);
+  b = paper_bytes(1000, 4, 1, half);
+  EXPECT_EQ(b.params + b.grads, 6000u);
+  EXPECT_EQ(b.optimizer, 3000u);  // 12 * 1000 / 4
+  b = paper_bytes(1000, 4, 2, half);
+  EXPECT_EQ(b.grads, 1000u);
+  b = paper_bytes(1000, 4, 3, half);
+  EXPECT_EQ(b.total(), 18u * 250);
+  // Exact and paper differ by the padding only.
+  const Partition p = make_partition(1024, 4);  // already a multiple of 256
+  EXPECT_EQ(exact_bytes(p, 2, half).total(), paper_bytes(1024, 4, 2, half).total());
+}
+
+}  // namespace
+}  // namespace porter::zero

@@ -1,0 +1,254 @@
+// The gradient reducer (Notes [Gradient reduction], [Gradient buckets], [Bucketed
+// reduce-scatter]).
+#include "zero/reducer.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "base/check.h"
+
+namespace porter::zero {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kMaxInFlight = 2;  // packed (reduce-scatter) buckets in flight at once
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
+                         memory::CachingAllocator& allocator, comm::Communicator* dp,
+                         const Partition& part, std::vector<Bucket> buckets,
+                         std::vector<int> entry_stage, const ReducerOptions& options,
+                         std::function<void()> rebind)
+    : flat_(&flat),
+      kernels_(&kernels),
+      allocator_(&allocator),
+      dp_(dp),
+      part_(part),
+      buckets_(std::move(buckets)),
+      options_(options),
+      rebind_(std::move(rebind)) {
+  PORTER_CHECK(options.stage >= 0 && options.stage <= 2, "GradReducer runs stages 0..2, got ",
+               options.stage);
+  PORTER_CHECK(options.predivide_factor > 0.0,
+               "gradient_predivide_factor: expected > 0, got ", options.predivide_factor);
+  if (dp_ != nullptr) {
+    n_ = dp_->size();
+    rank_ = dp_->rank();
+  }
+  PORTER_CHECK_EQ(n_, part.world_size, "the partition's world size");
+  PORTER_CHECK_EQ(flat.padded_elems(), part.padded_elems, "the flat buffers' padded size");
+  const auto& entries = flat.layout().entries();
+  PORTER_CHECK_EQ(entry_stage.size(), entries.size(), "entry_stage");
+  bucket_entries_.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    blocks_.push_back(bucket_blocks(buckets_[b].lo, buckets_[b].hi, part_));
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const int s = entry_stage[i];
+      if (s >= buckets_[b].first_stage && s <= buckets_[b].last_stage) {
+        bucket_entries_[b].push_back(i);
+      }
+    }
+  }
+  live_.resize(buckets_.size());
+  issued_.assign(buckets_.size(), false);
+  if (options_.stage == 2) {
+    shard_begin_ = part_.begin(rank_);
+    shard_ = nn::Tensor::empty(allocator, nn::Shape{part_.shard_elems}, nn::DType::kF32,
+                               memory::Category::kGrads);
+    // Every entry starts unbound: a gradient written outside a live bucket fails loudly.
+    for (size_t i = 0; i < entries.size(); ++i) flat_->set_grad_view(i, nn::Tensor());
+  } else {
+    PORTER_CHECK(flat.grads().defined(), "stages 0 and 1 need the flat gradient buffer");
+    shard_begin_ = options_.stage == 1 ? part_.begin(rank_) : 0;
+    shard_ = options_.stage == 1
+                 ? flat.grads().slice(part_.begin(rank_), part_.end(rank_))
+                 : flat.grads();
+  }
+}
+
+GradReducer::~GradReducer() { abort(); }
+
+void GradReducer::zero_grads() {
+  nn::Tensor all = options_.stage == 2 ? shard_ : flat_->grads();
+  kernels_->fill(all, 0.0f);
+}
+
+void GradReducer::begin_micro_batch(bool last) {
+  last_ = last;
+  // Stage 2 moves every micro-batch's buckets into the shard, even on one rank.
+  reducing_ = options_.stage == 2 || (n_ > 1 && last);
+  std::fill(issued_.begin(), issued_.end(), false);
+}
+
+void GradReducer::bind_bucket(size_t b, const nn::Tensor& buffer) {
+  const auto& entries = flat_->layout().entries();
+  for (size_t i : bucket_entries_[b]) {
+    if (!buffer.defined()) {
+      flat_->set_grad_view(i, nn::Tensor());
+      continue;
+    }
+    const nn::ParamEntry& e = entries[i];
+    const int64_t off = e.offset_elems - buckets_[b].lo;
+    flat_->set_grad_view(i, buffer.slice(off, off + e.shape.numel()).reshape(e.shape));
+  }
+}
+
+void GradReducer::before_backward(int stage) {
+  if (options_.stage != 2) return;
+  bool changed = false;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].alloc_before != stage || live_[b].defined()) continue;
+    nn::Tensor buf = nn::Tensor::empty(*allocator_, nn::Shape{buckets_[b].elems()},
+                                       nn::DType::kF32, memory::Category::kComm);
+    kernels_->fill(buf, 0.0f);
+    bind_bucket(b, buf);
+    live_[b] = std::move(buf);
+    changed = true;
+  }
+  if (changed) rebind_();
+}
+
+void GradReducer::after_backward(int stage) {
+  bool changed = false;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].ready_after != stage) continue;
+    if (options_.stage == 2) {
+      bind_bucket(b, nn::Tensor());
+      changed = true;
+    }
+    if (!reducing_ || (!options_.overlap_comm && n_ > 1)) continue;
+    nn::Tensor contiguous = std::move(live_[b]);
+    live_[b] = nn::Tensor();
+    issue(b, std::move(contiguous));
+  }
+  if (changed) rebind_();
+}
+
+void GradReducer::prescale(nn::Tensor& t) {
+  const double f = options_.predivide_factor;
+  const double s = options_.prescale_gradients ? 1.0 / n_ : (f != 1.0 ? 1.0 / f : 1.0);
+  if (s != 1.0) kernels_->scale(t, static_cast<float>(s));
+}
+
+void GradReducer::issue(size_t b, nn::Tensor contiguous) {
+  const Bucket& bk = buckets_[b];
+  issued_[b] = true;
+  // The local gradients of the bucket: stage 2's contiguous buffer, else the flat buffer.
+  nn::Tensor local = options_.stage == 2 ? contiguous : flat_->grads().slice(bk.lo, bk.hi);
+  if (n_ == 1) {  // stage 2 on one rank: the bucket is the shard's [lo, hi)
+    nn::Tensor dst = shard_.slice(bk.lo, bk.hi);
+    kernels_->accumulate(dst, local);
+    return;
+  }
+  prescale(local);
+  Pending p;
+  p.bucket = b;
+  const bool scatter = options_.stage == 2 || (options_.stage == 1 && options_.reduce_scatter);
+  if (!scatter) {
+    p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
+                             comm::ElemType::kF32, comm::ReduceOp::kSum);
+  } else {
+    while (pending_.size() >= kMaxInFlight) complete_oldest();
+    const BucketBlocks& bb = blocks_[b];
+    p.packed = nn::Tensor::empty(*allocator_, nn::Shape{bb.block * n_}, nn::DType::kF32,
+                                 memory::Category::kComm);
+    kernels_->fill(p.packed, 0.0f);
+    memory::Stream& compute = allocator_->device().compute_stream();
+    for (int r = 0; r < n_; ++r) {
+      if (bb.size(r) == 0) continue;
+      nn::Tensor src = local.slice(bb.lo[static_cast<size_t>(r)] - bk.lo,
+                                   bb.hi[static_cast<size_t>(r)] - bk.lo);
+      nn::Tensor dst = p.packed.slice(r * bb.block, r * bb.block + bb.size(r));
+      compute.copy_async(dst.data(), src.data(), src.nbytes());
+    }
+    local = nn::Tensor();
+    contiguous = nn::Tensor();  // stage 2: freed in compute-stream order, after the pack
+    auto* base = static_cast<float*>(p.packed.data());
+    p.work = dp_->reduce_scatter(base, base + rank_ * bb.block, static_cast<size_t>(bb.block),
+                                 comm::ElemType::kF32, comm::ReduceOp::kSum);
+    p.packed.record_stream(dp_->stream());
+  }
+  ++stats_.buckets;
+  pending_.push_back(std::move(p));
+}
+
+void GradReducer::complete_oldest() {
+  Pending p = std::move(pending_.front());
+  pending_.pop_front();
+  const auto t0 = Clock::now();
+  p.work.wait_on(allocator_->device().compute_stream());
+  stats_.reduce_exposed_s += seconds_since(t0);
+  stats_.reduce_busy_s += std::max(0.0, p.work.end_s() - p.work.start_s());
+  if (!p.packed.defined()) return;
+  const BucketBlocks& bb = blocks_[p.bucket];
+  const int64_t m = bb.size(rank_);
+  if (m == 0) return;
+  nn::Tensor mine = p.packed.slice(rank_ * bb.block, rank_ * bb.block + m);
+  const int64_t at = bb.lo[static_cast<size_t>(rank_)] - shard_begin_;
+  nn::Tensor dst = shard_.slice(at, at + m);
+  if (options_.stage == 2) {
+    kernels_->accumulate(dst, mine);  // contiguous_gradients: micro-batches sum here
+  } else {
+    allocator_->device().compute_stream().copy_async(dst.data(), mine.data(), mine.nbytes());
+  }
+}
+
+void GradReducer::end_micro_batch() {
+  if (reducing_) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (issued_[b]) continue;
+      nn::Tensor contiguous = std::move(live_[b]);
+      live_[b] = nn::Tensor();
+      issue(b, std::move(contiguous));
+    }
+    while (!pending_.empty()) complete_oldest();
+  }
+  for (nn::Tensor& t : live_) t = nn::Tensor();
+  if (reducing_ && last_ && n_ > 1) {
+    const double f = options_.predivide_factor;
+    if (!options_.prescale_gradients && f != static_cast<double>(n_)) {
+      nn::Tensor all = shard_;
+      kernels_->scale(all, static_cast<float>(f / n_));
+    }
+  }
+}
+
+void GradReducer::abort() noexcept {
+  while (!pending_.empty()) {
+    try {
+      pending_.front().work.wait();
+    } catch (...) {
+    }
+    pending_.pop_front();
+  }
+  bool bound = false;
+  for (size_t b = 0; b < live_.size(); ++b) {
+    if (!live_[b].defined()) continue;
+    live_[b] = nn::Tensor();
+    try {
+      bind_bucket(b, nn::Tensor());
+      bound = true;
+    } catch (...) {
+    }
+  }
+  if (bound && rebind_) {
+    try {
+      rebind_();
+    } catch (...) {
+    }
+  }
+}
+
+ReducerStats GradReducer::take_stats() {
+  ReducerStats s = stats_;
+  stats_ = ReducerStats{};
+  return s;
+}
+
+}  // namespace porter::zero

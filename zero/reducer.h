@@ -1,0 +1,119 @@
+// The gradient reducer of ZeRO stages 0, 1 and 2: buckets, their reductions on the comm
+// stream, and the rank's gradient shard. See docs/zero.md, "Stages" and "Buckets".
+//
+// Note [Gradient reduction]
+// Per step, with N data-parallel ranks (for N = 1 nothing is communicated or scaled; stage 2
+// still moves each bucket into the shard, which is then the whole buffer):
+// - stage 0 (and stage 1 with zero_optimization.reduce_scatter false): gradients accumulate
+//   in the full flat buffer; in the last micro-batch each bucket of it (Note [Gradient
+//   buckets]) is all-reduced in place, as soon as backward completed it (overlap_comm) or
+//   after backward.
+// - stage 1: as stage 0, but each bucket is reduce-scattered (Note [Bucketed
+//   reduce-scatter]) and rank r's result overwrites its shard's part of the flat buffer.
+// - stage 2: there is no full gradient buffer. In every micro-batch, before the first
+//   backward that writes into a bucket its contiguous buffer (category comm) is allocated,
+//   zeroed and the entries it covers are bound to views of it (Note [Gradient views] in
+//   nn/layer.h); after the last writer's backward the entries are unbound again and the
+//   bucket is packed, freed, and reduce-scattered; the rank adds its block into its f32
+//   gradient shard (category grads, S elements: contiguous_gradients). At most two packed
+//   buckets are in flight (stage 1 too): issuing a third first completes the oldest (the wait is exposed).
+// Scaling follows DeepSpeed's allreduce_bucket (f = gradient_predivide_factor):
+//   prescale_gradients false: times 1/f before the reduction (when f != 1), times f/N after
+//                             (when f != N)  -- the default f = 1 sums, then takes 1/N;
+//   prescale_gradients true:  times 1/N before, nothing after.
+// "Before" scales each bucket's local gradients; "after" scales the rank's reduced shard (the
+// whole buffer at stage 0) once, at the end of the step's last micro-batch.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "memory/caching_allocator.h"
+#include "nn/kernels.h"
+#include "nn/layer.h"
+#include "zero/buckets.h"
+#include "zero/partition.h"
+
+namespace porter::zero {
+
+struct ReducerOptions {
+  int stage = 0;                  // 0, 1 or 2
+  bool overlap_comm = false;
+  bool reduce_scatter = true;     // stage 1 only: reduce_scatter (true) or all_reduce
+  bool prescale_gradients = false;
+  double predivide_factor = 1.0;
+};
+
+// Communication figures of the reducer since the last take_stats().
+struct ReducerStats {
+  double reduce_busy_s = 0.0;     // comm-stream time of the gradient reductions
+  double reduce_exposed_s = 0.0;  // host time the compute stream waited for them
+  int64_t buckets = 0;            // reductions issued
+};
+
+class GradReducer {
+ public:
+  // `flat` has the padded layout (and a gradient buffer unless stage 2); entry_stage[i] is the
+  // stage owning layout entry i; `rebind` binds the model to `flat` again. dp may be null.
+  GradReducer(nn::FlatParams& flat, nn::Kernels& kernels, memory::CachingAllocator& allocator,
+              comm::Communicator* dp, const Partition& part, std::vector<Bucket> buckets,
+              std::vector<int> entry_stage, const ReducerOptions& options,
+              std::function<void()> rebind);
+  ~GradReducer();
+
+  // The gradients the optimizer reads: stage 2's shard buffer; else the flat buffer's
+  // [r*S, (r+1)*S) at stage 1, the whole flat buffer at stage 0.
+  const nn::Tensor& shard() const { return shard_; }
+  int64_t shard_begin() const { return shard_begin_; }  // flat index of shard()[0]
+  bool distributed() const { return n_ > 1; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+
+  // Zeroes the gradients (the shard at stage 2) for a new step.
+  void zero_grads();
+  void begin_micro_batch(bool last);
+  void before_backward(int stage);
+  void after_backward(int stage);
+  // After the micro-batch's schedule: issues what backward left, completes every reduction
+  // and, after the last micro-batch, applies the post-scale.
+  void end_micro_batch();
+  // After an error: the communicator must have been aborted (or be healthy); waits out the
+  // pending reductions ignoring their errors, frees every bucket and unbinds. Never throws.
+  void abort() noexcept;
+  ReducerStats take_stats();
+
+ private:
+  struct Pending {  // a reduction in flight
+    size_t bucket = 0;
+    comm::Work work;
+    nn::Tensor packed;  // reduce_scatter's packed buckets; undefined for all_reduce
+  };
+  void issue(size_t b, nn::Tensor contiguous);
+  void complete_oldest();
+  void prescale(nn::Tensor& t);
+  void bind_bucket(size_t b, const nn::Tensor& buffer);
+
+  nn::FlatParams* flat_;
+  nn::Kernels* kernels_;
+  memory::CachingAllocator* allocator_;
+  comm::Communicator* dp_;
+  Partition part_;
+  int n_ = 1, rank_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<BucketBlocks> blocks_;
+  std::vector<std::vector<size_t>> bucket_entries_;
+  ReducerOptions options_;
+  std::function<void()> rebind_;
+  nn::Tensor shard_;
+  int64_t shard_begin_ = 0;
+  bool last_ = false;
+  bool reducing_ = false;  // this micro-batch reduces (stage 2: always; else the last)
+  std::vector<nn::Tensor> live_;          // per bucket: stage 2's contiguous buffer
+  std::vector<bool> issued_;
+  std::deque<Pending> pending_;
+  ReducerStats stats_;
+};
+
+}  // namespace porter::zero
