@@ -252,7 +252,10 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       << cfg.porter.model.vocab << ": " << format_count(static_cast<double>(eng.model().layout().num_params()))
       << " parameters, " << nn::dtype_name(eng.compute_dtype()) << "\n"
       << "  data: " << run.data << "; " << micro_batches << " x " << cfg.train_micro_batch_size_per_gpu
-      << " x " << cfg.porter.model.seq_len << " tokens per step\n"
+      << " x " << cfg.porter.model.seq_len << " tokens per step"
+      << (eng.dp_size() > 1 ? " on each of " + std::to_string(eng.dp_size()) + " data-parallel ranks"
+                            : std::string())
+      << "\n"
       << "  device: " << run.device << "\n"
       << "  checkpointing: " << eng.plan().description << "\n";
   if (w.distributed() || cfg.zero_optimization.stage > 0) {

@@ -127,6 +127,7 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["grad_norms"] = norms;
   j["step_times_s"] = times;
   j["tokens_per_s"] = tokens_per_s(run.steps);
+  j["tokens_per_s_all_ranks"] = tokens_per_s(run.steps) * engine.dp_size();
   const StepTimes st = step_times(run.steps);
   j["step_time_s"] = {{"median", st.median_s}, {"min", st.min_s}, {"max", st.max_s}};
   j["wall_s"] = run.wall_s;
@@ -259,6 +260,11 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
   t.add({"step time (median, min, max)", format_seconds(st.median_s) + ", " +
                                              format_seconds(st.min_s) + ", " + format_seconds(st.max_s)});
   t.add({"tokens/s", format_count(tokens_per_s(run.steps))});
+  if (run.world_size > 1) {
+    // Every data-parallel rank trains as many tokens per step, in lockstep.
+    t.add({"tokens/s (" + std::to_string(engine.dp_size()) + " data-parallel ranks)",
+           format_count(tokens_per_s(run.steps) * engine.dp_size())});
+  }
   std::snprintf(buf, sizeof buf, "%.1f s", run.wall_s);
   t.add({"wall time", buf});
   t.print(out);

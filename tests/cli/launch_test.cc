@@ -236,7 +236,7 @@ nlohmann::json read_json(const fs::path& p) {
 
 // THE multi-process test: two porter processes train with ZeRO-2 over Gloo through the
 // launcher; rank 0's report has both ranks' memory and the zero section.
-TEST_F(LaunchTrain, DISABLED_TwoProcessesTrainWithZero2) {
+TEST_F(LaunchTrain, TwoProcessesTrainWithZero2) {
   const std::string report = (dir_ / "r.json").string();
   CliRun r = porter({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config", config_,
                      "--steps", "3", "--report", report});
@@ -269,13 +269,13 @@ TEST_F(LaunchTrain, DISABLED_TwoProcessesTrainWithZero2) {
 }
 
 // `train --nproc 2` re-executes porter under the launcher.
-TEST_F(LaunchTrain, DISABLED_NprocIsTheLaunchShorthand) {
-  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "2"});
+TEST_F(LaunchTrain, NprocIsTheLaunchShorthand) {
+  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "1"});
   ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
   EXPECT_EQ(WEXITSTATUS(run.status), 0) << run.output;
   EXPECT_TRUE(contains(run.output, "launch: 2 ranks")) << run.output;
-  EXPECT_TRUE(contains(run.output, "train --config " + config_ + " --steps 2\n")) << run.output;
-  EXPECT_TRUE(contains(run.output, "[rank 0] step 2/2")) << run.output;
+  EXPECT_TRUE(contains(run.output, "train --config " + config_ + " --steps 1\n")) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] step 1/1")) << run.output;
 }
 
 // A rank that fails before the rendezvous leaves rank 0 waiting for it in the store, which
@@ -296,6 +296,25 @@ TEST_F(LaunchTrain, ARankThatFailsMakesTheOthersFailWithinTheTimeout) {
   EXPECT_TRUE(contains(r.err, "[rank 0] error: rank 0 of 2: ")) << r.err;
   EXPECT_TRUE(contains(r.err, "first failure: rank 1")) << r.err;
   EXPECT_FALSE(contains(r.err, "killed by the launcher")) << r.err;
+}
+
+// A rank that leaves mid-run (rank 1 trains 2 steps and exits 0; rank 0 wants 1000) makes
+// rank 0's next collective fail at once with an error that names the rank, the operation
+// and the peer, not a hang; the launcher reports rank 0's failure.
+TEST_F(LaunchTrain, ARankThatLeavesMidRunFailsItsPeerAtTheNextCollective) {
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then exec \"$0\" train --config \"$1\" --steps 2; fi; "
+      "exec \"$0\" train --config \"$1\" --steps 1000";
+  CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c", script, PORTER_EXE, config_});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 0] step 2/1000")) << r.err;
+  EXPECT_FALSE(contains(r.err, "[rank 0] step 4/1000")) << r.err;
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex(R"(\[rank 0\] error: rank 0 of 2: rank 0 of world: [a-z_]+ of [0-9]+ f32 )"
+                        R"(failed: rank 1 closed the connection)")))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: failed: rank 0 exit code 2; rank 1 ok; first failure: rank 0"))
+      << r.err;
 }
 
 TEST_F(LaunchTrain, NprocInsideALaunchedRankIsRefused) {
