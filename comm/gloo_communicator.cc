@@ -120,9 +120,10 @@ std::string gloo_host() {
     socklen_t len = sizeof(ss);
     char buf[INET6_ADDRSTRLEN] = {};
     if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
-      const void* addr = ss.ss_family == AF_INET
-                             ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr)
-                             : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr);
+      auto* v4 = reinterpret_cast<sockaddr_in*>(&ss);
+      auto* v6 = reinterpret_cast<sockaddr_in6*>(&ss);
+      const void* addr = ss.ss_family == AF_INET ? static_cast<const void*>(&v4->sin_addr)
+                                                 : static_cast<const void*>(&v6->sin6_addr);
       if (inet_ntop(ss.ss_family, addr, buf, sizeof(buf)) != nullptr) local = buf;
     }
   }

@@ -126,7 +126,8 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t res = aborted_ ? ncclSuccess : ncclCommFinalize(comm_);
       if (res == ncclSuccess || res == ncclInProgress) {
         ncclResult_t state = ncclInProgress;
-        const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(options_.timeout);
+        const auto deadline =
+            Clock::now() + std::chrono::duration_cast<Clock::duration>(options_.timeout);
         while (!aborted_ && state == ncclInProgress && Clock::now() < deadline) {
           ncclCommGetAsyncError(comm_, &state);
           std::this_thread::yield();
@@ -158,7 +159,8 @@ class NcclCommunicator final : public Communicator {
     const OpInfo info{"reduce_scatter", count, type, true};
     return enqueue(info, count * elem_size(type) * static_cast<size_t>(size_),
                    [=, this](cudaStream_t s) {
-                     return ncclReduceScatter(in, out, count, nccl_type(type), nccl_op(op), comm_, s);
+                     return ncclReduceScatter(in, out, count, nccl_type(type), nccl_op(op),
+                                              comm_, s);
                    });
   }
   Work all_gather(const void* in, void* out, size_t count, ElemType type) override {

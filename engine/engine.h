@@ -144,9 +144,10 @@ class Engine {
 
   // Training checkpoints (engine/state_file.h): parameters, master weights, AdamW moments,
   // the step, and the config they belong to. With N > 1 ranks every rank calls both with
-  // the same dir and uses dir/rank<r> (Note [Data-parallel checkpoints] in state.cc). load_checkpoint checks that the model layout
-  // and dtypes match this engine's and throws IoError / InvalidArgument otherwise; after it,
-  // training continues bit-identically.
+  // the same dir and uses dir/rank<r> (Note [Data-parallel checkpoints] in state.cc).
+  // load_checkpoint checks that the model layout and dtypes (and the world size and stage)
+  // match this engine's and throws IoError / InvalidArgument otherwise; after it, training
+  // continues bit-identically.
   void save_checkpoint(const std::filesystem::path& dir) const;
   void load_checkpoint(const std::filesystem::path& dir);
 

@@ -16,7 +16,8 @@
 //   nn/layer.h); after the last writer's backward the entries are unbound again and the
 //   bucket is packed, freed, and reduce-scattered; the rank adds its block into its f32
 //   gradient shard (category grads, S elements: contiguous_gradients). At most two packed
-//   buckets are in flight (stage 1 too): issuing a third first completes the oldest (the wait is exposed).
+//   buckets are in flight (stage 1 too): issuing a third first completes the oldest (the
+//   wait is exposed).
 // Scaling follows DeepSpeed's allreduce_bucket (f = gradient_predivide_factor):
 //   prescale_gradients false: times 1/f before the reduction (when f != 1), times f/N after
 //                             (when f != N)  -- the default f = 1 sums, then takes 1/N;

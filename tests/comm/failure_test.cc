@@ -56,15 +56,20 @@ TEST(CommFailure, RankThatThrowsMakesThePeersFail) {
       comm->all_reduce(buf.data(), buf.size(), ElemType::kF32, ReduceOp::kSum).wait();
     }
   });
+  ASSERT_TRUE(errors[1]);
   try {
     std::rethrow_exception(errors[1]);
   } catch (const RankThrew&) {
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank 1 ended with " << e.what();
   }
   for (int r : {0, 2, 3}) {
     const std::string kind = kind_of(errors[static_cast<size_t>(r)]);
     EXPECT_TRUE(kind == "peer" || kind == "timeout") << "rank " << r << ": " << kind;
-    const std::string msg = errors[static_cast<size_t>(r)] ? what_of(errors[static_cast<size_t>(r)]) : "";
-    EXPECT_TRUE(contains(msg, "rank " + std::to_string(r) + " of world: all_reduce of 1000 f32 failed"))
+    const auto& err = errors[static_cast<size_t>(r)];
+    const std::string msg = err ? what_of(err) : "";
+    EXPECT_TRUE(
+        contains(msg, "rank " + std::to_string(r) + " of world: all_reduce of 1000 f32 failed"))
         << msg;
   }
 }
@@ -154,7 +159,7 @@ TEST(CommFailure, AbortMakesPeersFailAtOnceAndLaterOpsRethrow) {
           << e.what();
     }
   });
-  for (int r = 0; r < kWs; ++r) EXPECT_FALSE(errors[static_cast<size_t>(r)]) << what_of(errors[static_cast<size_t>(r)]);
+  for (auto& e : errors) EXPECT_FALSE(e) << what_of(e);
 }
 
 // abort() wakes this rank's own op that is waiting for peers which never come.
