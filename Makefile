@@ -37,15 +37,17 @@ consumer: build
 test: test-release consumer test-asan test-tsan
 	@echo "make test: all suites passed"
 
-# Trains examples/gpt-tiny.json: a byte-level GPT on porter's own docs and sources, under a
-# memory limit that the none policy would exceed, with checkpoints offloaded to pinned host
-# memory (README.md, "make demo"). Runs from the repository root, which the config's data
-# paths are relative to; writes the report and a Perfetto trace with the copy lanes.
+# Trains examples/gpt-tiny-zero2.json on 2 local ranks (porter train --nproc 2 re-executes
+# porter under `porter launch`): a byte-level GPT on porter's own docs and sources with ZeRO
+# stage 2 over Gloo, each rank under a memory limit that the none policy would exceed, with
+# checkpoints offloaded to pinned host memory (README.md, "make demo"). Runs from the
+# repository root, which the config's data paths are relative to; rank 0 writes the report
+# (every rank's memory) and rank 0's Perfetto trace with the copy lanes.
 demo: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target porter
-	./build/release/cli/porter train --config examples/gpt-tiny.json --report build/demo-report.json \
-	  --trace build/demo-trace.json
+	./build/release/cli/porter train --nproc 2 --config examples/gpt-tiny-zero2.json \
+	  --report build/demo-report.json --trace build/demo-trace.json
 
 bench: build
 	./build/release/bench/memory_bench --benchmark_counters_tabular=true

@@ -19,29 +19,36 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   app.footer("Exit codes: 0 success, 1 usage error, 2 invalid input (e.g. an invalid config), "
              "3 out of memory.");
 
-  CommandContext context{&out, &err};
+  CommandContext context;
+  context.out = &out;
+  context.err = &err;
   context.err_is_tty = err_is_tty;
+  for (int i = 1; i < argc; ++i) context.args.emplace_back(argv[i]);
   add_train_command(app, context);
   add_plan_command(app, context);
   add_estimate_command(app, context);
   add_stress_command(app, context);
   add_config_command(app, context);
+  add_launch_command(app, context);
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version arrive here too, with exit code 0.
     int code = app.exit(e, out, err);
-    return code == 0 ? kExitOk : kExitUsage;
+    if (code == 0) return kExitOk;
+    // launch keeps 1 for "a rank failed", so its usage errors are 2.
+    return app.get_subcommand("launch")->parsed() ? kExitInvalid : kExitUsage;
   } catch (const porter::OutOfMemoryError& e) {
     // The allocator's message accounts for every byte and ends with a hint.
-    err << "error: " << e.what() << "\n";
+    err << "error: " << context.error_prefix << e.what() << "\n";
     return kExitOom;
   } catch (const porter::Error& e) {
-    err << "error: " << e.what() << "\n";
+    err << "error: " << context.error_prefix << e.what() << "\n";
     return kExitInvalid;
   } catch (const std::exception& e) {
-    err << "error: unexpected failure (a bug in porter): " << e.what() << "\n";
+    err << "error: " << context.error_prefix << "unexpected failure (a bug in porter): "
+        << e.what() << "\n";
     return kExitInvalid;
   }
   return context.exit_code;

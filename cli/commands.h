@@ -3,22 +3,26 @@
 #pragma once
 
 #include <ostream>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 namespace porter::cli {
 
 struct CommandContext {
-  std::ostream* out;  // not owned: results
-  std::ostream* err;  // not owned: warnings and errors
+  std::ostream* out = nullptr;  // not owned: results
+  std::ostream* err = nullptr;  // not owned: warnings and errors
   int exit_code = 0;  // set by the subcommand that ran
   bool err_is_tty = false;  // whether `err` is a terminal (progress bars)
+  std::vector<std::string> args;  // the arguments after the program name (train --nproc)
+  std::string error_prefix;  // before an error's text: "rank 1 of 2: " in a distributed train
 };
 
 // `porter config check FILE [--world-size N] [--strict] [--json]`
 void add_config_command(CLI::App& app, CommandContext& context);
-// `porter train --config F [--steps N] [--report F] [--trace F] [--dump-dir D] [--save D]
-// [--resume D]`
+// `porter train --config F [--nproc N] [--steps N] [--report F] [--trace F] [--dump-dir D]
+// [--save D] [--resume D]`
 void add_train_command(CLI::App& app, CommandContext& context);
 // `porter plan --config F [--budget B] [--json]`
 void add_plan_command(CLI::App& app, CommandContext& context);
@@ -26,5 +30,8 @@ void add_plan_command(CLI::App& app, CommandContext& context);
 void add_estimate_command(CLI::App& app, CommandContext& context);
 // `porter stress --config F [--runs N] [--seed S] [--first R] [--steps K] [--json]`
 void add_stress_command(CLI::App& app, CommandContext& context);
+
+// `porter launch -n N [--master-addr A] [--master-port P] [--timeout S] -- COMMAND...`
+void add_launch_command(CLI::App& app, CommandContext& context);
 
 }  // namespace porter::cli

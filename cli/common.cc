@@ -12,10 +12,11 @@
 
 namespace porter::cli {
 
-config::Config load_config(const std::string& file, bool strict, std::ostream& err) {
+config::Config load_config(const std::string& file, bool strict, std::ostream& err,
+                           int64_t world_size) {
   config::ParseResult result;
   try {
-    result = config::parse_config_file(file, config::ParseOptions{1, strict});
+    result = config::parse_config_file(file, config::ParseOptions{world_size, strict});
   } catch (const porter::Error& e) {
     throw InvalidArgument(file + ": " + e.what());
   }

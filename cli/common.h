@@ -16,8 +16,9 @@
 
 namespace porter::cli {
 
-// Parses `file` at world size 1, printing the warnings to `err`. Throws porter::Error.
-config::Config load_config(const std::string& file, bool strict, std::ostream& err);
+// Parses `file` for `world_size` ranks, printing the warnings to `err`. Throws porter::Error.
+config::Config load_config(const std::string& file, bool strict, std::ostream& err,
+                           int64_t world_size = 1);
 
 // f32, or bf16 / f16 when the config enables them.
 nn::DType compute_dtype(const config::Config& config);

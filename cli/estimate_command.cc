@@ -1,7 +1,9 @@
-// `porter estimate --config F [--budget B] [--json]`: model-state and activation bytes of the
-// built-in GPT under every checkpoint policy, from the analytic model, without allocating.
+// `porter estimate --config F [--world-size N] [--budget B] [--json]`: per-rank model-state
+// bytes of the built-in GPT for ZeRO stages 0..3 (porter's exact bytes beside the ZeRO paper's
+// formulas) and activation bytes under every checkpoint policy, without allocating.
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -16,12 +18,15 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "nn/gpt.h"
+#include "zero/partition.h"
 
 namespace porter::cli {
 namespace {
 
 struct EstimateOptions {
   std::string file;
+  std::optional<int64_t> world_size;
   std::string budget;
   bool json = false;
   bool strict = false;
@@ -37,6 +42,61 @@ struct PolicyEstimate {
   double recompute_flop_fraction = 0.0;
 };
 
+// Note [Estimate world size]
+// The config file has no world size; --world-size gives it. Without the flag, a file that
+// states all three of train_batch_size, train_micro_batch_size_per_gpu and
+// gradient_accumulation_steps implies one (train_batch_size / (micro * accumulation) data-
+// parallel ranks, times porter.model.tensor_parallel), and anything else estimates one rank.
+int64_t implied_world_size(const std::string& file) {
+  std::ifstream in(file);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false,
+                                                 /*ignore_comments=*/true);
+  if (!j.is_object()) return 1;
+  auto integer = [&](const char* key) -> int64_t {
+    auto it = j.find(key);
+    return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
+  };
+  const int64_t tbs = integer("train_batch_size");
+  const int64_t mbs = integer("train_micro_batch_size_per_gpu");
+  const int64_t gas = integer("gradient_accumulation_steps");
+  int64_t tp = 1;
+  if (auto p = j.find("porter"); p != j.end() && p->is_object()) {
+    if (auto m = p->find("model"); m != p->end() && m->is_object()) {
+      if (auto t = m->find("tensor_parallel"); t != m->end() && t->is_number_integer()) {
+        tp = std::max<int64_t>(1, t->get<int64_t>());
+      }
+    }
+  }
+  if (tbs <= 0 || mbs <= 0 || gas <= 0 || tbs % (mbs * gas) != 0) return 1;
+  return tbs / (mbs * gas) * tp;
+}
+
+// One ZeRO stage's per-rank model-state bytes: porter's exact ones and the paper's.
+struct StageEstimate {
+  int stage = 0;
+  zero::StateBytes exact, paper;
+  std::string formula;  // the paper's formula with porter's p, g, k and N substituted
+  int64_t padding_bytes() const {
+    return static_cast<int64_t>(exact.total()) - static_cast<int64_t>(paper.total());
+  }
+};
+
+std::string stage_formula(int stage, const zero::StateDTypes& d, int n) {
+  const std::string p = std::to_string(d.param_bytes()), g = std::to_string(d.grad_bytes()),
+                    k = std::to_string(d.optimizer_bytes()), ns = std::to_string(n);
+  switch (stage) {
+    case 0: return "(" + p + "+" + g + "+" + k + ") Psi";
+    case 1: return "(" + p + "+" + g + ") Psi + " + k + " Psi/" + ns;
+    case 2: return p + " Psi + (" + g + "+" + k + ") Psi/" + ns;
+    default: return "(" + p + "+" + g + "+" + k + ") Psi/" + ns;
+  }
+}
+
+nlohmann::ordered_json bytes_json(const zero::StateBytes& b) {
+  return {{"params", b.params}, {"grads", b.grads}, {"optimizer", b.optimizer},
+          {"total", b.total()}};
+}
+
 // Recompute FLOPs over one step's forward + backward FLOPs (backward = 2 x forward).
 double flop_fraction(const checkpoint::Prediction& p, const checkpoint::ChainCosts& costs) {
   double forward = 0.0;
@@ -44,14 +104,63 @@ double flop_fraction(const checkpoint::Prediction& p, const checkpoint::ChainCos
   return forward > 0.0 ? p.recompute_flops / (3.0 * forward) : 0.0;
 }
 
+void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
+                const zero::Partition& part, int64_t num_params, const zero::StateDTypes& d,
+                nn::DType dtype, int64_t world_size, int dp) {
+  out << "  ZeRO model states per rank at world size " << world_size;
+  if (dp != world_size) out << " (" << dp << " data-parallel ranks)";
+  out << ": Psi = " << num_params << " parameters;\n  the flat buffer has " << part.total_elems
+      << " elements (tensors aligned to " << nn::kParamAlignElems << "), padded to "
+      << part.padded_elems << " = " << dp << " shard" << (dp == 1 ? "" : "s") << " of "
+      << part.shard_elems << ";\n  p = " << d.param_bytes() << " (" << nn::dtype_name(dtype)
+      << " params), g = " << d.grad_bytes() << " (f32 grads), k = " << d.optimizer_bytes()
+      << " (AdamW moments" << (d.optimizer_bytes() == 12 ? " + f32 master" : "") << ")\n";
+  Table t({"stage", "params", "grads", "optimizer", "total", "paper formula", "paper", "padding"});
+  for (const StageEstimate& e : stages) {
+    t.add({std::to_string(e.stage), format_bytes(e.exact.params), format_bytes(e.exact.grads),
+           format_bytes(e.exact.optimizer), format_bytes(e.exact.total()), e.formula,
+           format_bytes(e.paper.total()),
+           (e.padding_bytes() < 0 ? "-" : "+") +
+               format_bytes(static_cast<uint64_t>(std::llabs(e.padding_bytes())))});
+  }
+  t.print(out);
+  out << "  total = porter's exact bytes per rank (padding included). paper = Rajbhandari et al.\n"
+         "  2020 with porter's p, g, k for their 2, 2, K = 12 (stage 0 (2+2+K)Psi, 1 4Psi + K Psi/N,\n"
+         "  2 2Psi + (2+K)Psi/N, 3 (2+2+K)Psi/N). padding = total - paper. Stage 3 is estimate only;\n"
+         "  stage 2's reduce buckets are transient and count under comm (docs/zero.md).\n\n";
+}
+
 int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
-  const config::Config cfg = load_config(o.file, o.strict, err);
+  const int64_t world_size = o.world_size.value_or(implied_world_size(o.file));
+  const config::Config cfg = load_config(o.file, o.strict, err, world_size);
   const checkpoint::GptShape shape = gpt_shape(cfg);
   const nn::DType dtype = shape.compute_dtype;
   const checkpoint::ChainCosts costs = checkpoint::analytic_gpt_costs(
       shape, checkpoint::selective_policy(cfg.porter.checkpointing.selective_ops));
-  const checkpoint::ModelStateBytes ms = checkpoint::gpt_model_state_bytes(cfg.porter.model, dtype);
-  const size_t model_state = ms.params + ms.grads + ms.optimizer;
+
+  // ZeRO partitions the flat buffers over the data-parallel ranks (Note [Model-state bytes per
+  // rank] in zero/partition.h). Tensor parallelism is not modelled: the layout is the whole
+  // model's.
+  config::ModelConfig whole = cfg.porter.model;
+  whole.tensor_parallel = 1;
+  const nn::Gpt gpt(whole);  // the layout only; allocates nothing
+  const int dp = static_cast<int>(cfg.data_parallel_size());
+  const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), dp);
+  const int64_t num_params = gpt.layout().num_params();
+  const zero::StateDTypes state_dtypes{dtype};
+  std::vector<StageEstimate> stages;
+  for (int stage = 0; stage <= 3; ++stage) {
+    StageEstimate e;
+    e.stage = stage;
+    e.exact = zero::exact_bytes(part, stage, state_dtypes);
+    e.paper = zero::paper_bytes(num_params, dp, stage, state_dtypes);
+    e.formula = stage_formula(stage, state_dtypes, dp);
+    stages.push_back(e);
+  }
+  // The policies below use the configured stage's model states.
+  const int config_stage = cfg.zero_optimization.stage;
+  const zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
+  const size_t model_state = ms.total();
   const size_t batch = batch_bytes(cfg);
   const std::optional<size_t> capacity = planned_capacity_bytes(cfg);
   const int64_t layers = cfg.porter.model.layers;
@@ -130,8 +239,26 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                   {"vocab", cfg.porter.model.vocab}, {"compute_dtype", nn::dtype_name(dtype)},
                   {"micro_batch", cfg.train_micro_batch_size_per_gpu},
                   {"gradient_accumulation_steps", cfg.gradient_accumulation_steps}};
-    j["model_state_bytes"] = {{"params", ms.params}, {"grads", ms.grads},
-                              {"optimizer", ms.optimizer}, {"total", model_state}};
+    j["world_size"] = world_size;
+    j["zero_stage"] = config_stage;
+    j["model_state_bytes"] = bytes_json(ms);
+    nlohmann::ordered_json zj;
+    zj["data_parallel_size"] = dp;
+    zj["num_params"] = num_params;
+    zj["flat_elems"] = part.total_elems;
+    zj["padded_elems"] = part.padded_elems;
+    zj["shard_elems"] = part.shard_elems;
+    zj["param_dtype"] = nn::dtype_name(dtype);
+    zj["p"] = state_dtypes.param_bytes();
+    zj["g"] = state_dtypes.grad_bytes();
+    zj["k"] = state_dtypes.optimizer_bytes();
+    zj["stages"] = nlohmann::ordered_json::array();
+    for (const StageEstimate& e : stages) {
+      zj["stages"].push_back({{"stage", e.stage}, {"exact", bytes_json(e.exact)},
+                              {"paper", bytes_json(e.paper)}, {"formula", e.formula},
+                              {"padding_bytes", e.padding_bytes()}});
+    }
+    j["zero"] = std::move(zj);
     j["batch_bytes"] = batch;
     j["capacity_bytes"] = capacity ? nlohmann::ordered_json(*capacity) : nlohmann::ordered_json();
     j["policies"] = nlohmann::ordered_json::array();
@@ -167,9 +294,11 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       << " per step; device memory "
       << (capacity ? format_bytes(*capacity) : std::string("(the GPU's, not known without it)"))
       << "\n\n";
-  out << "  model states (every policy): params " << format_bytes(ms.params) << ", grads "
-      << format_bytes(ms.grads) << ", optimizer " << format_bytes(ms.optimizer) << " = "
-      << format_bytes(model_state) << "; batch " << format_bytes(batch) << "\n\n";
+  print_zero(out, stages, part, num_params, state_dtypes, dtype, world_size, dp);
+  out << "  model states per rank (ZeRO stage " << config_stage << ", every policy): params "
+      << format_bytes(ms.params) << ", grads " << format_bytes(ms.grads) << ", optimizer "
+      << format_bytes(ms.optimizer) << " = " << format_bytes(model_state) << "; batch "
+      << format_bytes(batch) << "\n\n";
   Table t({"policy", "activation peak", "total peak", "recompute", "fits"});
   for (const PolicyEstimate& e : rows) {
     if (!e.error.empty()) {
@@ -201,8 +330,14 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
 void add_estimate_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<EstimateOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "estimate", "Model-state and activation memory under every checkpoint policy, without allocating");
+      "estimate",
+      "Per-rank model-state memory for ZeRO stages 0..3 and activation memory under every "
+      "checkpoint policy, without allocating");
   cmd->add_option("--config", o->file, "The JSON config")->required();
+  cmd->add_option("--world-size", o->world_size,
+                  "Ranks to estimate for (default: the world size the config's batch sizes "
+                  "imply, else 1)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--budget", o->budget,
                   "Also plan 'optimal' under this activation budget: bytes (\"6GiB\") or a "
                   "fraction of the none policy's peak");

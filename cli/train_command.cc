@@ -1,6 +1,7 @@
-// `porter train --config F [--steps N] [--report FILE] [--trace FILE] [--dump-dir DIR]
-// [--save DIR] [--resume DIR]`: trains the built-in GPT as the config says, with progress,
-// a summary, and optional report, trace, tensor dump and training checkpoint.
+// `porter train --config F [--nproc N] [--steps N] [--report FILE] [--trace FILE]
+// [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT as the config says,
+// with progress, a summary, and optional report, trace, tensor dump and training checkpoint;
+// on one rank, or as one rank of a launched world (Note [Distributed train]).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,7 +16,11 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "cli/launch.h"
 #include "cli/train_report.h"
+#include "comm/communicator.h"
+#include "comm/env.h"
+#include "comm/store.h"
 #include "engine/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -28,6 +33,7 @@ namespace fs = std::filesystem;
 
 struct TrainOptions {
   std::string file;
+  std::optional<int> nproc;
   std::optional<int64_t> steps;
   std::string report, trace, dump_dir, save, resume;
   bool strict = false;
@@ -88,19 +94,143 @@ class Progress {
   int64_t first_, last_, log_every_;
 };
 
-int train(const TrainOptions& o, const CommandContext& ctx) {
-  std::ostream& out = *ctx.out;
-  std::ostream& err = *ctx.err;
-  config::Config cfg = load_config(o.file, o.strict, err);
+// Note [Distributed train]
+// `porter train --nproc N ARGS` is `porter launch -n N -- <this porter> train ARGS` (without
+// --nproc): the launcher re-executes /proc/self/exe. A `porter train` whose environment says
+// WORLD_SIZE > 1 (comm::dist_env_from_process: torchrun's or OpenMPI's variables) is one rank:
+// - the config is parsed for that world size (its batch sizes are checked against it);
+// - it joins a TcpStore on MASTER_ADDR:MASTER_PORT (rank 0 runs the server, and the store
+//   waits for all WORLD_SIZE clients), builds the world communicator from it
+//   (comm::make_communicator, porter.comm.timeout_s) and the data-parallel group, and gives
+//   that to the Engine; it trains on DataSource::rank_batches, its slice of every step;
+// - only rank 0 prints the header, the progress and the summary and writes --report and
+//   --trace; config warnings are printed by rank 0 only. --save and --resume are every
+//   rank's (each saves and loads its own `DIR`/rank<r>); --dump-dir is refused (a rank holds
+//   only its gradient shard);
+// - after the last step every rank hands its memory report to rank 0 (Note [Per-rank
+//   report] in cli/train_report.h);
+// - a rank that fails aborts its communicator (so its peers fail at once rather than at the
+//   timeout) and prints "error: rank r of N: ..." with the usual exit code.
+
+// porter train --nproc N: the arguments of this invocation without --nproc.
+std::vector<std::string> without_nproc(const std::vector<std::string>& args) {
+  std::vector<std::string> kept;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--nproc") {
+      ++i;  // and its value
+      continue;
+    }
+    if (args[i].rfind("--nproc=", 0) == 0) continue;
+    kept.push_back(args[i]);
+  }
+  return kept;
+}
+
+int train_nproc(const TrainOptions& o, const CommandContext& ctx) {
+  const comm::DistEnv env = comm::dist_env_from_process();
+  if (env.source != "none") {
+    throw UsageError("--nproc " + std::to_string(*o.nproc) + ": this process is already rank " +
+                     std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                     " (a launcher set " + (env.source == "openmpi" ? "OMPI_COMM_WORLD_*" : "RANK") +
+                     "); drop --nproc");
+  }
+  LaunchOptions lo;
+  lo.nproc = *o.nproc;
+  lo.command = {self_executable()};
+  for (std::string& a : without_nproc(ctx.args)) lo.command.push_back(std::move(a));
+  return launch(lo, *ctx.out, *ctx.err).ok() ? kExitOk : kExitRankFailed;
+}
+
+// This process's place in the world and what connects it to the others.
+struct World {
+  comm::DistEnv env;
+  std::shared_ptr<comm::Store> store;             // null for one rank
+  std::shared_ptr<comm::Communicator> world, dp;  // null for one rank
+  bool leader() const { return env.rank == 0; }
+  bool distributed() const { return env.world_size > 1; }
+};
+
+World join_world(const comm::DistEnv& env, const config::Config& cfg, memory::Device& device) {
+  World w;
+  w.env = env;
+  if (!w.distributed()) return w;
+  const comm::Seconds timeout(cfg.porter.comm.timeout_s);
+  comm::TcpStoreOptions so;
+  so.host = env.master_addr;
+  so.port = env.master_port;
+  so.is_server = env.rank == 0;
+  so.timeout = timeout;
+  so.world_size = env.world_size;
+  w.store = std::make_shared<comm::TcpStore>(so);
+  comm::CommOptions co;
+  co.group_name = "world";
+  co.timeout = timeout;
+  w.world = comm::make_communicator(device, w.store, env.rank, env.world_size, co);
+  const int64_t tp = cfg.porter.model.tensor_parallel;
+  w.dp = tp == 1 ? w.world : comm::make_process_groups(w.world, static_cast<int>(tp)).dp;
+  return w;
+}
+
+// Every rank's rank_json, by rank, on rank 0 (Note [Per-rank report]); this rank's alone
+// elsewhere.
+std::vector<nlohmann::ordered_json> gather_rank_reports(const World& w, engine::Engine& eng,
+                                                        double timeout_s) {
+  nlohmann::ordered_json mine = rank_json(w.env.rank, eng);
+  if (!w.distributed()) return {mine};
+  const std::string prefix = "porter/train/rank/";
+  w.store->set_string(prefix + std::to_string(w.env.rank), mine.dump());
+  if (!w.leader()) return {mine};
+  std::vector<nlohmann::ordered_json> all;
+  for (int r = 0; r < w.env.world_size; ++r) {
+    all.push_back(nlohmann::ordered_json::parse(
+        w.store->get_string(prefix + std::to_string(r), comm::Seconds(timeout_s))));
+  }
+  return all;
+}
+
+int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::Config& cfg,
+               const std::string& trace_path, memory::Device& dev, const World& w,
+               std::ostream& out, std::ostream& err);
+
+int train(const TrainOptions& o, CommandContext& ctx) {
+  if (o.nproc) return train_nproc(o, ctx);
+  const comm::DistEnv env = comm::dist_env_from_process();
+  if (env.world_size > 1) {
+    ctx.error_prefix = "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + ": ";
+  }
+  // Ranks other than 0 print only their errors.
+  std::ostream quiet(nullptr);
+  std::ostream& out = env.rank == 0 ? *ctx.out : quiet;
+  std::ostream& err = env.rank == 0 ? *ctx.err : quiet;
+  config::Config cfg = load_config(o.file, o.strict, err, env.world_size);
   if (o.steps) cfg.porter.train.steps = *o.steps;
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
   std::unique_ptr<memory::Device> device = memory::make_device(device_options(cfg));
+  const World w = join_world(env, cfg, *device);
+  try {
+    return train_rank(o, ctx, cfg, trace_path, *device, w, out, err);
+  } catch (const std::exception& e) {
+    if (w.dp) w.dp->abort(ctx.error_prefix + e.what());
+    if (w.world && w.world != w.dp) w.world->abort(ctx.error_prefix + e.what());
+    throw;
+  }
+}
+
+int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::Config& cfg,
+               const std::string& trace_path, memory::Device& dev, const World& w,
+               std::ostream& out, std::ostream& err) {
+  memory::Device* device = &dev;
+  if (w.distributed() && !o.dump_dir.empty()) {
+    throw InvalidArgument("--dump-dir: not available with WORLD_SIZE > 1 (at ZeRO stages 1 and 2 "
+                          "each rank holds only its shard of the gradients); dump a one-rank run "
+                          "of the same global batch instead");
+  }
   engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                           cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
-  engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
+  engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg, w.dp);
   std::unique_ptr<engine::TraceRecorder> trace;
-  if (!trace_path.empty()) {
+  if (!trace_path.empty() && w.leader()) {
     trace = std::make_unique<engine::TraceRecorder>();
     eng.set_trace(trace.get());
   }
@@ -111,6 +241,8 @@ int train(const TrainOptions& o, const CommandContext& ctx) {
   run.device = device->description();
   run.data = data.describe();
   run.start_step = eng.step();
+  run.world_size = w.env.world_size;
+  if (w.world) run.comm_backend = std::string(w.world->backend());
   const int64_t last = cfg.porter.train.steps;
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
@@ -120,9 +252,17 @@ int train(const TrainOptions& o, const CommandContext& ctx) {
       << cfg.porter.model.vocab << ": " << format_count(static_cast<double>(eng.model().layout().num_params()))
       << " parameters, " << nn::dtype_name(eng.compute_dtype()) << "\n"
       << "  data: " << run.data << "; " << micro_batches << " x " << cfg.train_micro_batch_size_per_gpu
-      << " x " << cfg.porter.model.seq_len << " tokens per step\n"
+      << " x " << cfg.porter.model.seq_len << " tokens per step"
+      << (eng.dp_size() > 1 ? " on each of " + std::to_string(eng.dp_size()) + " data-parallel ranks"
+                            : std::string())
+      << "\n"
       << "  device: " << run.device << "\n"
       << "  checkpointing: " << eng.plan().description << "\n";
+  if (w.distributed() || cfg.zero_optimization.stage > 0) {
+    out << "  ranks: " << w.env.world_size << " (" << eng.dp_size() << " data-parallel"
+        << (w.world ? ", " + run.comm_backend : std::string()) << "), ZeRO stage "
+        << cfg.zero_optimization.stage << "; memory figures are per rank\n";
+  }
   if (run.start_step > 0) out << "  resumed from " << o.resume << " at step " << run.start_step << "\n";
   out << std::flush;
   {
@@ -145,7 +285,9 @@ int train(const TrainOptions& o, const CommandContext& ctx) {
   try {
     while (eng.step() < last) {
       const int64_t step = eng.step();
-      std::vector<engine::HostBatch> batches = data.step_batches(step, micro_batches);
+      std::vector<engine::HostBatch> batches =
+          w.distributed() ? data.rank_batches(step, micro_batches, eng.dp_rank(), eng.dp_size())
+                          : data.step_batches(step, micro_batches);
       if (!o.dump_dir.empty() && step == last - 1) dump_params = eng.params_host();
       engine::StepResult r = eng.train_step(batches);
       run.steps.push_back(r);
@@ -168,6 +310,10 @@ int train(const TrainOptions& o, const CommandContext& ctx) {
   }
   run.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+  // Every rank saves its own state (engine/state.cc: `dir`/rank<r> with several ranks).
+  if (!o.save.empty()) eng.save_checkpoint(o.save);
+  run.ranks = gather_rank_reports(w, eng, cfg.porter.comm.timeout_s);
+  if (!w.leader()) return kExitOk;
   print_summary(run, eng, out);
   if (!o.report.empty()) {
     std::ofstream f(o.report);
@@ -188,8 +334,8 @@ int train(const TrainOptions& o, const CommandContext& ctx) {
     }
   }
   if (!o.save.empty()) {
-    eng.save_checkpoint(o.save);
-    out << "saved: " << o.save << " (step " << eng.step() << ")\n";
+    out << "saved: " << o.save << " (step " << eng.step() << ")"
+        << (w.distributed() ? ", one rank<r> folder per rank" : "") << "\n";
   }
   return kExitOk;
 }
@@ -200,6 +346,9 @@ void add_train_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<TrainOptions>();
   CLI::App* cmd = app.add_subcommand("train", "Train the built-in GPT as a JSON config says");
   cmd->add_option("--config", o->file, "The JSON config (DeepSpeed keys plus \"porter\")")->required();
+  cmd->add_option("--nproc", o->nproc,
+                  "Train on N local ranks: porter launch -n N -- porter train ... (without --nproc)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("--steps", o->steps, "Train until this many steps are done (default porter.train.steps)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   cmd->add_option("--report", o->report, "Write a JSON report of the run to this file");
@@ -209,7 +358,8 @@ void add_train_command(CLI::App& app, CommandContext& context) {
   cmd->add_option("--save", o->save, "Save a training checkpoint to this directory at the end");
   cmd->add_option("--resume", o->resume, "Resume from a training checkpoint directory");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
-  cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config or input, 3 out of memory.");
+  cmd->footer("Exit codes: 0 success, 1 usage error (with --nproc: a rank failed), 2 invalid "
+              "config or input, 3 out of memory.");
   cmd->callback([o, &context] { context.exit_code = train(*o, context); });
 }
 

@@ -13,6 +13,7 @@
 #include "config/parse.h"
 #include "memory/category.h"
 #include "nn/npy.h"
+#include "zero/partition.h"
 
 namespace porter::cli {
 
@@ -48,6 +49,54 @@ double mean_last_loss(const std::vector<engine::StepResult>& steps, size_t n) {
   return k ? sum / static_cast<double>(k) : 0.0;
 }
 
+ordered_json memory_json(const engine::MemoryReport& mem) {
+  ordered_json by_cat = ordered_json::object(), cur_cat = ordered_json::object();
+  for (memory::Category c : memory::kAllCategories) {
+    by_cat[std::string(memory::category_name(c))] = mem.peak_by_category[memory::index_of(c)];
+    cur_cat[std::string(memory::category_name(c))] = mem.current_by_category[memory::index_of(c)];
+  }
+  return {
+      {"capacity_bytes", mem.capacity_bytes},
+      {"peak_bytes", mem.peak_bytes},
+      {"predicted_peak_bytes", mem.predicted_peak_bytes},
+      {"peak_by_category", by_cat},
+      {"current_by_category", cur_cat},
+      {"model_state_bytes", mem.model_state_bytes},
+      {"activation_peak_bytes", mem.peak_activation_bytes},
+      {"predicted_activation_peak_bytes", mem.predicted_activation_bytes},
+      {"pinned_peak_bytes", mem.peak_pinned_bytes},
+      {"pinned_limit_bytes", mem.pinned_limit_bytes},
+  };
+}
+
+ordered_json zero_json(engine::Engine& engine) {
+  const engine::ZeroStats z = engine.zero_stats();
+  const zero::Partition part =
+      zero::make_partition(engine.model().layout().total_elems(), engine.dp_size());
+  const zero::StateBytes exact =
+      zero::exact_bytes(part, z.stage, zero::StateDTypes{engine.compute_dtype()});
+  return {
+      {"stage", z.stage},
+      {"world_size", z.world_size},
+      {"shard_elems", z.shard_elems},
+      {"padded_elems", z.padded_elems},
+      {"comm_bytes", z.comm_bytes},
+      {"comm_busy_s", z.comm_busy_s},
+      {"comm_exposed_s", z.comm_exposed_s},
+      {"reduce_hidden_fraction", z.reduce_hidden_fraction},
+      {"loss_scale", z.loss_scale},
+      {"skipped_steps", z.skipped_steps},
+      {"model_state_bytes", {{"params", exact.params}, {"grads", exact.grads},
+                             {"optimizer", exact.optimizer}, {"total", exact.total()}}},
+  };
+}
+
+ordered_json rank_json(int rank, engine::Engine& engine) {
+  return {{"rank", rank},
+          {"memory", memory_json(engine.memory_report())},
+          {"zero", zero_json(engine)}};
+}
+
 ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   const engine::MemoryReport mem = engine.memory_report();
   const checkpoint::Plan& plan = engine.plan();
@@ -78,29 +127,12 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["grad_norms"] = norms;
   j["step_times_s"] = times;
   j["tokens_per_s"] = tokens_per_s(run.steps);
+  j["tokens_per_s_all_ranks"] = tokens_per_s(run.steps) * engine.dp_size();
   const StepTimes st = step_times(run.steps);
   j["step_time_s"] = {{"median", st.median_s}, {"min", st.min_s}, {"max", st.max_s}};
   j["wall_s"] = run.wall_s;
 
-  ordered_json by_cat = ordered_json::object(), cur_cat = ordered_json::object();
-  for (memory::Category c : memory::kAllCategories) {
-    by_cat[std::string(memory::category_name(c))] = mem.peak_by_category[memory::index_of(c)];
-    cur_cat[std::string(memory::category_name(c))] = mem.current_by_category[memory::index_of(c)];
-  }
-  size_t step_peak_activation = 0;
-  for (const auto& s : run.steps) step_peak_activation = std::max(step_peak_activation, s.peak_activation_bytes);
-  j["memory"] = {
-      {"capacity_bytes", mem.capacity_bytes},
-      {"peak_bytes", mem.peak_bytes},
-      {"predicted_peak_bytes", mem.predicted_peak_bytes},
-      {"peak_by_category", by_cat},
-      {"current_by_category", cur_cat},
-      {"model_state_bytes", mem.model_state_bytes},
-      {"activation_peak_bytes", mem.peak_activation_bytes},
-      {"predicted_activation_peak_bytes", mem.predicted_activation_bytes},
-      {"pinned_peak_bytes", mem.peak_pinned_bytes},
-      {"pinned_limit_bytes", mem.pinned_limit_bytes},
-  };
+  j["memory"] = memory_json(mem);
   const bool timed = plan.prediction.offload.timed;
   ordered_json stages = ordered_json::array();
   for (const checkpoint::StagePlan& s : plan.stages) {
@@ -127,6 +159,10 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
       {"schedule", plan.schedule.to_string()},
   };
   j["offload"] = offload_report(run, engine);
+  j["world_size"] = run.world_size;
+  j["comm_backend"] = run.comm_backend.empty() ? ordered_json() : ordered_json(run.comm_backend);
+  j["zero"] = zero_json(engine);
+  j["ranks"] = run.ranks;
   j["resolved_config"] = config::to_json(cfg);
   return j;
 }
@@ -224,17 +260,62 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
   t.add({"step time (median, min, max)", format_seconds(st.median_s) + ", " +
                                              format_seconds(st.min_s) + ", " + format_seconds(st.max_s)});
   t.add({"tokens/s", format_count(tokens_per_s(run.steps))});
+  if (run.world_size > 1) {
+    // Every data-parallel rank trains as many tokens per step, in lockstep.
+    t.add({"tokens/s (" + std::to_string(engine.dp_size()) + " data-parallel ranks)",
+           format_count(tokens_per_s(run.steps) * engine.dp_size())});
+  }
   std::snprintf(buf, sizeof buf, "%.1f s", run.wall_s);
   t.add({"wall time", buf});
   t.print(out);
 
-  out << "\nmemory: " << run.device << "\n";
-  Table m({"category", "peak"});
-  for (memory::Category c : memory::kAllCategories) {
-    m.add({std::string(memory::category_name(c)), format_bytes(mem.peak_by_category[memory::index_of(c)])});
+  if (run.ranks.size() > 1) {
+    // One peak column per rank (Note [Per-rank report]).
+    out << "\nmemory per rank: " << run.device << "\n";
+    std::vector<std::string> header = {"category"};
+    for (const ordered_json& r : run.ranks) header.push_back("rank " + r["rank"].dump());
+    Table m(header);
+    auto row = [&](const std::string& label, const auto& get) {
+      std::vector<std::string> cells = {label};
+      for (const ordered_json& r : run.ranks) cells.push_back(format_bytes(get(r["memory"])));
+      m.add(cells);
+    };
+    for (memory::Category c : memory::kAllCategories) {
+      const std::string name(memory::category_name(c));
+      row(name, [&](const ordered_json& mj) { return mj["peak_by_category"][name].get<uint64_t>(); });
+    }
+    row("all (peak of the sum)", [](const ordered_json& mj) { return mj["peak_bytes"].get<uint64_t>(); });
+    m.print(out);
+  } else {
+    out << "\nmemory: " << run.device << "\n";
+    Table m({"category", "peak"});
+    for (memory::Category c : memory::kAllCategories) {
+      m.add({std::string(memory::category_name(c)), format_bytes(mem.peak_by_category[memory::index_of(c)])});
+    }
+    m.add({"all (peak of the sum)", format_bytes(mem.peak_bytes)});
+    m.print(out);
   }
-  m.add({"all (peak of the sum)", format_bytes(mem.peak_bytes)});
-  m.print(out);
+
+  const engine::ZeroStats z = engine.zero_stats();
+  if (z.world_size > 1 || z.stage > 0) {
+    const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
+    std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * z.reduce_hidden_fraction);
+    out << "\nzero: stage " << z.stage << " over " << z.world_size << " rank"
+        << (z.world_size == 1 ? "" : "s")
+        << (run.comm_backend.empty() ? std::string() : " (" + run.comm_backend + ")")
+        << ", shard " << format_count(static_cast<double>(z.shard_elems)) << " of "
+        << format_count(static_cast<double>(z.padded_elems)) << " elements; comm "
+        << format_bytes(static_cast<uint64_t>(static_cast<double>(z.comm_bytes) / n))
+        << " per step, " << format_seconds(z.comm_busy_s / n) << " busy, "
+        << format_seconds(z.comm_exposed_s / n) << " exposed per step; gradient reductions "
+        << buf << " hidden behind backward";
+    if (z.skipped_steps > 0 || z.loss_scale != 1.0) {
+      std::snprintf(buf, sizeof buf, "%g", z.loss_scale);
+      out << "; loss scale " << buf << ", " << z.skipped_steps << " skipped step"
+          << (z.skipped_steps == 1 ? "" : "s");
+    }
+    out << " (rank 0's)\n";
+  }
 
   const checkpoint::Plan& plan = engine.plan();
   if (!plan.offload.empty()) {

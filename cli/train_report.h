@@ -21,6 +21,11 @@ struct TrainRun {
   int64_t start_step = 0;    // the engine's step before the first train_step (resume)
   std::vector<engine::StepResult> steps;
   double wall_s = 0.0;       // of the training loop
+  int world_size = 1;        // ranks of the run (WORLD_SIZE)
+  std::string comm_backend;  // "gloo", "nccl"; empty for one rank
+  // Every rank's rank_json(), by rank (this rank's alone when it runs alone); Note [Per-rank
+  // report].
+  std::vector<nlohmann::ordered_json> ranks;
 };
 
 struct StepTimes {
@@ -37,6 +42,20 @@ offload::StashStats offload_totals(const std::vector<engine::StepResult>& steps)
 // The report's "offload" section: measured, the plan's prediction, and with
 // activation_checkpointing.profile the last step's per-checkpoint copy and wait records.
 nlohmann::ordered_json offload_report(const TrainRun& run, engine::Engine& engine);
+
+// The report's "memory" section: this rank's measured and predicted bytes.
+nlohmann::ordered_json memory_json(const engine::MemoryReport& mem);
+// The report's "zero" section: Engine::zero_stats() (cumulative over the run) and the exact
+// per-rank model-state bytes of its partition (zero::exact_bytes).
+nlohmann::ordered_json zero_json(engine::Engine& engine);
+
+// Note [Per-rank report]
+// The memory report is per rank. Every rank builds rank_json() = {rank, memory, zero} after
+// its last step; with several ranks each one set()s it in the run's store under
+// "porter/train/rank/<r>" and rank 0 get()s them all (within porter.comm.timeout_s), so rank
+// 0's summary prints a peak column per rank and its --report has them under "ranks". The
+// top-level "memory" and "zero" sections are rank 0's.
+nlohmann::ordered_json rank_json(int rank, engine::Engine& engine);
 
 // The report (docs/cli.md, "The report").
 nlohmann::ordered_json train_report(const TrainRun& run, engine::Engine& engine);

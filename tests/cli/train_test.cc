@@ -16,7 +16,9 @@
 
 #include "cli/app.h"
 #include "tests/cli/cli_test_util.h"
+#include "nn/gpt.h"
 #include "nn/npy.h"
+#include "zero/partition.h"
 
 namespace porter::cli {
 namespace {
@@ -372,6 +374,77 @@ TEST_F(CliTrain, EstimateJson) {
   EXPECT_EQ(k["policies"].back()["policy"], "optimal");
   EXPECT_EQ(k["policies"][0]["fits"], false);
   EXPECT_EQ(k["policies"][1]["fits"], true);
+}
+
+// The ZeRO table: every stage's bytes are porter's exact partition bytes and the paper's
+// formula with porter's dtypes, at the requested world size.
+TEST_F(CliTrain, EstimateZeroStagesPerRank) {
+  for (const bool bf16 : {false, true}) {
+    const std::string cfg =
+        bf16 ? tiny("\"optimizer\"", "\"bf16\": {\"enabled\": true}, \"optimizer\"")
+             : tiny("\"optimizer\"", "\"zero_optimization\": {\"stage\": 2}, \"optimizer\"");
+    CliRun r = porter({"estimate", "--config", cfg, "--world-size", "3", "--json"});
+    ASSERT_EQ(r.rc, kExitOk) << r.err;
+    const json j = json::parse(r.out);
+    config::ModelConfig model;
+    model.layers = 2;
+    model.hidden = 32;
+    model.heads = 2;
+    model.seq_len = 16;
+    model.vocab = 64;
+    const nn::Gpt gpt(model);
+    const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), 3);
+    const zero::StateDTypes dtypes{bf16 ? nn::DType::kBF16 : nn::DType::kF32};
+    EXPECT_EQ(j["world_size"], 3);
+    EXPECT_EQ(j["zero"]["num_params"], gpt.layout().num_params());
+    EXPECT_EQ(j["zero"]["padded_elems"], part.padded_elems);
+    EXPECT_EQ(j["zero"]["shard_elems"], part.shard_elems);
+    EXPECT_EQ(j["zero"]["k"], bf16 ? 12 : 8);
+    ASSERT_EQ(j["zero"]["stages"].size(), 4u);
+    for (int stage = 0; stage <= 3; ++stage) {
+      const json& s = j["zero"]["stages"][static_cast<size_t>(stage)];
+      const zero::StateBytes exact = zero::exact_bytes(part, stage, dtypes);
+      const zero::StateBytes paper = zero::paper_bytes(gpt.layout().num_params(), 3, stage, dtypes);
+      EXPECT_EQ(s["stage"], stage);
+      EXPECT_EQ(s["exact"]["params"], exact.params) << stage;
+      EXPECT_EQ(s["exact"]["grads"], exact.grads) << stage;
+      EXPECT_EQ(s["exact"]["optimizer"], exact.optimizer) << stage;
+      EXPECT_EQ(s["exact"]["total"], exact.total()) << stage;
+      EXPECT_EQ(s["paper"]["total"], paper.total()) << stage;
+      EXPECT_EQ(s["padding_bytes"].get<int64_t>(),
+                static_cast<int64_t>(exact.total()) - static_cast<int64_t>(paper.total()));
+    }
+    // The policies use the configured stage's bytes (2, or 0 for the bf16 variant).
+    const json& used = j["zero"]["stages"][bf16 ? 0 : 2]["exact"];
+    EXPECT_EQ(j["model_state_bytes"], used);
+    EXPECT_EQ(j["policies"][0]["optimizer_bytes"], used["optimizer"]);
+
+    CliRun text = porter({"estimate", "--config", cfg, "--world-size", "3"});
+    ASSERT_EQ(text.rc, kExitOk) << text.err;
+    EXPECT_TRUE(contains(text.out, "ZeRO model states per rank at world size 3")) << text.out;
+    const std::string k = bf16 ? "12" : "8", p = bf16 ? "2" : "4";
+    EXPECT_TRUE(contains(text.out, "(" + p + "+4+" + k + ") Psi/3")) << text.out;  // stage 3
+    EXPECT_TRUE(contains(text.out, p + " Psi + (4+" + k + ") Psi/3")) << text.out;  // stage 2
+    EXPECT_TRUE(contains(text.out, "(" + p + "+4) Psi + " + k + " Psi/3")) << text.out;
+  }
+}
+
+// Without --world-size, a config that states all three batch sizes implies the world size.
+TEST_F(CliTrain, EstimateWorldSizeFromTheBatchSizes) {
+  CliRun r = porter({"estimate", "--json", "--config",
+                     tiny("\"train_micro_batch_size_per_gpu\": 2",
+                          "\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 2")});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_EQ(json::parse(r.out)["world_size"], 2);
+  EXPECT_EQ(json::parse(r.out)["zero"]["data_parallel_size"], 2);
+  CliRun one = porter({"estimate", "--json", "--config", tiny()});
+  ASSERT_EQ(one.rc, kExitOk) << one.err;
+  EXPECT_EQ(json::parse(one.out)["world_size"], 1);
+  // A world size the batch sizes do not allow is the config's error.
+  CliRun bad = porter({"estimate", "--world-size", "3", "--config",
+                       tiny("\"train_micro_batch_size_per_gpu\": 2",
+                            "\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 2")});
+  EXPECT_EQ(bad.rc, kExitInvalid) << bad.err;
 }
 
 TEST_F(CliTrain, BadConfigExitsTwo) {

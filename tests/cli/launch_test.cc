@@ -1,0 +1,328 @@
+// `porter launch`: the ranks' environment, prefixed output, failure reporting and killing,
+// signal forwarding, usage errors (Note [Launcher] in cli/launch.h); and the multi-process
+// training run through it and through `porter train --nproc`.
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/app.h"
+#include "cli/launch.h"
+#include "tests/cli/cli_test_util.h"
+
+extern char** environ;
+
+namespace porter::cli {
+namespace {
+
+using testing::CliRun;
+using testing::contains;
+using testing::porter;
+namespace fs = std::filesystem;
+
+// The port every rank saw, from lines "[rank r] ... port=P"; -1 when they differ.
+int common_port(const std::string& out, int ranks) {
+  int port = -1;
+  for (int r = 0; r < ranks; ++r) {
+    std::smatch m;
+    const std::regex re("\\[rank " + std::to_string(r) + "\\] [^\n]*port=([0-9]+)");
+    if (!std::regex_search(out, m, re)) return -1;
+    const int p = std::stoi(m[1]);
+    if (port != -1 && p != port) return -1;
+    port = p;
+  }
+  return port;
+}
+
+TEST(Launch, EveryRankGetsTheEnvironmentAndPrefixedOutput) {
+  CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c",
+                     "echo rank=$RANK ws=$WORLD_SIZE local=$LOCAL_RANK lws=$LOCAL_WORLD_SIZE "
+                     "addr=$MASTER_ADDR port=$MASTER_PORT; echo to-stderr-$RANK >&2"});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] rank=0 ws=2 local=0 lws=2 addr=127.0.0.1 port=")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 1] rank=1 ws=2 local=1 lws=2 addr=127.0.0.1 port=")) << r.out;
+  const int port = common_port(r.out, 2);
+  EXPECT_GT(port, 0) << r.out;
+  EXPECT_TRUE(contains(r.err, "[rank 0] to-stderr-0\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 1] to-stderr-1\n")) << r.err;
+  EXPECT_FALSE(contains(r.out, "to-stderr")) << r.out;
+  EXPECT_TRUE(contains(r.err, "MASTER_PORT=" + std::to_string(port))) << r.err;
+}
+
+TEST(Launch, GivenAddressAndPortAndAnUnterminatedLine) {
+  CliRun r = porter({"launch", "-n", "3", "--master-addr", "localhost", "--master-port", "29123",
+                     "--", "sh", "-c", "printf 'addr=%s port=%s' $MASTER_ADDR $MASTER_PORT"});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(contains(r.out, "[rank " + std::to_string(rank) + "] addr=localhost port=29123\n"))
+        << r.out;
+  }
+}
+
+TEST(Launch, LauncherVariablesReplaceInheritedOnes) {
+  const std::vector<std::string> env = child_environment(
+      {"PATH=/bin", "RANK=5", "WORLD_SIZE=9", "OMPI_COMM_WORLD_RANK=3", "MASTER_PORTX=1"}, 1, 2,
+      "10.0.0.1", 4242);
+  const std::vector<std::string> expected = {
+      "PATH=/bin",         "MASTER_PORTX=1",        "RANK=1",         "WORLD_SIZE=2",
+      "LOCAL_RANK=1",      "LOCAL_WORLD_SIZE=2",    "MASTER_ADDR=10.0.0.1", "MASTER_PORT=4242"};
+  EXPECT_EQ(env, expected);
+}
+
+TEST(Launch, FreePortIsBindable) {
+  const uint16_t port = free_port();
+  EXPECT_GT(port, 0);
+}
+
+TEST(Launch, AFailedRankIsNamedAndTheOthersAreKilledAfterTheTimeout) {
+  // Rank 1 fails at once; rank 0 would run for a minute, so the launcher must kill it.
+  CliRun r = porter({"launch", "-n", "2", "--timeout", "0.5", "--", "sh", "-c",
+                     "if [ \"$RANK\" = 1 ]; then echo dying >&2; exit 7; fi; exec sleep 60"});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 1] dying")) << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: rank 1 failed (exit code 7)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "terminating: 0")) << r.err;
+  EXPECT_TRUE(contains(r.err, "rank 0 signal 15 (Terminated) (killed by the launcher)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "first failure: rank 1")) << r.err;
+}
+
+TEST(Launch, OtherRanksMayFinishOnTheirOwnWithinTheTimeout) {
+  CliRun r = porter({"launch", "-n", "3", "--timeout", "60", "--", "sh", "-c",
+                     "if [ \"$RANK\" = 2 ]; then exit 3; fi; sleep 0.2; echo done-$RANK"});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] done-0")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 1] done-1")) << r.out;
+  EXPECT_TRUE(contains(r.err, "launch: failed: rank 0 ok; rank 1 ok; rank 2 exit code 3;"))
+      << r.err;
+  EXPECT_FALSE(contains(r.err, "terminating")) << r.err;
+}
+
+TEST(Launch, ARankKilledByASignalIsReportedWithTheSignal) {
+  CliRun r = porter({"launch", "-n", "2", "--timeout", "5", "--", "sh", "-c",
+                     "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exit 0"});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: rank 0 failed (signal 9 (Killed))")) << r.err;
+}
+
+TEST(Launch, UsageErrorsExit2) {
+  CliRun none = porter({"launch", "-n", "2"});
+  EXPECT_EQ(none.rc, kExitInvalid);
+  EXPECT_TRUE(contains(none.err, "no command: give it after --")) << none.err;
+  CliRun zero = porter({"launch", "-n", "0", "--", "true"});
+  EXPECT_EQ(zero.rc, kExitInvalid) << zero.err;
+  CliRun missing_n = porter({"launch", "--", "true"});
+  EXPECT_EQ(missing_n.rc, kExitInvalid) << missing_n.err;
+  CliRun bad_flag = porter({"launch", "-n", "2", "--bogus", "--", "true"});
+  EXPECT_EQ(bad_flag.rc, kExitInvalid) << bad_flag.err;
+  CliRun bad_port = porter({"launch", "-n", "2", "--master-port", "70000", "--", "true"});
+  EXPECT_EQ(bad_port.rc, kExitInvalid) << bad_port.err;
+  CliRun no_such = porter({"launch", "-n", "2", "--", "/no/such/program", "x"});
+  EXPECT_EQ(no_such.rc, kExitInvalid);
+  EXPECT_TRUE(contains(no_such.err, "cannot start rank 0: \"/no/such/program\"")) << no_such.err;
+  // Other subcommands keep 1 for usage errors.
+  EXPECT_EQ(porter({"estimate", "--bogus"}).rc, kExitUsage);
+}
+
+// Runs the porter binary with `args`, stdout and stderr merged; calls on_line for each line
+// as it arrives (it may return false to stop listening and just wait). Returns the wait status.
+struct BinaryRun {
+  int status = 0;
+  std::string output;
+};
+BinaryRun run_binary(const std::vector<std::string>& args,
+                     const std::function<void(pid_t pid, const std::string& output)>& on_output = {}) {
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  std::vector<std::string> full = {PORTER_EXE};
+  full.insert(full.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : full) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  pid_t pid = -1;
+  EXPECT_EQ(::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  BinaryRun run;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    run.output.append(buf, static_cast<size_t>(n));
+    if (on_output) on_output(pid, run.output);
+  }
+  ::close(fds[0]);
+  ::waitpid(pid, &run.status, 0);
+  return run;
+}
+
+TEST(LaunchBinary, SigtermIsForwardedToEveryRank) {
+  bool sent = false;
+  BinaryRun run = run_binary(
+      {"launch", "-n", "2", "--timeout", "10", "--", "sh", "-c",
+       "trap 'echo got-term-$RANK; exit 5' TERM; echo ready-$RANK; "
+       "while true; do sleep 0.05; done"},
+      [&](pid_t pid, const std::string& output) {
+        if (!sent && contains(output, "ready-0") && contains(output, "ready-1")) {
+          ::kill(pid, SIGTERM);
+          sent = true;
+        }
+      });
+  ASSERT_TRUE(sent) << run.output;
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  EXPECT_EQ(WEXITSTATUS(run.status), kExitRankFailed) << run.output;
+  EXPECT_TRUE(contains(run.output, "forwarding it to the 2 running ranks")) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] got-term-0")) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 1] got-term-1")) << run.output;
+  EXPECT_TRUE(contains(run.output, "rank 0 exit code 5; rank 1 exit code 5;")) << run.output;
+}
+
+// A 2-layer GPT for 2 ranks with ZeRO stage 2 and buckets small enough that backward
+// reduce-scatters several of them.
+const char* kZero2Config = R"({
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+  "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 20000},
+  "porter": {
+    "model": {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 16, "vocab": 64},
+    "data": {"type": "synthetic", "seed": 3},
+    "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
+    "checkpointing": {"policy": "uniform", "every_n_layers": 1},
+    "comm": {"timeout_s": 20},
+    "train": {"steps": 3, "log_every": 1}
+  }
+})";
+
+class LaunchTrain : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("porter_cli_launch_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    config_ = (dir_ / "zero2.json").string();
+    std::ofstream(config_) << kZero2Config;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+  std::string config_;
+};
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+// THE multi-process test: two porter processes train with ZeRO-2 over Gloo through the
+// launcher; rank 0's report has both ranks' memory and the zero section.
+TEST_F(LaunchTrain, TwoProcessesTrainWithZero2) {
+  const std::string report = (dir_ / "r.json").string();
+  CliRun r = porter({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config", config_,
+                     "--steps", "3", "--report", report});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] summary")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 0] memory per rank")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 0] zero: stage 2 over 2 ranks (gloo)")) << r.out;
+  EXPECT_FALSE(contains(r.out, "[rank 1] ")) << r.out;  // rank 1 prints only errors
+  EXPECT_TRUE(contains(r.err, "[rank 0] step 3/3")) << r.err;
+  const nlohmann::json j = read_json(report);
+  EXPECT_EQ(j["world_size"], 2);
+  EXPECT_EQ(j["comm_backend"], "gloo");
+  EXPECT_EQ(j["zero"]["stage"], 2);
+  EXPECT_EQ(j["zero"]["world_size"], 2);
+  EXPECT_GT(j["zero"]["comm_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["steps"], 3);
+  ASSERT_EQ(j["ranks"].size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    const nlohmann::json& rj = j["ranks"][static_cast<size_t>(rank)];
+    EXPECT_EQ(rj["rank"], rank);
+    EXPECT_EQ(rj["zero"]["stage"], 2);
+    EXPECT_EQ(rj["zero"]["shard_elems"], j["zero"]["shard_elems"]);
+    // Each rank holds its shard of the gradients and of the AdamW moments, exactly.
+    EXPECT_EQ(rj["memory"]["peak_by_category"]["optimizer"],
+              rj["zero"]["model_state_bytes"]["optimizer"]) << rank;
+    EXPECT_EQ(rj["memory"]["peak_by_category"]["grads"],
+              rj["zero"]["model_state_bytes"]["grads"]) << rank;
+  }
+  EXPECT_EQ(j["memory"], j["ranks"][0]["memory"]);
+}
+
+// `train --nproc 2` re-executes porter under the launcher.
+TEST_F(LaunchTrain, NprocIsTheLaunchShorthand) {
+  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "1"});
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  EXPECT_EQ(WEXITSTATUS(run.status), 0) << run.output;
+  EXPECT_TRUE(contains(run.output, "launch: 2 ranks")) << run.output;
+  EXPECT_TRUE(contains(run.output, "train --config " + config_ + " --steps 1\n")) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] step 1/1")) << run.output;
+}
+
+// A rank that fails before the rendezvous leaves rank 0 waiting for it in the store, which
+// gives up after porter.comm.timeout_s; the launcher names the rank that failed first.
+TEST_F(LaunchTrain, ARankThatFailsMakesTheOthersFailWithinTheTimeout) {
+  std::string text = kZero2Config;
+  const std::string from = "\"timeout_s\": 20";
+  text.replace(text.find(from), from.size(), "\"timeout_s\": 1");
+  std::ofstream(config_) << text;
+  const std::string script = std::string("if [ \"$RANK\" = 1 ]; then exec \"$0\" train --config ") +
+                             (dir_ / "missing.json").string() + "; fi; exec \"$0\" train --config " +
+                             config_;
+  CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c", script, PORTER_EXE});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 1] error: rank 1 of 2: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "cannot read config file")) << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: rank 1 failed (exit code 2)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 0] error: rank 0 of 2: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "first failure: rank 1")) << r.err;
+  EXPECT_FALSE(contains(r.err, "killed by the launcher")) << r.err;
+}
+
+// A rank that leaves mid-run (rank 1 trains 2 steps and exits 0; rank 0 wants 1000) makes
+// rank 0's next collective fail at once with an error that names the rank, the operation
+// and the peer, not a hang; the launcher reports rank 0's failure.
+TEST_F(LaunchTrain, ARankThatLeavesMidRunFailsItsPeerAtTheNextCollective) {
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then exec \"$0\" train --config \"$1\" --steps 2; fi; "
+      "exec \"$0\" train --config \"$1\" --steps 1000";
+  CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c", script, PORTER_EXE, config_});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 0] step 2/1000")) << r.err;
+  EXPECT_FALSE(contains(r.err, "[rank 0] step 4/1000")) << r.err;
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex(R"(\[rank 0\] error: rank 0 of 2: rank 0 of world: [a-z_]+ of [0-9]+ f32 )"
+                        R"(failed: rank 1 closed the connection)")))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: failed: rank 0 exit code 2; rank 1 ok; first failure: rank 0"))
+      << r.err;
+}
+
+TEST_F(LaunchTrain, NprocInsideALaunchedRankIsRefused) {
+  CliRun r = porter({"launch", "-n", "1", "--", PORTER_EXE, "train", "--nproc", "2", "--config",
+                     config_});
+  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_TRUE(contains(r.err, "--nproc 2: this process is already rank 0 of 1")) << r.err;
+}
+
+}  // namespace
+}  // namespace porter::cli
