@@ -259,7 +259,10 @@ TEST_F(LaunchTrain, TwoProcessesTrainWithZero2) {
     EXPECT_EQ(rj["rank"], rank);
     EXPECT_EQ(rj["zero"]["stage"], 2);
     EXPECT_EQ(rj["zero"]["shard_elems"], j["zero"]["shard_elems"]);
-    // Each rank holds its shard of the gradients and of the AdamW moments, exactly.
+    // Each rank holds the whole parameters and its shard of the gradients and of the AdamW
+    // moments: exactly porter estimate's stage-2 bytes.
+    EXPECT_EQ(rj["memory"]["peak_by_category"]["params"],
+              rj["zero"]["model_state_bytes"]["params"]) << rank;
     EXPECT_EQ(rj["memory"]["peak_by_category"]["optimizer"],
               rj["zero"]["model_state_bytes"]["optimizer"]) << rank;
     EXPECT_EQ(rj["memory"]["peak_by_category"]["grads"],
