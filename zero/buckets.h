@@ -23,6 +23,12 @@
 // Layers write into a contiguous bucket buffer (plain views, like the flat buffer); the pack is
 // one copy per non-empty intersection on the compute stream. Payload per rank: N*B elements
 // (between hi - lo and N * (hi - lo) when the bucket straddles few shards).
+// A ring reduce-scatter of N*B elements sends (N-1)*B per rank; a ring all-reduce of the
+// unpacked bucket sends 2(N-1)/N*(hi - lo). When N*B > 2*(hi - lo) (a bucket inside one or two
+// shards of many) the bucket is all-reduced in place instead and each rank keeps I_r of the
+// result (use_all_reduce()), so no bucket costs more than twice the ideal (N-1)/N*(hi - lo).
+// Both give every element the same set of summands; only the ring's order differs, which is
+// exact for N = 2 (a + b == b + a) and within rounding otherwise.
 #pragma once
 
 #include <cstdint>
@@ -58,6 +64,10 @@ struct BucketBlocks {
   int64_t block = 0;                // B
   std::vector<int64_t> lo, hi;      // I_r per rank (flat), lo == hi when empty
   int64_t size(int r) const { return hi[static_cast<size_t>(r)] - lo[static_cast<size_t>(r)]; }
+  // Whether the all-reduce of the unpacked bucket sends fewer bytes (see the Note above).
+  bool use_all_reduce(int64_t bucket_elems) const {
+    return static_cast<int64_t>(lo.size()) * block > 2 * bucket_elems;
+  }
 };
 BucketBlocks bucket_blocks(int64_t lo, int64_t hi, const Partition& part);
 

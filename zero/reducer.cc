@@ -153,6 +153,14 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
   if (!scatter) {
     p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
                              comm::ElemType::kF32, comm::ReduceOp::kSum);
+  } else if (blocks_[b].use_all_reduce(bk.elems())) {
+    // Cheaper than the packed reduce-scatter (Note [Bucketed reduce-scatter]).
+    while (pending_.size() >= kMaxInFlight) complete_oldest();
+    p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
+                             comm::ElemType::kF32, comm::ReduceOp::kSum);
+    if (options_.stage == 2) local.record_stream(dp_->stream());  // a bucket buffer
+    p.reduced = std::move(local);
+    contiguous = nn::Tensor();
   } else {
     while (pending_.size() >= kMaxInFlight) complete_oldest();
     const BucketBlocks& bb = blocks_[b];
@@ -185,11 +193,15 @@ void GradReducer::complete_oldest() {
   p.work.wait_on(allocator_->device().compute_stream());
   stats_.reduce_exposed_s += seconds_since(t0);
   stats_.reduce_busy_s += std::max(0.0, p.work.end_s() - p.work.start_s());
-  if (!p.packed.defined()) return;
+  if (!p.packed.defined() && !p.reduced.defined()) return;
   const BucketBlocks& bb = blocks_[p.bucket];
   const int64_t m = bb.size(rank_);
   if (m == 0) return;
-  nn::Tensor mine = p.packed.slice(rank_ * bb.block, rank_ * bb.block + m);
+  if (p.reduced.defined() && options_.stage != 2) return;  // in place in the flat buffer
+  const int64_t from = bb.lo[static_cast<size_t>(rank_)] - buckets_[p.bucket].lo;
+  nn::Tensor mine = p.packed.defined()
+                        ? p.packed.slice(rank_ * bb.block, rank_ * bb.block + m)
+                        : p.reduced.slice(from, from + m);
   const int64_t at = bb.lo[static_cast<size_t>(rank_)] - shard_begin_;
   nn::Tensor dst = shard_.slice(at, at + m);
   if (options_.stage == 2) {

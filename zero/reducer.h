@@ -90,6 +90,9 @@ class GradReducer {
     size_t bucket = 0;
     comm::Work work;
     nn::Tensor packed;  // reduce_scatter's packed buckets; undefined for all_reduce
+    // A scattering stage's bucket all-reduced in place (BucketBlocks::use_all_reduce): the
+    // reduced bucket, of which this rank keeps its intersection.
+    nn::Tensor reduced;
   };
   void issue(size_t b, nn::Tensor contiguous);
   void complete_oldest();
