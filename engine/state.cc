@@ -21,7 +21,7 @@
 // files sit in `dir` itself, as before. With N > 1 ranks each rank writes its own state into
 // `dir`/rank<r> (every rank calls save_checkpoint with the same dir; at stage 0 the N copies
 // are identical), and load_checkpoint reads `dir`/rank<r> and refuses a checkpoint written by
-// another number of ranks or another stage: porter does not reshard, so the error names both layouts.
+// another number of ranks or another stage (porter does not reshard; the error names both).
 #include <cstring>
 #include <sstream>
 
