@@ -365,14 +365,17 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       break;
     case config::CheckpointPolicy::kUniform: {
       int64_t per = 1;
+      PORTER_CHECK(!(ck.every_n_layers && ck.segments), policy_key("every_n_layers"), " = ",
+                   ck.every_n_layers.value_or(0), " and ", policy_key("segments"), " = ",
+                   ck.segments.value_or(0), " are both set; set one of them");
       if (ck.every_n_layers) {
         per = *ck.every_n_layers;
         PORTER_CHECK(per >= 1, policy_key("every_n_layers"), " = ", per, " must be >= 1");
         PORTER_CHECK(per <= blocks, policy_key("every_n_layers"), " = ", per, " is more than the model's ",
                      blocks, " blocks");
-      } else if (options.number_checkpoints) {
-        const int64_t k = *options.number_checkpoints;
-        PORTER_CHECK(k >= 1, "activation_checkpointing.number_checkpoints = ", k, " must be >= 1");
+      } else if (ck.segments) {
+        const int64_t k = *ck.segments;
+        PORTER_CHECK(k >= 1, policy_key("segments"), " = ", k, " must be >= 1");
         per = std::max<int64_t>(1, (blocks + k - 1) / k);
       }
       PORTER_CHECK(blocks >= 1, "policy \"uniform\" needs blocks to checkpoint; the chain has none");

@@ -10,8 +10,8 @@
 //   full       every stage (embedding and head included) is its own checkpointed segment:
 //              its input is held, its forward keeps nothing, it is recomputed just before
 //              its backward.
-//   uniform    the blocks in segments of `every_n_layers` (or ceil(blocks /
-//              number_checkpoints)); a segment holds only its first input and is
+//   uniform    the blocks in segments of `every_n_layers` (or ceil(blocks / segments));
+//              a segment holds only its first input and is
 //              re-forwarded with kKeep before its backwards (Megatron's "uniform").
 //              Non-block stages keep.
 //   block      the first `block_layers` blocks each checkpointed alone; the rest keep
@@ -95,7 +95,6 @@ struct OffloadOptions {
 
 struct PlanOptions {
   config::CheckpointingConfig checkpointing;
-  std::optional<int64_t> number_checkpoints;  // activation_checkpointing.number_checkpoints
   // Overrides checkpointing.memory_budget (porter plan --budget); optimal only.
   std::optional<config::MemoryBudget> budget;
   OffloadOptions offload;

@@ -69,9 +69,6 @@ checkpoint::GptShape gpt_shape(const config::Config& config) {
 checkpoint::PlanOptions plan_options(const config::Config& config) {
   checkpoint::PlanOptions o;
   o.checkpointing = config.porter.checkpointing;
-  if (config.activation_checkpointing) {
-    o.number_checkpoints = config.activation_checkpointing->number_checkpoints;
-  }
   o.offload = checkpoint::offload_options(config);
   return o;
 }

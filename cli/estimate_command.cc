@@ -197,14 +197,13 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     const auto& ck = cfg.porter.checkpointing;
     std::string label;
     std::optional<int64_t> every = ck.every_n_layers;
-    std::optional<int64_t> number;
-    if (!every && cfg.activation_checkpointing) number = cfg.activation_checkpointing->number_checkpoints;
-    if (!every && !number) every = 1;
+    const std::optional<int64_t> segments = ck.segments;
+    if (!every && !segments) every = 1;
     label = every ? "uniform (every " + std::to_string(*every) + " layer" + (*every == 1 ? ")" : "s)")
-                  : "uniform (" + std::to_string(*number) + " checkpoints)";
+                  : "uniform (" + std::to_string(*segments) + " checkpoints)";
     add(P::kUniform, label, [&](checkpoint::PlanOptions& po) {
       po.checkpointing.every_n_layers = every;
-      po.number_checkpoints = every ? std::nullopt : number;
+      po.checkpointing.segments = every ? std::nullopt : segments;
     });
   }
   {

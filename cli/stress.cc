@@ -83,6 +83,7 @@ config::Config reference_config(const config::Config& cfg) {
   config::CheckpointingConfig& k = ref.porter.checkpointing;
   k.policy = CheckpointPolicy::kNone;
   k.every_n_layers.reset();
+  k.segments.reset();
   k.block_layers.reset();
   k.memory_budget.reset();
   if (ref.activation_checkpointing) {
@@ -209,12 +210,12 @@ Variation draw_variation(const config::Config& base, uint64_t seed, int64_t run)
 
   config::CheckpointingConfig& k = c.porter.checkpointing;
   k.every_n_layers.reset();
+  k.segments.reset();
   k.block_layers.reset();
   k.memory_budget.reset();
   k.selective_ops.clear();
   if (!c.activation_checkpointing) c.activation_checkpointing.emplace();
   config::ActivationCheckpointingConfig& ac = *c.activation_checkpointing;
-  ac.number_checkpoints.reset();
   ac.partition_activations = false;
   ac.synchronize_checkpoint_boundary = false;
   ac.profile = false;

@@ -170,7 +170,11 @@ struct MemoryBudget {
 
 struct CheckpointingConfig {
   CheckpointPolicy policy = CheckpointPolicy::kNone;
-  std::optional<int64_t> every_n_layers;  // uniform
+  // uniform: segments of every_n_layers blocks, or the blocks split into `segments` segments
+  // of ceil(blocks / segments) (DeepSpeed's activation_checkpointing.number_checkpoints,
+  // folded in by the parser). At most one of the two is set.
+  std::optional<int64_t> every_n_layers;
+  std::optional<int64_t> segments;
   std::optional<int64_t> block_layers;    // block
   std::optional<MemoryBudget> memory_budget;  // optimal
   std::vector<std::string> selective_ops;     // selective: op kinds recomputed, not saved

@@ -347,9 +347,6 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   }
   checkpoint::PlanOptions options;
   options.checkpointing = config.porter.checkpointing;
-  if (config.activation_checkpointing) {
-    options.number_checkpoints = config.activation_checkpointing->number_checkpoints;
-  }
   options.offload = checkpoint::offload_options(config);
   // Note [Link probe]: sim_link_gbps when set, else measured when offload is on.
   if (config.porter.device.sim_link_gbps) {

@@ -147,11 +147,12 @@ TEST(PlannerTest, MakePlanForEachPolicy) {
   EXPECT_EQ(none_peak, gpt_none_peak_bytes({tiny(4), 2, 16, nn::DType::kF32}));
 
   PlanOptions uo = options_for(config::CheckpointPolicy::kUniform);
-  uo.number_checkpoints = 3;  // ceil(4 / 3) = 2 blocks per segment
+  uo.checkpointing.segments = 3;  // ceil(4 / 3) = 2 blocks per segment
   Plan uni = make_plan(uo, c);
   EXPECT_EQ(uni.schedule, schedule_uniform(c, 2));
   EXPECT_EQ(uni.description, "uniform: 2 segments of 2 blocks");
-  uo.checkpointing.every_n_layers = 1;  // wins over number_checkpoints
+  uo.checkpointing.segments.reset();
+  uo.checkpointing.every_n_layers = 1;
   EXPECT_EQ(make_plan(uo, c).schedule, schedule_uniform(c, 1));
 
   PlanOptions bo = options_for(config::CheckpointPolicy::kBlock);
@@ -191,9 +192,12 @@ TEST(PlannerTest, ConfigErrorsNameTheKey) {
   expect_error(u, c, "porter.checkpointing.every_n_layers = 5 is more than the model's 4 blocks");
   u.checkpointing.every_n_layers = 0;
   expect_error(u, c, "porter.checkpointing.every_n_layers = 0 must be >= 1");
+  u.checkpointing.segments = 2;  // the parser folds number_checkpoints in only without it
+  expect_error(u, c, "porter.checkpointing.every_n_layers = 0 and porter.checkpointing.segments "
+                     "= 2 are both set; set one of them");
   u.checkpointing.every_n_layers.reset();
-  u.number_checkpoints = 0;
-  expect_error(u, c, "activation_checkpointing.number_checkpoints = 0 must be >= 1");
+  u.checkpointing.segments = 0;
+  expect_error(u, c, "porter.checkpointing.segments = 0 must be >= 1");
   PlanOptions o = options_for(config::CheckpointPolicy::kOptimal);
   expect_error(o, c, "porter.checkpointing.memory_budget is required by policy \"optimal\"");
   o.checkpointing.memory_budget = config::MemoryBudget{1.5};

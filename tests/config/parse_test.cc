@@ -241,6 +241,26 @@ TEST(Policy, FollowsActivationCheckpointingWhenNotGiven) {
   EXPECT_EQ(s.porter.checkpointing.selective_ops, std::vector<std::string>{"core_attention"});
 }
 
+TEST(Policy, NumberCheckpointsIsFoldedIntoSegments) {
+  const CheckpointingConfig k =
+      parse(R"({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 4}})")
+          .config.porter.checkpointing;
+  EXPECT_EQ(k.segments, std::optional<int64_t>(4));
+  EXPECT_FALSE(k.every_n_layers);
+  const CheckpointingConfig e =
+      parse(R"({"train_batch_size": 1, "activation_checkpointing": {},
+                "porter": {"checkpointing": {"policy": "uniform", "every_n_layers": 3}}})")
+          .config.porter.checkpointing;
+  EXPECT_EQ(e.every_n_layers, std::optional<int64_t>(3));
+  EXPECT_FALSE(e.segments);
+  // Under another policy number_checkpoints says nothing about which layers.
+  const CheckpointingConfig f =
+      parse(R"({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 4},
+                "porter": {"checkpointing": {"policy": "full"}}})")
+          .config.porter.checkpointing;
+  EXPECT_FALSE(f.segments);
+}
+
 TEST(Policy, ContiguousMemoryNeedsNeitherPartitioningNorNumberCheckpoints) {
   // A deliberate difference from DeepSpeed (docs/config.md): porter knows the plan.
   ParseResult r = parse(R"({"train_batch_size": 1, "activation_checkpointing":
