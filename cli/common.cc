@@ -24,55 +24,6 @@ config::Config load_config(const std::string& file, bool strict, std::ostream& e
   return result.config;
 }
 
-nn::DType compute_dtype(const config::Config& config) {
-  if (config.bf16.enabled) return nn::DType::kBF16;
-  if (config.fp16.enabled) return nn::DType::kF16;
-  return nn::DType::kF32;
-}
-
-memory::DeviceOptions device_options(const config::Config& config) {
-  const config::DeviceConfig& d = config.porter.device;
-  memory::DeviceOptions o;
-  switch (d.type) {
-    case config::DeviceType::kCpu: o.kind = memory::DeviceKind::kCpu; break;
-    case config::DeviceType::kCuda: o.kind = memory::DeviceKind::kCuda; break;
-    case config::DeviceType::kAuto:
-      o.kind = memory::cuda_available() ? memory::DeviceKind::kCuda : memory::DeviceKind::kCpu;
-      break;
-  }
-  o.memory_limit_bytes = static_cast<size_t>(d.memory_limit_bytes.value_or(0));
-  o.pinned_limit_bytes = static_cast<size_t>(d.pinned_limit_bytes.value_or(0));
-  o.sim_link_gbps = d.sim_link_gbps.value_or(0.0);
-  o.threads = static_cast<int>(d.threads);
-  return o;
-}
-
-std::optional<size_t> planned_capacity_bytes(const config::Config& config) {
-  const config::DeviceConfig& d = config.porter.device;
-  if (d.memory_limit_bytes) return static_cast<size_t>(*d.memory_limit_bytes);
-  if (device_options(config).kind == memory::DeviceKind::kCpu) {
-    return memory::kDefaultCpuMemoryLimitBytes;
-  }
-  return std::nullopt;
-}
-
-checkpoint::GptShape gpt_shape(const config::Config& config) {
-  checkpoint::GptShape s;
-  s.model = config.porter.model;
-  s.micro_batch = config.train_micro_batch_size_per_gpu;
-  s.seq = config.porter.model.seq_len;
-  s.compute_dtype = compute_dtype(config);
-  s.device = device_options(config).kind;
-  return s;
-}
-
-checkpoint::PlanOptions plan_options(const config::Config& config) {
-  checkpoint::PlanOptions o;
-  o.checkpointing = config.porter.checkpointing;
-  o.offload = checkpoint::offload_options(config);
-  return o;
-}
-
 config::MemoryBudget parse_budget_flag(const std::string& text) {
   double v = 0;
   const char* end = text.data() + text.size();
@@ -83,11 +34,6 @@ config::MemoryBudget parse_budget_flag(const std::string& text) {
   }
   throw InvalidArgument("--budget: expected a fraction in [0, 1] or a byte count >= 2 "
                         "(\"6GiB\", \"500MB\", \"123456\"), got \"" + text + "\"");
-}
-
-size_t batch_bytes(const config::Config& config) {
-  return 2 * static_cast<size_t>(config.train_micro_batch_size_per_gpu) *
-         static_cast<size_t>(config.porter.model.seq_len) * sizeof(int32_t);
 }
 
 void Table::print(std::ostream& out, const std::string& indent) const {

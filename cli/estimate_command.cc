@@ -18,6 +18,7 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "engine/run_options.h"
 #include "nn/gpt.h"
 #include "zero/partition.h"
 
@@ -97,13 +98,6 @@ nlohmann::ordered_json bytes_json(const zero::StateBytes& b) {
           {"total", b.total()}};
 }
 
-// Recompute FLOPs over one step's forward + backward FLOPs (backward = 2 x forward).
-double flop_fraction(const checkpoint::Prediction& p, const checkpoint::ChainCosts& costs) {
-  double forward = 0.0;
-  for (const checkpoint::StageCost& s : costs.stages) forward += s.forward_flops;
-  return forward > 0.0 ? p.recompute_flops / (3.0 * forward) : 0.0;
-}
-
 void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
                 const zero::Partition& part, int64_t num_params, const zero::StateDTypes& d,
                 nn::DType dtype, int64_t world_size, int dp) {
@@ -133,10 +127,9 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
 int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const int64_t world_size = o.world_size.value_or(implied_world_size(o.file));
   const config::Config cfg = load_config(o.file, o.strict, err, world_size);
-  const checkpoint::GptShape shape = gpt_shape(cfg);
-  const nn::DType dtype = shape.compute_dtype;
-  const checkpoint::ChainCosts costs = checkpoint::analytic_gpt_costs(
-      shape, checkpoint::selective_policy(cfg.porter.checkpointing.selective_ops));
+  const engine::RunOptions run = engine::make_run_options(cfg);
+  const nn::DType dtype = run.compute_dtype;
+  const checkpoint::ChainCosts costs = run.analytic_costs();
 
   // ZeRO partitions the flat buffers over the data-parallel ranks (Note [Model-state bytes per
   // rank] in zero/partition.h). Tensor parallelism is not modelled: the layout is the whole
@@ -161,8 +154,8 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const int config_stage = cfg.zero_optimization.stage;
   const zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
   const size_t model_state = ms.total();
-  const size_t batch = batch_bytes(cfg);
-  const std::optional<size_t> capacity = planned_capacity_bytes(cfg);
+  const size_t batch = run.batch_bytes;
+  const std::optional<size_t> capacity = run.capacity_bytes;
   const int64_t layers = cfg.porter.model.layers;
 
   std::optional<config::MemoryBudget> budget = cfg.porter.checkpointing.memory_budget;
@@ -174,15 +167,15 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     PolicyEstimate e;
     e.policy = policy;
     e.label = std::move(label);
-    checkpoint::PlanOptions po = plan_options(cfg);
+    checkpoint::PlanOptions po = run.plan;
     po.checkpointing.policy = policy;
     tweak(po);
     try {
       checkpoint::Plan plan = checkpoint::make_plan(po, costs);
       e.description = plan.description;
       e.activation_peak_bytes = plan.prediction.peak_activation_bytes;
-      e.total_peak_bytes = model_state + batch + plan.prediction.peak_total_bytes;
-      e.recompute_flop_fraction = flop_fraction(plan.prediction, costs);
+      e.total_peak_bytes = run.predicted_peak_bytes(model_state, plan.prediction);
+      e.recompute_flop_fraction = engine::recompute_flop_fraction(plan.prediction, costs);
     } catch (const porter::Error& ex) {
       e.error = ex.what();
     }

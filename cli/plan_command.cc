@@ -19,6 +19,7 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "engine/run_options.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 
@@ -113,38 +114,33 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
+  const engine::RunOptions run = engine::make_run_options(cfg);
+  const checkpoint::ChainCosts analytic = run.analytic_costs();
   checkpoint::ChainCosts costs;
   checkpoint::Plan plan;
   std::string where_from;
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<engine::Engine> eng;
-  // Optimal needs measured times, and so does the exposed copy time of an offloading plan.
-  const bool offload_on =
-      cfg.activation_checkpointing && cfg.activation_checkpointing->cpu_checkpointing;
-  if (cfg.porter.checkpointing.policy == config::CheckpointPolicy::kOptimal || offload_on) {
-    device = memory::make_device(device_options(cfg));
+  // Note [Engine costs]: optimal needs measured times, and so does the exposed copy time of
+  // an offloading plan; the Engine profiles and plans exactly as training would.
+  if (run.cost_source(true, engine::CostUse::kPlan) == engine::CostSource::kProfiled) {
+    device = memory::make_device(run.device);
     eng = std::make_unique<engine::Engine>(
         *device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
     costs = eng->costs();
     plan = eng->plan();
     where_from = "profiled on " + device->description();
   } else {
-    costs = checkpoint::analytic_gpt_costs(
-        gpt_shape(cfg), checkpoint::selective_policy(cfg.porter.checkpointing.selective_ops));
-    plan = checkpoint::make_plan(plan_options(cfg), costs);
+    costs = analytic;
+    plan = checkpoint::make_plan(run.plan, costs);
     where_from = "analytic model (nothing allocated)";
   }
   const checkpoint::Prediction none =
       checkpoint::simulate(checkpoint::schedule_none(costs), costs);
   // FLOPs come from the analytic model whatever the costs' source (profiles measure times,
   // not FLOPs): the plan's schedule replayed on analytic costs counts its extra forwards.
-  const checkpoint::ChainCosts analytic = checkpoint::analytic_gpt_costs(
-      gpt_shape(cfg), checkpoint::selective_policy(cfg.porter.checkpointing.selective_ops));
   const checkpoint::Prediction flops = checkpoint::simulate(plan.schedule, analytic);
-  double forward_flops = 0.0;
-  for (const checkpoint::StageCost& s : analytic.stages) forward_flops += s.forward_flops;
-  const double flop_fraction =
-      forward_flops > 0.0 ? flops.recompute_flops / (3.0 * forward_flops) : 0.0;
+  const double flop_fraction = engine::recompute_flop_fraction(flops, analytic);
   // Measured-cost overhead: recompute time over the rest of the micro-batch's compute.
   const double base_s = plan.prediction.compute_s - plan.prediction.recompute_s;
   const double time_fraction = base_s > 0.0 ? plan.prediction.recompute_s / base_s : 0.0;

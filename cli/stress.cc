@@ -16,6 +16,7 @@
 #include "checkpoint/planner.h"
 #include "checkpoint/schedule.h"
 #include "cli/common.h"
+#include "engine/run_options.h"
 #include "config/parse.h"
 #include "engine/data.h"
 #include "engine/engine.h"
@@ -68,12 +69,12 @@ std::string fixed(double v, int digits) {
 // The fraction of the none plan's activation peak below which the optimal planner has no
 // schedule (from the analytic model, whose bytes are the profiled ones: docs/memory-model.md).
 double minimum_budget_fraction(const config::Config& cfg) {
-  const checkpoint::ChainCosts costs = checkpoint::analytic_gpt_costs(
-      gpt_shape(cfg), checkpoint::selective_policy(cfg.porter.checkpointing.selective_ops));
+  const engine::RunOptions run = engine::make_run_options(cfg);
+  const checkpoint::ChainCosts costs = run.analytic_costs();
   const size_t none = checkpoint::simulate(checkpoint::schedule_none(costs), costs,
-                                           checkpoint::offload_options(cfg).sim())
+                                           run.plan.offload.sim())
                           .peak_activation_bytes;
-  const size_t min = checkpoint::minimum_budget_bytes(costs, checkpoint::offload_options(cfg));
+  const size_t min = checkpoint::minimum_budget_bytes(costs, run.plan.offload);
   return none > 0 ? std::min(1.0, static_cast<double>(min) / static_cast<double>(none)) : 1.0;
 }
 
@@ -109,7 +110,7 @@ struct Rig {
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<engine::Engine> engine;
   explicit Rig(const config::Config& cfg) {
-    device = memory::make_device(device_options(cfg));
+    device = memory::make_device(engine::make_run_options(cfg).device);
     engine = std::make_unique<engine::Engine>(
         *device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
   }

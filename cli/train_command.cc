@@ -16,6 +16,7 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "engine/run_options.h"
 #include "cli/launch.h"
 #include "cli/train_report.h"
 #include "comm/communicator.h"
@@ -206,7 +207,7 @@ int train(const TrainOptions& o, CommandContext& ctx) {
   if (o.steps) cfg.porter.train.steps = *o.steps;
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
-  std::unique_ptr<memory::Device> device = memory::make_device(device_options(cfg));
+  std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
   const World w = join_world(env, cfg, *device);
   try {
     return train_rank(o, ctx, cfg, trace_path, *device, w, out, err);

@@ -74,9 +74,9 @@ ordered_json zero_json(engine::Engine& engine) {
   const zero::Partition part =
       zero::make_partition(engine.model().layout().total_elems(), engine.dp_size());
   const zero::StateBytes exact =
-      zero::exact_bytes(part, z.stage, zero::StateDTypes{engine.compute_dtype()});
+      zero::exact_bytes(part, z.zero_stage, zero::StateDTypes{engine.compute_dtype()});
   return {
-      {"stage", z.stage},
+      {"stage", z.zero_stage},
       {"world_size", z.world_size},
       {"shard_elems", z.shard_elems},
       {"padded_elems", z.padded_elems},
@@ -169,14 +169,7 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
 
 offload::StashStats offload_totals(const std::vector<engine::StepResult>& steps) {
   offload::StashStats t;
-  for (const engine::StepResult& s : steps) {
-    t.d2h_bytes += s.offload.d2h_bytes;
-    t.h2d_bytes += s.offload.h2d_bytes;
-    t.copy_busy_s += s.offload.copy_busy_s;
-    t.exposed_wait_s += s.offload.exposed_wait_s;
-    t.pinned_peak_bytes = std::max(t.pinned_peak_bytes, s.offload.pinned_peak_bytes);
-    t.staging_peak_bytes = std::max(t.staging_peak_bytes, s.offload.staging_peak_bytes);
-  }
+  for (const engine::StepResult& s : steps) t.add(s.offload);
   return t;
 }
 
@@ -297,10 +290,10 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
   }
 
   const engine::ZeroStats z = engine.zero_stats();
-  if (z.world_size > 1 || z.stage > 0) {
+  if (z.world_size > 1 || z.zero_stage > 0) {
     const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
     std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * z.reduce_hidden_fraction);
-    out << "\nzero: stage " << z.stage << " over " << z.world_size << " rank"
+    out << "\nzero: stage " << z.zero_stage << " over " << z.world_size << " rank"
         << (z.world_size == 1 ? "" : "s")
         << (run.comm_backend.empty() ? std::string() : " (" + run.comm_backend + ")")
         << ", shard " << format_count(static_cast<double>(z.shard_elems)) << " of "

@@ -172,7 +172,7 @@ struct CheckpointingConfig {
   CheckpointPolicy policy = CheckpointPolicy::kNone;
   // uniform: segments of every_n_layers blocks, or the blocks split into `segments` segments
   // of ceil(blocks / segments) (DeepSpeed's activation_checkpointing.number_checkpoints,
-  // folded in by the parser). At most one of the two is set.
+  // folded in by the parser under any policy). At most one of the two is set.
   std::optional<int64_t> every_n_layers;
   std::optional<int64_t> segments;
   std::optional<int64_t> block_layers;    // block

@@ -184,9 +184,10 @@ PorterReadState read_porter_section(ObjectReader& root, Config& c) {
 // leaves *which* layers to the model code (Megatron's --checkpoint-num-layers). porter owns
 // the model, so when porter.checkpointing.policy is absent the policy follows from the
 // DeepSpeed section: none without activation_checkpointing; uniform with number_checkpoints
-// segments when that is given; full (every layer) otherwise. Under uniform, number_checkpoints
-// becomes porter.checkpointing's `segments` here, so nothing past the parser reads the
-// DeepSpeed key.
+// segments when that is given; full (every layer) otherwise. number_checkpoints becomes
+// porter.checkpointing's `segments` here (used by the uniform policy, and by `porter
+// estimate`'s uniform row under any policy), so nothing past the parser reads the DeepSpeed
+// key.
 void check_across_sections(const PorterReadState& state, Config& c) {
   CheckpointingConfig& k = c.porter.checkpointing;
   const std::optional<ActivationCheckpointingConfig>& ac = c.activation_checkpointing;
@@ -214,6 +215,7 @@ void check_across_sections(const PorterReadState& state, Config& c) {
   only_for(k.memory_budget.has_value(), CheckpointPolicy::kOptimal, "memory_budget");
   only_for(!k.selective_ops.empty(), CheckpointPolicy::kSelective, "selective_ops");
 
+  if (number_checkpoints > 0) k.segments = number_checkpoints;
   switch (k.policy) {
     case CheckpointPolicy::kUniform:
       if (k.every_n_layers && number_checkpoints > 0) {
@@ -226,7 +228,7 @@ void check_across_sections(const PorterReadState& state, Config& c) {
         fail(kPolicy, "\"uniform\" needs porter.checkpointing.every_n_layers or "
                       "activation_checkpointing.number_checkpoints");
       }
-      if (number_checkpoints > 0) k.segments = number_checkpoints;
+
       if (k.every_n_layers && *k.every_n_layers > layers) {
         fail("porter.checkpointing.every_n_layers",
              std::to_string(*k.every_n_layers) + " is more than the model's " +

@@ -2,31 +2,31 @@
 // the config's checkpoint policy. See docs/engine.md.
 //
 // Note [One engine step]
-// With N data-parallel ranks (dp; docs/zero.md) at ZeRO stage z in {0, 1, 2}:
-// 1. Zero the gradients: the full flat buffer (stages 0, 1), the rank's shard (stage 2).
-// 2. For each micro-batch: copy its tokens and targets to the device (workspace), then run
-//    the plan's schedule (Note [Schedule semantics] in checkpoint/schedule.h); host-held
-//    checkpoints go through the checkpoint stash at the ops plan.offload names (Note
-//    [Offload semantics] in checkpoint/offload_plan.h). The loss stage scales its gradient
-//    by loss_scale / gradient_accumulation_steps (loss_scale 1 without fp16), so the
-//    accumulated gradient is that of the mean loss. Around each Backward the gradient reducer
-//    (Note [Gradient reduction] in zero/reducer.h) allocates and binds stage 2's buckets and
-//    issues each complete bucket's reduction on the comm stream (overlap_comm; else after
-//    backward): stage 2 in every micro-batch, stages 0 and 1 in the last; every reduction is
-//    complete, averaged and in the shard when the micro-batch (the step) ends.
-// 3. Global gradient norm: of the local full buffer at stage 0, else the square root of the
-//    all-reduced sum of the shards' squared norms; divided by the loss scale. With fp16 an
-//    inf/nan on any rank (all_reduce max) skips steps 4 for everyone. Clip coefficient
-//    min(1, clip / (norm + 1e-6)) when gradient_clipping > 0 (DeepSpeed's rule), folded into
-//    AdamW with 1 / loss_scale; the gradients themselves stay unclipped, so they can be dumped.
-// 4. AdamW on the optimizer's range (the whole padded buffer at stage 0, the rank's shard
-//    above): the f32 parameters, or an f32 master copy written back to the bf16/fp16
-//    working copy; at the scheduler's lr for the count of updating steps. At stages 1 and 2
-//    the ranks' updated ranges are all-gathered into every rank's working buffer.
-// 5. Wait for the stash's copy streams; record times, memory, offload and ZeRO statistics
-//    (StepResult::zero). Everything the step allocates is returned to the allocator and the
-//    pinned pool by the end of the step (the contiguous arenas, sized by set_plan, stay).
-// With one rank nothing is communicated and the step is exactly the single-device step.
+// With N data-parallel ranks (dp; docs/zero.md) at ZeRO stage z in {0, 1, 2}, train_step runs
+// these phases in order (docs/engine.md, "One step", names the file that owns each):
+// 1. begin_step: the allocator's and the stash's per-step statistics start empty.
+// 2. forward_backward_and_reduce: the reducer zeroes the gradients (the full flat buffer at
+//    stages 0 and 1, the rank's shard at stage 2); for each micro-batch its tokens and
+//    targets go to the device (workspace), then the plan's schedule runs (Note [Schedule
+//    semantics] in checkpoint/schedule.h); host-held checkpoints go through the checkpoint
+//    stash at the ops plan.offload names (Note [Offload semantics] in
+//    checkpoint/offload_plan.h). The loss stage scales its gradient by loss_scale /
+//    gradient_accumulation_steps (loss_scale 1 without fp16), so the accumulated gradient is
+//    that of the mean loss. Around each Backward the gradient reducer (Note [Gradient
+//    reduction] in zero/reducer.h) allocates and binds stage 2's buckets and issues each
+//    complete bucket's reduction on the comm stream (overlap_comm; else after backward):
+//    stage 2 in every micro-batch, stages 0 and 1 in the last; every reduction is complete,
+//    averaged and in the shard when the micro-batch (the step) ends.
+// 3. global_norm, 4. update, finish_step: the sharded optimizer (Note [Sharded optimizer] in
+//    zero/sharded_optimizer.h): the global norm, fp16 overflow agreed by all ranks, the clip
+//    coefficient, AdamW on the rank's range at the scheduler's lr for the count of updating
+//    steps, and the all-gather of the updated parameters (stages 1 and 2).
+// 5. collect_offload and record: wait for the stash's copy streams; record times, memory,
+//    offload and ZeRO statistics (StepResult::zero). Everything the step allocates is
+//    returned to the allocator and the pinned pool by the end of the step (the contiguous
+//    arenas, sized by set_plan, stay).
+// A failure in 2-4 aborts the dp communicator (Note [Comm failure]) and the reducer; with one
+// rank nothing is communicated and the step is exactly the single-device step.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,7 @@
 #include "engine/data.h"
 #include "engine/lr_schedule.h"
 #include "engine/model.h"
+#include "engine/run_options.h"
 #include "engine/trace.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
@@ -53,7 +54,7 @@ namespace porter::engine {
 
 // ZeRO and data-parallel figures of one step, or cumulative (Engine::zero_stats()).
 struct ZeroStats {
-  int stage = 0;
+  int zero_stage = 0;
   int world_size = 1;            // data-parallel ranks
   int64_t shard_elems = 0;       // S (Note [Flat partition] in zero/partition.h)
   int64_t padded_elems = 0;
@@ -104,12 +105,13 @@ struct MemoryReport {
 
 class Engine {
  public:
-  // Builds the flat buffers (params, grads, optimizer state), initialises the parameters
-  // from config.porter.train.seed and plans the checkpoint schedule: from the analytic
-  // model's bytes for GptModel under `none`, else from a profiling pass (so the predicted
-  // recompute time is measured; Note [Engine costs] in engine.cc). Throws InvalidArgument
-  // for configs it cannot run (zero stage 3, optimizer offload, tensor parallelism, a
-  // world_size other than dp->size() * tensor_parallel, ...).
+  // Translates the config once (make_run_options), builds the flat buffers (params, grads,
+  // optimizer state), initialises the parameters from config.porter.train.seed and plans the
+  // checkpoint schedule from the model's analytic costs or a profiling pass (Note [Engine
+  // costs] in run_options.h). Throws InvalidArgument for configs it cannot run
+  // (check_supported in run_options.h: zero stage 3, optimizer offload, tensor parallelism, a
+  // world_size other than dp->size() * tensor_parallel, ...) and for a model that is not the
+  // one the config describes (Model::check_config).
   //
   // Data parallel (docs/zero.md): `dp` is the data-parallel communicator, of
   // config.data_parallel_size() ranks; null runs one rank. Every rank constructs its Engine
@@ -157,11 +159,13 @@ class Engine {
   // Cumulative since construction or reset_peaks().
   ZeroStats zero_stats() const;
   const config::Config& config() const { return config_; }
+  // What the engine derived from the config (Note [Run options] in run_options.h).
+  const RunOptions& run_options() const { return run_; }
   Model& model() { return *model_; }
   memory::CachingAllocator& allocator() { return *allocator_; }
   nn::Kernels& kernels() { return *kernels_; }
   memory::Device& device() { return *device_; }
-  nn::DType compute_dtype() const { return compute_dtype_; }
+  nn::DType compute_dtype() const { return run_.compute_dtype; }
 
   // Host copies (f32) of the working parameters and of the gradient buffer as the last
   // step left it (accumulated and averaged over ranks, before clipping; with fp16 still
@@ -196,12 +200,24 @@ class Engine {
 
  private:
   struct Impl;
+  // Construction, in order.
+  void build_model_states();
+  void plan_from_costs();
+  // The phases of train_step (Note [One engine step]).
+  void begin_step();
+  zero::ReducerStats forward_backward_and_reduce(const std::vector<HostBatch>& micro_batches,
+                                                 StepResult& r);
+  zero::GradNorm update(StepResult& r);
+  void collect_offload(StepResult& r);
+  void record(const std::vector<HostBatch>& micro_batches, const comm::CommStats& comm0,
+              const zero::ReducerStats& reduced, StepResult& r);
+
   memory::Device* device_;
+  config::Config config_;
+  RunOptions run_;
   std::unique_ptr<memory::CachingAllocator> allocator_;
   std::unique_ptr<nn::Kernels> kernels_;
   std::unique_ptr<Model> model_;
-  config::Config config_;
-  nn::DType compute_dtype_ = nn::DType::kF32;
   int64_t step_ = 0;
   std::vector<HostBatch> last_batches_;
   TraceRecorder* trace_ = nullptr;  // not owned; may be null

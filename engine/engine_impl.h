@@ -1,4 +1,4 @@
-// The Engine's private state (engine.h), shared by engine.cc and state.cc.
+// The Engine's private state (engine.h), shared by engine.cc, memory_report.cc and state.cc.
 #pragma once
 
 #include <algorithm>
@@ -12,9 +12,9 @@
 #include "nn/ctx.h"
 #include "nn/layer.h"
 #include "offload/stash.h"
-#include "zero/loss_scaler.h"
 #include "zero/partition.h"
 #include "zero/reducer.h"
+#include "zero/sharded_optimizer.h"
 
 namespace porter::engine {
 
@@ -26,26 +26,17 @@ struct Engine::Impl {
   offload::StashStats offload_total;  // since construction or reset_peaks()
   std::vector<offload::CopyRecord> copies;  // the last step's (every step's with profile)
   std::vector<offload::WaitRecord> waits;
-  bool keep_all_records = false;  // activation_checkpointing.profile
   // Data parallel and ZeRO (docs/zero.md). Null or a size-1 communicator: one rank.
   std::shared_ptr<comm::Communicator> dp;
-  int zero_stage = 0;
   zero::Partition part;  // Note [Flat partition]
-  // The optimizer's flat range: [0, padded) at stage 0, the rank's shard above.
-  int64_t opt_lo = 0, opt_hi = 0;
   std::unique_ptr<nn::FlatParams> flat;  // params (compute dtype), grads (f32; none at stage 2)
-  bool has_master = false;               // bf16/fp16 compute
-  nn::Tensor master;                     // f32 master copy of the optimizer range (optimizer)
-  nn::Tensor exp_avg;                    // f32 AdamW m of the optimizer range (optimizer)
-  nn::Tensor exp_avg_sq;                 // f32 AdamW v of the optimizer range (optimizer)
-  // After flat: destroyed first (it unbinds its buckets from the flat buffers).
+  // After flat: destroyed first. The optimizer's state (Note [Sharded optimizer]) and the
+  // gradient reducer, which unbinds its buckets from the flat buffers.
+  std::unique_ptr<zero::ShardedOptimizer> optimizer;
   std::unique_ptr<zero::GradReducer> reducer;
-  zero::LossScaler scaler{config::Fp16Config{}};
-  int64_t optimizer_steps = 0;  // steps that updated (fp16 overflow skips; LR and AdamW step)
   ZeroStats zero_total;         // cumulative since construction or reset_peaks()
   double reduce_busy_total_s = 0.0, reduce_exposed_total_s = 0.0;
   std::unique_ptr<nn::Ctx> ctx;
-  config::OptimizerConfig optimizer;
   std::unique_ptr<LrSchedule> lr;
   checkpoint::ChainCosts costs;
   checkpoint::Plan plan;
@@ -58,10 +49,6 @@ struct Engine::Impl {
 
   // The communicator when there is more than one rank, else null.
   comm::Communicator* comm() const { return dp != nullptr && dp->size() > 1 ? dp.get() : nullptr; }
-  // The f32 tensor AdamW updates: the master copy for bf16/fp16, else the parameters' range.
-  nn::Tensor update_target() const {
-    return has_master ? master : flat->params().slice(opt_lo, opt_hi);
-  }
   void fold_peaks(const memory::MemoryStats& s) {
     for (size_t c = 0; c < memory::kNumCategories; ++c)
       peak_by_category[c] = std::max(peak_by_category[c], s.by_category[c].peak_bytes);

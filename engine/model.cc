@@ -1,4 +1,5 @@
-// ChainModel: a chain of user layers ending in a LossLayer.
+// GptModel's capabilities (Note [Model capabilities] in model.h), and ChainModel: a chain of
+// user layers ending in a LossLayer.
 #include "engine/model.h"
 
 #include <cmath>
@@ -23,6 +24,18 @@ uint64_t fnv1a(std::string_view s, uint64_t h = 1469598103934665603ull) {
 }
 
 }  // namespace
+
+void GptModel::check_config(const config::Config& config) const {
+  PORTER_CHECK(gpt_.config() == config.porter.model,
+               "Engine: the GptModel was built from another model config than porter.model "
+               "(the plan and the checkpoints describe porter.model); build it from "
+               "config.porter.model");
+}
+
+std::optional<checkpoint::ChainCosts> GptModel::analytic_costs(const RunOptions& run) const {
+  // run.shape describes porter.model, which check_config has found to be this model.
+  return run.analytic_costs();
+}
 
 ChainModel::ChainModel(std::vector<std::unique_ptr<nn::Layer>> layers,
                        std::unique_ptr<LossLayer> loss, Init init)

@@ -1,15 +1,29 @@
 // What the Engine trains: a chain of stages (nn::Layer) whose last stage computes the loss.
 // The built-in GPT is one (GptModel); any chain of user layers ending in a LossLayer is
 // another (ChainModel). See docs/engine.md.
+//
+// Note [Model capabilities]
+// What only some models can do is an optional method with a default, never a type test: the
+// Engine asks every model the same questions and a user's model answers them too.
+//   check_config    the model is the one the config describes (the GPT's shape must be
+//                   porter.model, which the plan, estimate and checkpoints describe).
+//   analytic_costs  exact per-stage bytes and FLOPs without running anything (the GPT's
+//                   analytic model); the Engine plans from them where no times are needed
+//                   (Note [Engine costs] in run_options.h) and takes the FLOPs from them
+//                   after a profile. Default: none, so the chain is profiled.
+//   vocab_size      token ids and targets must lie in [0, vocab); default: no check.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "checkpoint/costs.h"
 #include "config/config.h"
+#include "engine/run_options.h"
 #include "nn/gpt.h"
 #include "nn/layer.h"
 
@@ -37,6 +51,13 @@ class Model {
   // other (Note [Gradient buckets] in zero/buckets.h). ZeRO-2 needs it to know when a bucket
   // is complete. GptModel with tied embeddings reports the head as a writer of stage 0's.
   virtual std::vector<int> grad_writers(int i) const { return {i}; }
+
+  // Note [Model capabilities]. check_config throws InvalidArgument naming the mismatch.
+  virtual void check_config(const config::Config& /*config*/) const {}
+  virtual std::optional<checkpoint::ChainCosts> analytic_costs(const RunOptions& /*run*/) const {
+    return std::nullopt;
+  }
+  virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
 };
 
 class GptModel : public Model {
@@ -55,6 +76,9 @@ class GptModel : public Model {
     if (i == 0 && gpt_.config().tie_embeddings) return {0, gpt_.num_stages() - 1};
     return {i};
   }
+  void check_config(const config::Config& config) const override;
+  std::optional<checkpoint::ChainCosts> analytic_costs(const RunOptions& run) const override;
+  std::optional<int64_t> vocab_size() const override { return gpt_.config().vocab; }
   nn::Gpt& gpt() { return gpt_; }
 
  private:

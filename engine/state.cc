@@ -101,13 +101,13 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   nlohmann::json meta;
   meta["kind"] = "porter.engine";
   meta["step"] = step_;
-  meta["compute_dtype"] = std::string(nn::dtype_name(compute_dtype_));
+  meta["compute_dtype"] = std::string(nn::dtype_name(compute_dtype()));
   meta["seed"] = config_.porter.train.seed;
   meta["layout"] = layout_json(model_->layout());
   meta["dp_size"] = dp_size();
-  meta["zero_stage"] = im.zero_stage;
-  meta["optimizer_steps"] = im.optimizer_steps;
-  const zero::LossScaler::State ls = im.scaler.state();
+  meta["zero_stage"] = run_.zero_stage();
+  meta["optimizer_steps"] = im.optimizer->steps();
+  const zero::LossScaler::State ls = im.optimizer->loss_scaler().state();
   meta["loss_scaler"] = {{"scale", ls.scale},
                          {"iteration", ls.iteration},
                          {"last_overflow", ls.last_overflow_iteration},
@@ -121,9 +121,9 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   meta["config"] = sections_config;
   std::vector<StateSection> sections;
   sections.push_back({"params", download(*device_, im.flat->params())});
-  if (im.has_master) sections.push_back({"master", download(*device_, im.master)});
-  sections.push_back({"exp_avg", download(*device_, im.exp_avg)});
-  sections.push_back({"exp_avg_sq", download(*device_, im.exp_avg_sq)});
+  for (const zero::ShardedOptimizer::StateTensor& t : im.optimizer->state_tensors()) {
+    sections.push_back({t.name, download(*device_, t.tensor)});
+  }
   write_state(dir, std::move(meta), sections);
 }
 
@@ -140,7 +140,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
                           "\"porter.engine\", step, compute_dtype and layout)");
   }
   const std::string dtype = meta.at("compute_dtype").get<std::string>();
-  const std::string mine(nn::dtype_name(compute_dtype_));
+  const std::string mine(nn::dtype_name(compute_dtype()));
   if (dtype != mine) {
     throw InvalidArgument(where + "compute dtype differs: the checkpoint was trained in " + dtype +
                           ", this engine computes in " + mine + " (bf16.enabled must match)");
@@ -150,15 +150,15 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   if (step < 0) throw InvalidArgument(where + "step " + std::to_string(step) + " is negative");
   const int saved_dp = meta.value("dp_size", 1);
   const int saved_stage = meta.value("zero_stage", 0);
-  if (saved_dp != dp_size() || (dp_size() > 1 && saved_stage != im.zero_stage)) {
+  if (saved_dp != dp_size() || (dp_size() > 1 && saved_stage != run_.zero_stage())) {
     throw InvalidArgument(where + "written by " + std::to_string(saved_dp) +
                           " data-parallel ranks at ZeRO stage " + std::to_string(saved_stage) +
                           ", this engine runs " + std::to_string(dp_size()) + " at stage " +
-                          std::to_string(im.zero_stage) +
+                          std::to_string(run_.zero_stage()) +
                           "; resume with the same world size and zero_optimization.stage");
   }
   const int64_t optimizer_steps = meta.value("optimizer_steps", step);
-  zero::LossScaler::State ls = im.scaler.state();
+  zero::LossScaler::State ls = im.optimizer->loss_scaler().state();
   if (meta.contains("loss_scaler") && config_.fp16.enabled) {
     const nlohmann::json& j = meta.at("loss_scaler");
     ls.scale = j.at("scale").get<double>();
@@ -168,14 +168,9 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
     ls.skipped = j.at("skipped").get<int64_t>();
   }
 
-  struct Target {
-    const char* name;
-    nn::Tensor tensor;
-  };
+  using Target = zero::ShardedOptimizer::StateTensor;
   std::vector<Target> targets = {{"params", im.flat->params()}};
-  if (im.has_master) targets.push_back({"master", im.master});
-  targets.push_back({"exp_avg", im.exp_avg});
-  targets.push_back({"exp_avg_sq", im.exp_avg_sq});
+  for (const Target& t : im.optimizer->state_tensors()) targets.push_back(t);
   for (const Target& t : targets) {
     const StateSection& s = state.section(t.name);
     if (s.bytes.size() != t.tensor.nbytes()) {
@@ -189,8 +184,8 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
     if (!s.bytes.empty()) device_->copy_sync(t.tensor.data(), s.bytes.data(), s.bytes.size());
   }
   step_ = step;
-  im.optimizer_steps = optimizer_steps;
-  im.scaler.set_state(ls);
+  im.optimizer->set_steps(optimizer_steps);
+  im.optimizer->loss_scaler().set_state(ls);
   last_batches_.clear();
 }
 

@@ -12,8 +12,8 @@ namespace porter::nn {
 Gpt::Gpt(const config::ModelConfig& config) : config_(config) {
   PORTER_CHECK(config.tensor_parallel == 1, "porter.model.tensor_parallel = ",
                config.tensor_parallel,
-               ": the built-in GPT runs with tensor_parallel 1 for now; tensor parallelism "
-               "arrives with the distributed issue");
+               ": tensor parallelism is not supported yet; set it to 1 (the built-in GPT runs "
+               "whole on every rank)");
   PORTER_CHECK(config.layers >= 1 && config.hidden >= 1 && config.heads >= 1 &&
                    config.seq_len >= 1 && config.vocab >= 1,
                "porter.model: layers, hidden, heads, seq_len and vocab must be >= 1");

@@ -29,6 +29,7 @@
 // Thread-compatible: one engine thread drives it; the callbacks synchronise internally.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -79,6 +80,15 @@ struct StashStats {
   // 1 - exposed / busy; 1 when nothing was copied.
   double hidden_fraction() const {
     return copy_busy_s > 0 ? 1.0 - exposed_wait_s / copy_busy_s : 1.0;
+  }
+  // Folds a later window in: bytes and times add, the peaks take the larger.
+  void add(const StashStats& s) {
+    d2h_bytes += s.d2h_bytes;
+    h2d_bytes += s.h2d_bytes;
+    copy_busy_s += s.copy_busy_s;
+    exposed_wait_s += s.exposed_wait_s;
+    pinned_peak_bytes = std::max(pinned_peak_bytes, s.pinned_peak_bytes);
+    staging_peak_bytes = std::max(staging_peak_bytes, s.staging_peak_bytes);
   }
 };
 

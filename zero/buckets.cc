@@ -1,4 +1,5 @@
-// Gradient buckets (Notes [Gradient buckets], [Bucketed reduce-scatter]).
+// Gradient buckets (Notes [Gradient buckets], [Bucketed reduce-scatter]) and the chain
+// stages' flat ranges they are made of.
 #include "zero/buckets.h"
 
 #include <algorithm>
@@ -6,6 +7,36 @@
 #include "base/check.h"
 
 namespace porter::zero {
+
+StageLayout stage_layout(const nn::ParamLayout& layout, const std::vector<StageParams>& stages) {
+  const std::vector<nn::ParamEntry>& entries = layout.entries();
+  StageLayout out;
+  size_t next = 0;
+  int64_t at = 0;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    StageRange r{at, at};
+    for (const nn::ParamSpec& spec : stages[s].params) {
+      const bool ok = next < entries.size() && entries[next].shape == spec.shape &&
+                      entries[next].name.size() >= spec.name.size() &&
+                      entries[next].name.compare(entries[next].name.size() - spec.name.size(),
+                                                 spec.name.size(), spec.name) == 0;
+      PORTER_CHECK(ok, "Engine: stage ", s, " (", stages[s].name, ") declares '", spec.name,
+                   "' but the layout's entry ", next, " is ",
+                   next < entries.size() ? "'" + entries[next].name + "'" : "missing",
+                   "; the model's layout must list the stages' parameters in stage order");
+      const int64_t numel = entries[next].shape.numel();
+      r.hi = entries[next].offset_elems +
+             (numel + nn::kParamAlignElems - 1) / nn::kParamAlignElems * nn::kParamAlignElems;
+      out.entry_stage.push_back(static_cast<int>(s));
+      ++next;
+    }
+    at = r.hi;
+    out.ranges.push_back(r);
+  }
+  PORTER_CHECK(next == entries.size(), "Engine: the layout has ", entries.size(),
+               " parameters but the stages declare ", next);
+  return out;
+}
 
 std::vector<Bucket> plan_buckets(const std::vector<StageRange>& ranges,
                                  const std::vector<std::vector<int>>& writers,

@@ -32,8 +32,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "nn/layer.h"
 #include "zero/partition.h"
 
 namespace porter::zero {
@@ -55,6 +57,21 @@ struct Bucket {
 // Note [Gradient buckets]. ranges[s] for every stage; writers[s] the stages writing into
 // stage s's range (s itself is added). Throws InvalidArgument for ranges that do not abut in
 // stage order or a bucket_elems < 1.
+// The parameters one chain stage declares (Layer::params()), with its name for errors.
+struct StageParams {
+  std::string name;
+  std::vector<nn::ParamSpec> params;
+};
+// Each chain stage's flat range (its entries, each rounded up to kParamAlignElems) and the
+// stage owning each layout entry. Buckets follow stages, so the layout must list stage 0's
+// parameters first, then stage 1's, ... (GptModel and ChainModel do); anything else throws
+// InvalidArgument naming the first entry out of order.
+struct StageLayout {
+  std::vector<StageRange> ranges;  // per stage
+  std::vector<int> entry_stage;    // per layout entry
+};
+StageLayout stage_layout(const nn::ParamLayout& layout, const std::vector<StageParams>& stages);
+
 std::vector<Bucket> plan_buckets(const std::vector<StageRange>& ranges,
                                  const std::vector<std::vector<int>>& writers,
                                  int64_t bucket_elems);

@@ -18,19 +18,22 @@ Partition make_partition(int64_t total_elems, int world_size) {
   return p;
 }
 
-StateBytes exact_bytes(const Partition& part, int stage, const StateDTypes& dtypes) {
-  PORTER_CHECK(stage >= 0 && stage <= 3, "zero_optimization.stage must be 0..3, got ", stage);
+StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes) {
+  PORTER_CHECK(zero_stage >= 0 && zero_stage <= 3, "zero_optimization.stage must be 0..3, got ",
+               zero_stage);
   const auto full = static_cast<size_t>(part.padded_elems);
   const auto shard = static_cast<size_t>(part.shard_elems);
   StateBytes b;
-  b.params = dtypes.param_bytes() * (stage >= 3 ? shard : full);
-  b.grads = dtypes.grad_bytes() * (stage >= 2 ? shard : full);
-  b.optimizer = dtypes.optimizer_bytes() * (stage >= 1 ? shard : full);
+  b.params = dtypes.param_bytes() * (zero_stage >= 3 ? shard : full);
+  b.grads = dtypes.grad_bytes() * (zero_stage >= 2 ? shard : full);
+  b.optimizer = dtypes.optimizer_bytes() * (zero_stage >= 1 ? shard : full);
   return b;
 }
 
-StateBytes paper_bytes(int64_t num_params, int world_size, int stage, const StateDTypes& dtypes) {
-  PORTER_CHECK(stage >= 0 && stage <= 3, "zero_optimization.stage must be 0..3, got ", stage);
+StateBytes paper_bytes(int64_t num_params, int world_size, int zero_stage,
+                       const StateDTypes& dtypes) {
+  PORTER_CHECK(zero_stage >= 0 && zero_stage <= 3, "zero_optimization.stage must be 0..3, got ",
+               zero_stage);
   PORTER_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
   const double psi = static_cast<double>(num_params);
   const double n = world_size;
@@ -38,9 +41,9 @@ StateBytes paper_bytes(int64_t num_params, int world_size, int stage, const Stat
     return static_cast<size_t>(static_cast<double>(per_elem) * (sharded ? psi / n : psi) + 0.5);
   };
   StateBytes b;
-  b.params = part(dtypes.param_bytes(), stage >= 3);
-  b.grads = part(dtypes.grad_bytes(), stage >= 2);
-  b.optimizer = part(dtypes.optimizer_bytes(), stage >= 1);
+  b.params = part(dtypes.param_bytes(), zero_stage >= 3);
+  b.grads = part(dtypes.grad_bytes(), zero_stage >= 2);
+  b.optimizer = part(dtypes.optimizer_bytes(), zero_stage >= 1);
   return b;
 }
 

@@ -60,8 +60,9 @@ struct StateBytes {
 };
 
 // porter's exact per-rank bytes at `stage` (0..3).
-StateBytes exact_bytes(const Partition& part, int stage, const StateDTypes& dtypes);
+StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes);
 // The paper's formula with porter's dtypes, Psi = num_params (unpadded parameter count).
-StateBytes paper_bytes(int64_t num_params, int world_size, int stage, const StateDTypes& dtypes);
+StateBytes paper_bytes(int64_t num_params, int world_size, int zero_stage,
+                       const StateDTypes& dtypes);
 
 }  // namespace porter::zero

@@ -41,7 +41,7 @@
 namespace porter::zero {
 
 struct ReducerOptions {
-  int stage = 0;                  // 0, 1 or 2
+  int zero_stage = 0;             // 0, 1 or 2
   bool overlap_comm = false;
   bool reduce_scatter = true;     // stage 1 only: reduce_scatter (true) or all_reduce
   bool prescale_gradients = false;
@@ -57,8 +57,9 @@ struct ReducerStats {
 
 class GradReducer {
  public:
-  // `flat` has the padded layout (and a gradient buffer unless stage 2); entry_stage[i] is the
-  // stage owning layout entry i; `rebind` binds the model to `flat` again. dp may be null.
+  // `flat` has the padded layout (and a gradient buffer unless ZeRO stage 2); entry_stage[i]
+  // is the chain stage owning layout entry i; `rebind` binds the model to `flat` again. dp may
+  // be null.
   GradReducer(nn::FlatParams& flat, nn::Kernels& kernels, memory::CachingAllocator& allocator,
               comm::Communicator* dp, const Partition& part, std::vector<Bucket> buckets,
               std::vector<int> entry_stage, const ReducerOptions& options,
@@ -75,8 +76,8 @@ class GradReducer {
   // Zeroes the gradients (the shard at stage 2) for a new step.
   void zero_grads();
   void begin_micro_batch(bool last);
-  void before_backward(int stage);
-  void after_backward(int stage);
+  void before_backward(int chain_stage);
+  void after_backward(int chain_stage);
   // After the micro-batch's schedule: issues what backward left, completes every reduction
   // and, after the last micro-batch, applies the post-scale.
   void end_micro_batch();

@@ -253,12 +253,14 @@ TEST(Policy, NumberCheckpointsIsFoldedIntoSegments) {
           .config.porter.checkpointing;
   EXPECT_EQ(e.every_n_layers, std::optional<int64_t>(3));
   EXPECT_FALSE(e.segments);
-  // Under another policy number_checkpoints says nothing about which layers.
+  // Under another policy the segments are kept (estimate's uniform row uses them) and the
+  // planner does not read them.
   const CheckpointingConfig f =
       parse(R"({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 4},
                 "porter": {"checkpointing": {"policy": "full"}}})")
           .config.porter.checkpointing;
-  EXPECT_FALSE(f.segments);
+  EXPECT_EQ(f.segments, std::optional<int64_t>(4));
+  EXPECT_EQ(f.policy, CheckpointPolicy::kFull);
 }
 
 TEST(Policy, ContiguousMemoryNeedsNeitherPartitioningNorNumberCheckpoints) {

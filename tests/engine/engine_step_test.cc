@@ -164,7 +164,8 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
   };
   config::Config c = tiny_config();
   c.zero_optimization.stage = 3;
-  expect_refused(c, "zero_optimization.stage: 3 (partitioned parameters) arrives in a later issue");
+  expect_refused(c, "zero_optimization.stage: 3 (partitioned parameters) is not supported yet; "
+                    "use stage 2");
   c = tiny_config();
   c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
   expect_refused(c, "zero_optimization.offload_optimizer");

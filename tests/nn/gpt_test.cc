@@ -80,7 +80,8 @@ TEST(GptLayoutTest, RejectsTensorParallelAndBadShapes) {
     Gpt g(mc);
     FAIL();
   } catch (const InvalidArgument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("arrives with the distributed issue"));
+    EXPECT_THAT(e.what(), HasSubstr("porter.model.tensor_parallel = 2: tensor parallelism is "
+                                    "not supported yet; set it to 1"));
   }
   mc = small_config();
   mc.heads = 5;

@@ -1,0 +1,238 @@
+// The translation of a config into the run's options (Note [Run options] in run_options.h).
+#include "engine/run_options.h"
+
+#include <string>
+
+#include "base/check.h"
+#include "base/error.h"
+
+namespace porter::engine {
+
+std::string_view cost_source_name(CostSource s) {
+  return s == CostSource::kAnalytic ? "analytic" : "profiled";
+}
+
+namespace {
+
+memory::DeviceOptions device_options(const config::DeviceConfig& d) {
+  memory::DeviceOptions o;
+  switch (d.type) {
+    case config::DeviceType::kCpu: o.kind = memory::DeviceKind::kCpu; break;
+    case config::DeviceType::kCuda: o.kind = memory::DeviceKind::kCuda; break;
+    case config::DeviceType::kAuto:
+      o.kind = memory::cuda_available() ? memory::DeviceKind::kCuda : memory::DeviceKind::kCpu;
+      break;
+  }
+  o.memory_limit_bytes = static_cast<size_t>(d.memory_limit_bytes.value_or(0));
+  o.pinned_limit_bytes = static_cast<size_t>(d.pinned_limit_bytes.value_or(0));
+  o.sim_link_gbps = d.sim_link_gbps.value_or(0.0);
+  o.threads = static_cast<int>(d.threads);
+  return o;
+}
+
+std::string selective_ops_name(const std::vector<std::string>& ops) {
+  if (ops.empty()) return "attention";
+  std::string s;
+  for (const std::string& o : ops) s += (s.empty() ? "" : ",") + o;
+  return s;
+}
+
+}  // namespace
+
+RunOptions make_run_options(const config::Config& config) {
+  RunOptions r;
+  const config::PorterSection& p = config.porter;
+  r.device = device_options(p.device);
+  if (p.device.memory_limit_bytes) {
+    r.capacity_bytes = static_cast<size_t>(*p.device.memory_limit_bytes);
+  } else if (r.device.kind == memory::DeviceKind::kCpu) {
+    r.capacity_bytes = memory::kDefaultCpuMemoryLimitBytes;
+  }
+  r.allocator.poison_freed = p.device.poison_freed;
+  r.pinned_limit_bytes = static_cast<size_t>(p.device.pinned_limit_bytes.value_or(0));
+  r.compute_dtype = config.fp16.enabled   ? nn::DType::kF16
+                    : config.bf16.enabled ? nn::DType::kBF16
+                                          : nn::DType::kF32;
+  r.shape.model = p.model;
+  r.shape.micro_batch = config.train_micro_batch_size_per_gpu;
+  r.shape.seq = p.model.seq_len;
+  r.shape.compute_dtype = r.compute_dtype;
+  r.shape.device = r.device.kind;
+  r.gradient_accumulation_steps = config.gradient_accumulation_steps;
+  r.selective_policy = checkpoint::selective_policy(p.checkpointing.selective_ops);
+  r.selective_name = selective_ops_name(p.checkpointing.selective_ops);
+
+  r.plan.checkpointing = p.checkpointing;
+  r.plan.offload = checkpoint::offload_options(config);
+  if (config.activation_checkpointing) {
+    const config::ActivationCheckpointingConfig& ac = *config.activation_checkpointing;
+    r.stash.contiguous = ac.contiguous_memory_optimization;
+    r.stash.synchronize_boundary = ac.synchronize_checkpoint_boundary;
+    r.keep_all_copy_records = ac.profile;
+  }
+
+  const config::ZeroConfig& z = config.zero_optimization;
+  r.reducer.zero_stage = z.stage;
+  r.reducer.overlap_comm = z.overlap_comm;
+  r.reducer.reduce_scatter = z.reduce_scatter;
+  r.reducer.prescale_gradients = config.prescale_gradients;
+  r.reducer.predivide_factor = config.gradient_predivide_factor;
+  r.optimizer.zero_stage = z.stage;
+  r.optimizer.adamw = config.optimizer.value_or(config::OptimizerConfig{});
+  r.optimizer.gradient_clipping = config.gradient_clipping;
+  r.optimizer.fp16 = config.fp16;
+
+  r.batch_bytes = 2 * static_cast<size_t>(config.train_micro_batch_size_per_gpu) *
+                  static_cast<size_t>(p.model.seq_len) * sizeof(int32_t);
+  r.seed = p.train.seed;
+  return r;
+}
+
+void check_supported(const config::Config& c, int dp_size) {
+  const config::ZeroConfig& z = c.zero_optimization;
+  if (z.stage == 3) {
+    throw InvalidArgument(
+        "zero_optimization.stage: 3 (partitioned parameters) is not supported yet; use stage "
+        "2, which partitions the gradients and the optimizer state across the ranks");
+  }
+  const int64_t tp = c.porter.model.tensor_parallel;
+  if (tp > 1) {
+    throw InvalidArgument("porter.model.tensor_parallel: " + std::to_string(tp) +
+                          ": tensor parallelism is not supported yet; set it to 1 and run the "
+                          "ranks data-parallel (ZeRO stage 2 partitions the model states)");
+  }
+  if (c.world_size != static_cast<int64_t>(dp_size) * tp) {
+    throw InvalidArgument(
+        "world_size " + std::to_string(c.world_size) + " does not match the data-parallel "
+        "communicator's " + std::to_string(dp_size) + " ranks times porter.model."
+        "tensor_parallel " + std::to_string(tp) +
+        ": parse the config with the launch's world size and pass the dp group of that world");
+  }
+  const auto offloaded = [](config::OffloadDevice d) { return d != config::OffloadDevice::kNone; };
+  if (offloaded(z.offload_optimizer.device)) {
+    throw InvalidArgument(
+        "zero_optimization.offload_optimizer.device: optimizer offload is not supported yet; "
+        "set it to \"none\" (ZeRO stage 2 partitions the optimizer state across the ranks; "
+        "activation_checkpointing.cpu_checkpointing offloads checkpoints)");
+  }
+  if (offloaded(z.offload_param.device)) {
+    throw InvalidArgument(
+        "zero_optimization.offload_param.device: parameter offload is not supported yet; set "
+        "it to \"none\" (activation_checkpointing.cpu_checkpointing offloads checkpoints)");
+  }
+  if (c.activation_checkpointing && c.activation_checkpointing->partition_activations) {
+    throw InvalidArgument(
+        "activation_checkpointing.partition_activations: true is not supported yet (partitioned "
+        "checkpoints need tensor parallelism); set it to false (cpu_checkpointing offloads "
+        "whole checkpoints to host memory)");
+  }
+  const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
+  if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
+    throw InvalidArgument("optimizer.params.adam_w_mode: false with weight_decay " +
+                          std::to_string(opt.weight_decay) +
+                          " asks for Adam with L2 decay added to the gradient; porter's "
+                          "optimizer implements decoupled decay only: set adam_w_mode to true "
+                          "(AdamW) or weight_decay to 0");
+  }
+}
+
+CostSource RunOptions::cost_source(bool analytic_available, CostUse use) const {
+  const config::CheckpointPolicy policy = plan.checkpointing.policy;
+  const bool plan_needs_times = policy == config::CheckpointPolicy::kOptimal || offload_enabled();
+  const bool report_needs_times =
+      use == CostUse::kTraining && policy != config::CheckpointPolicy::kNone;
+  return analytic_available && !plan_needs_times && !report_needs_times ? CostSource::kAnalytic
+                                                                          : CostSource::kProfiled;
+}
+
+checkpoint::ChainCosts RunOptions::analytic_costs() const {
+  return checkpoint::analytic_gpt_costs(shape, selective_policy);
+}
+
+size_t RunOptions::predicted_peak_bytes(size_t model_state_bytes,
+                                        const checkpoint::Prediction& prediction) const {
+  return model_state_bytes + batch_bytes + prediction.peak_total_bytes;
+}
+
+double recompute_flop_fraction(const checkpoint::Prediction& prediction,
+                               const checkpoint::ChainCosts& analytic) {
+  double forward = 0.0;
+  for (const checkpoint::StageCost& s : analytic.stages) forward += s.forward_flops;
+  return forward > 0.0 ? prediction.recompute_flops / (3.0 * forward) : 0.0;
+}
+
+nlohmann::ordered_json RunOptions::to_json() const {
+  using J = nlohmann::ordered_json;
+  auto opt = [](const auto& v) { return v ? J(*v) : J(); };
+  J j;
+  j["device"] = {{"kind", memory::DeviceKind::kCpu == device.kind ? "cpu" : "cuda"},
+                 {"index", device.index},
+                 {"memory_limit_bytes", device.memory_limit_bytes},
+                 {"pinned_limit_bytes", device.pinned_limit_bytes},
+                 {"sim_link_gbps", device.sim_link_gbps},
+                 {"threads", device.threads}};
+  j["capacity_bytes"] = opt(capacity_bytes);
+  j["allocator"] = {{"record_timeline", allocator.record_timeline},
+                    {"poison_freed", allocator.poison_freed},
+                    {"timeline_capacity", allocator.timeline_capacity}};
+  j["pinned_limit_bytes"] = pinned_limit_bytes;
+  j["compute_dtype"] = nn::dtype_name(compute_dtype);
+  const config::ModelConfig& m = shape.model;
+  j["shape"] = {{"model",
+                 {{"layers", m.layers}, {"hidden", m.hidden}, {"heads", m.heads},
+                  {"seq_len", m.seq_len}, {"vocab", m.vocab}, {"dropout", m.dropout},
+                  {"tie_embeddings", m.tie_embeddings}, {"tensor_parallel", m.tensor_parallel}}},
+                {"micro_batch", shape.micro_batch},
+                {"seq", shape.seq},
+                {"compute_dtype", nn::dtype_name(shape.compute_dtype)},
+                {"device", shape.device == memory::DeviceKind::kCpu ? "cpu" : "cuda"}};
+  j["gradient_accumulation_steps"] = gradient_accumulation_steps;
+  j["selective_policy"] = selective_policy.to_string();
+  j["selective_name"] = selective_name;
+  const config::CheckpointingConfig& k = plan.checkpointing;
+  J budget;
+  if (k.memory_budget) budget = std::visit([](auto v) { return J(v); }, k.memory_budget->value);
+  j["plan"] = {{"checkpointing",
+                {{"policy", config::to_string(k.policy)},
+                 {"every_n_layers", opt(k.every_n_layers)},
+                 {"segments", opt(k.segments)},
+                 {"block_layers", opt(k.block_layers)},
+                 {"memory_budget", budget},
+                 {"selective_ops", k.selective_ops},
+                 {"prefetch_depth", k.prefetch_depth},
+                 {"keep_last_on_device", k.keep_last_on_device}}},
+               {"budget", plan.budget ? std::visit([](auto v) { return J(v); }, plan.budget->value)
+                                      : J()},
+               {"offload",
+                {{"enabled", plan.offload.enabled},
+                 {"prefetch_depth", plan.offload.prefetch_depth},
+                 {"keep_last_on_device", plan.offload.keep_last_on_device},
+                 {"contiguous", plan.offload.contiguous},
+                 {"link_bytes_per_s", plan.offload.link_bytes_per_s}}}};
+  j["stash"] = {{"contiguous", stash.contiguous},
+                {"synchronize_boundary", stash.synchronize_boundary}};
+  j["keep_all_copy_records"] = keep_all_copy_records;
+  j["reducer"] = {{"zero_stage", reducer.zero_stage},
+                  {"overlap_comm", reducer.overlap_comm},
+                  {"reduce_scatter", reducer.reduce_scatter},
+                  {"prescale_gradients", reducer.prescale_gradients},
+                  {"predivide_factor", reducer.predivide_factor}};
+  const config::OptimizerConfig& a = optimizer.adamw;
+  const config::Fp16Config& f = optimizer.fp16;
+  j["optimizer"] = {{"zero_stage", optimizer.zero_stage},
+                    {"adamw",
+                     {{"type", static_cast<int>(a.type)}, {"lr", a.lr}, {"beta1", a.beta1},
+                      {"beta2", a.beta2}, {"eps", a.eps}, {"weight_decay", a.weight_decay},
+                      {"torch_adam", a.torch_adam}, {"adam_w_mode", a.adam_w_mode}}},
+                    {"gradient_clipping", optimizer.gradient_clipping},
+                    {"fp16",
+                     {{"enabled", f.enabled}, {"loss_scale", f.loss_scale},
+                      {"initial_scale_power", f.initial_scale_power},
+                      {"loss_scale_window", f.loss_scale_window},
+                      {"hysteresis", f.hysteresis}, {"min_loss_scale", f.min_loss_scale}}}};
+  j["batch_bytes"] = batch_bytes;
+  j["seed"] = seed;
+  return j;
+}
+
+}  // namespace porter::engine

@@ -1,0 +1,118 @@
+// porter::engine::RunOptions: everything a run derives from its config, translated once: the
+// device, dtypes, the analytic shape, the planner's, stash's, reducer's and optimizer's
+// options, the batch bytes and where the planner's costs come from. The Engine and the
+// `train`, `plan`, `estimate` and `stress` commands all read these instead of the config.
+//
+// Note [Run options]
+// The config (config/config.h) is what the user wrote, validated. RunOptions is what the
+// layers below the engine take, each in its own option struct; make_run_options is the only
+// code that maps one to the other, so two readers cannot disagree on a rule (which dtype wins
+// when both fp16 and bf16 are on, which costs a plan is made from, what counts in the
+// predicted peak). A knob of the config reaches exactly the fields it names, and to_json lists
+// every field, so a test can check that by comparing two runs' options.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/analytic.h"
+#include "checkpoint/planner.h"
+#include "config/config.h"
+#include "memory/caching_allocator.h"
+#include "memory/device.h"
+#include "nn/ctx.h"
+#include "nn/dtype.h"
+#include "offload/stash.h"
+#include "zero/reducer.h"
+#include "zero/sharded_optimizer.h"
+
+namespace porter::engine {
+
+// Note [Engine costs]
+// Where the planner's per-stage costs come from. A model with an analytic memory model (the
+// built-in GPT: Model::analytic_costs) gives exact bytes and FLOPs without allocating, but no
+// times. Times are measured by a profiling pass (Engine::profile), which every other model
+// needs anyway to know its bytes at all. They are needed by the optimal policy (it minimises
+// compute time), by offload (exposed copy time), and in training by every policy that
+// recomputes, so that the predicted recompute time in the memory report is a measured one.
+// `porter plan` asks for a plan alone and stays analytic (nothing allocated) unless the plan
+// itself depends on times. RunOptions::cost_source is that rule, for every caller.
+enum class CostSource { kAnalytic, kProfiled };
+std::string_view cost_source_name(CostSource s);  // "analytic", "profiled"
+
+// What the costs are for: a plan alone (`porter plan`), or a training run, which also reports
+// the predicted recompute time beside the measured one.
+enum class CostUse { kPlan, kTraining };
+
+struct RunOptions {
+  // porter.device; "auto" is cuda when a GPU is present, else cpu.
+  memory::DeviceOptions device;
+  // The device's capacity without opening it: the configured limit, else the cpu default, or
+  // nullopt (cuda without a limit: the GPU's memory, unknown until it is opened).
+  std::optional<size_t> capacity_bytes;
+  memory::AllocatorOptions allocator;   // porter.device.poison_freed
+  size_t pinned_limit_bytes = 0;        // porter.device.pinned_limit; 0: the device's
+  // fp16.enabled: f16, else bf16.enabled: bf16, else f32 (the parser refuses both).
+  nn::DType compute_dtype = nn::DType::kF32;
+  // One micro-batch of the built-in GPT for the analytic model (porter.model, the micro-batch
+  // size, the sequence length, the dtype and the device kind).
+  checkpoint::GptShape shape;
+  int64_t gradient_accumulation_steps = 1;
+  // porter.checkpointing.selective_ops as an op policy, and its name in profiles.
+  nn::OpPolicy selective_policy = nn::OpPolicy::selective_attention();
+  std::string selective_name = "attention";
+  // The planner's options, offload included; the link bandwidth is sim_link_gbps, else 0
+  // (the Engine measures it: Note [Link probe] in offload/link_probe.h).
+  checkpoint::PlanOptions plan;
+  offload::StashOptions stash;          // activation_checkpointing's storage knobs
+  bool keep_all_copy_records = false;   // activation_checkpointing.profile
+  zero::ReducerOptions reducer;         // zero_optimization's reduction knobs
+  zero::OptimizerOptions optimizer;     // optimizer, gradient_clipping, fp16, zero stage
+  // One micro-batch's token ids and targets on the device: two (B, T) i32 tensors.
+  size_t batch_bytes = 0;
+  uint64_t seed = 0;                    // porter.train.seed: parameters and dropout
+
+  int zero_stage() const { return optimizer.zero_stage; }
+  bool offload_enabled() const { return plan.offload.enabled; }
+
+  // Note [Engine costs].
+  CostSource cost_source(bool analytic_available, CostUse use) const;
+  // The built-in GPT's analytic costs of one micro-batch (checkpoint/analytic.h).
+  checkpoint::ChainCosts analytic_costs() const;
+  // The predicted peak of all categories: model states, the batch, and the plan's predicted
+  // peak of activations, checkpoints, staging and workspace.
+  size_t predicted_peak_bytes(size_t model_state_bytes,
+                              const checkpoint::Prediction& prediction) const;
+
+  // Every field, by the name of the struct member path ("plan.offload.prefetch_depth").
+  nlohmann::ordered_json to_json() const;
+};
+
+// Translates a validated config (Note [Run options]).
+RunOptions make_run_options(const config::Config& config);
+
+// Note [What the engine runs]
+// One device per rank; data parallelism over a dp communicator with ZeRO stages 0, 1 and 2
+// (docs/zero.md). A config asking for what porter does not run yet is refused, naming the
+// key and what to use instead, rather than silently run differently: zero_optimization.stage
+// 3, optimizer and parameter offload, porter.model.tensor_parallel > 1 and
+// activation_checkpointing.partition_activations. fp16 runs with loss scaling
+// (zero/loss_scaler.h) on both devices; checkpoint offload
+// (activation_checkpointing.cpu_checkpointing) runs (docs/engine.md, Offload). Weight decay
+// is decoupled (AdamW) and applies to every parameter, biases and norms included (DeepSpeed
+// applies the optimizer's weight_decay to every parameter group it builds by default); Adam
+// with coupled L2 decay (adam_w_mode false) is refused when weight_decay > 0, because the
+// kernel implements only the decoupled form. The world size must be dp_size ranks times
+// tensor_parallel. Throws InvalidArgument.
+void check_supported(const config::Config& config, int dp_size);
+
+// Recompute FLOPs over one step's forward + backward FLOPs (backward = 2 x forward), from the
+// schedule's prediction on analytic costs (profiles measure times, not FLOPs).
+double recompute_flop_fraction(const checkpoint::Prediction& prediction,
+                               const checkpoint::ChainCosts& analytic);
+
+}  // namespace porter::engine

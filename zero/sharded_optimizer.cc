@@ -1,0 +1,146 @@
+// The sharded optimizer's phases (Note [Sharded optimizer] in sharded_optimizer.h).
+#include "zero/sharded_optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "base/check.h"
+
+namespace porter::zero {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+comm::ElemType elem_type(nn::DType t) {
+  switch (t) {
+    case nn::DType::kF32: return comm::ElemType::kF32;
+    case nn::DType::kBF16: return comm::ElemType::kBF16;
+    case nn::DType::kF16: return comm::ElemType::kF16;
+    case nn::DType::kI32: return comm::ElemType::kI32;
+  }
+  return comm::ElemType::kF32;
+}
+
+nn::Tensor zeros_f32(nn::Kernels& kernels, memory::CachingAllocator& allocator, int64_t n) {
+  nn::Tensor t =
+      nn::Tensor::empty(allocator, nn::Shape{n}, nn::DType::kF32, memory::Category::kOptimizer);
+  kernels.fill(t, 0.0f);
+  return t;
+}
+
+}  // namespace
+
+ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
+                                   memory::CachingAllocator& allocator, comm::Communicator* dp,
+                                   const Partition& part, const OptimizerOptions& options)
+    : flat_(&flat),
+      kernels_(&kernels),
+      allocator_(&allocator),
+      dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
+      part_(part),
+      options_(options),
+      scaler_(options.fp16) {
+  PORTER_CHECK(options.zero_stage >= 0 && options.zero_stage <= 2,
+               "ShardedOptimizer: ZeRO stage ", options.zero_stage, " (expected 0, 1 or 2)");
+  PORTER_CHECK_EQ(flat.padded_elems(), part.padded_elems,
+                  "ShardedOptimizer: the flat buffer is not the partition's padded size");
+  const int rank = dp != nullptr ? dp->rank() : 0;
+  begin_ = options.zero_stage >= 1 ? part.begin(rank) : 0;
+  end_ = options.zero_stage >= 1 ? part.end(rank) : part.padded_elems;
+  const int64_t n = end_ - begin_;
+  if (flat.params().dtype() != nn::DType::kF32) {
+    master_ = nn::Tensor::empty(allocator, nn::Shape{n}, nn::DType::kF32,
+                                memory::Category::kOptimizer);
+  }
+  exp_avg_ = zeros_f32(kernels, allocator, n);
+  exp_avg_sq_ = zeros_f32(kernels, allocator, n);
+}
+
+void ShardedOptimizer::wait(comm::Work work) {
+  const auto t0 = Clock::now();
+  work.wait_on(allocator_->device().compute_stream());
+  exposed_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double ShardedOptimizer::take_exposed_s() {
+  const double s = exposed_s_;
+  exposed_s_ = 0.0;
+  return s;
+}
+
+GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
+  memory::Device& device = allocator_->device();
+  const double loss_scale = scaler_.scale();
+  nn::Tensor sq = nn::Tensor::empty(*allocator_, nn::Shape{1}, nn::DType::kF32,
+                                    memory::Category::kWorkspace);
+  kernels_->squared_norm(grads, sq);
+  double total_sq = nn::to_host_f32(device, sq).at(0);
+  if (dp_ != nullptr && options_.zero_stage >= 1) {
+    wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
+    total_sq = nn::to_host_f32(device, sq).at(0);
+  }
+  GradNorm r;
+  if (options_.fp16.enabled) {
+    // This rank's count of inf/nan gradients, max over ranks.
+    kernels_->nonfinite_count(grads, sq);
+    if (dp_ != nullptr) {
+      wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
+    }
+    r.overflow = nn::to_host_f32(device, sq).at(0) != 0.0f || !std::isfinite(total_sq);
+  }
+  r.norm = std::sqrt(total_sq) / loss_scale;
+  if (!r.overflow && options_.gradient_clipping > 0.0) {
+    r.clip_coef = std::min(1.0, options_.gradient_clipping / (r.norm + 1e-6));
+  }
+  return r;
+}
+
+void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm& norm) {
+  if (norm.overflow) return;
+  const config::OptimizerConfig& o = options_.adamw;
+  nn::AdamWArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(o.beta1);
+  args.beta2 = static_cast<float>(o.beta2);
+  args.eps = static_cast<float>(o.eps);
+  args.weight_decay = static_cast<float>(o.weight_decay);
+  args.step = steps_ + 1;
+  args.grad_scale = static_cast<float>(norm.clip_coef / scaler_.scale());
+  nn::Tensor params = flat_->params().slice(begin_, end_);
+  nn::Tensor target = has_master() ? master_ : params;
+  kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
+  if (dp_ != nullptr && options_.zero_stage >= 1) {
+    const nn::Tensor& all = flat_->params();
+    wait(dp_->all_gather(params.data(), all.data(), static_cast<size_t>(part_.shard_elems),
+                         elem_type(all.dtype())));
+  }
+}
+
+void ShardedOptimizer::finish_step(bool overflow) {
+  if (options_.fp16.enabled) scaler_.update(overflow);
+  if (!overflow) ++steps_;
+}
+
+void ShardedOptimizer::set_params(const std::vector<float>& padded) {
+  PORTER_CHECK_EQ(static_cast<int64_t>(padded.size()), part_.padded_elems,
+                  "ShardedOptimizer::set_params: values for the padded buffer");
+  memory::Device& device = allocator_->device();
+  nn::Tensor params = flat_->params();
+  nn::from_host_f32(device, padded, params);
+  if (has_master()) {
+    const std::vector<float> mine(padded.begin() + begin_, padded.begin() + end_);
+    nn::from_host_f32(device, mine, master_);
+  }
+}
+
+std::vector<ShardedOptimizer::StateTensor> ShardedOptimizer::state_tensors() const {
+  std::vector<StateTensor> out;
+  if (has_master()) out.push_back({"master", master_});
+  out.push_back({"exp_avg", exp_avg_});
+  out.push_back({"exp_avg_sq", exp_avg_sq_});
+  return out;
+}
+
+}  // namespace porter::zero

@@ -1,0 +1,117 @@
+// porter::zero::ShardedOptimizer: the rank's share of the optimizer (f32 master weights,
+// AdamW moments) and the phases of a step that read the reduced gradients: the global norm,
+// overflow agreement, clipping, the AdamW update and the parameter all-gather.
+//
+// Note [Sharded optimizer]
+// With N data-parallel ranks at ZeRO stage z (docs/zero.md), the optimizer range is the whole
+// padded flat buffer [0, P') at z = 0 and the rank's shard [r*S, (r+1)*S) above (Note [Flat
+// partition]). Over that range it owns, in category `optimizer`:
+//   master      f32 copy of the parameters (bf16/fp16 compute only; f32 updates in place)
+//   exp_avg     AdamW m (f32)
+//   exp_avg_sq  AdamW v (f32)
+// and the fp16 loss scaler. A step calls, in order, after the gradients are reduced into the
+// shard (zero/reducer.h):
+//   1. global_norm(shard): at z = 0 the local buffer (every rank holds the whole reduced
+//      gradient), else the square root of the all-reduced sum of the shards' squared norms;
+//      divided by the loss scale. With fp16 an inf/nan on any rank (all_reduce max of this
+//      rank's count) is an overflow for everyone. The clip coefficient is
+//      min(1, clip / (norm + 1e-6)) when gradient_clipping > 0 (DeepSpeed's rule).
+//   2. update(shard, lr, norm): unless the step overflowed, AdamW at `lr` for the count of
+//      updating steps, with the clip coefficient and 1 / loss_scale folded into its gradient
+//      scale (the gradients themselves stay unclipped and scaled, so they can be dumped); the
+//      bf16/fp16 working copy of the range is written in the same pass. At z >= 1 the ranks'
+//      updated ranges are then all-gathered into every rank's working buffer.
+//   3. finish_step(overflowed): the loss scaler's update and the count of updating steps.
+// Host time spent waiting on its collectives is counted (take_exposed_s), so the engine can
+// report what communication the step did not hide.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "config/config.h"
+#include "memory/caching_allocator.h"
+#include "nn/kernels.h"
+#include "nn/layer.h"
+#include "zero/loss_scaler.h"
+#include "zero/partition.h"
+
+namespace porter::zero {
+
+struct OptimizerOptions {
+  int zero_stage = 0;                  // zero_optimization.stage: 0, 1 or 2
+  config::OptimizerConfig adamw;       // lr (the schedule's base), betas, eps, weight_decay
+  double gradient_clipping = 0.0;      // 0: off
+  config::Fp16Config fp16;             // loss scaling when enabled
+  bool operator==(const OptimizerOptions&) const = default;
+};
+
+// What global_norm found, for the step's report and for update().
+struct GradNorm {
+  double norm = 0.0;       // of the unscaled gradients, before clipping
+  double clip_coef = 1.0;  // applied in update() (1: no clipping, and 1 on overflow)
+  bool overflow = false;   // fp16: an inf/nan on some rank; update() then does nothing
+};
+
+class ShardedOptimizer {
+ public:
+  // `flat` holds the working parameters over part.padded_elems; `dp` may be null (one rank).
+  // The moments start at zero; the master copy is loaded by set_params.
+  ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
+                   memory::CachingAllocator& allocator, comm::Communicator* dp,
+                   const Partition& part, const OptimizerOptions& options);
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+
+  // The optimizer range in the padded flat buffer.
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+  bool has_master() const { return master_.defined(); }
+
+  // The scale the loss stage multiplies the gradients by this step (1 without fp16).
+  double loss_scale() const { return scaler_.scale(); }
+  // Phases 1-3 of Note [Sharded optimizer]. `grads` is the reducer's shard (the whole
+  // buffer at stage 0).
+  GradNorm global_norm(const nn::Tensor& grads);
+  void update(const nn::Tensor& grads, double lr, const GradNorm& norm);
+  void finish_step(bool overflow);
+  // Host seconds waited on this optimizer's collectives since the last call.
+  double take_exposed_s();
+
+  // Loads the parameters: `padded` (part.padded_elems values, layout order, zero tail) into
+  // the working buffer, and the optimizer range of it into the master copy.
+  void set_params(const std::vector<float>& padded);
+
+  // Training checkpoints (engine/state.cc, Note [Engine state]): the state tensors by name
+  // ("master" for bf16/fp16, "exp_avg", "exp_avg_sq"), the count of updating steps (the LR
+  // schedule's and AdamW's step) and the loss scaler.
+  struct StateTensor {
+    const char* name;
+    nn::Tensor tensor;
+  };
+  std::vector<StateTensor> state_tensors() const;
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t steps) { steps_ = steps; }
+  const LossScaler& loss_scaler() const { return scaler_; }
+  LossScaler& loss_scaler() { return scaler_; }
+
+ private:
+  void wait(comm::Work work);
+
+  nn::FlatParams* flat_;                 // not owned; outlives this
+  nn::Kernels* kernels_;                 // not owned
+  memory::CachingAllocator* allocator_;  // not owned
+  comm::Communicator* dp_;               // not owned; null with one rank
+  Partition part_;
+  OptimizerOptions options_;
+  int64_t begin_ = 0, end_ = 0;
+  nn::Tensor master_;      // (end - begin) f32; undefined for f32 compute
+  nn::Tensor exp_avg_;     // (end - begin) f32
+  nn::Tensor exp_avg_sq_;  // (end - begin) f32
+  LossScaler scaler_;
+  int64_t steps_ = 0;      // steps that updated (fp16 overflow skips)
+  double exposed_s_ = 0.0;
+};
+
+}  // namespace porter::zero
