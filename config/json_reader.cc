@@ -422,6 +422,17 @@ std::optional<uint64_t> ObjectReader::bytes(std::string_view key, uint64_t min) 
   return as_bytes(*v, path_of(key), min);
 }
 
+bool ObjectReader::deprecated(std::string_view old_key, std::string_view new_key,
+                              std::string_view replacement) {
+  if (!has(old_key)) return false;
+  if (has(new_key)) {
+    fail(path_of(old_key), "deprecated alias of " + path_of(new_key) +
+                               ", given together with it; keep only " + std::string(new_key));
+  }
+  diag_->warn(path_of(old_key), "deprecated; use " + std::string(replacement) + " instead");
+  return true;
+}
+
 std::optional<ObjectReader> ObjectReader::object(std::string_view key) {
   const Json* v = get(key);
   if (v == nullptr || v->is_null()) return std::nullopt;
