@@ -75,7 +75,8 @@ void read_batch(ObjectReader& root, Config& c) {
   if (!micro.value && !accum.value) accum.value = 1;  // train alone
 
   if (train.value && micro.value && accum.value) {
-    int64_t product = checked_product(checked_product(*micro.value, *accum.value, kTrain), dp, kTrain);
+    int64_t product =
+        checked_product(checked_product(*micro.value, *accum.value, kTrain), dp, kTrain);
     if (product != *train.value) {
       fail(kTrain, std::to_string(*train.value) + " != train_micro_batch_size_per_gpu " +
                        std::to_string(*micro.value) + " x gradient_accumulation_steps " +
@@ -184,7 +185,8 @@ void read_scheduler(ObjectReader& root, Config& c) {
   if (!r) return;
   SchedulerConfig s;
   if (!r->has("type")) {
-    fail(r->path_of("type"), "missing; porter implements WarmupLR, WarmupDecayLR and WarmupCosineLR");
+    fail(r->path_of("type"),
+         "missing; porter implements WarmupLR, WarmupDecayLR and WarmupCosineLR");
   }
   s.type = *r->enumeration("type", kSchedulerTypes);
   std::optional<ObjectReader> p = r->object("params");
@@ -206,14 +208,15 @@ void read_scheduler(ObjectReader& root, Config& c) {
     s.total_num_steps = p->integer("total_num_steps", kPositive, c.porter.train.steps);
   }
   if (s.type == SchedulerType::kWarmupCosineLR) {
-    s.warmup_min_ratio =
-        p->real("warmup_min_ratio", RealRange{0.0, 1.0}, s.warmup_min_ratio).value_or(s.warmup_min_ratio);
+    s.warmup_min_ratio = p->real("warmup_min_ratio", RealRange{0.0, 1.0}, s.warmup_min_ratio)
+                             .value_or(s.warmup_min_ratio);
     s.cos_min_ratio =
         p->real("cos_min_ratio", RealRange{0.0, 1.0}, s.cos_min_ratio).value_or(s.cos_min_ratio);
   } else {
     s.warmup_min_lr = p->real("warmup_min_lr", kNonNegativeReal, 0.0).value_or(s.warmup_min_lr);
     double lr_default = c.optimizer ? c.optimizer->lr : s.warmup_max_lr;
-    s.warmup_max_lr = p->real("warmup_max_lr", kNonNegativeReal, lr_default).value_or(s.warmup_max_lr);
+    s.warmup_max_lr =
+        p->real("warmup_max_lr", kNonNegativeReal, lr_default).value_or(s.warmup_max_lr);
     if (s.warmup_min_lr > s.warmup_max_lr) {
       fail(p->path_of("warmup_min_lr"), describe(Json(s.warmup_min_lr)) +
                                             " is above warmup_max_lr " +
@@ -442,8 +445,9 @@ void read_zero(ObjectReader& root, Config& c) {
   if (z.offload_optimizer.ratio < 1.0) {
     if (z.stage < 3) {
       fail(r->path_of("offload_optimizer.ratio"),
-           describe(Json(z.offload_optimizer.ratio)) + " < 1 (partial offload) needs ZeRO stage 3, "
-           "but zero_optimization.stage is " + std::to_string(z.stage) + "; use ratio 1 or stage 3");
+           describe(Json(z.offload_optimizer.ratio)) +
+               " < 1 (partial offload) needs ZeRO stage 3, but zero_optimization.stage is " +
+               std::to_string(z.stage) + "; use ratio 1 or stage 3");
     }
     r->diag().warn(r->path_of("offload_optimizer.ratio"),
                    describe(Json(z.offload_optimizer.ratio)) +
@@ -457,7 +461,8 @@ void read_zero(ObjectReader& root, Config& c) {
   r->not_implemented("elastic_checkpoint", false, "elastic checkpoints");
   r->not_implemented("ignore_unused_parameters", true, "failing on unused parameters");
   r->not_implemented("legacy_stage1", false, "DeepSpeed's legacy stage 1");
-  r->not_implemented("stage3_model_persistence_threshold", kInt64Max, "model persistence threshold");
+  r->not_implemented("stage3_model_persistence_threshold", kInt64Max,
+                     "model persistence threshold");
   r->not_implemented("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning");
   r->not_implemented("zero_quantized_weights", false, "ZeRO++ quantized weights");
   r->not_implemented("zero_quantized_nontrainable_weights", false, "ZeRO++ quantized weights");
