@@ -26,6 +26,7 @@ constexpr Key<ModelConfig> kModelKeys[] = {
     {"tensor_parallel", &ModelConfig::tensor_parallel, IntRange{1, 1 << 16}},
 };
 
+// After the whole porter section: the data type is read after the model.
 void check_model(const std::string& path, const Config& c) {
   const ModelConfig& m = c.porter.model;
   if (m.hidden % m.heads != 0) {
@@ -42,6 +43,12 @@ void check_model(const std::string& path, const Config& c) {
                                         " does not divide the world size " +
                                         std::to_string(c.world_size) +
                                         "; ranks = data-parallel x tensor-parallel");
+  }
+  // Text data is read byte by byte (engine/data.cc): each of the 256 byte values is a token.
+  if (c.porter.data.type == DataType::kText && m.vocab < 256) {
+    fail(path + ".vocab", "text data is byte-level and needs a vocab of at least 256, got " +
+                              std::to_string(m.vocab) + " (porter.data.type is \"text\"); set " +
+                              path + ".vocab to 256");
   }
 }
 
