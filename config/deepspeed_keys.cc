@@ -1,6 +1,6 @@
-// The DeepSpeed keys: batch sizes, top-level scalars, optimizer, scheduler, fp16/bf16,
-// zero_optimization (with its offload sections and deprecated aliases) and
-// activation_checkpointing, with the defaults of DeepSpeed's current code.
+// The DeepSpeed keys: the key tables of the top level, optimizer params, fp16/bf16,
+// zero_optimization (with its offload sections) and activation_checkpointing, with the defaults
+// of DeepSpeed's current code; and the readers of what needs more than a table.
 #include <cctype>
 #include <string>
 
@@ -14,11 +14,6 @@ constexpr IntRange kPositive{1, kInt64Max};
 constexpr IntRange kNonNegative{0, kInt64Max};
 constexpr RealRange kNonNegativeReal{0.0};
 constexpr RealRange kPositiveReal{0.0, std::numeric_limits<double>::infinity(), true};
-
-std::optional<int64_t> nullable_integer(ObjectReader& r, std::string_view key, IntRange range) {
-  if (r.is_null(key)) return std::nullopt;
-  return r.integer(key, range);
-}
 
 // ---- batch sizes --------------------------------------------------------------------------
 
@@ -80,7 +75,8 @@ void read_batch(ObjectReader& root, Config& c) {
   if (!micro.value && !accum.value) accum.value = 1;  // train alone
 
   if (train.value && micro.value && accum.value) {
-    int64_t product = checked_product(checked_product(*micro.value, *accum.value, kTrain), dp, kTrain);
+    int64_t product =
+        checked_product(checked_product(*micro.value, *accum.value, kTrain), dp, kTrain);
     if (product != *train.value) {
       fail(kTrain, std::to_string(*train.value) + " != train_micro_batch_size_per_gpu " +
                        std::to_string(*micro.value) + " x gradient_accumulation_steps " +
@@ -116,6 +112,43 @@ void read_batch(ObjectReader& root, Config& c) {
 
 // ---- optimizer and scheduler --------------------------------------------------------------
 
+void read_betas(const Json& betas, const std::string& path, OptimizerConfig& o, Diagnostics&) {
+  if (is_auto(betas)) return;
+  if (!betas.is_array() || betas.size() != 2) {
+    fail(path, "expected two numbers [beta1, beta2] in [0, 1), got " + describe(betas));
+  }
+  const RealRange beta_range{0.0, 1.0, false, true};
+  o.beta1 = as_real(betas[0], path + "[0]", beta_range);
+  o.beta2 = as_real(betas[1], path + "[1]", beta_range);
+}
+
+std::optional<OJson> write_betas(const OptimizerConfig& o) {
+  return OJson::array({o.beta1, o.beta2});
+}
+
+void read_adam_w_mode(const Json& value, const std::string& path, OptimizerConfig& o,
+                      Diagnostics& diag) {
+  const bool w_mode = as_bool(value, path);
+  if (o.type == OptimizerType::kAdamW && !w_mode) {
+    diag.warn(path, "false is ignored: type AdamW always decouples weight decay (use type "
+                    "\"Adam\" with adam_w_mode false for L2-style weight decay)");
+  } else {
+    o.adam_w_mode = w_mode;
+  }
+}
+
+std::optional<OJson> write_adam_w_mode(const OptimizerConfig& o) { return OJson(o.adam_w_mode); }
+
+// optimizer.params. The type is read first: adam_w_mode depends on it.
+constexpr Key<OptimizerConfig> kOptimizerParamKeys[] = {
+    {"lr", &OptimizerConfig::lr, kNonNegativeReal, kAutoIsDefault},
+    {"betas", Custom<OptimizerConfig>{&read_betas, &write_betas}},
+    {"eps", &OptimizerConfig::eps, kPositiveReal, kAutoIsDefault},
+    {"weight_decay", &OptimizerConfig::weight_decay, kNonNegativeReal, kAutoIsDefault},
+    {"torch_adam", &OptimizerConfig::torch_adam},
+    {"adam_w_mode", Custom<OptimizerConfig>{&read_adam_w_mode, &write_adam_w_mode}},
+};
+
 void read_optimizer(ObjectReader& root, Config& c) {
   std::optional<ObjectReader> r = root.object("optimizer");
   if (!r) return;
@@ -138,27 +171,7 @@ void read_optimizer(ObjectReader& root, Config& c) {
   }
   r->not_implemented("legacy_fusion", false, "DeepSpeed's legacy fused-optimizer switch");
   if (std::optional<ObjectReader> p = r->object("params")) {
-    o.lr = p->real("lr", kNonNegativeReal, o.lr).value_or(o.lr);
-    if (const Json* betas = p->get("betas"); betas != nullptr && !is_auto(*betas)) {
-      if (!betas->is_array() || betas->size() != 2) {
-        fail(p->path_of("betas"), "expected two numbers [beta1, beta2] in [0, 1), got " +
-                                      describe(*betas));
-      }
-      const RealRange beta_range{0.0, 1.0, false, true};
-      o.beta1 = as_real((*betas)[0], p->path_of("betas") + "[0]", beta_range);
-      o.beta2 = as_real((*betas)[1], p->path_of("betas") + "[1]", beta_range);
-    }
-    o.eps = p->real("eps", kPositiveReal, o.eps).value_or(o.eps);
-    o.weight_decay = p->real("weight_decay", kNonNegativeReal, o.weight_decay).value_or(o.weight_decay);
-    o.torch_adam = p->boolean("torch_adam").value_or(o.torch_adam);
-    std::optional<bool> w_mode = p->boolean("adam_w_mode");
-    if (o.type == OptimizerType::kAdamW && w_mode == false) {
-      p->diag().warn(p->path_of("adam_w_mode"),
-                     "false is ignored: type AdamW always decouples weight decay (use type "
-                     "\"Adam\" with adam_w_mode false for L2-style weight decay)");
-    } else if (w_mode) {
-      o.adam_w_mode = *w_mode;
-    }
+    read_keys(*p, o, c);
     p->not_implemented("bias_correction", true, "Adam without bias correction");
     p->not_implemented("amsgrad", false, "AMSGrad");
     p->finish();
@@ -172,7 +185,8 @@ void read_scheduler(ObjectReader& root, Config& c) {
   if (!r) return;
   SchedulerConfig s;
   if (!r->has("type")) {
-    fail(r->path_of("type"), "missing; porter implements WarmupLR, WarmupDecayLR and WarmupCosineLR");
+    fail(r->path_of("type"),
+         "missing; porter implements WarmupLR, WarmupDecayLR and WarmupCosineLR");
   }
   s.type = *r->enumeration("type", kSchedulerTypes);
   std::optional<ObjectReader> p = r->object("params");
@@ -194,14 +208,15 @@ void read_scheduler(ObjectReader& root, Config& c) {
     s.total_num_steps = p->integer("total_num_steps", kPositive, c.porter.train.steps);
   }
   if (s.type == SchedulerType::kWarmupCosineLR) {
-    s.warmup_min_ratio =
-        p->real("warmup_min_ratio", RealRange{0.0, 1.0}, s.warmup_min_ratio).value_or(s.warmup_min_ratio);
+    s.warmup_min_ratio = p->real("warmup_min_ratio", RealRange{0.0, 1.0}, s.warmup_min_ratio)
+                             .value_or(s.warmup_min_ratio);
     s.cos_min_ratio =
         p->real("cos_min_ratio", RealRange{0.0, 1.0}, s.cos_min_ratio).value_or(s.cos_min_ratio);
   } else {
     s.warmup_min_lr = p->real("warmup_min_lr", kNonNegativeReal, 0.0).value_or(s.warmup_min_lr);
     double lr_default = c.optimizer ? c.optimizer->lr : s.warmup_max_lr;
-    s.warmup_max_lr = p->real("warmup_max_lr", kNonNegativeReal, lr_default).value_or(s.warmup_max_lr);
+    s.warmup_max_lr =
+        p->real("warmup_max_lr", kNonNegativeReal, lr_default).value_or(s.warmup_max_lr);
     if (s.warmup_min_lr > s.warmup_max_lr) {
       fail(p->path_of("warmup_min_lr"), describe(Json(s.warmup_min_lr)) +
                                             " is above warmup_max_lr " +
@@ -229,16 +244,23 @@ void read_scheduler(ObjectReader& root, Config& c) {
 
 // ---- mixed precision ----------------------------------------------------------------------
 
+constexpr Key<Fp16Config> kFp16Keys[] = {
+    {"enabled", &Fp16Config::enabled, kAutoIsDefault},
+    {"loss_scale", &Fp16Config::loss_scale, kNonNegativeReal},
+    // 2^power must be a finite float32.
+    {"initial_scale_power", &Fp16Config::initial_scale_power, IntRange{0, 127}},
+    {"loss_scale_window", &Fp16Config::loss_scale_window, kPositive},
+    {"hysteresis", &Fp16Config::hysteresis, kPositive},
+    {"min_loss_scale", &Fp16Config::min_loss_scale, kPositiveReal},
+};
+
+constexpr Key<Bf16Config> kBf16Keys[] = {
+    {"enabled", &Bf16Config::enabled, kAutoIsDefault},
+};
+
 void read_precision(ObjectReader& root, Config& c) {
   if (std::optional<ObjectReader> r = root.object("fp16")) {
-    Fp16Config& f = c.fp16;
-    f.enabled = r->boolean("enabled", false).value_or(f.enabled);
-    f.loss_scale = r->real("loss_scale", kNonNegativeReal).value_or(f.loss_scale);
-    // 2^power must be a finite float32.
-    f.initial_scale_power = r->integer("initial_scale_power", IntRange{0, 127}).value_or(f.initial_scale_power);
-    f.loss_scale_window = r->integer("loss_scale_window", kPositive).value_or(f.loss_scale_window);
-    f.hysteresis = r->integer("hysteresis", kPositive).value_or(f.hysteresis);
-    f.min_loss_scale = r->real("min_loss_scale", kPositiveReal).value_or(f.min_loss_scale);
+    read_keys(*r, c.fp16, c);
     r->not_implemented("auto_cast", false, "autocasting fp32 inputs");
     r->not_implemented("consecutive_hysteresis", false, "consecutive hysteresis");
     r->not_implemented("fp16_master_weights_and_grads", false, "fp16 master weights");
@@ -247,11 +269,12 @@ void read_precision(ObjectReader& root, Config& c) {
   // "bfloat16" is DeepSpeed's old name for the section.
   const bool has_old = root.has("bfloat16");
   if (has_old && root.has("bf16")) {
-    fail("bfloat16", "deprecated alias of \"bf16\", given together with \"bf16\"; keep only \"bf16\"");
+    fail("bfloat16",
+         "deprecated alias of \"bf16\", given together with \"bf16\"; keep only \"bf16\"");
   }
   if (has_old) root.diag().warn("bfloat16", "deprecated; use \"bf16\" instead");
   if (std::optional<ObjectReader> r = root.object(has_old ? "bfloat16" : "bf16")) {
-    c.bf16.enabled = r->boolean("enabled", false).value_or(c.bf16.enabled);
+    read_keys(*r, c.bf16, c);
     r->finish();
   }
   if (c.fp16.enabled && c.bf16.enabled) {
@@ -263,119 +286,128 @@ void read_precision(ObjectReader& root, Config& c) {
 // ---- zero_optimization --------------------------------------------------------------------
 
 // Offload device: "nvme" is accepted but not implemented; it resolves to "cpu".
-OffloadDevice read_offload_device(ObjectReader& r) {
-  const Json* v = r.get("device");
-  if (v == nullptr) return OffloadDevice::kNone;
-  if (v->is_string() && v->get_ref<const std::string&>() == "nvme") {
-    r.diag().warn(r.path_of("device"),
-                  "\"nvme\": NVMe offload is not implemented in porter yet; porter offloads to "
-                  "cpu memory instead");
-    return OffloadDevice::kCpu;
+template <typename S>
+void read_offload_device(const Json& v, const std::string& path, S& o, Diagnostics& diag) {
+  if (v.is_string() && v.get_ref<const std::string&>() == "nvme") {
+    diag.warn(path, "\"nvme\": NVMe offload is not implemented in porter yet; porter offloads "
+                    "to cpu memory instead");
+    o.device = OffloadDevice::kCpu;
+    return;
   }
   static constexpr std::string_view kNames[] = {"none", "cpu", "nvme"};
-  return as_enum_index(*v, r.path_of("device"), kNames) == 0 ? OffloadDevice::kNone
-                                                              : OffloadDevice::kCpu;
+  o.device = as_enum_index(v, path, kNames) == 0 ? OffloadDevice::kNone : OffloadDevice::kCpu;
 }
 
-void read_offload_optimizer(ObjectReader& r, ZeroConfig& z) {
-  OffloadOptimizerConfig& o = z.offload_optimizer;
-  o.device = read_offload_device(r);
-  o.pin_memory = r.boolean("pin_memory", o.pin_memory).value_or(o.pin_memory);
-  o.buffer_count = r.integer("buffer_count", kPositive, o.buffer_count).value_or(o.buffer_count);
-  o.fast_init = r.boolean("fast_init", o.fast_init).value_or(o.fast_init);
-  o.ratio = r.real("ratio", RealRange{0.0, 1.0}, o.ratio).value_or(o.ratio);
-  r.string("nvme_path");  // used by NVMe offload only
-  r.not_implemented("pipeline_read", false, "NVMe read pipelining");
-  r.not_implemented("pipeline_write", false, "NVMe write pipelining");
-  r.not_implemented("pipeline", false, "NVMe pipelining");
-  r.finish();
+template <typename S>
+std::optional<OJson> write_offload_device(const S& o) {
+  return OJson(to_string(o.device));
 }
 
-void read_offload_param(ObjectReader& r, ZeroConfig& z) {
-  OffloadParamConfig& o = z.offload_param;
-  o.device = read_offload_device(r);
-  o.pin_memory = r.boolean("pin_memory", o.pin_memory).value_or(o.pin_memory);
-  o.buffer_count = r.integer("buffer_count", kPositive, o.buffer_count).value_or(o.buffer_count);
-  o.buffer_size_elems = r.integer("buffer_size", kPositive, o.buffer_size_elems).value_or(o.buffer_size_elems);
-  o.max_in_cpu_elems = r.integer("max_in_cpu", kNonNegative, o.max_in_cpu_elems).value_or(o.max_in_cpu_elems);
-  r.string("nvme_path");
-  r.finish();
+// nvme_path is used by NVMe offload only: checked to be a string, not kept, not printed.
+template <typename S>
+void read_nvme_path(const Json& v, const std::string& path, S&, Diagnostics&) {
+  as_string(v, path);
 }
 
-// A deprecated key: warns naming the replacement; an error when both are given.
-bool deprecated_key(ObjectReader& r, std::string_view old_key, std::string_view new_key,
-                    std::string_view replacement) {
-  if (!r.has(old_key)) return false;
-  if (r.has(new_key)) {
-    fail(r.path_of(old_key), "deprecated alias of " + r.path_of(new_key) +
-                                 ", given together with it; keep only " + std::string(new_key));
+template <typename S>
+std::optional<OJson> no_output(const S&) {
+  return std::nullopt;
+}
+
+template <typename S>
+constexpr Custom<S> kOffloadDevice{&read_offload_device<S>, &write_offload_device<S>};
+template <typename S>
+constexpr Custom<S> kNvmePath{&read_nvme_path<S>, &no_output<S>};
+
+using OffloadOptimizer = OffloadOptimizerConfig;
+constexpr Key<OffloadOptimizer> kOffloadOptimizerKeys[] = {
+    {"device", kOffloadDevice<OffloadOptimizer>},
+    {"pin_memory", &OffloadOptimizer::pin_memory, kAutoIsDefault},
+    {"buffer_count", &OffloadOptimizer::buffer_count, kPositive, kAutoIsDefault},
+    {"fast_init", &OffloadOptimizer::fast_init, kAutoIsDefault},
+    {"ratio", &OffloadOptimizer::ratio, RealRange{0.0, 1.0}, kAutoIsDefault},
+    {"nvme_path", kNvmePath<OffloadOptimizer>},
+};
+
+using OffloadParam = OffloadParamConfig;
+constexpr Key<OffloadParam> kOffloadParamKeys[] = {
+    {"device", kOffloadDevice<OffloadParam>},
+    {"pin_memory", &OffloadParam::pin_memory, kAutoIsDefault},
+    {"buffer_count", &OffloadParam::buffer_count, kPositive, kAutoIsDefault},
+    {"buffer_size", &OffloadParam::buffer_size_elems, kPositive, kAutoIsDefault},
+    {"max_in_cpu", &OffloadParam::max_in_cpu_elems, kNonNegative, kAutoIsDefault},
+    {"nvme_path", kNvmePath<OffloadParam>},
+};
+
+// Note [Auto in ZeRO]: DeepSpeed drops "auto" values in its pydantic sections, so they take
+// the default; the three the HF Trainer sizes from the model take its rules (hidden^2,
+// 0.9 hidden^2 and 10 hidden).
+int64_t hidden_squared(const ZeroConfig&, const Config& c) {
+  return c.porter.model.hidden * c.porter.model.hidden;
+}
+int64_t nine_tenths_hidden_squared(const ZeroConfig&, const Config& c) {
+  return c.porter.model.hidden * c.porter.model.hidden * 9 / 10;
+}
+int64_t ten_hidden(const ZeroConfig&, const Config& c) { return 10 * c.porter.model.hidden; }
+bool overlap_at_stage3(const ZeroConfig& z, const Config&) { return z.stage == 3; }
+
+void check_even(const int64_t& n, const std::string& path) {
+  if (n % 2 != 0) {
+    fail(path, std::to_string(n) + " is odd; it must be a multiple of 2 (all-gather partitions "
+                                   "are aligned to 2 elements), e.g. " + std::to_string(n + 1));
   }
-  r.diag().warn(r.path_of(old_key), "deprecated; use " + std::string(replacement) + " instead");
-  return true;
 }
+
+using Zero = ZeroConfig;
+constexpr Key<Zero> kZeroKeys[] = {
+    {"stage", &Zero::stage, IntRange{0, 3}},
+    {"contiguous_gradients", &Zero::contiguous_gradients, kAutoIsDefault},
+    {"reduce_scatter", &Zero::reduce_scatter, kAutoIsDefault},
+    {"reduce_bucket_size", &Zero::reduce_bucket_size_elems, kPositive, AutoIs{&hidden_squared}},
+    {"allgather_bucket_size", &Zero::allgather_bucket_size_elems, kPositive, kAutoIsDefault,
+     Check{&check_even}},
+    {"overlap_comm", &Zero::overlap_comm, DefaultIs{&overlap_at_stage3}},
+    {"round_robin_gradients", &Zero::round_robin_gradients, kAutoIsDefault},
+    {"allgather_partitions", &Zero::allgather_partitions, kAutoIsDefault},
+    {"sub_group_size", &Zero::sub_group_size_elems, kPositive, kAutoIsDefault},
+    {"stage3_prefetch_bucket_size", &Zero::stage3_prefetch_bucket_size_elems, kNonNegative,
+     AutoIs{&nine_tenths_hidden_squared}},
+    {"stage3_param_persistence_threshold", &Zero::stage3_param_persistence_threshold_elems,
+     kNonNegative, AutoIs{&ten_hidden}},
+    {"stage3_max_live_parameters", &Zero::stage3_max_live_parameters_elems, kNonNegative,
+     kAutoIsDefault},
+    {"stage3_max_reuse_distance", &Zero::stage3_max_reuse_distance_elems, kNonNegative,
+     kAutoIsDefault},
+    {"stage3_gather_16bit_weights_on_model_save", &Zero::stage3_gather_16bit_weights_on_model_save,
+     kAutoIsDefault, Alias{"stage3_gather_fp16_weights_on_model_save"}},
+};
 
 void read_zero(ObjectReader& root, Config& c) {
   std::optional<ObjectReader> r = root.object("zero_optimization");
+  if (!r) return;
   ZeroConfig& z = c.zero_optimization;
-  const int64_t hidden = c.porter.model.hidden;
-  if (!r) {
-    z.overlap_comm = false;
-    return;
-  }
-  z.stage = static_cast<int>(r->integer("stage", IntRange{0, 3}).value_or(z.stage));
-  // Note [Auto in ZeRO]: DeepSpeed drops "auto" values in its pydantic sections, so they take
-  // the default; the three the HF Trainer sizes from the model take its rules (hidden^2,
-  // 0.9 hidden^2 and 10 hidden).
-  z.contiguous_gradients = r->boolean("contiguous_gradients", true).value_or(z.contiguous_gradients);
-  z.reduce_scatter = r->boolean("reduce_scatter", true).value_or(z.reduce_scatter);
-  z.reduce_bucket_size_elems =
-      r->integer("reduce_bucket_size", kPositive, hidden * hidden).value_or(z.reduce_bucket_size_elems);
-  z.allgather_bucket_size_elems =
-      r->integer("allgather_bucket_size", kPositive, z.allgather_bucket_size_elems)
-          .value_or(z.allgather_bucket_size_elems);
-  if (z.allgather_bucket_size_elems % 2 != 0) {
-    fail(r->path_of("allgather_bucket_size"),
-         std::to_string(z.allgather_bucket_size_elems) +
-             " is odd; it must be a multiple of 2 (all-gather partitions are aligned to 2 "
-             "elements), e.g. " + std::to_string(z.allgather_bucket_size_elems + 1));
-  }
-  const bool overlap_default = z.stage == 3;
-  z.overlap_comm = r->boolean("overlap_comm", overlap_default).value_or(overlap_default);
-  z.round_robin_gradients = r->boolean("round_robin_gradients", false).value_or(z.round_robin_gradients);
-  z.allgather_partitions = r->boolean("allgather_partitions", true).value_or(z.allgather_partitions);
-  z.sub_group_size_elems =
-      r->integer("sub_group_size", kPositive, z.sub_group_size_elems).value_or(z.sub_group_size_elems);
-  z.stage3_prefetch_bucket_size_elems =
-      r->integer("stage3_prefetch_bucket_size", kNonNegative, hidden * hidden * 9 / 10)
-          .value_or(z.stage3_prefetch_bucket_size_elems);
-  z.stage3_param_persistence_threshold_elems =
-      r->integer("stage3_param_persistence_threshold", kNonNegative, 10 * hidden)
-          .value_or(z.stage3_param_persistence_threshold_elems);
-  z.stage3_max_live_parameters_elems =
-      r->integer("stage3_max_live_parameters", kNonNegative, z.stage3_max_live_parameters_elems)
-          .value_or(z.stage3_max_live_parameters_elems);
-  z.stage3_max_reuse_distance_elems =
-      r->integer("stage3_max_reuse_distance", kNonNegative, z.stage3_max_reuse_distance_elems)
-          .value_or(z.stage3_max_reuse_distance_elems);
-
-  const std::string kGather16 = "stage3_gather_16bit_weights_on_model_save";
-  const std::string kGatherFp16 = "stage3_gather_fp16_weights_on_model_save";
-  const std::string gather_key =
-      deprecated_key(*r, kGatherFp16, kGather16, "\"" + kGather16 + "\"") ? kGatherFp16 : kGather16;
-  z.stage3_gather_16bit_weights_on_model_save =
-      r->boolean(gather_key, false).value_or(z.stage3_gather_16bit_weights_on_model_save);
+  read_keys(*r, z, c);
 
   // Offload sections and their deprecated boolean forms.
-  if (deprecated_key(*r, "cpu_offload", "offload_optimizer",
-                     "\"offload_optimizer\": {\"device\": \"cpu\"}")) {
+  if (r->deprecated("cpu_offload", "offload_optimizer",
+                    "\"offload_optimizer\": {\"device\": \"cpu\"}")) {
     if (*r->boolean("cpu_offload")) z.offload_optimizer.device = OffloadDevice::kCpu;
   }
-  if (std::optional<ObjectReader> o = r->object("offload_optimizer")) read_offload_optimizer(*o, z);
-  if (deprecated_key(*r, "cpu_offload_param", "offload_param",
-                     "\"offload_param\": {\"device\": \"cpu\"}")) {
+  if (std::optional<ObjectReader> o = r->object("offload_optimizer")) {
+    read_keys(*o, z.offload_optimizer, c);
+    o->not_implemented("pipeline_read", false, "NVMe read pipelining");
+    o->not_implemented("pipeline_write", false, "NVMe write pipelining");
+    o->not_implemented("pipeline", false, "NVMe pipelining");
+    o->finish();
+  }
+  if (r->deprecated("cpu_offload_param", "offload_param",
+                    "\"offload_param\": {\"device\": \"cpu\"}")) {
     if (*r->boolean("cpu_offload_param")) z.offload_param.device = OffloadDevice::kCpu;
   }
-  if (std::optional<ObjectReader> o = r->object("offload_param")) read_offload_param(*o, z);
+  if (std::optional<ObjectReader> o = r->object("offload_param")) {
+    read_keys(*o, z.offload_param, c);
+    o->finish();
+  }
   if (r->has("cpu_offload_use_pin_memory")) {
     bool pin = *r->boolean("cpu_offload_use_pin_memory");
     for (const char* section : {"offload_optimizer", "offload_param"}) {
@@ -413,8 +445,9 @@ void read_zero(ObjectReader& root, Config& c) {
   if (z.offload_optimizer.ratio < 1.0) {
     if (z.stage < 3) {
       fail(r->path_of("offload_optimizer.ratio"),
-           describe(Json(z.offload_optimizer.ratio)) + " < 1 (partial offload) needs ZeRO stage 3, "
-           "but zero_optimization.stage is " + std::to_string(z.stage) + "; use ratio 1 or stage 3");
+           describe(Json(z.offload_optimizer.ratio)) +
+               " < 1 (partial offload) needs ZeRO stage 3, but zero_optimization.stage is " +
+               std::to_string(z.stage) + "; use ratio 1 or stage 3");
     }
     r->diag().warn(r->path_of("offload_optimizer.ratio"),
                    describe(Json(z.offload_optimizer.ratio)) +
@@ -428,7 +461,8 @@ void read_zero(ObjectReader& root, Config& c) {
   r->not_implemented("elastic_checkpoint", false, "elastic checkpoints");
   r->not_implemented("ignore_unused_parameters", true, "failing on unused parameters");
   r->not_implemented("legacy_stage1", false, "DeepSpeed's legacy stage 1");
-  r->not_implemented("stage3_model_persistence_threshold", kInt64Max, "model persistence threshold");
+  r->not_implemented("stage3_model_persistence_threshold", kInt64Max,
+                     "model persistence threshold");
   r->not_implemented("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning");
   r->not_implemented("zero_quantized_weights", false, "ZeRO++ quantized weights");
   r->not_implemented("zero_quantized_nontrainable_weights", false, "ZeRO++ quantized weights");
@@ -446,30 +480,35 @@ void read_zero(ObjectReader& root, Config& c) {
 
 // ---- activation_checkpointing -------------------------------------------------------------
 
+using Activation = ActivationCheckpointingConfig;
+constexpr Key<Activation> kActivationCheckpointingKeys[] = {
+    {"partition_activations", &Activation::partition_activations},
+    {"cpu_checkpointing", &Activation::cpu_checkpointing},
+    {"contiguous_memory_optimization", &Activation::contiguous_memory_optimization},
+    {"number_checkpoints", &Activation::number_checkpoints, kPositive},
+    {"synchronize_checkpoint_boundary", &Activation::synchronize_checkpoint_boundary},
+    {"profile", &Activation::profile},
+};
+
 void read_activation_checkpointing(ObjectReader& root, Config& c) {
   std::optional<ObjectReader> r = root.object("activation_checkpointing");
   if (!r) return;
   ActivationCheckpointingConfig a;
-  a.partition_activations = r->boolean("partition_activations").value_or(false);
-  a.cpu_checkpointing = r->boolean("cpu_checkpointing").value_or(false);
-  a.contiguous_memory_optimization = r->boolean("contiguous_memory_optimization").value_or(false);
-  a.synchronize_checkpoint_boundary = r->boolean("synchronize_checkpoint_boundary").value_or(false);
-  a.profile = r->boolean("profile").value_or(false);
-  a.number_checkpoints = nullable_integer(*r, "number_checkpoints", kPositive);
+  read_keys(*r, a, c);
   r->finish();
   c.activation_checkpointing = a;
 }
 
 // ---- top level ----------------------------------------------------------------------------
 
-void read_top_level_scalars(ObjectReader& root, Config& c) {
-  c.gradient_clipping = root.real("gradient_clipping", kNonNegativeReal, 1.0).value_or(c.gradient_clipping);
-  c.steps_per_print = nullable_integer(root, "steps_per_print", kPositive);
-  c.wall_clock_breakdown = root.boolean("wall_clock_breakdown").value_or(false);
-  c.prescale_gradients = root.boolean("prescale_gradients").value_or(false);
-  c.gradient_predivide_factor =
-      root.real("gradient_predivide_factor", kPositiveReal).value_or(c.gradient_predivide_factor);
-}
+// The scalars after the batch triple (read_batch).
+constexpr Key<Config> kTopLevelKeys[] = {
+    {"gradient_clipping", &Config::gradient_clipping, kNonNegativeReal, kAutoIsDefault},
+    {"steps_per_print", &Config::steps_per_print, kPositive},
+    {"wall_clock_breakdown", &Config::wall_clock_breakdown},
+    {"prescale_gradients", &Config::prescale_gradients},
+    {"gradient_predivide_factor", &Config::gradient_predivide_factor, kPositiveReal},
+};
 
 void read_not_implemented_top_level(ObjectReader& root) {
   root.not_implemented("zero_allow_untested_optimizer", false, "optimizers other than Adam/AdamW");
@@ -515,9 +554,17 @@ void read_not_implemented_top_level(ObjectReader& root) {
 
 }  // namespace
 
+const DeepSpeedKeyTables& deepspeed_key_tables() {
+  static const DeepSpeedKeyTables tables{kTopLevelKeys,         kOptimizerParamKeys, kFp16Keys,
+                                         kBf16Keys,             kZeroKeys,
+                                         kOffloadOptimizerKeys, kOffloadParamKeys,
+                                         kActivationCheckpointingKeys};
+  return tables;
+}
+
 void read_deepspeed_keys(ObjectReader& root, Config& c) {
   read_batch(root, c);
-  read_top_level_scalars(root, c);
+  read_keys(root, c, c);
   read_optimizer(root, c);
   read_scheduler(root, c);
   read_precision(root, c);

@@ -119,7 +119,8 @@ class DomBuilder {
     pending_ = &(*object.value)[k];
     return true;
   }
-  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& ex) {
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::detail::exception& ex) {
     // nlohmann's text is "[json.exception.parse_error.101] parse error at line L, column C:
     // <reason>"; keep the reason and compute the position ourselves.
     std::string reason = ex.what();
@@ -269,7 +270,9 @@ void Diagnostics::warn(std::string path, std::string message) {
   warnings_.push_back(Warning{std::move(path), std::move(message)});
 }
 
-bool is_auto(const Json& value) { return value.is_string() && value.get_ref<const std::string&>() == "auto"; }
+bool is_auto(const Json& value) {
+  return value.is_string() && value.get_ref<const std::string&>() == "auto";
+}
 
 bool as_bool(const Json& value, const std::string& path) {
   if (!value.is_boolean()) fail_expected(path, "true or false", value);
@@ -327,7 +330,9 @@ uint64_t as_bytes(const Json& value, const std::string& path, uint64_t min) {
     // No byte count needs more characters than this, and parse_bytes (std::stod) throws
     // std::out_of_range on a fraction with hundreds of digits.
     constexpr size_t kMaxBytesText = 64;
-    if (value.get_ref<const std::string&>().size() > kMaxBytesText) fail_expected(path, rule, value);
+    if (value.get_ref<const std::string&>().size() > kMaxBytesText) {
+      fail_expected(path, rule, value);
+    }
     std::optional<uint64_t> parsed = parse_bytes(value.get_ref<const std::string&>());
     if (!parsed) fail_expected(path, rule, value);
     n = *parsed;
@@ -420,6 +425,17 @@ std::optional<uint64_t> ObjectReader::bytes(std::string_view key, uint64_t min) 
   const Json* v = get(key);
   if (v == nullptr) return std::nullopt;
   return as_bytes(*v, path_of(key), min);
+}
+
+bool ObjectReader::deprecated(std::string_view old_key, std::string_view new_key,
+                              std::string_view replacement) {
+  if (!has(old_key)) return false;
+  if (has(new_key)) {
+    fail(path_of(old_key), "deprecated alias of " + path_of(new_key) +
+                               ", given together with it; keep only " + std::string(new_key));
+  }
+  diag_->warn(path_of(old_key), "deprecated; use " + std::string(replacement) + " instead");
+  return true;
 }
 
 std::optional<ObjectReader> ObjectReader::object(std::string_view key) {

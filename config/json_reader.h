@@ -73,6 +73,14 @@ int as_enum_index(const Json& value, const std::string& path,
                   std::span<const std::string_view> names);
 
 template <typename E, size_t N>
+std::string_view enum_name(const EnumName<E> (&table)[N], E value) {
+  for (const auto& entry : table) {
+    if (entry.value == value) return entry.name;
+  }
+  return "?";
+}
+
+template <typename E, size_t N>
 E as_enum(const Json& value, const std::string& path, const EnumName<E> (&table)[N]) {
   std::string_view names[N];
   for (size_t i = 0; i < N; ++i) names[i] = table[i].name;
@@ -110,6 +118,10 @@ class ObjectReader {
     if (v == nullptr) return std::nullopt;
     return as_enum(*v, path_of(key), table);
   }
+  // A deprecated key, `old_key`, replaced by `new_key`: false when absent; otherwise warns
+  // "deprecated; use <replacement> instead", or fails when `new_key` is given too.
+  bool deprecated(std::string_view old_key, std::string_view new_key,
+                  std::string_view replacement);
   // A nested object; nullopt when absent or null. Any other type is an error.
   std::optional<ObjectReader> object(std::string_view key);
 

@@ -1,5 +1,6 @@
-// porter's own section ("porter": model, data, device, checkpointing, train, trace), the
-// checkpoint-policy resolution, and the checks that span sections.
+// porter's own section ("porter": model, data, device, checkpointing, train, trace, comm): its
+// key tables, the checks within it, the checkpoint-policy resolution, and the checks that span
+// sections.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -12,21 +13,20 @@ namespace {
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 constexpr IntRange kPositive{1, kInt64Max};
 
-void read_model(ObjectReader& r, Config& c) {
-  ModelConfig& m = c.porter.model;
-  m.type = r.enumeration("type", kModelTypes).value_or(m.type);
-  // Bounds keep every size product (hidden^2, vocab x hidden, ...) inside 64 bits.
-  m.layers = r.integer("layers", IntRange{1, 100'000}).value_or(m.layers);
-  m.hidden = r.integer("hidden", IntRange{1, 1 << 20}).value_or(m.hidden);
-  m.heads = r.integer("heads", IntRange{1, 1 << 16}).value_or(m.heads);
-  m.seq_len = r.integer("seq_len", IntRange{1, 1 << 24}).value_or(m.seq_len);
-  m.vocab = r.integer("vocab", IntRange{1, 1 << 24}).value_or(m.vocab);
-  m.dropout = r.real("dropout", RealRange{0.0, 1.0, false, true}).value_or(m.dropout);
-  m.tie_embeddings = r.boolean("tie_embeddings").value_or(m.tie_embeddings);
-  m.tensor_parallel = r.integer("tensor_parallel", IntRange{1, 1 << 16}).value_or(m.tensor_parallel);
-  r.finish();
-}
+// Bounds keep every size product (hidden^2, vocab x hidden, ...) inside 64 bits.
+constexpr Key<ModelConfig> kModelKeys[] = {
+    {"type", enum_key<&ModelConfig::type, kModelTypes>()},
+    {"layers", &ModelConfig::layers, IntRange{1, 100'000}},
+    {"hidden", &ModelConfig::hidden, IntRange{1, 1 << 20}},
+    {"heads", &ModelConfig::heads, IntRange{1, 1 << 16}},
+    {"seq_len", &ModelConfig::seq_len, IntRange{1, 1 << 24}},
+    {"vocab", &ModelConfig::vocab, IntRange{1, 1 << 24}},
+    {"dropout", &ModelConfig::dropout, RealRange{0.0, 1.0, false, true}},
+    {"tie_embeddings", &ModelConfig::tie_embeddings},
+    {"tensor_parallel", &ModelConfig::tensor_parallel, IntRange{1, 1 << 16}},
+};
 
+// After the whole porter section: the data type is read after the model.
 void check_model(const std::string& path, const Config& c) {
   const ModelConfig& m = c.porter.model;
   if (m.hidden % m.heads != 0) {
@@ -44,27 +44,48 @@ void check_model(const std::string& path, const Config& c) {
                                         std::to_string(c.world_size) +
                                         "; ranks = data-parallel x tensor-parallel");
   }
+  // Text data is read byte by byte (engine/data.cc): each of the 256 byte values is a token.
+  if (c.porter.data.type == DataType::kText && m.vocab < 256) {
+    fail(path + ".vocab", "text data is byte-level and needs a vocab of at least 256, got " +
+                              std::to_string(m.vocab) + " (porter.data.type is \"text\"); set " +
+                              path + ".vocab to 256");
+  }
 }
 
-void read_data(ObjectReader& r, DataConfig& d) {
-  d.type = r.enumeration("type", kDataTypes).value_or(d.type);
-  if (const Json* paths = r.get("paths")) {
-    const std::string path = r.path_of("paths");
-    if (paths->is_string()) {
-      d.paths.push_back(as_string(*paths, path));
-    } else if (paths->is_array()) {
-      for (size_t i = 0; i < paths->size(); ++i) {
-        d.paths.push_back(as_string((*paths)[i], path + "[" + std::to_string(i) + "]"));
-      }
-    } else {
-      fail(path, "expected a file path or a list of file paths, got " + describe(*paths));
+void check_file_path(const std::string& file, const std::string& path) {
+  if (file.empty()) fail(path, "\"\": empty file path");
+}
+
+// A file path or a list of them.
+void read_paths(const Json& paths, const std::string& path, DataConfig& d, Diagnostics&) {
+  if (paths.is_string()) {
+    d.paths.push_back(as_string(paths, path));
+  } else if (paths.is_array()) {
+    for (size_t i = 0; i < paths.size(); ++i) {
+      d.paths.push_back(as_string(paths[i], path + "[" + std::to_string(i) + "]"));
     }
-    for (size_t i = 0; i < d.paths.size(); ++i) {
-      if (d.paths[i].empty()) fail(path + "[" + std::to_string(i) + "]", "\"\": empty file path");
-    }
+  } else {
+    fail(path, "expected a file path or a list of file paths, got " + describe(paths));
   }
-  d.seed = static_cast<uint64_t>(r.integer("seed", IntRange{0, kInt64Max}).value_or(
-      static_cast<int64_t>(d.seed)));
+  for (size_t i = 0; i < d.paths.size(); ++i) {
+    check_file_path(d.paths[i], path + "[" + std::to_string(i) + "]");
+  }
+}
+
+std::optional<OJson> write_paths(const DataConfig& d) {
+  if (d.paths.empty()) return std::nullopt;
+  return OJson(d.paths);
+}
+
+constexpr Key<DataConfig> kDataKeys[] = {
+    {"type", enum_key<&DataConfig::type, kDataTypes>()},
+    {"paths", Custom<DataConfig>{&read_paths, &write_paths}},
+    {"seed", &DataConfig::seed, IntRange{0, kInt64Max}},
+};
+
+void read_data(ObjectReader& r, Config& c) {
+  DataConfig& d = c.porter.data;
+  read_keys(r, d, c);
   if (d.type == DataType::kText && d.paths.empty()) {
     fail(r.path_of("paths"), "missing; data type \"text\" needs one or more files in paths");
   }
@@ -75,15 +96,18 @@ void read_data(ObjectReader& r, DataConfig& d) {
   r.finish();
 }
 
-void read_device(ObjectReader& r, DeviceConfig& d) {
-  d.type = r.enumeration("type", kDeviceTypes).value_or(d.type);
-  if (!r.is_null("memory_limit")) d.memory_limit_bytes = r.bytes("memory_limit", 1);
-  if (!r.is_null("pinned_limit")) d.pinned_limit_bytes = r.bytes("pinned_limit", 1);
-  if (!r.is_null("sim_link_gbps")) {
-    d.sim_link_gbps = r.real("sim_link_gbps", RealRange{0.0, 1e6, true, false});
-  }
-  d.threads = r.integer("threads", IntRange{0, 4096}).value_or(d.threads);
-  d.poison_freed = r.boolean("poison_freed").value_or(d.poison_freed);
+constexpr Key<DeviceConfig> kDeviceKeys[] = {
+    {"type", enum_key<&DeviceConfig::type, kDeviceTypes>()},
+    {"memory_limit", &DeviceConfig::memory_limit_bytes, Bytes{1}},
+    {"pinned_limit", &DeviceConfig::pinned_limit_bytes, Bytes{1}},
+    {"sim_link_gbps", &DeviceConfig::sim_link_gbps, RealRange{0.0, 1e6, true, false}},
+    {"threads", &DeviceConfig::threads, IntRange{0, 4096}},
+    {"poison_freed", &DeviceConfig::poison_freed},
+};
+
+void read_device(ObjectReader& r, Config& c) {
+  DeviceConfig& d = c.porter.device;
+  read_keys(r, d, c);
   if (d.sim_link_gbps && d.type == DeviceType::kCuda) {
     fail(r.path_of("sim_link_gbps"), describe(*r.get("sim_link_gbps")) +
                                          ": only the simulated cpu device throttles copies, but "
@@ -92,69 +116,85 @@ void read_device(ObjectReader& r, DeviceConfig& d) {
   r.finish();
 }
 
-MemoryBudget read_memory_budget(const Json& v, const std::string& path) {
+// null: none.
+void read_memory_budget(const Json& v, const std::string& path, CheckpointingConfig& k,
+                        Diagnostics&) {
+  if (v.is_null()) return;
   const std::string rule =
       "a fraction in [0, 1] of the memory that keeping every activation needs, or a byte "
       "count (an integer >= 2, or a string such as \"6GiB\")";
-  if (v.is_string()) return MemoryBudget{as_bytes(v, path, 2)};
+  if (v.is_string()) {
+    k.memory_budget = MemoryBudget{as_bytes(v, path, 2)};
+    return;
+  }
   if (!v.is_number()) fail(path, "expected " + rule + ", got " + describe(v));
   double d = v.get<double>();
-  if (d >= 0.0 && d <= 1.0) return MemoryBudget{d};
-  if (d > 1.0 && (v.is_number_integer() || d == std::floor(d))) {
-    return MemoryBudget{as_bytes(v, path, 2)};
+  if (d >= 0.0 && d <= 1.0) {
+    k.memory_budget = MemoryBudget{d};
+  } else if (d > 1.0 && (v.is_number_integer() || d == std::floor(d))) {
+    k.memory_budget = MemoryBudget{as_bytes(v, path, 2)};
+  } else {
+    fail(path, "expected " + rule + ", got " + describe(v));
   }
-  fail(path, "expected " + rule + ", got " + describe(v));
 }
 
-void read_checkpointing(ObjectReader& r, CheckpointingConfig& k, PorterReadState& state) {
-  if (std::optional<CheckpointPolicy> p = r.enumeration("policy", kCheckpointPolicies)) {
-    k.policy = *p;
-    state.policy_given = true;
-  }
-  if (!r.is_null("every_n_layers")) k.every_n_layers = r.integer("every_n_layers", kPositive);
-  if (!r.is_null("block_layers")) k.block_layers = r.integer("block_layers", kPositive);
-  if (const Json* b = r.get("memory_budget"); b != nullptr && !b->is_null()) {
-    k.memory_budget = read_memory_budget(*b, r.path_of("memory_budget"));
-  }
-  if (const Json* ops = r.get("selective_ops")) {
-    const std::string path = r.path_of("selective_ops");
-    if (!ops->is_array()) fail(path, "expected a list of op kinds, got " + describe(*ops));
-    const std::vector<std::string>& kinds = selective_op_kinds();
-    std::vector<std::string_view> names(kinds.begin(), kinds.end());
-    for (size_t i = 0; i < ops->size(); ++i) {
-      const std::string item = path + "[" + std::to_string(i) + "]";
-      std::string op = kinds[static_cast<size_t>(as_enum_index((*ops)[i], item, names))];
-      if (std::find(k.selective_ops.begin(), k.selective_ops.end(), op) != k.selective_ops.end()) {
-        fail(item, "\"" + op + "\" is listed twice");
-      }
-      k.selective_ops.push_back(op);
+std::optional<OJson> write_memory_budget(const CheckpointingConfig& k) {
+  if (!k.memory_budget) return std::nullopt;
+  return std::visit([](auto v) { return OJson(v); }, k.memory_budget->value);
+}
+
+void read_selective_ops(const Json& ops, const std::string& path, CheckpointingConfig& k,
+                        Diagnostics&) {
+  if (!ops.is_array()) fail(path, "expected a list of op kinds, got " + describe(ops));
+  const std::vector<std::string>& kinds = selective_op_kinds();
+  std::vector<std::string_view> names(kinds.begin(), kinds.end());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const std::string item = path + "[" + std::to_string(i) + "]";
+    std::string op = kinds[static_cast<size_t>(as_enum_index(ops[i], item, names))];
+    if (std::find(k.selective_ops.begin(), k.selective_ops.end(), op) != k.selective_ops.end()) {
+      fail(item, "\"" + op + "\" is listed twice");
     }
+    k.selective_ops.push_back(op);
   }
-  k.prefetch_depth = r.integer("prefetch_depth", IntRange{0, 1024}).value_or(k.prefetch_depth);
-  k.keep_last_on_device =
-      r.integer("keep_last_on_device", IntRange{0, 1'000'000}).value_or(k.keep_last_on_device);
-  r.finish();
 }
 
-void read_train(ObjectReader& r, TrainConfig& t) {
-  t.steps = r.integer("steps", kPositive).value_or(t.steps);
-  t.seed = static_cast<uint64_t>(
-      r.integer("seed", IntRange{0, kInt64Max}).value_or(static_cast<int64_t>(t.seed)));
-  t.log_every = r.integer("log_every", kPositive).value_or(t.log_every);
-  r.finish();
+std::optional<OJson> write_selective_ops(const CheckpointingConfig& k) {
+  if (k.selective_ops.empty()) return std::nullopt;
+  return OJson(k.selective_ops);
 }
 
-void read_trace(ObjectReader& r, TraceConfig& t) {
-  if (!r.is_null("path")) {
-    t.path = r.string("path");
-    if (t.path && t.path->empty()) fail(r.path_of("path"), "\"\": empty file path");
-  }
-  r.finish();
-}
+// `segments` has no key: the parser folds activation_checkpointing.number_checkpoints into it
+// (Note [Policy from activation_checkpointing]), and it is not printed.
+using Checkpointing = CheckpointingConfig;
+constexpr Key<Checkpointing> kCheckpointingKeys[] = {
+    {"policy", enum_key<&Checkpointing::policy, kCheckpointPolicies>()},
+    {"every_n_layers", &Checkpointing::every_n_layers, kPositive, kOmitNone},
+    {"block_layers", &Checkpointing::block_layers, kPositive, kOmitNone},
+    {"memory_budget", Custom<Checkpointing>{&read_memory_budget, &write_memory_budget}},
+    {"selective_ops", Custom<Checkpointing>{&read_selective_ops, &write_selective_ops}},
+    {"prefetch_depth", &Checkpointing::prefetch_depth, IntRange{0, 1024}},
+    {"keep_last_on_device", &Checkpointing::keep_last_on_device, IntRange{0, 1'000'000}},
+};
 
-void read_comm(ObjectReader& r, CommConfig& m) {
-  m.backend = r.enumeration("backend", kCommBackends).value_or(m.backend);
-  m.timeout_s = r.real("timeout_s", RealRange{0.0, 1e7, true, false}).value_or(m.timeout_s);
+constexpr Key<TrainConfig> kTrainKeys[] = {
+    {"steps", &TrainConfig::steps, kPositive},
+    {"seed", &TrainConfig::seed, IntRange{0, kInt64Max}},
+    {"log_every", &TrainConfig::log_every, kPositive},
+};
+
+constexpr Key<TraceConfig> kTraceKeys[] = {
+    {"path", &TraceConfig::path, Check{&check_file_path}},
+};
+
+constexpr Key<CommConfig> kCommKeys[] = {
+    {"backend", enum_key<&CommConfig::backend, kCommBackends>()},
+    {"timeout_s", &CommConfig::timeout_s, RealRange{0.0, 1e7, true, false}},
+};
+
+// A section read by its table alone.
+template <typename S>
+void read_plain(ObjectReader& r, S& section, const Config& c) {
+  read_keys(r, section, c);
   r.finish();
 }
 
@@ -162,17 +202,18 @@ void read_comm(ObjectReader& r, CommConfig& m) {
 
 PorterReadState read_porter_section(ObjectReader& root, Config& c) {
   PorterReadState state;
-  std::optional<ObjectReader> r = root.object("porter");
-  if (r) {
-    if (std::optional<ObjectReader> s = r->object("model")) read_model(*s, c);
-    if (std::optional<ObjectReader> s = r->object("data")) read_data(*s, c.porter.data);
-    if (std::optional<ObjectReader> s = r->object("device")) read_device(*s, c.porter.device);
+  PorterSection& p = c.porter;
+  if (std::optional<ObjectReader> r = root.object("porter")) {
+    if (std::optional<ObjectReader> s = r->object("model")) read_plain(*s, p.model, c);
+    if (std::optional<ObjectReader> s = r->object("data")) read_data(*s, c);
+    if (std::optional<ObjectReader> s = r->object("device")) read_device(*s, c);
     if (std::optional<ObjectReader> s = r->object("checkpointing")) {
-      read_checkpointing(*s, c.porter.checkpointing, state);
+      state.policy_given = s->has("policy");
+      read_plain(*s, p.checkpointing, c);
     }
-    if (std::optional<ObjectReader> s = r->object("train")) read_train(*s, c.porter.train);
-    if (std::optional<ObjectReader> s = r->object("trace")) read_trace(*s, c.porter.trace);
-    if (std::optional<ObjectReader> s = r->object("comm")) read_comm(*s, c.porter.comm);
+    if (std::optional<ObjectReader> s = r->object("train")) read_plain(*s, p.train, c);
+    if (std::optional<ObjectReader> s = r->object("trace")) read_plain(*s, p.trace, c);
+    if (std::optional<ObjectReader> s = r->object("comm")) read_plain(*s, p.comm, c);
     r->finish();
   }
   check_model("porter.model", c);
@@ -271,6 +312,12 @@ void check_across_sections(const PorterReadState& state, Config& c) {
     case CheckpointPolicy::kSqrt:
       break;
   }
+}
+
+const PorterKeyTables& porter_key_tables() {
+  static const PorterKeyTables tables{kModelKeys, kDataKeys,  kDeviceKeys, kCheckpointingKeys,
+                                      kTrainKeys, kTraceKeys, kCommKeys};
+  return tables;
 }
 
 }  // namespace porter::config::detail

@@ -1,9 +1,13 @@
-// Internal to config/: the readers of each part of the document, and the JSON spelling of
-// every enum (shared by parsing, printing and to_string).
+// Internal to config/: the readers of each part of the document, the key table of each
+// section (shared by parsing and printing), and the JSON spelling of every enum.
 #pragma once
+
+#include <tuple>
+#include <type_traits>
 
 #include "config/config.h"
 #include "config/json_reader.h"
+#include "config/key_table.h"
 
 namespace porter::config::detail {
 
@@ -27,6 +31,34 @@ inline constexpr EnumName<CheckpointPolicy> kCheckpointPolicies[] = {
     {"uniform", CheckpointPolicy::kUniform}, {"block", CheckpointPolicy::kBlock},
     {"sqrt", CheckpointPolicy::kSqrt},       {"selective", CheckpointPolicy::kSelective},
     {"optimal", CheckpointPolicy::kOptimal}};
+
+// The key tables (Note [Key tables]): the DeepSpeed sections' in deepspeed_keys.cc, porter's
+// in porter_keys.cc. Config's own table holds the top-level scalars, OptimizerConfig's the
+// optimizer params. The scheduler has none: which keys it takes depends on its type.
+using DeepSpeedKeyTables =
+    std::tuple<KeyTable<Config>, KeyTable<OptimizerConfig>, KeyTable<Fp16Config>,
+               KeyTable<Bf16Config>, KeyTable<ZeroConfig>, KeyTable<OffloadOptimizerConfig>,
+               KeyTable<OffloadParamConfig>, KeyTable<ActivationCheckpointingConfig>>;
+using PorterKeyTables =
+    std::tuple<KeyTable<ModelConfig>, KeyTable<DataConfig>, KeyTable<DeviceConfig>,
+               KeyTable<CheckpointingConfig>, KeyTable<TrainConfig>, KeyTable<TraceConfig>,
+               KeyTable<CommConfig>>;
+const DeepSpeedKeyTables& deepspeed_key_tables();
+const PorterKeyTables& porter_key_tables();
+
+template <typename T, typename Tuple>
+inline constexpr bool kTupleHolds = false;
+template <typename T, typename... Ts>
+inline constexpr bool kTupleHolds<T, std::tuple<Ts...>> = (std::is_same_v<T, Ts> || ...);
+
+template <typename S>
+KeyTable<S> keys_of() {
+  if constexpr (kTupleHolds<KeyTable<S>, DeepSpeedKeyTables>) {
+    return std::get<KeyTable<S>>(deepspeed_key_tables());
+  } else {
+    return std::get<KeyTable<S>>(porter_key_tables());
+  }
+}
 
 // What the porter section's reading leaves for the checks that need the DeepSpeed keys too.
 struct PorterReadState {

@@ -20,6 +20,7 @@ size_t edit_distance(std::string_view a, std::string_view b);
 // "overlap_comm") count as close. Comparison ignores case. A candidate is close enough when
 // the distance is at most max(1, length/4) of the longer word; ties go to the earlier
 // candidate.
-std::optional<std::string> suggest(std::string_view word, const std::vector<std::string>& candidates);
+std::optional<std::string> suggest(std::string_view word,
+                                   const std::vector<std::string>& candidates);
 
 }  // namespace porter::config

@@ -169,6 +169,12 @@ const std::vector<InvalidCase>& invalid_cases() {
        "porter.model.tensor_parallel", "5"},
       {"model_tp_world", with("\"porter\": {\"model\": {\"tensor_parallel\": 4}}"),
        "porter.model.tensor_parallel", "world size 2", 2},
+      {"model_vocab_below_bytes_for_text",
+       with("\"porter\": {\"model\": {\"vocab\": 128}, \"data\": {\"type\": \"text\", "
+            "\"paths\": [\"a.txt\"]}}"),
+       "porter.model.vocab",
+       "porter.model.vocab: text data is byte-level and needs a vocab of at least 256, got 128 "
+       "(porter.data.type is \"text\"); set porter.model.vocab to 256"},
       {"model_tie_not_bool", with("\"porter\": {\"model\": {\"tie_embeddings\": 0}}"),
        "porter.model.tie_embeddings", "got 0"},
       {"data_type", with("\"porter\": {\"data\": {\"type\": \"parquet\"}}"), "porter.data.type", "\"parquet\""},

@@ -272,6 +272,16 @@ TEST(Policy, ContiguousMemoryNeedsNeitherPartitioningNorNumberCheckpoints) {
   EXPECT_FALSE(r.config.activation_checkpointing->partition_activations);
 }
 
+TEST(Rules, TextDataAcceptsAVocabOfExactlyTheByteValues) {
+  Config c = parse(R"({"train_batch_size": 1, "porter": {"model": {"vocab": 256},
+      "data": {"type": "text", "paths": "corpus.txt"}}})").config;
+  EXPECT_EQ(c.porter.model.vocab, 256);
+  // Synthetic data draws ids below the vocab, so any vocab works.
+  EXPECT_EQ(parse(R"({"train_batch_size": 1, "porter": {"model": {"vocab": 7}}})")
+                .config.porter.model.vocab,
+            7);
+}
+
 TEST(MalformedJson, ReportsLineAndColumn) {
   try {
     parse("{\n  \"train_batch_size\": 1,\n  \"fp16\": {\"enabled\": tru}\n}");
