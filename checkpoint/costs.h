@@ -8,7 +8,7 @@
 // checkpoints categories (memory::MemoryStats::activation_bytes). Figures are *deltas*,
 // measured on one stage in isolation, relative to the moment the operation starts. Because
 // the footprint is a plain sum of requested bytes, deltas add exactly: the simulator
-// (checkpoint/schedule.h) reproduces a whole step's peak from them to the byte. Stage
+// (checkpoint/simulate.h) reproduces a whole step's peak from them to the byte. Stage
 // inputs and outputs are accounted as separate objects (input_bytes, output_bytes), so a
 // delta never counts them twice:
 //   forward_peak_bytes   peak above the start of the forward (input alive), including the

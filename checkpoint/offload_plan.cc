@@ -15,7 +15,8 @@ int OffloadLayout::entry_at_hold(int op_index) const {
   return -1;
 }
 
-OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth) {
+OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth,
+                             bool contiguous) {
   PORTER_CHECK(prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", prefetch_depth,
                " must be >= 0 (0 loads each checkpoint on demand)");
   validate(schedule);
@@ -24,6 +25,7 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
   const int n = schedule.num_stages;
   const int num_ops = static_cast<int>(schedule.ops.size());
   OffloadLayout out;
+  out.contiguous = contiguous;
 
   // One pass keeping `cur` as the executor does (Note [Schedule semantics]): an op reads
   // held[i] only when its input is not cur. open[i] is the entry whose a_i is on the host;

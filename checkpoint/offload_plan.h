@@ -1,7 +1,7 @@
 // Where a schedule's host-held checkpoints go and when they come back: the pure function of
-// (schedule, costs, prefetch depth) that both the simulator (checkpoint/schedule.h) and the
-// checkpoint stash (offload/stash.h, driven by the engine's executor) follow, so predicted
-// and measured bytes agree exactly.
+// (schedule, costs, prefetch depth, contiguity) that both the simulator (checkpoint/simulate.h)
+// and the checkpoint stash (offload/stash.h, driven by the engine's executor) follow, so
+// predicted and measured bytes agree exactly.
 //
 // Note [Offload semantics]
 // A host hold is an op Forward(i, save, hold, offload) (checkpoint/schedule.h; validate()
@@ -29,8 +29,8 @@
 //               the pinned slot is released once the H2D copy has landed.
 // Footprint (what the simulator adds to Note [Activation bytes]): a host hold adds nothing at
 // hold_op; a read-back entry adds `bytes` of staging from just before prefetch_op until just
-// after release_op. With contiguous staging the arena (staging_slots x staging_slot_bytes)
-// counts for the whole micro-batch instead.
+// after release_op. With contiguous staging (OffloadLayout::contiguous) the arena
+// (staging_slots x staging_slot_bytes) counts for the whole micro-batch instead.
 // No host synchronisation happens anywhere unless synchronize_checkpoint_boundary is set
 // (then the host waits for each D2H copy right after issuing it).
 #pragma once
@@ -64,6 +64,11 @@ struct OffloadLayout {
   size_t pinned_bytes = 0;          // sum of entry bytes rounded to kPinnedSlotAlignment
   size_t staging_slot_bytes = 0;    // the largest read-back entry, rounded up
   int staging_slots = 0;            // read-back entries alive at once, at most
+  // contiguous_memory_optimization: the pinned slots and the staging slots are each carved
+  // from one arena, allocated when the stash adopts the layout, and the simulator counts the
+  // staging arena for the whole micro-batch. The stash runs only a layout whose contiguity
+  // is its own (Note [One contiguity] in offload/stash.h).
+  bool contiguous = false;
   size_t staging_arena_bytes() const { return staging_slot_bytes * static_cast<size_t>(staging_slots); }
   bool empty() const { return entries.empty(); }
   // The entry held at op `op_index`, or -1.
@@ -71,9 +76,10 @@ struct OffloadLayout {
   bool operator==(const OffloadLayout&) const = default;
 };
 
-// The layout of `schedule`'s host holds (Note [Offload semantics]). Staging slots are
-// assigned greedily in prefetch order, a slot becoming free after its entry's release_op.
-// Throws InvalidArgument for prefetch_depth < 0; validates the schedule first.
-OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth);
+// The layout of `schedule`'s host holds (Note [Offload semantics]), contiguous or not. Staging
+// slots are assigned greedily in prefetch order, a slot becoming free after its entry's
+// release_op. Throws InvalidArgument for prefetch_depth < 0; validates the schedule first.
+OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth,
+                             bool contiguous = false);
 
 }  // namespace porter::checkpoint

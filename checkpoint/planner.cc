@@ -1,6 +1,6 @@
-// The standard checkpoint policies as schedules, the per-stage summary, budgets, and
+// The standard checkpoint policies as schedules, the per-stage summary, budgets, the searches
+// around the Rotor/Rockmate program (Note [Plan search]; one solve is rotor.cc's), and
 // make_plan, which picks a policy's schedule and predicts it (Note [Policies] in planner.h).
-// The Rotor/Rockmate dynamic program lives in rotor.cc.
 #include "checkpoint/planner.h"
 
 #include <algorithm>
@@ -102,8 +102,8 @@ bool better(const Prediction& a, const Prediction& b, const ChainCosts& costs) {
 
 const char* kBudgetKey = "porter.checkpointing.memory_budget";
 
-// What simulate() assumes for a plan: the offload options, or without offload only the link
-// (for OffloadPrediction::timed).
+// What simulate() assumes for a plan besides its layout: the offload options, or without
+// offload only the link (for OffloadPrediction::timed).
 SimOptions sim_options(const OffloadOptions& offload) {
   if (offload.enabled) return offload.sim();
   SimOptions s;
@@ -122,7 +122,6 @@ struct Candidate {
 // configured number on device).
 std::vector<Candidate> standard_candidates(const ChainCosts& costs, const OffloadOptions& offload) {
   std::vector<Candidate> out;
-  const SimOptions sim = sim_options(offload);
   auto add = [&](std::string d, Schedule s) {
     // A policy that needs an option some stage lacks (full and sqrt checkpoint every stage)
     // is no candidate.
@@ -139,11 +138,11 @@ std::vector<Candidate> standard_candidates(const ChainCosts& costs, const Offloa
         bool seen = false;
         for (const Candidate& c : out) seen = seen || c.schedule == h;
         if (seen) continue;
-        Prediction p = simulate(h, costs, sim);
+        Prediction p = predict(h, costs, offload);
         out.push_back({d + ", host holds but the last " + std::to_string(keep), std::move(h), std::move(p)});
       }
     }
-    Prediction p = simulate(s, costs, sim);
+    Prediction p = predict(s, costs, offload);
     out.push_back({std::move(d), std::move(s), std::move(p)});
   };
   add("none", schedule_none(costs));
@@ -157,31 +156,6 @@ std::vector<Candidate> standard_candidates(const ChainCosts& costs, const Offloa
     any_selective |= s.is_block && s.option(SaveOption::kSelective).available;
   if (any_selective) add("selective", schedule_selective(costs));
   return out;
-}
-
-// The schedule with the lowest simulated peak among the optimal planner's candidates.
-Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offload) {
-  std::vector<Candidate> all = standard_candidates(costs, offload);
-  Candidate best = *std::min_element(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
-    return a.prediction.peak_activation_bytes < b.prediction.peak_activation_bytes;
-  });
-  // Binary search on the DP's budget below the best standard peak. Feasibility is monotone
-  // in the budget up to the discretisation, so stop at 0.1% precision.
-  size_t lo = 0, hi = best.prediction.peak_activation_bytes;
-  while (hi > lo + std::max<size_t>(1, hi / 1000)) {
-    const size_t mid = lo + (hi - lo) / 2;
-    std::optional<Schedule> s = schedule_rotor(costs, mid, offload);
-    if (!s) {
-      lo = mid;
-      continue;
-    }
-    Prediction p = simulate(*s, costs, sim_options(offload));
-    if (p.peak_activation_bytes < best.prediction.peak_activation_bytes) {
-      best = {"rotor", std::move(*s), std::move(p)};
-    }
-    hi = std::min(mid, best.prediction.peak_activation_bytes);
-  }
-  return best;
 }
 
 std::string policy_key(const char* key) { return std::string("porter.checkpointing.") + key; }
@@ -340,6 +314,101 @@ size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& cost
   return static_cast<size_t>(std::floor(f * static_cast<double>(none)));
 }
 
+OffloadLayout plan_layout(const Schedule& schedule, const ChainCosts& costs,
+                          const OffloadOptions& offload) {
+  if (offload.enabled) {
+    return layout_offload(schedule, costs, offload.prefetch_depth, offload.contiguous);
+  }
+  OffloadLayout none;
+  none.contiguous = offload.contiguous;
+  return none;
+}
+
+Prediction predict(const Schedule& schedule, const ChainCosts& costs,
+                   const OffloadOptions& offload) {
+  if (!offload.enabled) return simulate(schedule, costs, sim_options(offload));
+  return simulate(schedule, costs, plan_layout(schedule, costs, offload), offload.link_bytes_per_s);
+}
+
+// Note [Plan search]
+// Every loop around the Rotor program (checkpoint/rotor.h solves once) is here:
+//   reserve retries   schedule_rotor. With host holds the program does not charge the staged
+//                     copies alive ahead of their use (Note [Rotor recurrence] in rotor.cc),
+//                     so each result is simulated as the plan would run it (predict) and,
+//                     over budget, solved again within the budget less a reserve: first none,
+//                     then the overshoot measured, added up over four tries, then at least
+//                     depth x the largest offloadable input in staging slots (one slot more
+//                     with contiguous staging: the arena's slot for the copy in use). After
+//                     six tries, or when a reserve leaves nothing, the device-only program,
+//                     whose results the simulator always finds within the budget.
+//   budget bisection  minimum_candidate (minimum_budget_bytes, and make_plan when nothing
+//                     fits): a binary search on schedule_rotor's budget below the lowest
+//                     standard peak. Feasibility is monotone in the budget up to the
+//                     discretisation, so it stops at 0.1% precision.
+
+std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
+                                       const OffloadOptions& offload) {
+  PORTER_CHECK(costs.num_stages() >= 1, "schedule_rotor: the chain has no stages");
+  // Note [Plan search]: the reserve retries.
+  if (offload.enabled) {
+    PORTER_CHECK(offload.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ",
+                 offload.prefetch_depth, " must be >= 0");
+    size_t largest = 0;
+    for (int j = 1; j < costs.num_stages(); ++j) {
+      largest = std::max(largest, costs.stages[j].input_bytes);
+    }
+    const size_t slot = round_up(largest, kStagingSlotAlignment);
+    const size_t reserve =
+        slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0));
+    const RotorOptions host{true, offload.prefetch_depth, offload.link_bytes_per_s};
+    size_t r = 0;
+    for (int attempt = 0; attempt < 6 && r < budget_bytes; ++attempt) {
+      std::optional<Schedule> s = solve_rotor(costs, budget_bytes - r, host);
+      if (!s) break;  // a larger reserve leaves less
+      const size_t peak = predict(*s, costs, offload).peak_activation_bytes;
+      if (peak <= budget_bytes) return s;
+      r = attempt < 4 ? r + (peak - budget_bytes) : std::max(r + (peak - budget_bytes), reserve);
+    }
+  }
+  std::optional<Schedule> s = solve_rotor(costs, budget_bytes);
+  if (s) {
+    const Prediction p = simulate(*s, costs);
+    PORTER_ASSERT(p.peak_activation_bytes <= budget_bytes, "rotor schedule ", s->to_string(),
+                  " peaks at ", p.peak_activation_bytes, " bytes, over its budget of ",
+                  budget_bytes);
+  }
+  return s;
+}
+
+namespace {
+
+// The schedule with the lowest simulated peak among the optimal planner's candidates (Note
+// [Plan search]: the budget bisection).
+Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offload) {
+  std::vector<Candidate> all = standard_candidates(costs, offload);
+  auto lower = [](const Candidate& a, const Candidate& b) {
+    return a.prediction.peak_activation_bytes < b.prediction.peak_activation_bytes;
+  };
+  Candidate best = *std::min_element(all.begin(), all.end(), lower);
+  size_t lo = 0, hi = best.prediction.peak_activation_bytes;
+  while (hi > lo + std::max<size_t>(1, hi / 1000)) {
+    const size_t mid = lo + (hi - lo) / 2;
+    std::optional<Schedule> s = schedule_rotor(costs, mid, offload);
+    if (!s) {
+      lo = mid;
+      continue;
+    }
+    Prediction p = predict(*s, costs, offload);
+    if (p.peak_activation_bytes < best.prediction.peak_activation_bytes) {
+      best = {"rotor", std::move(*s), std::move(p)};
+    }
+    hi = std::min(mid, best.prediction.peak_activation_bytes);
+  }
+  return best;
+}
+
+}  // namespace
+
 size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload) {
   return minimum_candidate(costs, offload).prediction.peak_activation_bytes;
 }
@@ -348,7 +417,6 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
   PORTER_CHECK(costs.num_stages() >= 1, "make_plan: the chain has no stages");
   const config::CheckpointingConfig& ck = options.checkpointing;
   const OffloadOptions& offload = options.offload;
-  const SimOptions sim = sim_options(offload);
   Plan plan;
   plan.policy = ck.policy;
   plan.selective_policy = selective_policy(ck.selective_ops);
@@ -426,16 +494,16 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
         // finds nothing, the device-only minimum, so that offload never plans slower than
         // the same budget without it.
         if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
-          Prediction p = simulate(*r, costs, sim);
+          Prediction p = predict(*r, costs, offload);
           cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
         } else {
           Candidate m = minimum_candidate(costs, OffloadOptions{});
-          m.prediction = simulate(m.schedule, costs, sim);
+          m.prediction = predict(m.schedule, costs, offload);
           cands.push_back(std::move(m));
         }
       }
       if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload)) {
-        Prediction p = simulate(*r, costs, sim);
+        Prediction p = predict(*r, costs, offload);
         cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
       } else if (offload.enabled) {
         cands.push_back(minimum_candidate(costs, offload));
@@ -466,11 +534,11 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
   if (offload.enabled && ck.policy != config::CheckpointPolicy::kOptimal) {
     place_offload(plan.schedule, costs, offload.keep_last_on_device);
   }
-  plan.sim = sim;
-  plan.prediction = simulate(plan.schedule, costs, sim);
+  plan.sim = sim_options(offload);
+  plan.offload = plan_layout(plan.schedule, costs, offload);
+  plan.prediction = simulate(plan.schedule, costs, plan.offload, plan.sim.link_bytes_per_s);
   plan.stages = summarize(plan.schedule, costs, &plan.prediction);
   if (offload.enabled) {
-    plan.offload = layout_offload(plan.schedule, costs, offload.prefetch_depth);
     const size_t held = plan.offload.entries.size();
     if (held == 0) {
       plan.description += "; offload on, no checkpoint to offload";

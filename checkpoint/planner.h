@@ -2,6 +2,15 @@
 // selective, optimal) and a chain's costs into a Plan: the schedule the engine runs, a
 // per-stage summary, and the predicted peak and recompute time.
 //
+// The modules of checkpoint/ (each name.h + name.cc) depend on one another only downward:
+//   costs  <-  schedule  <-  offload_plan  <-  simulate  <-  planner
+//   costs  <-  schedule  <-  rotor  <-  planner
+//   costs  <-  analytic
+// costs: the per-stage cost model. schedule: schedules, validate() and the replay of a
+// schedule over costs. offload_plan: the layout of host holds. simulate: the replay with
+// staging and copy timing. rotor: one solve of the dynamic program. planner: the policies,
+// the searches around rotor, and make_plan. analytic: the costs of the built-in GPT.
+//
 // Note [Policies]
 // Stage granularity: the embedding, each block and the head of the GPT (any Layer of a
 // user chain). "Blocks" are the stages with StageCost::is_block (a user chain's stages are
@@ -40,6 +49,9 @@
 //                      make_plan keeps the fastest (simulated compute + exposed copy time)
 //                      of its result, the device-only program's and every standard plan on
 //                      device and offloaded, among those that fit the budget.
+// The plan carries the layout the stash runs (Plan::offload, made by plan_layout): its
+// contiguity is OffloadOptions::contiguous, with offload on or off, so that a stash built
+// from the same config (offload::StashOptions) adopts it.
 // The plan's prediction then includes staging bytes, pinned bytes and, when the costs have
 // times and the link bandwidth is known, the exposed copy time per stage.
 #pragma once
@@ -51,7 +63,9 @@
 
 #include "checkpoint/costs.h"
 #include "checkpoint/offload_plan.h"
+#include "checkpoint/rotor.h"
 #include "checkpoint/schedule.h"
+#include "checkpoint/simulate.h"
 #include "config/config.h"
 #include "nn/ctx.h"
 
@@ -80,8 +94,8 @@ struct Plan {
   std::optional<size_t> budget_bytes;  // optimal: the resolved budget
   Prediction prediction;
   std::string description;             // one line, e.g. "uniform: 3 segments of 4 blocks"
-  SimOptions sim;                      // what the prediction assumed (depth, arena, link)
-  OffloadLayout offload;               // empty without host holds
+  SimOptions sim;                      // what the prediction assumed (depth, link)
+  OffloadLayout offload;               // no entries without host holds; contiguous as planned
 };
 
 struct OffloadOptions {
@@ -90,7 +104,7 @@ struct OffloadOptions {
   int keep_last_on_device = 1;  // porter.checkpointing.keep_last_on_device
   bool contiguous = false;      // activation_checkpointing.contiguous_memory_optimization
   double link_bytes_per_s = 0;  // each direction: measured, or sim_link_gbps; 0 unknown
-  SimOptions sim() const { return {prefetch_depth, contiguous, link_bytes_per_s}; }
+  SimOptions sim() const { return {prefetch_depth, link_bytes_per_s}; }
 };
 
 struct PlanOptions {
@@ -111,8 +125,18 @@ nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
 Plan make_plan(const PlanOptions& options, const ChainCosts& costs);
 
 // The smallest activation peak any schedule the optimal planner considers can reach (with
-// host holds when `offload` is enabled).
+// host holds when `offload` is enabled): a bisection of schedule_rotor's budget below the
+// lowest standard peak (Note [Plan search] in planner.cc).
 size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload = {});
+
+// The layout make_plan gives `schedule`'s host holds under `offload`: layout_offload at its
+// prefetch depth and contiguity; with offload off, no entries and only the contiguity.
+OffloadLayout plan_layout(const Schedule& schedule, const ChainCosts& costs,
+                          const OffloadOptions& offload);
+
+// simulate() of `schedule` as make_plan predicts it under `offload` (its plan_layout, link).
+Prediction predict(const Schedule& schedule, const ChainCosts& costs,
+                   const OffloadOptions& offload);
 
 // A budget as bytes: fractions are of the `none` plan's predicted peak.
 size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& costs);
@@ -125,9 +149,10 @@ Schedule schedule_uniform(const ChainCosts& costs, int blocks_per_segment);
 Schedule schedule_block(const ChainCosts& costs, int checkpointed_blocks);
 Schedule schedule_sqrt(const ChainCosts& costs);
 Schedule schedule_selective(const ChainCosts& costs);
-// The Rotor/Rockmate DP alone (without the comparison with standard plans); nullopt when
-// nothing fits. With `offload.enabled` it also chooses host holds (Note [Offload
-// placement]); its result then fits `budget_bytes` under simulate(..., offload.sim()).
+// The Rotor/Rockmate DP (checkpoint/rotor.h) without the comparison with standard plans,
+// retried below the budget until its result fits under the simulator (Note [Plan search] in
+// planner.cc); nullopt when nothing fits. With `offload.enabled` it also chooses host holds
+// (Note [Offload placement]); its result then fits `budget_bytes` under predict(..., offload).
 std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
                                        const OffloadOptions& offload = {});
 

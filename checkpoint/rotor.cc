@@ -1,12 +1,13 @@
 // The Rotor dynamic program (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous
-// chains") with Rockmate's per-stage save options, over a ChainCosts, under a byte budget.
+// chains") with Rockmate's per-stage save options, over a ChainCosts, within a byte limit.
+#include "checkpoint/rotor.h"
+
 #include <algorithm>
-#include <cmath>
+#include <array>
 #include <limits>
+#include <vector>
 
 #include "base/check.h"
-#include "base/units.h"
-#include "checkpoint/planner.h"
 
 namespace porter::checkpoint {
 
@@ -32,22 +33,20 @@ namespace {
 // op, which the recurrence charges. Every size is rounded up to whole slots and the budget
 // down, so the DP never accepts a schedule the simulator would find over budget.
 //
-// Host holds (offload on, Note [Offload placement]). In a fresh context with s > 0 and
-// a_s > 0 bytes, F_all(o != keep) and F_ck(i) gain a host variant: the Forward of s holds
-// a_s on the host, so a_s is charged only while it is that forward's input (in F_ck(i),
-// not during the forwards s+1..i-1 either) and not in the subproblem that follows
-// (C(s+1, t, m - saved_o), C(i, t, m - saved_ck(s..i-1))). It is charged again where it is
-// back on the device: the Recompute(s) / Backward(s) of F_all, and the whole of C(s, i-1),
-// whose first op reads it. (A ck context never holds on the host: a_s is already held.)
-// Leaves have no host variant: nothing runs between the hold and the read.
+// Host holds (RotorOptions::host_holds; Note [Offload placement] in planner.h). In a fresh
+// context with s > 0 and a_s > 0 bytes, F_all(o != keep) and F_ck(i) gain a host variant:
+// the Forward of s holds a_s on the host, so a_s is charged only while it is that forward's
+// input (in F_ck(i), not during the forwards s+1..i-1 either) and not in the subproblem that
+// follows (C(s+1, t, m - saved_o), C(i, t, m - saved_ck(s..i-1))). It is charged again where
+// it is back on the device: the Recompute(s) / Backward(s) of F_all, and the whole of
+// C(s, i-1), whose first op reads it. (A ck context never holds on the host: a_s is already
+// held.) Leaves have no host variant: nothing runs between the hold and the read.
 // Two things the recurrence does not see, and how they are made safe or approximated:
 //   prefetch  a staged copy is alive from its prefetch op, up to `prefetch_depth` reads
-//             ahead of its use (and the contiguous arena always). schedule_rotor runs the
-//             program, simulates the result exactly and, over budget, reruns it on the budget
-//             less a reserve: the overshoot measured, accumulated over four tries, then at
-//             least depth x the largest offloadable input in staging slots (one slot more
-//             with contiguous staging). When nothing fits it falls back to the device-only
-//             program. Its result always fits under the simulator.
+//             ahead of its use (and the contiguous arena always). The planner's
+//             schedule_rotor simulates each result exactly and, over budget, solves again
+//             within the budget less a reserve (Note [Plan search] in planner.cc), so what it
+//             returns always fits under the simulator.
 //   time      a host variant costs the copy time the neighbouring compute cannot hide, per
 //             hold, with c = a_s / link: max(0, c - the forwards of stages s+1..n-1) for the
 //             D2H copy, plus for the H2D copy max(0, c - the backwards of the depth ops just
@@ -63,8 +62,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class Rotor {
  public:
-  Rotor(const ChainCosts& costs, size_t budget_bytes, const OffloadOptions& offload = {})
-      : costs_(costs), n_(costs.num_stages()), host_(offload.enabled), depth_(offload.prefetch_depth) {
+  Rotor(const ChainCosts& costs, size_t budget_bytes, const RotorOptions& options)
+      : costs_(costs), n_(costs.num_stages()), host_(options.host_holds),
+        depth_(options.prefetch_depth) {
     const int64_t n3 = static_cast<int64_t>(n_) * n_ * n_;
     slots_ = static_cast<int>(std::clamp<int64_t>(50'000'000 / std::max<int64_t>(1, n3), 50, 500));
     slot_bytes_ = std::max<size_t>(1, (budget_bytes + slots_ - 1) / slots_);
@@ -98,7 +98,7 @@ class Rotor {
       ck_prefix_.push_back(ck_prefix_.back() + opt_[2][j].saved);
     }
     // Host variants: the exposed copy time of each hold (see the Note), and which holds may go.
-    const bool timed = costs.has_times() && offload.link_bytes_per_s > 0.0;
+    const bool timed = costs.has_times() && options.link_bytes_per_s > 0.0;
     fwd_after_.assign(static_cast<size_t>(n_) + 1, 0.0);
     for (int j = n_ - 1; j >= 0; --j) {
       double f = kInf;
@@ -109,7 +109,8 @@ class Rotor {
     b_prefix_.assign(static_cast<size_t>(n_) + 1, 0.0);
     for (int j = 0; j < n_; ++j) b_prefix_[j + 1] = b_prefix_[j] + b_[j];
     for (int j = 0; j < n_; ++j) {
-      copy_s_.push_back(timed ? static_cast<double>(costs.stages[j].input_bytes) / offload.link_bytes_per_s : 0.0);
+      const double bytes = static_cast<double>(costs.stages[j].input_bytes);
+      copy_s_.push_back(timed ? bytes / options.link_bytes_per_s : 0.0);
       can_host_.push_back(host_ && j > 0 && costs.stages[j].input_bytes > 0);
     }
     cost_.assign(static_cast<size_t>(n_) * n_ * (m_ + 1), kInf);
@@ -271,39 +272,12 @@ class Rotor {
 
 }  // namespace
 
-std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
-                                       const OffloadOptions& offload) {
-  PORTER_CHECK(costs.num_stages() >= 1, "schedule_rotor: the chain has no stages");
-  if (offload.enabled) {
-    PORTER_CHECK(offload.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", offload.prefetch_depth,
-                 " must be >= 0");
-    // The staging the program does not see (Note [Rotor recurrence]): prefetched copies ahead
-    // of their use, and with contiguous staging the arena's slot for the copy in use.
-    size_t largest = 0;
-    for (int j = 1; j < costs.num_stages(); ++j) largest = std::max(largest, costs.stages[j].input_bytes);
-    const size_t slot = round_up(largest, kStagingSlotAlignment);
-    const size_t reserve =
-        slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0));
-    const SimOptions sim = offload.sim();
-    // First no reserve, then the overshoot the simulator measured, added up (a few times),
-    // then the conservative reserve.
-    size_t r = 0;
-    for (int attempt = 0; attempt < 6 && r < budget_bytes; ++attempt) {
-      std::optional<Schedule> s = Rotor(costs, budget_bytes - r, offload).solve();
-      if (!s) break;  // a larger reserve leaves less
-      const size_t peak = simulate(*s, costs, sim).peak_activation_bytes;
-      if (peak <= budget_bytes) return s;
-      r = attempt < 4 ? r + (peak - budget_bytes) : std::max(r + (peak - budget_bytes), reserve);
-    }
-  }
-  Rotor rotor(costs, budget_bytes);
-  std::optional<Schedule> s = rotor.solve();
-  if (s) {
-    const Prediction p = simulate(*s, costs);
-    PORTER_ASSERT(p.peak_activation_bytes <= budget_bytes, "rotor schedule ", s->to_string(),
-                  " peaks at ", p.peak_activation_bytes, " bytes, over its budget of ", budget_bytes);
-  }
-  return s;
+std::optional<Schedule> solve_rotor(const ChainCosts& costs, size_t limit_bytes,
+                                    const RotorOptions& options) {
+  PORTER_CHECK(costs.num_stages() >= 1, "solve_rotor: the chain has no stages");
+  PORTER_CHECK(options.prefetch_depth >= 0, "solve_rotor: prefetch depth ", options.prefetch_depth,
+               " must be >= 0");
+  return Rotor(costs, limit_bytes, options).solve();
 }
 
 }  // namespace porter::checkpoint

@@ -1,12 +1,10 @@
-// Schedules: printing, validation against Note [Schedule semantics], and the simulator that
-// replays a schedule over a chain's costs (Note [Activation bytes]).
+// Schedules: printing, validation against Note [Schedule semantics], and the replay of a
+// schedule over a chain's costs (Note [Activation bytes]) that the simulator builds on.
 #include "checkpoint/schedule.h"
 
 #include <algorithm>
 
-#include "base/check.h"
 #include "base/error.h"
-#include "checkpoint/offload_plan.h"
 
 namespace porter::checkpoint {
 
@@ -45,13 +43,13 @@ struct StageTape {
 };
 
 // The executor state of Note [Schedule semantics]. With costs it also keeps the footprint
-// (Note [Activation bytes]); without, it only checks the rules.
+// (Note [Activation bytes]); without, it only checks the rules (Note [One replay] in
+// schedule.h).
 class Replay {
  public:
-  // `layout` (with `options`): the staging of host holds (Note [Offload semantics]).
-  Replay(const Schedule& s, const ChainCosts* costs, const OffloadLayout* layout = nullptr,
-         const SimOptions* options = nullptr)
-      : schedule_(s), costs_(costs), layout_(layout), options_(options), n_(s.num_stages),
+  // `staging`: the staged copies of host holds (Note [Offload semantics]).
+  Replay(const Schedule& s, const ChainCosts* costs, const Staging* staging = nullptr)
+      : schedule_(s), costs_(costs), staging_(staging), n_(s.num_stages),
         held_(static_cast<size_t>(std::max(n_, 0)), false),
         held_host_(static_cast<size_t>(std::max(n_, 0)), false),
         tapes_(static_cast<size_t>(std::max(n_, 0))), forwards_(static_cast<size_t>(std::max(n_, 0)), 0),
@@ -121,15 +119,14 @@ class Replay {
   }
 
   // Staging in the footprint at the start of op op_ (after_ false) or after it (after_ true):
-  // an entry's bytes from just before its prefetch op to just after its release op; the
-  // whole arena throughout with contiguous staging.
+  // a window's bytes from just before its first op to just after its last; the arena
+  // throughout.
   size_t staging_bytes() const {
-    if (layout_ == nullptr) return 0;
-    if (options_ != nullptr && options_->contiguous) return layout_->staging_arena_bytes();
-    size_t total = 0;
-    for (const StashEntry& e : layout_->entries) {
-      if (e.prefetch_op < 0 || op_ < e.prefetch_op) continue;
-      if (after_ ? op_ < e.release_op : op_ <= e.release_op) total += e.bytes;
+    if (staging_ == nullptr) return 0;
+    size_t total = staging_->arena_bytes;
+    for (const StagingWindow& w : staging_->windows) {
+      if (op_ < w.first_op) continue;
+      if (after_ ? op_ < w.last_op : op_ <= w.last_op) total += w.bytes;
     }
     return total;
   }
@@ -265,8 +262,7 @@ class Replay {
 
   const Schedule& schedule_;
   const ChainCosts* costs_;  // not owned; null when only validating
-  const OffloadLayout* layout_;  // not owned; null without host holds
-  const SimOptions* options_;
+  const Staging* staging_;   // not owned; null when only validating
   int n_;
   int cur_ = 0;  // index j of the current activation a_j; -1 for none. a_0 = the tokens.
   std::vector<bool> held_;
@@ -279,56 +275,6 @@ class Replay {
   int op_ = 0;          // the op being applied
   bool after_ = false;  // its footprint is taken after it ran
 };
-
-// Note [Offload timing]
-// The copy timing model of simulate() (docs/offload.md). A compute clock T advances by each
-// op's compute time. An entry's D2H copy starts at max(T at the start of hold_op, the D2H
-// stream free) and lasts bytes / link; its H2D copy is issued at the start of prefetch_op and
-// starts at max(T there, its D2H end, the H2D stream free), lasting bytes / link. At the
-// start of use_op the compute stream waits max(0, H2D end - T): the wait is added to T, to
-// exposed_s and to exposed_by_stage[stage]. Copies of one direction run one at a time, in
-// issue order; the two directions overlap each other and the compute.
-void time_copies(const Schedule& schedule, const OffloadLayout& layout, const std::vector<double>& op_s,
-                 double link, int n, OffloadPrediction& out) {
-  out.timed = true;
-  out.exposed_by_stage.assign(static_cast<size_t>(n), 0.0);
-  std::vector<double> d2h_end(layout.entries.size(), 0.0), h2d_end(layout.entries.size(), 0.0);
-  // H2D issue order at one op: by use (the order layout_offload assigns prefetches in).
-  std::vector<size_t> by_use;
-  for (size_t e = 0; e < layout.entries.size(); ++e)
-    if (layout.entries[e].use_op >= 0) by_use.push_back(e);
-  std::sort(by_use.begin(), by_use.end(),
-            [&](size_t a, size_t b) { return layout.entries[a].use_op < layout.entries[b].use_op; });
-  double t = 0.0, d2h_free = 0.0, h2d_free = 0.0;
-  for (size_t k = 0; k < schedule.ops.size(); ++k) {
-    const int op = static_cast<int>(k);
-    for (size_t e : by_use) {
-      const StashEntry& s = layout.entries[e];
-      if (s.prefetch_op != op) continue;
-      const double c = static_cast<double>(s.bytes) / link;
-      const double start = std::max({t, d2h_end[e], h2d_free});
-      h2d_end[e] = h2d_free = start + c;
-      out.copy_busy_s += c;
-    }
-    for (size_t e : by_use) {
-      const StashEntry& s = layout.entries[e];
-      if (s.use_op != op) continue;
-      const double wait = std::max(0.0, h2d_end[e] - t);
-      t += wait;
-      out.exposed_s += wait;
-      out.exposed_by_stage[static_cast<size_t>(s.stage)] += wait;
-    }
-    for (size_t e = 0; e < layout.entries.size(); ++e) {
-      const StashEntry& s = layout.entries[e];
-      if (s.hold_op != op) continue;
-      const double c = static_cast<double>(s.bytes) / link;
-      const double start = std::max(t, d2h_free);
-      d2h_end[e] = d2h_free = start + c;
-      out.copy_busy_s += c;
-    }
-    t += op_s[k];
-  }
-}
 
 }  // namespace
 
@@ -346,35 +292,12 @@ void validate(const Schedule& schedule) {
   r.run();
 }
 
-Prediction simulate(const Schedule& schedule, const ChainCosts& costs, const SimOptions& options) {
-  PORTER_CHECK(options.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", options.prefetch_depth,
-               " must be >= 0");
-  PORTER_CHECK(options.link_bytes_per_s >= 0.0, "simulate: link bandwidth ", options.link_bytes_per_s,
-               " B/s must be >= 0 (porter.device.sim_link_gbps)");
-  const bool any_host = std::any_of(schedule.ops.begin(), schedule.ops.end(),
-                                    [](const ScheduleOp& op) { return op.offload; });
-  const bool timed = costs.has_times() && options.link_bytes_per_s > 0.0;
-  if (!any_host) {
-    Replay r(schedule, &costs);
-    r.run();
-    Prediction p = r.prediction();
-    if (timed) {
-      p.offload.timed = true;
-      p.offload.exposed_by_stage.assign(static_cast<size_t>(schedule.num_stages), 0.0);
-    }
-    return p;
-  }
-  const OffloadLayout layout = layout_offload(schedule, costs, options.prefetch_depth);
-  Replay r(schedule, &costs, &layout, &options);
+Prediction replay(const Schedule& schedule, const ChainCosts& costs, const Staging& staging,
+                  std::vector<double>* op_seconds) {
+  Replay r(schedule, &costs, &staging);
   r.run();
-  Prediction p = r.prediction();
-  p.offload.d2h_bytes = layout.offloaded_bytes;
-  for (const StashEntry& e : layout.entries) p.offload.h2d_bytes += e.use_op >= 0 ? e.bytes : 0;
-  p.offload.pinned_bytes = layout.pinned_bytes;
-  if (timed) {
-    time_copies(schedule, layout, r.op_seconds(), options.link_bytes_per_s, schedule.num_stages, p.offload);
-  }
-  return p;
+  if (op_seconds != nullptr) *op_seconds = r.op_seconds();
+  return r.prediction();
 }
 
 }  // namespace porter::checkpoint

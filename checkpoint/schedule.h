@@ -1,7 +1,7 @@
 // A schedule: the exact sequence of stage forwards, recomputes and backwards of one
 // micro-batch. Every policy compiles to one (checkpoint/planner.h); the engine executes it
-// (engine/engine.cc) and the simulator below predicts its activation peak and recompute time
-// from a ChainCosts without running anything.
+// (engine/engine.cc) and the replay below predicts its activation peak and recompute time
+// from a ChainCosts without running anything (checkpoint/simulate.h adds the offload).
 //
 // Note [Schedule semantics]
 // Stage i maps activation a_i to a_{i+1}; a_0 is the token ids, and the last stage's output
@@ -78,6 +78,7 @@ struct Schedule {
 void validate(const Schedule& schedule);
 
 // What the simulator predicts for the offload of one micro-batch (zero without host holds).
+// replay() sets peak_staging_bytes; simulate() (checkpoint/simulate.h) the rest.
 struct OffloadPrediction {
   size_t d2h_bytes = 0;             // bytes copied to host (= offloaded bytes)
   size_t h2d_bytes = 0;             // bytes copied back (a hold never read back is not)
@@ -85,7 +86,7 @@ struct OffloadPrediction {
   size_t peak_staging_bytes = 0;    // staging bytes in the footprint at once, at most
                                     // (the whole arena with contiguous staging)
   // Only when the costs have times and the link bandwidth is known (SimOptions). The model
-  // (Note [Offload timing] in schedule.cc, docs/offload.md): a compute clock T advances by
+  // (Note [Offload timing] in simulate.cc, docs/offload.md): a compute clock T advances by
   // each op's time (forward_s of its option, recompute_s, backward_s). Entry e's D2H copy
   // starts at max(T at the start of its hold_op, the D2H stream free) and lasts bytes / link;
   // its H2D copy is issued at the start of prefetch_op and starts at max(T there, the D2H
@@ -101,14 +102,6 @@ struct OffloadPrediction {
   double hidden_fraction() const {
     return copy_busy_s > 0 ? 1.0 - exposed_s / copy_busy_s : 1.0;
   }
-};
-
-struct SimOptions {
-  int prefetch_depth = 1;          // Note [Offload semantics]
-  // Staging from one arena sized at engine start (contiguous_memory_optimization): the
-  // arena's bytes count in the footprint for the whole micro-batch instead of per load.
-  bool contiguous = false;
-  double link_bytes_per_s = 0.0;   // each direction; 0: unknown (no timing)
 };
 
 // What the simulator predicts for one micro-batch of a schedule.
@@ -128,9 +121,31 @@ struct Prediction {
   OffloadPrediction offload;
 };
 
-// Replays `schedule` against `costs` (Note [Activation bytes]), with the staging slots of
-// its host holds as `options` place them (checkpoint/offload_plan.h). Validates first.
-Prediction simulate(const Schedule& schedule, const ChainCosts& costs,
-                    const SimOptions& options = {});
+// Note [One replay]
+// One state machine both checks a schedule (validate) and predicts its footprint (replay), so
+// the rules and the bytes cannot drift apart. It lives here, below the offload layout
+// (checkpoint/offload_plan.h validates before laying out), and the simulator above both
+// (checkpoint/simulate.h) hands it the layout's staging as plain windows, so that this module
+// needs nothing of the layout.
+//
+// Staged copies that replay() adds to the footprint: the host holds' copies on their way
+// back (Note [Offload semantics] in checkpoint/offload_plan.h says which ops bound them). A
+// window counts `bytes` from just before op `first_op` to just after op `last_op`;
+// `arena_bytes` counts for the whole micro-batch (contiguous staging).
+struct StagingWindow {
+  int first_op = 0;
+  int last_op = 0;
+  size_t bytes = 0;
+};
+struct Staging {
+  size_t arena_bytes = 0;
+  std::vector<StagingWindow> windows;
+};
+
+// The replay behind validate() and simulate(): checks Note [Schedule semantics] op by op and
+// predicts the footprint (Note [Activation bytes]) and compute of `schedule` over `costs`,
+// with `staging` added. Each op's compute time goes to `op_seconds` when given.
+Prediction replay(const Schedule& schedule, const ChainCosts& costs, const Staging& staging = {},
+                  std::vector<double>* op_seconds = nullptr);
 
 }  // namespace porter::checkpoint

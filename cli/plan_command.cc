@@ -56,7 +56,7 @@ nlohmann::ordered_json offload_json(const checkpoint::Plan& plan, double link_by
           {"staging_peak_bytes", p.peak_staging_bytes},
           {"staging_slots", l.staging_slots},
           {"staging_slot_bytes", l.staging_slot_bytes},
-          {"contiguous", plan.sim.contiguous},
+          {"contiguous", plan.offload.contiguous},
           {"prefetch_depth", plan.sim.prefetch_depth},
           {"d2h_bytes", p.d2h_bytes},
           {"h2d_bytes", p.h2d_bytes},
@@ -78,7 +78,7 @@ void print_offload(const checkpoint::Plan& plan, double link_bytes_per_s, int64_
       << format_bytes(p.h2d_bytes) << " back); pinned " << format_bytes(l.pinned_bytes)
       << "; staging " << format_bytes(p.peak_staging_bytes) << " at most ("
       << l.staging_slots << " slot" << (l.staging_slots == 1 ? "" : "s") << " of "
-      << format_bytes(l.staging_slot_bytes) << (plan.sim.contiguous ? ", one contiguous arena" : "")
+      << format_bytes(l.staging_slot_bytes) << (l.contiguous ? ", one contiguous arena" : "")
       << "); prefetch depth " << plan.sim.prefetch_depth << "\n";
   if (p.timed) {
     char buf[64];

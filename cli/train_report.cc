@@ -200,7 +200,7 @@ ordered_json offload_report(const TrainRun& run, engine::Engine& engine) {
       {"pinned_bytes", plan.offload.pinned_bytes},
       {"staging_peak_bytes", p.peak_staging_bytes},
       {"prefetch_depth", plan.sim.prefetch_depth},
-      {"contiguous", plan.sim.contiguous},
+      {"contiguous", plan.offload.contiguous},
       {"timed", p.timed},
       {"copy_busy_s_per_step", timed(p.copy_busy_s * mbs)},
       {"exposed_s_per_step", timed(p.exposed_s * mbs)},

@@ -156,6 +156,16 @@ CheckpointStash::~CheckpointStash() {
 
 void CheckpointStash::prepare(const checkpoint::OffloadLayout& layout) {
   PORTER_CHECK_T(UsageError, !impl_->active, "CheckpointStash::prepare during a micro-batch");
+  // Note [One contiguity]: the prediction of a layout is of its own contiguity, so the stash
+  // runs no other.
+  auto on_off = [](bool b) { return b ? "true" : "false"; };
+  PORTER_CHECK(layout.contiguous == options_.contiguous,
+               "CheckpointStash::prepare: the offload layout was planned with "
+               "activation_checkpointing.contiguous_memory_optimization = ",
+               on_off(layout.contiguous), " but the stash runs with ", on_off(options_.contiguous),
+               ", so the plan's staging and pinned bytes are not what the stash would allocate; "
+               "plan with the engine's offload options (make_plan with "
+               "checkpoint::offload_options(config), or plan_layout with the same contiguity)");
   const memory::PinnedStats ps = pinned_->stats();
   // The stash's own arena is given back before the new one is taken, so it does not count.
   const size_t own = impl_->pinned_arena.size_bytes();

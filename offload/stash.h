@@ -23,6 +23,14 @@
 // their baseline. The host never blocks inside a micro-batch except in fetch() on cpu (where
 // the compute stream is the host thread) and after each D2H with synchronize_boundary.
 //
+// Note [One contiguity]
+// contiguous_memory_optimization changes what a layout costs: the simulator counts the staging
+// arena for the whole micro-batch, where separate slots count only while they are staged. A
+// plan is a prediction of one of the two, so the flag lives once in what the plan carries
+// (checkpoint::OffloadLayout::contiguous, set by the planner from OffloadOptions::contiguous)
+// and once in what the stash runs (StashOptions::contiguous, set by the engine from the
+// config), and prepare() refuses a layout whose contiguity is not the stash's.
+//
 // Timing uses host callbacks on the streams (both devices): a callback just before and just
 // after each copy gives its busy interval; a callback on the compute stream at fetch() gives
 // when compute reached the wait, and the wait is exposed by max(0, copy end - reached).
@@ -45,7 +53,9 @@
 namespace porter::offload {
 
 struct StashOptions {
-  bool contiguous = false;            // contiguous_memory_optimization: one arena each side
+  // contiguous_memory_optimization: one arena each side. Layouts must agree (Note [One
+  // contiguity]).
+  bool contiguous = false;
   bool synchronize_boundary = false;  // synchronize_checkpoint_boundary
 };
 
@@ -101,13 +111,15 @@ class CheckpointStash {
   CheckpointStash(const CheckpointStash&) = delete;
   CheckpointStash& operator=(const CheckpointStash&) = delete;
 
-  // Adopts `layout` (at engine start and on every replan). Checks layout.pinned_bytes against
-  // the pinned pool's limit first and throws OutOfMemoryError naming
-  // porter.device.pinned_limit, the bytes needed and the limit. With contiguous, allocates
-  // the pinned arena (layout.pinned_bytes) and the staging arena (staging_arena_bytes(),
-  // category `staging`) beside the previous ones, then frees those. On failure nothing new
-  // stays allocated and the previous layout remains, except when only freeing the previous
-  // arenas first would have made room: then the stash is left with an empty layout.
+  // Adopts `layout` (at engine start and on every replan). Throws InvalidArgument, with
+  // nothing changed, for a layout whose contiguity is not StashOptions::contiguous (Note [One
+  // contiguity]). Checks layout.pinned_bytes against the pinned pool's limit first and
+  // throws OutOfMemoryError naming porter.device.pinned_limit, the bytes needed and the
+  // limit. With contiguous, allocates the pinned arena (layout.pinned_bytes) and the staging
+  // arena (staging_arena_bytes(), category `staging`) beside the previous ones, then frees
+  // those. On failure nothing new stays allocated and the previous layout remains, except
+  // when only freeing the previous arenas first would have made room: then the stash is left
+  // with an empty layout.
   void prepare(const checkpoint::OffloadLayout& layout);
   const checkpoint::OffloadLayout& layout() const { return layout_; }
 

@@ -347,8 +347,23 @@ TEST(PlannerOffloadTest, OptionsFromTheConfig) {
   EXPECT_DOUBLE_EQ(o.link_bytes_per_s, 0.5e9);
   const SimOptions sim = o.sim();
   EXPECT_EQ(sim.prefetch_depth, 3);
-  EXPECT_TRUE(sim.contiguous);
   EXPECT_DOUBLE_EQ(sim.link_bytes_per_s, 0.5e9);
+  // The contiguity goes into the plan's layout, with offload on and off (the stash built
+  // from the same config runs only that one).
+  const ChainCosts c = analytic_gpt_costs({tiny(2), 2, 16, nn::DType::kF32});
+  PlanOptions po = options_for(config::CheckpointPolicy::kFull);
+  po.offload = o;
+  const Plan on = make_plan(po, c);
+  EXPECT_TRUE(on.offload.contiguous);
+  EXPECT_FALSE(on.offload.empty());
+  EXPECT_EQ(on.offload, layout_offload(on.schedule, c, 3, true));
+  EXPECT_EQ(on.offload, plan_layout(on.schedule, c, o));
+  po.offload.enabled = false;
+  const Plan off = make_plan(po, c);
+  EXPECT_TRUE(off.offload.contiguous);
+  EXPECT_TRUE(off.offload.empty());
+  po.offload.contiguous = false;
+  EXPECT_FALSE(make_plan(po, c).offload.contiguous);
 }
 
 TEST(PlannerOffloadTest, StandardPlansPlaceAndPredictTheOffload) {
@@ -463,7 +478,6 @@ TEST(PlannerOffloadTest, OffloadNeverRaisesThePeakOfFullOrUniform) {
 // fits, and its Rotor schedule fits too.
 void check_optimal_offload(const ChainCosts& c, const OffloadOptions& off, const char* what) {
   SCOPED_TRACE(what);
-  const SimOptions sim = off.sim();
   const size_t none = simulate(schedule_none(c), c).peak_activation_bytes;
   const size_t min_dev = minimum_budget_bytes(c);
   const size_t min_off = minimum_budget_bytes(c, off);
@@ -491,18 +505,18 @@ void check_optimal_offload(const ChainCosts& c, const OffloadOptions& off, const
   std::uniform_int_distribution<size_t> u(min_off, none);
   std::vector<size_t> budgets = {min_off, (min_off + min_dev) / 2, min_dev};
   for (int k = 0; k < 8; ++k) budgets.push_back(u(rng));
-  for (const Schedule& r : rivals) budgets.push_back(simulate(r, c, sim).peak_activation_bytes);
+  for (const Schedule& r : rivals) budgets.push_back(predict(r, c, off).peak_activation_bytes);
   for (size_t budget : budgets) {
     SCOPED_TRACE("budget " + std::to_string(budget));
     o.budget = config::MemoryBudget{uint64_t{budget}};
     const Plan p = make_plan(o, c);
     EXPECT_NO_THROW(validate(p.schedule));
-    const Prediction exact = simulate(p.schedule, c, sim);
+    const Prediction exact = predict(p.schedule, c, off);
     EXPECT_LE(exact.peak_activation_bytes, budget) << p.schedule.to_string();
     EXPECT_EQ(exact.peak_activation_bytes, p.prediction.peak_activation_bytes);
-    EXPECT_EQ(p.offload, layout_offload(p.schedule, c, off.prefetch_depth));
+    EXPECT_EQ(p.offload, layout_offload(p.schedule, c, off.prefetch_depth, off.contiguous));
     for (const Schedule& r : rivals) {
-      const Prediction rp = simulate(r, c, sim);
+      const Prediction rp = predict(r, c, off);
       if (rp.peak_activation_bytes <= budget) {
         EXPECT_LE(time(p.prediction), time(rp) + 1e-9) << r.to_string();
       }
@@ -511,10 +525,11 @@ void check_optimal_offload(const ChainCosts& c, const OffloadOptions& off, const
       PlanOptions d = o;
       d.offload.enabled = false;
       const Plan dp = make_plan(d, c);
-      EXPECT_LE(time(p.prediction), time(simulate(dp.schedule, c, sim)) + 1e-9) << dp.schedule.to_string();
+      EXPECT_LE(time(p.prediction), time(predict(dp.schedule, c, off)) + 1e-9)
+          << dp.schedule.to_string();
     }
     if (auto r = schedule_rotor(c, budget, off)) {
-      EXPECT_LE(simulate(*r, c, sim).peak_activation_bytes, budget) << r->to_string();
+      EXPECT_LE(predict(*r, c, off).peak_activation_bytes, budget) << r->to_string();
     }
   }
 

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "base/error.h"
+#include "checkpoint/offload_plan.h"
+#include "checkpoint/simulate.h"
 
 namespace porter::checkpoint {
 namespace {
@@ -275,9 +277,7 @@ TEST(ScheduleTest, HostHoldsLeaveTheFootprintAndStagingComesBack) {
   EXPECT_EQ(p1.peak_total_bytes, 170u);
 
   // Contiguous, depth 1: two slots of 512 bytes (10 rounded) count throughout.
-  SimOptions ct;
-  ct.contiguous = true;
-  const Prediction pc = simulate(full_host(), c, ct);
+  const Prediction pc = simulate(full_host(), c, layout_offload(full_host(), c, 1, true));
   EXPECT_THAT(pc.footprint_after_op,
               ElementsAre(1034u, 1034u, 1024u, 1124u, 1024u, 1124u, 1024u, 1124u, 1024u));
   EXPECT_EQ(pc.peak_activation_bytes, 1024u + 120u);  // F1 at 10 + 110, plus the arena
@@ -293,6 +293,30 @@ TEST(ScheduleTest, HostHoldsLeaveTheFootprintAndStagingComesBack) {
   EXPECT_EQ(simulate(dev_full, c, SimOptions{}).peak_activation_bytes, 121u);
   EXPECT_EQ(simulate(dev_full, c, SimOptions{}).offload.d2h_bytes, 0u);
   EXPECT_EQ(dev.offload.d2h_bytes, 10u);
+}
+
+// The contiguity the simulator counts is the layout's; a layout that is not the schedule's
+// own is refused, naming both.
+TEST(ScheduleTest, SimulateTakesTheLayoutItIsGivenAndNoOther) {
+  const ChainCosts c = toy_chain(3);
+  const OffloadLayout slots = layout_offload(full_host(), c, 1);
+  EXPECT_FALSE(slots.contiguous);
+  EXPECT_EQ(simulate(full_host(), c, slots).footprint_after_op,
+            simulate(full_host(), c, SimOptions{}).footprint_after_op);
+  const OffloadLayout arena = layout_offload(full_host(), c, 1, true);
+  EXPECT_TRUE(arena.contiguous);
+  EXPECT_EQ(simulate(full_host(), c, arena).offload.peak_staging_bytes,
+            arena.staging_arena_bytes());
+  for (const OffloadLayout& wrong : {layout_offload(full_host(true), c, 1), OffloadLayout{}}) {
+    try {
+      simulate(full_host(), c, wrong);
+      FAIL();
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("simulate: the offload layout has " +
+                                      std::to_string(wrong.entries.size()) +
+                                      " entries that are not the schedule's 2 host holds"));
+    }
+  }
 }
 
 TEST(ScheduleTest, ReforwardReadingAStagedInputCountsItOnce) {

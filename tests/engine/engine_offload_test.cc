@@ -129,10 +129,10 @@ checkpoint::Plan optimal_with_host_holds(Engine& e, const config::Config& c) {
     o.budget = config::MemoryBudget{static_cast<uint64_t>(lo + (hi - lo) * i / 16)};
     checkpoint::Plan plan = checkpoint::make_plan(o, e.costs());
     if (plan.offload.empty()) continue;
-    const checkpoint::SimOptions sim = checkpoint::offload_options(c).sim();
-    plan.sim = sim;
-    plan.offload = checkpoint::layout_offload(plan.schedule, e.costs(), sim.prefetch_depth);
-    plan.prediction = checkpoint::simulate(plan.schedule, e.costs(), sim);
+    const checkpoint::OffloadOptions own = checkpoint::offload_options(c);
+    plan.sim = own.sim();
+    plan.offload = checkpoint::plan_layout(plan.schedule, e.costs(), own);
+    plan.prediction = checkpoint::predict(plan.schedule, e.costs(), own);
     return plan;
   }
   ADD_FAILURE() << "no budget gives the optimal planner a host hold";
@@ -353,6 +353,40 @@ TEST(EngineOffloadTest, PinnedLimitBelowThePlanIsAClearErrorBeforeTraining) {
     EXPECT_EQ(e->plan().offload, before.offload);
     const RunResult ref = reference_run(false, 2);
     expect_same(run_steps(*e, fc, 2), ref);
+  }
+}
+
+// The engine's stash runs the config's contiguous_memory_optimization; a plan made under the
+// other one is refused by set_plan, and the old plan, its arenas and its training stay.
+TEST(EngineOffloadTest, APlanOfTheOtherContiguityIsRefusedAndTheOldPlanStays) {
+  const RunResult ref = reference_run(false, 2);
+  for (bool contiguous : {false, true}) {
+    SCOPED_TRACE(contiguous ? "contiguous engine" : "slots engine");
+    const config::Config c = offload_config(CheckpointPolicy::kFull, {true, 1, contiguous, 0});
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    const checkpoint::Plan before = e->plan();
+    ASSERT_FALSE(before.offload.empty());
+    EXPECT_EQ(before.offload.contiguous, contiguous);
+    const size_t requested = e->allocator().stats().requested_bytes;
+    const size_t pinned = e->pinned_pool().stats().in_use_bytes;
+    checkpoint::PlanOptions other;
+    other.checkpointing = c.porter.checkpointing;
+    other.offload = checkpoint::offload_options(c);
+    other.offload.link_bytes_per_s = e->link_bytes_per_s();
+    other.offload.contiguous = !contiguous;
+    const checkpoint::Plan plan = checkpoint::make_plan(other, e->costs());
+    ASSERT_EQ(plan.offload.contiguous, !contiguous);
+    const std::string msg = error_of<InvalidArgument>([&] { e->set_plan(plan); });
+    auto name = [](bool b) { return std::string(b ? "true" : "false"); };
+    EXPECT_THAT(msg, HasSubstr("activation_checkpointing.contiguous_memory_optimization = " +
+                               name(!contiguous) + " but the stash runs with " + name(contiguous)));
+    EXPECT_THAT(msg, HasSubstr("plan with the engine's offload options"));
+    EXPECT_EQ(e->plan().schedule, before.schedule);
+    EXPECT_EQ(e->plan().offload, before.offload);
+    EXPECT_EQ(e->allocator().stats().requested_bytes, requested);
+    EXPECT_EQ(e->pinned_pool().stats().in_use_bytes, pinned);
+    expect_same(run_steps(*e, c, 2), ref);
   }
 }
 

@@ -2,6 +2,7 @@
 // contiguous arenas, slow links with poisoned frees, the pinned limit, and the failure paths.
 #include "offload/stash.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -33,9 +34,10 @@ std::unique_ptr<memory::CpuDevice> make_cpu(double link_gbps = 0, size_t pinned 
 }
 
 // n entries of kBytes each, held at ops 0..n-1, used and released in reverse, one staging slot
-// per entry (enough for any prefetch order the tests use).
-OffloadLayout layout_of(int n) {
+// per entry (enough for any prefetch order the tests use), planned contiguous or not.
+OffloadLayout layout_of(int n, bool contiguous = false) {
   OffloadLayout l;
+  l.contiguous = contiguous;
   for (int i = 0; i < n; ++i) {
     StashEntry e;
     e.stage = i + 1;
@@ -130,7 +132,7 @@ TEST(StashTest, RoundTripRestoresEveryByteAndReturnsToBaseline) {
 
 TEST(StashTest, ContiguousArenasAreCarvedOnceAndSlotsSitAtTheirOffsets) {
   Fixture f(0, /*contiguous=*/true);
-  const OffloadLayout layout = layout_of(3);
+  const OffloadLayout layout = layout_of(3, true);
   f.stash.prepare(layout);
   // The arenas: one pinned allocation, one staging allocation (in the footprint).
   EXPECT_EQ(f.pinned.stats().in_use_bytes, 3 * kBytes);
@@ -162,7 +164,7 @@ TEST(StashTest, ContiguousArenasAreCarvedOnceAndSlotsSitAtTheirOffsets) {
 TEST(StashTest, SlowLinkWithPoisonedFreesKeepsEveryByte) {
   for (bool contiguous : {false, true}) {
     Fixture f(/*link_gbps=*/0.5, contiguous, /*poison=*/true);
-    f.stash.prepare(layout_of(2));
+    f.stash.prepare(layout_of(2, contiguous));
     for (int mb = 0; mb < 2; ++mb) {
       f.stash.begin(mb);
       f.stash.offload(0, filled(f.allocator, 7.0f + static_cast<float>(mb)));
@@ -216,7 +218,7 @@ TEST(StashTest, PinnedLimitIsCheckedBeforeAnythingIsAllocated) {
   for (bool contiguous : {false, true}) {
     Fixture f(0, contiguous, true, /*pinned_limit=*/kBytes);
     try {
-      f.stash.prepare(layout_of(2));
+      f.stash.prepare(layout_of(2, contiguous));
       FAIL() << "prepare accepted 2 checkpoints within a pinned limit of 1";
     } catch (const OutOfMemoryError& e) {
       EXPECT_NE(std::string(e.what()).find("porter.device.pinned_limit"), std::string::npos) << e.what();
@@ -225,15 +227,57 @@ TEST(StashTest, PinnedLimitIsCheckedBeforeAnythingIsAllocated) {
     EXPECT_EQ(f.pinned.stats().in_use_bytes, 0u);
     EXPECT_EQ(f.allocator.stats().requested_bytes, 0u);
     EXPECT_TRUE(f.stash.layout().empty());
-    f.stash.prepare(layout_of(1));  // one fits
+    f.stash.prepare(layout_of(1, contiguous));  // one fits
     round_trip(f, 1, 0);
+  }
+}
+
+// Note [One contiguity]: a layout planned under the other contiguity is refused with nothing
+// changed: the previous layout stays, and so do its arenas and every byte allocated.
+TEST(StashTest, ALayoutOfTheOtherContiguityIsRefused) {
+  auto name = [](bool b) { return std::string(b ? "true" : "false"); };
+  for (bool contiguous : {false, true}) {
+    SCOPED_TRACE(contiguous ? "contiguous stash" : "slots stash");
+    Fixture f(0, contiguous);
+    const OffloadLayout own = layout_of(2, contiguous);
+    f.stash.prepare(own);
+    const size_t requested = f.allocator.stats().requested_bytes;
+    const size_t staging =
+        f.allocator.stats().by_category[memory::index_of(Category::kStaging)].current_bytes;
+    const size_t pinned = f.pinned.stats().in_use_bytes;
+    const size_t device_pinned = f.device->pinned_bytes_in_use();
+    EXPECT_EQ(pinned, contiguous ? 2 * kBytes : 0u);
+    EXPECT_EQ(staging, contiguous ? 2 * kBytes : 0u);
+    for (int n : {0, 3}) {
+      try {
+        f.stash.prepare(layout_of(n, !contiguous));
+        FAIL() << "prepare accepted a layout of the other contiguity";
+      } catch (const InvalidArgument& e) {
+        const std::string msg = e.what();
+        EXPECT_THAT(msg, ::testing::HasSubstr(
+                             "planned with activation_checkpointing.contiguous_memory_optimization"
+                             " = " + name(!contiguous) + " but the stash runs with " +
+                             name(contiguous)));
+        EXPECT_THAT(msg, ::testing::HasSubstr("plan with the engine's offload options (make_plan "
+                                              "with checkpoint::offload_options(config)"));
+      }
+      EXPECT_EQ(f.stash.layout(), own);
+      EXPECT_EQ(f.allocator.stats().requested_bytes, requested);
+      EXPECT_EQ(f.allocator.stats().by_category[memory::index_of(Category::kStaging)].current_bytes,
+                staging);
+      EXPECT_EQ(f.pinned.stats().in_use_bytes, pinned);
+      EXPECT_EQ(f.device->pinned_bytes_in_use(), device_pinned);
+    }
+    round_trip(f, 2, 0);  // the previous layout still runs
+    f.stash.synchronize();
+    EXPECT_EQ(f.allocator.stats().requested_bytes, requested);
   }
 }
 
 TEST(StashTest, AbortMidMicroBatchFreesEverything) {
   for (bool contiguous : {false, true}) {
     Fixture f(/*link_gbps=*/0.5, contiguous, true);
-    f.stash.prepare(layout_of(3));
+    f.stash.prepare(layout_of(3, contiguous));
     const size_t baseline = f.allocator.stats().requested_bytes;
     const size_t pinned_baseline = f.pinned.stats().in_use_bytes;
     f.stash.begin(0);

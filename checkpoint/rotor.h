@@ -1,0 +1,29 @@
+// The Rotor dynamic program (Beaumont et al. 2019) with Rockmate's per-stage save options and
+// host holds: one solve over a chain's costs within a byte limit. The searches around it (the
+// reserve retries and the budget bisection) are the planner's (checkpoint/planner.h).
+#pragma once
+
+#include <cstddef>
+#include <optional>
+
+#include "checkpoint/costs.h"
+#include "checkpoint/schedule.h"
+
+namespace porter::checkpoint {
+
+// What the program may choose and what a host hold costs it (Note [Rotor recurrence] in
+// rotor.cc).
+struct RotorOptions {
+  bool host_holds = false;        // a hold may live on the host (offload on)
+  int prefetch_depth = 1;         // the backwards before a use that hide its H2D copy
+  double link_bytes_per_s = 0.0;  // each direction; 0: copies cost nothing
+};
+
+// The schedule of least compute (time with times, else FLOPs, else stage runs) whose
+// footprint, as the recurrence charges it, stays within `limit_bytes`; nullopt when none
+// does. Without host holds the simulator finds it within the limit too; with them it may
+// not, since staging ahead of a use is not charged (the planner's schedule_rotor retries).
+std::optional<Schedule> solve_rotor(const ChainCosts& costs, size_t limit_bytes,
+                                    const RotorOptions& options = {});
+
+}  // namespace porter::checkpoint
