@@ -33,6 +33,15 @@ void CommunicatorBase::add_stats(const CommStats& delta) {
   stats_.busy_s += delta.busy_s;
 }
 
+void CommunicatorBase::finish_op(Work::State& state, std::exception_ptr err, double start,
+                                 CommStats counted) {
+  if (err) fail(err);
+  const double end = now_s();
+  counted.busy_s += end - start;
+  add_stats(counted);
+  state.finish(std::move(err), start, end);
+}
+
 void CommunicatorBase::open_stream() {
   stream_ = device_.create_stream(options_.group_name == "world"
                                       ? std::string("comm")

@@ -41,9 +41,9 @@ class CommunicatorBase : public Communicator {
   memory::Stream& stream() final { return *stream_; }
   CommStats stats() const final;
   void reset_stats() final;
-  // Fails the communicator with PeerError("rank R of G aborted: <reason>") (Note [Comm
-  // failure state]); a no-op for the record when it failed already, but the backend is
-  // stopped again either way.
+  // Fails the communicator with PeerError("rank R of G aborted: <reason>"), see
+  // Note [Comm failure state]. When it failed already the first error stays on record, and
+  // the backend is stopped again all the same.
   void abort(const std::string& reason) final;
 
  protected:
@@ -87,6 +87,10 @@ class CommunicatorBase : public Communicator {
   std::shared_ptr<Work::State> start_op(const OpInfo& op, size_t payload_bytes);
   // Adds to the counters of stats() (mu_ not held).
   void add_stats(const CommStats& delta);
+  // Ends an op that started at `start` (now_s()): fails the communicator when `err` is set,
+  // adds the time since `start` and `counted` (what the call did not count yet) to stats(),
+  // and records the outcome in `state`.
+  void finish_op(Work::State& state, std::exception_ptr err, double start, CommStats counted);
   // Seconds since construction, the clock of Work::start_s()/end_s().
   double now_s() const { return std::chrono::duration<double>(Clock::now() - t0_).count(); }
 

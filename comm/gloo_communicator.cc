@@ -403,11 +403,8 @@ Work GlooCommunicator::enqueue(const OpInfo& op, size_t payload_bytes,
       }
     } catch (...) {
       err = std::current_exception();
-      fail(err);
     }
-    const double end = now_s();
-    add_stats({.ops = 1, .payload_bytes = payload_bytes, .busy_s = end - start});
-    state->finish(err, start, end);
+    finish_op(*state, err, start, {.ops = 1, .payload_bytes = payload_bytes});
   });
   stream_->record(*state->event);
   return Work(state);

@@ -216,11 +216,8 @@ class NcclCommunicator final : public CommunicatorBase {
         }
       } catch (...) {
         err = std::current_exception();
-        fail(err);
       }
-      const double end = now_s();
-      add_stats({.busy_s = end - start});
-      s.finish(err, start, end);
+      finish_op(s, err, start, CommStats{});
       if (err) s.event->synchronize();  // the abort released the stream
     };
     return Work(state);
