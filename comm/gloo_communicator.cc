@@ -53,13 +53,12 @@
 
 #include "base/check.h"
 #include "base/log.h"
+#include "comm/communicator_base.h"
 #include "comm/gloo_reduce.h"
-#include "comm/work_state.h"
 
 namespace porter::comm {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using UnboundBuffer = gloo::transport::UnboundBuffer;
 
 std::chrono::milliseconds to_ms(Seconds s) {
@@ -138,14 +137,6 @@ std::string gloo_host() {
   return local;
 }
 
-// What an op is, for error messages (Note [Comm failure]).
-struct OpInfo {
-  const char* name;
-  size_t count;
-  ElemType type;
-  bool has_payload;  // false for barrier
-};
-
 // Chunk layout of a ring: chunk c is [off(c), off(c+1)) elements.
 struct Chunks {
   size_t count;  // elements in all chunks together
@@ -190,17 +181,14 @@ class Exchange {
   std::vector<std::unique_ptr<UnboundBuffer>> buffers_;
 };
 
-class GlooCommunicator final : public Communicator {
+class GlooCommunicator final : public CommunicatorBase {
  public:
   GlooCommunicator(memory::Device& device, std::shared_ptr<comm::Store> store, int rank,
                    int size, const CommOptions& options,
                    std::shared_ptr<gloo::transport::Device> transport);
   ~GlooCommunicator() override;
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   std::string_view backend() const override { return "gloo"; }
-  const std::string& group_name() const override { return options_.group_name; }
 
   Work all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) override;
   Work reduce_scatter(const void* in, void* out, size_t count, ElemType type,
@@ -211,30 +199,17 @@ class GlooCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> split(const std::vector<int>& ranks,
                                       const std::string& name) override;
-  void abort(const std::string& reason) override;
-  memory::Stream& stream() override { return *stream_; }
-  CommStats stats() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
-  }
-  void reset_stats() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_ = CommStats{};
-  }
 
  private:
   friend class Exchange;
 
-  std::string what(const OpInfo& op) const;
   Work enqueue(const OpInfo& op, size_t payload_bytes, std::function<void(Exchange*)> body);
-  [[noreturn]] void throw_failed(const OpInfo& op) const;  // mu_ held
-  void check_usable(const OpInfo& op) const;
-  // Records the first error and closes the pairs (Note [Gloo abort]).
-  void fail(std::exception_ptr err);
-  void close_connections();
+  // After a failure (Note [Gloo abort]): wakes the pending waits of the op in flight, then
+  // closes the pairs.
+  void halt_locked() override;
+  void halt() override;
   void register_buffer(UnboundBuffer* buf, const OpInfo& op);
   void unregister_buffer(UnboundBuffer* buf);
-  double now_s() const { return Seconds(Clock::now() - t0_).count(); }
   // Comm-thread scratch of at least `bytes`, kept between ops: first-touch page faults of a
   // fresh buffer per op cost more than the transfer (Note [Gloo ring]).
   char* scratch_for(size_t bytes) {
@@ -253,26 +228,12 @@ class GlooCommunicator final : public Communicator {
   int left() const { return (rank_ + size_ - 1) % size_; }
   int right() const { return (rank_ + 1) % size_; }
 
-  memory::Device& device_;  // not owned; outlives the communicator
-  std::shared_ptr<comm::Store> store_;
-  const int rank_;
-  const int size_;
-  const CommOptions options_;
-  const Clock::time_point t0_ = Clock::now();
   std::shared_ptr<gloo::transport::Device> transport_;
   std::shared_ptr<gloo::rendezvous::Context> context_;  // null when size_ == 1
-  std::unique_ptr<memory::Event> compute_done_;         // calling thread only
   uint64_t next_seq_ = 0;                               // calling thread only
   std::unique_ptr<char[]> scratch_;                     // comm thread only
   size_t scratch_bytes_ = 0;                            // comm thread only
-
-  mutable std::mutex mu_;  // guards failure_, pending_, stats_
-  std::exception_ptr failure_;
-  std::vector<UnboundBuffer*> pending_;  // buffers of the op in flight (not owned)
-  CommStats stats_;
-
-  // Last member: destroyed first, its worker drains the queued ops while the rest is alive.
-  std::unique_ptr<memory::Stream> stream_;
+  std::vector<UnboundBuffer*> pending_;  // mu_; buffers of the op in flight (not owned)
 };
 
 // ---- Exchange --------------------------------------------------------------------------
@@ -342,11 +303,7 @@ void Exchange::fail(int peer, const std::exception& e) {
   const std::string head = comm_.what(op_);
   if (reason.find("Timed out") != std::string::npos ||
       reason.find("timed out") != std::string::npos) {
-    throw TimeoutError(str_cat(head, "timed out after ", comm_.options_.timeout.count(),
-                               " s waiting for rank ", peer,
-                               " (is it alive and issuing the same collectives? the limit is "
-                               "porter.comm.timeout_s) [gloo: ",
-                               reason, "]"));
+    throw comm_.timeout_error(op_, peer, str_cat(" [gloo: ", reason, "]"));
   }
   const bool closed = reason.find("closed") != std::string::npos ||
                       reason.find("reset") != std::string::npos ||
@@ -363,13 +320,8 @@ void Exchange::fail(int peer, const std::exception& e) {
 GlooCommunicator::GlooCommunicator(memory::Device& device, std::shared_ptr<comm::Store> store,
                                    int rank, int size, const CommOptions& options,
                                    std::shared_ptr<gloo::transport::Device> transport)
-    : device_(device),
-      store_(std::move(store)),
-      rank_(rank),
-      size_(size),
-      options_(options),
-      transport_(std::move(transport)),
-      compute_done_(device.create_event()) {
+    : CommunicatorBase(device, std::move(store), rank, size, options),
+      transport_(std::move(transport)) {
   if (size_ > 1) {
     // A group may be formed again on the same store (a later run in one process): every
     // rank counts its own joins, so the n-th formation of a group meets under "<name>/n/".
@@ -396,60 +348,24 @@ GlooCommunicator::GlooCommunicator(memory::Device& device, std::shared_ptr<comm:
     }
     context_ = std::move(ctx);
   }
-  stream_ = device_.create_stream(options_.group_name == "world"
-                                      ? std::string("comm")
-                                      : str_cat("comm:", options_.group_name));
+  open_stream();
 }
 
 GlooCommunicator::~GlooCommunicator() {
-  try {
-    stream_->synchronize();  // ops still queued finish (or fail by their timeout)
-  } catch (const std::exception& e) {
-    PORTER_LOG_ERROR("rank {} of {}: comm stream error at destruction: {}", rank_,
-                     options_.group_name, e.what());
-  }
+  // The queued host callbacks use this class's members, which die before the base's stream:
+  // the stream's worker must finish and go first.
+  drain_stream();
   stream_.reset();
 }
 
-std::string GlooCommunicator::what(const OpInfo& op) const {
-  if (!op.has_payload) return str_cat("rank ", rank_, " of ", options_.group_name, ": ", op.name,
-                                      " failed: ");
-  return str_cat("rank ", rank_, " of ", options_.group_name, ": ", op.name, " of ", op.count,
-                 " ", elem_name(op.type), " failed: ");
-}
-
-void GlooCommunicator::throw_failed(const OpInfo& op) const {
-  std::string first;
-  bool timeout = false;
-  try {
-    std::rethrow_exception(failure_);
-  } catch (const TimeoutError& e) {
-    first = e.what();
-    timeout = true;
-  } catch (const std::exception& e) {
-    first = e.what();
-  } catch (...) {
-    first = "unknown error";
+void GlooCommunicator::halt_locked() {
+  for (auto* buf : pending_) {
+    buf->abortWaitRecv();
+    buf->abortWaitSend();
   }
-  std::string msg = str_cat(what(op), "the communicator failed earlier: ", first);
-  if (timeout) throw TimeoutError(msg);
-  throw PeerError(msg);
 }
 
-void GlooCommunicator::check_usable(const OpInfo& op) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failure_) throw_failed(op);
-}
-
-void GlooCommunicator::fail(std::exception_ptr err) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!failure_) failure_ = std::move(err);
-  }
-  close_connections();
-}
-
-void GlooCommunicator::close_connections() {
+void GlooCommunicator::halt() {
   if (context_ == nullptr) return;
   try {
     context_->closeConnections();
@@ -461,7 +377,7 @@ void GlooCommunicator::close_connections() {
 
 void GlooCommunicator::register_buffer(UnboundBuffer* buf, const OpInfo& op) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failure_) throw_failed(op);
+  check_usable_locked(op);
   pending_.push_back(buf);
 }
 
@@ -470,29 +386,9 @@ void GlooCommunicator::unregister_buffer(UnboundBuffer* buf) {
   pending_.erase(std::remove(pending_.begin(), pending_.end(), buf), pending_.end());
 }
 
-void GlooCommunicator::abort(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!failure_) {
-      failure_ = std::make_exception_ptr(PeerError(
-          str_cat("rank ", rank_, " of ", options_.group_name, " aborted: ", reason)));
-    }
-    for (auto* buf : pending_) {
-      buf->abortWaitRecv();
-      buf->abortWaitSend();
-    }
-  }
-  close_connections();
-}
-
 Work GlooCommunicator::enqueue(const OpInfo& op, size_t payload_bytes,
                                std::function<void(Exchange*)> body) {
-  check_usable(op);
-  auto state = std::make_shared<Work::State>(op.name, payload_bytes);
-  state->event = device_.create_event();
-  // Note [Comm stream]: the op sees everything queued on the compute stream before the call.
-  device_.compute_stream().record(*compute_done_);
-  stream_->wait(*compute_done_);
+  auto state = start_op(op, payload_bytes);
   const uint64_t slot_base = next_seq_++ << 16;
   stream_->host_callback([this, state, op, payload_bytes, slot_base, body = std::move(body)] {
     const double start = now_s();
@@ -507,16 +403,8 @@ Work GlooCommunicator::enqueue(const OpInfo& op, size_t payload_bytes,
       }
     } catch (...) {
       err = std::current_exception();
-      fail(err);
     }
-    const double end = now_s();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.ops += 1;
-      stats_.payload_bytes += payload_bytes;
-      stats_.busy_s += end - start;
-    }
-    state->finish(err, start, end);
+    finish_op(*state, err, start, {.ops = 1, .payload_bytes = payload_bytes});
   });
   stream_->record(*state->event);
   return Work(state);
@@ -649,8 +537,7 @@ Work GlooCommunicator::all_gather(const void* in, void* out, size_t count, ElemT
 Work GlooCommunicator::broadcast(void* buf, size_t count, ElemType type, int root) {
   const OpInfo info{"broadcast", count, type, true};
   PORTER_CHECK(count == 0 || buf != nullptr, what(info), "null buffer");
-  PORTER_CHECK(root >= 0 && root < size_, what(info), "root ", root, " is not a rank of ",
-               options_.group_name, " (size ", size_, ")");
+  check_root(info, root);
   const size_t bytes = count * elem_size(type);
   return enqueue(info, bytes, [this, buf, bytes, root](Exchange* x) {
     if (bytes == 0 || size_ == 1) return;
@@ -692,26 +579,10 @@ Work GlooCommunicator::barrier() {
 
 std::unique_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ranks,
                                                       const std::string& name) {
-  const std::string head = str_cat("rank ", rank_, " of ", options_.group_name, ": split into '",
-                                   name, "': ");
-  PORTER_CHECK(!ranks.empty(), head, "the rank list is empty");
-  PORTER_CHECK(!name.empty(), head, "the group name is empty");
-  int sub_rank = -1;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    PORTER_CHECK(ranks[i] >= 0 && ranks[i] < size_, head, "rank ", ranks[i], " is not in [0, ",
-                 size_, ")");
-    PORTER_CHECK(i == 0 || ranks[i - 1] < ranks[i], head, "ranks must be ascending and unique");
-    if (ranks[i] == rank_) sub_rank = static_cast<int>(i);
-  }
-  PORTER_CHECK(sub_rank >= 0, head, "this rank is not in the list; only members call split");
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failure_) throw_failed(OpInfo{"split", 0, ElemType::kU8, false});
-  }
-  CommOptions sub = options_;
-  sub.group_name = name;
+  const int sub_rank = split_rank(ranks, name);
   return std::make_unique<GlooCommunicator>(device_, store_, sub_rank,
-                                            static_cast<int>(ranks.size()), sub, transport_);
+                                            static_cast<int>(ranks.size()),
+                                            options_for_group(name), transport_);
 }
 
 // Note [SIGPIPE].
@@ -732,8 +603,6 @@ void ignore_default_sigpipe() {
 std::unique_ptr<Communicator> make_gloo_communicator(memory::Device& device,
                                                      std::shared_ptr<Store> store, int rank,
                                                      int size, const CommOptions& options) {
-  PORTER_CHECK(device.kind() == memory::DeviceKind::kCpu,
-               "the gloo backend needs a cpu device, got ", device.description());
   ignore_default_sigpipe();
   gloo::transport::tcp::attr attr;
   attr.hostname = gloo_host();

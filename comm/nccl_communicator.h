@@ -10,6 +10,8 @@ namespace porter::comm {
 
 // Rank 0's ncclUniqueId travels through `store` (under "<group_name>/"); every rank then
 // joins with ncclCommInitRankConfig (non-blocking, so the join honours options.timeout).
+// Called by make_communicator, which has checked the arguments and picked this backend for a
+// cuda device.
 std::unique_ptr<Communicator> make_nccl_communicator(memory::Device& device,
                                                      std::shared_ptr<Store> store, int rank,
                                                      int size, const CommOptions& options);

@@ -9,50 +9,28 @@
 #include "base/check.h"
 #include "base/log.h"
 #include "base/units.h"
+#include "memory/cuda_check.h"
 
 namespace porter::memory {
 namespace {
 
-[[noreturn]] void throw_cuda(cudaError_t err, const char* stmt, int device, const char* file,
-                             int line) {
-  throw CudaError(str_cat(stmt, " failed on cuda:", device, " at ", file, ":", line, ": ",
-                          cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-}
-
-#define PORTER_CUDA_CHECK(stmt, device)                                          \
-  do {                                                                           \
-    cudaError_t porter_cuda_err_ = (stmt);                                       \
-    if (porter_cuda_err_ != cudaSuccess) [[unlikely]] {                          \
-      throw_cuda(porter_cuda_err_, #stmt, device, __FILE__, __LINE__);           \
-    }                                                                            \
-  } while (0)
-
-// Destructors must not throw: log and continue.
-#define PORTER_CUDA_WARN(stmt)                                                              \
-  do {                                                                                      \
-    cudaError_t porter_cuda_err_ = (stmt);                                                  \
-    if (porter_cuda_err_ != cudaSuccess) {                                                  \
-      PORTER_LOG_ERROR("{} failed: {}", #stmt, cudaGetErrorString(porter_cuda_err_));       \
-    }                                                                                       \
-  } while (0)
-
 class CudaEvent final : public Event {
  public:
   explicit CudaEvent(int device) : device_(device) {
-    PORTER_CUDA_CHECK(cudaSetDevice(device_), device_);
-    PORTER_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), device_);
+    PORTER_GPU_CHECK(cudaSetDevice(device_), device_);
+    PORTER_GPU_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), device_);
   }
-  ~CudaEvent() override { PORTER_CUDA_WARN(cudaEventDestroy(event_)); }
+  ~CudaEvent() override { PORTER_GPU_WARN(cudaEventDestroy(event_)); }
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
 
   bool query() const override {
     cudaError_t err = cudaEventQuery(event_);
     if (err == cudaErrorNotReady) return false;
-    PORTER_CUDA_CHECK(err, device_);
+    PORTER_GPU_CHECK(err, device_);
     return true;
   }
-  void synchronize() const override { PORTER_CUDA_CHECK(cudaEventSynchronize(event_), device_); }
+  void synchronize() const override { PORTER_GPU_CHECK(cudaEventSynchronize(event_), device_); }
   cudaEvent_t get() const { return event_; }
 
  private:
@@ -69,12 +47,12 @@ const CudaEvent& as_cuda_event(const Event& event) {
 class CudaStream final : public Stream {
  public:
   CudaStream(int device, std::string name) : device_(device), name_(std::move(name)) {
-    PORTER_CUDA_CHECK(cudaSetDevice(device_), device_);
-    PORTER_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), device_);
+    PORTER_GPU_CHECK(cudaSetDevice(device_), device_);
+    PORTER_GPU_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), device_);
   }
   ~CudaStream() override {
-    PORTER_CUDA_WARN(cudaStreamSynchronize(stream_));
-    PORTER_CUDA_WARN(cudaStreamDestroy(stream_));
+    PORTER_GPU_WARN(cudaStreamSynchronize(stream_));
+    PORTER_GPU_WARN(cudaStreamDestroy(stream_));
   }
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
@@ -82,23 +60,20 @@ class CudaStream final : public Stream {
   const std::string& name() const override { return name_; }
   void copy_async(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
-    PORTER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), device_);
+    PORTER_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), device_);
   }
   void record(Event& event) override {
-    PORTER_CUDA_CHECK(cudaEventRecord(as_cuda_event(event).get(), stream_), device_);
+    PORTER_GPU_CHECK(cudaEventRecord(as_cuda_event(event).get(), stream_), device_);
   }
   void wait(const Event& event) override {
-    PORTER_CUDA_CHECK(cudaStreamWaitEvent(stream_, as_cuda_event(event).get(), 0), device_);
+    PORTER_GPU_CHECK(cudaStreamWaitEvent(stream_, as_cuda_event(event).get(), 0), device_);
   }
   void host_callback(std::function<void()> fn) override {
-    auto* heap_fn = new std::function<void()>(std::move(fn));  // owned by the trampoline
-    cudaError_t err = cudaLaunchHostFunc(stream_, &trampoline, heap_fn);
-    if (err != cudaSuccess) {
-      delete heap_fn;
-      throw_cuda(err, "cudaLaunchHostFunc", device_, __FILE__, __LINE__);
-    }
+    auto heap_fn = std::make_unique<std::function<void()>>(std::move(fn));
+    PORTER_GPU_CHECK(cudaLaunchHostFunc(stream_, &trampoline, heap_fn.get()), device_);
+    heap_fn.release();  // owned by the trampoline from now on
   }
-  void synchronize() override { PORTER_CUDA_CHECK(cudaStreamSynchronize(stream_), device_); }
+  void synchronize() override { PORTER_GPU_CHECK(cudaStreamSynchronize(stream_), device_); }
   void* native_handle() const override { return stream_; }
 
  private:
@@ -120,15 +95,15 @@ class CudaStream final : public Stream {
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(const DeviceOptions& options) : index_(options.index) {
-    PORTER_CUDA_CHECK(cudaSetDevice(index_), index_);
+    PORTER_GPU_CHECK(cudaSetDevice(index_), index_);
     size_t free_bytes = 0, total_bytes = 0;
-    PORTER_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), index_);
+    PORTER_GPU_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), index_);
     capacity_bytes_ = options.memory_limit_bytes ? std::min(options.memory_limit_bytes, total_bytes)
                                                  : total_bytes;
     pinned_capacity_bytes_ =
         options.pinned_limit_bytes ? options.pinned_limit_bytes : kDefaultPinnedLimitBytes;
     cudaDeviceProp prop{};
-    PORTER_CUDA_CHECK(cudaGetDeviceProperties(&prop, index_), index_);
+    PORTER_GPU_CHECK(cudaGetDeviceProperties(&prop, index_), index_);
     name_ = prop.name;
     compute_ = std::make_unique<CudaStream>(index_, "compute");
   }
@@ -147,21 +122,21 @@ class CudaDevice final : public Device {
   void* allocate_segment(size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (bytes == 0 || bytes > capacity_bytes_ - segment_bytes_) return nullptr;
-    PORTER_CUDA_CHECK(cudaSetDevice(index_), index_);
+    PORTER_GPU_CHECK(cudaSetDevice(index_), index_);
     void* p = nullptr;
     cudaError_t err = cudaMalloc(&p, bytes);
     if (err == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();  // clear the sticky-free error state
       return nullptr;
     }
-    PORTER_CUDA_CHECK(err, index_);
+    PORTER_GPU_CHECK(err, index_);
     segment_bytes_ += bytes;
     return p;
   }
   void free_segment(void* ptr, size_t bytes) override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
-    PORTER_CUDA_WARN(cudaFree(ptr));
+    PORTER_GPU_WARN(cudaFree(ptr));
     segment_bytes_ -= bytes;
   }
 
@@ -175,14 +150,14 @@ class CudaDevice final : public Device {
       (void)cudaGetLastError();
       return nullptr;
     }
-    PORTER_CUDA_CHECK(err, index_);
+    PORTER_GPU_CHECK(err, index_);
     pinned_bytes_ += bytes;
     return p;
   }
   void free_pinned(void* ptr, size_t bytes) override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
-    PORTER_CUDA_WARN(cudaFreeHost(ptr));
+    PORTER_GPU_WARN(cudaFreeHost(ptr));
     pinned_bytes_ -= bytes;
   }
 

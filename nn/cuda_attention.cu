@@ -80,7 +80,7 @@ void split_heads(const Launch& l, DevPtr src, int64_t row_stride, int64_t col_of
   if (n == 0) return;
   split_heads_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(src, row_stride, col_offset, dst, n,
                                                            seq, heads, head_dim);
-  PORTER_NN_CUDA_CHECK_LAUNCH("split_heads_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("split_heads_kernel", l.device);
 }
 
 void merge_heads(const Launch& l, const float* src, DevPtr dst, int64_t row_stride,
@@ -89,7 +89,7 @@ void merge_heads(const Launch& l, const float* src, DevPtr dst, int64_t row_stri
   if (n == 0) return;
   merge_heads_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(src, dst, row_stride, col_offset, n,
                                                            seq, heads, head_dim);
-  PORTER_NN_CUDA_CHECK_LAUNCH("merge_heads_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("merge_heads_kernel", l.device);
 }
 
 void causal_softmax_forward(const Launch& l, float* s, int64_t batch_heads, int64_t seq) {
@@ -97,7 +97,7 @@ void causal_softmax_forward(const Launch& l, float* s, int64_t batch_heads, int6
   if (rows == 0) return;
   unsigned grid = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   causal_softmax_forward_kernel<<<grid, kBlock, 0, l.stream>>>(s, rows, seq);
-  PORTER_NN_CUDA_CHECK_LAUNCH("causal_softmax_forward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("causal_softmax_forward_kernel", l.device);
 }
 
 void softmax_backward(const Launch& l, const float* probs, float* dp, int64_t batch_heads,
@@ -106,7 +106,7 @@ void softmax_backward(const Launch& l, const float* probs, float* dp, int64_t ba
   if (rows == 0) return;
   unsigned grid = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   softmax_backward_kernel<<<grid, kBlock, 0, l.stream>>>(probs, dp, rows, seq);
-  PORTER_NN_CUDA_CHECK_LAUNCH("softmax_backward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("softmax_backward_kernel", l.device);
 }
 
 }  // namespace porter::nn::cuda

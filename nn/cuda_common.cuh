@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "nn/cuda_check.h"
+#include "memory/cuda_check.h"
 #include "nn/cuda_launch.h"
 #include "nn/dtype.h"
 

@@ -95,32 +95,32 @@ void bias_add(const Launch& l, DevPtr x, DevPtr bias, int64_t rows, int64_t cols
   const int64_t n = rows * cols;
   if (n == 0) return;
   bias_add_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, bias, n, cols);
-  PORTER_NN_CUDA_CHECK_LAUNCH("bias_add_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("bias_add_kernel", l.device);
 }
 
 void gelu_forward(const Launch& l, DevPtr x, DevPtr y, int64_t n) {
   if (n == 0) return;
   gelu_forward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, y, n);
-  PORTER_NN_CUDA_CHECK_LAUNCH("gelu_forward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("gelu_forward_kernel", l.device);
 }
 
 void gelu_backward(const Launch& l, DevPtr x, DevPtr dy, DevPtr dx, int64_t n) {
   if (n == 0) return;
   gelu_backward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, dy, dx, n);
-  PORTER_NN_CUDA_CHECK_LAUNCH("gelu_backward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("gelu_backward_kernel", l.device);
 }
 
 void dropout(const Launch& l, DevPtr x, DevPtr y, int64_t n, float p, const PhiloxKey& key) {
   if (n == 0) return;
   const float keep_scale = 1.0f / (1.0f - p);
   dropout_kernel<<<grid_for((n + 3) / 4), kBlock, 0, l.stream>>>(x, y, n, p, keep_scale, key);
-  PORTER_NN_CUDA_CHECK_LAUNCH("dropout_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("dropout_kernel", l.device);
 }
 
 void add(const Launch& l, DevPtr a, DevPtr b, DevPtr out, int64_t n) {
   if (n == 0) return;
   add_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(a, b, out, n);
-  PORTER_NN_CUDA_CHECK_LAUNCH("add_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("add_kernel", l.device);
 }
 
 void accumulate(const Launch& l, DevPtr acc, DevPtr x, int64_t n) { add(l, acc, x, acc, n); }
@@ -128,26 +128,26 @@ void accumulate(const Launch& l, DevPtr acc, DevPtr x, int64_t n) { add(l, acc, 
 void cast(const Launch& l, DevPtr x, DevPtr y, int64_t n) {
   if (n == 0) return;
   cast_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, y, n);
-  PORTER_NN_CUDA_CHECK_LAUNCH("cast_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("cast_kernel", l.device);
 }
 
 void fill(const Launch& l, DevPtr x, float value, int64_t n) {
   if (n == 0) return;
   fill_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, value, n);
-  PORTER_NN_CUDA_CHECK_LAUNCH("fill_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("fill_kernel", l.device);
 }
 
 void scale(const Launch& l, DevPtr x, float s, int64_t n) {
   if (n == 0) return;
   scale_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(x, s, n);
-  PORTER_NN_CUDA_CHECK_LAUNCH("scale_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("scale_kernel", l.device);
 }
 
 void adamw(const Launch& l, float* params, DevPtr grad, float* m, float* v, DevPtr params_out,
            int64_t n, const AdamWStep& s) {
   if (n == 0) return;
   adamw_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(params, grad, m, v, params_out, n, s);
-  PORTER_NN_CUDA_CHECK_LAUNCH("adamw_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("adamw_kernel", l.device);
 }
 
 }  // namespace porter::nn::cuda

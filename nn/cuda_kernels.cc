@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "base/check.h"
-#include "nn/cuda_check.h"
+#include "memory/cuda_check.h"
 #include "nn/cuda_launch.h"
 #include "nn/cuda_matmul.h"
 #include "nn/kernel_workspace.h"
@@ -153,7 +153,7 @@ class CudaKernels final : public Kernels {
  private:
   // Makes the device current on this thread and names the stream the kernels go to.
   cuda::Launch launch() {
-    PORTER_NN_CUDA_CHECK(cudaSetDevice(device_.index()), device_.index());
+    PORTER_GPU_CHECK(cudaSetDevice(device_.index()), device_.index());
     return cuda::Launch{static_cast<cudaStream_t>(device_.compute_stream().native_handle()),
                         device_.index()};
   }

@@ -13,35 +13,11 @@
 #include <cublasLt.h>
 
 #include "base/check.h"
-#include "base/log.h"
-#include "nn/cuda_check.h"
+#include "memory/cuda_check.h"
+#include "nn/cublas_check.h"
 
 namespace porter::nn::cuda {
 namespace {
-
-[[noreturn]] void throw_cublas(cublasStatus_t status, const char* stmt, int device,
-                               const char* file, int line) {
-  throw CudaError(str_cat(stmt, " failed on cuda:", device, " at ", file, ":", line, ": ",
-                          cublasLtGetStatusName(status), " (", cublasLtGetStatusString(status),
-                          ")"));
-}
-
-#define PORTER_CUBLAS_CHECK(stmt, device)                                                \
-  do {                                                                                   \
-    cublasStatus_t porter_cublas_status_ = (stmt);                                       \
-    if (porter_cublas_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                   \
-      throw_cublas(porter_cublas_status_, #stmt, device, __FILE__, __LINE__);            \
-    }                                                                                    \
-  } while (0)
-
-// Destructors log and continue.
-#define PORTER_CUBLAS_WARN(stmt)                                                           \
-  do {                                                                                     \
-    cublasStatus_t porter_cublas_status_ = (stmt);                                         \
-    if (porter_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                  \
-      PORTER_LOG_ERROR("{} failed: {}", #stmt, cublasLtGetStatusString(porter_cublas_status_)); \
-    }                                                                                      \
-  } while (0)
 
 // 32 MiB, NVIDIA's recommendation for Hopper; enough for every algorithm on Ampere too.
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
@@ -67,16 +43,18 @@ uint32_t alignment_of(const void* p, int64_t stride_elems, DType t, int64_t batc
 }
 
 struct DescDeleter {
-  void operator()(cublasLtMatmulDescOpaque_t* d) const { PORTER_CUBLAS_WARN(cublasLtMatmulDescDestroy(d)); }
+  void operator()(cublasLtMatmulDescOpaque_t* d) const {
+    PORTER_GPU_WARN(cublasLtMatmulDescDestroy(d));
+  }
 };
 struct LayoutDeleter {
   void operator()(cublasLtMatrixLayoutOpaque_t* l) const {
-    PORTER_CUBLAS_WARN(cublasLtMatrixLayoutDestroy(l));
+    PORTER_GPU_WARN(cublasLtMatrixLayoutDestroy(l));
   }
 };
 struct PreferenceDeleter {
   void operator()(cublasLtMatmulPreferenceOpaque_t* p) const {
-    PORTER_CUBLAS_WARN(cublasLtMatmulPreferenceDestroy(p));
+    PORTER_GPU_WARN(cublasLtMatmulPreferenceDestroy(p));
   }
 };
 using DescPtr = std::unique_ptr<cublasLtMatmulDescOpaque_t, DescDeleter>;
@@ -87,19 +65,18 @@ using PreferencePtr = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, Preferen
 LayoutPtr make_layout(DType t, int64_t rows, int64_t cols, int64_t batch, int64_t stride,
                       int device) {
   cublasLtMatrixLayout_t raw = nullptr;
-  PORTER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, cuda_type(t), static_cast<uint64_t>(rows),
-                                                 static_cast<uint64_t>(cols), rows),
-                      device);
+  PORTER_GPU_CHECK(cublasLtMatrixLayoutCreate(&raw, cuda_type(t), static_cast<uint64_t>(rows),
+                                              static_cast<uint64_t>(cols), rows),
+                   device);
   LayoutPtr layout(raw);
   if (batch > 1) {
     int32_t count = static_cast<int32_t>(batch);
-    PORTER_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
-                            raw, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
-                        device);
-    PORTER_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
-                            raw, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
-                            sizeof(stride)),
-                        device);
+    PORTER_GPU_CHECK(cublasLtMatrixLayoutSetAttribute(raw, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                      &count, sizeof(count)),
+                     device);
+    PORTER_GPU_CHECK(cublasLtMatrixLayoutSetAttribute(
+                         raw, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+                     device);
   }
   return layout;
 }
@@ -108,10 +85,10 @@ LayoutPtr make_layout(DType t, int64_t rows, int64_t cols, int64_t batch, int64_
 
 struct CublasLtMatmul::Handle {
   explicit Handle(int device) : device_index(device) {
-    PORTER_NN_CUDA_CHECK(cudaSetDevice(device), device);
-    PORTER_CUBLAS_CHECK(cublasLtCreate(&handle), device);
+    PORTER_GPU_CHECK(cudaSetDevice(device), device);
+    PORTER_GPU_CHECK(cublasLtCreate(&handle), device);
   }
-  ~Handle() { PORTER_CUBLAS_WARN(cublasLtDestroy(handle)); }
+  ~Handle() { PORTER_GPU_WARN(cublasLtDestroy(handle)); }
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 
@@ -159,13 +136,13 @@ const CublasLtMatmul::Plan& CublasLtMatmul::plan_for(const GemmArgs& g) {
   const int dev = handle_->device_index;
   auto plan = std::make_unique<Plan>();
   cublasLtMatmulDesc_t desc = nullptr;
-  PORTER_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), dev);
+  PORTER_GPU_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), dev);
   plan->desc.reset(desc);
   const int32_t op_a = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our b
   const int32_t op_b = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  PORTER_CUBLAS_CHECK(
+  PORTER_GPU_CHECK(
       cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)), dev);
-  PORTER_CUBLAS_CHECK(
+  PORTER_GPU_CHECK(
       cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)), dev);
 
   // Stored shapes, column-major: our b is (K, N) row-major = (N, K) column-major, or with
@@ -177,12 +154,12 @@ const CublasLtMatmul::Plan& CublasLtMatmul::plan_for(const GemmArgs& g) {
   plan->lt_out = make_layout(g.out_dtype, g.n, g.m, g.batch, g.stride_out, dev);
 
   cublasLtMatmulPreference_t raw_pref = nullptr;
-  PORTER_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref), dev);
+  PORTER_GPU_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref), dev);
   PreferencePtr pref(raw_pref);
   uint64_t ws = workspace_bytes_;
-  PORTER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-                          raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
-                      dev);
+  PORTER_GPU_CHECK(cublasLtMatmulPreferenceSetAttribute(
+                       raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+                   dev);
   // cuBLASLt's A and B are our b and a.
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b},
@@ -190,17 +167,16 @@ const CublasLtMatmul::Plan& CublasLtMatmul::plan_for(const GemmArgs& g) {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_out},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_out}};
   for (const auto& [attr, value] : aligns) {
-    PORTER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, attr, &value, sizeof(value)),
-                        dev);
+    PORTER_GPU_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, attr, &value, sizeof(value)),
+                     dev);
   }
 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  PORTER_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_->handle, desc, plan->lt_a.get(),
-                                                     plan->lt_b.get(), plan->lt_out.get(),
-                                                     plan->lt_out.get(), raw_pref, 1, &result,
-                                                     &found),
-                      dev);
+  PORTER_GPU_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_->handle, desc, plan->lt_a.get(),
+                                                  plan->lt_b.get(), plan->lt_out.get(),
+                                                  plan->lt_out.get(), raw_pref, 1, &result, &found),
+                   dev);
   if (found == 0) {
     throw CudaError(str_cat("cuBLASLt has no algorithm for matmul ", dtype_name(g.ab_dtype), "->",
                             dtype_name(g.out_dtype), " m=", g.m, " n=", g.n, " k=", g.k,
@@ -218,11 +194,11 @@ void CublasLtMatmul::run(const GemmArgs& g, cudaStream_t stream) {
   // cuBLASLt does not promise out = beta * out for k = 0; the caller handles that case.
   PORTER_ASSERT(g.k > 0, "cuBLASLt matmul with k = 0 on cuda:", dev);
   const Plan& plan = plan_for(g);
-  PORTER_CUBLAS_CHECK(cublasLtMatmul(handle_->handle, plan.desc.get(), &g.alpha, g.b,
-                                     plan.lt_a.get(), g.a, plan.lt_b.get(), &g.beta, g.out,
-                                     plan.lt_out.get(), g.out, plan.lt_out.get(), &plan.algo,
-                                     workspace_, workspace_bytes_, stream),
-                      dev);
+  PORTER_GPU_CHECK(
+      cublasLtMatmul(handle_->handle, plan.desc.get(), &g.alpha, g.b, plan.lt_a.get(), g.a,
+                     plan.lt_b.get(), &g.beta, g.out, plan.lt_out.get(), g.out, plan.lt_out.get(),
+                     &plan.algo, workspace_, workspace_bytes_, stream),
+      dev);
 }
 
 }  // namespace porter::nn::cuda

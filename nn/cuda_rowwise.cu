@@ -52,7 +52,7 @@ void launch_column_reduce(const Launch& l, DevPtr dy, DevPtr x, const float* mea
   dim3 block(kColTile, kRowLanes);
   unsigned grid = static_cast<unsigned>((cols + kColTile - 1) / kColTile);
   column_reduce_kernel<<<grid, block, 0, l.stream>>>(dy, x, mean, rstd, out_a, out_b, rows, cols);
-  PORTER_NN_CUDA_CHECK_LAUNCH("column_reduce_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("column_reduce_kernel", l.device);
 }
 
 constexpr int kRowsPerBlock = kBlock / kWarp;  // warp-per-row kernels
@@ -248,7 +248,7 @@ void layernorm_forward(const Launch& l, DevPtr x, DevPtr gamma, DevPtr beta, Dev
   unsigned grid = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   layernorm_forward_kernel<<<grid, kBlock, 0, l.stream>>>(x, gamma, beta, y, mean, rstd, rows,
                                                           cols, eps);
-  PORTER_NN_CUDA_CHECK_LAUNCH("layernorm_forward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("layernorm_forward_kernel", l.device);
 }
 
 void layernorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, const float* mean,
@@ -260,7 +260,7 @@ void layernorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, cons
   unsigned grid = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   layernorm_backward_kernel<<<grid, kBlock, 0, l.stream>>>(dy, x, gamma, mean, rstd, dx, rows,
                                                            cols);
-  PORTER_NN_CUDA_CHECK_LAUNCH("layernorm_backward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("layernorm_backward_kernel", l.device);
 }
 
 void embedding_forward(const Launch& l, const int32_t* tokens, DevPtr wte, DevPtr wpe,
@@ -269,7 +269,7 @@ void embedding_forward(const Launch& l, const int32_t* tokens, DevPtr wte, DevPt
   if (n == 0) return;
   embedding_forward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(tokens, wte, wpe, out, n, seq,
                                                                  channels, vocab);
-  PORTER_NN_CUDA_CHECK_LAUNCH("embedding_forward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("embedding_forward_kernel", l.device);
 }
 
 void embedding_backward(const Launch& l, DevPtr dout, const int32_t* tokens, DevPtr dwte,
@@ -277,10 +277,10 @@ void embedding_backward(const Launch& l, DevPtr dout, const int32_t* tokens, Dev
   if (batch * seq * channels == 0) return;
   embedding_backward_wte_kernel<<<static_cast<unsigned>(vocab), kBlock, 0, l.stream>>>(
       dout, tokens, dwte, batch * seq, channels);
-  PORTER_NN_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("embedding_backward_wte_kernel", l.device);
   embedding_backward_wpe_kernel<<<grid_for(seq * channels), kBlock, 0, l.stream>>>(
       dout, dwpe, batch, seq, channels);
-  PORTER_NN_CUDA_CHECK_LAUNCH("embedding_backward_wpe_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("embedding_backward_wpe_kernel", l.device);
 }
 
 void cross_entropy_forward(const Launch& l, DevPtr logits, const int32_t* targets, float* losses,
@@ -288,7 +288,7 @@ void cross_entropy_forward(const Launch& l, DevPtr logits, const int32_t* target
   if (rows == 0) return;
   cross_entropy_forward_kernel<<<static_cast<unsigned>(rows), kBlock, 0, l.stream>>>(
       logits, targets, losses, vocab);
-  PORTER_NN_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("cross_entropy_forward_kernel", l.device);
 }
 
 void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targets,
@@ -296,7 +296,7 @@ void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targe
   if (rows == 0) return;
   cross_entropy_backward_kernel<<<static_cast<unsigned>(rows), kBlock, 0, l.stream>>>(
       logits, targets, dlogits, vocab, scale);
-  PORTER_NN_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("cross_entropy_backward_kernel", l.device);
 }
 
 int64_t reduction_partials_count() { return kMaxPartials; }
@@ -306,9 +306,9 @@ void sum(const Launch& l, DevPtr x, int64_t n, SumOf what, float* partials, floa
   blocks = blocks < 1 ? 1 : (blocks > kMaxPartials ? kMaxPartials : blocks);
   sum_partials_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, l.stream>>>(x, n, what,
                                                                              partials);
-  PORTER_NN_CUDA_CHECK_LAUNCH("sum_partials_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("sum_partials_kernel", l.device);
   sum_final_kernel<<<1, kBlock, 0, l.stream>>>(partials, blocks, out);
-  PORTER_NN_CUDA_CHECK_LAUNCH("sum_final_kernel", l.device);
+  PORTER_GPU_CHECK_LAUNCH("sum_final_kernel", l.device);
 }
 
 }  // namespace porter::nn::cuda

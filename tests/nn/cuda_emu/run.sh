@@ -34,8 +34,8 @@ for f in ['cuda_elementwise', 'cuda_rowwise', 'cuda_attention']:
         return f'emu_launch({m.group(1)}, {parts[0]}, {parts[1]}, '
     s = re.sub(r'(\w+)<<<(.*?)>>>\(\s*', rep, s, flags=re.S)
     i = s.index('namespace porter::nn::cuda {')
-    s = (s[:i] + '#undef PORTER_NN_CUDA_CHECK_LAUNCH\n'
-         '#define PORTER_NN_CUDA_CHECK_LAUNCH(w, d) do { } while (0)\n' + s[i:])
+    s = (s[:i] + '#undef PORTER_GPU_CHECK_LAUNCH\n'
+         '#define PORTER_GPU_CHECK_LAUNCH(w, d) do { } while (0)\n' + s[i:])
     open(f'{work}/{f}.cc', 'w').write(s)
 PY
 
