@@ -71,7 +71,8 @@
 
 namespace porter::checkpoint {
 
-// Where a stage's held input lives. kPartitioned arrives with tensor parallelism.
+// Where a stage's held input lives. kPartitioned (1/t per tensor-parallel rank) is never
+// planned: tensor parallelism is not supported yet.
 enum class Where : uint8_t { kDevice, kPartitioned, kHost };
 std::string_view where_name(Where w);  // "device", "partitioned", "host"
 

@@ -130,8 +130,9 @@ void read_adam_w_mode(const Json& value, const std::string& path, OptimizerConfi
                       Diagnostics& diag) {
   const bool w_mode = as_bool(value, path);
   if (o.type == OptimizerType::kAdamW && !w_mode) {
-    diag.warn(path, "false is ignored: type AdamW always decouples weight decay (use type "
-                    "\"Adam\" with adam_w_mode false for L2-style weight decay)");
+    diag.warn(path, "false is ignored: type AdamW always decouples weight decay (porter "
+                    "implements decoupled decay only; L2-style decay, type \"Adam\" with "
+                    "adam_w_mode false and weight_decay > 0, is refused by porter train)");
   } else {
     o.adam_w_mode = w_mode;
   }
