@@ -1,7 +1,8 @@
 // `porter train --config F [--nproc N] [--steps N] [--report FILE] [--trace FILE]
-// [--trace-rank R] [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT as the config says,
-// with progress, a summary, and optional report, trace, tensor dump and training checkpoint;
-// on one rank, or as one rank of a launched world (Note [Distributed train]).
+// [--trace-rank R] [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT as
+// the config says, with progress, a summary, and optional report, trace, tensor dump and
+// training checkpoint; on one rank, or as one rank of a launched world (Note [Distributed
+// train]).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -299,7 +300,9 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   const auto t0 = std::chrono::steady_clock::now();
   // After a failure peers may be gone: rank 0 writes its own events alone.
   auto write_trace = [&] {
-    if (trace && w.leader() && share.kept(0)) trace->write_file(trace_path);
+    if (!trace || !w.leader() || !share.kept(0)) return false;
+    trace->write_file(trace_path);
+    return true;
   };
   try {
     while (eng.step() < last) {
@@ -320,8 +323,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   } catch (...) {
     progress.interrupt();
     try {
-      write_trace();
-      if (trace) err << "trace (up to the error) written to " << trace_path << "\n";
+      if (write_trace()) err << "trace (up to the error) written to " << trace_path << "\n";
     } catch (const porter::Error& e) {
       err << "warning: " << e.what() << "\n";
     }

@@ -42,7 +42,7 @@
 // was for) and when it ran on the comm stream, in steady_clock time so that it lines up with
 // the other streams' records. take_records() hands them over in order of completion. The
 // label comes from the issuer: set_label() (or a CommLabel for a scope) names the ops the
-// calling thread issues from then on, e.g. "bucket 3" or "grad norm"; it costs nothing when
+// calling thread starts from then on, e.g. "bucket 3" or "grad norm"; it costs nothing when
 // recording is off. At most kMaxCommRecords wait to be taken; later ones are counted by
 // dropped_records(), not kept. On cpu the interval is the op's run on the comm thread; on
 // cuda (NCCL) it is from the call to the host's first sight of completion in Work::wait(),
@@ -147,7 +147,7 @@ class Communicator {
   virtual CommStats stats() const = 0;
   virtual void reset_stats() = 0;
 
-  // Note [Comm records]. record_ops and set_label: calling thread only (the thread that issues
+  // Note [Comm records]. record_ops and set_label: calling thread only (the thread that calls
   // the ops). take_records may be called from any thread.
   virtual void record_ops(bool on) = 0;
   virtual std::vector<CommRecord> take_records() = 0;

@@ -31,7 +31,8 @@ inline std::vector<std::string> trace_schema_errors(const nlohmann::json& doc) {
     if (!e.contains("pid") || !e["pid"].is_number_integer()) errors.push_back(at + ": pid");
     if (!e.contains("tid") || !e["tid"].is_number_integer()) errors.push_back(at + ": tid");
     if (!e.contains("ts") || !e["ts"].is_number()) errors.push_back(at + ": ts");
-    const std::string ph = e.contains("ph") && e["ph"].is_string() ? e["ph"].get<std::string>() : "";
+    const std::string ph =
+        e.contains("ph") && e["ph"].is_string() ? e["ph"].get<std::string>() : "";
     if (ph != "X" && ph != "C" && ph != "M") errors.push_back(at + ": ph");
     if (ph == "X" && (!e.contains("dur") || !e["dur"].is_number() || e["dur"].get<double>() < 0)) {
       errors.push_back(at + ": dur");
