@@ -42,7 +42,7 @@ test: test-release consumer test-asan test-tsan
 # stage 2 over Gloo, each rank under a memory limit that the none policy would exceed, with
 # checkpoints offloaded to pinned host memory (README.md, "make demo"). Runs from the
 # repository root, which the config's data paths are relative to; rank 0 writes the report
-# (every rank's memory) and rank 0's Perfetto trace with the copy lanes.
+# (every rank's memory) and the Perfetto trace of both ranks, with the copy and comm lanes.
 demo: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target porter

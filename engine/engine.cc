@@ -10,6 +10,7 @@
 
 #include "base/check.h"
 #include "base/error.h"
+#include "engine/comm_trace.h"
 #include "engine/engine_impl.h"
 #include "engine/executor.h"
 #include "engine/offload_trace.h"
@@ -205,6 +206,7 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   }
   im.optimizer->finish_step(norm.overflow);
   collect_offload(r);
+  collect_comm();
   record(micro_batches, comm0, reduced, r);
   r.time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
@@ -219,6 +221,7 @@ void Engine::begin_step() {
   (void)im.stash->take_copies();
   (void)im.stash->take_waits();
   (void)im.optimizer->take_exposed_s();
+  if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
 }
 
 // Phase 2: every micro-batch through the schedule, its gradient buckets reduced as Note
@@ -297,7 +300,21 @@ void Engine::collect_offload(StepResult& r) {
   im.waits.insert(im.waits.end(), waits.begin(), waits.end());
 }
 
-// Phase 5b: the step's figures, and the running totals.
+// Phase 5b: the step's collectives, all complete by now (the optimizer waited for the last),
+// as spans on the comm lane (Note [Comm trace]).
+void Engine::collect_comm() {
+  comm::Communicator* comm = impl_->comm();
+  if (comm == nullptr) return;
+  std::vector<comm::CommRecord> records = comm->take_records();
+  if (trace_ != nullptr) trace_comm(*trace_, step_, records);
+}
+
+void Engine::set_trace(TraceRecorder* trace) {
+  trace_ = trace;
+  if (comm::Communicator* comm = impl_->comm()) comm->record_ops(trace != nullptr);
+}
+
+// Phase 5c: the step's figures, and the running totals.
 void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::CommStats& comm0,
                     const zero::ReducerStats& reduced, StepResult& r) {
   Impl& im = *impl_;
