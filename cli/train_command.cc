@@ -1,6 +1,7 @@
 // `porter train --config F [--nproc N] [--steps N] [--report FILE] [--trace FILE]
-// [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT as the config says,
-// with progress, a summary, and optional report, trace, tensor dump and training checkpoint;
+// [--memory-page FILE] [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT
+// as the config says, with progress, a summary, and optional report, trace, memory page,
+// tensor dump and training checkpoint;
 // on one rank, or as one rank of a launched world (Note [Distributed train]).
 #include <algorithm>
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "cli/common.h"
 #include "engine/run_options.h"
 #include "cli/launch.h"
+#include "cli/memory_page.h"
 #include "cli/train_report.h"
 #include "comm/communicator.h"
 #include "comm/env.h"
@@ -37,6 +39,7 @@ struct TrainOptions {
   std::optional<int> nproc;
   std::optional<int64_t> steps;
   std::string report, trace, dump_dir, save, resume;
+  std::string memory_page;  // the last step's, drawn by rank 0
   bool strict = false;
 };
 
@@ -236,6 +239,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     eng.set_trace(trace.get());
   }
   if (!o.resume.empty()) eng.load_checkpoint(o.resume);
+  if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
 
   TrainRun run;
   run.config_file = o.file;
@@ -326,6 +330,14 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     write_trace();
     out << "trace: " << trace_path << " (open in ui.perfetto.dev or chrome://tracing)\n";
   }
+  if (!o.memory_page.empty()) {
+    if (const engine::StepMemory* step = eng.last_step_memory()) {
+      write_memory_page(o.memory_page, train_page_data(eng, *step, o.file), "--memory-page");
+      out << "memory page: " << o.memory_page << " (step " << step->step << ")\n";
+    } else {
+      err << "warning: --memory-page: no step ran, nothing drawn\n";
+    }
+  }
   if (!o.dump_dir.empty()) {
     if (run.steps.empty()) {
       err << "warning: --dump-dir: no step ran, nothing dumped\n";
@@ -354,6 +366,8 @@ void add_train_command(CLI::App& app, CommandContext& context) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   cmd->add_option("--report", o->report, "Write a JSON report of the run to this file");
   cmd->add_option("--trace", o->trace, "Write a Chrome/Perfetto trace to this file (default porter.trace.path)");
+  cmd->add_option("--memory-page", o->memory_page,
+                  "Write the last step's memory, measured and predicted, as one HTML page");
   cmd->add_option("--dump-dir", o->dump_dir,
                   "Dump the last step's parameters, gradients and inputs as .npy (docs/dump-format.md)");
   cmd->add_option("--save", o->save, "Save a training checkpoint to this directory at the end");
