@@ -244,7 +244,9 @@ ordered_json train_page_data(engine::Engine& engine, const engine::StepMemory& s
       if (c["direction"] == "d2h") from = c["start"].get<double>();
       if (c["direction"] == "h2d") to = c["end"].get<double>();
     }
-    if (from) life["host"] = ordered_json::array({interval(*from, to.value_or(life["end"].get<double>()))});
+    if (!from) continue;
+    const double until = to.value_or(life["end"].get<double>());
+    life["host"] = ordered_json::array({interval(*from, until)});
   }
   ordered_json measured = measured_json(step);
   measured["pinned"]["limit_bytes"] = mem.pinned_limit_bytes;

@@ -47,15 +47,19 @@ std::vector<std::pair<double, double>> predicted_points(const ordered_json& data
   return out;
 }
 
-void stacked_areas(const ordered_json& data, const Scale& sc, std::ostringstream& o) {
+// Returns the categories drawn (those with bytes), bottom to top.
+std::vector<std::string> stacked_areas(const ordered_json& data, const Scale& sc,
+                                       std::ostringstream& o) {
+  std::vector<std::string> drawn;
   const ordered_json& m = data["measured"];
   const std::vector<double> times = m["times"].get<std::vector<double>>();
-  if (times.empty()) return;
+  if (times.empty()) return drawn;
   const double x_end = sc.x(data["duration"].get<double>());
   std::vector<double> below(times.size(), 0.0);
   for (const ordered_json& name : data["categories"]) {
     const std::vector<double> v = m["bytes"][name.get<std::string>()].get<std::vector<double>>();
     if (std::all_of(v.begin(), v.end(), [](double b) { return b == 0.0; })) continue;
+    drawn.push_back(name.get<std::string>());
     std::vector<double> top(v.size());
     for (size_t i = 0; i < v.size(); ++i) top[i] = below[i] + v[i];
     // Step-after edges: the upper one left to right, the lower one back.
@@ -72,6 +76,7 @@ void stacked_areas(const ordered_json& data, const Scale& sc, std::ostringstream
       << "</title></path>";
     below = std::move(top);
   }
+  return drawn;
 }
 
 }  // namespace
@@ -101,7 +106,8 @@ std::string static_svg(const ordered_json& data) {
       << kHeight - kTop - kBottom << "\"><title>" << ph["phase"].get<std::string>()
       << "</title></rect>";
   }
-  if (!data["measured"].is_null()) stacked_areas(data, sc, o);
+  std::vector<std::string> drawn;
+  if (!data["measured"].is_null()) drawn = stacked_areas(data, sc, o);
   if (!pred.empty()) {
     o << "<path class=\"predicted\" d=\"M" << num(sc.x(pred[0].first)) << ","
       << num(sc.y(pred[0].second));
@@ -124,9 +130,25 @@ std::string static_svg(const ordered_json& data) {
       << num(sc.y(b)) << "\" y2=\"" << num(sc.y(b)) << "\"/><text class=\"tick\" x=\""
       << kLeft - 6 << "\" y=\"" << num(sc.y(b) + 4) << "\" text-anchor=\"end\">"
       << format_bytes(static_cast<uint64_t>(b)) << "</text><text class=\"tick\" x=\""
-      << num(sc.x(t)) << "\" y=\"" << kHeight - kBottom + 18 << "\" text-anchor=\"middle\">"
-      << num(t) << " " << data["time_unit"].get<std::string>() << "</text>";
+      << num(sc.x(t)) << "\" y=\"" << kHeight - kBottom + 18 << "\" text-anchor=\""
+      << (i == 0 ? "start" : i == 4 ? "end" : "middle") << "\">" << num(t) << " "
+      << data["time_unit"].get<std::string>() << "</text>";
   }
+  // The legend, along the bottom: the drawn categories, then the two lines.
+  double lx = kLeft;
+  const double ly = kHeight - 8;
+  for (const std::string& name : drawn) {
+    o << "<rect class=\"cat-" << name << "\" x=\"" << num(lx) << "\" y=\"" << ly - 10
+      << "\" width=\"12\" height=\"12\"/><text class=\"tick\" x=\"" << num(lx + 16) << "\" y=\""
+      << ly << "\">" << name << "</text>";
+    lx += 28 + 7.0 * static_cast<double>(name.size());
+  }
+  o << "<line class=\"predicted\" x1=\"" << num(lx) << "\" x2=\"" << num(lx + 18) << "\" y1=\""
+    << ly - 4 << "\" y2=\"" << ly - 4 << "\"/><text class=\"tick\" x=\"" << num(lx + 22)
+    << "\" y=\"" << ly << "\">predicted</text><line class=\"capacity\" x1=\"" << num(lx + 100)
+    << "\" x2=\"" << num(lx + 118) << "\" y1=\"" << ly - 4 << "\" y2=\"" << ly - 4
+    << "\"/><text class=\"tick\" x=\"" << num(lx + 122) << "\" y=\"" << ly
+    << "\">capacity</text>";
   o << "</svg>";
   return o.str();
 }

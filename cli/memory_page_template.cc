@@ -240,7 +240,7 @@ scripts on, hovering names what is under the cursor.</p></noscript>
   }
   el('circle', { 'class': 'peak-mark', cx: x(peakT), cy: y(peakB), r: 6 }, svg);
   el('text', { 'class': 'tick', x: x(peakT) + 9, y: y(peakB) - 8 }, svg,
-    (m ? 'measured peak ' : 'predicted peak ') + fmtBytes(peakB));
+    (m ? 'measured peak ' : 'highest between ops ') + fmtBytes(peakB));
   var cross = el('line', { 'class': 'cross', x1: 0, x2: 0, y1: T, y2: H - B,
     visibility: 'hidden' }, svg);
   function tAt(evt) {

@@ -53,6 +53,8 @@ class MemoryPageBrowser : public ::testing::Test {
             std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
+    page_ = dir_ / "page.html";
+    report_ = dir_ / "report.json";
   }
   void TearDown() override {
     if (!dir_.empty()) fs::remove_all(dir_);
@@ -87,14 +89,11 @@ class MemoryPageBrowser : public ::testing::Test {
   }
 
   fs::path dir_;
-  fs::path page_ = fs::temp_directory_path() / "unused";
-  fs::path report_;
+  fs::path page_, report_;
   int runs_ = 0;
 };
 
 TEST_F(MemoryPageBrowser, ScriptDrawsTheReportsMeasuredPeak) {
-  page_ = dir_ / "page.html";
-  report_ = dir_ / "report.json";
   train_page();
   const std::string dom = browse({"--dump-dom"}, page_.string());
   ASSERT_EQ(body_attribute(dom, "data-status"), "ok") << dom.substr(0, 2000);
@@ -109,8 +108,6 @@ TEST_F(MemoryPageBrowser, ScriptDrawsTheReportsMeasuredPeak) {
 }
 
 TEST_F(MemoryPageBrowser, Screenshot) {
-  page_ = dir_ / "page.html";
-  report_ = dir_ / "report.json";
   train_page();
   const fs::path png = PORTER_MEMORY_PAGE_SCREENSHOT;
   fs::remove(png);
@@ -139,8 +136,6 @@ TEST_F(MemoryPageBrowser, Screenshot) {
 // blocks the page's own script exactly as a browser with scripts off would while the dump
 // still works.
 TEST_F(MemoryPageBrowser, StaticChartWithScriptsOff) {
-  page_ = dir_ / "page.html";
-  report_ = dir_ / "report.json";
   train_page();
   browse({"--blink-settings=scriptEnabled=false", "--dump-dom"}, page_.string());
   std::string html = read_file(page_);
@@ -160,8 +155,6 @@ TEST_F(MemoryPageBrowser, StaticChartWithScriptsOff) {
 
 // page.html#probe-peak hovers the drawn peak from the page's own script.
 TEST_F(MemoryPageBrowser, HoverNamesCategoriesAndPhase) {
-  page_ = dir_ / "page.html";
-  report_ = dir_ / "report.json";
   train_page();
   const fs::path probe = dir_ / "probe.html";
   fs::copy_file(page_, probe);
