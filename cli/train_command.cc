@@ -1,8 +1,8 @@
 // `porter train --config F [--nproc N] [--steps N] [--report FILE] [--trace FILE]
-// [--trace-rank R] [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT as
-// the config says, with progress, a summary, and optional report, trace, tensor dump and
-// training checkpoint; on one rank, or as one rank of a launched world (Note [Distributed
-// train]).
+// [--trace-rank R] [--memory-page FILE] [--dump-dir DIR] [--save DIR] [--resume DIR]`:
+// trains the built-in GPT as the config says, with progress, a summary, and optional report,
+// trace, memory page, tensor dump and training checkpoint; on one rank, or as one rank of a
+// launched world (Note [Distributed train]).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +19,7 @@
 #include "cli/common.h"
 #include "engine/run_options.h"
 #include "cli/launch.h"
+#include "cli/memory_page.h"
 #include "cli/train_report.h"
 #include "cli/train_trace.h"
 #include "comm/communicator.h"
@@ -40,6 +41,7 @@ struct TrainOptions {
   std::optional<int64_t> steps;
   std::optional<int> trace_rank;
   std::string report, trace, dump_dir, save, resume;
+  std::string memory_page;  // the last step's, drawn by rank 0
   bool strict = false;
 };
 
@@ -254,6 +256,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                      "porter.trace.path)");
   }
   if (!o.resume.empty()) eng.load_checkpoint(o.resume);
+  if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
 
   TrainRun run;
   run.config_file = o.file;
@@ -350,6 +353,14 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                             : std::string())
         << "\n";
   }
+  if (!o.memory_page.empty()) {
+    if (const engine::StepMemory* step = eng.last_step_memory()) {
+      write_memory_page(o.memory_page, train_page_data(eng, *step, o.file), "--memory-page");
+      out << "memory page: " << o.memory_page << " (step " << step->step << ")\n";
+    } else {
+      err << "warning: --memory-page: no step ran, nothing drawn\n";
+    }
+  }
   if (!o.dump_dir.empty()) {
     if (run.steps.empty()) {
       err << "warning: --dump-dir: no step ran, nothing dumped\n";
@@ -383,6 +394,8 @@ void add_train_command(CLI::App& app, CommandContext& context) {
   cmd->add_option("--trace-rank", o->trace_rank,
                   "With several ranks, keep only this rank's events in the --trace file")
       ->check(CLI::Range(0, 4095));
+  cmd->add_option("--memory-page", o->memory_page,
+                  "Write the last step's memory, measured and predicted, as one HTML page");
   cmd->add_option("--dump-dir", o->dump_dir,
                   "Dump the last step's parameters, gradients and inputs as .npy (docs/dump-format.md)");
   cmd->add_option("--save", o->save, "Save a training checkpoint to this directory at the end");

@@ -45,6 +45,7 @@
 #include "engine/lr_schedule.h"
 #include "engine/model.h"
 #include "engine/run_options.h"
+#include "engine/step_memory.h"
 #include "engine/trace.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
@@ -145,6 +146,11 @@ class Engine {
 
   MemoryReport memory_report() const;
   void reset_peaks();
+  // Keeps the last completed step's memory record from the next step on (Note [Step memory
+  // record] in step_memory.h); false drops it. last_step_memory() is null until a recorded
+  // step completes.
+  void record_step_memory(bool on);
+  const StepMemory* last_step_memory() const;
 
   // Training checkpoints (engine/state_file.h): parameters, master weights, AdamW moments,
   // the step, and the config they belong to. With N > 1 ranks every rank calls both with
