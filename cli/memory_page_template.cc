@@ -314,7 +314,7 @@ scripts on, hovering names what is under the cursor.</p></noscript>
     });
     var ly = lives.length * (LH + 4) + 20, lx = L;
     [['device', 'kept on device'], ['recomputed', 'recomputed'], ['host', 'offloaded to host'],
-      ['partitioned', 'partitioned (1/t per tensor-parallel rank; not planned yet)']]
+      ['partitioned', 'partitioned (1/t per tensor-parallel rank; needs tensor parallelism, not supported yet)']]
       .forEach(function (k) {
         el('rect', { 'class': 'where-' + k[0], x: lx, y: ly - 10, width: 12, height: 12 }, lsvg);
         el('text', { 'class': 'tick', x: lx + 16, y: ly }, lsvg, k[1]);
