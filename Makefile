@@ -42,12 +42,14 @@ test: test-release consumer test-asan test-tsan
 # stage 2 over Gloo, each rank under a memory limit that the none policy would exceed, with
 # checkpoints offloaded to pinned host memory (README.md, "make demo"). Runs from the
 # repository root, which the config's data paths are relative to; rank 0 writes the report
-# (every rank's memory) and rank 0's Perfetto trace with the copy lanes.
+# (every rank's memory), the Perfetto trace of both ranks with the copy and comm lanes, and
+# rank 0's memory page of the last step (one HTML file; open it in any browser).
 demo: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target porter
 	./build/release/cli/porter train --nproc 2 --config examples/gpt-tiny-zero2.json \
-	  --report build/demo-report.json --trace build/demo-trace.json
+	  --report build/demo-report.json --trace build/demo-trace.json \
+	  --memory-page build/demo-memory.html
 
 bench: build
 	./build/release/bench/memory_bench --benchmark_counters_tabular=true

@@ -1,6 +1,6 @@
-// `porter plan --config F [--budget B] [--json]`: the checkpoint plan of a config: per stage
-// what is kept, held and recomputed and where held inputs live (device or host), with the
-// predicted activation peak, recompute cost and, with offload, the copies.
+// `porter plan --config F [--budget B] [--json] [--memory-page FILE]`: the checkpoint plan of
+// a config: per stage what is kept, held and recomputed and where held inputs live (device or
+// host), with the predicted activation peak, recompute cost and, with offload, the copies.
 // Costs come from the analytic model (no allocation) unless the policy is optimal or offload
 // is on, which need measured times: then the Engine is built on the configured device and
 // profiles (and, with offload, measures the link unless sim_link_gbps sets it).
@@ -19,9 +19,12 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "cli/memory_page.h"
 #include "engine/run_options.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "nn/gpt.h"
+#include "zero/partition.h"
 
 namespace porter::cli {
 namespace {
@@ -29,11 +32,41 @@ namespace {
 struct PlanCommandOptions {
   std::string file;
   std::string budget;
+  std::string memory_page;
   bool json = false;
   bool strict = false;
 };
 
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err);
+
+// The plan page (cli/memory_page.h). Model states are this rank's params, grads and
+// optimizer state at the configured ZeRO stage: the Engine's when it was built, else exact
+// without allocating (Note [Model-state bytes per rank] in zero/partition.h).
+void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
+                     const engine::RunOptions& run, const checkpoint::Plan& plan,
+                     const checkpoint::ChainCosts& costs, engine::Engine* eng) {
+  config::ModelConfig whole = cfg.porter.model;
+  whole.tensor_parallel = 1;  // not modelled, as in porter estimate
+  const nn::Gpt gpt(whole);   // the layout and names only; allocates nothing
+  PlanPageInput in;
+  in.config_file = o.file;
+  in.plan = &plan;
+  in.costs = &costs;
+  in.stage_name = [&gpt](int s) { return gpt.stage_name(s); };
+  if (eng != nullptr) {
+    in.model_state_bytes = eng->memory_report().model_state_bytes;
+  } else {
+    const zero::Partition part = zero::make_partition(
+        gpt.layout().total_elems(), static_cast<int>(cfg.data_parallel_size()));
+    in.model_state_bytes = zero::exact_bytes(part, cfg.zero_optimization.stage,
+                                             zero::StateDTypes{run.compute_dtype})
+                               .total();
+  }
+  in.batch_bytes = run.batch_bytes;
+  in.capacity_bytes = run.capacity_bytes;
+  in.predicted_peak_bytes = run.predicted_peak_bytes(in.model_state_bytes, plan.prediction);
+  write_memory_page(o.memory_page, plan_page_data(in), "--memory-page");
+}
 
 // Bytes each stage's held input sends to the host per micro-batch (0: none).
 std::vector<size_t> offloaded_by_stage(const checkpoint::Plan& plan) {
@@ -150,6 +183,8 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const bool timed = plan.prediction.offload.timed;
   const std::vector<size_t> offloaded = offloaded_by_stage(plan);
 
+  if (!o.memory_page.empty()) write_plan_page(o, cfg, run, plan, costs, eng.get());
+
   if (o.json) {
     nlohmann::ordered_json j;
     j["config"] = o.file;
@@ -227,6 +262,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
   print_offload(plan, link_bytes_per_s, micro_batches, out);
   out << "  schedule: " << plan.schedule.to_string() << "\n";
+  if (!o.memory_page.empty()) out << "  memory page: " << o.memory_page << "\n";
   return kExitOk;
 }
 
@@ -240,6 +276,8 @@ void add_plan_command(CLI::App& app, CommandContext& context) {
                   "Plan 'optimal' under this activation budget: bytes (\"6GiB\") or a fraction "
                   "of the none policy's peak (overrides the config's policy)");
   cmd->add_flag("--json", o->json, "Print JSON");
+  cmd->add_option("--memory-page", o->memory_page,
+                  "Write the predicted memory of one micro-batch as one HTML page");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
   cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config or budget, 3 out of "
               "memory while profiling.");

@@ -1,7 +1,8 @@
 // `porter train --config F [--nproc N] [--steps N] [--report FILE] [--trace FILE]
-// [--dump-dir DIR] [--save DIR] [--resume DIR]`: trains the built-in GPT as the config says,
-// with progress, a summary, and optional report, trace, tensor dump and training checkpoint;
-// on one rank, or as one rank of a launched world (Note [Distributed train]).
+// [--trace-rank R] [--memory-page FILE] [--dump-dir DIR] [--save DIR] [--resume DIR]`:
+// trains the built-in GPT as the config says, with progress, a summary, and optional report,
+// trace, memory page, tensor dump and training checkpoint; on one rank, or as one rank of a
+// launched world (Note [Distributed train]).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,7 +19,9 @@
 #include "cli/common.h"
 #include "engine/run_options.h"
 #include "cli/launch.h"
+#include "cli/memory_page.h"
 #include "cli/train_report.h"
+#include "cli/train_trace.h"
 #include "comm/communicator.h"
 #include "comm/env.h"
 #include "comm/store.h"
@@ -36,7 +39,9 @@ struct TrainOptions {
   std::string file;
   std::optional<int> nproc;
   std::optional<int64_t> steps;
+  std::optional<int> trace_rank;
   std::string report, trace, dump_dir, save, resume;
+  std::string memory_page;  // the last step's, drawn by rank 0
   bool strict = false;
 };
 
@@ -105,7 +110,8 @@ class Progress {
 //   (comm::make_communicator, porter.comm.timeout_s) and the data-parallel group, and gives
 //   that to the Engine; it trains on DataSource::rank_batches, its slice of every step;
 // - only rank 0 prints the header, the progress and the summary and writes --report and
-//   --trace; config warnings are printed by rank 0 only. --save and --resume are every
+//   --trace, whose file has every rank's events (or --trace-rank's; Note [Train trace] in
+//   cli/train_trace.h); config warnings are printed by rank 0 only. --save and --resume are every
 //   rank's (each saves and loads its own `DIR`/rank<r>); --dump-dir is refused (a rank holds
 //   only its gradient shard);
 // - after the last step every rank hands its memory report to rank 0 (Note [Per-rank
@@ -230,12 +236,27 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                           cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
   engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg, w.dp);
+  // Note [Train trace]: every rank records (unless --trace-rank keeps another) and notes its
+  // clock after a barrier.
   std::unique_ptr<engine::TraceRecorder> trace;
-  if (!trace_path.empty() && w.leader()) {
+  TraceShare share{w.store.get(), w.env.rank, w.env.world_size, o.trace_rank,
+                   comm::Seconds(cfg.porter.comm.timeout_s)};
+  int64_t trace_sync_us = 0;
+  if (!trace_path.empty()) {
+    if (o.trace_rank && *o.trace_rank >= w.env.world_size) {
+      throw UsageError("--trace-rank " + std::to_string(*o.trace_rank) + ": the run has " +
+                       std::to_string(w.env.world_size) + " rank(s), 0.." +
+                       std::to_string(w.env.world_size - 1));
+    }
     trace = std::make_unique<engine::TraceRecorder>();
-    eng.set_trace(trace.get());
+    trace_sync_us = sync_trace_clock(w.world.get(), *trace);
+    if (share.kept(w.env.rank)) eng.set_trace(trace.get());
+  } else if (o.trace_rank) {
+    throw UsageError("--trace-rank: there is no trace to write; give --trace FILE (or set "
+                     "porter.trace.path)");
   }
   if (!o.resume.empty()) eng.load_checkpoint(o.resume);
+  if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
 
   TrainRun run;
   run.config_file = o.file;
@@ -280,8 +301,11 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   std::vector<float> dump_params;
   eng.reset_peaks();  // peaks of the training steps, not of set-up or profiling
   const auto t0 = std::chrono::steady_clock::now();
+  // After a failure peers may be gone: rank 0 writes its own events alone.
   auto write_trace = [&] {
-    if (trace) trace->write_file(trace_path);
+    if (!trace || !w.leader() || !share.kept(0)) return false;
+    trace->write_file(trace_path);
+    return true;
   };
   try {
     while (eng.step() < last) {
@@ -302,8 +326,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   } catch (...) {
     progress.interrupt();
     try {
-      write_trace();
-      if (trace) err << "trace (up to the error) written to " << trace_path << "\n";
+      if (write_trace()) err << "trace (up to the error) written to " << trace_path << "\n";
     } catch (const porter::Error& e) {
       err << "warning: " << e.what() << "\n";
     }
@@ -314,6 +337,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   // Every rank saves its own state (engine/state.cc: `dir`/rank<r> with several ranks).
   if (!o.save.empty()) eng.save_checkpoint(o.save);
   run.ranks = gather_rank_reports(w, eng, cfg.porter.comm.timeout_s);
+  if (trace) share_trace(share, *trace, trace_sync_us, trace_path);
   if (!w.leader()) return kExitOk;
   print_summary(run, eng, out);
   if (!o.report.empty()) {
@@ -323,8 +347,19 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     out << "\nreport: " << o.report << "\n";
   }
   if (trace) {
-    write_trace();
-    out << "trace: " << trace_path << " (open in ui.perfetto.dev or chrome://tracing)\n";
+    out << "trace: " << trace_path << " (open in ui.perfetto.dev or chrome://tracing)"
+        << (w.distributed() ? (o.trace_rank ? ", rank " + std::to_string(*o.trace_rank)
+                                            : ", every rank")
+                            : std::string())
+        << "\n";
+  }
+  if (!o.memory_page.empty()) {
+    if (const engine::StepMemory* step = eng.last_step_memory()) {
+      write_memory_page(o.memory_page, train_page_data(eng, *step, o.file), "--memory-page");
+      out << "memory page: " << o.memory_page << " (step " << step->step << ")\n";
+    } else {
+      err << "warning: --memory-page: no step ran, nothing drawn\n";
+    }
   }
   if (!o.dump_dir.empty()) {
     if (run.steps.empty()) {
@@ -353,7 +388,14 @@ void add_train_command(CLI::App& app, CommandContext& context) {
   cmd->add_option("--steps", o->steps, "Train until this many steps are done (default porter.train.steps)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   cmd->add_option("--report", o->report, "Write a JSON report of the run to this file");
-  cmd->add_option("--trace", o->trace, "Write a Chrome/Perfetto trace to this file (default porter.trace.path)");
+  cmd->add_option("--trace", o->trace,
+                  "Write a Chrome/Perfetto trace to this file (default porter.trace.path); with "
+                  "several ranks, one file with every rank as a process");
+  cmd->add_option("--trace-rank", o->trace_rank,
+                  "With several ranks, keep only this rank's events in the --trace file")
+      ->check(CLI::Range(0, 4095));
+  cmd->add_option("--memory-page", o->memory_page,
+                  "Write the last step's memory, measured and predicted, as one HTML page");
   cmd->add_option("--dump-dir", o->dump_dir,
                   "Dump the last step's parameters, gradients and inputs as .npy (docs/dump-format.md)");
   cmd->add_option("--save", o->save, "Save a training checkpoint to this directory at the end");

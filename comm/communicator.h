@@ -34,8 +34,22 @@
 // abort(reason) makes this rank's pending and later ops fail at once and closes its
 // connections, so peers fail at once instead of waiting out the timeout; a rank that throws
 // mid-step calls it. After an error the communicator is unusable (every op rethrows).
+//
+// Note [Comm records]
+// For a trace, a communicator can keep a record of every op it finishes (record_ops(true);
+// off by default, so nothing is kept when no one takes them): what the op was (name, group,
+// element count and type, payload bytes as CommStats counts them, and a label saying what it
+// was for) and when it ran on the comm stream, in steady_clock time so that it lines up with
+// the other streams' records. take_records() hands them over in order of completion. The
+// label comes from the issuer: set_label() (or a CommLabel for a scope) names the ops the
+// calling thread starts from then on, e.g. "bucket 3" or "grad norm"; it costs nothing when
+// recording is off. At most kMaxCommRecords wait to be taken; later ones are counted by
+// dropped_records(), not kept. On cpu the interval is the op's run on the comm thread; on
+// cuda (NCCL) it is from the call to the host's first sight of completion in Work::wait(),
+// and an op only waited on by a stream leaves no record.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -63,6 +77,20 @@ struct CommStats {
   uint64_t payload_bytes = 0;
   double busy_s = 0.0;
 };
+
+// One finished op (Note [Comm records]).
+struct CommRecord {
+  std::string op;       // "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"
+  std::string group;    // the communicator's group name: "world", "dp", ...
+  std::string label;    // what the issuer said the op is for ("bucket 3"); may be empty
+  size_t count = 0;     // elements, as the call gave them (0 for barrier)
+  ElemType type = ElemType::kU8;
+  bool has_payload = true;  // false for barrier: no count or type
+  uint64_t bytes = 0;       // payload bytes, as CommStats counts them
+  bool failed = false;
+  std::chrono::steady_clock::time_point start, end;  // on the comm stream
+};
+inline constexpr size_t kMaxCommRecords = size_t{1} << 16;
 
 // A collective in flight (copyable handle; all copies share one state).
 class Work {
@@ -118,6 +146,28 @@ class Communicator {
   virtual memory::Stream& stream() = 0;
   virtual CommStats stats() const = 0;
   virtual void reset_stats() = 0;
+
+  // Note [Comm records]. record_ops and set_label: calling thread only (the thread that calls
+  // the ops). take_records may be called from any thread.
+  virtual void record_ops(bool on) = 0;
+  virtual std::vector<CommRecord> take_records() = 0;
+  virtual uint64_t dropped_records() const = 0;
+  virtual void set_label(std::string label) = 0;
+  virtual const std::string& label() const = 0;
+};
+
+// Labels the ops issued on `comm` during its scope (Note [Comm records]); the label before it
+// comes back at the end. A null comm is allowed (one rank: nothing is communicated).
+class CommLabel {
+ public:
+  CommLabel(Communicator* comm, std::string label);
+  ~CommLabel();
+  CommLabel(const CommLabel&) = delete;
+  CommLabel& operator=(const CommLabel&) = delete;
+
+ private:
+  Communicator* comm_;  // not owned; outlives the label
+  std::string previous_;
 };
 
 // Gloo (TCP on loopback, or on MASTER_ADDR's interface) for a cpu device, NCCL for cuda (its

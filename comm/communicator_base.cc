@@ -39,7 +39,33 @@ void CommunicatorBase::finish_op(Work::State& state, std::exception_ptr err, dou
   const double end = now_s();
   counted.busy_s += end - start;
   add_stats(counted);
-  state.finish(std::move(err), start, end);
+  const bool failed = err != nullptr;
+  if (!state.finish(std::move(err), start, end) || state.record == nullptr) return;
+  CommRecord& rec = *state.record;
+  rec.failed = failed;
+  auto at = [this](double s) {
+    return t0_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  };
+  rec.start = at(start);
+  rec.end = at(end);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (records_.size() >= kMaxCommRecords) {
+    ++dropped_records_;
+    return;
+  }
+  records_.push_back(std::move(rec));
+}
+
+std::vector<CommRecord> CommunicatorBase::take_records() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<CommRecord> out;
+  out.swap(records_);
+  return out;
+}
+
+uint64_t CommunicatorBase::dropped_records() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return dropped_records_;
 }
 
 void CommunicatorBase::open_stream() {
@@ -151,6 +177,17 @@ std::shared_ptr<Work::State> CommunicatorBase::start_op(const OpInfo& op, size_t
   check_usable(op);
   auto state = std::make_shared<Work::State>(op.name, payload_bytes);
   state->event = device_.create_event();
+  if (recording_) {
+    state->record = std::make_unique<CommRecord>();
+    CommRecord& rec = *state->record;
+    rec.op = op.name;
+    rec.group = options_.group_name;
+    rec.label = label_;
+    rec.count = op.has_payload ? op.count : 0;
+    rec.type = op.type;
+    rec.has_payload = op.has_payload;
+    rec.bytes = payload_bytes;
+  }
   // Note [Comm stream]: the op sees everything queued on the compute stream before the call.
   device_.compute_stream().record(*compute_done_);
   stream_->wait(*compute_done_);

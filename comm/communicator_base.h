@@ -45,6 +45,12 @@ class CommunicatorBase : public Communicator {
   // Note [Comm failure state]. When it failed already the first error stays on record, and
   // the backend is stopped again all the same.
   void abort(const std::string& reason) final;
+  // Note [Comm records].
+  void record_ops(bool on) final { recording_ = on; }
+  std::vector<CommRecord> take_records() final;
+  uint64_t dropped_records() const final;
+  void set_label(std::string label) final { label_ = std::move(label); }
+  const std::string& label() const final { return label_; }
 
  protected:
   using Clock = std::chrono::steady_clock;
@@ -108,6 +114,10 @@ class CommunicatorBase : public Communicator {
   std::unique_ptr<memory::Event> compute_done_;  // calling thread only
   std::exception_ptr failure_;                   // mu_; the first failure, or null
   CommStats stats_;                              // mu_
+  bool recording_ = false;                       // calling thread only
+  std::string label_;                            // calling thread only
+  std::vector<CommRecord> records_;              // mu_; at most kMaxCommRecords
+  uint64_t dropped_records_ = 0;                 // mu_
 
  protected:
   // Destroyed before the members above. A backend whose queued work uses its own members

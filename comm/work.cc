@@ -1,4 +1,5 @@
-// Work: a handle on a collective queued on a comm stream (Note [Comm stream]).
+// Work: a handle on a collective queued on a comm stream (Note [Comm stream]); CommLabel, the
+// scoped label of Note [Comm records].
 #include "base/check.h"
 #include "comm/communicator.h"
 #include "comm/work_state.h"
@@ -57,6 +58,16 @@ std::string_view Work::op() const {
 size_t Work::payload_bytes() const {
   check_valid(state_, "payload_bytes()");
   return state_->payload_bytes;
+}
+
+CommLabel::CommLabel(Communicator* comm, std::string label) : comm_(comm) {
+  if (comm_ == nullptr) return;
+  previous_ = comm_->label();
+  comm_->set_label(std::move(label));
+}
+
+CommLabel::~CommLabel() {
+  if (comm_ != nullptr) comm_->set_label(std::move(previous_));
 }
 
 }  // namespace porter::comm

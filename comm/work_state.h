@@ -28,14 +28,19 @@ struct Work::State {
   // op's own blocking calls carry the timeout.
   std::function<void(State&)> device_wait;
 
-  // Records the outcome. The first call wins.
-  void finish(std::exception_ptr err, double start, double end) {
+  // What the communicator will keep of the op once it finishes (Note [Comm records]); null
+  // when it records nothing. Set before the op is queued, then the comm stream's alone.
+  std::unique_ptr<CommRecord> record;
+
+  // Records the outcome. The first call wins: it returns true, later ones false.
+  bool finish(std::exception_ptr err, double start, double end) {
     std::lock_guard<std::mutex> lock(mu);
-    if (finished) return;
+    if (finished) return false;
     finished = true;
     error = std::move(err);
     start_s = start;
     end_s = end;
+    return true;
   }
   std::exception_ptr get_error() const {
     std::lock_guard<std::mutex> lock(mu);

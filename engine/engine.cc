@@ -10,6 +10,7 @@
 
 #include "base/check.h"
 #include "base/error.h"
+#include "engine/comm_trace.h"
 #include "engine/engine_impl.h"
 #include "engine/executor.h"
 #include "engine/offload_trace.h"
@@ -205,6 +206,7 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   }
   im.optimizer->finish_step(norm.overflow);
   collect_offload(r);
+  collect_comm();
   record(micro_batches, comm0, reduced, r);
   r.time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
@@ -215,10 +217,12 @@ void Engine::begin_step() {
   Impl& im = *impl_;
   im.fold_peaks(allocator_->stats());
   allocator_->reset_peak();
+  if (im.step_memory) im.step_memory->begin_step(step_ + 1);
   im.stash->reset_stats();
   (void)im.stash->take_copies();
   (void)im.stash->take_waits();
   (void)im.optimizer->take_exposed_s();
+  if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
 }
 
 // Phase 2: every micro-batch through the schedule, its gradient buckets reduced as Note
@@ -239,7 +243,7 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
     ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy,
                 trace_, step_, static_cast<int>(i), run_.seed, im.stash.get(),
                 [reducer](int stage) { reducer->before_backward(stage); },
-                [reducer](int stage) { reducer->after_backward(stage); }};
+                [reducer](int stage) { reducer->after_backward(stage); }, im.step_memory.get()};
     reducer->begin_micro_batch(i + 1 == micro_batches.size());
     const MicroBatchResult mr = run_schedule(env, tokens, targets);
     reducer->end_micro_batch();
@@ -255,6 +259,7 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
 zero::GradNorm Engine::update(StepResult& r) {
   Impl& im = *impl_;
   const int64_t start_us = trace_ != nullptr ? trace_->now_us() : 0;
+  const int64_t start_ns = im.step_memory ? im.step_memory->now_ns() : 0;
   const nn::Tensor& grads = im.reducer->shard();
   const zero::GradNorm norm = im.optimizer->global_norm(grads);
   r.lr = im.lr->lr(im.optimizer->steps());
@@ -262,6 +267,7 @@ zero::GradNorm Engine::update(StepResult& r) {
   r.grad_norm = norm.norm;
   r.clip_coef = norm.clip_coef;
   r.skipped = norm.overflow;
+  if (im.step_memory) im.step_memory->optimizer(start_ns, im.step_memory->now_ns());
   if (trace_ != nullptr) {
     TraceSpan span;
     span.name = "optimizer adamw";
@@ -285,6 +291,7 @@ void Engine::collect_offload(StepResult& r) {
   im.offload_total.add(r.offload);
   std::vector<offload::CopyRecord> copies = im.stash->take_copies();
   std::vector<offload::WaitRecord> waits = im.stash->take_waits();
+  if (im.step_memory) im.step_memory->end_step(copies);
   if (trace_ != nullptr) {
     trace_offload(*trace_, [this](int s) { return model_->stage_name(s); }, step_, copies,
                   waits);
@@ -297,7 +304,21 @@ void Engine::collect_offload(StepResult& r) {
   im.waits.insert(im.waits.end(), waits.begin(), waits.end());
 }
 
-// Phase 5b: the step's figures, and the running totals.
+// Phase 5b: the step's collectives, all complete by now (the optimizer waited for the last),
+// as spans on the comm lane (Note [Comm trace]).
+void Engine::collect_comm() {
+  comm::Communicator* comm = impl_->comm();
+  if (comm == nullptr) return;
+  std::vector<comm::CommRecord> records = comm->take_records();
+  if (trace_ != nullptr) trace_comm(*trace_, step_, records);
+}
+
+void Engine::set_trace(TraceRecorder* trace) {
+  trace_ = trace;
+  if (comm::Communicator* comm = impl_->comm()) comm->record_ops(trace != nullptr);
+}
+
+// Phase 5c: the step's figures, and the running totals.
 void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::CommStats& comm0,
                     const zero::ReducerStats& reduced, StepResult& r) {
   Impl& im = *impl_;
@@ -483,6 +504,19 @@ void Engine::reset_peaks() {
   impl_->reduce_exposed_total_s = 0.0;
   impl_->stash->reset_stats();
   allocator_->reset_peak();
+}
+
+void Engine::record_step_memory(bool on) {
+  Impl& im = *impl_;
+  if (!on) {
+    im.step_memory.reset();
+  } else if (!im.step_memory) {
+    im.step_memory = std::make_unique<StepMemoryRecorder>(*allocator_, *im.pinned);
+  }
+}
+
+const StepMemory* Engine::last_step_memory() const {
+  return impl_->step_memory ? impl_->step_memory->last() : nullptr;
 }
 
 offload::StashStats Engine::offload_stats() const { return impl_->offload_total; }

@@ -21,8 +21,10 @@
 //    zero/sharded_optimizer.h): the global norm, fp16 overflow agreed by all ranks, the clip
 //    coefficient, AdamW on the rank's range at the scheduler's lr for the count of updating
 //    steps, and the all-gather of the updated parameters (stages 1 and 2).
-// 5. collect_offload and record: wait for the stash's copy streams; record times, memory,
-//    offload and ZeRO statistics (StepResult::zero). Everything the step allocates is
+// 5. collect_offload, collect_comm and record: wait for the stash's copy streams; with a
+//    trace, turn the step's copy and wait records and the communicator's op records into
+//    spans (Notes [Offload trace], [Comm trace]); record times, memory, offload and ZeRO
+//    statistics (StepResult::zero). Everything the step allocates is
 //    returned to the allocator and the pinned pool by the end of the step (the contiguous
 //    arenas, sized by set_plan, stay).
 // A failure in 2-4 aborts the dp communicator (Note [Comm failure]) and the reducer; with one
@@ -43,6 +45,7 @@
 #include "engine/lr_schedule.h"
 #include "engine/model.h"
 #include "engine/run_options.h"
+#include "engine/step_memory.h"
 #include "engine/trace.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
@@ -143,6 +146,11 @@ class Engine {
 
   MemoryReport memory_report() const;
   void reset_peaks();
+  // Keeps the last completed step's memory record from the next step on (Note [Step memory
+  // record] in step_memory.h); false drops it. last_step_memory() is null until a recorded
+  // step completes.
+  void record_step_memory(bool on);
+  const StepMemory* last_step_memory() const;
 
   // Training checkpoints (engine/state_file.h): parameters, master weights, AdamW moments,
   // the step, and the config they belong to. With N > 1 ranks every rank calls both with
@@ -187,8 +195,10 @@ class Engine {
   double link_bytes_per_s() const;
   memory::PinnedPool& pinned_pool();
 
-  // Spans and memory counters go to `trace` (null: none). Not owned.
-  void set_trace(TraceRecorder* trace) { trace_ = trace; }
+  // Spans and memory counters go to `trace` (null: none). Not owned. With a trace the
+  // data-parallel communicator records its ops (Note [Comm trace]); call it from the thread
+  // that calls train_step.
+  void set_trace(TraceRecorder* trace);
 
   // The mean loss of `micro_batches` at the current parameters, forward only: no gradient,
   // no update, nothing kept (dropout masks are those of the next step). Same shape checks as
@@ -209,6 +219,7 @@ class Engine {
                                                  StepResult& r);
   zero::GradNorm update(StepResult& r);
   void collect_offload(StepResult& r);
+  void collect_comm();
   void record(const std::vector<HostBatch>& micro_batches, const comm::CommStats& comm0,
               const zero::ReducerStats& reduced, StepResult& r);
 

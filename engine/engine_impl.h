@@ -9,6 +9,7 @@
 #include "checkpoint/planner.h"
 #include "engine/engine.h"
 #include "engine/lr_schedule.h"
+#include "engine/step_memory.h"
 #include "nn/ctx.h"
 #include "nn/layer.h"
 #include "offload/stash.h"
@@ -41,6 +42,7 @@ struct Engine::Impl {
   checkpoint::ChainCosts costs;
   checkpoint::Plan plan;
   std::vector<double> recompute_s_per_step;
+  std::unique_ptr<StepMemoryRecorder> step_memory;  // null unless record_step_memory(true)
   // Peaks of earlier windows: train_step and profile reset the allocator's peaks to measure
   // themselves, so the report keeps the running maximum here.
   std::array<size_t, memory::kNumCategories> peak_by_category{};

@@ -179,6 +179,11 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
       if (op.stage < 0 || op.stage >= n) invalid_op(k, op, "no such stage");
       const auto s = static_cast<size_t>(op.stage);
       nn::Layer& layer = model.stage(op.stage);
+      const int64_t op_start_ns = env.memory != nullptr ? env.memory->op_start() : 0;
+      const StepPhase phase = op.kind == ScheduleOp::Kind::kBackward ? StepPhase::kBackward
+                              : op.kind == ScheduleOp::Kind::kRecompute || forwards[s] > 0
+                                  ? StepPhase::kRecompute
+                                  : StepPhase::kForward;
       // Note [Stash protocol]: prefetches, then the fetch of this op's input, before it runs.
       if (offloading) {
         for (int e : calls.prefetch[k]) stash->prefetch(e);
@@ -281,6 +286,9 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           record(trace, env, "backward", op.stage, start_us);
           break;
         }
+      }
+      if (env.memory != nullptr) {
+        env.memory->op_end(env.micro_batch, static_cast<int>(k), phase, op.stage, op_start_ns);
       }
     }
     if (offloading) stash->end();

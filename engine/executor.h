@@ -10,6 +10,7 @@
 #include "checkpoint/costs.h"
 #include "checkpoint/schedule.h"
 #include "engine/model.h"
+#include "engine/step_memory.h"
 #include "engine/trace.h"
 #include "memory/caching_allocator.h"
 #include "nn/ctx.h"
@@ -35,6 +36,8 @@ struct ExecEnv {
   // from the stage.
   std::function<void(int stage)> before_backward;
   std::function<void(int stage)> after_backward;
+  // Each op's times go here (Note [Step memory record]); null: none. Not owned.
+  StepMemoryRecorder* memory = nullptr;
 };
 
 struct MicroBatchResult {

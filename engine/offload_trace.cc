@@ -6,16 +6,6 @@
 
 namespace porter::engine {
 
-namespace {
-
-// Converts a stash time point to the recorder's microseconds (both are steady_clock).
-int64_t trace_us(const TraceRecorder& trace, offload::Clock::time_point t) {
-  const auto now = offload::Clock::now();
-  return trace.now_us() - std::chrono::duration_cast<std::chrono::microseconds>(now - t).count();
-}
-
-}  // namespace
-
 void trace_offload(TraceRecorder& trace, const std::function<std::string(int)>& stage_name,
                    int64_t step, const std::vector<offload::CopyRecord>& copies,
                    const std::vector<offload::WaitRecord>& waits) {
@@ -25,7 +15,7 @@ void trace_offload(TraceRecorder& trace, const std::function<std::string(int)>& 
     span.name = std::string(d2h ? "d2h " : "h2d ") + stage_name(c.stage);
     span.category = d2h ? "d2h" : "h2d";
     span.lane = span.category;
-    span.start_us = trace_us(trace, c.start);
+    span.start_us = trace.to_us(c.start);
     span.dur_us = std::max<int64_t>(
         0, std::chrono::duration_cast<std::chrono::microseconds>(c.end - c.start).count());
     span.step = step;
@@ -40,7 +30,7 @@ void trace_offload(TraceRecorder& trace, const std::function<std::string(int)>& 
     span.name = "wait " + stage_name(w.stage);
     span.category = "wait";
     span.lane = "compute";
-    span.start_us = trace_us(trace, w.reached);
+    span.start_us = trace.to_us(w.reached);
     span.dur_us = static_cast<int64_t>(w.exposed_s * 1e6);
     span.step = step;
     span.stage = w.stage;

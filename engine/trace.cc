@@ -1,6 +1,8 @@
-// TraceRecorder: spans and counters in memory, written as Chrome Trace Event Format JSON.
+// TraceRecorder: spans and counters in memory, written as Chrome Trace Event Format JSON;
+// the file of several ranks (Notes [Trace lanes], [Trace of several ranks] in trace.h).
 #include "engine/trace.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -16,8 +18,10 @@ namespace porter::engine {
 
 TraceRecorder::TraceRecorder(size_t max_events) : max_events_(max_events) {}
 
-int64_t TraceRecorder::now_us() const {
-  return std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - start_).count();
+int64_t TraceRecorder::now_us() const { return to_us(clock::now()); }
+
+int64_t TraceRecorder::to_us(clock::time_point t) const {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t - start_).count();
 }
 
 void TraceRecorder::span(TraceSpan span) {
@@ -53,12 +57,13 @@ std::vector<TraceCounter> TraceRecorder::counters() const {
   return counters_;
 }
 
-void TraceRecorder::write_json(std::ostream& out) const {
+std::string TraceRecorder::events_json(int rank) const {
   std::lock_guard lock(mu_);
   using nlohmann::json;
-  constexpr int kPid = 1;
+  const int pid = rank + 1;
+  const int tid0 = rank * kTraceLaneStride;
   // The standard lanes get fixed thread ids, in this order, so every trace of porter shows
-  // them the same way; other lanes follow in order of appearance.
+  // them the same way; other lanes follow in order of appearance (Note [Trace lanes]).
   std::map<std::string, int> lane_ids = {{"compute", 1}, {"d2h", 2}, {"h2d", 3}, {"comm", 4}};
   std::vector<std::string> lane_order = {"compute", "d2h", "h2d", "comm"};
   for (const TraceSpan& s : spans_) {
@@ -69,13 +74,17 @@ void TraceRecorder::write_json(std::ostream& out) const {
   }
 
   json events = json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", kPid},
-                    {"args", {{"name", "porter"}}}});
+  const std::string name = "rank " + std::to_string(rank);
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid0},
+                    {"ts", 0}, {"args", {{"name", name}}}});
+  events.push_back({{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", tid0},
+                    {"ts", 0}, {"args", {{"sort_index", rank}}}});
   for (const std::string& lane : lane_order) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", kPid},
-                      {"tid", lane_ids[lane]}, {"args", {{"name", lane}}}});
-    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", kPid},
-                      {"tid", lane_ids[lane]}, {"args", {{"sort_index", lane_ids[lane]}}}});
+    const int tid = tid0 + lane_ids[lane];
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid},
+                      {"ts", 0}, {"args", {{"name", lane}}}});
+    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", tid},
+                      {"ts", 0}, {"args", {{"sort_index", lane_ids[lane]}}}});
   }
   for (const TraceSpan& s : spans_) {
     json args = json::object();
@@ -83,23 +92,63 @@ void TraceRecorder::write_json(std::ostream& out) const {
     if (s.stage >= 0) args["stage"] = s.stage;
     if (s.micro_batch >= 0) args["micro_batch"] = s.micro_batch;
     for (const auto& [key, value] : s.args) args[key] = value;
-    events.push_back({{"name", s.name}, {"cat", s.category}, {"ph", "X"}, {"pid", kPid},
-                      {"tid", lane_ids[s.lane.empty() ? "compute" : s.lane]},
+    for (const auto& [key, value] : s.text_args) args[key] = value;
+    events.push_back({{"name", s.name}, {"cat", s.category}, {"ph", "X"}, {"pid", pid},
+                      {"tid", tid0 + lane_ids[s.lane.empty() ? "compute" : s.lane]},
                       {"ts", s.start_us}, {"dur", s.dur_us}, {"args", std::move(args)}});
   }
   for (const TraceCounter& c : counters_) {
     json args = json::object();
     for (const auto& [series, value] : c.values) args[series] = value;
-    events.push_back({{"name", c.name}, {"ph", "C"}, {"pid", kPid}, {"ts", c.time_us},
-                      {"args", std::move(args)}});
+    events.push_back({{"name", c.name}, {"ph", "C"}, {"pid", pid}, {"tid", tid0},
+                      {"ts", c.time_us}, {"args", std::move(args)}});
   }
-  json doc = {{"traceEvents", std::move(events)},
-              {"displayTimeUnit", "ms"},
-              {"otherData", {{"producer", "porter"}, {"dropped_events", dropped_}}}};
-  out << doc.dump() << "\n";
+  return events.dump();
+}
+
+void TraceRecorder::write_json(std::ostream& out) const {
+  merge_trace_json(out, {TraceRank{0, events_json(0), 0, dropped()}});
 }
 
 void TraceRecorder::write_file(const std::string& path) const {
+  write_trace_file(path, {TraceRank{0, events_json(0), 0, dropped()}});
+}
+
+void merge_trace_json(std::ostream& out, const std::vector<TraceRank>& ranks) {
+  using nlohmann::json;
+  json events = json::array();
+  uint64_t dropped = 0;
+  int64_t earliest = 0;
+  for (const TraceRank& r : ranks) {
+    json mine = json::parse(r.events, nullptr, /*allow_exceptions=*/false);
+    if (!mine.is_array()) {
+      throw InvalidArgument("trace: the events of rank " + std::to_string(r.rank) +
+                            " are not a JSON array (" + std::to_string(r.events.size()) +
+                            " bytes); was a chunk lost?");
+    }
+    for (json& e : mine) {
+      if (e.value("ph", "") != "M") {
+        e["ts"] = e["ts"].get<int64_t>() + r.shift_us;
+        earliest = std::min(earliest, e["ts"].get<int64_t>());
+      }
+      events.push_back(std::move(e));
+    }
+    dropped += r.dropped;
+  }
+  // Perfetto rejects negative timestamps: an event a rank recorded before rank 0's recorder
+  // began moves the whole file later. Metadata stays at 0.
+  if (earliest < 0) {
+    for (json& e : events) {
+      if (e.value("ph", "") != "M") e["ts"] = e["ts"].get<int64_t>() - earliest;
+    }
+  }
+  json doc = {{"traceEvents", std::move(events)},
+              {"displayTimeUnit", "ms"},
+              {"otherData", {{"producer", "porter"}, {"dropped_events", dropped}}}};
+  out << doc.dump() << "\n";
+}
+
+void write_trace_file(const std::string& path, const std::vector<TraceRank>& ranks) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   const fs::path tmp = target.parent_path() /
@@ -107,7 +156,7 @@ void TraceRecorder::write_file(const std::string& path) const {
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw IoError("trace: cannot write \"" + tmp.string() + "\"");
-    write_json(out);
+    merge_trace_json(out, ranks);
     out.flush();
     if (!out) {
       std::error_code ec;

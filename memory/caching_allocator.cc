@@ -376,6 +376,11 @@ std::vector<TimelineEntry> CachingAllocator::timeline() const {
   return timeline_.entries();
 }
 
+uint64_t CachingAllocator::timeline_dropped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timeline_.dropped();
+}
+
 void CachingAllocator::clear_timeline() {
   std::lock_guard<std::mutex> lock(mu_);
   timeline_.clear();

@@ -17,6 +17,7 @@
 // Thread-safe: one mutex guards all state.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <iosfwd>
 #include <memory>
@@ -105,7 +106,15 @@ class CachingAllocator {
   // The timeline of (time, category, delta); see Timeline.
   void write_timeline_csv(std::ostream& out) const;
   std::vector<TimelineEntry> timeline() const;
+  uint64_t timeline_dropped() const;
   void clear_timeline();
+  // `t` on the timeline's clock (TimelineEntry::time_ns), so that other records of a step
+  // (op times, copies) line up with the allocator's events. No lock: the clock's origin is
+  // fixed when the allocator is made.
+  int64_t timeline_ns(std::chrono::steady_clock::time_point t) const {
+    return timeline_.time_ns(t);
+  }
+  int64_t timeline_now_ns() const { return timeline_ns(std::chrono::steady_clock::now()); }
 
   Device& device() const { return *device_; }
 

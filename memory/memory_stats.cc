@@ -46,8 +46,11 @@ void Timeline::record(Category c, int64_t delta_bytes, size_t category_bytes) {
     ++dropped_;
     return;
   }
-  auto t = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start_).count();
-  entries_.push_back(TimelineEntry{t, c, delta_bytes, category_bytes});
+  entries_.push_back(TimelineEntry{time_ns(clock::now()), c, delta_bytes, category_bytes});
+}
+
+int64_t Timeline::time_ns(clock::time_point t) const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t - start_).count();
 }
 
 void Timeline::clear() {

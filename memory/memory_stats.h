@@ -74,7 +74,10 @@ class Timeline {
   void record(Category c, int64_t delta_bytes, size_t category_bytes);
   const std::vector<TimelineEntry>& entries() const { return entries_; }
   uint64_t dropped() const { return dropped_; }
+  // Empties the record; the clock keeps its origin, so later times continue from earlier ones.
   void clear();
+  // A steady_clock time on this timeline's clock: nanoseconds since the timeline was made.
+  int64_t time_ns(std::chrono::steady_clock::time_point t) const;
 
   // CSV with a header: time_us,category,delta_bytes,category_bytes.
   void write_csv(std::ostream& out) const;

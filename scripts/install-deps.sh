@@ -10,6 +10,8 @@ packages=(
   libdnnl-dev libgloo-dev libboost-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
   # testing
   googletest libgtest-dev libgmock-dev libbenchmark-dev
+  # the memory page's browser test (headless)
+  chromium
 )
 
 missing=()

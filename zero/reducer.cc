@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 
 #include "base/check.h"
 
@@ -147,6 +148,7 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
     return;
   }
   prescale(local);
+  const comm::CommLabel label(dp_, "bucket " + std::to_string(b));  // Note [Comm records]
   Pending p;
   p.bucket = b;
   const bool scatter = options_.zero_stage == 2 || (options_.zero_stage == 1 && options_.reduce_scatter);

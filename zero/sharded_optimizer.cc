@@ -78,6 +78,7 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
   kernels_->squared_norm(grads, sq);
   double total_sq = nn::to_host_f32(device, sq).at(0);
   if (dp_ != nullptr && options_.zero_stage >= 1) {
+    const comm::CommLabel label(dp_, "grad norm");  // Note [Comm records]
     wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
     total_sq = nn::to_host_f32(device, sq).at(0);
   }
@@ -86,6 +87,7 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
     // This rank's count of inf/nan gradients, max over ranks.
     kernels_->nonfinite_count(grads, sq);
     if (dp_ != nullptr) {
+      const comm::CommLabel label(dp_, "overflow");
       wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
     }
     r.overflow = nn::to_host_f32(device, sq).at(0) != 0.0f || !std::isfinite(total_sq);
@@ -113,6 +115,7 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
   if (dp_ != nullptr && options_.zero_stage >= 1) {
     const nn::Tensor& all = flat_->params();
+    const comm::CommLabel label(dp_, "params");
     wait(dp_->all_gather(params.data(), all.data(), static_cast<size_t>(part_.shard_elems),
                          elem_type(all.dtype())));
   }

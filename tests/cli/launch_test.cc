@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <set>
 #include <regex>
 #include <string>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "cli/app.h"
 #include "cli/launch.h"
 #include "tests/cli/cli_test_util.h"
+#include "tests/cli/trace_schema.h"
 
 extern char** environ;
 
@@ -327,6 +330,88 @@ TEST_F(LaunchTrain, NprocInsideALaunchedRankIsRefused) {
                      config_});
   EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
   EXPECT_TRUE(contains(r.err, "--nproc 2: this process is already rank 0 of 1")) << r.err;
+}
+
+// What a --trace file of a 2-rank run holds, per pid.
+struct RankEvents {
+  std::string name;             // process_name
+  int comm_spans = 0;
+  std::map<int64_t, uint64_t> comm_bytes_per_step;
+  uint64_t comm_bytes = 0;
+  std::set<std::string> lanes;  // with at least one span
+};
+
+std::map<int, RankEvents> rank_events(const nlohmann::json& trace) {
+  std::map<int, RankEvents> out;
+  std::map<std::pair<int, int>, std::string> lane_of;  // (pid, tid) -> lane
+  for (const nlohmann::json& e : trace["traceEvents"]) {
+    if (e["name"] == "thread_name") lane_of[{e["pid"], e["tid"]}] = e["args"]["name"];
+  }
+  for (const nlohmann::json& e : trace["traceEvents"]) {
+    RankEvents& r = out[e["pid"].get<int>()];
+    if (e["name"] == "process_name") r.name = e["args"]["name"];
+    if (e["ph"] != "X") continue;
+    r.lanes.insert(lane_of[{e["pid"], e["tid"]}]);
+    if (e["cat"] != "comm") continue;
+    ++r.comm_spans;
+    const auto bytes = static_cast<uint64_t>(e["args"]["bytes"].get<double>());
+    r.comm_bytes += bytes;
+    r.comm_bytes_per_step[e["args"]["step"].get<int64_t>()] += bytes;
+  }
+  return out;
+}
+
+// `make demo`'s shape: ZeRO-2 on 2 processes. The trace is one valid file with both ranks as
+// processes, every rank's collectives on its comm lane, and their bytes the report's.
+TEST_F(LaunchTrain, TheTraceOfTwoProcessesHasBothRanksAndTheirCollectives) {
+  const fs::path trace = dir_ / "t.json";
+  const fs::path report = dir_ / "r.json";
+  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "3",
+                              "--trace", trace.string(), "--report", report.string()});
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  ASSERT_EQ(WEXITSTATUS(run.status), 0) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] trace: " + trace.string())) << run.output;
+  const nlohmann::json t = read_json(trace);
+  EXPECT_EQ(testing::trace_schema_errors(t), std::vector<std::string>{});
+  const nlohmann::json rep = read_json(report);
+  const std::map<int, RankEvents> ranks = rank_events(t);
+  ASSERT_EQ(ranks.size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    const RankEvents& r = ranks.at(rank + 1);
+    EXPECT_EQ(r.name, "rank " + std::to_string(rank));
+    EXPECT_EQ(r.lanes, (std::set<std::string>{"compute", "comm"})) << rank;
+    EXPECT_GT(r.comm_spans, 3 * 3) << rank;
+    EXPECT_EQ(r.comm_bytes_per_step.size(), 3u) << rank;
+    // Each rank's comm bytes, in the trace and in the report.
+    EXPECT_EQ(r.comm_bytes, rep["ranks"][static_cast<size_t>(rank)]["zero"]["comm_bytes"])
+        << rank;
+    // Every step moves the same bytes.
+    for (const auto& [step, bytes] : r.comm_bytes_per_step) {
+      EXPECT_EQ(bytes, r.comm_bytes / 3) << "rank " << rank << " step " << step;
+    }
+  }
+  EXPECT_EQ(ranks.at(1).comm_bytes, rep["zero"]["comm_bytes"]);
+}
+
+TEST_F(LaunchTrain, TraceRankKeepsOneRank) {
+  const fs::path trace = dir_ / "t1.json";
+  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "1",
+                              "--trace", trace.string(), "--trace-rank", "1"});
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  ASSERT_EQ(WEXITSTATUS(run.status), 0) << run.output;
+  const nlohmann::json t = read_json(trace);
+  EXPECT_EQ(testing::trace_schema_errors(t), std::vector<std::string>{});
+  const std::map<int, RankEvents> ranks = rank_events(t);
+  ASSERT_EQ(ranks.size(), 1u);
+  EXPECT_EQ(ranks.begin()->first, 2);  // rank 1
+  EXPECT_EQ(ranks.begin()->second.name, "rank 1");
+  EXPECT_GT(ranks.begin()->second.comm_spans, 3);
+
+  BinaryRun bad = run_binary({"train", "--nproc", "2", "--config", config_, "--steps", "1",
+                              "--trace", trace.string(), "--trace-rank", "2"});
+  ASSERT_TRUE(WIFEXITED(bad.status)) << bad.output;
+  EXPECT_NE(WEXITSTATUS(bad.status), 0) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--trace-rank 2: the run has 2 rank(s), 0..1")) << bad.output;
 }
 
 }  // namespace

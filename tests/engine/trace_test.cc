@@ -1,5 +1,5 @@
 // TraceRecorder: Chrome Trace Event JSON with lanes, spans, counters; dropped events;
-// ScopedSpan timing; atomic file writes.
+// ScopedSpan timing; atomic file writes; several ranks merged into one file.
 #include "engine/trace.h"
 
 #include <gtest/gtest.h>
@@ -116,6 +116,83 @@ TEST(Trace, WriteFileIsAtomicAndParses) {
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++entries;
   EXPECT_EQ(entries, 1);
   EXPECT_THROW(r.write_file((dir / "no-such-dir" / "t.json").string()), IoError);
+}
+
+TEST(Trace, TextArgsAndTheRanksProcess) {
+  TraceRecorder r;
+  r.span({"all_gather params", "comm", "comm", 3, 2, 0, -1, -1, {{"bytes", 8.0}},
+          {{"group", "dp"}, {"bucket", "params"}}});
+  const json j = to_json(r);
+  std::map<std::string, json> meta;
+  for (const json& e : j["traceEvents"]) {
+    EXPECT_EQ(e["pid"], 1);  // rank 0
+    if (e["ph"] == "M") meta[e["name"]] = e;
+    if (e["ph"] == "X") {
+      EXPECT_EQ(e["tid"], 4);  // the comm lane
+      EXPECT_EQ(e["args"]["group"], "dp");
+      EXPECT_EQ(e["args"]["bucket"], "params");
+      EXPECT_EQ(e["args"]["bytes"], 8.0);
+    }
+  }
+  EXPECT_EQ(meta["process_name"]["args"]["name"], "rank 0");
+  EXPECT_EQ(meta["process_sort_index"]["args"]["sort_index"], 0);
+}
+
+TEST(Trace, RanksMergeIntoOneFileWithShiftedClocks) {
+  TraceRecorder r0, r1;
+  r0.span({"step 0", "step", "compute", 100, 50, 0});
+  r1.span({"step 0", "step", "compute", 40, 60, 0});
+  r1.span({"reduce_scatter bucket 0", "comm", "comm", 45, 5, 0});
+  r1.counter({"memory", 41, {{"requested", 7.0}}});
+  std::ostringstream s;
+  merge_trace_json(s, {{0, r0.events_json(0), 0, 2}, {1, r1.events_json(1), 70, 3}});
+  const json j = json::parse(s.str());
+  EXPECT_EQ(j["otherData"]["dropped_events"], 5);
+  std::map<int, std::string> names;
+  std::map<int, int> sort_index;
+  std::map<std::pair<int, std::string>, int> spans;  // (pid, name) -> ts
+  int rank1_tids = 0;
+  for (const json& e : j["traceEvents"]) {
+    const int pid = e["pid"];
+    if (e["name"] == "process_name") names[pid] = e["args"]["name"];
+    if (e["name"] == "process_sort_index") sort_index[pid] = e["args"]["sort_index"];
+    if (e["ph"] == "X") spans[{pid, e["name"]}] = e["ts"];
+    if (e["ph"] == "C") {
+      EXPECT_EQ(pid, 2);
+      EXPECT_EQ(e["ts"], 111);
+    }
+    if (pid == 2 && e["name"] == "thread_name") {
+      ++rank1_tids;
+      EXPECT_GT(e["tid"].get<int>(), kTraceLaneStride);  // no tid shared with rank 0
+    }
+    if (e["ph"] == "M") {
+      EXPECT_EQ(e["ts"], 0);
+    }
+  }
+  EXPECT_EQ(names, (std::map<int, std::string>{{1, "rank 0"}, {2, "rank 1"}}));
+  EXPECT_EQ(sort_index, (std::map<int, int>{{1, 0}, {2, 1}}));
+  EXPECT_EQ(rank1_tids, 4);
+  EXPECT_EQ((spans[{1, "step 0"}]), 100);
+  EXPECT_EQ((spans[{2, "step 0"}]), 110);
+  EXPECT_EQ((spans[{2, "reduce_scatter bucket 0"}]), 115);
+}
+
+TEST(Trace, AMergeWithEarlierEventsMovesTheFileLaterAndRefusesBrokenEvents) {
+  TraceRecorder r0, r1;
+  r0.span({"a", "step", "compute", 10, 1});
+  r1.span({"b", "step", "compute", 10, 1});
+  std::ostringstream s;
+  merge_trace_json(s, {{0, r0.events_json(0), 0, 0}, {1, r1.events_json(1), -30, 0}});
+  std::map<std::string, int> ts;
+  const json j = json::parse(s.str());
+  for (const json& e : j["traceEvents"]) {
+    if (e["ph"] == "X") ts[e["name"]] = e["ts"];
+  }
+  EXPECT_EQ(ts["a"], 30);
+  EXPECT_EQ(ts["b"], 0);
+  std::ostringstream bad;
+  const std::string cut = r1.events_json(1).substr(0, 20);
+  EXPECT_THROW(merge_trace_json(bad, {{1, cut, 0, 0}}), InvalidArgument);
 }
 
 }  // namespace
