@@ -290,8 +290,8 @@ void read_precision(ObjectReader& root, Config& c) {
 template <typename S>
 void read_offload_device(const Json& v, const std::string& path, S& o, Diagnostics& diag) {
   if (v.is_string() && v.get_ref<const std::string&>() == "nvme") {
-    diag.warn(path, "\"nvme\": NVMe offload is not implemented in porter yet; porter offloads "
-                    "to cpu memory instead");
+    diag.warn(path, "\"nvme\": NVMe offload is not supported yet; porter reads it as "
+                    "\"cpu\" (host memory)");
     o.device = OffloadDevice::kCpu;
     return;
   }
@@ -452,8 +452,8 @@ void read_zero(ObjectReader& root, Config& c) {
     }
     r->diag().warn(r->path_of("offload_optimizer.ratio"),
                    describe(Json(z.offload_optimizer.ratio)) +
-                       ": partial optimizer offload is not implemented in porter yet; porter "
-                       "offloads all of the optimizer state (ratio 1)");
+                       ": partial optimizer offload is not supported yet; porter reads it as "
+                       "ratio 1 (all of the optimizer state)");
     z.offload_optimizer.ratio = 1.0;
   }
 

@@ -33,10 +33,10 @@ const std::vector<RealWorldCase>& cases() {
         "\"cpu\"} instead"}},
       {"deepspeedexamples__megatron-lm-v1.1.5-zero3__examples__ds_zero_stage_infinity_config.json",
        {1, 2, 16},
-       {"zero_optimization.offload_optimizer.device: \"nvme\": NVMe offload is not implemented "
-        "in porter yet; porter offloads to cpu memory instead",
-        "zero_optimization.offload_param.device: \"nvme\": NVMe offload is not implemented in "
-        "porter yet; porter offloads to cpu memory instead",
+       {"zero_optimization.offload_optimizer.device: \"nvme\": NVMe offload is not supported "
+        "yet; porter reads it as \"cpu\" (host memory)",
+        "zero_optimization.offload_param.device: \"nvme\": NVMe offload is not supported yet; "
+        "porter reads it as \"cpu\" (host memory)",
         "zero_optimization.stage3_param_persitance_threshold: unknown key, ignored (did you mean "
         "\"stage3_param_persistence_threshold\"?)",
         "aio: porter does not implement this section yet (asynchronous I/O for NVMe offload); "
