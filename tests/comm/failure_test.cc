@@ -166,15 +166,21 @@ TEST(CommFailure, AbortMakesPeersFailAtOnceAndLaterOpsRethrow) {
 TEST(CommFailure, AbortWakesThisRanksPendingOp) {
   constexpr int kWs = 2;
   std::atomic<bool> aborted{false};
+  // Rank 0 aborts only once rank 1's communicator is built: Gloo's full-mesh connect can
+  // return on one rank while the other is still connecting, and an abort then would fail
+  // rank 1's rendezvous instead of rank 0's pending op.
+  std::atomic<bool> connected{false};
   auto errors = run_thread_ranks(kWs, [&](int rank, std::shared_ptr<Store> store) {
     auto device = small_cpu_device();
     CommOptions o;
     o.timeout = Seconds{60};
     auto comm = make_communicator(*device, store, rank, kWs, o);
     if (rank == 1) {
+      connected.store(true);
       while (!aborted.load()) std::this_thread::yield();
       return;
     }
+    while (!connected.load()) std::this_thread::yield();
     int32_t v = 1;
     Work w = comm->all_reduce(&v, 1, ElemType::kI32, ReduceOp::kSum);
     comm->abort("shutting down");
