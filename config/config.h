@@ -134,6 +134,9 @@ struct ModelConfig {
   double dropout = 0.0;
   bool tie_embeddings = true;
   int64_t tensor_parallel = 1;
+  // Megatron's sequence parallelism: layernorm, dropout and the residual stream hold 1/t of
+  // the token rows (docs/tensor-parallel.md). No effect at tensor_parallel 1.
+  bool sequence_parallel = false;
   bool operator==(const ModelConfig&) const = default;
 };
 
@@ -180,6 +183,8 @@ struct CheckpointingConfig {
   std::vector<std::string> selective_ops;     // selective: op kinds recomputed, not saved
   int64_t prefetch_depth = 1;
   int64_t keep_last_on_device = 1;
+  // partition_activations: a held checkpoint smaller than this stays whole on every rank.
+  int64_t partition_min_bytes = 64 * 1024;
   bool operator==(const CheckpointingConfig&) const = default;
 };
 
@@ -197,6 +202,9 @@ enum class CommBackend { kAuto, kGloo, kNccl };  // auto: gloo on cpu, nccl on c
 struct CommConfig {
   CommBackend backend = CommBackend::kAuto;
   double timeout_s = 300.0;
+  // The tensor-parallel link the planner charges all-gathers to, GB/s; none: measured at
+  // engine start.
+  std::optional<double> sim_tp_gbps;
   bool operator==(const CommConfig&) const = default;
 };
 

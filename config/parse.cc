@@ -36,7 +36,7 @@ ParseResult parse_config_string(std::string_view json_text, const ParseOptions& 
   config.world_size = options.world_size;
   PorterReadState state = read_porter_section(root, config);
   read_deepspeed_keys(root, config);
-  check_across_sections(state, config);
+  check_across_sections(state, config, diag);
   root.finish();
 
   result.warnings = diag.warnings();

@@ -24,6 +24,7 @@ constexpr Key<ModelConfig> kModelKeys[] = {
     {"dropout", &ModelConfig::dropout, RealRange{0.0, 1.0, false, true}},
     {"tie_embeddings", &ModelConfig::tie_embeddings},
     {"tensor_parallel", &ModelConfig::tensor_parallel, IntRange{1, 1 << 16}},
+    {"sequence_parallel", &ModelConfig::sequence_parallel},
 };
 
 // After the whole porter section: the data type is read after the model.
@@ -174,6 +175,7 @@ constexpr Key<Checkpointing> kCheckpointingKeys[] = {
     {"selective_ops", Custom<Checkpointing>{&read_selective_ops, &write_selective_ops}},
     {"prefetch_depth", &Checkpointing::prefetch_depth, IntRange{0, 1024}},
     {"keep_last_on_device", &Checkpointing::keep_last_on_device, IntRange{0, 1'000'000}},
+    {"partition_min_bytes", &Checkpointing::partition_min_bytes, IntRange{0, kInt64Max}},
 };
 
 constexpr Key<TrainConfig> kTrainKeys[] = {
@@ -189,6 +191,7 @@ constexpr Key<TraceConfig> kTraceKeys[] = {
 constexpr Key<CommConfig> kCommKeys[] = {
     {"backend", enum_key<&CommConfig::backend, kCommBackends>()},
     {"timeout_s", &CommConfig::timeout_s, RealRange{0.0, 1e7, true, false}},
+    {"sim_tp_gbps", &CommConfig::sim_tp_gbps, RealRange{0.0, 1e6, true, false}},
 };
 
 // A section read by its table alone.
@@ -220,6 +223,55 @@ PorterReadState read_porter_section(ObjectReader& root, Config& c) {
   return state;
 }
 
+// Tensor and sequence parallelism against the batch and the checkpoint settings
+// (docs/tensor-parallel.md).
+void check_tensor_parallel(const Config& c, Diagnostics& diag) {
+  const ModelConfig& m = c.porter.model;
+  const std::optional<ActivationCheckpointingConfig>& ac = c.activation_checkpointing;
+  const bool partition = ac && ac->partition_activations;
+  if (m.tensor_parallel == 1) {
+    if (m.sequence_parallel) {
+      diag.warn("porter.model.sequence_parallel",
+                "true has no effect with porter.model.tensor_parallel 1 (one rank holds every "
+                "token row)");
+    }
+    if (partition) {
+      diag.warn("activation_checkpointing.partition_activations",
+                "true has no effect with porter.model.tensor_parallel 1: a tensor-parallel "
+                "group of one rank holds whole checkpoints");
+    }
+    return;
+  }
+  if (partition && c.porter.checkpointing.policy == CheckpointPolicy::kNone) {
+    diag.warn("activation_checkpointing.partition_activations",
+              "true has no effect with porter.checkpointing.policy \"none\": nothing is held "
+              "across a segment");
+  }
+  if (partition && m.sequence_parallel) {
+    diag.warn("activation_checkpointing.partition_activations",
+              "true has no effect under porter.model.sequence_parallel: the checkpoints are "
+              "already 1/t of the token rows on each rank and are not partitioned again");
+  }
+  if (m.sequence_parallel) {
+    const int64_t rows = c.train_micro_batch_size_per_gpu * m.seq_len;
+    if (rows % m.tensor_parallel != 0) {
+      fail("porter.model.seq_len",
+           std::to_string(m.seq_len) + " x train_micro_batch_size_per_gpu " +
+               std::to_string(c.train_micro_batch_size_per_gpu) + " = " + std::to_string(rows) +
+               " token rows do not divide into porter.model.tensor_parallel " +
+               std::to_string(m.tensor_parallel) +
+               " equal shards, which sequence_parallel needs; choose a seq_len that makes the "
+               "rows a multiple of it, or turn sequence_parallel off");
+    }
+    if ((rows / m.tensor_parallel * m.hidden) % 4 != 0) {
+      fail("porter.model.hidden",
+           std::to_string(m.hidden) + ": under sequence_parallel each rank's shard of the "
+           "residual stream must be a multiple of 4 elements (dropout masks are drawn 4 at a "
+           "time from the global element index); choose an even hidden");
+    }
+  }
+}
+
 // Note [Policy from activation_checkpointing]
 // A DeepSpeed config says *how* checkpoints are stored (partitioned, on cpu, contiguous) but
 // leaves *which* layers to the model code (Megatron's --checkpoint-num-layers). porter owns
@@ -229,7 +281,7 @@ PorterReadState read_porter_section(ObjectReader& root, Config& c) {
 // porter.checkpointing's `segments` here (used by the uniform policy, and by `porter
 // estimate`'s uniform row under any policy), so nothing past the parser reads the DeepSpeed
 // key.
-void check_across_sections(const PorterReadState& state, Config& c) {
+void check_across_sections(const PorterReadState& state, Config& c, Diagnostics& diag) {
   CheckpointingConfig& k = c.porter.checkpointing;
   const std::optional<ActivationCheckpointingConfig>& ac = c.activation_checkpointing;
   // 0: not given (a plain integer: GCC 12 misreads an optional here as maybe-uninitialized).
@@ -298,7 +350,6 @@ void check_across_sections(const PorterReadState& state, Config& c) {
     case CheckpointPolicy::kNone:
       if (ac) {
         for (auto [on, key] : {std::pair{ac->cpu_checkpointing, "cpu_checkpointing"},
-                               std::pair{ac->partition_activations, "partition_activations"},
                                std::pair{ac->contiguous_memory_optimization,
                                          "contiguous_memory_optimization"}}) {
           if (on) {
@@ -312,6 +363,7 @@ void check_across_sections(const PorterReadState& state, Config& c) {
     case CheckpointPolicy::kSqrt:
       break;
   }
+  check_tensor_parallel(c, diag);
 }
 
 const PorterKeyTables& porter_key_tables() {

@@ -70,6 +70,6 @@ PorterReadState read_porter_section(ObjectReader& root, Config& config);
 // Every DeepSpeed key (deepspeed_keys.cc).
 void read_deepspeed_keys(ObjectReader& root, Config& config);
 // Resolves the checkpoint policy and checks combinations across sections (porter_keys.cc).
-void check_across_sections(const PorterReadState& state, Config& config);
+void check_across_sections(const PorterReadState& state, Config& config, Diagnostics& diag);
 
 }  // namespace porter::config::detail
