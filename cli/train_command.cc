@@ -107,8 +107,10 @@ class Progress {
 // - the config is parsed for that world size (its batch sizes are checked against it);
 // - it joins a TcpStore on MASTER_ADDR:MASTER_PORT (rank 0 runs the server, and the store
 //   waits for all WORLD_SIZE clients), builds the world communicator from it
-//   (comm::make_communicator, porter.comm.timeout_s) and the data-parallel group, and gives
-//   that to the Engine; it trains on DataSource::rank_batches, its slice of every step;
+//   (comm::make_communicator, porter.comm.timeout_s) and the data-parallel and
+//   tensor-parallel groups (rank = dp_rank * tp + tp_rank), and gives them to the Engine with
+//   its part of the model; it trains on DataSource::rank_batches of its dp rank, its slice of
+//   every step (the tp ranks of one dp rank train on the same micro-batches);
 // - only rank 0 prints the header, the progress and the summary and writes --report and
 //   --trace, whose file has every rank's events (or --trace-rank's; Note [Train trace] in
 //   cli/train_trace.h); config warnings are printed by rank 0 only. --save and --resume are every
@@ -152,7 +154,8 @@ int train_nproc(const TrainOptions& o, const CommandContext& ctx) {
 struct World {
   comm::DistEnv env;
   std::shared_ptr<comm::Store> store;             // null for one rank
-  std::shared_ptr<comm::Communicator> world, dp;  // null for one rank
+  std::shared_ptr<comm::Communicator> world, dp, tp;  // null for one rank
+  int tp_rank = 0;
   bool leader() const { return env.rank == 0; }
   bool distributed() const { return env.world_size > 1; }
 };
@@ -174,7 +177,14 @@ World join_world(const comm::DistEnv& env, const config::Config& cfg, memory::De
   co.timeout = timeout;
   w.world = comm::make_communicator(device, w.store, env.rank, env.world_size, co);
   const int64_t tp = cfg.porter.model.tensor_parallel;
-  w.dp = tp == 1 ? w.world : comm::make_process_groups(w.world, static_cast<int>(tp)).dp;
+  if (tp == 1) {
+    w.dp = w.world;
+  } else {
+    comm::ProcessGroups g = comm::make_process_groups(w.world, static_cast<int>(tp));
+    w.dp = g.dp;
+    w.tp = g.tp;
+    w.tp_rank = g.tp_rank;
+  }
   return w;
 }
 
@@ -219,6 +229,7 @@ int train(const TrainOptions& o, CommandContext& ctx) {
     return train_rank(o, ctx, cfg, trace_path, *device, w, out, err);
   } catch (const std::exception& e) {
     if (w.dp) w.dp->abort(ctx.error_prefix + e.what());
+    if (w.tp && w.tp != w.dp && w.tp != w.world) w.tp->abort(ctx.error_prefix + e.what());
     if (w.world && w.world != w.dp) w.world->abort(ctx.error_prefix + e.what());
     throw;
   }
@@ -235,7 +246,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   }
   engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                           cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
-  engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg, w.dp);
+  engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model, w.tp_rank), cfg,
+                     w.dp, w.tp);
   // Note [Train trace]: every rank records (unless --trace-rank keeps another) and notes its
   // clock after a barrier.
   std::unique_ptr<engine::TraceRecorder> trace;
@@ -271,8 +283,13 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   out << "porter train: " << o.file << "\n"
       << "  model: GPT, " << cfg.porter.model.layers << " layers, hidden " << cfg.porter.model.hidden
       << ", " << cfg.porter.model.heads << " heads, seq " << cfg.porter.model.seq_len << ", vocab "
-      << cfg.porter.model.vocab << ": " << format_count(static_cast<double>(eng.model().layout().num_params()))
-      << " parameters, " << nn::dtype_name(eng.compute_dtype()) << "\n"
+      << cfg.porter.model.vocab << ": "
+      << format_count(static_cast<double>(eng.model().layout().num_params()))
+      << (eng.tp_size() > 1 ? " parameters on each of " + std::to_string(eng.tp_size()) +
+                                  " tensor-parallel ranks" +
+                                  (cfg.porter.model.sequence_parallel ? " (sequence-parallel)" : "")
+                            : std::string(" parameters"))
+      << ", " << nn::dtype_name(eng.compute_dtype()) << "\n"
       << "  data: " << run.data << "; " << micro_batches << " x " << cfg.train_micro_batch_size_per_gpu
       << " x " << cfg.porter.model.seq_len << " tokens per step"
       << (eng.dp_size() > 1 ? " on each of " + std::to_string(eng.dp_size()) + " data-parallel ranks"
@@ -282,6 +299,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       << "  checkpointing: " << eng.plan().description << "\n";
   if (w.distributed() || cfg.zero_optimization.stage > 0) {
     out << "  ranks: " << w.env.world_size << " (" << eng.dp_size() << " data-parallel"
+        << (eng.tp_size() > 1 ? " x " + std::to_string(eng.tp_size()) + " tensor-parallel"
+                              : std::string())
         << (w.world ? ", " + run.comm_backend : std::string()) << "), ZeRO stage "
         << cfg.zero_optimization.stage << "; memory figures are per rank\n";
   }

@@ -91,10 +91,29 @@ ordered_json zero_json(engine::Engine& engine) {
   };
 }
 
+// Note [Tensor-parallel report]: the layers' collectives on the tp group and the all-gathers
+// of partitioned checkpoints, cumulative over the run; this rank's.
+ordered_json tensor_parallel_json(engine::Engine& engine) {
+  const engine::TensorParallelStats t = engine.tp_stats();
+  return {
+      {"t", engine.tp_size()},
+      {"sp", engine.config().porter.model.sequence_parallel && engine.tp_size() > 1},
+      {"tp_rank", engine.tp_rank()},
+      {"comm_bytes", t.comm_bytes},
+      {"comm_busy_s", t.comm_busy_s},
+      {"gathers", t.gathers},
+      {"gathered_bytes", t.gathered_bytes},
+      {"gather_busy_s", t.gather_busy_s},
+      {"gather_exposed_s", t.gather_exposed_s},
+      {"hidden_fraction", t.hidden_fraction},
+  };
+}
+
 ordered_json rank_json(int rank, engine::Engine& engine) {
   return {{"rank", rank},
           {"memory", memory_json(engine.memory_report())},
-          {"zero", zero_json(engine)}};
+          {"zero", zero_json(engine)},
+          {"tensor_parallel", tensor_parallel_json(engine)}};
 }
 
 ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
@@ -162,6 +181,7 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["world_size"] = run.world_size;
   j["comm_backend"] = run.comm_backend.empty() ? ordered_json() : ordered_json(run.comm_backend);
   j["zero"] = zero_json(engine);
+  j["tensor_parallel"] = tensor_parallel_json(engine);
   j["ranks"] = run.ranks;
   j["resolved_config"] = config::to_json(cfg);
   return j;
@@ -306,6 +326,24 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
       std::snprintf(buf, sizeof buf, "%g", z.loss_scale);
       out << "; loss scale " << buf << ", " << z.skipped_steps << " skipped step"
           << (z.skipped_steps == 1 ? "" : "s");
+    }
+    out << " (rank 0's)\n";
+  }
+
+  if (engine.tp_size() > 1) {
+    const engine::TensorParallelStats t = engine.tp_stats();
+    const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
+    out << "\ntensor parallel: " << engine.tp_size() << " ranks"
+        << (engine.config().porter.model.sequence_parallel ? ", sequence-parallel" : "")
+        << "; comm " << format_bytes(static_cast<uint64_t>(static_cast<double>(t.comm_bytes) / n))
+        << " per step, " << format_seconds(t.comm_busy_s / n) << " busy";
+    if (t.gathers > 0) {
+      std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * t.hidden_fraction);
+      out << "; partitioned checkpoints: "
+          << format_bytes(static_cast<uint64_t>(static_cast<double>(t.gathered_bytes) / n))
+          << " gathered per step, " << format_seconds(t.gather_busy_s / n) << " busy, "
+          << format_seconds(t.gather_exposed_s / n) << " exposed, " << buf
+          << " hidden behind recompute";
     }
     out << " (rank 0's)\n";
   }

@@ -6,13 +6,13 @@
 
 namespace porter::engine {
 
-void trace_comm(TraceRecorder& trace, int64_t step,
-                const std::vector<comm::CommRecord>& records) {
+void trace_comm(TraceRecorder& trace, int64_t step, const std::vector<comm::CommRecord>& records,
+                const std::string& lane) {
   for (const comm::CommRecord& r : records) {
     TraceSpan span;
     span.name = r.label.empty() ? r.op : r.op + " " + r.label;
     span.category = "comm";
-    span.lane = "comm";
+    span.lane = lane;
     span.start_us = trace.to_us(r.start);
     span.dur_us = std::max<int64_t>(0, trace.to_us(r.end) - span.start_us);
     span.step = step;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -18,6 +19,9 @@
 
 namespace porter::engine {
 
-void trace_comm(TraceRecorder& trace, int64_t step, const std::vector<comm::CommRecord>& records);
+// `lane`: "comm" for the data-parallel group, "tp comm" for the tensor-parallel one (whose
+// ops are labelled with the schedule op that issued them, e.g. "recompute block.3").
+void trace_comm(TraceRecorder& trace, int64_t step, const std::vector<comm::CommRecord>& records,
+                const std::string& lane = "comm");
 
 }  // namespace porter::engine

@@ -72,10 +72,10 @@ void check_batches(const config::Config& c, Model& model,
 }  // namespace
 
 Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
-               std::shared_ptr<comm::Communicator> dp)
+               std::shared_ptr<comm::Communicator> dp, std::shared_ptr<comm::Communicator> tp)
     : device_(&device), config_(config), run_(make_run_options(config)) {
   PORTER_CHECK(model != nullptr, "Engine: the model is null");
-  check_supported(config, dp != nullptr ? dp->size() : 1);
+  check_supported(config, dp != nullptr ? dp->size() : 1, tp != nullptr ? tp->size() : 1);
   model->check_config(config);  // Note [Model capabilities]
   allocator_ = std::make_unique<memory::CachingAllocator>(device, run_.allocator);
   kernels_ = nn::make_kernels(*allocator_);
@@ -85,12 +85,15 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   // Offload (docs/engine.md, Offload): the pool within porter.device.pinned_limit (0: the
   // device's pinned capacity) and the stash, whose streams exist whether or not the plan
   // holds anything on the host (set_plan may bring host holds later).
+  im.tp = std::move(tp);
+  run_.stash.tp = im.tp_comm();  // partitioned checkpoints are gathered over it
   im.pinned = std::make_unique<memory::PinnedPool>(device, run_.pinned_limit_bytes);
   im.stash = std::make_unique<offload::CheckpointStash>(*allocator_, *im.pinned, run_.stash);
   im.lr = std::make_unique<LrSchedule>(run_.optimizer.adamw.lr, config.scheduler);
   im.dp = std::move(dp);
   build_model_states();
   im.ctx = std::make_unique<nn::Ctx>(*kernels_, *allocator_, run_.compute_dtype);
+  im.ctx->set_tensor_parallel(im.tp_comm());
   plan_from_costs();
   allocator_->reset_peak();
 }
@@ -110,6 +113,27 @@ void Engine::build_model_states() {
                                              zero_stage < 2);
   im.optimizer = std::make_unique<zero::ShardedOptimizer>(*im.flat, *kernels_, *allocator_,
                                                           im.comm(), im.part, run_.optimizer);
+  if (im.tp_comm() != nullptr) {
+    // The replicated parameters' element ranges, adjacent ones merged (the alignment padding
+    // between them holds zero gradients).
+    const std::vector<bool> replicated = model_->tp_replicated();
+    PORTER_CHECK(replicated.size() == layout.entries().size(), "Engine: a tensor-parallel run "
+                 "needs a model that says which parameters are replicated (Model::tp_replicated)");
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (size_t i = 0; i < replicated.size(); ++i) {
+      if (!replicated[i]) continue;
+      const nn::ParamEntry& e = layout.entries()[i];
+      const int64_t end = e.offset_elems + e.shape.numel();
+      const int64_t aligned = (end + nn::kParamAlignElems - 1) / nn::kParamAlignElems *
+                              nn::kParamAlignElems;
+      if (!ranges.empty() && ranges.back().second == e.offset_elems) {
+        ranges.back().second = aligned;
+      } else {
+        ranges.emplace_back(e.offset_elems, aligned);
+      }
+    }
+    im.optimizer->set_tensor_parallel(im.tp_comm(), std::move(ranges));
+  }
   std::vector<zero::StageParams> stages;
   std::vector<std::vector<int>> writers;
   for (int s = 0; s < model_->num_stages(); ++s) {
@@ -142,6 +166,7 @@ void Engine::plan_from_costs() {
     im.costs = *analytic;
   } else {
     im.costs = profile();
+    agree_on_costs();
   }
   checkpoint::PlanOptions options = run_.plan;
   im.link_bytes_per_s = options.offload.link_bytes_per_s;  // sim_link_gbps, else 0: unknown
@@ -152,7 +177,63 @@ void Engine::plan_from_costs() {
         offload::measure_link_bytes_per_s(*allocator_, *im.pinned, *im.stash, bytes);
   }
   options.offload.link_bytes_per_s = im.link_bytes_per_s;
+  if (options.partition.ways > 1 && options.partition.tp_bytes_per_s == 0.0) {
+    size_t bytes = 0;
+    for (const checkpoint::StageCost& st : im.costs.stages) bytes = std::max(bytes, st.input_bytes);
+    options.partition.tp_bytes_per_s = measure_tp_bytes_per_s(bytes);
+  }
+  im.tp_bytes_per_s = options.partition.tp_bytes_per_s;
   set_plan(checkpoint::make_plan(options, im.costs));
+}
+
+// Note [Agreed costs]: the ranks of a tp group must run the same schedule (their layers'
+// collectives pair up op by op), but profiled times differ from rank to rank. Every time is
+// replaced by its maximum over the group, so every rank plans from the same costs. Bytes
+// are exact and equal on every rank already.
+void Engine::agree_on_costs() {
+  Impl& im = *impl_;
+  comm::Communicator* tp = im.tp_comm();
+  if (tp == nullptr) return;
+  std::vector<double> times;
+  for (const checkpoint::StageCost& st : im.costs.stages) {
+    times.push_back(st.backward_s);
+    for (const checkpoint::OptionCost& o : st.options) {
+      times.push_back(o.forward_s);
+      times.push_back(o.recompute_s);
+    }
+  }
+  const comm::CommLabel label(tp, "profile");
+  tp->all_reduce(times.data(), times.size(), comm::ElemType::kF64, comm::ReduceOp::kMax).wait();
+  size_t i = 0;
+  for (checkpoint::StageCost& st : im.costs.stages) {
+    st.backward_s = times[i++];
+    for (checkpoint::OptionCost& o : st.options) {
+      o.forward_s = times[i++];
+      o.recompute_s = times[i++];
+    }
+  }
+}
+
+// The tp group's all-gather bandwidth, bytes/s received, from one all-gather of `bytes`
+// (the largest checkpoint) after a warm-up; the same figure on every rank (the maximum time).
+double Engine::measure_tp_bytes_per_s(size_t bytes) {
+  comm::Communicator* tp = impl_->tp_comm();
+  if (tp == nullptr || bytes == 0) return 0.0;
+  const size_t slice = (bytes + static_cast<size_t>(tp->size()) - 1) / static_cast<size_t>(tp->size());
+  nn::Tensor buf = nn::Tensor::empty(*allocator_, nn::Shape{static_cast<int64_t>(slice) * tp->size()},
+                                     nn::DType::kI32 /* bytes / 4 */, memory::Category::kWorkspace);
+  const size_t count = slice / 4;
+  const comm::CommLabel label(tp, "link probe");
+  char* base = static_cast<char*>(buf.data());
+  tp->all_gather(base + count * 4 * static_cast<size_t>(tp->rank()), base, count,
+                 comm::ElemType::kI32).wait();
+  const auto t0 = Clock::now();
+  tp->all_gather(base + count * 4 * static_cast<size_t>(tp->rank()), base, count,
+                 comm::ElemType::kI32).wait();
+  std::vector<double> seconds{std::chrono::duration<double>(Clock::now() - t0).count()};
+  tp->all_reduce(seconds.data(), 1, comm::ElemType::kF64, comm::ReduceOp::kMax).wait();
+  const double received = static_cast<double>(count * 4) * (tp->size() - 1);
+  return seconds[0] > 0.0 ? received / seconds[0] : 0.0;
 }
 
 void Engine::set_plan(const checkpoint::Plan& plan) {
@@ -201,6 +282,10 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
       comm->abort("rank " + std::to_string(comm->rank()) + ": train_step " +
                   std::to_string(step_) + " failed: " + e.what());
     }
+    if (comm::Communicator* tp = im.tp_comm(); tp != nullptr) {
+      tp->abort("rank " + std::to_string(tp->rank()) + " of " + tp->group_name() +
+                ": train_step " + std::to_string(step_) + " failed: " + e.what());
+    }
     im.reducer->abort();
     throw;
   }
@@ -223,6 +308,10 @@ void Engine::begin_step() {
   (void)im.stash->take_waits();
   (void)im.optimizer->take_exposed_s();
   if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
+  if (comm::Communicator* tp = im.tp_comm()) {
+    (void)tp->take_records();
+    im.tp_comm0 = tp->stats();
+  }
 }
 
 // Phase 2: every micro-batch through the schedule, its gradient buckets reduced as Note
@@ -307,6 +396,10 @@ void Engine::collect_offload(StepResult& r) {
 // Phase 5b: the step's collectives, all complete by now (the optimizer waited for the last),
 // as spans on the comm lane (Note [Comm trace]).
 void Engine::collect_comm() {
+  if (comm::Communicator* tp = impl_->tp_comm()) {
+    std::vector<comm::CommRecord> records = tp->take_records();
+    if (trace_ != nullptr) trace_comm(*trace_, step_, records, "tp comm");
+  }
   comm::Communicator* comm = impl_->comm();
   if (comm == nullptr) return;
   std::vector<comm::CommRecord> records = comm->take_records();
@@ -316,6 +409,7 @@ void Engine::collect_comm() {
 void Engine::set_trace(TraceRecorder* trace) {
   trace_ = trace;
   if (comm::Communicator* comm = impl_->comm()) comm->record_ops(trace != nullptr);
+  if (comm::Communicator* tp = impl_->tp_comm()) tp->record_ops(trace != nullptr);
 }
 
 // Phase 5c: the step's figures, and the running totals.
@@ -347,6 +441,29 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   t.skipped_steps += z.skipped_steps;
   im.reduce_busy_total_s += reduced.reduce_busy_s;
   im.reduce_exposed_total_s += reduced.reduce_exposed_s;
+  TensorParallelStats& tps = r.tensor_parallel;
+  tps.tp = tp_size();
+  tps.sequence_parallel = config_.porter.model.sequence_parallel && tps.tp > 1;
+  if (comm::Communicator* tp = im.tp_comm()) {
+    const comm::CommStats tp1 = tp->stats();
+    tps.comm_bytes = tp1.payload_bytes - im.tp_comm0.payload_bytes;
+    tps.comm_busy_s = tp1.busy_s - im.tp_comm0.busy_s;
+  }
+  tps.gathers = r.offload.gathers;
+  tps.gathered_bytes = r.offload.gathered_bytes;
+  tps.gather_busy_s = r.offload.gather_busy_s;
+  tps.gather_exposed_s = r.offload.gather_exposed_s;
+  tps.hidden_fraction = hidden_fraction(tps.gather_busy_s, tps.gather_exposed_s);
+  TensorParallelStats& tpt = im.tp_total;
+  tpt.tp = tps.tp;
+  tpt.sequence_parallel = tps.sequence_parallel;
+  tpt.comm_bytes += tps.comm_bytes;
+  tpt.comm_busy_s += tps.comm_busy_s;
+  tpt.gathers += tps.gathers;
+  tpt.gathered_bytes += tps.gathered_bytes;
+  tpt.gather_busy_s += tps.gather_busy_s;
+  tpt.gather_exposed_s += tps.gather_exposed_s;
+  tpt.hidden_fraction = hidden_fraction(tpt.gather_busy_s, tpt.gather_exposed_s);
   r.tokens = static_cast<int64_t>(micro_batches.size()) * micro_batches[0].batch *
              micro_batches[0].seq;
   r.peak_activation_bytes = s.peak_activation_bytes;
@@ -367,8 +484,8 @@ double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
     const HostBatch& mb = micro_batches[i];
     nn::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
     nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
-    im.ctx->set_run({run_.seed, static_cast<uint64_t>(step_),
-                     static_cast<uint32_t>(i)});
+    im.ctx->set_run({run_.seed, static_cast<uint64_t>(step_), static_cast<uint32_t>(i),
+                     static_cast<int64_t>(mb.batch), static_cast<int64_t>(mb.seq)});
     for (int s = 0; s < n; ++s) {
       nn::Tape tape;  // a checkpointed forward keeps nothing; dropped at once
       if (s == n - 1) model_->set_targets(targets);
@@ -437,7 +554,7 @@ checkpoint::ChainCosts Engine::profile() {
   try {
     nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, b, t);
     nn::Tensor targets = upload_ids(*allocator_, mb.targets, b, t);
-    im.ctx->set_run({run_.seed, 0, 0});
+    im.ctx->set_run({run_.seed, 0, 0, static_cast<int64_t>(b), static_cast<int64_t>(t)});
     model_->set_loss_scale(1.0f / static_cast<float>(run_.gradient_accumulation_steps));
     costs = profile_chain(*model_, *im.ctx, tokens, targets, run_.selective_policy,
                           run_.selective_name);
@@ -460,6 +577,9 @@ checkpoint::ChainCosts Engine::profile() {
 }
 
 int Engine::dp_rank() const { return impl_->dp != nullptr ? impl_->dp->rank() : 0; }
+int Engine::tp_rank() const { return impl_->tp != nullptr ? impl_->tp->rank() : 0; }
+int Engine::tp_size() const { return impl_->tp != nullptr ? impl_->tp->size() : 1; }
+TensorParallelStats Engine::tp_stats() const { return impl_->tp_total; }
 int Engine::dp_size() const { return impl_->part.world_size; }
 
 ZeroStats Engine::zero_stats() const {
@@ -500,6 +620,7 @@ void Engine::reset_peaks() {
   impl_->peak_activation_bytes = 0;
   impl_->offload_total = offload::StashStats{};
   impl_->zero_total = ZeroStats{};
+  impl_->tp_total = TensorParallelStats{};
   impl_->reduce_busy_total_s = 0.0;
   impl_->reduce_exposed_total_s = 0.0;
   impl_->stash->reset_stats();

@@ -71,6 +71,22 @@ struct ZeroStats {
   int64_t skipped_steps = 0;     // fp16 overflow: steps whose update was skipped
 };
 
+// Tensor-parallel figures of one step, or cumulative (Engine::tp_stats();
+// docs/tensor-parallel.md).
+struct TensorParallelStats {
+  int tp = 1;                      // porter.model.tensor_parallel
+  bool sequence_parallel = false;
+  uint64_t comm_bytes = 0;         // payload of every collective on the tp group
+  double comm_busy_s = 0.0;        // its comm-stream busy time
+  // Partitioned checkpoints (activation_checkpointing.partition_activations): the
+  // all-gathers that rebuilt them before their recompute.
+  int64_t gathers = 0;
+  uint64_t gathered_bytes = 0;     // received by this rank
+  double gather_busy_s = 0.0;      // comm-stream time of the gathers
+  double gather_exposed_s = 0.0;   // time the compute stream waited for them
+  double hidden_fraction = 0.0;    // 1 - exposed / busy (0 when nothing was gathered)
+};
+
 struct StepResult {
   int64_t step = 0;             // the step just completed (1-based count of steps done)
   double loss = 0.0;            // mean over micro-batches
@@ -84,6 +100,7 @@ struct StepResult {
   size_t peak_bytes = 0;             // measured peak of all categories during this step
   offload::StashStats offload;       // this step's copies and waits (zero without offload)
   ZeroStats zero;                    // this step's communication (stage 0, ws 1: all zero)
+  TensorParallelStats tensor_parallel;  // this step's (tp 1: all zero)
   bool skipped = false;              // fp16 overflow on some rank: no update this step
 };
 
@@ -124,8 +141,16 @@ class Engine {
   // must be dp->size() (tensor_parallel 1). A rank whose step fails aborts `dp` (Note [Comm
   // failure]) so that its peers fail at once; after a communication error the engine cannot
   // step again.
+  //
+  // Tensor parallel (docs/tensor-parallel.md): `tp` is the tensor-parallel communicator of
+  // porter.model.tensor_parallel ranks (comm::make_process_groups; world = dp x tp), null for
+  // one; the model is this rank's part (GptModel(config.porter.model, tp->rank())). The ranks
+  // of a tp group train on the same micro-batches; their layers communicate through the
+  // engine's Ctx, and partitioned checkpoints are gathered over it. A failing rank aborts tp
+  // as well as dp.
   Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
-         std::shared_ptr<comm::Communicator> dp = nullptr);
+         std::shared_ptr<comm::Communicator> dp = nullptr,
+         std::shared_ptr<comm::Communicator> tp = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -164,6 +189,12 @@ class Engine {
   int64_t step() const { return step_; }
   int dp_rank() const;
   int dp_size() const;
+  int tp_rank() const;
+  int tp_size() const;
+  // dp_rank * tp_size + tp_rank.
+  int world_rank() const { return dp_rank() * tp_size() + tp_rank(); }
+  // Cumulative since construction or reset_peaks().
+  TensorParallelStats tp_stats() const;
   // Cumulative since construction or reset_peaks().
   ZeroStats zero_stats() const;
   const config::Config& config() const { return config_; }
@@ -213,6 +244,8 @@ class Engine {
   // Construction, in order.
   void build_model_states();
   void plan_from_costs();
+  void agree_on_costs();
+  double measure_tp_bytes_per_s(size_t bytes);
   // The phases of train_step (Note [One engine step]).
   void begin_step();
   zero::ReducerStats forward_backward_and_reduce(const std::vector<HostBatch>& micro_batches,

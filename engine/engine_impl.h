@@ -29,6 +29,11 @@ struct Engine::Impl {
   std::vector<offload::WaitRecord> waits;
   // Data parallel and ZeRO (docs/zero.md). Null or a size-1 communicator: one rank.
   std::shared_ptr<comm::Communicator> dp;
+  // Tensor parallel: null or a size-1 communicator without it.
+  std::shared_ptr<comm::Communicator> tp;
+  TensorParallelStats tp_total;  // cumulative since construction or reset_peaks()
+  comm::CommStats tp_comm0;      // the tp communicator's statistics when the step began
+  double tp_bytes_per_s = 0.0;   // what the planner charged gathers to (0: no partitioning)
   zero::Partition part;  // Note [Flat partition]
   std::unique_ptr<nn::FlatParams> flat;  // params (compute dtype), grads (f32; none at stage 2)
   // After flat: destroyed first. The optimizer's state (Note [Sharded optimizer]) and the
@@ -51,6 +56,7 @@ struct Engine::Impl {
 
   // The communicator when there is more than one rank, else null.
   comm::Communicator* comm() const { return dp != nullptr && dp->size() > 1 ? dp.get() : nullptr; }
+  comm::Communicator* tp_comm() const { return tp != nullptr && tp->size() > 1 ? tp.get() : nullptr; }
   void fold_peaks(const memory::MemoryStats& s) {
     for (size_t c = 0; c < memory::kNumCategories; ++c)
       peak_by_category[c] = std::max(peak_by_category[c], s.by_category[c].peak_bytes);

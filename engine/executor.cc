@@ -131,7 +131,8 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
   const int n = model.num_stages();
   PORTER_ASSERT(schedule.num_stages == n, "schedule for ", schedule.num_stages,
                 " stages, model has ", n);
-  ctx.set_run({env.seed, static_cast<uint64_t>(env.step), static_cast<uint32_t>(env.micro_batch)});
+  ctx.set_run({env.seed, static_cast<uint64_t>(env.step), static_cast<uint32_t>(env.micro_batch),
+               tokens.dim(0), tokens.dim(1)});
 
   // Note [Schedule semantics]. Cleared on unwind (before the stash aborts), releasing every
   // tape, held input and gradient of the micro-batch.
@@ -192,6 +193,14 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           held[s] = stash->fetch(e);  // category `staging`: never retagged
           on_host[s] = false;
         }
+      }
+      // The tp group's ops are named after the schedule op that issues them (Note [Comm trace]).
+      std::optional<comm::CommLabel> tp_label;
+      if (trace != nullptr && ctx.tensor_parallel() != nullptr) {
+        const char* what = op.kind == ScheduleOp::Kind::kBackward ? "backward"
+                           : phase == StepPhase::kRecompute       ? "recompute"
+                                                                  : "forward";
+        tp_label.emplace(ctx.tensor_parallel(), std::string(what) + " " + model.stage_name(op.stage));
       }
       int64_t start_us = trace != nullptr ? trace->now_us() : 0;
       auto t0 = Clock::now();

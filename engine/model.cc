@@ -33,8 +33,17 @@ void GptModel::check_config(const config::Config& config) const {
 }
 
 std::optional<checkpoint::ChainCosts> GptModel::analytic_costs(const RunOptions& run) const {
-  // run.shape describes porter.model, which check_config has found to be this model.
+  // run.shape describes porter.model, which check_config has found to be this model. The
+  // analytic model describes one whole rank; a tensor-parallel rank is profiled.
+  if (gpt_.tp().size > 1) return std::nullopt;
   return run.analytic_costs();
+}
+
+std::vector<bool> GptModel::tp_replicated() const {
+  if (gpt_.tp().size == 1) return {};
+  std::vector<bool> out;
+  for (const nn::ParamEntry& e : gpt_.layout().entries()) out.push_back(nn::Gpt::replicated(e.name));
+  return out;
 }
 
 ChainModel::ChainModel(std::vector<std::unique_ptr<nn::Layer>> layers,

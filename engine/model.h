@@ -58,11 +58,16 @@ class Model {
     return std::nullopt;
   }
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
+  // Under tensor parallelism (Note [GPT tensor parallelism] in nn/gpt.h): per layout entry,
+  // whether the parameter is the same on every rank of the tp group (the global gradient
+  // norm counts those once). Empty: the model is not split.
+  virtual std::vector<bool> tp_replicated() const { return {}; }
 };
 
 class GptModel : public Model {
  public:
-  explicit GptModel(const config::ModelConfig& config) : gpt_(config) {}
+  // Rank tp_rank's part of the model under porter.model.tensor_parallel (0 for one rank).
+  explicit GptModel(const config::ModelConfig& config, int tp_rank = 0) : gpt_(config, tp_rank) {}
   int num_stages() const override { return gpt_.num_stages(); }
   nn::Layer& stage(int i) override { return gpt_.stage(i); }
   std::string stage_name(int i) const override { return gpt_.stage_name(i); }
@@ -79,6 +84,7 @@ class GptModel : public Model {
   void check_config(const config::Config& config) const override;
   std::optional<checkpoint::ChainCosts> analytic_costs(const RunOptions& run) const override;
   std::optional<int64_t> vocab_size() const override { return gpt_.config().vocab; }
+  std::vector<bool> tp_replicated() const override;
   nn::Gpt& gpt() { return gpt_; }
 
  private:

@@ -63,9 +63,17 @@ RunOptions make_run_options(const config::Config& config) {
   r.selective_name = selective_ops_name(p.checkpointing.selective_ops);
 
   r.plan.checkpointing = p.checkpointing;
+  r.plan.partition.min_bytes = static_cast<size_t>(p.checkpointing.partition_min_bytes);
+  r.plan.partition.tp_bytes_per_s = p.comm.sim_tp_gbps.value_or(0.0) * 1e9;
   r.plan.offload = checkpoint::offload_options(config);
   if (config.activation_checkpointing) {
     const config::ActivationCheckpointingConfig& ac = *config.activation_checkpointing;
+    // Note [Partitioned checkpoints]: only replicated checkpoints are partitioned; under
+    // sequence parallelism every held input is already this rank's rows.
+    const config::ModelConfig& m = p.model;
+    if (ac.partition_activations && m.tensor_parallel > 1 && !m.sequence_parallel) {
+      r.plan.partition.ways = static_cast<int>(m.tensor_parallel);
+    }
     r.stash.contiguous = ac.contiguous_memory_optimization;
     r.stash.synchronize_boundary = ac.synchronize_checkpoint_boundary;
     r.keep_all_copy_records = ac.profile;
@@ -88,7 +96,7 @@ RunOptions make_run_options(const config::Config& config) {
   return r;
 }
 
-void check_supported(const config::Config& c, int dp_size) {
+void check_supported(const config::Config& c, int dp_size, int tp_size) {
   const config::ZeroConfig& z = c.zero_optimization;
   if (z.stage == 3) {
     throw InvalidArgument(
@@ -96,10 +104,11 @@ void check_supported(const config::Config& c, int dp_size) {
         "2, which partitions the gradients and the optimizer state across the ranks");
   }
   const int64_t tp = c.porter.model.tensor_parallel;
-  if (tp > 1) {
-    throw InvalidArgument("porter.model.tensor_parallel: " + std::to_string(tp) +
-                          ": tensor parallelism is not supported yet; set it to 1 and run the "
-                          "ranks data-parallel (ZeRO stage 2 partitions the model states)");
+  if (tp_size != tp) {
+    throw InvalidArgument(
+        "porter.model.tensor_parallel " + std::to_string(tp) + " but the tensor-parallel "
+        "communicator has " + std::to_string(tp_size) + " rank(s): pass the tp group of " +
+        std::to_string(tp) + " ranks (comm::make_process_groups) to the Engine");
   }
   if (c.world_size != static_cast<int64_t>(dp_size) * tp) {
     throw InvalidArgument(
@@ -119,12 +128,6 @@ void check_supported(const config::Config& c, int dp_size) {
     throw InvalidArgument(
         "zero_optimization.offload_param.device: parameter offload is not supported yet; set "
         "it to \"none\" (activation_checkpointing.cpu_checkpointing offloads checkpoints)");
-  }
-  if (c.activation_checkpointing && c.activation_checkpointing->partition_activations) {
-    throw InvalidArgument(
-        "activation_checkpointing.partition_activations: true is not supported yet (partitioned "
-        "checkpoints need tensor parallelism); set it to false (cpu_checkpointing offloads "
-        "whole checkpoints to host memory)");
   }
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
@@ -181,7 +184,8 @@ nlohmann::ordered_json RunOptions::to_json() const {
   j["shape"] = {{"model",
                  {{"layers", m.layers}, {"hidden", m.hidden}, {"heads", m.heads},
                   {"seq_len", m.seq_len}, {"vocab", m.vocab}, {"dropout", m.dropout},
-                  {"tie_embeddings", m.tie_embeddings}, {"tensor_parallel", m.tensor_parallel}}},
+                  {"tie_embeddings", m.tie_embeddings}, {"tensor_parallel", m.tensor_parallel},
+                  {"sequence_parallel", m.sequence_parallel}}},
                 {"micro_batch", shape.micro_batch},
                 {"seq", shape.seq},
                 {"compute_dtype", nn::dtype_name(shape.compute_dtype)},
@@ -208,7 +212,11 @@ nlohmann::ordered_json RunOptions::to_json() const {
                  {"prefetch_depth", plan.offload.prefetch_depth},
                  {"keep_last_on_device", plan.offload.keep_last_on_device},
                  {"contiguous", plan.offload.contiguous},
-                 {"link_bytes_per_s", plan.offload.link_bytes_per_s}}}};
+                 {"link_bytes_per_s", plan.offload.link_bytes_per_s}}},
+               {"partition",
+                {{"ways", plan.partition.ways},
+                 {"min_bytes", plan.partition.min_bytes},
+                 {"tp_bytes_per_s", plan.partition.tp_bytes_per_s}}}};
   j["stash"] = {{"contiguous", stash.contiguous},
                 {"synchronize_boundary", stash.synchronize_boundary}};
   j["keep_all_copy_records"] = keep_all_copy_records;

@@ -99,16 +99,18 @@ RunOptions make_run_options(const config::Config& config);
 // One device per rank; data parallelism over a dp communicator with ZeRO stages 0, 1 and 2
 // (docs/zero.md). A config asking for what porter does not run yet is refused, naming the
 // key and what to use instead, rather than silently run differently: zero_optimization.stage
-// 3, optimizer and parameter offload, porter.model.tensor_parallel > 1 and
-// activation_checkpointing.partition_activations. fp16 runs with loss scaling
+// 3 and optimizer and parameter offload. Tensor parallelism (porter.model.tensor_parallel,
+// sequence_parallel) runs over a tp communicator, and partition_activations partitions the
+// held checkpoints over it (docs/tensor-parallel.md). fp16 runs with loss scaling
 // (zero/loss_scaler.h) on both devices; checkpoint offload
 // (activation_checkpointing.cpu_checkpointing) runs (docs/engine.md, Offload). Weight decay
 // is decoupled (AdamW) and applies to every parameter, biases and norms included (DeepSpeed
 // applies the optimizer's weight_decay to every parameter group it builds by default); Adam
 // with coupled L2 decay (adam_w_mode false) is refused when weight_decay > 0, because the
 // kernel implements only the decoupled form. The world size must be dp_size ranks times
-// tensor_parallel. Throws InvalidArgument.
-void check_supported(const config::Config& config, int dp_size);
+// tensor_parallel, and the tp communicator's size (1 without one) tensor_parallel. Throws
+// InvalidArgument.
+void check_supported(const config::Config& config, int dp_size, int tp_size = 1);
 
 // Recompute FLOPs over one step's forward + backward FLOPs (backward = 2 x forward), from the
 // schedule's prediction on analytic costs (profiles measure times, not FLOPs).

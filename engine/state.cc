@@ -19,8 +19,9 @@
 // skipped}. The sections hold the padded buffers (Note [Flat partition]): params the whole
 // padded buffer, master and the moments the rank's optimizer range. With one rank the
 // files sit in `dir` itself, as before. With N > 1 ranks each rank writes its own state into
-// `dir`/rank<r> (every rank calls save_checkpoint with the same dir; at stage 0 the N copies
-// are identical), and load_checkpoint reads `dir`/rank<r> and refuses a checkpoint written by
+// `dir`/rank<r>, r the world rank dp_rank * tp + tp_rank (every rank calls save_checkpoint
+// with the same dir; at stage 0 the copies of a tp rank are identical; a tensor-parallel
+// rank's layout is its part of the model, which the layout check compares), and load_checkpoint reads `dir`/rank<r> and refuses a checkpoint written by
 // another number of ranks or another stage (porter does not reshard; the error names both).
 #include <cstring>
 #include <sstream>
@@ -96,7 +97,7 @@ std::filesystem::path rank_dir(const std::filesystem::path& dir, int rank, int s
 
 void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   const Impl& im = *impl_;
-  const std::filesystem::path dir = rank_dir(dir_in, dp_rank(), dp_size());
+  const std::filesystem::path dir = rank_dir(dir_in, world_rank(), dp_size() * tp_size());
   const nlohmann::ordered_json cfg = config::to_json(config_);
   nlohmann::json meta;
   meta["kind"] = "porter.engine";
@@ -129,7 +130,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
 
 void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   Impl& im = *impl_;
-  const std::filesystem::path dir = rank_dir(dir_in, dp_rank(), dp_size());
+  const std::filesystem::path dir = rank_dir(dir_in, world_rank(), dp_size() * tp_size());
   const LoadedState state = read_state(dir);
   const nlohmann::json& meta = state.meta;
   const std::string where = dir.string() + ": ";

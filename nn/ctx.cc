@@ -294,10 +294,54 @@ const Tensor& Ctx::saved(std::string_view name) const {
                         (have.empty() ? "none" : have) + ")");
 }
 
-PhiloxKey Ctx::dropout_key_for(int site) const {
-  return dropout_key(run_.seed, static_cast<uint32_t>(stage_), run_.step, run_.micro_batch,
-                     static_cast<uint32_t>(site));
+PhiloxKey Ctx::dropout_key_for(int site, int64_t element_offset) const {
+  PORTER_CHECK(element_offset >= 0 && element_offset % 4 == 0, "dropout element offset ",
+               element_offset, " must be a non-negative multiple of 4 (Note [Dropout keys])");
+  PhiloxKey key = dropout_key(run_.seed, static_cast<uint32_t>(stage_), run_.step,
+                              run_.micro_batch, static_cast<uint32_t>(site));
+  key.group_offset = static_cast<uint64_t>(element_offset / 4);
+  return key;
 }
+
+namespace {
+
+comm::ElemType comm_type(DType t) {
+  switch (t) {
+    case DType::kF32: return comm::ElemType::kF32;
+    case DType::kBF16: return comm::ElemType::kBF16;
+    case DType::kF16: return comm::ElemType::kF16;
+    case DType::kI32: return comm::ElemType::kI32;
+  }
+  return comm::ElemType::kF32;
+}
+
+}  // namespace
+
+comm::Work Ctx::tp_all_reduce(Tensor& t) {
+  PORTER_CHECK(tp_ != nullptr, "tp_all_reduce without a tensor-parallel group");
+  return tp_->all_reduce(t.data(), static_cast<size_t>(t.numel()), comm_type(t.dtype()),
+                         comm::ReduceOp::kSum);
+}
+
+comm::Work Ctx::tp_all_gather(const Tensor& in, Tensor& out) {
+  PORTER_CHECK(tp_ != nullptr, "tp_all_gather without a tensor-parallel group");
+  PORTER_CHECK(out.numel() == in.numel() * tp_->size() && out.dtype() == in.dtype(),
+               "tp_all_gather: out has ", out.numel(), " elements for ", tp_->size(), " x ",
+               in.numel());
+  return tp_->all_gather(in.data(), out.data(), static_cast<size_t>(in.numel()),
+                         comm_type(in.dtype()));
+}
+
+comm::Work Ctx::tp_reduce_scatter(const Tensor& in, Tensor& out) {
+  PORTER_CHECK(tp_ != nullptr, "tp_reduce_scatter without a tensor-parallel group");
+  PORTER_CHECK(in.numel() == out.numel() * tp_->size() && out.dtype() == in.dtype(),
+               "tp_reduce_scatter: in has ", in.numel(), " elements for ", tp_->size(), " x ",
+               out.numel());
+  return tp_->reduce_scatter(in.data(), out.data(), static_cast<size_t>(out.numel()),
+                             comm_type(in.dtype()), comm::ReduceOp::kSum);
+}
+
+void Ctx::tp_wait(comm::Work& work) { work.wait_on(allocator_->device().compute_stream()); }
 
 Tensor Ctx::workspace(Shape shape, DType dtype) {
   return Tensor::empty(*allocator_, shape, dtype, memory::Category::kWorkspace);
@@ -344,10 +388,10 @@ std::array<Tensor, 2> Ctx::attention(std::string_view name, const Tensor& qkv, i
   return {outs[0], outs[1]};
 }
 
-Tensor Ctx::dropout(std::string_view name, const Tensor& x, float p) {
+Tensor Ctx::dropout(std::string_view name, const Tensor& x, float p, int64_t element_offset) {
   const int site = dropout_site_++;
   if (p == 0.0f) return x;
-  const PhiloxKey key = dropout_key_for(site);
+  const PhiloxKey key = dropout_key_for(site, element_offset);
   return op(OpKind::kDropout, name, {x}, {{x.shape(), x.dtype()}},
             [&](std::span<Tensor> out) { kernels_->dropout_forward(x, out[0], p, key); })[0];
 }

@@ -52,6 +52,7 @@
 #include <string_view>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "memory/caching_allocator.h"
 #include "nn/kernels.h"
 #include "nn/tensor.h"
@@ -136,12 +137,29 @@ class Tape {
   std::vector<Ref> saved_refs_;     // kCheckpoint: producers of the saved tensors
 };
 
-// Per-run identity for dropout keys.
+// Per-run identity for dropout keys, and the micro-batch's shape: under sequence parallelism
+// a stage sees only its rank's token rows and takes (batch, seq) from here (0: not given).
 struct RunInfo {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint32_t micro_batch = 0;
+  int64_t batch = 0;
+  int64_t seq = 0;
 };
+
+// Note [Tensor-parallel collectives]
+// A Ctx may carry the tensor-parallel group's communicator (set_tensor_parallel; null or a
+// group of one: no tensor parallelism). Layers call the collectives below inside an op's
+// compute (forward, recompute) or in backward; each is queued on the group's comm stream
+// after the work already queued on the compute stream (Note [Comm stream] in
+// comm/communicator.h) and returns the Work, so a layer can overlap it with compute before
+// tp_wait (e.g. the all-reduce of a column-parallel input gradient runs while the weight
+// gradient is computed). Every rank of the group must issue the same collectives in the same
+// order: the ops a recompute skips or replays are the same on every rank because the ranks
+// run the same plan. Sums follow Note [Collective semantics]: fixed order, so runs are
+// reproducible. The ops are labelled "<stage name> <op name>" for the trace when the caller
+// labels them (comm::CommLabel).
+class Ctx;
 
 class Ctx {
  public:
@@ -157,6 +175,20 @@ class Ctx {
   void abort() noexcept;
 
   void set_run(const RunInfo& run) { run_ = run; }
+  // Note [Tensor-parallel collectives]. Not owned; outlives the ctx's use of it.
+  void set_tensor_parallel(comm::Communicator* tp) { tp_ = tp; }
+  comm::Communicator* tensor_parallel() const { return tp_; }
+  int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
+  int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
+  // In place: t <- sum over the group of t.
+  comm::Work tp_all_reduce(Tensor& t);
+  // out (size() * in.numel() elements, same dtype) block r <- rank r's in.
+  comm::Work tp_all_gather(const Tensor& in, Tensor& out);
+  // out (in.numel() / size()) <- sum over the group of this rank's block of in.
+  comm::Work tp_reduce_scatter(const Tensor& in, Tensor& out);
+  // The compute stream waits for `work` (on cpu: the calling thread blocks); rethrows its
+  // error.
+  void tp_wait(comm::Work& work);
   const RunInfo& run() const { return run_; }
   SaveMode mode() const { return mode_; }
   int stage() const { return stage_; }
@@ -188,10 +220,12 @@ class Ctx {
   std::array<Tensor, 2> attention(std::string_view name, const Tensor& qkv, int heads);
   // The mask's key is this stage's next dropout site (Note [Save context]). p == 0 copies
   // nothing: it returns x itself without an op.
-  Tensor dropout(std::string_view name, const Tensor& x, float p);
+  Tensor dropout(std::string_view name, const Tensor& x, float p, int64_t element_offset = 0);
   Tensor add(std::string_view name, const Tensor& a, const Tensor& b);
-  // The PhiloxKey the n-th dropout of this stage uses (for backward).
-  PhiloxKey dropout_key_for(int site) const;
+  // The PhiloxKey the n-th dropout of this stage uses (for backward). element_offset (a
+  // multiple of 4) is where x starts in the whole tensor whose masks it draws: a rank holding
+  // rows of a sequence-parallel tensor draws exactly those rows' masks (Note [Dropout keys]).
+  PhiloxKey dropout_key_for(int site, int64_t element_offset = 0) const;
 
   // A temporary for backward or inside an op (category workspace).
   Tensor workspace(Shape shape, DType dtype);
@@ -206,6 +240,7 @@ class Ctx {
   memory::CachingAllocator* allocator_;    // not owned; outlives the ctx
   DType dtype_;
   RunInfo run_;
+  comm::Communicator* tp_ = nullptr;       // not owned; null: no tensor parallelism
   Tape* tape_ = nullptr;                   // not owned; the engine's, for the current stage
   SaveMode mode_ = SaveMode::kSaveAll;
   OpPolicy policy_ = OpPolicy::keep_none();

@@ -2,6 +2,7 @@
 // micro-batch's forward and backward through its stages.
 #include "nn/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "base/check.h"
@@ -9,11 +10,17 @@
 
 namespace porter::nn {
 
-Gpt::Gpt(const config::ModelConfig& config) : config_(config) {
-  PORTER_CHECK(config.tensor_parallel == 1, "porter.model.tensor_parallel = ",
-               config.tensor_parallel,
-               ": tensor parallelism is not supported yet; set it to 1 (the built-in GPT runs "
-               "whole on every rank)");
+int64_t TpShard::vocab_valid() const {
+  return std::clamp<int64_t>(vocab - vocab_begin(), 0, vocab_shard);
+}
+
+Gpt::Gpt(const config::ModelConfig& config, int tp_rank) : config_(config) {
+  PORTER_CHECK(config.tensor_parallel >= 1 && tp_rank >= 0 && tp_rank < config.tensor_parallel,
+               "tensor-parallel rank ", tp_rank, " of porter.model.tensor_parallel = ",
+               config.tensor_parallel);
+  PORTER_CHECK(config.heads % config.tensor_parallel == 0, "porter.model.heads = ", config.heads,
+               " is not divisible by tensor_parallel = ", config.tensor_parallel,
+               "; tensor parallelism splits the heads evenly");
   PORTER_CHECK(config.layers >= 1 && config.hidden >= 1 && config.heads >= 1 &&
                    config.seq_len >= 1 && config.vocab >= 1,
                "porter.model: layers, hidden, heads, seq_len and vocab must be >= 1");
@@ -21,17 +28,25 @@ Gpt::Gpt(const config::ModelConfig& config) : config_(config) {
                " is not divisible by heads = ", config.heads);
   PORTER_CHECK(config.dropout >= 0.0 && config.dropout < 1.0, "porter.model.dropout = ",
                config.dropout, " must be in [0, 1)");
+  tp_.rank = tp_rank;
+  tp_.size = static_cast<int>(config.tensor_parallel);
+  tp_.sequence_parallel = config.sequence_parallel && tp_.size > 1;
+  tp_.vocab = config.vocab;
+  tp_.vocab_shard = (config.vocab + tp_.size - 1) / tp_.size;
   const float p = static_cast<float>(config.dropout);
-  auto emb = std::make_unique<GptEmbedding>(config.vocab, config.seq_len, config.hidden, p);
+  auto emb =
+      std::make_unique<GptEmbedding>(config.vocab, config.seq_len, config.hidden, p, tp_);
   embedding_ = emb.get();
   layout_.add("", emb->params());
   stages_.push_back(std::move(emb));
   for (int64_t l = 0; l < config.layers; ++l) {
-    auto block = std::make_unique<GptBlock>(config.hidden, static_cast<int>(config.heads), p);
+    auto block =
+        std::make_unique<GptBlock>(config.hidden, static_cast<int>(config.heads), p, tp_);
     layout_.add("h." + std::to_string(l), block->params());
     stages_.push_back(std::move(block));
   }
-  auto head = std::make_unique<GptHead>(config.vocab, config.hidden, config.tie_embeddings);
+  auto head =
+      std::make_unique<GptHead>(config.vocab, config.hidden, config.tie_embeddings, tp_);
   head_ = head.get();
   layout_.add("", head->params());
   stages_.push_back(std::move(head));
@@ -73,6 +88,12 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }  // namespace
 
 std::vector<float> Gpt::init_values(uint64_t seed) const {
+  if (tp_.size > 1) {
+    config::ModelConfig whole = config_;
+    whole.tensor_parallel = 1;
+    whole.sequence_parallel = false;
+    return shard_values(Gpt(whole).init_values(seed));
+  }
   // Note [GPT init]: GPT-2's scheme. Matrices ~ normal(0, 0.02), with the residual
   // projections (proj, fc2) scaled by 1/sqrt(2L); biases 0; layernorm weight 1, bias 0.
   // Normals come from Box-Muller over Philox keyed by (seed, FNV-1a of the parameter name),
@@ -110,6 +131,59 @@ std::vector<float> Gpt::init_values(uint64_t seed) const {
   return v;
 }
 
+bool Gpt::replicated(const std::string& name) {
+  return name == "wpe" || name.rfind("lnf.", 0) == 0 || name.find(".ln1.") != std::string::npos ||
+         name.find(".ln2.") != std::string::npos || ends_with(name, "proj.bias") ||
+         ends_with(name, "fc2.bias");
+}
+
+std::vector<float> Gpt::shard_values(std::span<const float> whole) const {
+  if (tp_.size == 1) {
+    PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), layout_.total_elems(),
+                    "Gpt::shard_values: values of the whole layout");
+    return std::vector<float>(whole.begin(), whole.end());
+  }
+  config::ModelConfig whole_config = config_;
+  whole_config.tensor_parallel = 1;
+  whole_config.sequence_parallel = false;
+  const Gpt full(whole_config);
+  PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), full.layout().total_elems(),
+                  "Gpt::shard_values: values of the layout at tensor_parallel 1");
+  const int64_t t = tp_.size, r = tp_.rank;
+  std::vector<float> out(static_cast<size_t>(layout_.total_elems()), 0.0f);
+  for (const ParamEntry& e : layout_.entries()) {
+    const ParamEntry& w = full.layout().find(e.name);
+    const float* src = whole.data() + w.offset_elems;
+    float* dst = out.data() + e.offset_elems;
+    const int64_t cols = e.shape.rank() == 2 ? e.shape[1] : 1;
+    const int64_t rows = e.shape[0];
+    auto copy_rows = [&](int64_t from_row, int64_t to_row, int64_t count) {
+      std::copy(src + from_row * cols, src + (from_row + count) * cols, dst + to_row * cols);
+    };
+    if (e.shape == w.shape) {
+      std::copy(src, src + e.shape.numel(), dst);
+    } else if (ends_with(e.name, "qkv.weight") || ends_with(e.name, "qkv.bias")) {
+      const int64_t part = rows / 3, c = w.shape[0] / 3;  // this rank's heads of q, k, v
+      for (int j = 0; j < 3; ++j) copy_rows(j * c + r * part, j * part, part);
+    } else if (e.name == "wte" || e.name == "head.weight") {
+      const int64_t begin = tp_.vocab_begin();
+      copy_rows(begin, 0, tp_.vocab_valid());  // the padding rows stay 0
+    } else if (e.shape.rank() == 2 && e.shape[0] == w.shape[0]) {
+      // Row-parallel (proj, fc2): this rank's columns.
+      const int64_t full_cols = w.shape[1];
+      for (int64_t i = 0; i < rows; ++i) {
+        std::copy(src + i * full_cols + r * cols, src + i * full_cols + (r + 1) * cols,
+                  dst + i * cols);
+      }
+    } else {
+      // Column-parallel (fc1 weight and bias): this rank's rows.
+      PORTER_CHECK_EQ(rows * t, w.shape[0], "Gpt::shard_values: ", e.name);
+      copy_rows(r * rows, 0, rows);
+    }
+  }
+  return out;
+}
+
 float Gpt::forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
                             std::span<const StagePlan> plans) {
   const int n = num_stages();
@@ -121,6 +195,10 @@ float Gpt::forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& target
   std::vector<Tape> tapes(static_cast<size_t>(n));
   std::vector<Tensor> inputs(static_cast<size_t>(n));
   head_->set_targets(targets);
+  RunInfo run = ctx.run();
+  run.batch = tokens.dim(0);
+  run.seq = tokens.dim(1);
+  ctx.set_run(run);
   Tensor x = tokens;
   for (int s = 0; s < n; ++s) {
     const StagePlan& p = plans.empty() ? kDefault : plans[s];

@@ -14,10 +14,49 @@
 
 namespace porter::nn {
 
+// Note [GPT tensor parallelism]
+// With porter.model.tensor_parallel = t > 1 each rank of the tensor-parallel group (the Ctx's
+// communicator, Note [Tensor-parallel collectives] in ctx.h) holds 1/t of the GPT, as in
+// Megatron-LM (docs/tensor-parallel.md):
+// - qkv and fc1 are column-parallel: rank r holds heads [r*H/t, (r+1)*H/t) (its rows of q, k
+//   and v) and rows [r*4C/t, (r+1)*4C/t) of fc1, with their biases. proj and fc2 are
+//   row-parallel: rank r holds the matching columns; their partial outputs are all-reduced
+//   and the (replicated) bias is added after.
+// - wte (and the untied head) is vocabulary-parallel: rank r holds rows [r*Vs, (r+1)*Vs) with
+//   Vs = ceil(V/t); rows past V are padding, zero and never read. The embedding looks up the
+//   tokens in its range (0 elsewhere; rank 0 adds wpe) and all-reduces. The head's logits are
+//   (N, Vs) per rank and the cross-entropy is vocabulary-parallel (one all-gather of three
+//   floats per row): no rank holds the full logits.
+// - Input gradients of column-parallel matmuls are all-reduced on the comm stream while the
+//   weight gradient is computed.
+// - Sequence parallelism (porter.model.sequence_parallel): layernorm, dropout and the residual
+//   stream hold this rank's block of the N = B*T token rows, (N/t, C). Each column-parallel
+//   matmul all-gathers its input first and each row-parallel one reduce-scatters its output
+//   (the same volume as the all-reduce it replaces); backward re-gathers the saved shard
+//   instead of keeping the gathered input. Layernorm weight gradients are then partial over
+//   the rows: each stage all-reduces them (one buffer per stage and micro-batch) before
+//   accumulating. Stage inputs and outputs of blocks and the head are (N/t, C).
+// - Dropout draws each element's mask from its global index (PhiloxKey::group_offset), so the
+//   masks, and the losses, are those of t = 1 at every t, with or without sequence
+//   parallelism; results differ from t = 1 only by the order of the partial sums.
+// Parameter names are those of t = 1 with this rank's shapes; Gpt::shard_values maps t = 1
+// values onto them (init, pretrained weights, tests).
+struct TpShard {
+  int rank = 0;
+  int size = 1;
+  bool sequence_parallel = false;  // only with size > 1
+  int64_t vocab = 0;               // V
+  int64_t vocab_shard = 0;         // Vs = ceil(V / size)
+  int64_t vocab_begin() const { return rank * vocab_shard; }
+  // Real (not padding) rows of this rank's shard.
+  int64_t vocab_valid() const;
+};
+
 // Stage 0: token + position embedding, then dropout. Input tokens (B, T) i32.
 class GptEmbedding : public Layer {
  public:
-  GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout);
+  GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout,
+               const TpShard& tp = {});
   std::vector<ParamSpec> params() const override;
   Tensor forward(Ctx& ctx, const Tensor& tokens) override;  // -> (B, T, C)
   Tensor backward(Ctx& ctx, const Tensor& dy) override;     // -> undefined (tokens)
@@ -25,20 +64,23 @@ class GptEmbedding : public Layer {
  private:
   int64_t vocab_, max_seq_, hidden_;
   float dropout_;
+  TpShard tp_;
 };
 
 // One pre-LN block: x + drop(proj(attn(qkv(ln1(x))))), then + drop(fc2(gelu(fc1(ln2(.))))).
 class GptBlock : public Layer {
  public:
-  GptBlock(int64_t hidden, int heads, float dropout);
+  GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp = {});
   std::vector<ParamSpec> params() const override;
-  Tensor forward(Ctx& ctx, const Tensor& x) override;  // (B, T, C) -> (B, T, C)
+  // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
+  Tensor forward(Ctx& ctx, const Tensor& x) override;
   Tensor backward(Ctx& ctx, const Tensor& dy) override;
 
  private:
   int64_t hidden_;
   int heads_;
   float dropout_;
+  TpShard tp_;
 };
 
 // Final layernorm, the vocabulary projection (no bias; tied to wte or its own weight) and
@@ -46,7 +88,7 @@ class GptBlock : public Layer {
 // gradient of the mean loss is scaled by loss_scale (1 unless fp16 loss scaling).
 class GptHead : public Layer {
  public:
-  GptHead(int64_t vocab, int64_t hidden, bool tied);
+  GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp = {});
   std::vector<ParamSpec> params() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   // The tied weight: views of the embedding's wte and its gradient.
@@ -60,6 +102,7 @@ class GptHead : public Layer {
  private:
   int64_t vocab_, hidden_;
   bool tied_;
+  TpShard tp_;
   Tensor lnf_w_, lnf_b_, head_w_;     // views into the flat parameter buffer
   Tensor dlnf_w_, dlnf_b_, dhead_w_;  // views into the flat gradient buffer
   Tensor targets_;                    // the current micro-batch's input, not a saved tensor
@@ -74,11 +117,13 @@ struct StagePlan {
 
 class Gpt {
  public:
-  // Throws InvalidArgument for configs it cannot build (tensor_parallel > 1, hidden not
-  // divisible by heads, ...).
-  explicit Gpt(const config::ModelConfig& config);
+  // This rank's part of the model (Note [GPT tensor parallelism]); tp_rank in
+  // [0, config.tensor_parallel). Throws InvalidArgument for configs it cannot build (hidden
+  // not divisible by heads, heads not divisible by tensor_parallel, ...).
+  explicit Gpt(const config::ModelConfig& config, int tp_rank = 0);
 
   const config::ModelConfig& config() const { return config_; }
+  const TpShard& tp() const { return tp_; }
   const ParamLayout& layout() const { return layout_; }
   int num_stages() const { return static_cast<int>(stages_.size()); }
   Layer& stage(int i) { return *stages_.at(i); }
@@ -87,8 +132,15 @@ class Gpt {
 
   // Binds every stage to views of `flat` (which must use layout()).
   void bind(const FlatParams& flat);
-  // Deterministic initial values in layout order, padding zero (docs/layers.md, "Init").
+  // Deterministic initial values in layout order, padding zero (docs/layers.md, "Init"):
+  // this rank's part of the t = 1 values.
   std::vector<float> init_values(uint64_t seed) const;
+  // This rank's part (in layout() order) of `whole`, values in the layout of the same model
+  // at tensor_parallel 1 (Note [GPT tensor parallelism]).
+  std::vector<float> shard_values(std::span<const float> whole) const;
+  // Whether the parameter named `name` is whole on every tensor-parallel rank (layernorms,
+  // wpe, the row-parallel biases) rather than split.
+  static bool replicated(const std::string& name);
 
   // Forward and backward of one micro-batch through every stage, stage by stage, as
   // `plans` says (empty: all kSaveAll). Returns the mean loss; gradients accumulate into
@@ -98,6 +150,7 @@ class Gpt {
 
  private:
   config::ModelConfig config_;
+  TpShard tp_;
   ParamLayout layout_;
   std::vector<std::unique_ptr<Layer>> stages_;
   GptEmbedding* embedding_;  // owned by stages_

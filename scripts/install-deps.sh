@@ -12,6 +12,8 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   # the memory page's browser test (headless)
   chromium
+  # multi-process runs started by OpenMPI's launcher (mpirun -n 4 porter train ...)
+  openmpi-bin
 )
 
 missing=()

@@ -70,6 +70,12 @@ double ShardedOptimizer::take_exposed_s() {
   return s;
 }
 
+void ShardedOptimizer::set_tensor_parallel(comm::Communicator* tp,
+                                           std::vector<std::pair<int64_t, int64_t>> replicated) {
+  tp_ = tp != nullptr && tp->size() > 1 ? tp : nullptr;
+  replicated_ = std::move(replicated);
+}
+
 GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
   memory::Device& device = allocator_->device();
   const double loss_scale = scaler_.scale();
@@ -77,9 +83,27 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
                                     memory::Category::kWorkspace);
   kernels_->squared_norm(grads, sq);
   double total_sq = nn::to_host_f32(device, sq).at(0);
+  if (tp_ != nullptr) {
+    // Each tp rank counts 1/t of the replicated parameters, so the sum over the group
+    // counts them once.
+    double replicated_sq = 0.0;
+    for (const auto& [first, second] : replicated_) {
+      const int64_t b = std::max(first, begin_), e = std::min(second, end_);
+      if (b >= e) continue;
+      kernels_->squared_norm(grads.slice(b - begin_, e - begin_), sq);
+      replicated_sq += nn::to_host_f32(device, sq).at(0);
+    }
+    total_sq -= replicated_sq * (1.0 - 1.0 / static_cast<double>(tp_->size()));
+    nn::from_host_f32(device, std::vector<float>{static_cast<float>(total_sq)}, sq);
+  }
   if (dp_ != nullptr && options_.zero_stage >= 1) {
     const comm::CommLabel label(dp_, "grad norm");  // Note [Comm records]
     wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
+    total_sq = nn::to_host_f32(device, sq).at(0);
+  }
+  if (tp_ != nullptr) {
+    const comm::CommLabel label(tp_, "grad norm");
+    wait(tp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
     total_sq = nn::to_host_f32(device, sq).at(0);
   }
   GradNorm r;
@@ -89,6 +113,10 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
     if (dp_ != nullptr) {
       const comm::CommLabel label(dp_, "overflow");
       wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
+    }
+    if (tp_ != nullptr) {
+      const comm::CommLabel label(tp_, "overflow");
+      wait(tp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
     }
     r.overflow = nn::to_host_f32(device, sq).at(0) != 0.0f || !std::isfinite(total_sq);
   }

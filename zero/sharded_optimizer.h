@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -79,6 +80,15 @@ class ShardedOptimizer {
   // Host seconds waited on this optimizer's collectives since the last call.
   double take_exposed_s();
 
+  // Tensor parallelism: `tp` (not owned; null or one rank: none) and the element ranges
+  // [first, second) of the padded flat buffer holding parameters replicated on every rank of
+  // the tp group (layernorms, row-parallel biases, position embeddings). global_norm then
+  // counts the split parameters on every tp rank and the replicated ones once, so the norm
+  // (and the clipping) is that of the whole model, and an overflow on any tp rank is one for
+  // all.
+  void set_tensor_parallel(comm::Communicator* tp,
+                           std::vector<std::pair<int64_t, int64_t>> replicated);
+
   // Loads the parameters: `padded` (part.padded_elems values, layout order, zero tail) into
   // the working buffer, and the optimizer range of it into the master copy.
   void set_params(const std::vector<float>& padded);
@@ -103,6 +113,8 @@ class ShardedOptimizer {
   nn::Kernels* kernels_;                 // not owned
   memory::CachingAllocator* allocator_;  // not owned
   comm::Communicator* dp_;               // not owned; null with one rank
+  comm::Communicator* tp_ = nullptr;     // not owned; null without tensor parallelism
+  std::vector<std::pair<int64_t, int64_t>> replicated_;  // set_tensor_parallel
   Partition part_;
   OptimizerOptions options_;
   int64_t begin_ = 0, end_ = 0;

@@ -121,6 +121,15 @@ TEST(RunOptions, EachKnobChangesOnlyItsOptions) {
        {"plan.checkpointing.segments"}},
       {"policy", {{"porter", {{"checkpointing", {{"policy", "sqrt"}}}}}},
        {"plan.checkpointing.policy"}},
+      {"partition_min_bytes", {{"porter", {{"checkpointing", {{"partition_min_bytes", 0}}}}}},
+       {"plan.partition.min_bytes"}},
+      {"sim_tp_gbps", {{"porter", {{"comm", {{"sim_tp_gbps", 25}}}}}},
+       {"plan.partition.tp_bytes_per_s"}},
+      {"sequence_parallel", {{"porter", {{"model", {{"sequence_parallel", true}}}}}},
+       {"shape.model.sequence_parallel"}},
+      // At tensor_parallel 1 partitioning has no effect (a warning).
+      {"partition_activations",
+       {{"activation_checkpointing", {{"partition_activations", true}}}}, {}},
   };
   for (const Knob& k : knobs) {
     nlohmann::json j = base_json();
@@ -208,10 +217,18 @@ TEST(RunOptions, UnsupportedSaysSoNamingTheKeyAndWhatToUse) {
   nlohmann::json par = base_json();
   par["zero_optimization"] = {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}};
   expect_refused(par, "zero_optimization.stage: 3");
-  nlohmann::json pa = base_json();
-  pa["activation_checkpointing"] = {{"partition_activations", true}};
-  expect_refused(pa, "activation_checkpointing.partition_activations: true is not supported "
-                     "yet");
+  nlohmann::json tp = base_json();
+  tp["porter"]["model"]["tensor_parallel"] = 2;
+  const config::Config tp2 =
+      config::parse_config_string(tp.dump(), config::ParseOptions{2, false}).config;
+  EXPECT_NO_THROW(check_supported(tp2, 1, 2));
+  try {
+    check_supported(tp2, 2, 1);
+    ADD_FAILURE() << "a tp config without its tp group was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("porter.model.tensor_parallel 2 but the tensor-parallel "
+                                    "communicator has 1 rank(s)"));
+  }
   nlohmann::json l2 = base_json();
   l2["optimizer"] = {{"type", "Adam"},
                      {"params", {{"lr", 1e-3}, {"adam_w_mode", false}, {"weight_decay", 0.1}}}};
