@@ -110,7 +110,9 @@ class Kernels {
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                           Tensor& dqkv, int heads);
   // y = x * mask / (1 - p), mask_i = (uniform(key, i) >= p). Nothing is saved: backward
-  // regenerates the mask from the key (Note [Dropout keys] in philox.h). p in [0, 1).
+  // regenerates the mask from the key (Note [Dropout keys] in philox.h). p in [0, 1). With
+  // key.group_offset = o / 4, x is taken to be elements [o, o + n) of a larger tensor and
+  // gets those elements' mask.
   void dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key);
   void dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key);
   // out = a + b (residual). out may alias a or b.

@@ -373,6 +373,16 @@ TEST_F(CudaKernelsTest, DropoutMaskMatchesCpuBitForBit) {
   }
 }
 
+// A shard's dropout (Note [Dropout keys]): the group offset shifts the counter alike on both.
+TEST_F(CudaKernelsTest, DropoutWithGroupOffsetMatchesCpuBitForBit) {
+  PhiloxKey key = dropout_key(42, 3, 1000, 2, 1);
+  key.group_offset = 1001;
+  Pair x = random(Shape{4099});
+  Pair y = empty(Shape{4099}, DType::kF32);
+  both([&](Kernels& k, bool gpu) { k.dropout_forward(side(x, gpu), side(y, gpu), 0.3f, key); });
+  expect_bitwise(y, "dropout forward with group offset");
+}
+
 TEST_F(CudaKernelsTest, AddAndAccumulate) {
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     Pair a = random(Shape{3, 333}, dt);
