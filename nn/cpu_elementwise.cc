@@ -62,10 +62,11 @@ PORTER_CPU_CLONES void gelu_bwd(const TX* x, const TD* dy, TO* dx, int64_t n) {
 // Philox groups per vectorised batch in dropout: 4 uniforms each.
 constexpr int64_t kDropoutGroups = 256;
 
-// The raw Philox outputs of groups [g0, g0 + count): bits[4 j + l] is word l of group g0 + j,
-// the word for element 4 (g0 + j) + l. This is philox4x32_10 (nn/philox.h) written on plain scalars so
-// that GCC vectorises it one group per SIMD lane; the tests check it against philox.h bit
-// for bit, which keeps cpu and cuda masks identical.
+// The raw Philox outputs of local groups [g0, g0 + count): bits[4 j + l] is word l of group
+// g0 + j, the word for local element 4 (g0 + j) + l. This is philox_uniform4 (nn/philox.h),
+// key.group_offset included, written on plain scalars so that GCC vectorises it one group per
+// SIMD lane; the tests check it against philox.h bit for bit, which keeps cpu and cuda masks
+// identical.
 PORTER_CPU_CLONES void philox_batch(const PhiloxKey& key, uint64_t g0, int64_t count,
                                     uint32_t* bits) {
   const uint32_t key0 = static_cast<uint32_t>(key.seed);
@@ -73,7 +74,7 @@ PORTER_CPU_CLONES void philox_batch(const PhiloxKey& key, uint64_t g0, int64_t c
   const uint32_t s0 = key.stream[0], s1 = key.stream[1], s2 = key.stream[2];
 #pragma omp simd
   for (int64_t j = 0; j < count; ++j) {
-    const uint64_t g = g0 + static_cast<uint64_t>(j);
+    const uint64_t g = g0 + key.group_offset + static_cast<uint64_t>(j);
     uint32_t c0 = static_cast<uint32_t>(g), c1 = s0 ^ static_cast<uint32_t>(g >> 32);
     uint32_t c2 = s1, c3 = s2, k0 = key0, k1 = key1;
     for (int round = 0; round < 10; ++round) {

@@ -77,6 +77,18 @@ class CpuKernels final : public Kernels {
                                 Tensor& losses) override;
   void do_cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
                                  float scale) override;
+  void do_embedding_forward_vocab_range(const Tensor& tokens, const Tensor& wte,
+                                        int64_t vocab_begin, const Tensor& wpe,
+                                        Tensor& out) override;
+  void do_embedding_backward_vocab_range(const Tensor& dout, const Tensor& tokens,
+                                         int64_t vocab_begin, Tensor& dwte,
+                                         Tensor& dwpe) override;
+  void do_cross_entropy_partial(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                                int64_t valid, Tensor& stats) override;
+  void do_cross_entropy_combine(const Tensor& gathered, Tensor& losses, Tensor& lse) override;
+  void do_cross_entropy_backward_partial(const Tensor& logits, const Tensor& targets,
+                                         int64_t vocab_begin, int64_t valid, const Tensor& lse,
+                                         Tensor& dlogits, float scale) override;
   void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
                 Tensor* params_out) override;
   void do_sum(const Tensor& x, Tensor& out) override;
@@ -128,8 +140,8 @@ void dispatch_float(DType t, Fn&& fn) {
 // 16-bit activations), so each argument dispatches over {f32, that type}: 2 * 2^k + 1
 // instantiations. A cpu call mixing bf16 with f16 throws InvalidArgument (the validation in
 // kernels.cc accepts it, and cuda runs it); cast, AdamW, attention, embedding and
-// cross-entropy dispatch each argument on its own and take any mix (matmul's rule, a and b
-// alike and out f32 or theirs, admits none).
+// cross-entropy (whole or vocabulary-parallel) dispatch each argument on its own and take any
+// mix (matmul's rule, a and b alike and out f32 or theirs, admits none).
 
 // The one 16-bit dtype among `dtypes` (kF32 when all are f32); throws on bf16 mixed with f16.
 inline DType half_dtype_of(std::initializer_list<DType> dtypes) {

@@ -103,7 +103,25 @@ class CudaKernels final : public Kernels {
                              Tensor& dwpe) override {
     const int64_t seq = tokens.dim(-1);
     cuda::embedding_backward(launch(), dev(dout), tokens.data_as<int32_t>(), dev(dwte), dev(dwpe),
-                             seq ? tokens.numel() / seq : 0, seq, dwte.dim(-1), dwte.dim(0));
+                             seq ? tokens.numel() / seq : 0, seq, dwte.dim(-1), dwte.dim(0), 0);
+  }
+  void do_embedding_forward_vocab_range(const Tensor& tokens, const Tensor& wte,
+                                        int64_t vocab_begin, const Tensor& wpe,
+                                        Tensor& out) override {
+    const int64_t seq = tokens.dim(-1);
+    cuda::embedding_forward_vocab_range(launch(), tokens.data_as<int32_t>(), dev(wte), vocab_begin,
+                                        wpe.defined() ? dev(wpe) : DevPtr{}, dev(out),
+                                        seq ? tokens.numel() / seq : 0, seq, wte.dim(-1),
+                                        wte.dim(0));
+  }
+  void do_embedding_backward_vocab_range(const Tensor& dout, const Tensor& tokens,
+                                         int64_t vocab_begin, Tensor& dwte,
+                                         Tensor& dwpe) override {
+    const int64_t seq = tokens.dim(-1);
+    cuda::embedding_backward(launch(), dev(dout), tokens.data_as<int32_t>(), dev(dwte),
+                             dwpe.defined() ? dev(dwpe) : DevPtr{},
+                             seq ? tokens.numel() / seq : 0, seq, dwte.dim(-1), dwte.dim(0),
+                             vocab_begin);
   }
   void do_cross_entropy_forward(const Tensor& logits, const Tensor& targets,
                                 Tensor& losses) override {
@@ -116,6 +134,25 @@ class CudaKernels final : public Kernels {
     const int64_t vocab = logits.dim(-1);
     cuda::cross_entropy_backward(launch(), dev(logits), targets.data_as<int32_t>(), dev(dlogits),
                                  vocab ? logits.numel() / vocab : 0, vocab, scale);
+  }
+  void do_cross_entropy_partial(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                                int64_t valid, Tensor& stats) override {
+    const int64_t cols = logits.dim(-1);
+    cuda::cross_entropy_partial(launch(), dev(logits), targets.data_as<int32_t>(), vocab_begin,
+                                valid, stats.data_as<float>(), cols ? logits.numel() / cols : 0,
+                                cols);
+  }
+  void do_cross_entropy_combine(const Tensor& gathered, Tensor& losses, Tensor& lse) override {
+    cuda::cross_entropy_combine(launch(), gathered.data_as<float>(), losses.data_as<float>(),
+                                lse.data_as<float>(), gathered.dim(0), gathered.dim(1));
+  }
+  void do_cross_entropy_backward_partial(const Tensor& logits, const Tensor& targets,
+                                         int64_t vocab_begin, int64_t valid, const Tensor& lse,
+                                         Tensor& dlogits, float scale) override {
+    const int64_t cols = logits.dim(-1);
+    cuda::cross_entropy_backward_partial(launch(), dev(logits), targets.data_as<int32_t>(),
+                                         vocab_begin, valid, lse.data_as<float>(), dev(dlogits),
+                                         cols ? logits.numel() / cols : 0, cols, scale);
   }
   void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
                 Tensor* params_out) override {

@@ -75,14 +75,34 @@ void layernorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, cons
 // out (B, T, C) = wte[tokens] + wpe[t]; a token outside [0, vocab) gives a NaN row.
 void embedding_forward(const Launch& l, const int32_t* tokens, DevPtr wte, DevPtr wpe,
                        DevPtr out, int64_t batch, int64_t seq, int64_t channels, int64_t vocab);
-// dwte, dwpe += (deterministic: see Note [Deterministic embedding backward]).
+// out (B, T, C) = (vocab_begin <= tok < vocab_begin + vocab ? wte[tok - vocab_begin] : 0) +
+// (wpe.data ? wpe[t] : 0); wte holds `vocab` rows.
+void embedding_forward_vocab_range(const Launch& l, const int32_t* tokens, DevPtr wte,
+                                   int64_t vocab_begin, DevPtr wpe, DevPtr out, int64_t batch,
+                                   int64_t seq, int64_t channels, int64_t vocab);
+// dwte (vocab rows, ids [vocab_begin, vocab_begin + vocab)) += dout rows of its ids; dwpe +=
+// every position when dwpe.data is set (deterministic: Note [Deterministic embedding
+// backward]). The whole-vocabulary backward is vocab_begin 0.
 void embedding_backward(const Launch& l, DevPtr dout, const int32_t* tokens, DevPtr dwte,
-                        DevPtr dwpe, int64_t batch, int64_t seq, int64_t channels, int64_t vocab);
+                        DevPtr dwpe, int64_t batch, int64_t seq, int64_t channels, int64_t vocab,
+                        int64_t vocab_begin);
 // losses (rows) f32; a target outside [0, vocab) gives NaN.
 void cross_entropy_forward(const Launch& l, DevPtr logits, const int32_t* targets, float* losses,
                            int64_t rows, int64_t vocab);
 void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targets,
                             DevPtr dlogits, int64_t rows, int64_t vocab, float scale);
+// Vocabulary-parallel cross-entropy (Kernels::cross_entropy_partial, _combine,
+// _backward_partial): logits (rows, cols) with the first `valid` columns real.
+// stats (rows, 3) = (max, sum of exp(l - max), target logit or 0) per row.
+void cross_entropy_partial(const Launch& l, DevPtr logits, const int32_t* targets,
+                           int64_t vocab_begin, int64_t valid, float* stats, int64_t rows,
+                           int64_t cols);
+// gathered (ranks, rows, 3) -> losses (rows), lse (rows).
+void cross_entropy_combine(const Launch& l, const float* gathered, float* losses, float* lse,
+                           int64_t ranks, int64_t rows);
+void cross_entropy_backward_partial(const Launch& l, DevPtr logits, const int32_t* targets,
+                                    int64_t vocab_begin, int64_t valid, const float* lse,
+                                    DevPtr dlogits, int64_t rows, int64_t cols, float scale);
 // out[0] = sum of x, of x^2, or of 1 per inf or NaN element (a count, exact up to 2^24).
 // `partials` holds reduction_partials_count() floats. Deterministic: the block count depends
 // only on n, never on the device.

@@ -1,5 +1,6 @@
 // Row- and column-wise cuda kernels: layernorm, bias and layernorm parameter gradients,
-// embedding, cross-entropy, sum, squared-norm and the non-finite count.
+// embedding and cross-entropy (whole or vocabulary-parallel), sum, squared-norm and the
+// non-finite count.
 //
 // Note [Deterministic cuda reductions]
 // Every reduction here sums in an order fixed by the shapes alone: warp butterflies, then a
@@ -119,6 +120,27 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, DevPtr wte, DevP
   }
 }
 
+// The vocabulary-parallel forward: ids outside [vocab_begin, vocab_begin + vocab) add 0, and
+// wpe is optional (wpe.data == nullptr). Same sums as the cpu, so the same bits.
+__global__ void embedding_forward_vocab_range_kernel(const int32_t* tokens, DevPtr wte,
+                                                     int64_t vocab_begin, DevPtr wpe, DevPtr out,
+                                                     int64_t n, int64_t seq, int64_t channels,
+                                                     int64_t vocab) {
+  PORTER_GRID_STRIDE(i, n) {
+    const int64_t row = i / channels, c = i % channels, t = row % seq;
+    const int64_t v = static_cast<int64_t>(tokens[row]) - vocab_begin;
+    const bool in_range = v >= 0 && v < vocab;
+    float x;
+    if (wpe.data == nullptr) {
+      x = in_range ? ld(wte, v * channels + c) : 0.0f;
+    } else {
+      x = in_range ? ld(wte, v * channels + c) + ld(wpe, t * channels + c)
+                   : ld(wpe, t * channels + c);
+    }
+    st(out, i, x);
+  }
+}
+
 // Note [Deterministic embedding backward]
 // Scattering rows of dout into dwte with atomics would make the sum order (and the bits)
 // depend on scheduling. Instead one block owns one vocabulary row: it scans the tokens in
@@ -129,16 +151,19 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, DevPtr wte, DevP
 // dwte is rounded once per chunk of positions instead of after every token.
 // Unlike the cpu, which checks ids on the host, a token outside [0, V) is not reported here
 // (reading device memory to check would need a synchronisation); its row is skipped, and
-// the forward pass has already turned it into NaN.
+// the forward pass has already turned it into NaN. A vocabulary shard (dwte holding ids
+// [vocab_begin, vocab_begin + V)) is the same scan, block v looking for id vocab_begin + v.
 __global__ void embedding_backward_wte_kernel(DevPtr dout, const int32_t* tokens, DevPtr dwte,
-                                              int64_t n_tokens, int64_t channels) {
+                                              int64_t n_tokens, int64_t channels,
+                                              int64_t vocab_begin) {
   __shared__ int32_t hits[kBlock];
   __shared__ int warp_counts[kBlock / kWarp];
   const int64_t v = blockIdx.x;
+  const int64_t id = vocab_begin + v;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   for (int64_t start = 0; start < n_tokens; start += kBlock) {
     const int64_t pos = start + threadIdx.x;
-    const bool match = pos < n_tokens && tokens[pos] == v;
+    const bool match = pos < n_tokens && static_cast<int64_t>(tokens[pos]) == id;
     const unsigned ballot = __ballot_sync(0xffffffffu, match);
     if (lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
@@ -210,6 +235,64 @@ __global__ void cross_entropy_backward_kernel(DevPtr logits, const int32_t* targ
   }
 }
 
+// Vocabulary-parallel cross-entropy (Note [Vocabulary-parallel kernels] in kernels.cc).
+// One block per row, as the whole-vocabulary kernels; columns [valid, cols) are not read.
+__global__ void cross_entropy_partial_kernel(DevPtr logits, const int32_t* targets,
+                                             int64_t vocab_begin, int64_t valid, float* stats,
+                                             int64_t cols) {
+  __shared__ float scratch[kWarp];
+  const int64_t row = blockIdx.x, base = row * cols;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, ld(logits, base + j));
+  mx = block_reduce<true>(mx, scratch);
+  // valid = 0 leaves mx = -inf and s = 0, and no exp(-inf - -inf) is evaluated.
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) s += expf(ld(logits, base + j) - mx);
+  s = block_reduce<false>(s, scratch);
+  if (threadIdx.x == 0) {
+    const int64_t local = static_cast<int64_t>(targets[row]) - vocab_begin;
+    stats[row * 3] = mx;
+    stats[row * 3 + 1] = s;
+    stats[row * 3 + 2] = local >= 0 && local < valid ? ld(logits, base + local) : 0.0f;
+  }
+}
+
+// One thread per row, ranks in order (so every rank gets the same bits); a rank with s = 0 is
+// skipped, since its m may be -inf.
+__global__ void cross_entropy_combine_kernel(const float* gathered, float* losses, float* lse,
+                                             int64_t ranks, int64_t rows) {
+  PORTER_GRID_STRIDE(r, rows) {
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < ranks; ++k) mx = fmaxf(mx, gathered[(k * rows + r) * 3]);
+    float s = 0.0f, z = 0.0f;
+    for (int64_t k = 0; k < ranks; ++k) {
+      const float* st3 = gathered + (k * rows + r) * 3;
+      if (st3[1] != 0.0f) s += st3[1] * expf(st3[0] - mx);
+      z += st3[2];
+    }
+    const float l = mx + logf(s);
+    lse[r] = l;
+    losses[r] = l - z;
+  }
+}
+
+// Elementwise given lse, so dlogits may alias logits (each element is read, then written, by
+// one thread).
+__global__ void cross_entropy_backward_partial_kernel(DevPtr logits, const int32_t* targets,
+                                                      int64_t vocab_begin, int64_t valid,
+                                                      const float* lse, DevPtr dlogits, int64_t n,
+                                                      int64_t cols, float scale) {
+  PORTER_GRID_STRIDE(i, n) {
+    const int64_t row = i / cols, c = i % cols;
+    float g = 0.0f;
+    if (c < valid) {
+      const int64_t local = static_cast<int64_t>(targets[row]) - vocab_begin;
+      g = (expf(ld(logits, i) - lse[row]) - (c == local ? 1.0f : 0.0f)) * scale;
+    }
+    st(dlogits, i, g);
+  }
+}
+
 constexpr int64_t kMaxPartials = 1024;
 constexpr int64_t kElemsPerThread = 8;  // below this much work per thread, use fewer blocks
 
@@ -272,15 +355,30 @@ void embedding_forward(const Launch& l, const int32_t* tokens, DevPtr wte, DevPt
   PORTER_GPU_CHECK_LAUNCH("embedding_forward_kernel", l.device);
 }
 
+void embedding_forward_vocab_range(const Launch& l, const int32_t* tokens, DevPtr wte,
+                                   int64_t vocab_begin, DevPtr wpe, DevPtr out, int64_t batch,
+                                   int64_t seq, int64_t channels, int64_t vocab) {
+  const int64_t n = batch * seq * channels;
+  if (n == 0) return;
+  embedding_forward_vocab_range_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(
+      tokens, wte, vocab_begin, wpe, out, n, seq, channels, vocab);
+  PORTER_GPU_CHECK_LAUNCH("embedding_forward_vocab_range_kernel", l.device);
+}
+
 void embedding_backward(const Launch& l, DevPtr dout, const int32_t* tokens, DevPtr dwte,
-                        DevPtr dwpe, int64_t batch, int64_t seq, int64_t channels, int64_t vocab) {
+                        DevPtr dwpe, int64_t batch, int64_t seq, int64_t channels, int64_t vocab,
+                        int64_t vocab_begin) {
   if (batch * seq * channels == 0) return;
-  embedding_backward_wte_kernel<<<static_cast<unsigned>(vocab), kBlock, 0, l.stream>>>(
-      dout, tokens, dwte, batch * seq, channels);
-  PORTER_GPU_CHECK_LAUNCH("embedding_backward_wte_kernel", l.device);
-  embedding_backward_wpe_kernel<<<grid_for(seq * channels), kBlock, 0, l.stream>>>(
-      dout, dwpe, batch, seq, channels);
-  PORTER_GPU_CHECK_LAUNCH("embedding_backward_wpe_kernel", l.device);
+  if (vocab > 0) {
+    embedding_backward_wte_kernel<<<static_cast<unsigned>(vocab), kBlock, 0, l.stream>>>(
+        dout, tokens, dwte, batch * seq, channels, vocab_begin);
+    PORTER_GPU_CHECK_LAUNCH("embedding_backward_wte_kernel", l.device);
+  }
+  if (dwpe.data != nullptr) {
+    embedding_backward_wpe_kernel<<<grid_for(seq * channels), kBlock, 0, l.stream>>>(
+        dout, dwpe, batch, seq, channels);
+    PORTER_GPU_CHECK_LAUNCH("embedding_backward_wpe_kernel", l.device);
+  }
 }
 
 void cross_entropy_forward(const Launch& l, DevPtr logits, const int32_t* targets, float* losses,
@@ -297,6 +395,33 @@ void cross_entropy_backward(const Launch& l, DevPtr logits, const int32_t* targe
   cross_entropy_backward_kernel<<<static_cast<unsigned>(rows), kBlock, 0, l.stream>>>(
       logits, targets, dlogits, vocab, scale);
   PORTER_GPU_CHECK_LAUNCH("cross_entropy_backward_kernel", l.device);
+}
+
+void cross_entropy_partial(const Launch& l, DevPtr logits, const int32_t* targets,
+                           int64_t vocab_begin, int64_t valid, float* stats, int64_t rows,
+                           int64_t cols) {
+  if (rows == 0) return;
+  cross_entropy_partial_kernel<<<static_cast<unsigned>(rows), kBlock, 0, l.stream>>>(
+      logits, targets, vocab_begin, valid, stats, cols);
+  PORTER_GPU_CHECK_LAUNCH("cross_entropy_partial_kernel", l.device);
+}
+
+void cross_entropy_combine(const Launch& l, const float* gathered, float* losses, float* lse,
+                           int64_t ranks, int64_t rows) {
+  if (rows == 0) return;
+  cross_entropy_combine_kernel<<<grid_for(rows), kBlock, 0, l.stream>>>(gathered, losses, lse,
+                                                                        ranks, rows);
+  PORTER_GPU_CHECK_LAUNCH("cross_entropy_combine_kernel", l.device);
+}
+
+void cross_entropy_backward_partial(const Launch& l, DevPtr logits, const int32_t* targets,
+                                    int64_t vocab_begin, int64_t valid, const float* lse,
+                                    DevPtr dlogits, int64_t rows, int64_t cols, float scale) {
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  cross_entropy_backward_partial_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(
+      logits, targets, vocab_begin, valid, lse, dlogits, n, cols, scale);
+  PORTER_GPU_CHECK_LAUNCH("cross_entropy_backward_partial_kernel", l.device);
 }
 
 int64_t reduction_partials_count() { return kMaxPartials; }

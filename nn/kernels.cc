@@ -13,8 +13,27 @@
 //
 // Note [Kernel aliasing]
 // Outputs never partially overlap inputs. An output may be the very same memory as an input
-// only for elementwise ops (add, accumulate, gelu, dropout, scale: computed in place) and for
-// cross_entropy_backward's dlogits = logits (each row is read whole before it is written).
+// only for elementwise ops (add, accumulate, gelu, dropout, scale: computed in place), for
+// cross_entropy_backward's dlogits = logits (each row is read whole before it is written) and
+// for cross_entropy_backward_partial's (elementwise once lse is known).
+//
+// Note [Vocabulary-parallel kernels]
+// Megatron-style tensor parallelism splits the vocabulary over t ranks: rank r holds rows
+// [v0, v0 + Vs) of the token table (which the LM head shares) and produces the logits'
+// columns [v0, v0 + Vs). Collectives want equal shapes, so V is padded to t * Vs: a shard's
+// first `valid` columns are vocabulary and the last shards end in Vs - valid padding columns,
+// which the kernels never read (their contents may be garbage) and give 0 gradients.
+// - Embedding: each rank looks up only its own rows (0 for other ids) and the caller sums the
+//   (B, T, C) partials with an all-reduce. wpe is optional so that exactly one rank (or none,
+//   adding it after the reduction) contributes the positions.
+// - Cross-entropy: the softmax needs the row max and sum over all V columns, and the loss the
+//   target's logit, which lives on one rank. Each rank reduces its columns to (m, s, z) per
+//   row, so one all-gather of 3 floats per row and rank replaces three all-reduces (max, sum
+//   and target logit); every rank then combines the t triples itself, in rank order, so all
+//   ranks hold the same losses and lse bits. The backward needs only lse (saved from the
+//   combine) and no communication. With t = 1 and valid = V this is cross_entropy_forward's
+//   arithmetic: S = s * exp(0) = s, lse = m + log s.
+// None of these kernels needs workspace.
 #include "nn/kernels.h"
 
 #include <cstdint>
@@ -268,19 +287,30 @@ void check_dropout(const char* op, const char* in_name, const Tensor& in, const 
 
 // tokens (B, T) i32 indexing a token table (V, C) and a position table (Tmax >= T, C) of one
 // float dtype: the rules embedding forward and backward share (for weights or their grads).
+// With `pe_optional`, an undefined pe (Tensor()) means no position table.
 void check_embedding_tables(const char* op, const Tensor& tokens, const char* te_name,
-                            const Tensor& te, const char* pe_name, const Tensor& pe) {
+                            const Tensor& te, const char* pe_name, const Tensor& pe,
+                            bool pe_optional = false) {
   check_dtype(op, "tokens", tokens, DType::kI32);
   check_rank(op, "tokens", tokens, 2, 2);
   check_float(op, te_name, te);
-  check_float(op, pe_name, pe);
   check_rank(op, te_name, te, 2, 2);
+  if (pe_optional && !pe.defined()) return;
+  check_float(op, pe_name, pe);
   check_rank(op, pe_name, pe, 2, 2);
   check_same_dtype(op, te_name, te, pe_name, pe);
   PORTER_CHECK(pe.dim(1) == te.dim(1), op, ": ", te_name, " ", te.shape().to_string(), " and ",
                pe_name, " ", pe.shape().to_string(), " must have the same number of columns");
   PORTER_CHECK(tokens.dim(1) <= pe.dim(0), op, ": tokens ", tokens.shape().to_string(),
                " has more positions than ", pe_name, " ", pe.shape().to_string(), " has rows");
+}
+
+// The first vocabulary id of a shard of `rows` table rows (or logit columns): ids are i32, so
+// the shard must lie in [0, 2^31).
+void check_vocab_begin(const char* op, int64_t vocab_begin, int64_t rows) {
+  constexpr int64_t kIdLimit = int64_t{1} << 31;
+  PORTER_CHECK(vocab_begin >= 0 && vocab_begin <= kIdLimit - rows, op, ": vocab_begin ",
+               vocab_begin, " with a shard of ", rows, " ids must lie in [0, 2^31) (ids are i32)");
 }
 
 }  // namespace
@@ -338,6 +368,35 @@ void Kernels::embedding_backward(const Tensor& dout, const Tensor& tokens, Tenso
   do_embedding_backward(dout, tokens, dwte, dwpe);
 }
 
+void Kernels::embedding_forward_vocab_range(const Tensor& tokens, const Tensor& wte,
+                                            int64_t vocab_begin, const Tensor& wpe,
+                                            Tensor& out) {
+  const char* op = "embedding_forward_vocab_range";
+  check_embedding_tables(op, tokens, "wte", wte, "wpe", wpe, /*pe_optional=*/true);
+  check_vocab_begin(op, vocab_begin, wte.dim(0));
+  check_float(op, "out", out);
+  check_shape(op, "out", out, Shape{tokens.dim(0), tokens.dim(1), wte.dim(1)});
+  check_no_alias(op, "out", out, "tokens", tokens);
+  check_no_alias(op, "out", out, "wte", wte);
+  if (wpe.defined()) check_no_alias(op, "out", out, "wpe", wpe);
+  do_embedding_forward_vocab_range(tokens, wte, vocab_begin, wpe, out);
+}
+
+void Kernels::embedding_backward_vocab_range(const Tensor& dout, const Tensor& tokens,
+                                             int64_t vocab_begin, Tensor& dwte, Tensor& dwpe) {
+  const char* op = "embedding_backward_vocab_range";
+  check_embedding_tables(op, tokens, "dwte", dwte, "dwpe", dwpe, /*pe_optional=*/true);
+  check_vocab_begin(op, vocab_begin, dwte.dim(0));
+  check_float(op, "dout", dout);
+  check_shape(op, "dout", dout, Shape{tokens.dim(0), tokens.dim(1), dwte.dim(1)});
+  for (const Tensor* in : {&dout, &tokens}) {
+    check_no_alias(op, "dwte", dwte, "an input", *in);
+    if (dwpe.defined()) check_no_alias(op, "dwpe", dwpe, "an input", *in);
+  }
+  if (dwpe.defined()) check_no_alias(op, "dwte", dwte, "dwpe", dwpe);
+  do_embedding_backward_vocab_range(dout, tokens, vocab_begin, dwte, dwpe);
+}
+
 namespace {
 
 // logits (..., V) with targets holding one i32 per row.
@@ -350,6 +409,25 @@ void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& tar
                logits.shape().to_string(), " (", rows_of(logits), " rows)");
   PORTER_CHECK(logits.dim(-1) >= 1, op, ": logits ", logits.shape().to_string(),
                " have no classes");
+}
+
+// A vocabulary shard of logits (..., Vs): columns [vocab_begin, vocab_begin + Vs) of the full
+// logits, the first `valid` of them real.
+void check_vocab_shard(const char* op, const Tensor& logits, const Tensor& targets,
+                       int64_t vocab_begin, int64_t valid) {
+  check_cross_entropy(op, logits, targets);
+  PORTER_CHECK(valid >= 0 && valid <= logits.dim(-1), op, ": valid ", valid,
+               " must be in [0, ", logits.dim(-1), "], the columns of logits ",
+               logits.shape().to_string());
+  check_vocab_begin(op, vocab_begin, logits.dim(-1));
+}
+
+// One f32 value per row of logits (losses, lse).
+void check_per_row(const char* op, const char* name, const Tensor& t, int64_t rows,
+                   const char* rows_of_what) {
+  check_dtype(op, name, t, DType::kF32);
+  PORTER_CHECK(t.numel() == rows, op, ": ", name, " ", t.shape().to_string(),
+               " must hold one value per row of ", rows_of_what, " (", rows, " rows)");
 }
 
 }  // namespace
@@ -374,6 +452,45 @@ void Kernels::cross_entropy_backward(const Tensor& logits, const Tensor& targets
   check_same_or_disjoint(op, "dlogits", dlogits, "logits", logits);
   check_no_alias(op, "dlogits", dlogits, "targets", targets);
   do_cross_entropy_backward(logits, targets, dlogits, scale);
+}
+
+void Kernels::cross_entropy_partial(const Tensor& logits, const Tensor& targets,
+                                    int64_t vocab_begin, int64_t valid, Tensor& stats) {
+  const char* op = "cross_entropy_partial";
+  check_vocab_shard(op, logits, targets, vocab_begin, valid);
+  check_dtype(op, "stats", stats, DType::kF32);
+  check_shape(op, "stats", stats, Shape{rows_of(logits), 3});
+  check_no_alias(op, "stats", stats, "logits", logits);
+  check_no_alias(op, "stats", stats, "targets", targets);
+  do_cross_entropy_partial(logits, targets, vocab_begin, valid, stats);
+}
+
+void Kernels::cross_entropy_combine(const Tensor& gathered, Tensor& losses, Tensor& lse) {
+  const char* op = "cross_entropy_combine";
+  check_dtype(op, "gathered", gathered, DType::kF32);
+  check_rank(op, "gathered", gathered, 3, 3);
+  PORTER_CHECK(gathered.dim(0) >= 1 && gathered.dim(2) == 3, op, ": gathered ",
+               gathered.shape().to_string(), " must be (t >= 1 ranks, N rows, 3)");
+  check_per_row(op, "losses", losses, gathered.dim(1), "gathered");
+  check_per_row(op, "lse", lse, gathered.dim(1), "gathered");
+  check_no_alias(op, "losses", losses, "gathered", gathered);
+  check_no_alias(op, "lse", lse, "gathered", gathered);
+  check_no_alias(op, "losses", losses, "lse", lse);
+  do_cross_entropy_combine(gathered, losses, lse);
+}
+
+void Kernels::cross_entropy_backward_partial(const Tensor& logits, const Tensor& targets,
+                                             int64_t vocab_begin, int64_t valid,
+                                             const Tensor& lse, Tensor& dlogits, float scale) {
+  const char* op = "cross_entropy_backward_partial";
+  check_vocab_shard(op, logits, targets, vocab_begin, valid);
+  check_per_row(op, "lse", lse, rows_of(logits), "logits");
+  check_float(op, "dlogits", dlogits);
+  check_shape(op, "dlogits", dlogits, logits.shape());
+  check_same_or_disjoint(op, "dlogits", dlogits, "logits", logits);
+  check_no_alias(op, "dlogits", dlogits, "targets", targets);
+  check_no_alias(op, "dlogits", dlogits, "lse", lse);
+  do_cross_entropy_backward_partial(logits, targets, vocab_begin, valid, lse, dlogits, scale);
 }
 
 void Kernels::adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,

@@ -110,7 +110,9 @@ class Kernels {
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                           Tensor& dqkv, int heads);
   // y = x * mask / (1 - p), mask_i = (uniform(key, i) >= p). Nothing is saved: backward
-  // regenerates the mask from the key (Note [Dropout keys] in philox.h). p in [0, 1).
+  // regenerates the mask from the key (Note [Dropout keys] in philox.h). p in [0, 1). With
+  // key.group_offset = o / 4, x is taken to be elements [o, o + n) of a larger tensor and
+  // gets those elements' mask.
   void dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key);
   void dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key);
   // out = a + b (residual). out may alias a or b.
@@ -121,11 +123,43 @@ class Kernels {
   void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, Tensor& out);
   // dwte, dwpe += .
   void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dwte, Tensor& dwpe);
+  // Vocabulary-parallel embedding (Note [Vocabulary-parallel kernels] in kernels.cc): wte
+  // (Vs, C) holds rows [v0, v0 + Vs) of the full token table, v0 = vocab_begin >= 0.
+  // out (B, T, C) = (v0 <= tok < v0 + Vs ? wte[tok - v0] : 0) + (wpe defined ? wpe[t] : 0);
+  // tokens (B, T) i32, any value (ids of other shards, negative ones, contribute 0); wpe
+  // (Tmax, C) or Tensor(). Dtypes as embedding_forward, which it equals bit for bit when
+  // v0 = 0, Vs = V and wpe is defined.
+  void embedding_forward_vocab_range(const Tensor& tokens, const Tensor& wte,
+                                     int64_t vocab_begin, const Tensor& wpe, Tensor& out);
+  // dwte (Vs, C) += dout rows of the in-range tokens, at row tok - v0; dwpe (Tmax, C) += every
+  // position's rows, when defined (Tensor() skips it). Equals embedding_backward as above.
+  void embedding_backward_vocab_range(const Tensor& dout, const Tensor& tokens,
+                                      int64_t vocab_begin, Tensor& dwte, Tensor& dwpe);
   // losses (N) f32 = -log softmax(logits (N, V))[targets]; targets (N) i32.
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses);
   // dlogits (N, V) = (softmax(logits) - onehot(targets)) * scale (overwrite).
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
                               float scale);
+  // Vocabulary-parallel cross-entropy: partial on each rank, an all-gather of the stats (the
+  // caller's), combine, backward_partial (Note [Vocabulary-parallel kernels] in kernels.cc).
+  // logits (N, Vs) are columns [v0, v0 + Vs) of the full (N, V) logits, v0 = vocab_begin;
+  // only the first `valid` (0 <= valid <= Vs) are vocabulary, the rest padding, never read.
+  // targets (N) i32 are global ids. Logits and dlogits dtypes as cross_entropy_forward and
+  // _backward; stats, gathered, losses and lse are f32. No workspace.
+  // stats (N, 3) per row: m = max of the valid logits (-inf when valid = 0), s = sum of
+  // exp(l - m) over them (0 when valid = 0), z = the target's logit when v0 <= target <
+  // v0 + valid, else 0.
+  void cross_entropy_partial(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                             int64_t valid, Tensor& stats);
+  // gathered (t, N, 3): the t ranks' stats, rank-major. Per row: M = max_r m_r, S = sum_r
+  // s_r exp(m_r - M) (terms with s_r = 0 add nothing), lse (N) = M + log S, losses (N) =
+  // lse - sum_r z_r. A target in no rank's valid columns is not detected: its loss is lse.
+  void cross_entropy_combine(const Tensor& gathered, Tensor& losses, Tensor& lse);
+  // dlogits (N, Vs) = (exp(l - lse) - [col == target - v0]) * scale in the valid columns, 0 in
+  // the padding (overwrite). dlogits may be logits itself (in place).
+  void cross_entropy_backward_partial(const Tensor& logits, const Tensor& targets,
+                                      int64_t vocab_begin, int64_t valid, const Tensor& lse,
+                                      Tensor& dlogits, float scale);
   // One AdamW step on f32 master params with f32 moments m, v; grad f32, bf16 or f16. When
   // `params_out` is defined (an f32, bf16 or f16 working copy), the updated params are
   // written there too, rounded to its dtype.
@@ -177,6 +211,19 @@ class Kernels {
                                         Tensor& losses) = 0;
   virtual void do_cross_entropy_backward(const Tensor& logits, const Tensor& targets,
                                          Tensor& dlogits, float scale) = 0;
+  virtual void do_embedding_forward_vocab_range(const Tensor& tokens, const Tensor& wte,
+                                                int64_t vocab_begin, const Tensor& wpe,
+                                                Tensor& out) = 0;
+  virtual void do_embedding_backward_vocab_range(const Tensor& dout, const Tensor& tokens,
+                                                 int64_t vocab_begin, Tensor& dwte,
+                                                 Tensor& dwpe) = 0;
+  virtual void do_cross_entropy_partial(const Tensor& logits, const Tensor& targets,
+                                        int64_t vocab_begin, int64_t valid, Tensor& stats) = 0;
+  virtual void do_cross_entropy_combine(const Tensor& gathered, Tensor& losses, Tensor& lse) = 0;
+  virtual void do_cross_entropy_backward_partial(const Tensor& logits, const Tensor& targets,
+                                                 int64_t vocab_begin, int64_t valid,
+                                                 const Tensor& lse, Tensor& dlogits,
+                                                 float scale) = 0;
   virtual void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,
                         const AdamWArgs& args, Tensor* params_out) = 0;
   virtual void do_sum(const Tensor& x, Tensor& out) = 0;

@@ -3,10 +3,17 @@
 // element), so recompute reproduces it bit for bit without saving RNG state.
 //
 // Note [Dropout keys]
-// The 64-bit Philox key is the seed. The 128-bit counter is (element / 4, stream), where
-// `stream` packs (stage, step, micro-batch, site) into 96 bits: stage 16 bits, site 16 bits,
-// micro-batch 16 bits, step 48 bits. One Philox call yields four uniforms, for elements
-// 4k..4k+3. Nothing depends on thread count, device or call order.
+// The 64-bit Philox key is the seed. The 128-bit counter is (element / 4 + group_offset,
+// stream), where `stream` packs (stage, step, micro-batch, site) into 96 bits: stage 16 bits,
+// site 16 bits, micro-batch 16 bits, step 48 bits. One Philox call yields four uniforms, for
+// elements 4k..4k+3. Nothing depends on thread count, device or call order.
+// group_offset (default 0) places a tensor inside a larger one: a kernel that handles
+// elements [o, o + n) of a larger tensor, o a multiple of 4, sets group_offset = o / 4, so its
+// local element i draws the uniform of global element o + i, and its n masks are exactly those
+// the whole tensor's dropout gives these elements. Sequence parallelism relies on it: each
+// rank drops out its shard of the rows and gets the mask the unsharded tensor would. Every
+// dropout kernel draws through philox_uniform4 or its vectorised copy (philox_batch in
+// cpu_elementwise.cc), both of which add the offset.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +25,7 @@ namespace porter::nn {
 struct PhiloxKey {
   uint64_t seed = 0;
   uint32_t stream[3] = {0, 0, 0};  // packed (stage, step, micro-batch, site)
+  uint64_t group_offset = 0;       // added to every group counter (Note [Dropout keys])
 };
 
 PORTER_HD inline PhiloxKey dropout_key(uint64_t seed, uint32_t stage, uint64_t step,
@@ -55,8 +63,10 @@ PORTER_HD inline Philox4 philox4x32_10(Philox4 ctr, uint32_t key0, uint32_t key1
   return ctr;
 }
 
-// Four uniforms in [0, 1) for elements 4*group .. 4*group+3 of the stream `key`.
-PORTER_HD inline void philox_uniform4(const PhiloxKey& key, uint64_t group, float out[4]) {
+// Four uniforms in [0, 1) for elements 4*group .. 4*group+3 of the stream `key`, shifted by
+// its group_offset (Note [Dropout keys]).
+PORTER_HD inline void philox_uniform4(const PhiloxKey& key, uint64_t local_group, float out[4]) {
+  const uint64_t group = local_group + key.group_offset;
   Philox4 ctr{{static_cast<uint32_t>(group), key.stream[0] ^ static_cast<uint32_t>(group >> 32),
                key.stream[1], key.stream[2]}};
   Philox4 r = philox4x32_10(ctr, static_cast<uint32_t>(key.seed),
@@ -64,6 +74,7 @@ PORTER_HD inline void philox_uniform4(const PhiloxKey& key, uint64_t group, floa
   for (int i = 0; i < 4; ++i) out[i] = static_cast<float>(r.v[i] >> 8) * (1.0f / 16777216.0f);
 }
 
+// The uniform of local element `element`: global element element + 4 * key.group_offset.
 PORTER_HD inline float philox_uniform(const PhiloxKey& key, uint64_t element) {
   float u[4];
   philox_uniform4(key, element / 4, u);

@@ -373,6 +373,16 @@ TEST_F(CudaKernelsTest, DropoutMaskMatchesCpuBitForBit) {
   }
 }
 
+// A shard's dropout (Note [Dropout keys]): the group offset shifts the counter alike on both.
+TEST_F(CudaKernelsTest, DropoutWithGroupOffsetMatchesCpuBitForBit) {
+  PhiloxKey key = dropout_key(42, 3, 1000, 2, 1);
+  key.group_offset = 1001;
+  Pair x = random(Shape{4099});
+  Pair y = empty(Shape{4099}, DType::kF32);
+  both([&](Kernels& k, bool gpu) { k.dropout_forward(side(x, gpu), side(y, gpu), 0.3f, key); });
+  expect_bitwise(y, "dropout forward with group offset");
+}
+
 TEST_F(CudaKernelsTest, AddAndAccumulate) {
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     Pair a = random(Shape{3, 333}, dt);
@@ -424,6 +434,78 @@ TEST_F(CudaKernelsTest, CrossEntropyForwardBackward) {
       });
       expect_close(dlogits, tol_for(dt, kF32Tol), "cross-entropy dlogits");
     }
+  }
+}
+
+// Rows [10, 20) of a 37-row table: tokens of other shards and negative ids add nothing.
+TEST_F(CudaKernelsTest, EmbeddingVocabRangeForwardBackward) {
+  const int64_t batch = 3, seq = 10, channels = 20, shard = 10, begin = 10, max_seq = 16;
+  std::vector<int32_t> tok(static_cast<size_t>(batch * seq));
+  for (size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int32_t>((i * 7) % 37);
+  tok[0] = -1;
+  tok[1] = 15;
+  tok[2] = 15;
+  Pair tokens = ints(tok, Shape{batch, seq});
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    Pair wte = random(Shape{shard, channels}, dt);
+    Pair wpe = random(Shape{max_seq, channels}, dt);
+    for (bool with_wpe : {true, false}) {
+      Pair out = empty(Shape{batch, seq, channels}, dt);
+      both([&](Kernels& k, bool gpu) {
+        k.embedding_forward_vocab_range(side(tokens, gpu), side(wte, gpu), begin,
+                                        with_wpe ? side(wpe, gpu) : Tensor(), side(out, gpu));
+      });
+      expect_bitwise(out, "embedding_forward_vocab_range");
+      Pair dout = random(Shape{batch, seq, channels}, dt);
+      Pair dwte = random(Shape{shard, channels}, dt);
+      Pair dwpe = random(Shape{max_seq, channels}, dt);
+      both([&](Kernels& k, bool gpu) {
+        Tensor pe = with_wpe ? side(dwpe, gpu) : Tensor();
+        k.embedding_backward_vocab_range(side(dout, gpu), side(tokens, gpu), begin,
+                                         side(dwte, gpu), pe);
+      });
+      expect_close(dwte, tol_for(dt, kF32Tol), "embedding_backward_vocab_range dwte");
+      expect_close(dwpe, tol_for(dt, kF32Tol), "embedding_backward_vocab_range dwpe");
+    }
+  }
+}
+
+// The second of two 19-column shards of a 37-column vocabulary: 18 valid columns and one
+// padding column of garbage.
+TEST_F(CudaKernelsTest, CrossEntropyVocabParallel) {
+  const int64_t rows = 13, shard = 19, begin = 19, valid = 18;
+  std::vector<int32_t> t(static_cast<size_t>(rows));
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>((i * 5) % 37);
+  t[0] = 36;  // the last valid column
+  Pair targets = ints(t, Shape{rows});
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    std::vector<float> values = uniform(rows * shard, -8.0f, 8.0f);
+    for (int64_t r = 0; r < rows; ++r) values[r * shard + valid] = 1e4f;
+    Pair logits = from(values, Shape{rows, shard}, dt);
+    Pair stats = empty(Shape{rows, 3}, DType::kF32);
+    both([&](Kernels& k, bool gpu) {
+      k.cross_entropy_partial(side(logits, gpu), side(targets, gpu), begin, valid,
+                              side(stats, gpu));
+    });
+    expect_close(stats, kF32Tol, "cross_entropy_partial stats");
+    // Two ranks' stats: this shard's (from the cpu) and another row-shifted copy of them.
+    std::vector<float> s = host(stats.cpu, false), gathered = s;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int c = 0; c < 3; ++c) gathered.push_back(s[((r + 1) % rows) * 3 + c] * 0.5f);
+    }
+    Pair g = from(gathered, Shape{2, rows, 3}, DType::kF32);
+    Pair losses = empty(Shape{rows}, DType::kF32), lse = empty(Shape{rows}, DType::kF32);
+    both([&](Kernels& k, bool gpu) {
+      k.cross_entropy_combine(side(g, gpu), side(losses, gpu), side(lse, gpu));
+    });
+    expect_close(losses, kF32Tol, "cross_entropy_combine losses");
+    expect_close(lse, kF32Tol, "cross_entropy_combine lse");
+    Pair dlogits = empty(Shape{rows, shard}, dt);
+    both([&](Kernels& k, bool gpu) {
+      k.cross_entropy_backward_partial(side(logits, gpu), side(targets, gpu), begin, valid,
+                                       side(lse, gpu), side(dlogits, gpu), 0.25f);
+    });
+    expect_close(dlogits, tol_for(dt, kF32Tol), "cross_entropy_backward_partial dlogits");
   }
 }
 

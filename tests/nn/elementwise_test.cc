@@ -143,6 +143,42 @@ TEST(ElementwiseTest, DropoutDiffersAcrossKeysAndIsIdentityAtZero) {
   EXPECT_EQ(env.host(a), x);
 }
 
+// Sequence parallelism: a rank that owns elements [o, n) of a tensor drops them out with
+// group_offset = o / 4 and gets exactly the whole tensor's mask there (Note [Dropout keys]).
+// 40011 leaves the last Philox group partial; the large halves span several cpu blocks.
+TEST(ElementwiseTest, DropoutOfASecondHalfWithGroupOffsetMatchesTheWhole) {
+  Env env;
+  const float p = 0.4f;
+  for (int64_t n : {8, 104, 40008, 40011}) {
+    const int64_t o = (n / 2) / 4 * 4, tail = n - o;
+    const PhiloxKey key = dropout_key(99, 2, 12345, 1, 3);
+    PhiloxKey shard_key = key;
+    shard_key.group_offset = static_cast<uint64_t>(o / 4);
+    for (bool backward : {false, true}) {
+      auto x = random_values(static_cast<size_t>(n), backward ? 21 : 20);
+      std::vector<float> x_tail(x.begin() + o, x.end());
+      Tensor whole = env.from(x, {n}), whole_y = env.empty({n});
+      Tensor part = env.from(x_tail, {tail}), part_y = env.empty({tail});
+      if (backward) {
+        env.kernels->dropout_backward(whole, whole_y, p, key);
+        env.kernels->dropout_backward(part, part_y, p, shard_key);
+      } else {
+        env.kernels->dropout_forward(whole, whole_y, p, key);
+        env.kernels->dropout_forward(part, part_y, p, shard_key);
+      }
+      std::vector<float> want = env.host(whole_y);
+      want.erase(want.begin(), want.begin() + o);
+      EXPECT_EQ(env.host(part_y), want) << "n " << n << (backward ? " backward" : " forward");
+      // The shard's mask is not the unshifted one (the offset took effect).
+      Tensor unshifted = env.empty({tail});
+      env.kernels->dropout_forward(part, unshifted, p, key);
+      if (tail > 16) {
+        EXPECT_NE(env.host(unshifted), want) << "n " << n;
+      }
+    }
+  }
+}
+
 TEST(ElementwiseTest, AddAccumulateAndInPlace) {
   Env env;
   auto a = random_values(40000, 12), b = random_values(40000, 13);

@@ -39,6 +39,25 @@ TEST(PhiloxTest, UniformsAreInUnitIntervalAndGroupedByFour) {
   for (int l = 0; l < 4; ++l) EXPECT_EQ(four[l], philox_uniform(key, 28 + l));
 }
 
+// group_offset shifts the group counter: local group g of the shifted key is global group
+// g + offset of the unshifted one (Note [Dropout keys]); offset 0 is the plain key.
+TEST(PhiloxTest, GroupOffsetShiftsTheCounter) {
+  const PhiloxKey key = dropout_key(7, 1, 2, 3, 4);
+  for (uint64_t offset : {uint64_t{0}, uint64_t{1}, uint64_t{5003}, uint64_t{1} << 33}) {
+    PhiloxKey shifted = key;
+    shifted.group_offset = offset;
+    for (uint64_t g : {uint64_t{0}, uint64_t{9}, (uint64_t{1} << 32) - 1}) {
+      float got[4], want[4];
+      philox_uniform4(shifted, g, got);
+      philox_uniform4(key, g + offset, want);
+      for (int l = 0; l < 4; ++l) {
+        EXPECT_EQ(got[l], want[l]) << "offset " << offset << " group " << g << " word " << l;
+        EXPECT_EQ(philox_uniform(shifted, 4 * g + l), want[l]);
+      }
+    }
+  }
+}
+
 TEST(PhiloxTest, DropoutKeyIsAPureFunctionOfItsFields) {
   auto first = [](const PhiloxKey& k) { return philox_uniform(k, 12345); };
   EXPECT_EQ(first(dropout_key(1, 2, 3, 4, 5)), first(dropout_key(1, 2, 3, 4, 5)));

@@ -90,6 +90,43 @@ TEST(ValidationTest, EveryOpRejectsBadArgumentsNamingItself) {
          Tensor dwte = e.empty({5, 3}), dwpe = e.empty({4, 2});
          k.embedding_backward(e.empty({1, 2, 3}), e.ids({0, 1}, {1, 2}), dwte, dwpe);
        }},
+      {"embedding_forward_vocab_range", {"embedding_forward_vocab_range", "same number of columns"},
+       [](Env& e, Kernels& k) {
+         Tensor out = e.empty({1, 2, 3});
+         k.embedding_forward_vocab_range(e.ids({0, 1}, {1, 2}), e.empty({5, 3}), 5,
+                                         e.empty({4, 2}), out);
+       }},
+      {"embedding_forward_vocab_range begin", {"embedding_forward_vocab_range", "vocab_begin -1"},
+       [](Env& e, Kernels& k) {
+         Tensor out = e.empty({1, 2, 3});
+         k.embedding_forward_vocab_range(e.ids({0, 1}, {1, 2}), e.empty({5, 3}), -1, Tensor(), out);
+       }},
+      {"embedding_backward_vocab_range", {"embedding_backward_vocab_range", "dout", "(1, 2, 4)"},
+       [](Env& e, Kernels& k) {
+         Tensor dwte = e.empty({5, 3}), dwpe;
+         k.embedding_backward_vocab_range(e.empty({1, 2, 4}), e.ids({0, 1}, {1, 2}), 0, dwte, dwpe);
+       }},
+      {"cross_entropy_partial valid", {"cross_entropy_partial", "valid 6", "[0, 5]"},
+       [](Env& e, Kernels& k) {
+         Tensor stats = e.empty({2, 3});
+         k.cross_entropy_partial(e.empty({2, 5}), e.ids({0, 1}, {2}), 0, 6, stats);
+       }},
+      {"cross_entropy_partial stats", {"cross_entropy_partial", "stats", "(2, 2)", "(2, 3)"},
+       [](Env& e, Kernels& k) {
+         Tensor stats = e.empty({2, 2});
+         k.cross_entropy_partial(e.empty({2, 5}), e.ids({0, 1}, {2}), 0, 5, stats);
+       }},
+      {"cross_entropy_combine", {"cross_entropy_combine", "gathered", "(2, 3, 2)"},
+       [](Env& e, Kernels& k) {
+         Tensor losses = e.empty({3}), lse = e.empty({3});
+         k.cross_entropy_combine(e.empty({2, 3, 2}), losses, lse);
+       }},
+      {"cross_entropy_backward_partial", {"cross_entropy_backward_partial", "lse", "(3)"},
+       [](Env& e, Kernels& k) {
+         Tensor dl = e.empty({2, 5});
+         k.cross_entropy_backward_partial(e.empty({2, 5}), e.ids({0, 1}, {2}), 5, 4, e.empty({3}),
+                                          dl, 1.0f);
+       }},
       {"cross_entropy_forward", {"cross_entropy_forward", "targets", "(3)"},
        [](Env& e, Kernels& k) {
          Tensor losses = e.empty({2});
