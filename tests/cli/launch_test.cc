@@ -145,12 +145,10 @@ struct BinaryRun {
   int status = 0;
   std::string output;
 };
-BinaryRun run_binary(const std::vector<std::string>& args,
-                     const std::function<void(pid_t pid, const std::string& output)>& on_output = {}) {
+BinaryRun run_program(std::vector<std::string> full,
+                      const std::function<void(pid_t pid, const std::string& output)>& on_output = {}) {
   int fds[2];
   EXPECT_EQ(::pipe(fds), 0);
-  std::vector<std::string> full = {PORTER_EXE};
-  full.insert(full.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& a : full) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -176,6 +174,13 @@ BinaryRun run_binary(const std::vector<std::string>& args,
   ::close(fds[0]);
   ::waitpid(pid, &run.status, 0);
   return run;
+}
+
+BinaryRun run_binary(const std::vector<std::string>& args,
+                     const std::function<void(pid_t pid, const std::string& output)>& on_output = {}) {
+  std::vector<std::string> full = {PORTER_EXE};
+  full.insert(full.end(), args.begin(), args.end());
+  return run_program(std::move(full), on_output);
 }
 
 TEST(LaunchBinary, SigtermIsForwardedToEveryRank) {
@@ -412,6 +417,75 @@ TEST_F(LaunchTrain, TraceRankKeepsOneRank) {
   ASSERT_TRUE(WIFEXITED(bad.status)) << bad.output;
   EXPECT_NE(WEXITSTATUS(bad.status), 0) << bad.output;
   EXPECT_TRUE(contains(bad.output, "--trace-rank 2: the run has 2 rank(s), 0..1")) << bad.output;
+}
+
+
+// DeepSpeedExamples' Megatron ZeRO-2 config (partition_activations, fp16, stage 2) with a
+// model beside it: 4 ranks = 2 data-parallel x 2 tensor-parallel, every held checkpoint
+// partitioned. Returns the merged config's path.
+std::string megatron_tp2_config(const fs::path& dir) {
+  std::ifstream in(std::string(PORTER_REALWORLD_CONFIG_DIR) +
+                   "/deepspeedexamples__megatron-lm__scripts__ds_zero2_config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j.merge_patch(nlohmann::json::parse(R"({
+    "porter": {
+      "model": {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 96,
+                "tensor_parallel": 2},
+      "device": {"type": "cpu", "memory_limit": "256MiB", "threads": 1},
+      "checkpointing": {"partition_min_bytes": 0},
+      "comm": {"timeout_s": 30}
+    }
+  })"));
+  const fs::path path = dir / "megatron_tp2.json";
+  std::ofstream(path) << j.dump(2);
+  return path.string();
+}
+
+void expect_tp2_report(const nlohmann::json& j) {
+  EXPECT_EQ(j["world_size"], 4);
+  EXPECT_EQ(j["tensor_parallel"]["t"], 2);
+  EXPECT_EQ(j["zero"]["world_size"], 2);  // data-parallel ranks
+  ASSERT_EQ(j["ranks"].size(), 4u);
+  for (size_t r = 0; r < 4; ++r) {
+    const nlohmann::json& tp = j["ranks"][r]["tensor_parallel"];
+    EXPECT_EQ(tp["tp_rank"], static_cast<int>(r % 2)) << r;
+    EXPECT_GT(tp["gathers"].get<int64_t>(), 0) << r;
+    // The partitioned checkpoints this rank held: exactly the plan's 1/t share.
+    EXPECT_EQ(tp["partitioned_bytes"], tp["predicted_partitioned_bytes"]) << r;
+    EXPECT_GT(tp["partitioned_bytes"].get<uint64_t>(), 0u) << r;
+    EXPECT_EQ(j["ranks"][r]["memory"]["activation_peak_bytes"],
+              j["ranks"][r]["memory"]["predicted_activation_peak_bytes"]) << r;
+  }
+}
+
+// The published config trains with t = 2 through the launcher.
+TEST_F(LaunchTrain, MegatronZero2ConfigTrainsTensorParallel) {
+  const std::string cfg = megatron_tp2_config(dir_);
+  const std::string report = (dir_ / "tp2.json").string();
+  CliRun r = porter({"launch", "-n", "4", "--", PORTER_EXE, "train", "--config", cfg,
+                     "--steps", "2", "--report", report});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] tensor parallel: 2 ranks")) << r.out;
+  EXPECT_TRUE(contains(r.out, "2 data-parallel x 2 tensor-parallel")) << r.out;
+  expect_tp2_report(read_json(report));
+}
+
+// The same run started by OpenMPI's launcher: porter reads OMPI_COMM_WORLD_* (rank 0 serves
+// the store on 127.0.0.1:MASTER_PORT). Skipped where mpirun is not installed (scripts/
+// install-deps.sh installs openmpi-bin).
+TEST_F(LaunchTrain, MpirunStartsATensorParallelRun) {
+  const char* mpirun = PORTER_MPIRUN;
+  if (std::string(mpirun).empty()) GTEST_SKIP() << "mpirun not found at configure time";
+  const std::string cfg = megatron_tp2_config(dir_);
+  const std::string report = (dir_ / "mpi.json").string();
+  BinaryRun run = run_program(
+      {mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "4", "-x",
+       "MASTER_PORT=" + std::to_string(free_port()), PORTER_EXE, "train", "--config", cfg,
+       "--steps", "2", "--report", report});
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  ASSERT_EQ(WEXITSTATUS(run.status), 0) << run.output;
+  EXPECT_TRUE(contains(run.output, "4 (2 data-parallel x 2 tensor-parallel")) << run.output;
+  expect_tp2_report(read_json(report));
 }
 
 }  // namespace

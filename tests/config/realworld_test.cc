@@ -52,6 +52,11 @@ const std::vector<RealWorldCase>& cases() {
         "activation_checkpointing.partition_activations: true has no effect with "
         "porter.model.tensor_parallel 1: a tensor-parallel group of one rank holds whole "
         "checkpoints"}},
+      {"deepspeedexamples__megatron-lm__scripts__ds_zero2_config.json",
+       {1, 2, 4, 8, 16},
+       {"activation_checkpointing.partition_activations: true has no effect with "
+        "porter.model.tensor_parallel 1: a tensor-parallel group of one rank holds whole "
+        "checkpoints"}},
       {"deepspeedexamples__megatron-lm__scripts__ds_zero3_config.json",
        {1, 4, 16},
        {"activation_checkpointing.partition_activations: true has no effect with "

@@ -1,0 +1,267 @@
+// Tensor parallelism through the Engine (docs/tensor-parallel.md): ranks run as threads, each
+// with its own cpu device, a Gloo world communicator and the dp and tp groups of
+// comm::make_process_groups.
+//
+// - Equivalence: t = 2 and t = 4 against t = 1 (f32, dropout 0.1, clipping on): the first
+//   step's gradients (each rank's part of them) and the losses over 10 steps agree within
+//   1e-5 relative; the difference is only the order of the partial sums.
+// - At a fixed t, runs are bit-identical across checkpoint policies, partitioning on and off,
+//   offload on and off, prefetch depths 0-3 and contiguous on and off.
+// - Two-dimensional runs (dp x t = 4 with ZeRO-2), t = world, and a rank that fails.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "comm/communicator.h"
+#include "engine_test_util.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+using ::testing::HasSubstr;
+
+config::Config tp_config(int world, int tp, config::CheckpointPolicy policy, bool sp = false) {
+  config::Config c = tiny_config(policy, /*dropout=*/0.1, /*accumulation=*/1);
+  c.world_size = world;
+  c.train_batch_size = c.train_micro_batch_size_per_gpu * (world / tp);
+  c.porter.model.tensor_parallel = tp;
+  c.porter.model.sequence_parallel = sp;
+  c.porter.model.vocab = 70;  // t = 4 pads the vocabulary (shards of 18, the last 16 real)
+  c.porter.comm.timeout_s = 30.0;
+  c.porter.checkpointing.partition_min_bytes = 0;  // the tiny checkpoints are partitioned too
+  return c;
+}
+
+struct RankRun {
+  std::vector<StepResult> steps;
+  std::vector<float> first_grads;  // after step 1, this rank's layout
+  std::vector<float> params;       // after the last step
+  TensorParallelStats tp;
+  MemoryReport memory;
+  checkpoint::Plan plan;
+};
+
+// `steps` steps on c.world_size thread ranks; the tp ranks of a dp rank share its batches.
+std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
+  const int ws = static_cast<int>(c.world_size);
+  const int tp = static_cast<int>(c.porter.model.tensor_parallel);
+  std::vector<RankRun> runs(static_cast<size_t>(ws));
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> world =
+        comm::make_communicator(*device, store, rank, ws, o);
+    comm::ProcessGroups g = comm::make_process_groups(world, tp);
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c,
+             tp == 1 ? world : g.dp, tp == 1 ? nullptr : g.tp);
+    RankRun& run = runs[static_cast<size_t>(rank)];
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.steps.push_back(e.train_step(
+          data.rank_batches(s, c.gradient_accumulation_steps, g.dp_rank, g.dp_size)));
+      if (s == 0) run.first_grads = e.grads_host();
+    }
+    run.params = e.params_host();
+    run.tp = e.tp_stats();
+    run.memory = e.memory_report();
+    run.plan = e.plan();
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  return runs;
+}
+
+// |a - b| <= tol * max|b| over the vector.
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  double scale = 0.0;
+  for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  EXPECT_LE(worst, tol * scale) << what << ": worst difference " << worst << " of " << scale;
+}
+
+std::vector<double> losses(const RankRun& r) {
+  std::vector<double> out;
+  for (const StepResult& s : r.steps) out.push_back(s.loss);
+  return out;
+}
+
+class EngineTpEquivalence : public ::testing::TestWithParam<std::pair<int, bool>> {};
+
+TEST_P(EngineTpEquivalence, GradientsAndTenLossesMatchOneRank) {
+  const auto [t, sp] = GetParam();
+  const auto policy = config::CheckpointPolicy::kFull;
+  const std::vector<RankRun> one = run_ranks(tp_config(1, 1, policy), 10);
+  const std::vector<RankRun> group = run_ranks(tp_config(t, t, policy, sp), 10);
+  for (int r = 0; r < t; ++r) {
+    const RankRun& got = group[static_cast<size_t>(r)];
+    for (size_t s = 0; s < got.steps.size(); ++s) {
+      EXPECT_NEAR(got.steps[s].loss, one[0].steps[s].loss, 1e-5 * one[0].steps[s].loss)
+          << "rank " << r << " step " << s;
+      EXPECT_NEAR(got.steps[s].grad_norm, one[0].steps[s].grad_norm,
+                  1e-5 * one[0].steps[s].grad_norm)
+          << "rank " << r << " step " << s;
+    }
+    nn::Gpt part(tp_config(t, t, policy, sp).porter.model, r);
+    std::vector<float> whole = one[0].first_grads;
+    whole.resize(static_cast<size_t>(nn::Gpt(tp_config(1, 1, policy).porter.model)
+                                         .layout()
+                                         .total_elems()));
+    std::vector<float> mine = got.first_grads;
+    mine.resize(static_cast<size_t>(part.layout().total_elems()));
+    expect_close(mine, part.shard_values(whole), 1e-5, "rank " + std::to_string(r));
+    EXPECT_GT(got.tp.comm_bytes, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Groups, EngineTpEquivalence,
+                         ::testing::Values(std::pair{2, false}, std::pair{4, false},
+                                           std::pair{2, true}),
+                         [](const auto& info) {
+                           return "t" + std::to_string(info.param.first) +
+                                  (info.param.second ? "_sp" : "");
+                         });
+
+struct Variant {
+  std::string name;
+  config::CheckpointPolicy policy;
+  bool partition = false;
+  bool offload = false;
+  bool contiguous = false;
+  int prefetch = 1;
+};
+
+config::Config variant_config(const Variant& v, bool sp = false) {
+  config::Config c = tp_config(2, 2, v.policy, sp);
+  if (v.policy == config::CheckpointPolicy::kUniform) c.porter.checkpointing.every_n_layers = 1;
+  if (v.partition || v.offload || v.contiguous) {
+    config::ActivationCheckpointingConfig ac;
+    ac.partition_activations = v.partition;
+    ac.cpu_checkpointing = v.offload;
+    ac.contiguous_memory_optimization = v.contiguous;
+    c.activation_checkpointing = ac;
+    c.porter.checkpointing.keep_last_on_device = 0;
+  }
+  c.porter.checkpointing.prefetch_depth = v.prefetch;
+  return c;
+}
+
+TEST(EngineTp, BitIdenticalAcrossPoliciesPartitioningOffloadAndPrefetch) {
+  using P = config::CheckpointPolicy;
+  const std::vector<RankRun> base = run_ranks(variant_config({"none", P::kNone}), 2);
+  const std::vector<Variant> variants = {
+      {"full", P::kFull},
+      {"uniform", P::kUniform},
+      {"selective", P::kSelective},
+      {"full partitioned", P::kFull, true},
+      {"full partitioned prefetch 0", P::kFull, true, false, false, 0},
+      {"full partitioned prefetch 3", P::kFull, true, false, false, 3},
+      {"full partitioned contiguous", P::kFull, true, false, true},
+      {"full offloaded", P::kFull, false, true},
+      {"full partitioned offloaded", P::kFull, true, true},
+      {"full partitioned offloaded contiguous prefetch 2", P::kFull, true, true, true, 2},
+      {"none partitioned (holds nothing)", P::kNone, true},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    const std::vector<RankRun> got = run_ranks(variant_config(v), 2);
+    for (size_t r = 0; r < got.size(); ++r) {
+      EXPECT_EQ(losses(got[r]), losses(base[r])) << "rank " << r;
+      EXPECT_TRUE(bitwise_equal(got[r].params, base[r].params)) << "rank " << r;
+    }
+    if (v.partition && v.policy != P::kNone) {
+      EXPECT_GT(got[0].tp.gathers, 0) << "nothing was gathered";
+      EXPECT_GT(got[0].tp.gathered_bytes, 0u);
+    }
+  }
+}
+
+TEST(EngineTp, PartitionedCheckpointBytesAreThePredictedShare) {
+  const config::CheckpointPolicy full = config::CheckpointPolicy::kFull;
+  const std::vector<RankRun> whole = run_ranks(variant_config({"full", full}), 1);
+  const std::vector<RankRun> part = run_ranks(variant_config({"full partitioned", full, true}), 1);
+  for (size_t r = 0; r < part.size(); ++r) {
+    EXPECT_EQ(part[r].memory.peak_activation_bytes, part[r].memory.predicted_activation_bytes)
+        << "rank " << r;
+    EXPECT_EQ(whole[r].memory.peak_activation_bytes, whole[r].memory.predicted_activation_bytes);
+    // Every held block input is replaced by its half.
+    size_t slices = 0, held = 0;
+    for (const checkpoint::StashEntry& e : part[r].plan.offload.entries) {
+      EXPECT_TRUE(e.partitioned);
+      EXPECT_EQ(e.slice_bytes, (e.bytes / 2 + 15) / 16 * 16);
+      slices += e.slice_bytes;
+      held += e.bytes;
+    }
+    EXPECT_GT(slices, 0u);
+    EXPECT_EQ(part[r].tp.gathered_bytes, slices);  // one gather per checkpoint: the other half
+  }
+}
+
+TEST(EngineTp, TwoDimensionalWithZero2AndTEqualsWorld) {
+  const config::CheckpointPolicy full = config::CheckpointPolicy::kFull;
+  config::Config one = tp_config(2, 1, full);
+  one.zero_optimization.stage = 2;
+  config::Config two = tp_config(4, 2, full);
+  two.zero_optimization.stage = 2;
+  const std::vector<RankRun> a = run_ranks(one, 4);
+  const std::vector<RankRun> b = run_ranks(two, 4);
+  // Rank (dp d, tp r) = d * 2 + r trains on dp rank d's batches.
+  for (size_t s = 0; s < 4; ++s) {
+    for (int d = 0; d < 2; ++d) {
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_NEAR(b[static_cast<size_t>(d * 2 + r)].steps[s].loss,
+                    a[static_cast<size_t>(d)].steps[s].loss, 1e-5 * a[0].steps[s].loss);
+      }
+    }
+  }
+  const std::vector<RankRun> all = run_ranks(tp_config(4, 4, full), 2);  // no dp
+  EXPECT_NEAR(all[3].steps[1].loss, run_ranks(tp_config(1, 1, full), 2)[0].steps[1].loss,
+              1e-5 * all[0].steps[1].loss);
+}
+
+TEST(EngineTp, AFailedRankFailsItsPeersNamingRankGroupAndOperation) {
+  config::Config c = tp_config(2, 2, config::CheckpointPolicy::kFull);
+  c.porter.comm.timeout_s = 10.0;
+  std::string message;
+  auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> world = comm::make_communicator(*device, store, rank, 2, o);
+    comm::ProcessGroups g = comm::make_process_groups(world, 2);
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+    if (rank == 1) {
+      world->abort("rank 1 stopped");  // dies before its first step
+      return;
+    }
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      e.train_step(data.rank_batches(0, 1, 0, 1));
+    } catch (const Error& err) {
+      message = err.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15));
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  EXPECT_THAT(message, HasSubstr("rank 0 of world"));
+  EXPECT_THAT(message, ::testing::AnyOf(HasSubstr("all_reduce"), HasSubstr("all_gather")));
+}
+
+}  // namespace
+}  // namespace porter::engine
