@@ -1,5 +1,6 @@
-// The layout of a schedule's host holds: stash entries, their prefetch, use and release ops,
-// pinned offsets and staging slots (Note [Offload semantics] in offload_plan.h).
+// The layout of a schedule's host and partitioned holds: stash entries, their prefetch, use
+// and release ops, pinned offsets, staging slots and slice slots (Note [Offload semantics] and
+// Note [Partition semantics] in offload_plan.h).
 #include "checkpoint/offload_plan.h"
 
 #include <algorithm>
@@ -9,6 +10,16 @@
 
 namespace porter::checkpoint {
 
+size_t partition_slice_bytes(size_t bytes, int ways) {
+  PORTER_CHECK_GE(ways, 1, "partition ways");
+  const auto t = static_cast<size_t>(ways);
+  return round_up((bytes + t - 1) / t, kSliceAlignment);
+}
+
+bool OffloadLayout::any_partitioned() const {
+  return std::any_of(entries.begin(), entries.end(), [](const StashEntry& e) { return e.partitioned; });
+}
+
 int OffloadLayout::entry_at_hold(int op_index) const {
   for (size_t e = 0; e < entries.size(); ++e)
     if (entries[e].hold_op == op_index) return static_cast<int>(e);
@@ -16,19 +27,28 @@ int OffloadLayout::entry_at_hold(int op_index) const {
 }
 
 OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth,
-                             bool contiguous) {
+                             bool contiguous, int partition_ways) {
   PORTER_CHECK(prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ", prefetch_depth,
                " must be >= 0 (0 loads each checkpoint on demand)");
+  PORTER_CHECK(partition_ways >= 1, "partition ways = ", partition_ways,
+               " must be >= 1 (the tensor-parallel group's size)");
   validate(schedule);
   PORTER_CHECK(costs.num_stages() == schedule.num_stages, "schedule has ", schedule.num_stages,
                " stages but the costs have ", costs.num_stages());
+  for (size_t k = 0; k < schedule.ops.size(); ++k) {
+    PORTER_CHECK(!schedule.ops[k].partition || partition_ways >= 2, "schedule op ", k, " (stage ",
+                 schedule.ops[k].stage, ") holds a partitioned checkpoint, but the layout is for ",
+                 partition_ways, " rank; partitioning needs a tensor-parallel group of 2 or more "
+                 "(activation_checkpointing.partition_activations with porter.model.tensor_parallel > 1)");
+  }
   const int n = schedule.num_stages;
   const int num_ops = static_cast<int>(schedule.ops.size());
   OffloadLayout out;
   out.contiguous = contiguous;
+  out.ways = partition_ways;
 
   // One pass keeping `cur` as the executor does (Note [Schedule semantics]): an op reads
-  // held[i] only when its input is not cur. open[i] is the entry whose a_i is on the host;
+  // held[i] only when its input is not cur. open[i] is the entry whose a_i is the stash's;
   // device_open[i] says a_i is held on the device and not read back yet. `segments` collects
   // the first read of every hold, device or host: where each segment's backward starts.
   std::vector<int> open(static_cast<size_t>(n), -1);
@@ -51,12 +71,15 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
           segments.push_back(k);
         }
         if (op.kind == ScheduleOp::Kind::kForward) {
-          if (op.hold_input && !op.offload && open[i] < 0) device_open[i] = true;
-          if (op.offload) {
+          if (op.hold_input && !op.stashed() && open[i] < 0) device_open[i] = true;
+          if (op.stashed()) {
             StashEntry e;
             e.stage = i;
             e.bytes = costs.stages[i].input_bytes;
             e.hold_op = k;
+            e.partitioned = op.partition;
+            e.on_host = op.offload;
+            e.slice_bytes = op.partition ? partition_slice_bytes(e.bytes, partition_ways) : 0;
             open[i] = static_cast<int>(out.entries.size());
             out.entries.push_back(e);
           }
@@ -113,14 +136,40 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
     }
     slot_release[slot] = e.release_op;
     e.staging_slot = slot;
-    out.staging_slot_bytes = std::max(out.staging_slot_bytes, round_up(e.bytes, kStagingSlotAlignment));
+    out.staging_slot_bytes =
+        std::max(out.staging_slot_bytes, round_up(out.staged_bytes(e), kStagingSlotAlignment));
   }
   out.staging_slots = static_cast<int>(slot_release.size());
 
+  // Slice slots of device slices, greedily in hold order (entries are in hold order): a slot
+  // is free for a hold at or after the use_op where fetch() freed its last slice, or after the
+  // release_op of a slice never read. The slot comes from here, never from a count of the
+  // tensors the stash has seen, so a tensor of any size or dtype takes its own.
+  std::vector<int> slice_free;  // the first op at which each slot's latest slice is gone
   for (StashEntry& e : out.entries) {
+    if (!e.partitioned || e.on_host) continue;
+    int slot = -1;
+    for (size_t s = 0; s < slice_free.size(); ++s) {
+      if (slice_free[s] <= e.hold_op) {
+        slot = static_cast<int>(s);
+        break;
+      }
+    }
+    if (slot < 0) {
+      slot = static_cast<int>(slice_free.size());
+      slice_free.push_back(0);
+    }
+    slice_free[slot] = e.use_op >= 0 ? e.use_op : e.release_op + 1;
+    e.slice_slot = slot;
+    out.slice_slot_bytes = std::max(out.slice_slot_bytes, round_up(e.slice_bytes, kStagingSlotAlignment));
+  }
+  out.slice_slots = static_cast<int>(slice_free.size());
+
+  for (StashEntry& e : out.entries) {
+    if (!e.on_host) continue;
     e.pinned_offset = out.pinned_bytes;
-    out.pinned_bytes += round_up(e.bytes, kPinnedSlotAlignment);
-    out.offloaded_bytes += e.bytes;
+    out.pinned_bytes += round_up(out.host_bytes(e), kPinnedSlotAlignment);
+    out.offloaded_bytes += out.host_bytes(e);
   }
   return out;
 }

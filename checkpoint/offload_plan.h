@@ -1,7 +1,7 @@
-// Where a schedule's host-held checkpoints go and when they come back: the pure function of
-// (schedule, costs, prefetch depth, contiguity) that both the simulator (checkpoint/simulate.h)
-// and the checkpoint stash (offload/stash.h, driven by the engine's executor) follow, so
-// predicted and measured bytes agree exactly.
+// Where a schedule's host-held and partitioned checkpoints go and when they come back: the
+// pure function of (schedule, costs, prefetch depth, contiguity, partition ways) that both the
+// simulator (checkpoint/simulate.h) and the checkpoint stash (offload/stash.h, driven by the
+// engine's executor) follow, so predicted and measured bytes agree exactly.
 //
 // Note [Offload semantics]
 // A host hold is an op Forward(i, save, hold, offload) (checkpoint/schedule.h; validate()
@@ -33,6 +33,47 @@
 // (staging_slots x staging_slot_bytes) counts for the whole micro-batch instead.
 // No host synchronisation happens anywhere unless synchronize_checkpoint_boundary is set
 // (then the host waits for each D2H copy right after issuing it).
+//
+// Note [Partition semantics]
+// A partitioned hold is an op Forward(i, save, hold, partition) (with offload too: a
+// partitioned host hold). The t ranks of a tensor-parallel group compute the same a_i, so
+// each keeps only its block of a_i's bytes and the group all-gathers the blocks back before
+// a_i is read. Partitioning is by bytes, whatever the dtype:
+//   slice_bytes = round_up(ceil(bytes / t), 16)   (kSliceAlignment)
+//   rank r's block = bytes [r * slice_bytes, min((r + 1) * slice_bytes, bytes)) of a_i,
+//                    zero-padded to slice_bytes (a block past the end is all padding)
+//   the gathered copy = t * slice_bytes >= bytes, the first `bytes` of which are a_i.
+// A partitioned hold is a StashEntry (partitioned, slice_bytes; on_host with offload) with
+// the ops of Note [Offload semantics]; what the stash does at them:
+//   hold_op     device: a slice of slice_bytes (category `checkpoints`) is allocated and
+//               this rank's block copied into it on the compute stream; host: the block goes
+//               to the entry's pinned slot (slice_bytes) on the D2H stream, as a host hold's
+//               a_i does. Either way a_i is dropped like an unheld cur.
+//   prefetch_op a staging buffer of t * slice_bytes (category `staging`) is allocated; a host
+//               slice is copied into its own block on the H2D stream; then the all_gather
+//               (u8, count slice_bytes) is issued on the tp communicator's stream: from the
+//               device slice into the buffer, or in place from the buffer's own block.
+//   use_op      the compute stream waits for the gather; held[i] becomes the gathered
+//               buffer's first `bytes`, with a_i's shape and dtype; a device slice is freed.
+//   release_op  the staging buffer is freed (a pinned slot as for a host hold).
+// Footprint, per rank (added to Note [Activation bytes] as the simulator's windows):
+//   device slice   slice_bytes of `checkpoints` from just before hold_op until fetch() at
+//                  use_op frees it, which is after the prefetches issued at use_op and before
+//                  use_op runs (StagingWindow::until_fetch: the simulator checks that moment
+//                  as a peak of use_op). The gathered copy holds every byte of the slice, so
+//                  keeping the slice to release_op would only cost 1/t of a_i through the
+//                  segment's recompute and backward, where the peak usually is. A slice never
+//                  read back (use_op -1) is freed after release_op.
+//   host slice     nothing on the device at hold_op (the D2H copy reads a_i's own buffer).
+//   gathered copy  t * slice_bytes of `staging` from just before prefetch_op until just after
+//                  release_op, as a host hold's staged copy.
+// With contiguous staging (OffloadLayout::contiguous) the gathered copies take staging slots
+// of the one staging arena (sized with them), and the device slices slots of a slice arena
+// (slice_slots x slice_slot_bytes, category `checkpoints`), assigned by the layout, never by
+// a count of tensors seen: both arenas count for the whole micro-batch instead.
+// The gather is issued on the tp comm stream, which first waits for the slice to be in place
+// (the H2D copy's event; a device slice is written on the compute stream, which every
+// collective waits for, Note [Comm stream] in comm/communicator.h).
 #pragma once
 
 #include <cstddef>
@@ -45,6 +86,16 @@ namespace porter::checkpoint {
 
 inline constexpr size_t kPinnedSlotAlignment = 4096;  // the pinned pool's granularity
 inline constexpr size_t kStagingSlotAlignment = 512;  // the allocator's block rounding
+inline constexpr size_t kSliceAlignment = 16;         // a partition slice's size (Note [Partition semantics])
+
+// round_up(ceil(bytes / ways), kSliceAlignment); 0 for 0 bytes. ways >= 1.
+size_t partition_slice_bytes(size_t bytes, int ways);
+// Whether a hold of stage `stage`'s input may be partitioned: stage > 0 (a_0 is the token
+// ids), and its input has at least max(min_bytes, 1) bytes (porter.checkpointing.
+// partition_min_bytes; a smaller one stays whole on every rank).
+inline bool partitionable(const StageCost& s, int stage, size_t min_bytes) {
+  return stage > 0 && s.input_bytes > 0 && s.input_bytes >= min_bytes;
+}
 
 struct StashEntry {
   int stage = 0;
@@ -55,31 +106,54 @@ struct StashEntry {
   int release_op = 0;
   size_t pinned_offset = 0;  // in the contiguous pinned arena (kPinnedSlotAlignment-aligned)
   int staging_slot = -1;     // in the contiguous staging arena; -1 when never read back
+  // Note [Partition semantics]. A plain host hold is on_host and not partitioned; a
+  // partitioned hold is on_host only with offload.
+  bool partitioned = false;
+  bool on_host = true;
+  size_t slice_bytes = 0;    // partition_slice_bytes(bytes, ways) when partitioned, else 0
+  int slice_slot = -1;       // device slices, in the contiguous slice arena
   bool operator==(const StashEntry&) const = default;
 };
 
 struct OffloadLayout {
-  std::vector<StashEntry> entries;  // in hold order
-  size_t offloaded_bytes = 0;       // sum of entry bytes: what leaves the device
-  size_t pinned_bytes = 0;          // sum of entry bytes rounded to kPinnedSlotAlignment
-  size_t staging_slot_bytes = 0;    // the largest read-back entry, rounded up
+  std::vector<StashEntry> entries;  // in hold order: host holds and partitioned holds
+  int ways = 1;                     // the tp group's size t; entries are partitioned only at t > 1
+  size_t offloaded_bytes = 0;       // sum of host entries' host_bytes: what goes to the host
+  size_t pinned_bytes = 0;          // sum of host entries' host_bytes rounded to
+                                    // kPinnedSlotAlignment
+  size_t staging_slot_bytes = 0;    // the largest read-back entry's staged_bytes, rounded up
   int staging_slots = 0;            // read-back entries alive at once, at most
+  size_t slice_slot_bytes = 0;      // the largest device slice, rounded up (contiguous)
+  int slice_slots = 0;              // device slices alive at once, at most
   // contiguous_memory_optimization: the pinned slots and the staging slots are each carved
   // from one arena, allocated when the stash adopts the layout, and the simulator counts the
   // staging arena for the whole micro-batch. The stash runs only a layout whose contiguity
   // is its own (Note [One contiguity] in offload/stash.h).
   bool contiguous = false;
   size_t staging_arena_bytes() const { return staging_slot_bytes * static_cast<size_t>(staging_slots); }
+  size_t slice_arena_bytes() const { return slice_slot_bytes * static_cast<size_t>(slice_slots); }
   bool empty() const { return entries.empty(); }
+  bool any_partitioned() const;
+  // What an entry's read-back stages on the device: the gathered copy (ways x slice_bytes)
+  // of a partitioned entry, else its bytes.
+  size_t staged_bytes(const StashEntry& e) const {
+    return e.partitioned ? static_cast<size_t>(ways) * e.slice_bytes : e.bytes;
+  }
+  // What an on_host entry keeps on the host (and copies each way): its slice, or its bytes.
+  size_t host_bytes(const StashEntry& e) const { return e.partitioned ? e.slice_bytes : e.bytes; }
   // The entry held at op `op_index`, or -1.
   int entry_at_hold(int op_index) const;
   bool operator==(const OffloadLayout&) const = default;
 };
 
-// The layout of `schedule`'s host holds (Note [Offload semantics]), contiguous or not. Staging
-// slots are assigned greedily in prefetch order, a slot becoming free after its entry's
-// release_op. Throws InvalidArgument for prefetch_depth < 0; validates the schedule first.
+// The layout of `schedule`'s host and partitioned holds (Note [Offload semantics], Note
+// [Partition semantics]), contiguous or not, with `partition_ways` ranks sharing each
+// partitioned hold. Staging slots are assigned greedily in prefetch order, a slot becoming
+// free after its entry's release_op; slice slots greedily in hold order, a slot becoming free
+// at its entry's use_op (after release_op when never read). Throws InvalidArgument for
+// prefetch_depth < 0, and for partitioned holds with partition_ways < 2 (a group of one rank
+// holds whole checkpoints); validates the schedule first.
 OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth,
-                             bool contiguous = false);
+                             bool contiguous = false, int partition_ways = 1);
 
 }  // namespace porter::checkpoint

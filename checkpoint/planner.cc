@@ -86,9 +86,10 @@ std::vector<Segment> block_segments(const ChainCosts& costs, int per, int limit)
 }
 
 // The objective the planner minimises: time when the costs have times (with the exposed copy
-// time when it is known), else recompute FLOPs.
+// and gather time when they are known), else recompute FLOPs.
 double objective(const Prediction& p, const ChainCosts& costs) {
-  return costs.has_times() ? p.compute_s + p.offload.exposed_s : p.recompute_flops;
+  return costs.has_times() ? p.compute_s + p.offload.exposed_s + p.offload.gather_exposed_s
+                           : p.recompute_flops;
 }
 
 // Whether `a` is a better plan than `b` (both fit): a lower objective; on a tie, fewer bytes
@@ -102,13 +103,20 @@ bool better(const Prediction& a, const Prediction& b, const ChainCosts& costs) {
 
 const char* kBudgetKey = "porter.checkpointing.memory_budget";
 
-// What simulate() assumes for a plan besides its layout: the offload options, or without
-// offload only the link (for OffloadPrediction::timed).
-SimOptions sim_options(const OffloadOptions& offload) {
-  if (offload.enabled) return offload.sim();
+// What simulate() assumes for a plan besides its layout: the offload options (without offload
+// only the link, for OffloadPrediction::timed) and the partition's ways and tp link.
+SimOptions sim_options(const OffloadOptions& offload, const PartitionOptions& partition) {
   SimOptions s;
+  if (offload.enabled || partition.enabled()) s = offload.sim();
   s.link_bytes_per_s = offload.link_bytes_per_s;
+  s.partition_ways = partition.ways;
+  s.tp_bytes_per_s = partition.tp_bytes_per_s;
   return s;
+}
+
+bool has_stashed_holds(const Schedule& schedule) {
+  return std::any_of(schedule.ops.begin(), schedule.ops.end(),
+                     [](const ScheduleOp& op) { return op.stashed(); });
 }
 
 struct Candidate {
@@ -119,9 +127,23 @@ struct Candidate {
 
 // Every standard schedule the optimal planner compares with, simulated. With offload, each
 // also with its holds placed on the host (place_offload, keeping the last 0, 1, 2 and the
-// configured number on device).
-std::vector<Candidate> standard_candidates(const ChainCosts& costs, const OffloadOptions& offload) {
+// configured number on device); with partitioning, each of those also partitioned
+// (place_partition).
+std::vector<Candidate> standard_candidates(const ChainCosts& costs, const OffloadOptions& offload,
+                                           const PartitionOptions& partition) {
   std::vector<Candidate> out;
+  auto push = [&](std::string d, Schedule s) {
+    for (const Candidate& c : out)
+      if (c.schedule == s) return;
+    Prediction p = predict(s, costs, offload, partition);
+    out.push_back({std::move(d), std::move(s), std::move(p)});
+  };
+  auto push_partitioned = [&](const std::string& d, const Schedule& s) {
+    if (!partition.enabled()) return;
+    Schedule q = s;
+    place_partition(q, costs, partition);
+    if (q != s) push(d + ", partitioned " + std::to_string(partition.ways) + " ways", std::move(q));
+  };
   auto add = [&](std::string d, Schedule s) {
     // A policy that needs an option some stage lacks (full and sqrt checkpoint every stage)
     // is no candidate.
@@ -135,15 +157,13 @@ std::vector<Candidate> standard_candidates(const ChainCosts& costs, const Offloa
         Schedule h = s;
         place_offload(h, costs, keep);
         if (h == s) continue;
-        bool seen = false;
-        for (const Candidate& c : out) seen = seen || c.schedule == h;
-        if (seen) continue;
-        Prediction p = predict(h, costs, offload);
-        out.push_back({d + ", host holds but the last " + std::to_string(keep), std::move(h), std::move(p)});
+        const std::string hd = d + ", host holds but the last " + std::to_string(keep);
+        push_partitioned(hd, h);
+        push(hd, std::move(h));
       }
     }
-    Prediction p = predict(s, costs, offload);
-    out.push_back({std::move(d), std::move(s), std::move(p)});
+    push_partitioned(d, s);
+    push(std::move(d), std::move(s));
   };
   add("none", schedule_none(costs));
   add("full", schedule_full(costs));
@@ -239,6 +259,21 @@ Schedule schedule_selective(const ChainCosts& costs) {
   return compile(costs.num_stages(), seg);
 }
 
+void place_partition(Schedule& schedule, const ChainCosts& costs, const PartitionOptions& partition) {
+  PORTER_CHECK(partition.ways >= 1, "partition ways = ", partition.ways,
+               " must be >= 1 (porter.model.tensor_parallel)");
+  PORTER_CHECK_EQ(costs.num_stages(), schedule.num_stages, "place_partition: the costs' stages");
+  std::vector<bool> held(static_cast<size_t>(schedule.num_stages), false);
+  for (ScheduleOp& op : schedule.ops) {
+    if (op.stage < 0 || op.stage >= schedule.num_stages) continue;  // validate() names it
+    if (op.kind == Kind::kBackward) held[op.stage] = false;
+    if (op.kind != Kind::kForward || !op.hold_input) continue;
+    op.partition = partition.enabled() && !held[op.stage] && op.save != SaveOption::kKeep &&
+                   partitionable(costs.stages[op.stage], op.stage, partition.min_bytes);
+    held[op.stage] = true;
+  }
+}
+
 void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on_device) {
   PORTER_CHECK(keep_last_on_device >= 0, "porter.checkpointing.keep_last_on_device = ", keep_last_on_device,
                " must be >= 0");
@@ -275,6 +310,15 @@ OffloadOptions offload_options(const config::Config& config) {
   return o;
 }
 
+PartitionOptions partition_options(const config::Config& config) {
+  PartitionOptions o;
+  const bool on = config.activation_checkpointing && config.activation_checkpointing->partition_activations;
+  if (on && !config.porter.model.sequence_parallel) o.ways = static_cast<int>(config.porter.model.tensor_parallel);
+  o.min_bytes = static_cast<size_t>(std::max<int64_t>(0, config.porter.checkpointing.partition_min_bytes));
+  o.tp_bytes_per_s = config.porter.comm.sim_tp_gbps ? *config.porter.comm.sim_tp_gbps * 1e9 : 0.0;
+  return o;
+}
+
 std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,
                                  const Prediction* prediction) {
   std::vector<StagePlan> out(static_cast<size_t>(schedule.num_stages));
@@ -294,10 +338,16 @@ std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& cos
     seen[op.stage] = true;
     p.holds_input = p.holds_input || op.hold_input;
     if (op.offload) p.where = Where::kHost;
+    else if (op.partition) p.where = Where::kPartitioned;
+    p.partitioned = p.partitioned || op.partition;
   }
   if (prediction != nullptr && prediction->offload.timed) {
     const std::vector<double>& e = prediction->offload.exposed_by_stage;
     for (size_t i = 0; i < out.size() && i < e.size(); ++i) out[i].exposed_copy_s = e[i];
+  }
+  if (prediction != nullptr && prediction->offload.gather_timed) {
+    const std::vector<double>& e = prediction->offload.gather_exposed_by_stage;
+    for (size_t i = 0; i < out.size() && i < e.size(); ++i) out[i].exposed_gather_s = e[i];
   }
   return out;
 }
@@ -315,31 +365,37 @@ size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& cost
 }
 
 OffloadLayout plan_layout(const Schedule& schedule, const ChainCosts& costs,
-                          const OffloadOptions& offload) {
-  if (offload.enabled) {
-    return layout_offload(schedule, costs, offload.prefetch_depth, offload.contiguous);
+                          const OffloadOptions& offload, const PartitionOptions& partition) {
+  if (offload.enabled || has_stashed_holds(schedule)) {
+    return layout_offload(schedule, costs, offload.prefetch_depth, offload.contiguous, partition.ways);
   }
   OffloadLayout none;
   none.contiguous = offload.contiguous;
+  none.ways = partition.ways;
   return none;
 }
 
 Prediction predict(const Schedule& schedule, const ChainCosts& costs,
-                   const OffloadOptions& offload) {
-  if (!offload.enabled) return simulate(schedule, costs, sim_options(offload));
-  return simulate(schedule, costs, plan_layout(schedule, costs, offload), offload.link_bytes_per_s);
+                   const OffloadOptions& offload, const PartitionOptions& partition) {
+  if (!offload.enabled && !has_stashed_holds(schedule)) {
+    return simulate(schedule, costs, sim_options(offload, partition));
+  }
+  return simulate(schedule, costs, plan_layout(schedule, costs, offload, partition),
+                  offload.link_bytes_per_s, partition.tp_bytes_per_s);
 }
 
 // Note [Plan search]
 // Every loop around the Rotor program (checkpoint/rotor.h solves once) is here:
-//   reserve retries   schedule_rotor. With host holds the program does not charge the staged
-//                     copies alive ahead of their use (Note [Rotor recurrence] in rotor.cc),
-//                     so each result is simulated as the plan would run it (predict) and,
-//                     over budget, solved again within the budget less a reserve: first none,
-//                     then the overshoot measured, added up over four tries, then at least
-//                     depth x the largest offloadable input in staging slots (one slot more
-//                     with contiguous staging: the arena's slot for the copy in use). After
-//                     six tries, or when a reserve leaves nothing, the device-only program,
+//   reserve retries   schedule_rotor. With host or partitioned holds the program does not
+//                     charge the staged copies alive ahead of their use (Note [Rotor
+//                     recurrence] in rotor.cc), nor the moment at a partitioned hold's read
+//                     when its slice and gathered copy are both there, so each result is
+//                     simulated as the plan would run it (predict) and, over budget, solved
+//                     again within the budget less a reserve: first none, then the overshoot
+//                     measured, added up over four tries, then at least depth x the largest
+//                     staged copy in staging slots (one slot more with contiguous staging:
+//                     the arena's slot for the copy in use). After six tries, or when a
+//                     reserve leaves nothing, the device-only program without partitioning,
 //                     whose results the simulator always finds within the budget.
 //   budget bisection  minimum_candidate (minimum_budget_bytes, and make_plan when nothing
 //                     fits): a binary search on schedule_rotor's budget below the lowest
@@ -347,25 +403,38 @@ Prediction predict(const Schedule& schedule, const ChainCosts& costs,
 //                     discretisation, so it stops at 0.1% precision.
 
 std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
-                                       const OffloadOptions& offload) {
+                                       const OffloadOptions& offload,
+                                       const PartitionOptions& partition) {
   PORTER_CHECK(costs.num_stages() >= 1, "schedule_rotor: the chain has no stages");
+  PORTER_CHECK(partition.ways >= 1, "partition ways = ", partition.ways,
+               " must be >= 1 (porter.model.tensor_parallel)");
   // Note [Plan search]: the reserve retries.
-  if (offload.enabled) {
+  if (offload.enabled || partition.enabled()) {
     PORTER_CHECK(offload.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ",
                  offload.prefetch_depth, " must be >= 0");
     size_t largest = 0;
     for (int j = 1; j < costs.num_stages(); ++j) {
-      largest = std::max(largest, costs.stages[j].input_bytes);
+      const StageCost& st = costs.stages[j];
+      const bool part = partition.enabled() && partitionable(st, j, partition.min_bytes);
+      largest = std::max(largest, part ? static_cast<size_t>(partition.ways) *
+                                             partition_slice_bytes(st.input_bytes, partition.ways)
+                                       : st.input_bytes);
     }
     const size_t slot = round_up(largest, kStagingSlotAlignment);
     const size_t reserve =
         slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0));
-    const RotorOptions host{true, offload.prefetch_depth, offload.link_bytes_per_s};
+    RotorOptions options;
+    options.host_holds = offload.enabled;
+    options.prefetch_depth = offload.prefetch_depth;
+    options.link_bytes_per_s = offload.link_bytes_per_s;
+    options.partition_ways = partition.ways;
+    options.partition_min_bytes = partition.min_bytes;
+    options.tp_bytes_per_s = partition.tp_bytes_per_s;
     size_t r = 0;
     for (int attempt = 0; attempt < 6 && r < budget_bytes; ++attempt) {
-      std::optional<Schedule> s = solve_rotor(costs, budget_bytes - r, host);
+      std::optional<Schedule> s = solve_rotor(costs, budget_bytes - r, options);
       if (!s) break;  // a larger reserve leaves less
-      const size_t peak = predict(*s, costs, offload).peak_activation_bytes;
+      const size_t peak = predict(*s, costs, offload, partition).peak_activation_bytes;
       if (peak <= budget_bytes) return s;
       r = attempt < 4 ? r + (peak - budget_bytes) : std::max(r + (peak - budget_bytes), reserve);
     }
@@ -384,8 +453,9 @@ namespace {
 
 // The schedule with the lowest simulated peak among the optimal planner's candidates (Note
 // [Plan search]: the budget bisection).
-Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offload) {
-  std::vector<Candidate> all = standard_candidates(costs, offload);
+Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offload,
+                            const PartitionOptions& partition) {
+  std::vector<Candidate> all = standard_candidates(costs, offload, partition);
   auto lower = [](const Candidate& a, const Candidate& b) {
     return a.prediction.peak_activation_bytes < b.prediction.peak_activation_bytes;
   };
@@ -393,12 +463,12 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
   size_t lo = 0, hi = best.prediction.peak_activation_bytes;
   while (hi > lo + std::max<size_t>(1, hi / 1000)) {
     const size_t mid = lo + (hi - lo) / 2;
-    std::optional<Schedule> s = schedule_rotor(costs, mid, offload);
+    std::optional<Schedule> s = schedule_rotor(costs, mid, offload, partition);
     if (!s) {
       lo = mid;
       continue;
     }
-    Prediction p = predict(*s, costs, offload);
+    Prediction p = predict(*s, costs, offload, partition);
     if (p.peak_activation_bytes < best.prediction.peak_activation_bytes) {
       best = {"rotor", std::move(*s), std::move(p)};
     }
@@ -409,14 +479,18 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
 
 }  // namespace
 
-size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload) {
-  return minimum_candidate(costs, offload).prediction.peak_activation_bytes;
+size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload,
+                            const PartitionOptions& partition) {
+  return minimum_candidate(costs, offload, partition).prediction.peak_activation_bytes;
 }
 
 Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
   PORTER_CHECK(costs.num_stages() >= 1, "make_plan: the chain has no stages");
   const config::CheckpointingConfig& ck = options.checkpointing;
   const OffloadOptions& offload = options.offload;
+  const PartitionOptions& partition = options.partition;
+  PORTER_CHECK(partition.ways >= 1, "partition ways = ", partition.ways,
+               " must be >= 1 (porter.model.tensor_parallel)");
   Plan plan;
   plan.policy = ck.policy;
   plan.selective_policy = selective_policy(ck.selective_ops);
@@ -488,25 +562,39 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
                    "or a fraction of the no-checkpointing peak such as 0.5)");
       const size_t budget = resolve_budget(*b, costs);
       plan.budget_bytes = budget;
-      std::vector<Candidate> cands = standard_candidates(costs, offload);
-      if (offload.enabled) {
+      std::vector<Candidate> cands = standard_candidates(costs, offload, partition);
+      const bool stash = offload.enabled || partition.enabled();
+      if (stash) {
         // The device-only program too (a slow link may not pay), or where its discretisation
-        // finds nothing, the device-only minimum, so that offload never plans slower than
-        // the same budget without it.
+        // finds nothing, the device-only minimum, so that offload and partitioning never plan
+        // slower than the same budget without them.
         if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
-          Prediction p = predict(*r, costs, offload);
+          Prediction p = predict(*r, costs, offload, partition);
           cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
         } else {
-          Candidate m = minimum_candidate(costs, OffloadOptions{});
-          m.prediction = predict(m.schedule, costs, offload);
+          Candidate m = minimum_candidate(costs, OffloadOptions{}, PartitionOptions{});
+          m.prediction = predict(m.schedule, costs, offload, partition);
           cands.push_back(std::move(m));
         }
       }
-      if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload)) {
-        Prediction p = predict(*r, costs, offload);
+      if (offload.enabled && partition.enabled()) {
+        // The program with host holds but no partitioning too (a partitionable hold goes to
+        // the host only as its slice, which may not pay), so that partitioning never plans
+        // slower than the same budget without it.
+        if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload)) {
+          Prediction p = predict(*r, costs, offload, partition);
+          cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
+        } else {
+          Candidate m = minimum_candidate(costs, offload, PartitionOptions{});
+          m.prediction = predict(m.schedule, costs, offload, partition);
+          cands.push_back(std::move(m));
+        }
+      }
+      if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload, partition)) {
+        Prediction p = predict(*r, costs, offload, partition);
         cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
-      } else if (offload.enabled) {
-        cands.push_back(minimum_candidate(costs, offload));
+      } else if (stash) {
+        cands.push_back(minimum_candidate(costs, offload, partition));
       }
       const Candidate* best = nullptr;
       for (const Candidate& c : cands) {
@@ -517,7 +605,7 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       if (best == nullptr) {
         // The discretised DP may miss a schedule that fits exactly; the minimum search
         // (finer budgets) finds the lowest peak reachable.
-        minimum = minimum_candidate(costs, offload);
+        minimum = minimum_candidate(costs, offload, partition);
         if (minimum.prediction.peak_activation_bytes > budget) {
           throw InvalidArgument(std::string(kBudgetKey) + ": " + format_bytes(budget) +
                                 " is below the minimum feasible activation peak of " +
@@ -531,21 +619,36 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       break;
     }
   }
-  if (offload.enabled && ck.policy != config::CheckpointPolicy::kOptimal) {
-    place_offload(plan.schedule, costs, offload.keep_last_on_device);
+  if (ck.policy != config::CheckpointPolicy::kOptimal) {
+    if (offload.enabled) place_offload(plan.schedule, costs, offload.keep_last_on_device);
+    if (partition.enabled()) place_partition(plan.schedule, costs, partition);
   }
-  plan.sim = sim_options(offload);
-  plan.offload = plan_layout(plan.schedule, costs, offload);
-  plan.prediction = simulate(plan.schedule, costs, plan.offload, plan.sim.link_bytes_per_s);
+  plan.sim = sim_options(offload, partition);
+  plan.offload = plan_layout(plan.schedule, costs, offload, partition);
+  plan.prediction = simulate(plan.schedule, costs, plan.offload, plan.sim.link_bytes_per_s,
+                             plan.sim.tp_bytes_per_s);
   plan.stages = summarize(plan.schedule, costs, &plan.prediction);
+  size_t on_host = 0, partitioned = 0;
+  for (const StashEntry& e : plan.offload.entries) {
+    on_host += e.on_host ? 1 : 0;
+    partitioned += e.partitioned ? 1 : 0;
+  }
   if (offload.enabled) {
-    const size_t held = plan.offload.entries.size();
-    if (held == 0) {
+    if (on_host == 0) {
       plan.description += "; offload on, no checkpoint to offload";
     } else {
-      plan.description += "; " + std::to_string(held) + " checkpoint" + (held == 1 ? "" : "s") + " on host (" +
-                          format_bytes(plan.offload.offloaded_bytes) + "), prefetch depth " +
+      plan.description += "; " + std::to_string(on_host) + " checkpoint" + (on_host == 1 ? "" : "s") +
+                          " on host (" + format_bytes(plan.offload.offloaded_bytes) + "), prefetch depth " +
                           std::to_string(offload.prefetch_depth);
+    }
+  }
+  if (partition.enabled()) {
+    if (partitioned == 0) {
+      plan.description += "; partition on, no checkpoint of at least " + format_bytes(partition.min_bytes) +
+                          " to partition";
+    } else {
+      plan.description += "; " + std::to_string(partitioned) + " checkpoint" + (partitioned == 1 ? "" : "s") +
+                          " partitioned " + std::to_string(partition.ways) + " ways";
     }
   }
   return plan;

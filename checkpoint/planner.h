@@ -4,12 +4,13 @@
 //
 // The modules of checkpoint/ (each name.h + name.cc) depend on one another only downward:
 //   costs  <-  schedule  <-  offload_plan  <-  simulate  <-  planner
-//   costs  <-  schedule  <-  rotor  <-  planner
+//   costs  <-  schedule  <-  offload_plan  <-  rotor  <-  planner
 //   costs  <-  analytic
 // costs: the per-stage cost model. schedule: schedules, validate() and the replay of a
-// schedule over costs. offload_plan: the layout of host holds. simulate: the replay with
-// staging and copy timing. rotor: one solve of the dynamic program. planner: the policies,
-// the searches around rotor, and make_plan. analytic: the costs of the built-in GPT.
+// schedule over costs. offload_plan: the layout of host and partitioned holds. simulate: the
+// replay with staging, copy and gather timing. rotor: one solve of the dynamic program.
+// planner: the policies, the searches around rotor, and make_plan. analytic: the costs of the
+// built-in GPT.
 //
 // Note [Policies]
 // Stage granularity: the embedding, each block and the head of the GPT (any Layer of a
@@ -54,6 +55,35 @@
 // from the same config (offload::StashOptions) adopts it.
 // The plan's prediction then includes staging bytes, pinned bytes and, when the costs have
 // times and the link bandwidth is known, the exposed copy time per stage.
+//
+// Note [Partition placement]
+// With activation_checkpointing.partition_activations under tensor parallelism (t =
+// PartitionOptions::ways > 1, the held checkpoints replicated across the tp group), a held
+// input may be kept as this rank's 1/t slice and all-gathered before it is read (Note
+// [Partition semantics] in checkpoint/offload_plan.h). A hold is partitionable when its
+// stage is > 0 and its input has at least partition_min_bytes (partitionable()).
+//   standard policies  after place_offload, every partitionable hold (save != kKeep, the
+//                      first hold of its input), device or host, is partitioned
+//                      (place_partition): a device hold then costs slice_bytes on the device
+//                      until its gathered copy is fetched, a host hold copies only the slice.
+//   optimal            the Rotor program chooses, for each hold, among these placements:
+//                        device        a_i whole on the device;
+//                        partitioned   only the slice on the device (partitionable holds);
+//                        host          with offload on: on the host, as its slice when the
+//                                      hold is partitionable, else whole.
+//                      The program charges a partitioned hold its slice for the rest of the
+//                      subproblem and the gathered copy where it is read, and the gather time
+//                      that the backwards before the read cannot hide (docs/checkpointing.md).
+//                      Each result is simulated and retried below the budget like the offload
+//                      results (Note [Plan search] in planner.cc). make_plan keeps the fastest
+//                      that fits among it, the results of the program without partitioning
+//                      (device only, and with offload: host holds whole) and every standard
+//                      plan with and without partitioning (and offload), so a plan with
+//                      partitioning on is never predicted slower, nor over the budget, where
+//                      one without fits. With analytic costs (no times) a gather costs
+//                      nothing to the program and ties go to the whole device hold, so holds
+//                      are partitioned where that saves recompute.
+// The prediction's bytes are per rank, every rank of the group planning the same schedule.
 #pragma once
 
 #include <cstddef>
@@ -71,8 +101,8 @@
 
 namespace porter::checkpoint {
 
-// Where a stage's held input lives. kPartitioned (1/t per tensor-parallel rank) is never
-// planned: tensor parallelism is not supported yet.
+// Where a stage's held input lives: kPartitioned is this rank's 1/t slice on the device; a
+// partitioned host hold is kHost with StagePlan::partitioned.
 enum class Where : uint8_t { kDevice, kPartitioned, kHost };
 std::string_view where_name(Where w);  // "device", "partitioned", "host"
 
@@ -84,7 +114,9 @@ struct StagePlan {
   bool holds_input = false;  // its input is stored as a checkpoint
   int forwards = 1;          // forward runs per micro-batch (recomputes included)
   Where where = Where::kDevice;
+  bool partitioned = false;     // held as 1/t slices across the tp group (device or host)
   double exposed_copy_s = 0.0;  // predicted compute-stream wait for its copies (timed only)
+  double exposed_gather_s = 0.0;  // the same for its gathers (gather-timed only)
 };
 
 struct Plan {
@@ -95,8 +127,9 @@ struct Plan {
   std::optional<size_t> budget_bytes;  // optimal: the resolved budget
   Prediction prediction;
   std::string description;             // one line, e.g. "uniform: 3 segments of 4 blocks"
-  SimOptions sim;                      // what the prediction assumed (depth, link)
-  OffloadLayout offload;               // no entries without host holds; contiguous as planned
+  SimOptions sim;                      // what the prediction assumed (depth, links, ways)
+  OffloadLayout offload;               // no entries without host or partitioned holds;
+                                       // contiguous as planned
 };
 
 struct OffloadOptions {
@@ -108,15 +141,34 @@ struct OffloadOptions {
   SimOptions sim() const { return {prefetch_depth, link_bytes_per_s}; }
 };
 
+// Note [Partition placement].
+struct PartitionOptions {
+  // t when activation_checkpointing.partition_activations is on and the held checkpoints are
+  // replicated across the tensor-parallel group of t ranks (porter.model.tensor_parallel,
+  // without sequence_parallel); else 1: nothing is partitioned.
+  int ways = 1;
+  // porter.checkpointing.partition_min_bytes: a hold whose input is smaller stays whole.
+  size_t min_bytes = 65536;
+  // The tp link's bandwidth, for the gathers' time (porter.comm.sim_tp_gbps or measured);
+  // 0 unknown: gathers are not timed.
+  double tp_bytes_per_s = 0;
+  bool enabled() const { return ways > 1; }
+};
+
 struct PlanOptions {
   config::CheckpointingConfig checkpointing;
   // Overrides checkpointing.memory_budget (porter plan --budget); optimal only.
   std::optional<config::MemoryBudget> budget;
   OffloadOptions offload;
+  PartitionOptions partition;
 };
 
 // The offload options a config asks for (link_bytes_per_s from sim_link_gbps, else 0).
 OffloadOptions offload_options(const config::Config& config);
+// The partition options a config asks for: ways = porter.model.tensor_parallel with
+// partition_activations on and sequence_parallel off (under sequence_parallel the checkpoints
+// are already sharded), else 1; tp_bytes_per_s from porter.comm.sim_tp_gbps, else 0.
+PartitionOptions partition_options(const config::Config& config);
 
 // The OpPolicy of `selective_ops` (op kind names recomputed; empty: core attention).
 nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
@@ -126,18 +178,20 @@ nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
 Plan make_plan(const PlanOptions& options, const ChainCosts& costs);
 
 // The smallest activation peak any schedule the optimal planner considers can reach (with
-// host holds when `offload` is enabled): a bisection of schedule_rotor's budget below the
-// lowest standard peak (Note [Plan search] in planner.cc).
-size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload = {});
+// host holds when `offload` is enabled, partitioned ones when `partition` is): a bisection of
+// schedule_rotor's budget below the lowest standard peak (Note [Plan search] in planner.cc).
+size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload = {},
+                            const PartitionOptions& partition = {});
 
-// The layout make_plan gives `schedule`'s host holds under `offload`: layout_offload at its
-// prefetch depth and contiguity; with offload off, no entries and only the contiguity.
+// The layout make_plan gives `schedule`'s host and partitioned holds: layout_offload at the
+// offload options' prefetch depth and contiguity and the partition's ways; with offload off
+// and no partitioned hold, no entries and only the contiguity.
 OffloadLayout plan_layout(const Schedule& schedule, const ChainCosts& costs,
-                          const OffloadOptions& offload);
+                          const OffloadOptions& offload, const PartitionOptions& partition = {});
 
-// simulate() of `schedule` as make_plan predicts it under `offload` (its plan_layout, link).
+// simulate() of `schedule` as make_plan predicts it (its plan_layout, the links).
 Prediction predict(const Schedule& schedule, const ChainCosts& costs,
-                   const OffloadOptions& offload);
+                   const OffloadOptions& offload, const PartitionOptions& partition = {});
 
 // A budget as bytes: fractions are of the `none` plan's predicted peak.
 size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& costs);
@@ -153,12 +207,18 @@ Schedule schedule_selective(const ChainCosts& costs);
 // The Rotor/Rockmate DP (checkpoint/rotor.h) without the comparison with standard plans,
 // retried below the budget until its result fits under the simulator (Note [Plan search] in
 // planner.cc); nullopt when nothing fits. With `offload.enabled` it also chooses host holds
-// (Note [Offload placement]); its result then fits `budget_bytes` under predict(..., offload).
+// (Note [Offload placement]), with `partition.enabled()` partitioned ones (Note [Partition
+// placement]); its result then fits `budget_bytes` under predict(..., offload, partition).
 std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
-                                       const OffloadOptions& offload = {});
+                                       const OffloadOptions& offload = {},
+                                       const PartitionOptions& partition = {});
 
 // Marks host holds on a standard policy's schedule (Note [Offload placement]).
 void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on_device);
+// Marks partitioned holds on a standard policy's schedule (Note [Partition placement]): every
+// first hold with save != kKeep whose stage is partitionable, when partition.ways > 1 (with
+// ways 1, clears every mark). Device and host holds alike.
+void place_partition(Schedule& schedule, const ChainCosts& costs, const PartitionOptions& partition);
 
 // The per-stage summary of any schedule; exposed copy times from `prediction` when given.
 std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,

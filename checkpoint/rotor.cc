@@ -41,6 +41,15 @@ namespace {
 // it is back on the device: the Recompute(s) / Backward(s) of F_all, and the whole of
 // C(s, i-1), whose first op reads it. (A ck context never holds on the host: a_s is already
 // held.) Leaves have no host variant: nothing runs between the hold and the read.
+// Partitioned holds (RotorOptions::partition_ways > 1; Note [Partition placement] in
+// planner.h). In a fresh context with a_s partitionable, F_all(o != keep) and F_ck(i) gain a
+// partitioned variant: the Forward of s holds only the slice (sl bytes) of a_s, so a_s + sl
+// is charged at that forward, sl (instead of a_s) in the subproblem that follows, and where
+// a_s is back the gathered copy (g = t x sl bytes >= a_s): at Recompute(s) / Backward(s) of
+// F_all (with the slice too at the fetch, sl + g), and g - a_s more throughout C(s, i-1) of
+// F_ck. The host variant of a partitionable hold is a partitioned host hold: its staged copy
+// is g and its copies move sl bytes. The time of a partitioned variant adds the gather
+// ((t-1) x sl / tp link) to the read-back that the depth backwards before the use may hide.
 // Two things the recurrence does not see, and how they are made safe or approximated:
 //   prefetch  a staged copy is alive from its prefetch op, up to `prefetch_depth` reads
 //             ahead of its use (and the contiguous arena always). The planner's
@@ -58,6 +67,7 @@ namespace {
 constexpr int kLeafRecompute = kNumSaveOptions;  // choice codes 0..2: an option
 constexpr int kCheckpointAt = 16;                // + i: F_ck(i)
 constexpr int kHost = 1 << 24;                   // | choice: the host variant
+constexpr int kPart = 1 << 25;                   // | choice: the partitioned (device) variant
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class Rotor {
@@ -108,10 +118,22 @@ class Rotor {
     }
     b_prefix_.assign(static_cast<size_t>(n_) + 1, 0.0);
     for (int j = 0; j < n_; ++j) b_prefix_[j + 1] = b_prefix_[j] + b_[j];
+    const bool tp_timed = costs.has_times() && options.tp_bytes_per_s > 0.0;
+    const int ways = std::max(1, options.partition_ways);
     for (int j = 0; j < n_; ++j) {
-      const double bytes = static_cast<double>(costs.stages[j].input_bytes);
+      const StageCost& st = costs.stages[j];
+      const bool part = ways > 1 && partitionable(st, j, options.partition_min_bytes);
+      const size_t slice = part ? partition_slice_bytes(st.input_bytes, ways) : 0;
+      part_.push_back(part);
+      slice_.push_back(to_slots(slice));
+      staged_.push_back(part ? to_slots(static_cast<size_t>(ways) * slice) : in_[j]);
+      // A partitionable hold goes to the host as its slice.
+      const double bytes = static_cast<double>(part ? slice : st.input_bytes);
       copy_s_.push_back(timed ? bytes / options.link_bytes_per_s : 0.0);
-      can_host_.push_back(host_ && j > 0 && costs.stages[j].input_bytes > 0);
+      gather_s_.push_back(tp_timed ? static_cast<double>(ways - 1) * static_cast<double>(slice) /
+                                         options.tp_bytes_per_s
+                                   : 0.0);
+      can_host_.push_back(host_ && j > 0 && st.input_bytes > 0);
     }
     cost_.assign(static_cast<size_t>(n_) * n_ * (m_ + 1), kInf);
     choice_.assign(cost_.size(), -1);
@@ -146,15 +168,18 @@ class Rotor {
   // The input of C(j, t) alive after it when it was a ck leaf (see the Note).
   int64_t stale_cur(int j, int t) const { return j == t && t < n_ - 1 ? in_[j] : 0; }
   const Opt& opt(int o, int j) const { return opt_[o][j]; }
-  // The exposed copy time of holding a_s on the host when it is next read after the backward
-  // of stage `next` (s+1 for F_all, i for F_ck(i)).
-  double host_cost(int s, int next) const {
-    const double c = copy_s_[s];
-    if (c == 0.0) return 0.0;
-    const double d2h = std::max(0.0, c - fwd_after_[s + 1]);
-    if (depth_ == 0) return d2h + c;
+  // The exposed transfer time of holding a_s on the host (`host`) or partitioned on the device
+  // when it is next read after the backward of stage `next` (s+1 for F_all, i for F_ck(i)):
+  // the copies of a host hold, the gather of a partitioned one (a host hold of a
+  // partitionable stage is both).
+  double transfer_cost(int s, int next, bool host) const {
+    const double c = host ? copy_s_[s] : 0.0;
+    const double g = part_[s] ? gather_s_[s] : 0.0;
+    if (c == 0.0 && g == 0.0) return 0.0;
+    const double d2h = host ? std::max(0.0, c - fwd_after_[s + 1]) : 0.0;
+    if (depth_ == 0) return d2h + c + g;
     const int end = std::min(n_, next + depth_);
-    return d2h + std::max(0.0, c - (b_prefix_[end] - b_prefix_[next]));
+    return d2h + std::max(0.0, c + g - (b_prefix_[end] - b_prefix_[next]));
   }
 
   void fill(int s, int t, int m) {
@@ -182,23 +207,36 @@ class Rotor {
         if (a + st + std::max(p.rc_peak, p.rc_saved) <= m) consider(p.r + b_[s], kLeafRecompute);
       }
     } else {
-      // Host variants only where a_s is not held yet: the fresh context (see the Note).
+      // Host and partitioned variants only where a_s is not held yet: the fresh context (see
+      // the Note). A stashed hold's read-back stages g = staged_[s] (a_s, or the gathered copy
+      // of a partitionable one).
       const bool host = can_host_[s] && t == n_ - 1;
+      const bool part = part_[s] && t == n_ - 1;
+      const int64_t g = staged_[s];
+      const int64_t sl = slice_[s];
       for (int o = 0; o < kNumSaveOptions; ++o) {
         const Opt& p = opt(o, s);
         if (!p.available || a + st + p.fwd_peak > m) continue;
-        const int64_t after = a + p.saved;
-        if (o != 0 && after + std::max(p.rc_peak + stale_cur(s + 1, t), p.rc_saved) > m) continue;
+        const int64_t rc = o != 0 ? std::max(p.rc_peak + stale_cur(s + 1, t), p.rc_saved) : 0;
         const double own = p.f + (o != 0 ? p.r : 0.0) + b_[s];
-        const double sub = at(s + 1, t, m - after);
-        if (sub < kInf) consider(own + sub, o);
-        if (host && o != 0) {
+        if (o == 0 || a + p.saved + rc <= m) {
+          const double sub = at(s + 1, t, m - a - p.saved);
+          if (sub < kInf) consider(own + sub, o);
+        }
+        if (o == 0) continue;  // a keep forward holds nothing
+        if (part && a + sl + st + p.fwd_peak <= m && g + p.saved + rc <= m &&
+            g + sl + p.saved + stale_cur(s + 1, t) <= m) {
+          const double psub = at(s + 1, t, m - sl - p.saved);
+          if (psub < kInf) consider(own + psub + transfer_cost(s, s + 1, false), o | kPart);
+        }
+        if (host && g + p.saved + rc <= m) {
           const double hsub = at(s + 1, t, m - p.saved);
-          if (hsub < kInf) consider(own + hsub + host_cost(s, s + 1), o | kHost);
+          if (hsub < kInf) consider(own + hsub + transfer_cost(s, s + 1, true), o | kHost);
         }
       }
       double fwd = 0.0;
-      int64_t fneed = 0, hneed = 0;  // the pass's peak with a_s held on device / on host
+      // The pass's peak with a_s held on device / on host / partitioned.
+      int64_t fneed = 0, hneed = 0, pneed = 0;
       for (int i = s + 1; i <= t; ++i) {
         const int j = i - 1;  // the last stage of the kCheckpoint pass
         const Opt& p = opt(2, j);
@@ -207,16 +245,30 @@ class Rotor {
         const int64_t rest = (ck_prefix_[j] - ck_prefix_[s]) + p.fwd_peak + st;
         fneed = std::max(fneed, a + (j > s ? in_[j] : 0) + rest);
         hneed = std::max(hneed, (j > s ? in_[j] : a) + rest);
-        if ((host ? hneed : fneed) > m) break;
+        pneed = std::max(pneed, (j > s ? in_[j] : a) + sl + rest);
+        const bool f_ok = fneed <= m;
+        const bool h_ok = host && hneed <= m;
+        const bool p_ok = part && pneed <= m;
+        if (!f_ok && !h_ok && !p_ok) break;
+        const int64_t ck = ck_prefix_[i] - ck_prefix_[s];
         const double sub2 = at(s, i - 1, m - stale_cur(i, t));
-        if (sub2 == kInf) continue;
-        if (fneed <= m) {
-          const double sub1 = at(i, t, m - a - (ck_prefix_[i] - ck_prefix_[s]));
+        // C(s, i-1) reads the staged copy, g - a_s more than it charges for a_s.
+        const double sub2_staged = g > a ? at(s, i - 1, m - stale_cur(i, t) - (g - a)) : sub2;
+        if (f_ok && sub2 < kInf) {
+          const double sub1 = at(i, t, m - a - ck);
           if (sub1 < kInf) consider(fwd + sub1 + sub2, kCheckpointAt + i);
         }
-        if (host) {
-          const double hsub1 = at(i, t, m - (ck_prefix_[i] - ck_prefix_[s]));
-          if (hsub1 < kInf) consider(fwd + hsub1 + sub2 + host_cost(s, i), (kCheckpointAt + i) | kHost);
+        if (p_ok && sub2_staged < kInf) {
+          const double psub1 = at(i, t, m - sl - ck);
+          if (psub1 < kInf) {
+            consider(fwd + psub1 + sub2_staged + transfer_cost(s, i, false), (kCheckpointAt + i) | kPart);
+          }
+        }
+        if (h_ok && sub2_staged < kInf) {
+          const double hsub1 = at(i, t, m - ck);
+          if (hsub1 < kInf) {
+            consider(fwd + hsub1 + sub2_staged + transfer_cost(s, i, true), (kCheckpointAt + i) | kHost);
+          }
         }
       }
     }
@@ -229,25 +281,29 @@ class Rotor {
     const int code = choice_[idx(s, t, m)];
     PORTER_ASSERT(code >= 0, "rotor: no choice for C(", s, ", ", t, ", ", m, ")");
     const bool host = (code & kHost) != 0;
-    const int c = code & ~kHost;
-    // A host hold's input is not charged in the subproblem that follows (see the Note).
-    const int64_t a = host ? 0 : in_[s];
+    const bool part = (code & kPart) != 0;
+    const int c = code & ~(kHost | kPart);
+    // A host hold's input is not charged in the subproblem that follows, a partitioned one's
+    // slice is (see the Note); a host hold of a partitionable stage is partitioned.
+    const int64_t a = host ? 0 : part ? slice_[s] : in_[s];
+    const bool sliced = part || (host && part_[s]);
+    const int64_t staged_extra = sliced ? staged_[s] - in_[s] : 0;
     if (c == kLeafRecompute) {
       ops.push_back(ScheduleOp::recompute(s));
       ops.push_back(ScheduleOp::backward(s));
     } else if (c < kNumSaveOptions) {
       const auto o = static_cast<SaveOption>(c);
-      ops.push_back(ScheduleOp::forward(s, o, o != SaveOption::kKeep, host));
+      ops.push_back(ScheduleOp::forward(s, o, o != SaveOption::kKeep, host, sliced));
       if (s < t) emit(s + 1, t, m - a - opt(c, s).saved, ops);
       if (o != SaveOption::kKeep) ops.push_back(ScheduleOp::recompute(s));
       ops.push_back(ScheduleOp::backward(s));
     } else {
       const int i = c - kCheckpointAt;
       for (int j = s; j < i; ++j) {
-        ops.push_back(ScheduleOp::forward(j, SaveOption::kCheckpoint, j == s, j == s && host));
+        ops.push_back(ScheduleOp::forward(j, SaveOption::kCheckpoint, j == s, j == s && host, j == s && sliced));
       }
       emit(i, t, m - a - (ck_prefix_[i] - ck_prefix_[s]), ops);
-      emit(s, i - 1, m - stale_cur(i, t), ops);
+      emit(s, i - 1, m - stale_cur(i, t) - std::max<int64_t>(0, staged_extra), ops);
     }
   }
 
@@ -264,8 +320,14 @@ class Rotor {
   std::vector<int64_t> ck_prefix_;  // prefix sums of kCheckpoint saved slots
   std::vector<double> fwd_after_;   // forward time of stages j..n-1 (their fastest option)
   std::vector<double> b_prefix_;    // prefix sums of backward times
-  std::vector<double> copy_s_;      // a_j / link (0 without times or link)
+  std::vector<double> copy_s_;      // a_j (its slice when partitionable) / link (0 without
+                                    // times or link)
   std::vector<bool> can_host_;      // a_j may be held on the host
+  std::vector<bool> part_;          // a_j may be partitioned
+  std::vector<int64_t> slice_;      // slots of a_j's slice (0 unless partitionable)
+  std::vector<int64_t> staged_;     // slots of a_j's staged read-back (the gathered copy when
+                                    // partitionable, else in_[j])
+  std::vector<double> gather_s_;    // (t-1) x slice / tp link (0 without times or tp link)
   std::vector<double> cost_;
   std::vector<int> choice_;
 };

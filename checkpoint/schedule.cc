@@ -23,7 +23,7 @@ std::string op_string(const ScheduleOp& op) {
   switch (op.kind) {
     case ScheduleOp::Kind::kForward:
       return "F" + std::to_string(op.stage) + option_letter(op.save) +
-             (op.offload ? "^" : op.hold_input ? "+" : "");
+             (op.offload ? "^" : op.hold_input ? "+" : "") + (op.partition ? "/" : "");
     case ScheduleOp::Kind::kRecompute: return "R" + std::to_string(op.stage);
     case ScheduleOp::Kind::kBackward: return "B" + std::to_string(op.stage);
   }
@@ -38,7 +38,7 @@ struct StageTape {
   bool refs_input = false;
   bool refs_output = false;
   size_t extra_bytes = 0;  // saved bytes beyond the stage's input and output
-  // The input the tape references is the staged copy of a host hold (counted as staging).
+  // The input the tape references is the staged copy of a stashed hold (counted as staging).
   bool input_staged = false;
 };
 
@@ -47,11 +47,12 @@ struct StageTape {
 // schedule.h).
 class Replay {
  public:
-  // `staging`: the staged copies of host holds (Note [Offload semantics]).
+  // `staging`: the stash's bytes of host and partitioned holds (Note [Offload semantics],
+  // Note [Partition semantics]).
   Replay(const Schedule& s, const ChainCosts* costs, const Staging* staging = nullptr)
       : schedule_(s), costs_(costs), staging_(staging), n_(s.num_stages),
         held_(static_cast<size_t>(std::max(n_, 0)), false),
-        held_host_(static_cast<size_t>(std::max(n_, 0)), false),
+        held_stash_(static_cast<size_t>(std::max(n_, 0)), false),
         tapes_(static_cast<size_t>(std::max(n_, 0))), forwards_(static_cast<size_t>(std::max(n_, 0)), 0),
         g_(n_) {}
 
@@ -66,6 +67,8 @@ class Replay {
       after_ = false;
       if (costs_ != nullptr) {
         pred_.offload.peak_staging_bytes = std::max(pred_.offload.peak_staging_bytes, staging_bytes());
+        pred_.offload.peak_slice_bytes =
+            std::max(pred_.offload.peak_slice_bytes, slice_bytes() + freed_at_fetch());
       }
       apply(static_cast<int>(k), schedule_.ops[k]);
     }
@@ -98,11 +101,12 @@ class Replay {
     return j < n_ ? costs_->stages[j].input_bytes : costs_->stages[n_ - 1].output_bytes;
   }
 
-  // A host hold is not alive as a checkpoint: its a_i left with the D2H copy, and its staged
-  // copy (also when a tape references it) is counted by staging_bytes().
+  // A stashed hold (host or partitioned) is not alive as a checkpoint: its a_i left with the
+  // D2H copy or was sliced, and its slice and staged copy (also when a tape references it)
+  // are counted by the windows (slice_bytes(), staging_bytes()).
   bool alive(int j) const {
     if (cur_ == j) return true;
-    if (j < n_ && held_[j] && !held_host_[j]) return true;
+    if (j < n_ && held_[j] && !held_stash_[j]) return true;
     if (j < n_ && tapes_[j].state != TapeState::kEmpty && tapes_[j].refs_input && !tapes_[j].input_staged) {
       return true;
     }
@@ -115,20 +119,39 @@ class Replay {
     for (int j = 0; j <= n_; ++j)
       if (alive(j)) total += act_bytes(j);
     for (const StageTape& t : tapes_) total += t.extra_bytes;
-    return total + staging_bytes();
+    return total + staging_bytes() + slice_bytes();
   }
 
-  // Staging in the footprint at the start of op op_ (after_ false) or after it (after_ true):
-  // a window's bytes from just before its first op to just after its last; the arena
-  // throughout.
-  size_t staging_bytes() const {
+  // The stash's bytes in the footprint at the start of op op_ (after_ false) or after it
+  // (after_ true): a window's bytes from just before its first op to just after its last (an
+  // until_fetch window: until just before its last); the arenas throughout.
+  size_t window_bytes(bool slices) const {
     if (staging_ == nullptr) return 0;
-    size_t total = staging_->arena_bytes;
+    size_t total = slices ? staging_->slice_arena_bytes : staging_->arena_bytes;
     for (const StagingWindow& w : staging_->windows) {
-      if (op_ < w.first_op) continue;
-      if (after_ ? op_ < w.last_op : op_ <= w.last_op) total += w.bytes;
+      if (w.slice != slices || op_ < w.first_op) continue;
+      const bool in = w.until_fetch ? op_ < w.last_op : after_ ? op_ < w.last_op : op_ <= w.last_op;
+      if (in) total += w.bytes;
     }
     return total;
+  }
+  size_t staging_bytes() const { return window_bytes(false); }
+  size_t slice_bytes() const { return window_bytes(true); }
+  // The bytes fetch() frees before op op_ runs, after that op's prefetches allocated theirs.
+  size_t freed_at_fetch() const {
+    if (staging_ == nullptr) return 0;
+    size_t total = 0;
+    for (const StagingWindow& w : staging_->windows)
+      if (w.until_fetch && w.last_op == op_ && w.first_op < op_) total += w.bytes;
+    return total;
+  }
+  // The moment before op k in which the slices its fetch frees are still there
+  // (StagingWindow::until_fetch), as a peak of op k.
+  void note_fetch_moment(int k) {
+    const size_t freed = freed_at_fetch();
+    if (freed == 0) return;
+    const size_t moment = footprint() + freed;
+    note_peak(k, moment, moment + grad_bytes());
   }
 
   // The activation gradient alive between stages: that of a_g (none for the loss).
@@ -166,17 +189,23 @@ class Replay {
           fail(k, op, "the tape of stage " + std::to_string(i) + " is already full; a forward would "
                       "discard it");
         }
-        if (op.offload) {
-          if (!op.hold_input) fail(k, op, "a host hold (offload) needs hold_input");
-          if (op.save == SaveOption::kKeep) {
-            fail(k, op, "a host hold needs save option selective or checkpoint (a keep tape references "
-                        "its input, so offloading it would free nothing)");
+        if (op.stashed()) {
+          // The same rules for both: the stash takes a_i away from the device.
+          const char* what = op.offload ? "a host hold" : "a partitioned hold";
+          if (!op.hold_input) {
+            fail(k, op, std::string(what) + (op.offload ? " (offload)" : " (partition)") + " needs hold_input");
           }
-          if (i == 0) fail(k, op, "a host hold needs stage > 0 (a_0 is the token ids, not an activation)");
-          if (held_[i]) fail(k, op, "a host hold of a_" + std::to_string(i) + ", which is already held");
+          if (op.save == SaveOption::kKeep) {
+            fail(k, op, std::string(what) + " needs save option selective or checkpoint (a keep tape "
+                        "references its input, so stashing it would free nothing)");
+          }
+          if (i == 0) {
+            fail(k, op, std::string(what) + " needs stage > 0 (a_0 is the token ids, not an activation)");
+          }
+          if (held_[i]) fail(k, op, std::string(what) + " of a_" + std::to_string(i) + ", which is already held");
         }
-        const bool staged_input = cur_ != i && held_host_[i];
-        if (op.hold_input && !held_[i]) held_host_[i] = op.offload;
+        const bool staged_input = cur_ != i && held_stash_[i];
+        if (op.hold_input && !held_[i]) held_stash_[i] = op.stashed();
         if (op.hold_input) held_[i] = true;
         tape = StageTape{};  // a repeated forward replaces a partial tape
         tape.input_staged = staged_input;
@@ -184,6 +213,7 @@ class Replay {
         if (costs_ != nullptr) {
           const StageCost& st = costs_->stages[i];
           const OptionCost& c = option_cost(k, op, i, op.save);
+          note_fetch_moment(k);
           const size_t start = footprint();
           note_peak(k, start + c.forward_peak_bytes, start + grad_bytes() + c.forward_total_peak_bytes);
           tape.extra_bytes = c.saved_bytes;
@@ -214,6 +244,7 @@ class Replay {
         if (costs_ != nullptr) {
           const OptionCost& c = option_cost(k, op, i, tape.option);
           const OptionCost& keep = costs_->stages[i].option(SaveOption::kKeep);
+          note_fetch_moment(k);
           const size_t start = footprint();
           note_peak(k, start + c.recompute_peak_bytes,
                     start + grad_bytes() + c.recompute_total_peak_bytes);
@@ -221,7 +252,7 @@ class Replay {
           // A completed tape holds what a kKeep forward saves, references included.
           tape.refs_input = keep.tape_refs_input;
           tape.refs_output = keep.tape_refs_output;
-          tape.input_staged = cur_ != i && held_host_[i];
+          tape.input_staged = cur_ != i && held_stash_[i];
           pred_.compute_s += c.recompute_s;
           op_s_.push_back(c.recompute_s);
           pred_.recompute_s += c.recompute_s;
@@ -251,7 +282,7 @@ class Replay {
         }
         tape = StageTape{};
         held_[i] = false;
-        held_host_[i] = false;
+        held_stash_[i] = false;
         g_ = i;
         break;
       }
@@ -266,7 +297,7 @@ class Replay {
   int n_;
   int cur_ = 0;  // index j of the current activation a_j; -1 for none. a_0 = the tokens.
   std::vector<bool> held_;
-  std::vector<bool> held_host_;  // held_[i] is a host hold (Note [Offload semantics])
+  std::vector<bool> held_stash_;  // held_[i] is a host or partitioned hold (the stash's)
   std::vector<StageTape> tapes_;
   std::vector<int> forwards_;
   int g_;

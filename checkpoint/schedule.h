@@ -29,6 +29,14 @@
 // kKeep (a full tape references its input, so nothing would be freed), i > 0 (token ids
 // are not activations) and a_i not already held (a re-forward of a held input keeps it where
 // it is).
+// Partition: Forward(i, save, hold, offload, partition) keeps only this rank's 1/t slice of
+// a_i (t = the tensor-parallel group's size; Note [Partition semantics] in
+// checkpoint/offload_plan.h): on the device (category `checkpoints`), or with offload on the
+// host, and the tp group all-gathers the whole a_i into a staging buffer before the first
+// later op that reads held[i]. For this replay a partitioned hold is like a host hold: a_i is
+// not retagged and is dropped like an unheld cur, and the stash's bytes (slice and staging)
+// come in as windows (Note [One replay]). It has the host hold's requirements: save != kKeep,
+// i > 0 and a_i not already held.
 // `cur` is dropped when a forward replaces it and nothing else references it (held, or a
 // tape's input/output reference), at the start of Backward(i) when it is a_{i+1}, and at
 // once for the loss. A cur that is a_i stays alive through Backward(i) until the next op
@@ -56,10 +64,16 @@ struct ScheduleOp {
   SaveOption save = SaveOption::kKeep;  // kForward only
   bool hold_input = false;              // kForward only
   bool offload = false;                 // kForward with hold_input: held on the host
+  bool partition = false;               // kForward with hold_input: only this rank's slice
+                                        // is held (on the host too with offload)
   bool operator==(const ScheduleOp&) const = default;
+  // Held by the checkpoint stash (offload/stash.h) rather than as a plain device tensor.
+  bool stashed() const { return offload || partition; }
 
-  static ScheduleOp forward(int stage, SaveOption save, bool hold_input, bool offload = false) {
-    return {Kind::kForward, stage, save, hold_input, hold_input && offload};
+  static ScheduleOp forward(int stage, SaveOption save, bool hold_input, bool offload = false,
+                            bool partition = false) {
+    return {Kind::kForward, stage, save, hold_input, hold_input && offload,
+            hold_input && partition};
   }
   static ScheduleOp recompute(int stage) { return {Kind::kRecompute, stage}; }
   static ScheduleOp backward(int stage) { return {Kind::kBackward, stage}; }
@@ -68,8 +82,9 @@ struct ScheduleOp {
 struct Schedule {
   int num_stages = 0;
   std::vector<ScheduleOp> ops;
-  // "F0k+ F1c^ F2c R2 B2 ..." (k/s/c = keep/selective/checkpoint, + = hold input on
-  // device, ^ = hold input on host).
+  // "F0k+ F1c^ F2c+/ F3c^/ F4c R4 B4 ..." (k/s/c = keep/selective/checkpoint, + = hold input
+  // on device, ^ = hold input on host, a trailing / = only this rank's 1/t slice is held:
+  // partitioned across the tensor-parallel group).
   std::string to_string() const;
   bool operator==(const Schedule&) const = default;
 };
@@ -77,14 +92,21 @@ struct Schedule {
 // Throws InvalidArgument naming the first op that breaks Note [Schedule semantics].
 void validate(const Schedule& schedule);
 
-// What the simulator predicts for the offload of one micro-batch (zero without host holds).
-// replay() sets peak_staging_bytes; simulate() (checkpoint/simulate.h) the rest.
+// What the simulator predicts for the offload of one micro-batch (zero without host holds),
+// per rank. replay() sets peak_staging_bytes and peak_slice_bytes; simulate()
+// (checkpoint/simulate.h) the rest.
 struct OffloadPrediction {
-  size_t d2h_bytes = 0;             // bytes copied to host (= offloaded bytes)
+  size_t d2h_bytes = 0;             // bytes copied to host (= offloaded bytes; a partitioned
+                                    // host hold copies its slice)
   size_t h2d_bytes = 0;             // bytes copied back (a hold never read back is not)
   size_t pinned_bytes = 0;          // pinned host memory the micro-batch needs
   size_t peak_staging_bytes = 0;    // staging bytes in the footprint at once, at most
                                     // (the whole arena with contiguous staging)
+  size_t peak_slice_bytes = 0;      // partition slices on the device at once, at most
+                                    // (category `checkpoints`; the whole slice arena with
+                                    // contiguous staging)
+  int gathers = 0;                  // all-gathers of partitioned holds (one per read-back)
+  size_t gathered_bytes = 0;        // payload this rank receives: (t-1) x slice per gather
   // Only when the costs have times and the link bandwidth is known (SimOptions). The model
   // (Note [Offload timing] in simulate.cc, docs/offload.md): a compute clock T advances by
   // each op's time (forward_s of its option, recompute_s, backward_s). Entry e's D2H copy
@@ -93,11 +115,20 @@ struct OffloadPrediction {
   // end, the H2D stream free), lasting bytes / link. At the start of use_op the compute
   // stream waits max(0, H2D end - T), which is added to T, to exposed_s and to
   // exposed_by_stage[e.stage]. Prediction::compute_s and recompute_s never include waits;
-  // the step's predicted time is compute_s + exposed_s.
+  // the step's predicted time is compute_s + exposed_s + gather_exposed_s.
+  // Partitioned holds (Note [Partition timing] in simulate.cc): a host slice's copies are
+  // timed as above, with the slice's bytes; the gather then runs on the tp link, and the
+  // wait at use_op is split into the part before the H2D copy ends (exposed_s) and the rest
+  // (gather_exposed_s).
   bool timed = false;
   double copy_busy_s = 0.0;         // D2H + H2D link time (sum of copy durations)
   double exposed_s = 0.0;           // time the compute stream waits for copies
   std::vector<double> exposed_by_stage;  // per stage (the stage whose input waited)
+  // Only when the costs have times and the tp link's bandwidth is known.
+  bool gather_timed = false;
+  double gather_busy_s = 0.0;       // tp comm-stream time of the gathers
+  double gather_exposed_s = 0.0;    // time the compute stream waits for gathers
+  std::vector<double> gather_exposed_by_stage;
   // 1 - exposed / copy_busy (1 when there is nothing to copy).
   double hidden_fraction() const {
     return copy_busy_s > 0 ? 1.0 - exposed_s / copy_busy_s : 1.0;
@@ -128,17 +159,25 @@ struct Prediction {
 // (checkpoint/simulate.h) hands it the layout's staging as plain windows, so that this module
 // needs nothing of the layout.
 //
-// Staged copies that replay() adds to the footprint: the host holds' copies on their way
-// back (Note [Offload semantics] in checkpoint/offload_plan.h says which ops bound them). A
-// window counts `bytes` from just before op `first_op` to just after op `last_op`;
-// `arena_bytes` counts for the whole micro-batch (contiguous staging).
+// The stash's bytes that replay() adds to the footprint: the host holds' copies on their way
+// back and the partitioned holds' slices and gathered copies (Note [Offload semantics] and
+// Note [Partition semantics] in checkpoint/offload_plan.h say which ops bound them). A
+// window counts `bytes` from just before op `first_op` to just after op `last_op`; with
+// `until_fetch` it counts until just before op `last_op` instead, after the allocations
+// made before that op (a slice freed by fetch(), after that op's prefetches): the replay
+// then also checks the footprint at that moment, start of `last_op` + `bytes`, as a peak of
+// the op. `slice` windows are partition slices (category `checkpoints`), the others staging.
+// `arena_bytes` and `slice_arena_bytes` count for the whole micro-batch (contiguous staging).
 struct StagingWindow {
   int first_op = 0;
   int last_op = 0;
   size_t bytes = 0;
+  bool slice = false;
+  bool until_fetch = false;
 };
 struct Staging {
   size_t arena_bytes = 0;
+  size_t slice_arena_bytes = 0;
   std::vector<StagingWindow> windows;
 };
 

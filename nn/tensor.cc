@@ -84,6 +84,17 @@ Tensor Tensor::reshape(Shape shape) const {
   return t;
 }
 
+Tensor Tensor::reinterpret(Shape shape, DType dtype) const {
+  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  PORTER_CHECK(bytes <= nbytes(), "reinterpret of ", nbytes(), " bytes (", shape_.to_string(), " ",
+               dtype_name(dtype_), ") as ", shape.to_string(), " ", dtype_name(dtype), ", which needs ",
+               bytes, " bytes");
+  Tensor t = *this;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  return t;
+}
+
 Tensor Tensor::slice(int64_t begin, int64_t end) const {
   PORTER_CHECK_GE(rank(), 1, "slice of a scalar");
   PORTER_CHECK(0 <= begin && begin <= end && end <= shape_[0], "slice [", begin, ", ", end,

@@ -73,6 +73,10 @@ class Tensor {
   Tensor reshape(Shape shape) const;
   // Rows [begin, end) along dimension 0.
   Tensor slice(int64_t begin, int64_t end) const;
+  // Same memory (ownership shared), its first shape.numel() x dtype_size(dtype) bytes as
+  // `shape` and `dtype`: a byte buffer seen as the tensor it holds (the gathered copy of a
+  // partitioned checkpoint). Throws InvalidArgument when that is more than nbytes().
+  Tensor reinterpret(Shape shape, DType dtype) const;
 
   // Whether this tensor owns (shares ownership of) its memory.
   bool owns_memory() const { return storage_ != nullptr; }

@@ -1,4 +1,4 @@
-// Tensor: shapes, reshape, slice, from_blob, typed access and host transfers.
+// Tensor: shapes, reshape, slice, reinterpret, from_blob, typed access and host transfers.
 #include "nn/tensor.h"
 
 #include <gmock/gmock.h>
@@ -48,6 +48,26 @@ TEST(TensorTest, ReshapeAndSliceShareMemory) {
   EXPECT_THROW(t.slice(3, 5), InvalidArgument);
   Tensor e = t.slice(2, 2);
   EXPECT_EQ(e.numel(), 0);
+}
+
+TEST(TensorTest, ReinterpretViewsTheFirstBytesAsAnotherTensor) {
+  Env env;
+  Tensor words = Tensor::empty(*env.allocator, {8}, DType::kI32, memory::Category::kStaging);
+  for (int i = 0; i < 8; ++i) words.data_as<int32_t>()[i] = i;
+  Tensor f = words.reinterpret({2, 5}, DType::kBF16);  // 20 of the 32 bytes
+  EXPECT_EQ(f.data(), words.data());
+  EXPECT_TRUE(f.owns_memory());
+  EXPECT_EQ(f.category(), memory::Category::kStaging);
+  EXPECT_EQ(f.shape(), (Shape{2, 5}));
+  EXPECT_EQ(f.dtype(), DType::kBF16);
+  words = Tensor();
+  EXPECT_EQ(f.data_as<uint16_t>()[2], 1u);  // still alive through the view (little endian)
+  try {
+    f.reinterpret({3, 4}, DType::kF32);
+    ADD_FAILURE() << "48 bytes out of 20";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("which needs 48 bytes"));
+  }
 }
 
 TEST(TensorTest, FromBlobViewsForeignMemory) {
