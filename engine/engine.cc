@@ -241,9 +241,10 @@ void Engine::set_plan(const checkpoint::Plan& plan) {
                plan.schedule.num_stages, " stages, the model ", model_->num_stages());
   checkpoint::validate(plan.schedule);
   const bool host_holds = std::any_of(plan.schedule.ops.begin(), plan.schedule.ops.end(),
-                                      [](const checkpoint::ScheduleOp& op) { return op.offload; });
+                                      [](const checkpoint::ScheduleOp& op) { return op.stashed(); });
   PORTER_CHECK(!host_holds || !plan.offload.empty(),
-               "set_plan: the schedule holds inputs on the host but plan.offload is empty; "
+               "set_plan: the schedule holds inputs on the host or partitioned but plan.offload "
+               "is empty; "
                "build it with checkpoint::layout_offload(schedule, costs, prefetch_depth) "
                "(make_plan does)");
   // Before adopting the plan: a pinned shortfall is an OutOfMemoryError naming

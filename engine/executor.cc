@@ -85,9 +85,9 @@ StashCalls stash_calls(const checkpoint::OffloadLayout& layout,
   for (size_t e = 0; e < layout.entries.size(); ++e) {
     const checkpoint::StashEntry& x = layout.entries[e];
     const ScheduleOp& hold = op_at(e, x.hold_op, "hold_op");
-    if (hold.kind != ScheduleOp::Kind::kForward || !hold.offload || hold.stage != x.stage) {
-      bad_layout(e, "hold_op " + std::to_string(x.hold_op) + " is not a host-holding forward "
-                    "of stage " + std::to_string(x.stage));
+    if (hold.kind != ScheduleOp::Kind::kForward || !hold.stashed() || hold.stage != x.stage) {
+      bad_layout(e, "hold_op " + std::to_string(x.hold_op) + " is not a host-holding or "
+                    "partitioning forward of stage " + std::to_string(x.stage));
     }
     const ScheduleOp& rel = op_at(e, x.release_op, "release_op");
     if (rel.kind != ScheduleOp::Kind::kBackward || rel.stage != x.stage) {
@@ -209,10 +209,11 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           nn::Tensor input = input_of(k, op);
           const int hold_entry = offloading ? calls.hold[k] : -1;
           if (op.hold_input && !is_held[s]) {
-            if (op.offload) {
-              if (hold_entry < 0) invalid_op(k, op, "a host hold without a stash entry");
-              // a_i goes to the host and is dropped like an unheld cur; its buffer is freed
-              // when the D2H copy lands (record_stream inside offload()).
+            if (op.stashed()) {
+              if (hold_entry < 0) invalid_op(k, op, "a host or partitioned hold without a stash entry");
+              // a_i goes to the host (or its slice stays; Note [Stash partition]) and is
+              // dropped like an unheld cur; its buffer is freed when the D2H copy lands
+              // (record_stream inside offload()).
               stash->offload(hold_entry, input);
               on_host[s] = true;
               start_us = trace != nullptr ? trace->now_us() : 0;
