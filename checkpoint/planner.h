@@ -73,7 +73,8 @@
 //                                      hold is partitionable, else whole.
 //                      The program charges a partitioned hold its slice for the rest of the
 //                      subproblem and the gathered copy where it is read, and the gather time
-//                      that the backwards before the read cannot hide (docs/checkpointing.md).
+//                      that the backwards before the read cannot hide (docs/offload.md,
+//                      "Partitioned checkpoints").
 //                      Each result is simulated and retried below the budget like the offload
 //                      results (Note [Plan search] in planner.cc). make_plan keeps the fastest
 //                      that fits among it, the results of the program without partitioning

@@ -642,7 +642,9 @@ void CheckpointStash::release(int entry) {
       impl_->device->compute_stream().wait(*e.h2d_done);
     }
   }
-  if (e.prefetched && !options_.contiguous) impl_->note_staging(0, layout_.staged_bytes(le));
+  if (e.prefetched && !options_.contiguous) {
+    impl_->note_staging(0, le.partitioned ? layout_.staged_bytes(le) : e.nbytes);
+  }
   e.staged = nn::Tensor();
   e.gathered = nn::Tensor();
   e.gathered_ptr = nullptr;

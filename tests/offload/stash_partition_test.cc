@@ -94,7 +94,8 @@ std::vector<std::byte> pattern(int stage, int micro_batch) {
 
 nn::Tensor make_input(memory::CachingAllocator& a, int stage, int micro_batch) {
   const Input& in = inputs()[static_cast<size_t>(stage)];
-  nn::Tensor t = nn::Tensor::empty(a, in.shape, in.dtype, stage == 0 ? Category::kWorkspace : Category::kActivations);
+  const Category category = stage == 0 ? Category::kWorkspace : Category::kActivations;
+  nn::Tensor t = nn::Tensor::empty(a, in.shape, in.dtype, category);
   const std::vector<std::byte> b = pattern(stage, micro_batch);
   std::memcpy(t.data(), b.data(), b.size());
   return t;
