@@ -106,6 +106,8 @@ ordered_json tensor_parallel_json(engine::Engine& engine) {
       {"gather_busy_s", t.gather_busy_s},
       {"gather_exposed_s", t.gather_exposed_s},
       {"hidden_fraction", t.hidden_fraction},
+      {"partitioned_bytes", t.partitioned_bytes},
+      {"predicted_partitioned_bytes", t.predicted_partitioned_bytes},
   };
 }
 
@@ -339,7 +341,9 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
         << " per step, " << format_seconds(t.comm_busy_s / n) << " busy";
     if (t.gathers > 0) {
       std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * t.hidden_fraction);
-      out << "; partitioned checkpoints: "
+      out << "; partitioned checkpoints: " << format_bytes(t.partitioned_bytes)
+          << " of slices held at most (predicted " << format_bytes(t.predicted_partitioned_bytes)
+          << "), "
           << format_bytes(static_cast<uint64_t>(static_cast<double>(t.gathered_bytes) / n))
           << " gathered per step, " << format_seconds(t.gather_busy_s / n) << " busy, "
           << format_seconds(t.gather_exposed_s / n) << " exposed, " << buf

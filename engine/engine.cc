@@ -455,6 +455,8 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   tps.gather_busy_s = r.offload.gather_busy_s;
   tps.gather_exposed_s = r.offload.gather_exposed_s;
   tps.hidden_fraction = hidden_fraction(tps.gather_busy_s, tps.gather_exposed_s);
+  tps.partitioned_bytes = r.offload.slice_peak_bytes;
+  tps.predicted_partitioned_bytes = im.plan.prediction.offload.peak_slice_bytes;
   TensorParallelStats& tpt = im.tp_total;
   tpt.tp = tps.tp;
   tpt.sequence_parallel = tps.sequence_parallel;
@@ -465,6 +467,8 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   tpt.gather_busy_s += tps.gather_busy_s;
   tpt.gather_exposed_s += tps.gather_exposed_s;
   tpt.hidden_fraction = hidden_fraction(tpt.gather_busy_s, tpt.gather_exposed_s);
+  tpt.partitioned_bytes = std::max(tpt.partitioned_bytes, tps.partitioned_bytes);
+  tpt.predicted_partitioned_bytes = tps.predicted_partitioned_bytes;
   r.tokens = static_cast<int64_t>(micro_batches.size()) * micro_batches[0].batch *
              micro_batches[0].seq;
   r.peak_activation_bytes = s.peak_activation_bytes;

@@ -85,6 +85,10 @@ struct TensorParallelStats {
   double gather_busy_s = 0.0;      // comm-stream time of the gathers
   double gather_exposed_s = 0.0;   // time the compute stream waited for them
   double hidden_fraction = 0.0;    // 1 - exposed / busy (0 when nothing was gathered)
+  // Slices of partitioned checkpoints on the device at once, at most (measured by the
+  // stash), and the plan's prediction of it (plan.prediction.offload.peak_slice_bytes).
+  size_t partitioned_bytes = 0;
+  size_t predicted_partitioned_bytes = 0;
 };
 
 struct StepResult {

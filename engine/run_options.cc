@@ -63,17 +63,10 @@ RunOptions make_run_options(const config::Config& config) {
   r.selective_name = selective_ops_name(p.checkpointing.selective_ops);
 
   r.plan.checkpointing = p.checkpointing;
-  r.plan.partition.min_bytes = static_cast<size_t>(p.checkpointing.partition_min_bytes);
-  r.plan.partition.tp_bytes_per_s = p.comm.sim_tp_gbps.value_or(0.0) * 1e9;
+  r.plan.partition = checkpoint::partition_options(config);
   r.plan.offload = checkpoint::offload_options(config);
   if (config.activation_checkpointing) {
     const config::ActivationCheckpointingConfig& ac = *config.activation_checkpointing;
-    // Note [Partitioned checkpoints]: only replicated checkpoints are partitioned; under
-    // sequence parallelism every held input is already this rank's rows.
-    const config::ModelConfig& m = p.model;
-    if (ac.partition_activations && m.tensor_parallel > 1 && !m.sequence_parallel) {
-      r.plan.partition.ways = static_cast<int>(m.tensor_parallel);
-    }
     r.stash.contiguous = ac.contiguous_memory_optimization;
     r.stash.synchronize_boundary = ac.synchronize_checkpoint_boundary;
     r.keep_all_copy_records = ac.profile;
