@@ -173,9 +173,9 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
   c.world_size = 2;
   expect_refused(c, "world_size 2");
   c = tiny_config();
-  c.activation_checkpointing = config::ActivationCheckpointingConfig{};
-  c.activation_checkpointing->partition_activations = true;
-  expect_refused(c, "activation_checkpointing.partition_activations");
+  c.world_size = 2;
+  c.porter.model.tensor_parallel = 2;  // but no tensor-parallel communicator
+  expect_refused(c, "porter.model.tensor_parallel 2 but the tensor-parallel communicator has 1");
   c = tiny_config();
   c.optimizer->adam_w_mode = false;
   expect_refused(c, "optimizer.params.adam_w_mode");
