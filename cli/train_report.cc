@@ -295,9 +295,16 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
       for (const ordered_json& r : run.ranks) cells.push_back(format_bytes(get(r["memory"])));
       m.add(cells);
     };
+    // Partitioned checkpoints: the checkpoints row holds each rank's 1/t share of them.
+    const int ways = engine.plan().offload.ways;
+    const bool partitioned = engine.plan().offload.any_partitioned();
     for (memory::Category c : memory::kAllCategories) {
       const std::string name(memory::category_name(c));
-      row(name, [&](const ordered_json& mj) { return mj["peak_by_category"][name].get<uint64_t>(); });
+      const std::string label =
+          c == memory::Category::kCheckpoints && partitioned
+              ? name + " (partitioned: a 1/" + std::to_string(ways) + " share each)"
+              : name;
+      row(label, [&](const ordered_json& mj) { return mj["peak_by_category"][name].get<uint64_t>(); });
     }
     row("all (peak of the sum)", [](const ordered_json& mj) { return mj["peak_bytes"].get<uint64_t>(); });
     m.print(out);

@@ -231,6 +231,42 @@ TEST(EngineTp, TwoDimensionalWithZero2AndTEqualsWorld) {
               1e-5 * all[0].steps[1].loss);
 }
 
+// The trace's "tp comm" lane has the layers' collectives, named after the schedule op that
+// issued them, and the gathers of partitioned checkpoints.
+TEST(EngineTp, TheTraceHasATpCommLane) {
+  config::Config c = variant_config({"full partitioned", config::CheckpointPolicy::kFull, true});
+  std::vector<std::string> names;
+  auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> world = comm::make_communicator(*device, store, rank, 2, o);
+    comm::ProcessGroups g = comm::make_process_groups(world, 2);
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+    TraceRecorder trace;
+    e.set_trace(&trace);
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    e.train_step(data.rank_batches(0, 1, 0, 1));
+    if (rank != 0) return;
+    for (const TraceSpan& s : trace.spans()) {
+      if (s.lane == "tp comm") names.push_back(s.name);
+    }
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  auto has = [&](const std::string& text) {
+    return std::any_of(names.begin(), names.end(),
+                       [&](const std::string& n) { return n.find(text) != std::string::npos; });
+  };
+  EXPECT_TRUE(has("all_reduce forward embedding")) << ::testing::PrintToString(names);
+  EXPECT_TRUE(has("all_reduce recompute block.1")) << ::testing::PrintToString(names);
+  EXPECT_TRUE(has("all_reduce backward block.0")) << ::testing::PrintToString(names);
+  EXPECT_TRUE(has("all_gather forward head")) << ::testing::PrintToString(names);  // the loss
+  EXPECT_TRUE(has("all_gather")) << ::testing::PrintToString(names);
+}
+
 TEST(EngineTp, AFailedRankFailsItsPeersNamingRankGroupAndOperation) {
   config::Config c = tp_config(2, 2, config::CheckpointPolicy::kFull);
   c.porter.comm.timeout_s = 10.0;
