@@ -93,8 +93,10 @@ ordered_json predicted_ops_json(const std::vector<OpSpan>& spans, const checkpoi
 // the host ("host") from its hold op until the op that fetches it back into staging (the
 // entry's use_op; to its end when never read back), then on the device again. Its
 // "recomputes" are the recompute ops of the segment it starts: those of stages at or after
-// it, up to the next held stage. "partitioned" (1/t per tensor-parallel rank) is a kind the
-// page knows but no plan makes yet (checkpoint/planner.h).
+// it, up to the next held stage. A partitioned hold (Note [Partition semantics]) is
+// "partitioned": this rank's 1/t slice on the device (or on the host with offload, then
+// "host") from its hold op until the op that gathers it back into staging, listed in
+// "partitioned" as host holds' intervals are in "host".
 ordered_json checkpoints_json(const std::vector<OpSpan>& spans, const checkpoint::Plan& plan,
                               const checkpoint::ChainCosts& costs,
                               const std::function<std::string(int)>& stage_name) {
@@ -111,7 +113,7 @@ ordered_json checkpoints_json(const std::vector<OpSpan>& spans, const checkpoint
     const ScheduleOp& op = schedule.ops[static_cast<size_t>(s.op)];
     const std::pair<int, int> key{s.micro_batch, op.stage};
     if (op.kind == ScheduleOp::Kind::kForward && op.hold_input && !open.contains(key)) {
-      const std::string where = op.offload ? "host" : "device";
+      const std::string where = op.offload ? "host" : op.partition ? "partitioned" : "device";
       ordered_json life = {{"stage", op.stage},
                            {"name", stage_name(op.stage)},
                            {"micro_batch", s.micro_batch},
@@ -120,12 +122,13 @@ ordered_json checkpoints_json(const std::vector<OpSpan>& spans, const checkpoint
                            {"start", s.start},
                            {"end", s.end},
                            {"host", ordered_json::array()},
+                           {"partitioned", ordered_json::array()},
                            {"recomputes", ordered_json::array()}};
       for (const checkpoint::StashEntry& e : plan.offload.entries) {
-        if (!op.offload || e.hold_op != s.op) continue;
+        if (!op.stashed() || e.hold_op != s.op) continue;
         const OpSpan* back = span_of(s.micro_batch, e.use_op >= 0 ? e.use_op : e.release_op);
         const double until = back == nullptr ? s.end : e.use_op >= 0 ? back->start : back->end;
-        life["host"].push_back(interval(s.start, until));
+        life[op.offload ? "host" : "partitioned"].push_back(interval(s.start, until));
       }
       open[key] = std::move(life);
     }

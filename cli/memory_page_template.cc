@@ -305,16 +305,19 @@ scripts on, hovering names what is under the cursor.</p></noscript>
         });
         r.addEventListener('mouseleave', hideTip);
       }
-      seg(c.start, c.end, c.where === 'host' ? 'device' : c.where,
-        c.where === 'host' ? 'on the device (staging)' : 'kept on the device');
+      seg(c.start, c.end, 'device',
+        c.where === 'device' ? 'kept on the device' : 'on the device (staging)');
       c.host.forEach(function (hI) { seg(hI[0], hI[1], 'host', 'offloaded to pinned host'); });
+      (c.partitioned || []).forEach(function (pI) {
+        seg(pI[0], pI[1], 'partitioned', 'this rank\'s 1/t slice on the device');
+      });
       c.recomputes.forEach(function (rI) {
         seg(rI[0], rI[1], 'recomputed', 'recomputed from it');
       });
     });
     var ly = lives.length * (LH + 4) + 20, lx = L;
     [['device', 'kept on device'], ['recomputed', 'recomputed'], ['host', 'offloaded to host'],
-      ['partitioned', 'partitioned (1/t per tensor-parallel rank; needs tensor parallelism, not supported yet)']]
+      ['partitioned', 'partitioned (1/t per tensor-parallel rank)']]
       .forEach(function (k) {
         el('rect', { 'class': 'where-' + k[0], x: lx, y: ly - 10, width: 12, height: 12 }, lsvg);
         el('text', { 'class': 'tick', x: lx + 16, y: ly }, lsvg, k[1]);

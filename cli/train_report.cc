@@ -360,7 +360,12 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
   }
 
   const checkpoint::Plan& plan = engine.plan();
-  if (!plan.offload.empty()) {
+  // Partitioned holds that stay on the device are in the plan's layout too; the offload line
+  // is about the host.
+  const bool host_holds =
+      std::any_of(plan.offload.entries.begin(), plan.offload.entries.end(),
+                  [](const checkpoint::StashEntry& e) { return e.on_host; });
+  if (host_holds) {
     const offload::StashStats o = offload_totals(run.steps);
     const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
     std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * o.hidden_fraction());
