@@ -1,10 +1,13 @@
 // The analytic activation model of the built-in GPT: each stage's forward is written down as
-// the op graph nn/gpt_blocks.cc runs (outputs, inputs, lifetimes, saves), and the byte
-// figures of every save option follow from replaying that graph the way nn/ctx.cc does.
+// the op graph nn/gpt_blocks.cc runs on one tensor-parallel rank (outputs, inputs, lifetimes,
+// saves), and the byte figures of every save option follow from replaying that graph the way
+// nn/ctx.cc does; backward's workspace follows from its allocations in order.
 #include "checkpoint/analytic.h"
 
 #include <algorithm>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "base/check.h"
 #include "nn/gpt.h"
@@ -26,6 +29,13 @@ namespace {
 // A recompute allocates the outputs of computed ops, reuses replayed ones (held by the tape)
 // and skips the rest; at its end the tape holds exactly what a kKeep forward saves.
 // Replaying this graph gives every figure of Note [Activation bytes] to the byte.
+//
+// At tensor_parallel t > 1 the graph is one rank's (Note [GPT tensor parallelism] in
+// nn/gpt.h): the same ops with this rank's shapes, and the collectives' buffers as workspace
+// inside the op that runs them (a sequence-parallel matmul's gathered input or partial
+// output, the sequence-parallel embedding's whole output, the loss's gathered statistics).
+// The collectives themselves allocate nothing from the caching allocator. Backward, which
+// allocates only workspace, is a WorkspaceTrace of GptBlock::backward and its helpers.
 struct Ref {
   int op = kInput;  // kInput: the stage input; kExternal: parameters, tokens, targets
   int slot = 0;
@@ -209,17 +219,33 @@ StageCost stage_cost(std::string name, bool is_block, size_t input_bytes, StageG
   return st;
 }
 
+// The sizes of one tensor-parallel rank's tensors (Note [GPT tensor parallelism] in
+// nn/gpt.h). At tp 1 every per-rank size is the whole one.
 struct Dims {
   size_t b, t, c, h, v, dt, n;  // n = b * t rows
+  size_t tp;                    // ranks of the tensor-parallel group
+  bool sp;                      // sequence parallelism (tp > 1 only)
+  size_t rows;                  // token rows of the residual stream here: n, or n / tp under sp
+  size_t cs, hs;                // this rank's channels C / tp and heads H / tp
+  size_t vs;                    // this rank's logit columns: V, or ceil(V / tp) at tp > 1
   bool drop;
   nn::DType dtype;
   memory::DeviceKind device;
+  size_t whole() const { return n * c * dt; }     // a (B, T, C) activation, A
+  size_t res() const { return rows * c * dt; }    // the residual stream's rows here
+  size_t col() const { return n * cs * dt; }      // (B, T, C / tp): this rank's channels
+  size_t stat() const { return rows * 4; }        // a layernorm mean or rstd (f32)
+  size_t probs() const { return b * hs * t * t * 4; }
+  // Inside a sequence-parallel matmul: its gathered input (column-parallel) or its partial
+  // output (row-parallel), both (N, C).
+  size_t sp_gather() const { return sp ? whole() : 0; }
 };
 
-// The attention call of a block: qkv, out, dout and dqkv all in the compute dtype.
+// The attention call of a block: this rank's heads, qkv, out, dout and dqkv all in the
+// compute dtype.
 nn::AttentionCall attention_call(const Dims& d) {
   return nn::AttentionCall{static_cast<int64_t>(d.b), static_cast<int64_t>(d.t),
-                           static_cast<int64_t>(d.c), static_cast<int>(d.h), d.dtype, d.dtype,
+                           static_cast<int64_t>(d.cs), static_cast<int>(d.hs), d.dtype, d.dtype,
                            d.dtype};
 }
 
@@ -228,6 +254,9 @@ Dims dims_of(const GptShape& shape) {
   PORTER_CHECK(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.vocab >= 1 && m.seq_len >= 1,
                "porter.model: layers, hidden, heads, seq_len and vocab must be >= 1");
   PORTER_CHECK(shape.micro_batch >= 1, "micro-batch size ", shape.micro_batch, " must be >= 1");
+  PORTER_CHECK(m.tensor_parallel >= 1 && m.heads % m.tensor_parallel == 0,
+               "porter.model.tensor_parallel ", m.tensor_parallel,
+               " must be >= 1 and divide heads ", m.heads);
   const int64_t t = shape.seq > 0 ? shape.seq : m.seq_len;
   PORTER_CHECK_LE(t, m.seq_len, "sequence length of the micro-batch (porter.model.seq_len)");
   Dims d;
@@ -238,42 +267,105 @@ Dims dims_of(const GptShape& shape) {
   d.v = static_cast<size_t>(m.vocab);
   d.dt = nn::dtype_size(shape.compute_dtype);
   d.n = d.b * d.t;
+  d.tp = static_cast<size_t>(m.tensor_parallel);
+  d.sp = m.sequence_parallel && d.tp > 1;
+  PORTER_CHECK(!d.sp || d.n % d.tp == 0, "sequence parallelism: ", d.b, " x ", d.t,
+               " token rows do not split into ", d.tp, " equal shards");
+  d.rows = d.sp ? d.n / d.tp : d.n;
+  d.cs = d.c / d.tp;
+  d.hs = d.h / d.tp;
+  d.vs = (d.v + d.tp - 1) / d.tp;
   d.drop = m.dropout > 0.0;
   d.dtype = shape.compute_dtype;
   d.device = shape.device;
   return d;
 }
 
+// The workspace a layer's backward allocates, in its order: alloc returns a handle that free
+// (and the handle's end of scope in the layer) releases; peak is the most alive at once. The
+// backward models below mirror nn/gpt_blocks.cc line by line.
+class WorkspaceTrace {
+ public:
+  static constexpr int kNone = -1;
+  int alloc(size_t bytes) {
+    sizes_.push_back(bytes);
+    cur_ += bytes;
+    peak_ = std::max(peak_, cur_);
+    return static_cast<int>(sizes_.size()) - 1;
+  }
+  void free(int handle) {
+    if (handle == kNone) return;
+    cur_ -= std::exchange(sizes_.at(static_cast<size_t>(handle)), 0);
+  }
+  // A kernel's scratch: allocated when the call starts, freed before it returns.
+  void transient(size_t bytes) { free(alloc(bytes)); }
+  size_t peak() const { return peak_; }
+
+ private:
+  std::vector<size_t> sizes_;
+  size_t cur_ = 0, peak_ = 0;
+};
+
+// gpt_blocks.cc's backward helpers: each returns its result, dx, whose input x has x_bytes;
+// the gathered tensors of sequence parallelism are freed when the helper returns.
+int column_linear_backward(WorkspaceTrace& w, const Dims& d, size_t x_bytes) {
+  if (!d.sp) return w.alloc(x_bytes);
+  const int xg = w.alloc(d.whole());   // the input, gathered again
+  const int dxg = w.alloc(d.whole());  // the whole input gradient, before its reduce-scatter
+  const int dx = w.alloc(x_bytes);
+  w.free(xg);
+  w.free(dxg);
+  return dx;
+}
+
+int row_linear_backward(WorkspaceTrace& w, const Dims& d, size_t x_bytes) {
+  if (!d.sp) return w.alloc(x_bytes);
+  const int dyg = w.alloc(d.whole());  // the output gradient, gathered
+  const int dx = w.alloc(x_bytes);
+  w.free(dyg);
+  return dx;
+}
+
+int dropout_backward(WorkspaceTrace& w, const Dims& d, size_t bytes) {
+  return d.drop ? w.alloc(bytes) : WorkspaceTrace::kNone;
+}
+
 StageGraph embedding_graph(const Dims& d) {
   GraphBuilder gb;
-  const size_t act = d.n * d.c * d.dt;
-  Ref x = gb.op(nn::OpKind::kEmbedding, {act}, {kExt, kExt, kExt});
-  Ref y = gb.dropout(x, act, d.drop, /*temporary=*/false);
+  // At tp > 1 each rank looks up its vocabulary range; under sp into a whole (B, T, C)
+  // workspace that is reduce-scattered into this rank's rows.
+  Ref x = gb.op(nn::OpKind::kEmbedding, {d.res()}, {kExt, kExt, kExt}, 0.0, d.sp_gather());
+  Ref y = gb.dropout(x, d.res(), d.drop, /*temporary=*/false);
   StageGraph& g = gb.graph();
   g.saves = {kIn};  // the tokens
   g.output = y;
-  g.backward_workspace_peak = d.drop ? act : 0;  // dropout backward's dx
+  WorkspaceTrace w;
+  dropout_backward(w, d, d.res());
+  if (d.sp) w.alloc(d.whole());  // dy gathered: every rank needs every row for its dwte
+  g.backward_workspace_peak = w.peak();
   return g;
 }
 
 StageGraph block_graph(const Dims& d) {
   GraphBuilder gb;
-  const size_t a = d.n * d.c * d.dt, stat = d.n * 4;
+  const size_t r = d.res(), u = d.col(), st = d.stat();
   const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
-  const double cc = static_cast<double>(d.c);
-  Ref ln1 = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {kIn, kExt, kExt});
-  Ref qkv = gb.op(nn::OpKind::kMatmul, {3 * a}, {ln1, kExt, kExt}, 2.0 * nc * 3.0 * cc);
+  const double cs = static_cast<double>(d.cs);
+  const double ncs = static_cast<double>(d.n) * cs;
+  Ref ln1 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {kIn, kExt, kExt});
+  Ref qkv = gb.op(nn::OpKind::kMatmul, {3 * u}, {ln1, kExt, kExt}, 2.0 * nc * 3.0 * cs,
+                  d.sp_gather());
   // The kernel's scratch is workspace inside the op (Note [Kernel workspace]).
-  Ref att = gb.op(nn::OpKind::kAttention, {a, d.b * d.h * d.t * d.t * 4}, {qkv},
-                  4.0 * nc * static_cast<double>(d.t),
+  Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
+                  4.0 * ncs * static_cast<double>(d.t),
                   nn::attention_forward_workspace_bytes(d.device, attention_call(d)));
-  Ref proj = gb.op(nn::OpKind::kMatmul, {a}, {att, kExt, kExt}, 2.0 * nc * cc);
-  Ref x2 = gb.op(nn::OpKind::kAdd, {a}, {kIn, gb.dropout(proj, a, d.drop, true)});
-  Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {x2, kExt, kExt});
-  Ref h = gb.op(nn::OpKind::kMatmul, {4 * a}, {ln2, kExt, kExt}, 8.0 * nc * cc);
-  Ref gl = gb.op(nn::OpKind::kGelu, {4 * a}, {h});
-  Ref f = gb.op(nn::OpKind::kMatmul, {a}, {gl, kExt, kExt}, 8.0 * nc * cc);
-  Ref y = gb.op(nn::OpKind::kAdd, {a}, {x2, gb.dropout(f, a, d.drop, true)});
+  Ref proj = gb.op(nn::OpKind::kMatmul, {r}, {att, kExt, kExt}, 2.0 * nc * cs, d.sp_gather());
+  Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kIn, gb.dropout(proj, r, d.drop, true)});
+  Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {x2, kExt, kExt});
+  Ref h = gb.op(nn::OpKind::kMatmul, {4 * u}, {ln2, kExt, kExt}, 8.0 * nc * cs, d.sp_gather());
+  Ref gl = gb.op(nn::OpKind::kGelu, {4 * u}, {h});
+  Ref f = gb.op(nn::OpKind::kMatmul, {r}, {gl, kExt, kExt}, 8.0 * nc * cs, d.sp_gather());
+  Ref y = gb.op(nn::OpKind::kAdd, {r}, {x2, gb.dropout(f, r, d.drop, true)});
   StageGraph& g = gb.graph();
   g.saves = {kIn,
              ln1, GraphBuilder::slot(ln1, 1), GraphBuilder::slot(ln1, 2),
@@ -283,32 +375,62 @@ StageGraph block_graph(const Dims& d) {
              ln2, GraphBuilder::slot(ln2, 1), GraphBuilder::slot(ln2, 2),
              h, gl};
   g.output = y;
-  // GptBlock::backward's workspace, in units of a (docs/memory-model.md, "porter's GPT, op
-  // by op"): df (dropout) δ, dg 4, dh 4 while the GELU backward runs; or df δ, dln2 1, dx2 1,
-  // dproj δ, datt 1, dqkv 3 and the attention kernel's scratch while attention backward
-  // runs. The returned dx is part of the later, smaller moments.
-  const size_t drop = d.drop ? 1 : 0;
-  g.backward_workspace_peak =
-      std::max((8 + drop) * a, (6 + 2 * drop) * a + nn::attention_backward_workspace_bytes(
-                                                        d.device, attention_call(d)));
+  // GptBlock::backward (docs/memory-model.md, "porter's GPT, op by op").
+  WorkspaceTrace w;
+  if (d.sp) w.alloc(4 * d.c * 4);  // RowPartialGrads: the layernorms' f32 partial gradients
+  const int df = dropout_backward(w, d, r);
+  const int dg = row_linear_backward(w, d, 4 * u);
+  w.free(df);
+  const int dh = w.alloc(4 * u);
+  w.free(dg);
+  column_linear_backward(w, d, r);  // dln2
+  w.free(dh);
+  w.alloc(r);  // dx2
+  const int dproj = dropout_backward(w, d, r);
+  const int datt = row_linear_backward(w, d, u);
+  w.free(dproj);
+  const int dqkv = w.alloc(3 * u);
+  w.transient(nn::attention_backward_workspace_bytes(d.device, attention_call(d)));
+  w.free(datt);
+  column_linear_backward(w, d, r);  // dln1
+  w.free(dqkv);
+  w.alloc(r);  // dx, the result
+  g.backward_workspace_peak = w.peak();
   return g;
 }
 
 StageGraph head_graph(const Dims& d) {
   GraphBuilder gb;
-  const size_t a = d.n * d.c * d.dt, stat = d.n * 4;
+  const size_t st = d.stat(), logits_bytes = d.n * d.vs * d.dt;
   const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
-  Ref lnf = gb.op(nn::OpKind::kLayerNorm, {a, stat, stat}, {kIn, kExt, kExt});
-  Ref logits = gb.op(nn::OpKind::kMatmul, {d.n * d.v * d.dt}, {lnf, kExt}, 2.0 * nc * static_cast<double>(d.v));
+  Ref lnf = gb.op(nn::OpKind::kLayerNorm, {d.res(), st, st}, {kIn, kExt, kExt});
+  Ref logits = gb.op(nn::OpKind::kMatmul, {logits_bytes}, {lnf, kExt},
+                     2.0 * nc * static_cast<double>(d.vs), d.sp_gather());
   // The per-row losses are workspace inside the op, and so are the partials of their sum.
-  Ref loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExt}, 0.0,
-                   d.n * 4 + nn::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n)));
+  const size_t sum_ws = nn::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n));
+  Ref loss;
   StageGraph& g = gb.graph();
-  g.saves = {kIn, lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2), logits, kExt};
+  if (d.tp == 1) {
+    loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExt}, 0.0, d.n * 4 + sum_ws);
+    g.saves = {kIn, lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2), logits, kExt};
+  } else {
+    // Vocabulary-parallel: the loss and the rows' log-sum-exp (N) f32, which backward reads;
+    // inside, this rank's (max, sum of exp, target logit) per row, every rank's gathered, and
+    // the losses.
+    loss = gb.op(nn::OpKind::kLoss, {4, d.n * 4}, {logits, kExt}, 0.0,
+                 d.n * 12 + d.tp * d.n * 12 + d.n * 4 + sum_ws);
+    g.saves = {kIn,   lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2),
+               logits, kExt, GraphBuilder::slot(loss, 1)};
+  }
   g.output = loss;
   // GptHead::backward: dlogits stays alive through a row view until the end, with dlnf and
   // the returned dx.
-  g.backward_workspace_peak = d.n * d.v * d.dt + 2 * a;
+  WorkspaceTrace w;
+  w.alloc(logits_bytes);               // dlogits
+  column_linear_backward(w, d, d.res());  // dlnf
+  w.alloc(d.res());                    // dx
+  if (d.sp) w.alloc(2 * d.c * 4);      // RowPartialGrads of lnf
+  g.backward_workspace_peak = w.peak();
   return g;
 }
 
@@ -316,41 +438,58 @@ StageGraph head_graph(const Dims& d) {
 
 ChainCosts analytic_gpt_costs(const GptShape& shape, const nn::OpPolicy& selective) {
   const Dims d = dims_of(shape);
-  const size_t act = d.n * d.c * d.dt;
   ChainCosts costs;
   costs.source = "analytic";
   costs.selective_ops = selective.to_string();
   StageGraph emb = embedding_graph(d);
   costs.stages.push_back(stage_cost("embedding", false, 0, emb, selective));
   StageGraph blk = block_graph(d);
-  const StageCost block = stage_cost("block", true, act, blk, selective);
+  const StageCost block = stage_cost("block", true, d.res(), blk, selective);
   for (int64_t l = 0; l < shape.model.layers; ++l) {
     costs.stages.push_back(block);
     costs.stages.back().name = "block." + std::to_string(l);
   }
   StageGraph head = head_graph(d);
-  costs.stages.push_back(stage_cost("head", false, act, head, selective));
+  costs.stages.push_back(stage_cost("head", false, d.res(), head, selective));
   return costs;
 }
 
 size_t gpt_none_peak_bytes(const GptShape& shape) {
   // docs/memory-model.md, "The none peak": L blocks' tapes and inputs are alive, plus the
-  // head's input, when either the last block's forward or the head's forward peaks.
+  // head's input, when either the last block's forward or the head's forward peaks. r is
+  // the residual stream's bytes on this rank (A, or A / t under sequence parallelism).
   const Dims d = dims_of(shape);
   const size_t L = static_cast<size_t>(shape.model.layers);
-  const size_t a = d.n * d.c * d.dt, stat = d.n * 4;
-  const size_t probs = d.b * d.h * d.t * d.t * 4;
-  const size_t block_saved = 15 * a + 4 * stat + probs;  // without its input x
+  const size_t r = d.res(), u = d.col(), stat = d.stat();
+  const size_t block_saved = 3 * r + 12 * u + 4 * stat + d.probs();  // without its input x
   const size_t drop = d.drop ? 1 : 0;
-  const size_t before_last_block = (L - 1) * (block_saved + a) + a;
-  const size_t last_block = before_last_block + block_saved + (3 + drop) * a;
-  const size_t head = L * (block_saved + a) + a + a + 2 * stat + d.n * d.v * d.dt + 4;
-  const size_t embedding = (1 + drop) * a;
+  const size_t before_last_block = (L - 1) * (block_saved + r) + r;
+  const size_t last_block = before_last_block + block_saved + (3 + drop) * r;
+  const size_t loss = 4 + (d.tp > 1 ? d.n * 4 : 0);  // the loss, and the log-sum-exp at tp > 1
+  const size_t head = L * (block_saved + r) + r + r + 2 * stat + d.n * d.vs * d.dt + loss;
+  const size_t embedding = (1 + drop) * r;
   return std::max({embedding, last_block, head});
 }
 
+double korthikanti_layer_bytes(const GptShape& shape) {
+  const Dims d = dims_of(shape);
+  const double s = static_cast<double>(d.t), b = static_cast<double>(d.b);
+  const double h = static_cast<double>(d.c), a = static_cast<double>(d.h);
+  const double t = static_cast<double>(d.tp);
+  if (d.tp == 1) return s * b * h * (34.0 + 5.0 * a * s / h);
+  if (d.sp) return s * b * h * (34.0 + 5.0 * a * s / h) / t;
+  return s * b * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+}
+
+size_t gpt_layer_bytes(const GptShape& shape) {
+  const Dims d = dims_of(shape);
+  StageGraph blk = block_graph(d);
+  return evaluate(blk, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost.saved_bytes +
+         d.res();
+}
+
 ModelStateBytes gpt_model_state_bytes(const config::ModelConfig& model, nn::DType compute_dtype) {
-  const nn::Gpt gpt(model);  // builds the layout only; allocates nothing
+  const nn::Gpt gpt(model);  // rank 0's layout (every rank's has its size); allocates nothing
   const size_t p = static_cast<size_t>(gpt.layout().total_elems());
   ModelStateBytes m;
   m.params = p * nn::dtype_size(compute_dtype);

@@ -17,6 +17,22 @@ namespace porter::cli {
 config::Config load_config(const std::string& file, bool strict, std::ostream& err,
                            int64_t world_size = 1);
 
+// The same with porter.model.tensor_parallel replaced by `tensor_parallel` (a command's
+// `flag`) before the config is checked, so that every rule involving it (heads, the world
+// size, sequence parallelism's rows) applies to the new value; the errors it causes name the
+// flag. Throws porter::Error.
+config::Config load_config(const std::string& file, bool strict, std::ostream& err,
+                           int64_t world_size, int64_t tensor_parallel, const std::string& flag);
+
+// Note [Implied world size]
+// A config file has no world size. When it states all three of train_batch_size,
+// train_micro_batch_size_per_gpu and gradient_accumulation_steps, they imply
+// train_batch_size / (micro-batch x accumulation) data-parallel ranks, else one; the world is
+// that times porter.model.tensor_parallel, or times `tensor_parallel` when a flag overrides
+// it. A file that cannot be read or parsed implies 1 (loading it then says why).
+int64_t implied_world_size(const std::string& file,
+                           std::optional<int64_t> tensor_parallel = std::nullopt);
+
 // "--budget": a fraction in [0, 1] or bytes ("6GiB", "123456"). Throws InvalidArgument naming
 // the flag.
 config::MemoryBudget parse_budget_flag(const std::string& text);

@@ -1,6 +1,8 @@
-// `porter estimate --config F [--world-size N] [--budget B] [--json]`: per-rank model-state
-// bytes of the built-in GPT for ZeRO stages 0..3 (porter's exact bytes beside the ZeRO paper's
-// formulas) and activation bytes under every checkpoint policy, without allocating.
+// `porter estimate --config F [--world-size N] [--tensor-parallel T] [--budget B] [--json]`:
+// per-rank model-state bytes of the built-in GPT for ZeRO stages 0..3 (porter's exact bytes
+// beside the ZeRO paper's formulas), activation bytes under every checkpoint policy, and per
+// tensor-parallel degree (beside Korthikanti et al.'s formula), without allocating.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -28,6 +30,7 @@ namespace {
 struct EstimateOptions {
   std::string file;
   std::optional<int64_t> world_size;
+  std::optional<int64_t> tensor_parallel;  // overrides porter.model.tensor_parallel
   std::string budget;
   bool json = false;
   bool strict = false;
@@ -42,35 +45,6 @@ struct PolicyEstimate {
   size_t total_peak_bytes = 0;  // model states + batch + activations + workspace
   double recompute_flop_fraction = 0.0;
 };
-
-// Note [Estimate world size]
-// The config file has no world size; --world-size gives it. Without the flag, a file that
-// states all three of train_batch_size, train_micro_batch_size_per_gpu and
-// gradient_accumulation_steps implies one (train_batch_size / (micro * accumulation) data-
-// parallel ranks, times porter.model.tensor_parallel), and anything else estimates one rank.
-int64_t implied_world_size(const std::string& file) {
-  std::ifstream in(file);
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false,
-                                                 /*ignore_comments=*/true);
-  if (!j.is_object()) return 1;
-  auto integer = [&](const char* key) -> int64_t {
-    auto it = j.find(key);
-    return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
-  };
-  const int64_t tbs = integer("train_batch_size");
-  const int64_t mbs = integer("train_micro_batch_size_per_gpu");
-  const int64_t gas = integer("gradient_accumulation_steps");
-  int64_t tp = 1;
-  if (auto p = j.find("porter"); p != j.end() && p->is_object()) {
-    if (auto m = p->find("model"); m != p->end() && m->is_object()) {
-      if (auto t = m->find("tensor_parallel"); t != m->end() && t->is_number_integer()) {
-        tp = std::max<int64_t>(1, t->get<int64_t>());
-      }
-    }
-  }
-  if (tbs <= 0 || mbs <= 0 || gas <= 0 || tbs % (mbs * gas) != 0) return 1;
-  return tbs / (mbs * gas) * tp;
-}
 
 // One ZeRO stage's per-rank model-state bytes: porter's exact ones and the paper's.
 struct StageEstimate {
@@ -100,10 +74,16 @@ nlohmann::ordered_json bytes_json(const zero::StateBytes& b) {
 
 void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
                 const zero::Partition& part, int64_t num_params, const zero::StateDTypes& d,
-                nn::DType dtype, int64_t world_size, int dp) {
+                nn::DType dtype, int64_t world_size, int dp, int64_t tp) {
   out << "  ZeRO model states per rank at world size " << world_size;
-  if (dp != world_size) out << " (" << dp << " data-parallel ranks)";
-  out << ": Psi = " << num_params << " parameters;\n  the flat buffer has " << part.total_elems
+  if (dp != world_size) {
+    out << " (" << dp << " data-parallel rank" << (dp == 1 ? "" : "s");
+    if (tp > 1) out << " x " << tp << " tensor-parallel";
+    out << ")";
+  }
+  out << ": Psi = " << num_params << " parameters"
+      << (tp > 1 ? " (tensor-parallel rank 0's part)" : "") << ";\n  the flat buffer has "
+      << part.total_elems
       << " elements (tensors aligned to " << nn::kParamAlignElems << "), padded to "
       << part.padded_elems << " = " << dp << " shard" << (dp == 1 ? "" : "s") << " of "
       << part.shard_elems << ";\n  p = " << d.param_bytes() << " (" << nn::dtype_name(dtype)
@@ -124,19 +104,134 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
          "  stage 2's reduce buckets are transient and count under comm (docs/zero.md).\n\n";
 }
 
+// Note [Estimate tensor parallelism]
+// Every figure of porter estimate is one rank's. At porter.model.tensor_parallel t (or
+// --tensor-parallel) a rank holds its part of the layout (nn::Gpt at tp rank 0: 1/t of the
+// split parameters, all of the replicated ones; every rank's part has the same size), which
+// ZeRO partitions over the data-parallel ranks, and its activations are the analytic model's
+// for one tensor-parallel rank. Without the flag a table also compares t = 1, 2, 4, 8 (those
+// dividing heads), with and without sequence parallelism, at the config's data-parallel size:
+// the world grows with t.
+struct TpEstimate {
+  int64_t t = 1;
+  bool sequence_parallel = false;
+  std::string error;         // why this t does not apply; empty when it does
+  size_t layer_bytes = 0;    // checkpoint::gpt_layer_bytes
+  double korthikanti_layer_bytes = 0.0;
+  size_t none_peak_bytes = 0, full_peak_bytes = 0;  // activation peaks per micro-batch
+  zero::StateBytes model_states;  // at the config's ZeRO stage and data-parallel size
+};
+
+std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
+  std::vector<TpEstimate> rows;
+  const config::ModelConfig& m = cfg.porter.model;
+  const int64_t dp = cfg.data_parallel_size();
+  std::vector<int64_t> degrees = {1, 2, 4, 8};
+  if (std::find(degrees.begin(), degrees.end(), m.tensor_parallel) == degrees.end()) {
+    degrees.push_back(m.tensor_parallel);
+    std::sort(degrees.begin(), degrees.end());
+  }
+  for (int64_t t : degrees) {
+    if (m.heads % t != 0) continue;
+    for (bool sp : {false, true}) {
+      if (sp && t == 1) continue;
+      TpEstimate e;
+      e.t = t;
+      e.sequence_parallel = sp;
+      // The config at this t, translated as a run of it would be (Note [Run options]).
+      config::Config c = cfg;
+      c.porter.model.tensor_parallel = t;
+      c.porter.model.sequence_parallel = sp;
+      c.world_size = dp * t;
+      const engine::RunOptions run = engine::make_run_options(c);
+      const int64_t rows_n = run.shape.micro_batch * run.shape.seq;
+      if (sp && (rows_n % t != 0 || (rows_n / t * m.hidden) % 4 != 0)) {
+        e.error = std::to_string(rows_n) + " token rows x hidden " + std::to_string(m.hidden) +
+                  " do not split into " + std::to_string(t) +
+                  " sequence-parallel shards of a multiple of 4 elements";
+        rows.push_back(e);
+        continue;
+      }
+      try {
+        const checkpoint::ChainCosts costs = run.analytic_costs();
+        e.layer_bytes = checkpoint::gpt_layer_bytes(run.shape);
+        e.korthikanti_layer_bytes = checkpoint::korthikanti_layer_bytes(run.shape);
+        // none and full as the policy table plans them (offload and partitioning included).
+        for (auto [policy, into] :
+             {std::pair{config::CheckpointPolicy::kNone, &e.none_peak_bytes},
+              std::pair{config::CheckpointPolicy::kFull, &e.full_peak_bytes}}) {
+          checkpoint::PlanOptions po = run.plan;
+          po.checkpointing.policy = policy;
+          *into = checkpoint::make_plan(po, costs).prediction.peak_activation_bytes;
+        }
+        const nn::Gpt gpt(c.porter.model);  // tp rank 0's layout only; allocates nothing
+        e.model_states = zero::exact_bytes(
+            zero::make_partition(gpt.layout().total_elems(), static_cast<int>(dp)),
+            cfg.zero_optimization.stage, zero::StateDTypes{run.compute_dtype});
+      } catch (const porter::Error& ex) {
+        e.error = ex.what();
+      }
+      rows.push_back(e);
+    }
+  }
+  return rows;
+}
+
+void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const config::Config& cfg,
+              nn::DType dtype) {
+  const config::ModelConfig& m = cfg.porter.model;
+  const int64_t dp = cfg.data_parallel_size();
+  out << "  tensor parallelism, per rank (" << dp << " data-parallel rank" << (dp == 1 ? "" : "s")
+      << " held fixed: the world is " << dp << " x t; ZeRO stage " << cfg.zero_optimization.stage
+      << "):\n";
+  Table t({"t", "sp", "layer", "Korthikanti", "none peak", "full peak", "model states"});
+  for (const TpEstimate& e : rows) {
+    const bool configured =
+        e.t == m.tensor_parallel && (e.sequence_parallel == (m.sequence_parallel && e.t > 1));
+    const std::string sp = e.t == 1 ? "-" : e.sequence_parallel ? "yes" : "no";
+    if (!e.error.empty()) {
+      t.add({std::to_string(e.t), sp, "-", "-", "-", "-", "-"});
+      continue;
+    }
+    t.add({std::to_string(e.t) + (configured ? " *" : ""), sp, format_bytes(e.layer_bytes),
+           format_bytes(static_cast<uint64_t>(std::llround(e.korthikanti_layer_bytes))),
+           format_bytes(e.none_peak_bytes), format_bytes(e.full_peak_bytes),
+           format_bytes(e.model_states.total())});
+  }
+  t.print(out);
+  for (const TpEstimate& e : rows) {
+    if (e.error.empty()) continue;
+    out << "  t " << e.t << (e.sequence_parallel ? " with" : " without")
+        << " sequence parallelism: " << e.error << "\n";
+  }
+  out << "  * the config's. layer = one block's activations kept for backward, its input "
+         "included\n  (porter's exact bytes, "
+      << nn::dtype_name(dtype)
+      << "). Korthikanti = Korthikanti et al. 2022's sbh(34 + 5as/h), with t\n"
+         "  sbh(10 + 24/t + 5as/(ht)), with sp sbh(34 + 5as/h)/t, in their 16-bit units\n"
+         "  (docs/memory-model.md says why they differ). none/full peak = activation peak per\n"
+         "  micro-batch. model states = params + grads + optimizer of tp rank 0's part.\n\n";
+}
+
 int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
-  const int64_t world_size = o.world_size.value_or(implied_world_size(o.file));
-  const config::Config cfg = load_config(o.file, o.strict, err, world_size);
+  const int64_t world_size = o.world_size.value_or(implied_world_size(o.file, o.tensor_parallel));
+  const config::Config cfg =
+      o.tensor_parallel
+          ? load_config(o.file, o.strict, err, world_size, *o.tensor_parallel, "--tensor-parallel")
+          : load_config(o.file, o.strict, err, world_size);
   const engine::RunOptions run = engine::make_run_options(cfg);
   const nn::DType dtype = run.compute_dtype;
   const checkpoint::ChainCosts costs = run.analytic_costs();
+  const config::ModelConfig& model = cfg.porter.model;
+  const int64_t tp = model.tensor_parallel;
+  const bool sp = model.sequence_parallel && tp > 1;
+  const std::vector<TpEstimate> tp_rows =
+      o.tensor_parallel ? std::vector<TpEstimate>{} : tp_estimates(cfg);
 
-  // ZeRO partitions the flat buffers over the data-parallel ranks (Note [Model-state bytes per
-  // rank] in zero/partition.h). Tensor parallelism is not modelled: the layout is the whole
-  // model's.
-  config::ModelConfig whole = cfg.porter.model;
-  whole.tensor_parallel = 1;
-  const nn::Gpt gpt(whole);  // the layout only; allocates nothing
+  // ZeRO partitions this tensor-parallel rank's flat buffers over the data-parallel ranks
+  // (Note [Model-state bytes per rank] in zero/partition.h; Note [Estimate tensor
+  // parallelism]).
+  const nn::Gpt gpt(model);  // tp rank 0's layout only; allocates nothing
   const int dp = static_cast<int>(cfg.data_parallel_size());
   const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), dp);
   const int64_t num_params = gpt.layout().num_params();
@@ -230,7 +325,8 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                   {"heads", cfg.porter.model.heads}, {"seq_len", cfg.porter.model.seq_len},
                   {"vocab", cfg.porter.model.vocab}, {"compute_dtype", nn::dtype_name(dtype)},
                   {"micro_batch", cfg.train_micro_batch_size_per_gpu},
-                  {"gradient_accumulation_steps", cfg.gradient_accumulation_steps}};
+                  {"gradient_accumulation_steps", cfg.gradient_accumulation_steps},
+                  {"tensor_parallel", tp}, {"sequence_parallel", sp}};
     j["world_size"] = world_size;
     j["zero_stage"] = config_stage;
     j["model_state_bytes"] = bytes_json(ms);
@@ -251,6 +347,30 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                               {"padding_bytes", e.padding_bytes()}});
     }
     j["zero"] = std::move(zj);
+    nlohmann::ordered_json tj;
+    tj["t"] = tp;
+    tj["sequence_parallel"] = sp;
+    tj["source"] = o.tensor_parallel ? "--tensor-parallel" : "config";
+    tj["table"] = nullptr;
+    if (!o.tensor_parallel) {
+      tj["table"] = nlohmann::ordered_json::array();
+      for (const TpEstimate& e : tp_rows) {
+        nlohmann::ordered_json r;
+        r["t"] = e.t;
+        r["sequence_parallel"] = e.sequence_parallel;
+        if (!e.error.empty()) {
+          r["error"] = e.error;
+        } else {
+          r["layer_bytes"] = e.layer_bytes;
+          r["korthikanti_layer_bytes"] = e.korthikanti_layer_bytes;
+          r["none_activation_peak_bytes"] = e.none_peak_bytes;
+          r["full_activation_peak_bytes"] = e.full_peak_bytes;
+          r["model_state_bytes"] = bytes_json(e.model_states);
+        }
+        tj["table"].push_back(std::move(r));
+      }
+    }
+    j["tensor_parallel"] = std::move(tj);
     j["batch_bytes"] = batch;
     j["capacity_bytes"] = capacity ? nlohmann::ordered_json(*capacity) : nlohmann::ordered_json();
     j["policies"] = nlohmann::ordered_json::array();
@@ -281,12 +401,18 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   out << "  model: GPT, " << layers << " layers, hidden " << cfg.porter.model.hidden << ", "
       << cfg.porter.model.heads << " heads, seq " << cfg.porter.model.seq_len << ", vocab "
       << cfg.porter.model.vocab << ", " << nn::dtype_name(dtype) << "\n";
+  if (tp > 1) {
+    out << "  tensor parallel " << tp << (sp ? " with sequence parallelism" : "")
+        << (o.tensor_parallel ? " (--tensor-parallel)" : "")
+        << ": every figure below is one tensor-parallel rank's\n";
+  }
   out << "  micro-batch " << cfg.train_micro_batch_size_per_gpu << " x "
       << cfg.porter.model.seq_len << " tokens, " << cfg.gradient_accumulation_steps
       << " per step; device memory "
       << (capacity ? format_bytes(*capacity) : std::string("(the GPU's, not known without it)"))
       << "\n\n";
-  print_zero(out, stages, part, num_params, state_dtypes, dtype, world_size, dp);
+  print_zero(out, stages, part, num_params, state_dtypes, dtype, world_size, dp, tp);
+  if (!tp_rows.empty()) print_tp(out, tp_rows, cfg, dtype);
   out << "  model states per rank (ZeRO stage " << config_stage << ", every policy): params "
       << format_bytes(ms.params) << ", grads " << format_bytes(ms.grads) << ", optimizer "
       << format_bytes(ms.optimizer) << " = " << format_bytes(model_state) << "; batch "
@@ -330,6 +456,9 @@ void add_estimate_command(CLI::App& app, CommandContext& context) {
                   "Ranks to estimate for (default: the world size the config's batch sizes "
                   "imply, else 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--tensor-parallel", o->tensor_parallel,
+                  "Estimate one rank of a tensor-parallel group of T ranks (overrides "
+                  "porter.model.tensor_parallel; must divide heads)");
   cmd->add_option("--budget", o->budget,
                   "Also plan 'optimal' under this activation budget: bytes (\"6GiB\") or a "
                   "fraction of the none policy's peak");

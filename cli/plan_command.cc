@@ -3,7 +3,8 @@
 // host), with the predicted activation peak, recompute cost and, with offload, the copies.
 // Costs come from the analytic model (no allocation) unless the policy is optimal or offload
 // is on, which need measured times: then the Engine is built on the configured device and
-// profiles (and, with offload, measures the link unless sim_link_gbps sets it).
+// profiles (and, with offload, measures the link unless sim_link_gbps sets it). Every figure
+// is one rank's, of a tensor-parallel group at porter.model.tensor_parallel > 1.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -20,6 +21,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/memory_page.h"
+#include "comm/communicator.h"
 #include "engine/run_options.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -40,28 +42,24 @@ struct PlanCommandOptions {
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err);
 
 // The plan page (cli/memory_page.h). Model states are this rank's params, grads and
-// optimizer state at the configured ZeRO stage: the Engine's when it was built, else exact
-// without allocating (Note [Model-state bytes per rank] in zero/partition.h).
+// optimizer state at the configured ZeRO stage and world size, exact without allocating (Note
+// [Model-state bytes per rank] in zero/partition.h): of tensor-parallel rank 0's part of the
+// model, which every rank's equals in size (Note [Estimate tensor parallelism] in
+// cli/estimate_command.cc).
 void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
                      const engine::RunOptions& run, const checkpoint::Plan& plan,
-                     const checkpoint::ChainCosts& costs, engine::Engine* eng) {
-  config::ModelConfig whole = cfg.porter.model;
-  whole.tensor_parallel = 1;  // not modelled, as in porter estimate
-  const nn::Gpt gpt(whole);   // the layout and names only; allocates nothing
+                     const checkpoint::ChainCosts& costs) {
+  const nn::Gpt gpt(cfg.porter.model);  // the layout and names only; allocates nothing
   PlanPageInput in;
   in.config_file = o.file;
   in.plan = &plan;
   in.costs = &costs;
   in.stage_name = [&gpt](int s) { return gpt.stage_name(s); };
-  if (eng != nullptr) {
-    in.model_state_bytes = eng->memory_report().model_state_bytes;
-  } else {
-    const zero::Partition part = zero::make_partition(
-        gpt.layout().total_elems(), static_cast<int>(cfg.data_parallel_size()));
-    in.model_state_bytes = zero::exact_bytes(part, cfg.zero_optimization.stage,
-                                             zero::StateDTypes{run.compute_dtype})
-                               .total();
-  }
+  const zero::Partition part = zero::make_partition(
+      gpt.layout().total_elems(), static_cast<int>(cfg.data_parallel_size()));
+  in.model_state_bytes = zero::exact_bytes(part, cfg.zero_optimization.stage,
+                                           zero::StateDTypes{run.compute_dtype})
+                             .total();
   in.batch_bytes = run.batch_bytes;
   in.capacity_bytes = run.capacity_bytes;
   in.predicted_peak_bytes = run.predicted_peak_bytes(in.model_state_bytes, plan.prediction);
@@ -128,6 +126,78 @@ void print_offload(const checkpoint::Plan& plan, double link_bytes_per_s, int64_
   }
 }
 
+// Note [Plan profiling under tensor parallelism]
+// Profiled costs need the Engine, and at porter.model.tensor_parallel t > 1 an Engine is one
+// rank of a tensor-parallel group: every stage's forward runs the layers' collectives, and
+// the ranks plan from the slowest rank's times (Note [Agreed costs] in engine/engine.cc).
+// porter plan runs the t ranks as threads of this process, each with its own device and one
+// Gloo group, and reports rank 0's costs and plan (every rank's agree). Each Engine is built
+// at one data-parallel rank (world size t): the plan does not depend on the data-parallel
+// size. On cuda that would put t NCCL ranks on one GPU, which NCCL refuses, so porter plan
+// says so instead.
+struct ProfiledPlan {
+  std::vector<std::unique_ptr<memory::Device>> devices;  // outlive the engines
+  std::vector<std::unique_ptr<engine::Engine>> engines;  // rank r's; each holds its tp group
+};
+
+ProfiledPlan profile_plan(const config::Config& cfg, const engine::RunOptions& run) {
+  const int t = static_cast<int>(cfg.porter.model.tensor_parallel);
+  ProfiledPlan p;
+  p.devices.resize(static_cast<size_t>(t));
+  p.engines.resize(static_cast<size_t>(t));
+  if (t == 1) {
+    p.devices[0] = memory::make_device(run.device);
+    config::Config one = cfg;
+    one.world_size = 1;
+    p.engines[0] = std::make_unique<engine::Engine>(
+        *p.devices[0], std::make_unique<engine::GptModel>(cfg.porter.model), one);
+    return p;
+  }
+  if (run.device.kind != memory::DeviceKind::kCpu) {
+    throw InvalidArgument(
+        "porter plan: policy " + std::string(config::to_string(cfg.porter.checkpointing.policy)) +
+        (run.offload_enabled() ? " with offload" : "") + " plans from profiled times, which at "
+        "porter.model.tensor_parallel " + std::to_string(t) + " need the " + std::to_string(t) +
+        " ranks of a tensor-parallel group; porter plan runs them as threads on the cpu device "
+        "only (NCCL refuses two ranks on one GPU): set porter.device.type to \"cpu\" to plan "
+        "there, or use a policy that plans from the analytic model (not optimal, offload off)");
+  }
+  config::Config group = cfg;
+  group.world_size = t;  // one data-parallel rank
+  std::vector<std::exception_ptr> errors =
+      comm::run_thread_ranks(t, [&](int rank, std::shared_ptr<comm::Store> store) {
+        const size_t r = static_cast<size_t>(rank);
+        p.devices[r] = memory::make_device(run.device);
+        comm::CommOptions co;
+        co.group_name = "tp";
+        co.timeout = comm::Seconds(cfg.porter.comm.timeout_s);
+        std::shared_ptr<comm::Communicator> tp =
+            comm::make_communicator(*p.devices[r], std::move(store), rank, t, co);
+        try {
+          p.engines[r] = std::make_unique<engine::Engine>(
+              *p.devices[r], std::make_unique<engine::GptModel>(cfg.porter.model, rank), group,
+              nullptr, tp);
+        } catch (const std::exception& e) {
+          tp->abort("rank " + std::to_string(rank) + " of porter plan's profiling: " + e.what());
+          throw;
+        }
+      });
+  // A failing rank aborts the group, so its peers fail with PeerError: report the cause.
+  std::exception_ptr first;
+  for (std::exception_ptr& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const PeerError&) {
+      if (!first) first = e;
+    } catch (...) {
+      throw;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+  return p;
+}
+
 // Errors about the budget name the flag when the budget came from it.
 int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   try {
@@ -139,7 +209,9 @@ int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
 }
 
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
-  config::Config cfg = load_config(o.file, o.strict, err);
+  // Note [Implied world size] in cli/common.h: at tensor_parallel t the world is t ranks at
+  // least.
+  config::Config cfg = load_config(o.file, o.strict, err, implied_world_size(o.file));
   if (!o.budget.empty()) {
     // A budget only means something to the optimal planner.
     cfg.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
@@ -152,17 +224,20 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   checkpoint::ChainCosts costs;
   checkpoint::Plan plan;
   std::string where_from;
-  std::unique_ptr<memory::Device> device;
-  std::unique_ptr<engine::Engine> eng;
+  ProfiledPlan profiled;
+  engine::Engine* eng = nullptr;  // rank 0's, owned by `profiled`
   // Note [Engine costs]: optimal needs measured times, and so does the exposed copy time of
   // an offloading plan; the Engine profiles and plans exactly as training would.
   if (run.cost_source(true, engine::CostUse::kPlan) == engine::CostSource::kProfiled) {
-    device = memory::make_device(run.device);
-    eng = std::make_unique<engine::Engine>(
-        *device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
+    profiled = profile_plan(cfg, run);
+    eng = profiled.engines[0].get();
     costs = eng->costs();
     plan = eng->plan();
-    where_from = "profiled on " + device->description();
+    where_from = "profiled on " + profiled.devices[0]->description();
+    if (profiled.engines.size() > 1) {
+      where_from += " (rank 0 of " + std::to_string(profiled.engines.size()) +
+                    " tensor-parallel thread ranks)";
+    }
   } else {
     costs = analytic;
     plan = checkpoint::make_plan(run.plan, costs);
@@ -182,8 +257,10 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const double link_bytes_per_s = eng ? eng->link_bytes_per_s() : plan.sim.link_bytes_per_s;
   const bool timed = plan.prediction.offload.timed;
   const std::vector<size_t> offloaded = offloaded_by_stage(plan);
+  const int64_t tp = cfg.porter.model.tensor_parallel;
+  const bool sp = cfg.porter.model.sequence_parallel && tp > 1;
 
-  if (!o.memory_page.empty()) write_plan_page(o, cfg, run, plan, costs, eng.get());
+  if (!o.memory_page.empty()) write_plan_page(o, cfg, run, plan, costs);
 
   if (o.json) {
     nlohmann::ordered_json j;
@@ -193,6 +270,8 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     j["budget_bytes"] = plan.budget_bytes ? nlohmann::ordered_json(*plan.budget_bytes)
                                           : nlohmann::ordered_json();
     j["costs"] = costs.source;
+    j["tensor_parallel"] = tp;
+    j["sequence_parallel"] = sp;
     j["stages"] = nlohmann::ordered_json::array();
     for (size_t i = 0; i < plan.stages.size(); ++i) {
       const checkpoint::StagePlan& s = plan.stages[i];
@@ -223,7 +302,12 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   out << "porter plan: " << o.file << "\n";
   out << "  " << plan.description << "\n";
   if (plan.budget_bytes) out << "  budget " << format_bytes(*plan.budget_bytes) << "\n";
-  out << "  costs: " << where_from << "\n\n";
+  out << "  costs: " << where_from << "\n";
+  if (tp > 1) {
+    out << "  tensor parallel " << tp << (sp ? " with sequence parallelism" : "")
+        << ": every figure is one tensor-parallel rank's\n";
+  }
+  out << "\n";
   const bool offload = !plan.offload.empty();
   std::vector<std::string> header = {"stage", "action", "holds input", "forwards", "where"};
   if (offload) header.push_back("offloaded");

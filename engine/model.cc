@@ -33,9 +33,9 @@ void GptModel::check_config(const config::Config& config) const {
 }
 
 std::optional<checkpoint::ChainCosts> GptModel::analytic_costs(const RunOptions& run) const {
-  // run.shape describes porter.model, which check_config has found to be this model. The
-  // analytic model describes one whole rank; a tensor-parallel rank is profiled.
-  if (gpt_.tp().size > 1) return std::nullopt;
+  // run.shape describes porter.model, which check_config has found to be this model; its
+  // tensor_parallel and sequence_parallel make the costs this rank's (every rank of the
+  // group has the same).
   return run.analytic_costs();
 }
 

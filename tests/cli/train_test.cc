@@ -14,6 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/analytic.h"
+#include "checkpoint/planner.h"
+#include "checkpoint/simulate.h"
 #include "cli/app.h"
 #include "tests/cli/cli_test_util.h"
 #include "nn/gpt.h"
@@ -445,6 +448,135 @@ TEST_F(CliTrain, EstimateWorldSizeFromTheBatchSizes) {
                        tiny("\"train_micro_batch_size_per_gpu\": 2",
                             "\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 2")});
   EXPECT_EQ(bad.rc, kExitInvalid) << bad.err;
+}
+
+// The tiny config's model at tensor_parallel t (heads 2: t = 1 or 2).
+config::ModelConfig tiny_model(int64_t t = 1, bool sp = false) {
+  config::ModelConfig model;
+  model.layers = 2;
+  model.hidden = 32;
+  model.heads = 2;
+  model.seq_len = 16;
+  model.vocab = 64;
+  model.tensor_parallel = t;
+  model.sequence_parallel = sp;
+  return model;
+}
+
+// --tensor-parallel T estimates one rank of a group of T: its part of the layout, its
+// activations; the world size the batch sizes imply is T times theirs.
+TEST_F(CliTrain, EstimateTensorParallelFlag) {
+  CliRun r = porter({"estimate", "--config", tiny(), "--tensor-parallel", "2", "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["model"]["tensor_parallel"], 2);
+  EXPECT_EQ(j["world_size"], 2);
+  EXPECT_EQ(j["zero"]["data_parallel_size"], 1);
+  EXPECT_EQ(j["tensor_parallel"]["t"], 2);
+  EXPECT_EQ(j["tensor_parallel"]["source"], "--tensor-parallel");
+  EXPECT_TRUE(j["tensor_parallel"]["table"].is_null());
+  const nn::Gpt rank0(tiny_model(2), 0);
+  EXPECT_EQ(j["zero"]["num_params"], rank0.layout().num_params());
+  const zero::StateBytes states =
+      zero::exact_bytes(zero::make_partition(rank0.layout().total_elems(), 1), 0,
+                        zero::StateDTypes{nn::DType::kF32});
+  EXPECT_EQ(j["model_state_bytes"]["total"], states.total());
+  const checkpoint::GptShape shape{tiny_model(2), 2, 16, nn::DType::kF32};
+  EXPECT_EQ(j["policies"][0]["activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
+
+  CliRun text = porter({"estimate", "--config", tiny(), "--tensor-parallel", "2"});
+  ASSERT_EQ(text.rc, kExitOk) << text.err;
+  EXPECT_TRUE(contains(text.out, "tensor parallel 2 (--tensor-parallel)")) << text.out;
+  EXPECT_TRUE(contains(text.out, "(1 data-parallel rank x 2 tensor-parallel)")) << text.out;
+  EXPECT_FALSE(contains(text.out, "Korthikanti")) << text.out;
+
+  // The flag is checked against the config's rules, and the errors name it.
+  CliRun three = porter({"estimate", "--config", tiny(), "--tensor-parallel", "3"});
+  EXPECT_EQ(three.rc, kExitInvalid);
+  EXPECT_TRUE(contains(three.err, "--tensor-parallel 3: porter.model.tensor_parallel: 3 does not "
+                                  "divide heads 2")) << three.err;
+  EXPECT_TRUE(contains(three.err, "give --tensor-parallel a divisor of porter.model.heads"))
+      << three.err;
+  CliRun zero_t = porter({"estimate", "--config", tiny(), "--tensor-parallel", "0"});
+  EXPECT_EQ(zero_t.rc, kExitInvalid);
+  EXPECT_TRUE(contains(zero_t.err, "--tensor-parallel 0: the ranks of a tensor-parallel group "
+                                   "must be >= 1")) << zero_t.err;
+  CliRun world = porter({"estimate", "--config", tiny(), "--tensor-parallel", "2",
+                         "--world-size", "3"});
+  EXPECT_EQ(world.rc, kExitInvalid);
+  EXPECT_TRUE(contains(world.err, "--tensor-parallel 2: ")) << world.err;
+  EXPECT_TRUE(contains(world.err, "does not divide the world size 3")) << world.err;
+}
+
+// Without the flag, a table of per-rank figures for every t dividing heads, beside
+// Korthikanti et al.'s formula; the config's row equals the policy table's.
+TEST_F(CliTrain, EstimateTensorParallelTable) {
+  CliRun r = porter({"estimate", "--config", tiny(), "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["tensor_parallel"]["t"], 1);
+  EXPECT_EQ(j["tensor_parallel"]["source"], "config");
+  const json& table = j["tensor_parallel"]["table"];
+  ASSERT_EQ(table.size(), 3u);  // t = 1; t = 2 without and with sequence parallelism
+  const std::pair<int64_t, bool> rows[] = {{1, false}, {2, false}, {2, true}};
+  for (size_t i = 0; i < 3; ++i) {
+    const auto [t, sp] = rows[i];
+    const json& row = table[i];
+    SCOPED_TRACE("t " + std::to_string(t) + (sp ? " sp" : ""));
+    EXPECT_EQ(row["t"], t);
+    EXPECT_EQ(row["sequence_parallel"], sp);
+    const checkpoint::GptShape shape{tiny_model(t, sp), 2, 16, nn::DType::kF32};
+    EXPECT_EQ(row["layer_bytes"], checkpoint::gpt_layer_bytes(shape));
+    EXPECT_DOUBLE_EQ(row["korthikanti_layer_bytes"].get<double>(),
+                     checkpoint::korthikanti_layer_bytes(shape));
+    EXPECT_EQ(row["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
+    const nn::Gpt rank0(tiny_model(t, sp), 0);
+    EXPECT_EQ(row["model_state_bytes"]["total"],
+              zero::exact_bytes(zero::make_partition(rank0.layout().total_elems(), 1), 0,
+                                zero::StateDTypes{nn::DType::kF32})
+                  .total());
+  }
+  EXPECT_EQ(table[0]["none_activation_peak_bytes"], j["policies"][0]["activation_peak_bytes"]);
+  EXPECT_EQ(table[0]["full_activation_peak_bytes"], j["policies"][1]["activation_peak_bytes"]);
+  EXPECT_EQ(table[0]["model_state_bytes"], j["model_state_bytes"]);
+  // Sequence parallelism splits the whole layer over the ranks; without it part is replicated.
+  EXPECT_LT(table[2]["layer_bytes"].get<size_t>(), table[1]["layer_bytes"].get<size_t>());
+
+  CliRun text = porter({"estimate", "--config", tiny()});
+  ASSERT_EQ(text.rc, kExitOk) << text.err;
+  EXPECT_TRUE(contains(text.out, "tensor parallelism, per rank")) << text.out;
+  EXPECT_TRUE(contains(text.out, "Korthikanti")) << text.out;
+  EXPECT_TRUE(contains(text.out, "1 *")) << text.out;  // the config's row
+}
+
+// porter plan at tensor_parallel 2: per-rank costs from the analytic model, or profiled on
+// thread ranks of a tp group when the plan needs times.
+TEST_F(CliTrain, PlanTensorParallel) {
+  const std::string cfg = tiny("\"vocab\": 64", "\"vocab\": 64, \"tensor_parallel\": 2, "
+                                                  "\"sequence_parallel\": true");
+  CliRun r = porter({"plan", "--config", cfg, "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["costs"], "analytic");
+  EXPECT_EQ(j["tensor_parallel"], 2);
+  EXPECT_EQ(j["sequence_parallel"], true);
+  const checkpoint::GptShape shape{tiny_model(2, true), 2, 16, nn::DType::kF32};
+  EXPECT_EQ(j["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
+  const checkpoint::ChainCosts costs = checkpoint::analytic_gpt_costs(shape);
+  const checkpoint::Schedule uniform = checkpoint::schedule_uniform(costs, 1);
+  EXPECT_EQ(j["predicted_activation_peak_bytes"],
+            checkpoint::simulate(uniform, costs).peak_activation_bytes);
+
+  CliRun text = porter({"plan", "--config", cfg});
+  ASSERT_EQ(text.rc, kExitOk) << text.err;
+  EXPECT_TRUE(contains(text.out, "tensor parallel 2 with sequence parallelism")) << text.out;
+
+  CliRun opt = porter({"plan", "--config", cfg, "--budget", "0.9", "--json"});
+  ASSERT_EQ(opt.rc, kExitOk) << opt.err;
+  const json o = json::parse(opt.out);
+  EXPECT_EQ(o["costs"], "profiled");
+  EXPECT_EQ(o["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
+  EXPECT_LE(o["predicted_activation_peak_bytes"].get<size_t>(), o["budget_bytes"].get<size_t>());
 }
 
 TEST_F(CliTrain, BadConfigExitsTwo) {

@@ -1,0 +1,119 @@
+// The Engine at tensor_parallel 2, on thread ranks: it plans from the GPT's per-rank analytic
+// costs where no times are needed, its measured step peaks equal their predictions on every
+// rank, and its profiled bytes equal the analytic model's, with and without sequence
+// parallelism.
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "checkpoint/analytic.h"
+#include "comm/communicator.h"
+#include "engine_test_util.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+using config::CheckpointPolicy;
+
+config::Config tp_config(CheckpointPolicy policy, bool sp) {
+  config::Config c = tiny_config(policy, 0.1, /*accumulation=*/1);
+  c.porter.model.tensor_parallel = 2;
+  c.porter.model.sequence_parallel = sp;
+  c.world_size = 2;  // one data-parallel rank of 2 tensor-parallel ones
+  return c;
+}
+
+checkpoint::GptShape shape_of(const config::Config& c) {
+  return {c.porter.model, c.train_micro_batch_size_per_gpu, c.porter.model.seq_len,
+          nn::DType::kF32};
+}
+
+// fn(engine) on each of the 2 ranks' Engines; rethrows the first failure.
+void run_tp_ranks(const config::Config& c, const std::function<void(int, Engine&)>& fn) {
+  const int t = static_cast<int>(c.porter.model.tensor_parallel);
+  auto errors = comm::run_thread_ranks(t, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.group_name = "tp";
+    o.timeout = comm::Seconds{60};
+    std::shared_ptr<comm::Communicator> tp = comm::make_communicator(*device, store, rank, t, o);
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model, rank), c, nullptr, tp);
+    fn(rank, e);
+  });
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+TEST(EngineTpCostsTest, NonePlansFromAnalyticCostsAndPredictsTheMeasuredPeak) {
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sp" : "no sp");
+    const config::Config c = tp_config(CheckpointPolicy::kNone, sp);
+    std::vector<size_t> peaks(2), predicted(2);
+    std::vector<std::string> sources(2);
+    run_tp_ranks(c, [&](int rank, Engine& e) {
+      sources[static_cast<size_t>(rank)] = e.costs().source;
+      const StepResult r = e.train_step(batches(c, 0));
+      peaks[static_cast<size_t>(rank)] = r.peak_activation_bytes;
+      predicted[static_cast<size_t>(rank)] = e.memory_report().predicted_activation_bytes;
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(sources[static_cast<size_t>(r)], "analytic") << "rank " << r;
+      EXPECT_EQ(peaks[static_cast<size_t>(r)], checkpoint::gpt_none_peak_bytes(shape_of(c)))
+          << "rank " << r;
+      EXPECT_EQ(predicted[static_cast<size_t>(r)], peaks[static_cast<size_t>(r)]) << "rank " << r;
+    }
+  }
+}
+
+TEST(EngineTpCostsTest, ProfiledBytesEqualTheAnalyticModelOnEveryRank) {
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sp" : "no sp");
+    const config::Config c = tp_config(CheckpointPolicy::kFull, sp);
+    std::vector<checkpoint::ChainCosts> prof(2);
+    std::vector<size_t> peaks(2), predicted(2);
+    run_tp_ranks(c, [&](int rank, Engine& e) {
+      prof[static_cast<size_t>(rank)] = e.profile();
+      const StepResult r = e.train_step(batches(c, 0));
+      peaks[static_cast<size_t>(rank)] = r.peak_activation_bytes;
+      predicted[static_cast<size_t>(rank)] = e.memory_report().predicted_activation_bytes;
+    });
+    const checkpoint::ChainCosts ana = checkpoint::analytic_gpt_costs(shape_of(c));
+    for (int r = 0; r < 2; ++r) {
+      const checkpoint::ChainCosts& p = prof[static_cast<size_t>(r)];
+      EXPECT_EQ(predicted[static_cast<size_t>(r)], peaks[static_cast<size_t>(r)]) << "rank " << r;
+      ASSERT_EQ(p.num_stages(), ana.num_stages());
+      for (int i = 0; i < ana.num_stages(); ++i) {
+        const checkpoint::StageCost& a = ana.stages[static_cast<size_t>(i)];
+        const checkpoint::StageCost& b = p.stages[static_cast<size_t>(i)];
+        SCOPED_TRACE("rank " + std::to_string(r) + ", " + a.name);
+        EXPECT_EQ(b.input_bytes, a.input_bytes);
+        EXPECT_EQ(b.output_bytes, a.output_bytes);
+        EXPECT_EQ(b.backward_total_peak_bytes, a.backward_total_peak_bytes);
+        for (int o = 0; o < checkpoint::kNumSaveOptions; ++o) {
+          const checkpoint::OptionCost& x = a.options[static_cast<size_t>(o)];
+          const checkpoint::OptionCost& y = b.options[static_cast<size_t>(o)];
+          SCOPED_TRACE(std::string(
+              checkpoint::save_option_name(static_cast<checkpoint::SaveOption>(o))));
+          EXPECT_EQ(y.available, x.available);
+          if (!x.available) continue;
+          EXPECT_EQ(y.forward_peak_bytes, x.forward_peak_bytes);
+          EXPECT_EQ(y.forward_total_peak_bytes, x.forward_total_peak_bytes);
+          EXPECT_EQ(y.saved_bytes, x.saved_bytes);
+          EXPECT_EQ(y.tape_refs_input, x.tape_refs_input);
+          EXPECT_EQ(y.tape_refs_output, x.tape_refs_output);
+          EXPECT_EQ(y.recompute_peak_bytes, x.recompute_peak_bytes);
+          EXPECT_EQ(y.recompute_total_peak_bytes, x.recompute_total_peak_bytes);
+          EXPECT_EQ(y.recompute_saved_bytes, x.recompute_saved_bytes);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace porter::engine
