@@ -1,10 +1,14 @@
 // Tensor parallelism (docs/tensor-parallel.md) over thread ranks, each rank its own cpu
 // device with one kernel thread and a Gloo group on loopback:
-// - BM_TpStep/t/sp/partition: the GPT step time at t = 1, 2, 4, with and without sequence
-//   parallelism, with and without partitioned checkpoints (policy full), and as counters the
+// - BM_TpStep/t/sp/partition/prefetch: the GPT step time at t = 1, 2, 4, with and without
+//   sequence parallelism, with and without partitioned checkpoints (policy full; prefetch 0
+//   gathers each checkpoint on demand, the way DeepSpeed's synchronous gather does, prefetch 1
+//   one segment ahead), and as counters the
 //   per-rank activation peak (measured and the plan's prediction), the tp group's traffic and,
 //   with partitioning, the gathers' busy and exposed time and the fraction hidden behind
 //   recompute.
+// - layer_KiB and korthikanti_layer_KiB: one block's activation bytes per rank, porter's
+//   exact figure (f32) and Korthikanti et al.'s sbh(34 + 5as/h) family (16-bit accounting).
 // One iteration runs every rank for warm-up plus timed steps; the reported time is the median
 // timed step of rank 0.
 #include <benchmark/benchmark.h>
@@ -13,6 +17,7 @@
 #include <vector>
 
 #include "bench/bench_engine.h"
+#include "checkpoint/analytic.h"
 #include "comm/communicator.h"
 
 namespace porter::bench {
@@ -21,7 +26,7 @@ namespace {
 constexpr int kWarmup = 1;
 constexpr int kSteps = 4;
 
-config::Config tp_bench_config(int t, bool sp, bool partition) {
+config::Config tp_bench_config(int t, bool sp, bool partition, int prefetch) {
   config::Config c;
   c.world_size = t;
   c.train_micro_batch_size_per_gpu = 4;
@@ -40,6 +45,7 @@ config::Config tp_bench_config(int t, bool sp, bool partition) {
   c.porter.device.threads = 1;
   c.porter.comm.timeout_s = 120.0;
   c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
+  c.porter.checkpointing.prefetch_depth = prefetch;
   config::ActivationCheckpointingConfig ac;
   ac.partition_activations = partition;
   c.activation_checkpointing = ac;
@@ -50,7 +56,8 @@ void BM_TpStep(benchmark::State& state) {
   const int t = static_cast<int>(state.range(0));
   const bool sp = state.range(1) != 0;
   const bool partition = state.range(2) != 0;
-  const config::Config c = tp_bench_config(t, sp, partition);
+  const int prefetch = static_cast<int>(state.range(3));
+  const config::Config c = tp_bench_config(t, sp, partition, prefetch);
   for (auto _ : state) {
     std::vector<double> times;
     engine::TensorParallelStats tp;
@@ -87,6 +94,13 @@ void BM_TpStep(benchmark::State& state) {
     state.counters["act_peak_MiB"] = static_cast<double>(mem.peak_activation_bytes) / (1 << 20);
     state.counters["act_predicted_MiB"] =
         static_cast<double>(mem.predicted_activation_bytes) / (1 << 20);
+    checkpoint::GptShape shape;
+    shape.model = c.porter.model;
+    shape.micro_batch = c.train_micro_batch_size_per_gpu;
+    // One block kept with its input, porter's exact bytes and Korthikanti et al.'s formula
+    // (16-bit accounting) for the same shape.
+    state.counters["layer_KiB"] = static_cast<double>(checkpoint::gpt_layer_bytes(shape)) / 1024;
+    state.counters["korthikanti_layer_KiB"] = checkpoint::korthikanti_layer_bytes(shape) / 1024;
     state.counters["tp_comm_MB_per_step"] = static_cast<double>(tp.comm_bytes) / kSteps / 1e6;
     state.counters["gather_busy_ms_per_step"] = tp.gather_busy_s / kSteps * 1e3;
     state.counters["gather_exposed_ms_per_step"] = tp.gather_exposed_s / kSteps * 1e3;
@@ -94,14 +108,16 @@ void BM_TpStep(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_TpStep)
-    ->ArgNames({"t", "sp", "partition"})
-    ->Args({1, 0, 0})
-    ->Args({2, 0, 0})
-    ->Args({2, 0, 1})
-    ->Args({2, 1, 0})
-    ->Args({4, 0, 0})
-    ->Args({4, 0, 1})
-    ->Args({4, 1, 0})
+    ->ArgNames({"t", "sp", "partition", "prefetch"})
+    ->Args({1, 0, 0, 1})
+    ->Args({2, 0, 0, 1})
+    ->Args({2, 0, 1, 0})
+    ->Args({2, 0, 1, 1})
+    ->Args({2, 1, 0, 1})
+    ->Args({4, 0, 0, 1})
+    ->Args({4, 0, 1, 0})
+    ->Args({4, 0, 1, 1})
+    ->Args({4, 1, 0, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(1)
