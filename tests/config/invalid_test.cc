@@ -169,6 +169,14 @@ const std::vector<InvalidCase>& invalid_cases() {
        "porter.model.tensor_parallel", "5"},
       {"model_tp_world", with("\"porter\": {\"model\": {\"tensor_parallel\": 4}}"),
        "porter.model.tensor_parallel", "world size 2", 2},
+      {"model_sp_rows",
+       with("\"train_micro_batch_size_per_gpu\": 1, \"porter\": {\"model\": {\"tensor_parallel\": 2, "
+            "\"sequence_parallel\": true, \"seq_len\": 7}}"),
+       "porter.model.seq_len", "do not divide into porter.model.tensor_parallel 2", 2},
+      {"model_sp_hidden",
+       with("\"train_micro_batch_size_per_gpu\": 1, \"porter\": {\"model\": {\"tensor_parallel\": 2, "
+            "\"sequence_parallel\": true, \"seq_len\": 2, \"hidden\": 6, \"heads\": 2}}"),
+       "porter.model.hidden", "multiple of 4 elements", 2},
       {"model_vocab_below_bytes_for_text",
        with("\"porter\": {\"model\": {\"vocab\": 128}, \"data\": {\"type\": \"text\", "
             "\"paths\": [\"a.txt\"]}}"),

@@ -1,5 +1,6 @@
 // What valid configs resolve to: defaults, batch inference, number forms, "auto", aliases,
 // comments, warnings and the checkpoint policy.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -206,6 +207,31 @@ TEST(Warnings, DeprecatedAliasesMapOntoTheirReplacement) {
   ASSERT_EQ(r.warnings.size(), 4u);
   EXPECT_EQ(r.warnings[0].path, "bfloat16");
   EXPECT_NE(r.warnings[1].text().find("use \"offload_optimizer\""), std::string::npos);
+}
+
+TEST(Warnings, SettingsWithoutEffectUnderTensorParallelism) {
+  // No group to partition over, or nothing to partition.
+  EXPECT_EQ(warnings_of(R"({"train_batch_size": 1, "porter": {"model": {"sequence_parallel": true}}})"),
+            std::vector<std::string>{"porter.model.sequence_parallel: true has no effect with "
+                                     "porter.model.tensor_parallel 1 (one rank holds every token "
+                                     "row)"});
+  const ParseResult sp = parse_config_string(
+      R"({"train_batch_size": 2, "activation_checkpointing": {"partition_activations": true},
+          "porter": {"model": {"tensor_parallel": 2, "sequence_parallel": true}}})",
+      ParseOptions{2, false});
+  ASSERT_EQ(sp.warnings.size(), 1u);
+  EXPECT_THAT(sp.warnings[0].text(), ::testing::HasSubstr("already 1/t of the token rows"));
+  const ParseResult none = parse_config_string(
+      R"({"train_batch_size": 2, "activation_checkpointing": {"partition_activations": true},
+          "porter": {"model": {"tensor_parallel": 2}, "checkpointing": {"policy": "none"}}})",
+      ParseOptions{2, false});
+  ASSERT_EQ(none.warnings.size(), 1u);
+  EXPECT_THAT(none.warnings[0].text(), ::testing::HasSubstr("policy \"none\": nothing is held"));
+  const ParseResult on = parse_config_string(
+      R"({"train_batch_size": 2, "activation_checkpointing": {"partition_activations": true},
+          "porter": {"model": {"tensor_parallel": 2}}})",
+      ParseOptions{2, false});
+  EXPECT_TRUE(on.warnings.empty());
 }
 
 TEST(Warnings, PartialOffloadAtStage3IsResolvedToFull) {
