@@ -5,6 +5,7 @@
 // is on, which need measured times: then the Engine is built on the configured device and
 // profiles (and, with offload, measures the link unless sim_link_gbps sets it). Every figure
 // is one rank's, of a tensor-parallel group at porter.model.tensor_parallel > 1.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -70,7 +71,10 @@ void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
 std::vector<size_t> offloaded_by_stage(const checkpoint::Plan& plan) {
   std::vector<size_t> v(plan.stages.size(), 0);
   for (const checkpoint::StashEntry& e : plan.offload.entries) {
-    if (e.stage >= 0 && static_cast<size_t>(e.stage) < v.size()) v[static_cast<size_t>(e.stage)] += e.bytes;
+    if (!e.on_host) continue;  // a partitioned slice on the device is not offloaded
+    if (e.stage >= 0 && static_cast<size_t>(e.stage) < v.size()) {
+      v[static_cast<size_t>(e.stage)] += plan.offload.host_bytes(e);
+    }
   }
   return v;
 }
@@ -95,7 +99,19 @@ nlohmann::ordered_json offload_json(const checkpoint::Plan& plan, double link_by
           {"timed", p.timed},
           {"copy_busy_s", timed(p.copy_busy_s)},
           {"exposed_s", timed(p.exposed_s)},
-          {"hidden_fraction", timed(p.hidden_fraction())}};
+          {"hidden_fraction", timed(p.hidden_fraction())},
+          {"partition",
+           {{"ways", l.ways},
+            {"partitioned_checkpoints",
+             std::count_if(l.entries.begin(), l.entries.end(),
+                           [](const checkpoint::StashEntry& e) { return e.partitioned; })},
+            {"peak_slice_bytes", p.peak_slice_bytes},
+            {"gathers", p.gathers},
+            {"gathered_bytes", p.gathered_bytes},
+            {"timed", p.gather_timed},
+            {"gather_busy_s", p.gather_timed ? ordered_json(p.gather_busy_s) : ordered_json()},
+            {"gather_exposed_s",
+             p.gather_timed ? ordered_json(p.gather_exposed_s) : ordered_json()}}}};
 }
 
 // The offload lines of the text output (nothing without host holds).
@@ -104,7 +120,30 @@ void print_offload(const checkpoint::Plan& plan, double link_bytes_per_s, int64_
   const checkpoint::OffloadLayout& l = plan.offload;
   if (l.empty()) return;
   const checkpoint::OffloadPrediction& p = plan.prediction.offload;
-  out << "  offload: " << l.entries.size() << " checkpoint" << (l.entries.size() == 1 ? "" : "s")
+  const auto partitioned = std::count_if(l.entries.begin(), l.entries.end(),
+                                         [](const checkpoint::StashEntry& e) { return e.partitioned; });
+  if (partitioned > 0) {
+    out << "  partitioned: " << partitioned << " checkpoint" << (partitioned == 1 ? "" : "s")
+        << " kept as 1/" << l.ways << " slices (" << format_bytes(p.peak_slice_bytes)
+        << " of slices at most); " << p.gathers << " all-gather" << (p.gathers == 1 ? "" : "s")
+        << " per micro-batch receive "
+        << format_bytes(p.gathered_bytes) << "; ";
+    if (p.gather_timed) {
+      out << "predicted " << format_seconds(p.gather_busy_s * static_cast<double>(micro_batches))
+          << " on the tp link per step, "
+          << format_seconds(p.gather_exposed_s * static_cast<double>(micro_batches))
+          << " exposed\n";
+    } else {
+      out << "gathers untimed (" << (plan.sim.tp_bytes_per_s > 0
+                                          ? "the analytic model has no compute times"
+                                          : "no tp link bandwidth: set porter.comm.sim_tp_gbps")
+          << ")\n";
+    }
+  }
+  const auto host = std::count_if(l.entries.begin(), l.entries.end(),
+                                  [](const checkpoint::StashEntry& e) { return e.on_host; });
+  if (host == 0) return;
+  out << "  offload: " << host << " checkpoint" << (host == 1 ? "" : "s")
       << ", " << format_bytes(l.offloaded_bytes) << " to the host per micro-batch ("
       << format_bytes(p.h2d_bytes) << " back); pinned " << format_bytes(l.pinned_bytes)
       << "; staging " << format_bytes(p.peak_staging_bytes) << " at most ("
@@ -247,7 +286,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       checkpoint::simulate(checkpoint::schedule_none(costs), costs);
   // FLOPs come from the analytic model whatever the costs' source (profiles measure times,
   // not FLOPs): the plan's schedule replayed on analytic costs counts its extra forwards.
-  const checkpoint::Prediction flops = checkpoint::simulate(plan.schedule, analytic);
+  const checkpoint::Prediction flops = checkpoint::simulate(plan.schedule, analytic, plan.sim);
   const double flop_fraction = engine::recompute_flop_fraction(flops, analytic);
   // Measured-cost overhead: recompute time over the rest of the micro-batch's compute.
   const double base_s = plan.prediction.compute_s - plan.prediction.recompute_s;

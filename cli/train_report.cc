@@ -159,7 +159,9 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   for (const checkpoint::StagePlan& s : plan.stages) {
     size_t offloaded = 0;
     for (const checkpoint::StashEntry& e : plan.offload.entries) {
-      if (static_cast<size_t>(e.stage) == stages.size()) offloaded += e.bytes;
+      if (e.on_host && static_cast<size_t>(e.stage) == stages.size()) {
+        offloaded += plan.offload.host_bytes(e);
+      }
     }
     stages.push_back({{"name", s.name}, {"action", s.action}, {"holds_input", s.holds_input},
                       {"forwards", s.forwards}, {"where", checkpoint::where_name(s.where)},
