@@ -9,8 +9,12 @@
 //   offload on and off, prefetch depths 0-3 and contiguous on and off.
 // - Two-dimensional runs (dp x t = 4 with ZeRO-2), t = world, and a rank that fails.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <string>
+
+#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -265,6 +269,51 @@ TEST(EngineTp, TheTraceHasATpCommLane) {
   EXPECT_TRUE(has("all_reduce backward block.0")) << ::testing::PrintToString(names);
   EXPECT_TRUE(has("all_gather forward head")) << ::testing::PrintToString(names);  // the loss
   EXPECT_TRUE(has("all_gather")) << ::testing::PrintToString(names);
+}
+
+// Training checkpoints: each rank saves its part into dir/rank<world rank>; resuming
+// continues bit-identically.
+TEST(EngineTp, SaveAndResumeAreBitIdentical) {
+  const config::Config c = tp_config(4, 2, config::CheckpointPolicy::kFull);
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("porter_engine_tp_ckpt_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<std::vector<float>> straight(4), resumed(4);
+  for (int phase = 0; phase < 3; ++phase) {
+    auto errors = comm::run_thread_ranks(4, [&](int rank, std::shared_ptr<comm::Store> store) {
+      auto device = cpu_device();
+      comm::CommOptions o;
+      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+      std::shared_ptr<comm::Communicator> world =
+          comm::make_communicator(*device, store, rank, 4, o);
+      comm::ProcessGroups g = comm::make_process_groups(world, 2);
+      Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+      const DataSource data(c.porter.data, c.porter.model.vocab,
+                            c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
+      auto step = [&](int s) { e.train_step(data.rank_batches(s, 1, g.dp_rank, g.dp_size)); };
+      if (phase == 0) {  // 4 steps straight
+        for (int s = 0; s < 4; ++s) step(s);
+        straight[static_cast<size_t>(rank)] = e.params_host();
+      } else if (phase == 1) {  // 2 steps, then save
+        for (int s = 0; s < 2; ++s) step(s);
+        e.save_checkpoint(dir);
+      } else {  // load, then the last 2
+        e.load_checkpoint(dir);
+        EXPECT_EQ(e.step(), 2);
+        for (int s = 2; s < 4; ++s) step(s);
+        resumed[static_cast<size_t>(rank)] = e.params_host();
+      }
+    });
+    for (auto& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(std::filesystem::exists(dir / ("rank" + std::to_string(r)))) << r;
+    EXPECT_TRUE(bitwise_equal(resumed[static_cast<size_t>(r)], straight[static_cast<size_t>(r)]))
+        << "rank " << r;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(EngineTp, AFailedRankFailsItsPeersNamingRankGroupAndOperation) {
