@@ -479,7 +479,8 @@ TEST_F(LaunchTrain, MpirunStartsATensorParallelRun) {
   const std::string cfg = megatron_tp2_config(dir_);
   const std::string report = (dir_ / "mpi.json").string();
   BinaryRun run = run_program(
-      {mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "4", "-x",
+      // isolated: start the local ranks without ssh (a bare machine may have none).
+      {mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "plm", "isolated", "-n", "4", "-x",
        "MASTER_PORT=" + std::to_string(free_port()), PORTER_EXE, "train", "--config", cfg,
        "--steps", "2", "--report", report});
   ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
