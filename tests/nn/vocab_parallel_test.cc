@@ -134,7 +134,7 @@ TEST(EmbeddingVocabRangeTest, OtherShardsAndNegativeIdsContributeNothing) {
   env.kernels->embedding_forward_vocab_range(tokens, twte, 20, Tensor(), out);
   std::vector<float> got = env.host(out);
   for (int64_t n = 0; n < 6; ++n) {
-    const int64_t v = tok[n] - 20;
+    const int64_t v = static_cast<int64_t>(tok[n]) - 20;
     for (int64_t c = 0; c < cols; ++c) {
       ASSERT_EQ(got[n * cols + c], v == 0 || v == 1 ? wte[v * cols + c] : 0.0f) << n << " " << c;
     }
@@ -142,7 +142,7 @@ TEST(EmbeddingVocabRangeTest, OtherShardsAndNegativeIdsContributeNothing) {
   env.kernels->embedding_forward_vocab_range(tokens, twte, 20, env.from(wpe, {t_max, cols}), out);
   got = env.host(out);
   for (int64_t n = 0; n < 6; ++n) {
-    const int64_t v = tok[n] - 20;
+    const int64_t v = static_cast<int64_t>(tok[n]) - 20;
     for (int64_t c = 0; c < cols; ++c) {
       const float pos = wpe[(n % 3) * cols + c];
       ASSERT_EQ(got[n * cols + c], v == 0 || v == 1 ? wte[v * cols + c] + pos : pos);
