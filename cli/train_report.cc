@@ -9,6 +9,7 @@
 
 #include "base/error.h"
 #include "base/units.h"
+#include "checkpoint/analytic.h"
 #include "cli/common.h"
 #include "config/parse.h"
 #include "memory/category.h"
@@ -108,6 +109,10 @@ ordered_json tensor_parallel_json(engine::Engine& engine) {
       {"hidden_fraction", t.hidden_fraction},
       {"partitioned_bytes", t.partitioned_bytes},
       {"predicted_partitioned_bytes", t.predicted_partitioned_bytes},
+      // One block kept with its input on this rank: porter's exact bytes and Korthikanti et
+      // al.'s formula in their 16-bit accounting (docs/memory-model.md).
+      {"layer_bytes", checkpoint::gpt_layer_bytes(engine.run_options().shape)},
+      {"korthikanti_layer_bytes", checkpoint::korthikanti_layer_bytes(engine.run_options().shape)},
   };
 }
 
@@ -346,6 +351,12 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
     const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
     out << "\ntensor parallel: " << engine.tp_size() << " ranks"
         << (engine.config().porter.model.sequence_parallel ? ", sequence-parallel" : "")
+        << "; a block's activations "
+        << format_bytes(checkpoint::gpt_layer_bytes(engine.run_options().shape))
+        << " per rank (Korthikanti's formula: "
+        << format_bytes(static_cast<uint64_t>(
+               checkpoint::korthikanti_layer_bytes(engine.run_options().shape)))
+        << ")"
         << "; comm " << format_bytes(static_cast<uint64_t>(static_cast<double>(t.comm_bytes) / n))
         << " per step, " << format_seconds(t.comm_busy_s / n) << " busy";
     if (t.gathers > 0) {
