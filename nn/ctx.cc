@@ -303,8 +303,6 @@ PhiloxKey Ctx::dropout_key_for(int site, int64_t element_offset) const {
   return key;
 }
 
-namespace {
-
 comm::ElemType comm_type(DType t) {
   switch (t) {
     case DType::kF32: return comm::ElemType::kF32;
@@ -314,8 +312,6 @@ comm::ElemType comm_type(DType t) {
   }
   return comm::ElemType::kF32;
 }
-
-}  // namespace
 
 comm::Work Ctx::tp_all_reduce(Tensor& t) {
   PORTER_CHECK(tp_ != nullptr, "tp_all_reduce without a tensor-parallel group");

@@ -147,6 +147,9 @@ struct RunInfo {
   int64_t seq = 0;
 };
 
+// The element type collectives use for a tensor of `dtype`.
+comm::ElemType comm_type(DType dtype);
+
 // Note [Tensor-parallel collectives]
 // A Ctx may carry the tensor-parallel group's communicator (set_tensor_parallel; null or a
 // group of one: no tensor parallelism). Layers call the collectives below inside an op's

@@ -6,22 +6,13 @@
 #include <cmath>
 
 #include "base/check.h"
+#include "nn/ctx.h"
 
 namespace porter::zero {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-comm::ElemType elem_type(nn::DType t) {
-  switch (t) {
-    case nn::DType::kF32: return comm::ElemType::kF32;
-    case nn::DType::kBF16: return comm::ElemType::kBF16;
-    case nn::DType::kF16: return comm::ElemType::kF16;
-    case nn::DType::kI32: return comm::ElemType::kI32;
-  }
-  return comm::ElemType::kF32;
-}
 
 nn::Tensor zeros_f32(nn::Kernels& kernels, memory::CachingAllocator& allocator, int64_t n) {
   nn::Tensor t =
@@ -145,7 +136,7 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
     const nn::Tensor& all = flat_->params();
     const comm::CommLabel label(dp_, "params");
     wait(dp_->all_gather(params.data(), all.data(), static_cast<size_t>(part_.shard_elems),
-                         elem_type(all.dtype())));
+                         nn::comm_type(all.dtype())));
   }
 }
 
