@@ -77,8 +77,44 @@ struct StageCost {
   bool operator==(const StageCost&) const = default;
 };
 
+// Note [Gathered parameters]
+// At ZeRO stage 3 (docs/zero.md, "Stage 3") every rank holds only its shard of the working
+// parameters; a stage's parameters are all-gathered into a buffer of their own (memory
+// category `params`) before an op of the stage runs and freed after it, as the gather plan
+// of the schedule says (checkpoint/param_gather.h). Those buffers count against the same
+// budget as the activations (Prediction::peak_budget_bytes). A gather unit is one stage's
+// flat parameter range (its entries, each aligned, Note [Gradient buckets] in
+// zero/buckets.h); a stage may read other units too (the head reads the tied embedding), so
+// `reads` lists, per stage, the units its forward, recompute and backward need. A persistent
+// unit (smaller than stage3_param_persistence_threshold) stays gathered for the whole run and
+// is not planned.
+struct GatherUnit {
+  std::string name;       // the stage's, e.g. "block.3"
+  int64_t elems = 0;      // of the gathered buffer (the stage's flat range)
+  size_t bytes = 0;       // elems x the working dtype's size
+  bool persistent = false;
+  bool operator==(const GatherUnit&) const = default;
+};
+struct ParamGather {
+  bool enabled = false;                 // ZeRO stage 3
+  std::vector<GatherUnit> units;        // one per stage
+  std::vector<std::vector<int>> reads;  // per stage: the units it reads, its own first
+  // zero_optimization's stage3_* knobs, in elements (Note [Gather plan]).
+  int64_t prefetch_elems = 50'000'000;       // stage3_prefetch_bucket_size
+  int64_t max_live_elems = 1'000'000'000;    // stage3_max_live_parameters
+  int64_t max_reuse_distance = 1'000'000'000;  // stage3_max_reuse_distance
+  size_t persistent_bytes() const {
+    size_t b = 0;
+    for (const GatherUnit& u : units) b += u.persistent ? u.bytes : 0;
+    return b;
+  }
+  bool operator==(const ParamGather&) const = default;
+};
+
 struct ChainCosts {
   std::vector<StageCost> stages;
+  // ZeRO stage 3's gathered parameters (Note [Gathered parameters]); disabled otherwise.
+  ParamGather params;
   // "profiled" (times measured) or "analytic" (bytes exact, times unknown: 0).
   std::string source;
   // The op kinds selective recompute recomputes, e.g. "attention".

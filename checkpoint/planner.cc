@@ -98,7 +98,7 @@ bool better(const Prediction& a, const Prediction& b, const ChainCosts& costs) {
   const double oa = objective(a, costs), ob = objective(b, costs);
   if (oa != ob) return oa < ob;
   if (a.offload.d2h_bytes != b.offload.d2h_bytes) return a.offload.d2h_bytes < b.offload.d2h_bytes;
-  return a.peak_activation_bytes < b.peak_activation_bytes;
+  return a.peak_budget_bytes < b.peak_budget_bytes;
 }
 
 const char* kBudgetKey = "porter.checkpointing.memory_budget";
@@ -360,7 +360,7 @@ size_t resolve_budget(const config::MemoryBudget& budget, const ChainCosts& cost
                           ": a fractional budget must be in (0, 1] (a fraction of the no-checkpointing "
                           "activation peak); give bytes (\"2GiB\") for more");
   }
-  const size_t none = simulate(schedule_none(costs), costs).peak_activation_bytes;
+  const size_t none = simulate(schedule_none(costs), costs).peak_budget_bytes;
   return static_cast<size_t>(std::floor(f * static_cast<double>(none)));
 }
 
@@ -409,7 +409,10 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
   PORTER_CHECK(partition.ways >= 1, "partition ways = ", partition.ways,
                " must be >= 1 (porter.model.tensor_parallel)");
   // Note [Plan search]: the reserve retries.
-  if (offload.enabled || partition.enabled()) {
+  // ZeRO stage 3's gathered parameters share the budget (Note [Gathered parameters]): the
+  // program does not see them, so its result is simulated and solved again below the budget
+  // less the overshoot, as for host and partitioned holds.
+  if (offload.enabled || partition.enabled() || costs.params.enabled) {
     PORTER_CHECK(offload.prefetch_depth >= 0, "porter.checkpointing.prefetch_depth = ",
                  offload.prefetch_depth, " must be >= 0");
     size_t largest = 0;
@@ -421,8 +424,20 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
                                        : st.input_bytes);
     }
     const size_t slot = round_up(largest, kStagingSlotAlignment);
-    const size_t reserve =
-        slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0));
+    size_t reserve =
+        offload.enabled || partition.enabled()
+            ? slot * (static_cast<size_t>(offload.prefetch_depth) + (offload.contiguous ? 1 : 0))
+            : 0;
+    if (costs.params.enabled) {
+      // At least one op's own gathered units, and what prefetch adds beside them.
+      size_t reads = 0;
+      for (const std::vector<int>& r : costs.params.reads) {
+        size_t b = 0;
+        for (int u : r) b += costs.params.units[static_cast<size_t>(u)].persistent ? 0 : costs.params.units[static_cast<size_t>(u)].bytes;
+        reads = std::max(reads, b);
+      }
+      reserve += 2 * reads;
+    }
     RotorOptions options;
     options.host_holds = offload.enabled;
     options.prefetch_depth = offload.prefetch_depth;
@@ -434,10 +449,11 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
     for (int attempt = 0; attempt < 6 && r < budget_bytes; ++attempt) {
       std::optional<Schedule> s = solve_rotor(costs, budget_bytes - r, options);
       if (!s) break;  // a larger reserve leaves less
-      const size_t peak = predict(*s, costs, offload, partition).peak_activation_bytes;
+      const size_t peak = predict(*s, costs, offload, partition).peak_budget_bytes;
       if (peak <= budget_bytes) return s;
       r = attempt < 4 ? r + (peak - budget_bytes) : std::max(r + (peak - budget_bytes), reserve);
     }
+    if (costs.params.enabled) return std::nullopt;
   }
   std::optional<Schedule> s = solve_rotor(costs, budget_bytes);
   if (s) {
@@ -457,10 +473,10 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
                             const PartitionOptions& partition) {
   std::vector<Candidate> all = standard_candidates(costs, offload, partition);
   auto lower = [](const Candidate& a, const Candidate& b) {
-    return a.prediction.peak_activation_bytes < b.prediction.peak_activation_bytes;
+    return a.prediction.peak_budget_bytes < b.prediction.peak_budget_bytes;
   };
   Candidate best = *std::min_element(all.begin(), all.end(), lower);
-  size_t lo = 0, hi = best.prediction.peak_activation_bytes;
+  size_t lo = 0, hi = best.prediction.peak_budget_bytes;
   while (hi > lo + std::max<size_t>(1, hi / 1000)) {
     const size_t mid = lo + (hi - lo) / 2;
     std::optional<Schedule> s = schedule_rotor(costs, mid, offload, partition);
@@ -469,10 +485,10 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
       continue;
     }
     Prediction p = predict(*s, costs, offload, partition);
-    if (p.peak_activation_bytes < best.prediction.peak_activation_bytes) {
+    if (p.peak_budget_bytes < best.prediction.peak_budget_bytes) {
       best = {"rotor", std::move(*s), std::move(p)};
     }
-    hi = std::min(mid, best.prediction.peak_activation_bytes);
+    hi = std::min(mid, best.prediction.peak_budget_bytes);
   }
   return best;
 }
@@ -481,7 +497,7 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
 
 size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload,
                             const PartitionOptions& partition) {
-  return minimum_candidate(costs, offload, partition).prediction.peak_activation_bytes;
+  return minimum_candidate(costs, offload, partition).prediction.peak_budget_bytes;
 }
 
 Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
@@ -598,7 +614,7 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       }
       const Candidate* best = nullptr;
       for (const Candidate& c : cands) {
-        if (c.prediction.peak_activation_bytes > budget) continue;
+        if (c.prediction.peak_budget_bytes > budget) continue;
         if (best == nullptr || better(c.prediction, best->prediction, costs)) best = &c;
       }
       Candidate minimum;
@@ -606,10 +622,10 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
         // The discretised DP may miss a schedule that fits exactly; the minimum search
         // (finer budgets) finds the lowest peak reachable.
         minimum = minimum_candidate(costs, offload, partition);
-        if (minimum.prediction.peak_activation_bytes > budget) {
+        if (minimum.prediction.peak_budget_bytes > budget) {
           throw InvalidArgument(std::string(kBudgetKey) + ": " + format_bytes(budget) +
                                 " is below the minimum feasible activation peak of " +
-                                format_bytes(minimum.prediction.peak_activation_bytes) +
+                                format_bytes(minimum.prediction.peak_budget_bytes) +
                                 " for this model and micro-batch (policy \"optimal\")");
         }
         best = &minimum;

@@ -129,10 +129,19 @@ class Replay {
     if (staging_ == nullptr) return 0;
     size_t total = slices ? staging_->slice_arena_bytes : staging_->arena_bytes;
     for (const StagingWindow& w : staging_->windows) {
-      if (w.slice != slices || op_ < w.first_op) continue;
+      if (w.params || w.slice != slices || op_ < w.first_op) continue;
       const bool in = w.until_fetch ? op_ < w.last_op : after_ ? op_ < w.last_op : op_ <= w.last_op;
       if (in) total += w.bytes;
     }
+    return total;
+  }
+  // The gathered parameter buffers alive during op op_ (they are issued before it starts and
+  // freed after it ends).
+  size_t param_bytes() const {
+    if (staging_ == nullptr) return 0;
+    size_t total = 0;
+    for (const StagingWindow& w : staging_->windows)
+      if (w.params && w.first_op <= op_ && op_ <= w.last_op) total += w.bytes;
     return total;
   }
   size_t staging_bytes() const { return window_bytes(false); }
@@ -162,7 +171,10 @@ class Replay {
       pred_.peak_op = k;
       pred_.peak_activation_bytes = activation_peak;
     }
-    pred_.peak_total_bytes = std::max(pred_.peak_total_bytes, total_peak);
+    const size_t params = param_bytes();
+    pred_.peak_total_bytes = std::max(pred_.peak_total_bytes, total_peak + params);
+    pred_.peak_budget_bytes = std::max(pred_.peak_budget_bytes, activation_peak + params);
+    pred_.params.peak_gathered_bytes = std::max(pred_.params.peak_gathered_bytes, params);
   }
 
   const OptionCost& option_cost(int k, const ScheduleOp& op, int stage, SaveOption o) const {

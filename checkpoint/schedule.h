@@ -136,8 +136,22 @@ struct OffloadPrediction {
 };
 
 // What the simulator predicts for one micro-batch of a schedule.
+// ZeRO stage 3's gathered parameters in one micro-batch (Note [Gather plan] in
+// checkpoint/param_gather.h); zero otherwise.
+struct ParamPrediction {
+  size_t peak_gathered_bytes = 0;  // gathered buffers alive at once, at most
+  int64_t peak_live_elems = 0;     // their elements
+  int gathers = 0;
+  size_t gathered_bytes = 0;       // of the gathered buffers, summed over gathers
+  size_t persistent_bytes = 0;     // persistent units: gathered for the whole run
+};
+
 struct Prediction {
   size_t peak_activation_bytes = 0;  // peak of the footprint (staging included)
+  // What a memory budget bounds: the activation footprint plus ZeRO stage 3's gathered
+  // parameters alive at the same moment, at most (= peak_activation_bytes without stage 3).
+  size_t peak_budget_bytes = 0;
+  ParamPrediction params;
   // The same for all categories, excluding model states: at each op, the footprint at its
   // start + the activation gradient alive between stages (that of a_g: stage g's
   // input_bytes, none before the loss's backward) + the op's *_total_peak_bytes.
@@ -168,12 +182,16 @@ struct Prediction {
 // then also checks the footprint at that moment, start of `last_op` + `bytes`, as a peak of
 // the op. `slice` windows are partition slices (category `checkpoints`), the others staging.
 // `arena_bytes` and `slice_arena_bytes` count for the whole micro-batch (contiguous staging).
+// `params` windows are ZeRO stage 3's gathered parameter buffers (checkpoint/param_gather.h;
+// category `params`): outside the activation footprint, they count in peak_total_bytes and
+// peak_budget_bytes.
 struct StagingWindow {
   int first_op = 0;
   int last_op = 0;
   size_t bytes = 0;
   bool slice = false;
   bool until_fetch = false;
+  bool params = false;
 };
 struct Staging {
   size_t arena_bytes = 0;

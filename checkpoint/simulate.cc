@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "base/check.h"
+#include "checkpoint/param_gather.h"
 
 namespace porter::checkpoint {
 
@@ -155,8 +156,29 @@ Prediction simulate(const Schedule& schedule, const ChainCosts& costs, const Off
     if (timed) o.exposed_by_stage.assign(n, 0.0);
     if (gather_timed) o.gather_exposed_by_stage.assign(n, 0.0);
   };
+  // ZeRO stage 3: each gathered buffer from just before its issue op to just after its
+  // release op (Note [Gather plan]).
+  const GatherPlan gathers = plan_gathers(schedule, costs.params);
+  auto add_params = [&](Staging& staging, Prediction* p) {
+    if (p == nullptr) {
+      for (const GatherWindow& w : gathers.windows) {
+        StagingWindow sw{w.first_op, w.last_op, costs.params.units[static_cast<size_t>(w.unit)].bytes};
+        sw.params = true;
+        staging.windows.push_back(sw);
+      }
+      return;
+    }
+    p->params.peak_live_elems = gathers.peak_live_elems;
+    p->params.gathers = gathers.gathers;
+    p->params.gathered_bytes = gathers.gathered_bytes;
+    p->params.persistent_bytes = costs.params.enabled ? costs.params.persistent_bytes() : 0;
+    if (p->peak_budget_bytes < p->peak_activation_bytes) p->peak_budget_bytes = p->peak_activation_bytes;
+  };
   if (layout.empty()) {
-    Prediction p = replay(schedule, costs);
+    Staging staging;
+    add_params(staging, nullptr);
+    Prediction p = replay(schedule, costs, staging);
+    add_params(staging, &p);
     mark_timed(p.offload);
     return p;
   }
@@ -180,8 +202,10 @@ Prediction simulate(const Schedule& schedule, const ChainCosts& costs, const Off
       }
     }
   }
+  add_params(staging, nullptr);
   std::vector<double> op_s;
   Prediction p = replay(schedule, costs, staging, &op_s);
+  add_params(staging, &p);
   p.offload.d2h_bytes = layout.offloaded_bytes;
   for (const StashEntry& e : layout.entries) {
     if (e.use_op < 0) continue;

@@ -14,6 +14,7 @@
 #include "engine/engine_impl.h"
 #include "engine/executor.h"
 #include "engine/offload_trace.h"
+#include "engine/stage3.h"
 #include "offload/link_probe.h"
 #include "zero/buckets.h"
 
@@ -108,9 +109,11 @@ void Engine::build_model_states() {
   const int zero_stage = run_.zero_stage();
   const nn::ParamLayout& layout = model_->layout();
   im.part = zero::make_partition(layout.total_elems(), im.dp != nullptr ? im.dp->size() : 1);
+  // Stage 3 keeps no full parameter buffer: the optimizer owns the working shard and the
+  // gatherer binds each stage to its gathered buffer (Note [Stage 3 gather]).
   im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, run_.compute_dtype,
                                              nn::DType::kF32, im.part.padded_elems,
-                                             zero_stage < 2);
+                                             zero_stage < 2, zero_stage < 3);
   im.optimizer = std::make_unique<zero::ShardedOptimizer>(*im.flat, *kernels_, *allocator_,
                                                           im.comm(), im.part, run_.optimizer);
   if (im.tp_comm() != nullptr) {
@@ -147,6 +150,13 @@ void Engine::build_model_states() {
       *im.flat, *kernels_, *allocator_, im.comm(), im.part,
       zero::plan_buckets(sl.ranges, writers, config_.zero_optimization.reduce_bucket_size_elems),
       std::move(sl.entry_stage), run_.reducer, [m, flat] { m->bind(*flat); });
+  if (zero_stage == 3) {
+    Stage3Layout s3 = stage3_layout(*model_, config_.zero_optimization, run_.compute_dtype);
+    im.param_costs = std::move(s3.costs);
+    im.gatherer = std::make_unique<zero::ParamGatherer>(
+        *im.flat, *allocator_, im.comm(), im.part, im.optimizer->working(), std::move(s3.units),
+        im.param_costs.max_live_elems, [m, flat] { m->bind(*flat); });
+  }
   if (im.flat->grads().defined()) {
     nn::Tensor grads = im.flat->grads();
     kernels_->fill(grads, 0.0f);
@@ -168,6 +178,7 @@ void Engine::plan_from_costs() {
     im.costs = profile();
     agree_on_costs();
   }
+  im.costs.params = im.param_costs;  // Note [Gathered parameters]: disabled below stage 3
   checkpoint::PlanOptions options = run_.plan;
   im.link_bytes_per_s = options.offload.link_bytes_per_s;  // sim_link_gbps, else 0: unknown
   if (im.link_bytes_per_s == 0.0 && options.offload.enabled) {
@@ -249,8 +260,11 @@ void Engine::set_plan(const checkpoint::Plan& plan) {
                "(make_plan does)");
   // Before adopting the plan: a pinned shortfall is an OutOfMemoryError naming
   // porter.device.pinned_limit, and on any failure the previous plan and layout remain.
+  // Stage 3: the schedule's gathers (throws for a stage3_max_live_parameters too small).
+  checkpoint::GatherPlan gathers = checkpoint::plan_gathers(plan.schedule, impl_->param_costs);
   impl_->stash->prepare(plan.offload);
   impl_->plan = plan;
+  impl_->gather_plan = std::move(gathers);
   impl_->recompute_s_per_step.clear();
 }
 
@@ -288,6 +302,7 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
                 ": train_step " + std::to_string(step_) + " failed: " + e.what());
     }
     im.reducer->abort();
+    if (im.gatherer) im.gatherer->abort();
     throw;
   }
   im.optimizer->finish_step(norm.overflow);
@@ -308,6 +323,7 @@ void Engine::begin_step() {
   (void)im.stash->take_copies();
   (void)im.stash->take_waits();
   (void)im.optimizer->take_exposed_s();
+  if (im.gatherer) (void)im.gatherer->take_stats();
   if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
   if (comm::Communicator* tp = im.tp_comm()) {
     (void)tp->take_records();
@@ -330,10 +346,31 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
     nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
     nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
     zero::GradReducer* reducer = im.reducer.get();
-    ExecEnv env{model_.get(), im.ctx.get(), &im.plan.schedule, im.plan.selective_policy,
-                trace_, step_, static_cast<int>(i), run_.seed, im.stash.get(),
-                [reducer](int stage) { reducer->before_backward(stage); },
-                [reducer](int stage) { reducer->after_backward(stage); }, im.step_memory.get()};
+    ExecEnv env;
+    env.model = model_.get();
+    env.ctx = im.ctx.get();
+    env.schedule = &im.plan.schedule;
+    env.selective_policy = im.plan.selective_policy;
+    env.trace = trace_;
+    env.step = step_;
+    env.micro_batch = static_cast<int>(i);
+    env.seed = run_.seed;
+    env.stash = im.stash.get();
+    env.before_backward = [reducer](int stage) { reducer->before_backward(stage); };
+    env.after_backward = [reducer](int stage) { reducer->after_backward(stage); };
+    env.memory = im.step_memory.get();
+    if (zero::ParamGatherer* g = im.gatherer.get()) {
+      // Note [Gather plan]: evictions, gathers and waits before the op, releases after it.
+      const checkpoint::GatherPlan* gp = &im.gather_plan;
+      env.before_op = [g, gp](size_t k) {
+        for (int u : gp->evict[k]) g->release(u);
+        for (int u : gp->issue[k]) g->gather(u);
+        for (int u : gp->wait[k]) g->wait(u);
+      };
+      env.after_op = [g, gp](size_t k) {
+        for (int u : gp->release[k]) g->release(u);
+      };
+    }
     reducer->begin_micro_batch(i + 1 == micro_batches.size());
     const MicroBatchResult mr = run_schedule(env, tokens, targets);
     reducer->end_micro_batch();
@@ -354,6 +391,8 @@ zero::GradNorm Engine::update(StepResult& r) {
   const zero::GradNorm norm = im.optimizer->global_norm(grads);
   r.lr = im.lr->lr(im.optimizer->steps());
   im.optimizer->update(grads, r.lr, norm);
+  // Stage 3: the persistent stages' buffers follow the updated shards.
+  if (im.gatherer && !norm.overflow) im.gatherer->refresh_persistent();
   r.grad_norm = norm.norm;
   r.clip_coef = norm.clip_coef;
   r.skipped = norm.overflow;
@@ -435,6 +474,27 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   z.reduce_hidden_fraction = hidden_fraction(reduced.reduce_busy_s, reduced.reduce_exposed_s);
   z.loss_scale = im.optimizer->loss_scale();
   z.skipped_steps = r.skipped ? 1 : 0;
+  if (im.gatherer) {
+    const zero::GatherStats g = im.gatherer->take_stats();
+    z.gathers = g.gathers;
+    z.gathered_bytes = g.gathered_bytes;
+    z.gather_busy_s = g.busy_s;
+    z.gather_exposed_s = g.exposed_s;
+    z.gather_hidden_fraction = hidden_fraction(g.busy_s, g.exposed_s);
+    z.peak_live_elems = g.peak_live_elems;
+    z.peak_gathered_bytes = g.peak_live_bytes;
+    z.comm_exposed_s += g.exposed_s;
+    zero::GatherStats& gt = im.gather_total;
+    gt.gathers += g.gathers;
+    gt.gathered_bytes += g.gathered_bytes;
+    gt.busy_s += g.busy_s;
+    gt.exposed_s += g.exposed_s;
+    gt.peak_live_elems = std::max(gt.peak_live_elems, g.peak_live_elems);
+    gt.peak_live_bytes = std::max(gt.peak_live_bytes, g.peak_live_bytes);
+  }
+  z.predicted_peak_live_elems = im.plan.prediction.params.peak_live_elems;
+  z.predicted_gathered_bytes = im.plan.prediction.params.peak_gathered_bytes;
+  z.persistent_bytes = im.plan.prediction.params.persistent_bytes;
   ZeroStats& t = im.zero_total;
   t.comm_bytes += z.comm_bytes;
   t.comm_busy_s += z.comm_busy_s;
@@ -485,6 +545,16 @@ double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
     Model& m;
     ~TargetsGuard() { m.set_targets(nn::Tensor()); }
   } guard{*model_};
+  // Stage 3: each stage's units are gathered before its forward and released once the next
+  // stage does not read them; nothing stays gathered however evaluate ends.
+  zero::ParamGatherer* g = im.gatherer.get();
+  struct GatherGuard {
+    zero::ParamGatherer* g;
+    ~GatherGuard() {
+      if (g != nullptr) g->abort();
+    }
+  } gather_guard{g};
+  auto reads = [&](int s) -> const std::vector<int>& { return im.param_costs.reads[static_cast<size_t>(s)]; };
   for (size_t i = 0; i < micro_batches.size(); ++i) {
     const HostBatch& mb = micro_batches[i];
     nn::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
@@ -492,9 +562,24 @@ double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
     im.ctx->set_run({run_.seed, static_cast<uint64_t>(step_), static_cast<uint32_t>(i),
                      static_cast<int64_t>(mb.batch), static_cast<int64_t>(mb.seq)});
     for (int s = 0; s < n; ++s) {
+      if (g != nullptr) {
+        for (int u : reads(s)) {
+          if (!g->unit(u).persistent && g->unit(u).elems() > 0 && !g->live(u)) g->gather(u);
+        }
+        for (int u : reads(s)) {
+          if (g->live(u)) g->wait(u);
+        }
+      }
       nn::Tape tape;  // a checkpointed forward keeps nothing; dropped at once
       if (s == n - 1) model_->set_targets(targets);
       x = nn::forward_stage(*im.ctx, model_->stage(s), s, tape, nn::SaveMode::kCheckpoint, x);
+      if (g != nullptr) {
+        for (int u : reads(s)) {
+          const bool next = s + 1 < n && std::find(reads(s + 1).begin(), reads(s + 1).end(), u) !=
+                                             reads(s + 1).end();
+          if (!g->unit(u).persistent && g->live(u) && !next) g->release(u);
+        }
+      }
     }
     sum += static_cast<double>(nn::to_host_f32(*device_, x).at(0));
   }
@@ -510,6 +595,7 @@ void Engine::set_params_host(const std::vector<float>& values) {
   std::vector<float> padded = values;
   padded.resize(static_cast<size_t>(im.part.padded_elems), 0.0f);
   im.optimizer->set_params(padded);
+  if (im.gatherer) im.gatherer->refresh_persistent();  // a collective at stage 3
 }
 
 checkpoint::ChainCosts Engine::profile() {
@@ -548,7 +634,10 @@ checkpoint::ChainCosts Engine::profile() {
     kernels_->fill(grads, 0.0f);
     bind_scratch(true);
   }
+  // Stage 3: every stage gathered for the pass (it runs stages outside a schedule).
+  if (im.gatherer) im.gatherer->gather_all();
   auto restore = [&] {
+    if (im.gatherer) im.gatherer->release_all();
     if (scratch) {
       bind_scratch(false);
     } else {
@@ -596,12 +685,36 @@ ZeroStats Engine::zero_stats() const {
   z.padded_elems = im.part.padded_elems;
   z.reduce_hidden_fraction = hidden_fraction(im.reduce_busy_total_s, im.reduce_exposed_total_s);
   z.loss_scale = im.optimizer->loss_scale();
+  const zero::GatherStats& g = im.gather_total;
+  z.gathers = g.gathers;
+  z.gathered_bytes = g.gathered_bytes;
+  z.gather_busy_s = g.busy_s;
+  z.gather_exposed_s = g.exposed_s;
+  z.gather_hidden_fraction = hidden_fraction(g.busy_s, g.exposed_s);
+  z.peak_live_elems = g.peak_live_elems;
+  z.peak_gathered_bytes = g.peak_live_bytes;
+  z.predicted_peak_live_elems = im.plan.prediction.params.peak_live_elems;
+  z.predicted_gathered_bytes = im.plan.prediction.params.peak_gathered_bytes;
+  z.persistent_bytes = im.plan.prediction.params.persistent_bytes;
   return z;
 }
 
 std::vector<float> Engine::params_host() const {
+  const Impl& im = *impl_;
   const int64_t p = model_->layout().total_elems();
-  return nn::to_host_f32(*device_, impl_->flat->params().slice(0, p));
+  if (!im.gatherer) return nn::to_host_f32(*device_, im.flat->params().slice(0, p));
+  // Stage 3: the shards, all-gathered (every rank calls this).
+  const nn::Tensor& shard = im.optimizer->working();
+  nn::Tensor all = nn::Tensor::empty(*allocator_, nn::Shape{im.part.padded_elems}, shard.dtype(),
+                                     memory::Category::kWorkspace);
+  if (comm::Communicator* dp = im.comm()) {
+    const comm::CommLabel label(dp, "params");
+    dp->all_gather(shard.data(), all.data(), static_cast<size_t>(im.part.shard_elems),
+                   nn::comm_type(shard.dtype())).wait_on(device_->compute_stream());
+  } else {
+    device_->copy_sync(all.data(), shard.data(), shard.nbytes());
+  }
+  return nn::to_host_f32(*device_, all.slice(0, p));
 }
 
 // Stage 0: the whole (reduced) buffer. Stages 1 and 2: the rank's shard, zero elsewhere (with
@@ -625,6 +738,7 @@ void Engine::reset_peaks() {
   impl_->peak_activation_bytes = 0;
   impl_->offload_total = offload::StashStats{};
   impl_->zero_total = ZeroStats{};
+  impl_->gather_total = zero::GatherStats{};
   impl_->tp_total = TensorParallelStats{};
   impl_->reduce_busy_total_s = 0.0;
   impl_->reduce_exposed_total_s = 0.0;

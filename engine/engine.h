@@ -69,6 +69,19 @@ struct ZeroStats {
   double reduce_hidden_fraction = 0.0;
   double loss_scale = 1.0;       // fp16 dynamic loss scale after the step (1 otherwise)
   int64_t skipped_steps = 0;     // fp16 overflow: steps whose update was skipped
+  // Stage 3's parameter gathers (Note [Stage 3 gather] in zero/param_gatherer.h); zero below.
+  int64_t gathers = 0;
+  uint64_t gathered_bytes = 0;     // received from the other ranks
+  double gather_busy_s = 0.0;      // comm-stream time of the gathers
+  double gather_exposed_s = 0.0;   // time the compute stream waited for them
+  double gather_hidden_fraction = 0.0;  // 1 - exposed / busy (0 when nothing was gathered)
+  int64_t peak_live_elems = 0;     // gathered elements alive at once, at most (persistent aside)
+  size_t peak_gathered_bytes = 0;  // their bytes
+  // The plan's prediction of the same (plan.prediction.params) and the persistent stages'
+  // buffers, which stay for the whole run.
+  int64_t predicted_peak_live_elems = 0;
+  size_t predicted_gathered_bytes = 0;
+  size_t persistent_bytes = 0;
 };
 
 // Tensor-parallel figures of one step, or cumulative (Engine::tp_stats();

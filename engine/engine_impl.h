@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "checkpoint/param_gather.h"
 #include "checkpoint/planner.h"
 #include "engine/engine.h"
 #include "engine/lr_schedule.h"
@@ -13,6 +14,7 @@
 #include "nn/ctx.h"
 #include "nn/layer.h"
 #include "offload/stash.h"
+#include "zero/param_gatherer.h"
 #include "zero/partition.h"
 #include "zero/reducer.h"
 #include "zero/sharded_optimizer.h"
@@ -40,6 +42,13 @@ struct Engine::Impl {
   // gradient reducer, which unbinds its buckets from the flat buffers.
   std::unique_ptr<zero::ShardedOptimizer> optimizer;
   std::unique_ptr<zero::GradReducer> reducer;
+  // ZeRO stage 3 (docs/zero.md, "Stage 3"): the parameter gatherer over the optimizer's
+  // working shard, and the gather plan of the current schedule (set_plan); null / empty at
+  // stages 0-2.
+  std::unique_ptr<zero::ParamGatherer> gatherer;
+  checkpoint::GatherPlan gather_plan;
+  checkpoint::ParamGather param_costs;   // the costs' params (Note [Gathered parameters])
+  zero::GatherStats gather_total;        // cumulative since construction or reset_peaks()
   ZeroStats zero_total;         // cumulative since construction or reset_peaks()
   double reduce_busy_total_s = 0.0, reduce_exposed_total_s = 0.0;
   std::unique_ptr<nn::Ctx> ctx;

@@ -185,6 +185,7 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
                               : op.kind == ScheduleOp::Kind::kRecompute || forwards[s] > 0
                                   ? StepPhase::kRecompute
                                   : StepPhase::kForward;
+      if (env.before_op) env.before_op(k);
       // Note [Stash protocol]: prefetches, then the fetch of this op's input, before it runs.
       if (offloading) {
         for (int e : calls.prefetch[k]) stash->prefetch(e);
@@ -297,6 +298,7 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           break;
         }
       }
+      if (env.after_op) env.after_op(k);
       if (env.memory != nullptr) {
         env.memory->op_end(env.micro_batch, static_cast<int>(k), phase, op.stage, op_start_ns);
       }

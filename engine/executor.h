@@ -36,6 +36,11 @@ struct ExecEnv {
   // from the stage.
   std::function<void(int stage)> before_backward;
   std::function<void(int stage)> after_backward;
+  // Called at the start of every op, before the stash's calls, and at its end, with the op's
+  // index in the schedule (ZeRO stage 3's gathers and releases, Note [Gather plan] in
+  // checkpoint/param_gather.h); null: nothing.
+  std::function<void(size_t op)> before_op;
+  std::function<void(size_t op)> after_op;
   // Each op's times go here (Note [Step memory record]); null: none. Not owned.
   StepMemoryRecorder* memory = nullptr;
 };

@@ -91,11 +91,6 @@ RunOptions make_run_options(const config::Config& config) {
 
 void check_supported(const config::Config& c, int dp_size, int tp_size) {
   const config::ZeroConfig& z = c.zero_optimization;
-  if (z.stage == 3) {
-    throw InvalidArgument(
-        "zero_optimization.stage: 3 (partitioned parameters) is not supported yet; use stage "
-        "2, which partitions the gradients and the optimizer state across the ranks");
-  }
   const int64_t tp = c.porter.model.tensor_parallel;
   if (tp_size != tp) {
     throw InvalidArgument(

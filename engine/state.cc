@@ -17,7 +17,8 @@
 // meta.json also holds "dp_size", "zero_stage", "optimizer_steps" (steps that updated: fp16
 // overflow skips some) and "loss_scaler" {scale, iteration, last_overflow, hysteresis_left,
 // skipped}. The sections hold the padded buffers (Note [Flat partition]): params the whole
-// padded buffer, master and the moments the rank's optimizer range. With one rank the
+// padded buffer (at ZeRO stage 3 the rank's shard, whose [begin, end) meta.json gives as
+// "params_range"), master and the moments the rank's optimizer range. With one rank the
 // files sit in `dir` itself, as before. With N > 1 ranks each rank writes its own state into
 // `dir`/rank<r>, r the world rank dp_rank * tp + tp_rank (every rank calls save_checkpoint
 // with the same dir; at stage 0 the copies of a tp rank are identical; a tensor-parallel
@@ -120,8 +121,11 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
     sections_config["optimizer"] = nlohmann::json::parse(cfg.at("optimizer").dump());
   }
   meta["config"] = sections_config;
+  // Stage 3 holds only the rank's shard of the working parameters (Note [Stage 3 gather]).
+  if (im.gatherer) meta["params_range"] = {im.optimizer->begin(), im.optimizer->end()};
   std::vector<StateSection> sections;
-  sections.push_back({"params", download(*device_, im.flat->params())});
+  sections.push_back({"params", download(*device_, im.gatherer ? im.optimizer->working()
+                                                                : im.flat->params())});
   for (const zero::ShardedOptimizer::StateTensor& t : im.optimizer->state_tensors()) {
     sections.push_back({t.name, download(*device_, t.tensor)});
   }
@@ -170,7 +174,8 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   }
 
   using Target = zero::ShardedOptimizer::StateTensor;
-  std::vector<Target> targets = {{"params", im.flat->params()}};
+  std::vector<Target> targets = {
+      {"params", im.gatherer ? im.optimizer->working() : im.flat->params()}};
   for (const Target& t : im.optimizer->state_tensors()) targets.push_back(t);
   for (const Target& t : targets) {
     const StateSection& s = state.section(t.name);
@@ -184,6 +189,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
     const StateSection& s = state.section(t.name);
     if (!s.bytes.empty()) device_->copy_sync(t.tensor.data(), s.bytes.data(), s.bytes.size());
   }
+  if (im.gatherer) im.gatherer->refresh_persistent();  // a collective at stage 3
   step_ = step;
   im.optimizer->set_steps(optimizer_steps);
   im.optimizer->loss_scaler().set_state(ls);

@@ -40,20 +40,40 @@ int64_t ParamLayout::num_params() const {
 
 FlatParams::FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout,
                        DType param_dtype, DType grad_dtype, int64_t padded_elems,
-                       bool allocate_grads)
-    : layout_(&layout), grad_dtype_(grad_dtype) {
-  const int64_t n = std::max(padded_elems, layout.total_elems());
-  params_ = Tensor::empty(allocator, Shape{n}, param_dtype, memory::Category::kParams);
+                       bool allocate_grads, bool allocate_params)
+    : layout_(&layout), param_dtype_(param_dtype), grad_dtype_(grad_dtype) {
+  padded_elems_ = std::max(padded_elems, layout.total_elems());
+  if (allocate_params) {
+    params_ = Tensor::empty(allocator, Shape{padded_elems_}, param_dtype, memory::Category::kParams);
+  }
   if (allocate_grads) {
-    grads_ = Tensor::empty(allocator, Shape{n}, grad_dtype, memory::Category::kGrads);
+    grads_ = Tensor::empty(allocator, Shape{padded_elems_}, grad_dtype, memory::Category::kGrads);
   }
   grad_views_.resize(layout.entries().size());
   has_view_.assign(layout.entries().size(), false);
+  param_views_.resize(layout.entries().size());
+  has_param_view_.assign(layout.entries().size(), false);
 }
 
 Tensor FlatParams::param(size_t i) const {
   const ParamEntry& e = layout_->entries().at(i);
+  if (has_param_view_.at(i)) return param_views_[i];
+  if (!params_.defined()) return Tensor();
   return params_.slice(e.offset_elems, e.offset_elems + e.shape.numel()).reshape(e.shape);
+}
+
+void FlatParams::set_param_view(size_t i, Tensor view) {
+  const ParamEntry& e = layout_->entries().at(i);
+  PORTER_CHECK(!view.defined() || (view.shape() == e.shape && view.dtype() == param_dtype_),
+               "set_param_view: parameter '", e.name, "' is ", e.shape.to_string(),
+               ", the view ", view.shape().to_string());
+  param_views_[i] = std::move(view);
+  has_param_view_[i] = true;
+}
+
+void FlatParams::clear_param_view(size_t i) {
+  param_views_.at(i) = Tensor();
+  has_param_view_[i] = false;
 }
 
 Tensor FlatParams::grad(size_t i) const {

@@ -95,10 +95,12 @@ class ParamLayout {
 class FlatParams {
  public:
   FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout, DType param_dtype,
-             DType grad_dtype, int64_t padded_elems = 0, bool allocate_grads = true);
-  const Tensor& params() const { return params_; }  // (padded_elems)
+             DType grad_dtype, int64_t padded_elems = 0, bool allocate_grads = true,
+             bool allocate_params = true);
+  const Tensor& params() const { return params_; }  // (padded_elems), undefined without
   const Tensor& grads() const { return grads_; }    // (padded_elems), undefined without
-  int64_t padded_elems() const { return params_.numel(); }
+  int64_t padded_elems() const { return padded_elems_; }
+  DType param_dtype() const { return param_dtype_; }
   DType grad_dtype() const { return grad_dtype_; }
   // Views of entry i.
   Tensor param(size_t i) const;
@@ -106,15 +108,24 @@ class FlatParams {
   // Note [Gradient views]: `view` must have entry i's shape, or be undefined (unbound).
   void set_grad_view(size_t i, Tensor view);
   void clear_grad_view(size_t i);
+  // The same for parameters: with allocate_params false (ZeRO stage 3 keeps only a shard and
+  // gathers each stage's parameters into a buffer of their own) an entry's parameter is
+  // whatever set_param_view gave it, undefined otherwise.
+  void set_param_view(size_t i, Tensor view);
+  void clear_param_view(size_t i);
   const ParamLayout& layout() const { return *layout_; }
 
  private:
   const ParamLayout* layout_;  // not owned; outlives this
+  DType param_dtype_;
   DType grad_dtype_;
+  int64_t padded_elems_ = 0;
   Tensor params_;
   Tensor grads_;
   std::vector<Tensor> grad_views_;   // per entry: the override, when has_view_[i]
   std::vector<bool> has_view_;
+  std::vector<Tensor> param_views_;  // per entry: the override, when has_param_view_[i]
+  std::vector<bool> has_param_view_;
 };
 
 // Binds `layer`, whose params() were added to the layout under `prefix`, to views of `flat`.

@@ -34,7 +34,7 @@ GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
       buckets_(std::move(buckets)),
       options_(options),
       rebind_(std::move(rebind)) {
-  PORTER_CHECK(options.zero_stage >= 0 && options.zero_stage <= 2, "GradReducer runs stages 0..2, got ",
+  PORTER_CHECK(options.zero_stage >= 0 && options.zero_stage <= 3, "GradReducer runs stages 0..3, got ",
                options.zero_stage);
   PORTER_CHECK(options.predivide_factor > 0.0,
                "gradient_predivide_factor: expected > 0, got ", options.predivide_factor);
@@ -58,7 +58,7 @@ GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
   }
   live_.resize(buckets_.size());
   issued_.assign(buckets_.size(), false);
-  if (options_.zero_stage == 2) {
+  if (options_.zero_stage >= 2) {
     shard_begin_ = part_.begin(rank_);
     shard_ = nn::Tensor::empty(allocator, nn::Shape{part_.shard_elems}, nn::DType::kF32,
                                memory::Category::kGrads);
@@ -76,14 +76,14 @@ GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
 GradReducer::~GradReducer() { abort(); }
 
 void GradReducer::zero_grads() {
-  nn::Tensor all = options_.zero_stage == 2 ? shard_ : flat_->grads();
+  nn::Tensor all = options_.zero_stage >= 2 ? shard_ : flat_->grads();
   kernels_->fill(all, 0.0f);
 }
 
 void GradReducer::begin_micro_batch(bool last) {
   last_ = last;
   // Stage 2 moves every micro-batch's buckets into the shard, even on one rank.
-  reducing_ = options_.zero_stage == 2 || (n_ > 1 && last);
+  reducing_ = options_.zero_stage >= 2 || (n_ > 1 && last);
   std::fill(issued_.begin(), issued_.end(), false);
 }
 
@@ -101,7 +101,7 @@ void GradReducer::bind_bucket(size_t b, const nn::Tensor& buffer) {
 }
 
 void GradReducer::before_backward(int chain_stage) {
-  if (options_.zero_stage != 2) return;
+  if (options_.zero_stage < 2) return;
   bool changed = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].alloc_before != chain_stage || live_[b].defined()) continue;
@@ -119,7 +119,7 @@ void GradReducer::after_backward(int chain_stage) {
   bool changed = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].ready_after != chain_stage) continue;
-    if (options_.zero_stage == 2) {
+    if (options_.zero_stage >= 2) {
       bind_bucket(b, nn::Tensor());
       changed = true;
     }
@@ -141,7 +141,7 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
   const Bucket& bk = buckets_[b];
   issued_[b] = true;
   // The local gradients of the bucket: stage 2's contiguous buffer, else the flat buffer.
-  nn::Tensor local = options_.zero_stage == 2 ? contiguous : flat_->grads().slice(bk.lo, bk.hi);
+  nn::Tensor local = options_.zero_stage >= 2 ? contiguous : flat_->grads().slice(bk.lo, bk.hi);
   if (n_ == 1) {  // stage 2 on one rank: the bucket is the shard's [lo, hi)
     nn::Tensor dst = shard_.slice(bk.lo, bk.hi);
     kernels_->accumulate(dst, local);
@@ -151,7 +151,7 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
   const comm::CommLabel label(dp_, "bucket " + std::to_string(b));  // Note [Comm records]
   Pending p;
   p.bucket = b;
-  const bool scatter = options_.zero_stage == 2 || (options_.zero_stage == 1 && options_.reduce_scatter);
+  const bool scatter = options_.zero_stage >= 2 || (options_.zero_stage == 1 && options_.reduce_scatter);
   if (!scatter) {
     p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
                              comm::ElemType::kF32, comm::ReduceOp::kSum);
@@ -160,7 +160,7 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
     while (pending_.size() >= kMaxInFlight) complete_oldest();
     p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
                              comm::ElemType::kF32, comm::ReduceOp::kSum);
-    if (options_.zero_stage == 2) local.record_stream(dp_->stream());  // a bucket buffer
+    if (options_.zero_stage >= 2) local.record_stream(dp_->stream());  // a bucket buffer
     p.reduced = std::move(local);
     contiguous = nn::Tensor();
   } else {
@@ -199,14 +199,14 @@ void GradReducer::complete_oldest() {
   const BucketBlocks& bb = blocks_[p.bucket];
   const int64_t m = bb.size(rank_);
   if (m == 0) return;
-  if (p.reduced.defined() && options_.zero_stage != 2) return;  // in place in the flat buffer
+  if (p.reduced.defined() && options_.zero_stage < 2) return;  // in place in the flat buffer
   const int64_t from = bb.lo[static_cast<size_t>(rank_)] - buckets_[p.bucket].lo;
   nn::Tensor mine = p.packed.defined()
                         ? p.packed.slice(rank_ * bb.block, rank_ * bb.block + m)
                         : p.reduced.slice(from, from + m);
   const int64_t at = bb.lo[static_cast<size_t>(rank_)] - shard_begin_;
   nn::Tensor dst = shard_.slice(at, at + m);
-  if (options_.zero_stage == 2) {
+  if (options_.zero_stage >= 2) {
     kernels_->accumulate(dst, mine);  // contiguous_gradients: micro-batches sum here
   } else {
     allocator_->device().compute_stream().copy_async(dst.data(), mine.data(), mine.nbytes());

@@ -1,4 +1,4 @@
-// The gradient reducer of ZeRO stages 0, 1 and 2: buckets, their reductions on the comm
+// The gradient reducer of ZeRO stages 0 to 3: buckets, their reductions on the comm
 // stream, and the rank's gradient shard. See docs/zero.md, "Stages" and "Buckets".
 //
 // Note [Gradient reduction]
@@ -15,7 +15,8 @@
 //   zeroed and the entries it covers are bound to views of it (Note [Gradient views] in
 //   nn/layer.h); after the last writer's backward the entries are unbound again and the
 //   bucket is packed, freed, and reduce-scattered; the rank adds its block into its f32
-//   gradient shard (category grads, S elements: contiguous_gradients). At most two packed
+//   gradient shard (category grads, S elements: contiguous_gradients). Stage 3 reduces
+//   exactly as stage 2 (only the parameters differ, zero/param_gatherer.h). At most two packed
 //   buckets are in flight (stage 1 too): issuing a third first completes the oldest (the
 //   wait is exposed).
 // Scaling follows DeepSpeed's allreduce_bucket (f = gradient_predivide_factor):
@@ -41,7 +42,7 @@
 namespace porter::zero {
 
 struct ReducerOptions {
-  int zero_stage = 0;             // 0, 1 or 2
+  int zero_stage = 0;             // 0..3 (3 reduces as 2)
   bool overlap_comm = false;
   bool reduce_scatter = true;     // stage 1 only: reduce_scatter (true) or all_reduce
   bool prescale_gradients = false;

@@ -33,15 +33,20 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
       part_(part),
       options_(options),
       scaler_(options.fp16) {
-  PORTER_CHECK(options.zero_stage >= 0 && options.zero_stage <= 2,
-               "ShardedOptimizer: ZeRO stage ", options.zero_stage, " (expected 0, 1 or 2)");
+  PORTER_CHECK(options.zero_stage >= 0 && options.zero_stage <= 3,
+               "ShardedOptimizer: ZeRO stage ", options.zero_stage, " (expected 0..3)");
   PORTER_CHECK_EQ(flat.padded_elems(), part.padded_elems,
                   "ShardedOptimizer: the flat buffer is not the partition's padded size");
   const int rank = dp != nullptr ? dp->rank() : 0;
   begin_ = options.zero_stage >= 1 ? part.begin(rank) : 0;
   end_ = options.zero_stage >= 1 ? part.end(rank) : part.padded_elems;
   const int64_t n = end_ - begin_;
-  if (flat.params().dtype() != nn::DType::kF32) {
+  // Stage 3 keeps only the shard of the working parameters, and owns it here.
+  working_ = options.zero_stage == 3
+                 ? nn::Tensor::empty(allocator, nn::Shape{n}, flat.param_dtype(),
+                                     memory::Category::kParams)
+                 : flat.params().slice(begin_, end_);
+  if (flat.param_dtype() != nn::DType::kF32) {
     master_ = nn::Tensor::empty(allocator, nn::Shape{n}, nn::DType::kF32,
                                 memory::Category::kOptimizer);
   }
@@ -129,10 +134,11 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   args.weight_decay = static_cast<float>(o.weight_decay);
   args.step = steps_ + 1;
   args.grad_scale = static_cast<float>(norm.clip_coef / scaler_.scale());
-  nn::Tensor params = flat_->params().slice(begin_, end_);
+  nn::Tensor params = working_;
   nn::Tensor target = has_master() ? master_ : params;
   kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
-  if (dp_ != nullptr && options_.zero_stage >= 1) {
+  // Stage 3 gathers each stage's parameters when they are next needed (zero/param_gatherer.h).
+  if (dp_ != nullptr && options_.zero_stage >= 1 && options_.zero_stage <= 2) {
     const nn::Tensor& all = flat_->params();
     const comm::CommLabel label(dp_, "params");
     wait(dp_->all_gather(params.data(), all.data(), static_cast<size_t>(part_.shard_elems),
@@ -149,12 +155,14 @@ void ShardedOptimizer::set_params(const std::vector<float>& padded) {
   PORTER_CHECK_EQ(static_cast<int64_t>(padded.size()), part_.padded_elems,
                   "ShardedOptimizer::set_params: values for the padded buffer");
   memory::Device& device = allocator_->device();
-  nn::Tensor params = flat_->params();
-  nn::from_host_f32(device, padded, params);
-  if (has_master()) {
-    const std::vector<float> mine(padded.begin() + begin_, padded.begin() + end_);
-    nn::from_host_f32(device, mine, master_);
+  const std::vector<float> mine(padded.begin() + begin_, padded.begin() + end_);
+  if (options_.zero_stage == 3) {
+    nn::from_host_f32(device, mine, working_);
+  } else {
+    nn::Tensor params = flat_->params();
+    nn::from_host_f32(device, padded, params);
   }
+  if (has_master()) nn::from_host_f32(device, mine, master_);
 }
 
 std::vector<ShardedOptimizer::StateTensor> ShardedOptimizer::state_tensors() const {

@@ -19,8 +19,10 @@
 //   2. update(shard, lr, norm): unless the step overflowed, AdamW at `lr` for the count of
 //      updating steps, with the clip coefficient and 1 / loss_scale folded into its gradient
 //      scale (the gradients themselves stay unclipped and scaled, so they can be dumped); the
-//      bf16/fp16 working copy of the range is written in the same pass. At z >= 1 the ranks'
-//      updated ranges are then all-gathered into every rank's working buffer.
+//      bf16/fp16 working copy of the range is written in the same pass. At z = 1 and 2 the
+//      ranks' updated ranges are then all-gathered into every rank's working buffer; at z = 3
+//      the working copy is the rank's shard alone (working()), and each stage's parameters
+//      are gathered from the shards when the next step needs them (zero/param_gatherer.h).
 //   3. finish_step(overflowed): the loss scaler's update and the count of updating steps.
 // Host time spent waiting on its collectives is counted (take_exposed_s), so the engine can
 // report what communication the step did not hide.
@@ -41,7 +43,7 @@
 namespace porter::zero {
 
 struct OptimizerOptions {
-  int zero_stage = 0;                  // zero_optimization.stage: 0, 1 or 2
+  int zero_stage = 0;                  // zero_optimization.stage: 0..3
   config::OptimizerConfig adamw;       // lr (the schedule's base), betas, eps, weight_decay
   double gradient_clipping = 0.0;      // 0: off
   config::Fp16Config fp16;             // loss scaling when enabled
@@ -69,6 +71,9 @@ class ShardedOptimizer {
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
   bool has_master() const { return master_.defined(); }
+  // The working parameters of the range: a view of the flat buffer at stages 0-2, the rank's
+  // own shard (category params) at stage 3, from which zero/param_gatherer.h gathers.
+  const nn::Tensor& working() const { return working_; }
 
   // The scale the loss stage multiplies the gradients by this step (1 without fp16).
   double loss_scale() const { return scaler_.scale(); }
@@ -118,6 +123,7 @@ class ShardedOptimizer {
   Partition part_;
   OptimizerOptions options_;
   int64_t begin_ = 0, end_ = 0;
+  nn::Tensor working_;     // (end - begin) in the compute dtype; see working()
   nn::Tensor master_;      // (end - begin) f32; undefined for f32 compute
   nn::Tensor exp_avg_;     // (end - begin) f32
   nn::Tensor exp_avg_sq_;  // (end - begin) f32

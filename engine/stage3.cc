@@ -1,0 +1,46 @@
+// ZeRO stage 3's gather units (stage3.h).
+#include "engine/stage3.h"
+
+#include <algorithm>
+
+#include "zero/buckets.h"
+
+namespace porter::engine {
+
+Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, nn::DType dtype) {
+  const int n = model.num_stages();
+  std::vector<zero::StageParams> stages;
+  for (int s = 0; s < n; ++s) stages.push_back({model.stage_name(s), model.stage(s).params()});
+  const zero::StageLayout sl = zero::stage_layout(model.layout(), stages);
+  Stage3Layout out;
+  checkpoint::ParamGather& c = out.costs;
+  c.enabled = true;
+  c.prefetch_elems = zero.stage3_prefetch_bucket_size_elems;
+  c.max_live_elems = zero.stage3_max_live_parameters_elems;
+  c.max_reuse_distance = zero.stage3_max_reuse_distance_elems;
+  c.reads.assign(static_cast<size_t>(n), {});
+  for (int s = 0; s < n; ++s) {
+    const zero::StageRange& r = sl.ranges[static_cast<size_t>(s)];
+    zero::ParamUnit u;
+    u.name = model.stage_name(s);
+    u.lo = r.lo;
+    u.hi = r.hi;
+    for (size_t i = 0; i < sl.entry_stage.size(); ++i)
+      if (sl.entry_stage[i] == s) u.entries.push_back(i);
+    u.persistent = u.elems() > 0 && u.elems() < zero.stage3_param_persistence_threshold_elems;
+    c.units.push_back({u.name, u.elems(), static_cast<size_t>(u.elems()) * nn::dtype_size(dtype),
+                       u.persistent});
+    out.units.push_back(std::move(u));
+    c.reads[static_cast<size_t>(s)].push_back(s);
+  }
+  for (int t = 0; t < n; ++t) {
+    for (int w : model.grad_writers(t)) {
+      if (w == t || w < 0 || w >= n) continue;
+      std::vector<int>& r = c.reads[static_cast<size_t>(w)];
+      if (std::find(r.begin(), r.end(), t) == r.end()) r.push_back(t);
+    }
+  }
+  return out;
+}
+
+}  // namespace porter::engine

@@ -1,0 +1,217 @@
+// ZeRO stage 3's parameter gathers (Note [Stage 3 gather] in param_gatherer.h).
+#include "zero/param_gatherer.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "base/check.h"
+#include "base/error.h"
+#include "nn/ctx.h"
+#include "nn/kernels.h"
+
+namespace porter::zero {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator,
+                             comm::Communicator* dp, const Partition& part, nn::Tensor shard,
+                             std::vector<ParamUnit> units, int64_t max_live_elems,
+                             std::function<void()> rebind)
+    : flat_(&flat),
+      allocator_(&allocator),
+      dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
+      part_(part),
+      rank_(dp != nullptr ? dp->rank() : 0),
+      shard_(std::move(shard)),
+      units_(std::move(units)),
+      state_(units_.size()),
+      max_live_elems_(max_live_elems),
+      rebind_(std::move(rebind)) {
+  PORTER_CHECK(shard_.defined() && shard_.numel() == part.shard_elems,
+               "ParamGatherer: the working shard has ", shard_.defined() ? shard_.numel() : 0,
+               " elements, the partition's shard ", part.shard_elems);
+  for (const ParamUnit& u : units_) {
+    PORTER_CHECK(u.lo >= 0 && u.lo <= u.hi && u.hi <= part.padded_elems, "ParamGatherer: unit '",
+                 u.name, "' [", u.lo, ", ", u.hi, ") outside the padded buffer of ",
+                 part.padded_elems);
+  }
+}
+
+ParamGatherer::~ParamGatherer() {
+  // The buffers may still be written by a broadcast only after a failure, and then the
+  // communicator was aborted: its stream is drained before it is destroyed.
+  for (UnitState& s : state_) s.works.clear();
+}
+
+void ParamGatherer::issue(int u, nn::Tensor buffer) {
+  const ParamUnit& un = units_[static_cast<size_t>(u)];
+  UnitState& st = state_[static_cast<size_t>(u)];
+  const size_t esize = nn::dtype_size(buffer.dtype());
+  char* base = static_cast<char*>(buffer.data());
+  // This rank's part, from its shard, on the compute stream.
+  const int64_t mine_lo = std::max(un.lo, part_.begin(rank_));
+  const int64_t mine_hi = std::min(un.hi, part_.end(rank_));
+  if (mine_lo < mine_hi) {
+    allocator_->device().compute_stream().copy_async(
+        base + static_cast<size_t>(mine_lo - un.lo) * esize,
+        static_cast<const char*>(shard_.data()) + static_cast<size_t>(mine_lo - part_.begin(rank_)) * esize,
+        static_cast<size_t>(mine_hi - mine_lo) * esize);
+  }
+  if (dp_ != nullptr) {
+    const comm::CommLabel label(dp_, "gather " + un.name);  // Note [Comm records]
+    const int first = static_cast<int>(un.lo / part_.shard_elems);
+    const int last = static_cast<int>((un.hi - 1) / part_.shard_elems);
+    for (int q = first; q <= last && un.hi > un.lo; ++q) {
+      const int64_t lo = std::max(un.lo, part_.begin(q));
+      const int64_t hi = std::min(un.hi, part_.end(q));
+      if (lo >= hi) continue;
+      st.works.push_back(dp_->broadcast(base + static_cast<size_t>(lo - un.lo) * esize,
+                                        static_cast<size_t>(hi - lo), nn::comm_type(buffer.dtype()), q));
+    }
+    buffer.record_stream(dp_->stream());
+    stats_.gathered_bytes += static_cast<uint64_t>(un.elems() - std::max<int64_t>(0, mine_hi - mine_lo)) * esize;
+  }
+  ++stats_.gathers;
+  st.buffer = std::move(buffer);
+}
+
+void ParamGatherer::gather(int u) {
+  PORTER_CHECK(u >= 0 && u < num_units(), "ParamGatherer::gather: no unit ", u);
+  const ParamUnit& un = units_[static_cast<size_t>(u)];
+  UnitState& st = state_[static_cast<size_t>(u)];
+  if (st.buffer.defined()) throw InternalError("stage 3: unit '" + un.name + "' gathered twice");
+  nn::Tensor buffer = nn::Tensor::empty(*allocator_, nn::Shape{un.elems()}, flat_->param_dtype(),
+                                        memory::Category::kParams);
+  if (!un.persistent) {
+    live_elems_ += un.elems();
+    live_bytes_ += buffer.nbytes();
+    if (live_elems_ > max_live_elems_) {
+      throw InternalError("stage 3: gathering '" + un.name + "' makes " + std::to_string(live_elems_) +
+                          " live parameter elements, over zero_optimization.stage3_max_live_parameters = " +
+                          std::to_string(max_live_elems_));
+    }
+    stats_.peak_live_elems = std::max(stats_.peak_live_elems, live_elems_);
+    stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, live_bytes_);
+  }
+  issue(u, std::move(buffer));
+}
+
+void ParamGatherer::wait(int u) {
+  PORTER_CHECK(u >= 0 && u < num_units(), "ParamGatherer::wait: no unit ", u);
+  UnitState& st = state_[static_cast<size_t>(u)];
+  if (!st.buffer.defined()) {
+    throw InternalError("stage 3: waiting for '" + units_[static_cast<size_t>(u)].name +
+                        "', which was not gathered");
+  }
+  if (!st.works.empty()) {
+    memory::Stream& compute = allocator_->device().compute_stream();
+    const auto t0 = Clock::now();
+    for (comm::Work& w : st.works) w.wait_on(compute);
+    stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    for (comm::Work& w : st.works) {
+      if (w.done()) stats_.busy_s += w.end_s() - w.start_s();
+    }
+    st.works.clear();
+  }
+  if (!st.bound) bind(u);
+}
+
+void ParamGatherer::bind(int u) {
+  const ParamUnit& un = units_[static_cast<size_t>(u)];
+  UnitState& st = state_[static_cast<size_t>(u)];
+  for (size_t i : un.entries) {
+    const nn::ParamEntry& e = flat_->layout().entries().at(i);
+    const int64_t off = e.offset_elems - un.lo;
+    flat_->set_param_view(i, st.buffer.slice(off, off + e.shape.numel()).reshape(e.shape));
+  }
+  st.bound = true;
+  rebind_();
+}
+
+void ParamGatherer::unbind(int u) {
+  for (size_t i : units_[static_cast<size_t>(u)].entries) flat_->clear_param_view(i);
+  state_[static_cast<size_t>(u)].bound = false;
+  rebind_();
+}
+
+void ParamGatherer::release(int u) {
+  PORTER_CHECK(u >= 0 && u < num_units(), "ParamGatherer::release: no unit ", u);
+  const ParamUnit& un = units_[static_cast<size_t>(u)];
+  UnitState& st = state_[static_cast<size_t>(u)];
+  if (!st.buffer.defined()) {
+    throw InternalError("stage 3: releasing '" + un.name + "', which was not gathered");
+  }
+  // An evicted prefetch is still being written: wait for it before the buffer goes.
+  if (!st.works.empty()) {
+    const auto t0 = Clock::now();
+    for (comm::Work& w : st.works) w.wait_on(allocator_->device().compute_stream());
+    stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    for (comm::Work& w : st.works) {
+      if (w.done()) stats_.busy_s += w.end_s() - w.start_s();
+    }
+    st.works.clear();
+  }
+  if (st.bound) unbind(u);
+  if (!un.persistent) {
+    live_elems_ -= un.elems();
+    live_bytes_ -= st.buffer.nbytes();
+  }
+  st.buffer = nn::Tensor();
+}
+
+void ParamGatherer::refresh_persistent() {
+  for (int u = 0; u < num_units(); ++u) {
+    const ParamUnit& un = units_[static_cast<size_t>(u)];
+    if (!un.persistent || un.elems() == 0) continue;
+    UnitState& st = state_[static_cast<size_t>(u)];
+    if (st.buffer.defined()) {
+      nn::Tensor buffer = std::move(st.buffer);  // refilled in place
+      issue(u, std::move(buffer));
+    } else {
+      gather(u);
+    }
+    wait(u);
+  }
+}
+
+void ParamGatherer::gather_all() {
+  for (int u = 0; u < num_units(); ++u) {
+    if (units_[static_cast<size_t>(u)].persistent || live(u) || units_[static_cast<size_t>(u)].elems() == 0) continue;
+    gather(u);
+  }
+  for (int u = 0; u < num_units(); ++u) {
+    if (live(u)) wait(u);
+  }
+}
+
+void ParamGatherer::release_all() {
+  for (int u = 0; u < num_units(); ++u) {
+    if (!units_[static_cast<size_t>(u)].persistent && live(u)) release(u);
+  }
+}
+
+void ParamGatherer::abort() {
+  for (int u = 0; u < num_units(); ++u) {
+    UnitState& st = state_[static_cast<size_t>(u)];
+    if (units_[static_cast<size_t>(u)].persistent || !st.buffer.defined()) continue;
+    st.works.clear();
+    if (st.bound) unbind(u);
+    live_elems_ -= units_[static_cast<size_t>(u)].elems();
+    live_bytes_ -= st.buffer.nbytes();
+    st.buffer = nn::Tensor();
+  }
+}
+
+GatherStats ParamGatherer::take_stats() {
+  GatherStats s = stats_;
+  stats_ = GatherStats{};
+  stats_.peak_live_elems = live_elems_;
+  stats_.peak_live_bytes = live_bytes_;
+  return s;
+}
+
+}  // namespace porter::zero
