@@ -634,8 +634,24 @@ checkpoint::ChainCosts Engine::profile() {
     kernels_->fill(grads, 0.0f);
     bind_scratch(true);
   }
-  // Stage 3: every stage gathered for the pass (it runs stages outside a schedule).
-  if (im.gatherer) im.gatherer->gather_all();
+  // Stage 3: each stage's units are gathered before its measurements and freed after them,
+  // within stage3_max_live_parameters as the plan's gathers are.
+  zero::ParamGatherer* g = im.gatherer.get();
+  std::function<void(int, bool)> stage_hook;
+  if (g != nullptr) {
+    stage_hook = [g, &im](int s, bool begin) {
+      const std::vector<int>& reads = im.param_costs.reads[static_cast<size_t>(s)];
+      for (int u : reads) {
+        if (g->unit(u).persistent || g->unit(u).elems() == 0) continue;
+        if (begin) {
+          g->gather(u);
+          g->wait(u);
+        } else {
+          g->release(u);
+        }
+      }
+    };
+  }
   auto restore = [&] {
     if (im.gatherer) im.gatherer->release_all();
     if (scratch) {
@@ -651,7 +667,7 @@ checkpoint::ChainCosts Engine::profile() {
     im.ctx->set_run({run_.seed, 0, 0, static_cast<int64_t>(b), static_cast<int64_t>(t)});
     model_->set_loss_scale(1.0f / static_cast<float>(run_.gradient_accumulation_steps));
     costs = profile_chain(*model_, *im.ctx, tokens, targets, run_.selective_policy,
-                          run_.selective_name);
+                          run_.selective_name, stage_hook);
   } catch (...) {
     restore();
     allocator_->reset_peak();

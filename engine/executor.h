@@ -58,10 +58,13 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
                               const nn::Tensor& targets);
 
 // Profiles every stage of `model` under every save option on (tokens, targets). Gradients
-// accumulate into the bound gradient buffer: the caller saves and restores it.
+// accumulate into the bound gradient buffer: the caller saves and restores it. `stage_hook`
+// (when set) runs before a stage's measurements (begin true) and after them, outside every
+// measured window: ZeRO stage 3 gathers the stage's parameters there.
 checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tensor& tokens,
                                      const nn::Tensor& targets,
                                      const nn::OpPolicy& selective_policy,
-                                     const std::string& selective_ops);
+                                     const std::string& selective_ops,
+                                     const std::function<void(int stage, bool begin)>& stage_hook = {});
 
 }  // namespace porter::engine

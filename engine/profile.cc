@@ -65,7 +65,8 @@ size_t footprint(const memory::CachingAllocator& a) { return a.stats().activatio
 checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tensor& tokens,
                                      const nn::Tensor& targets,
                                      const nn::OpPolicy& selective_policy,
-                                     const std::string& selective_ops) {
+                                     const std::string& selective_ops,
+                                     const std::function<void(int stage, bool begin)>& stage_hook) {
   memory::CachingAllocator& alloc = ctx.allocator();
   memory::Device& device = alloc.device();
   const int n = model.num_stages();
@@ -82,6 +83,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
   HostTensor input = download(device, tokens);
   input.category = tokens.category();
   for (int i = 0; i < n; ++i) {
+    if (stage_hook) stage_hook(i, true);
     checkpoint::StageCost& sc = costs.stages[static_cast<size_t>(i)];
     sc.name = model.stage_name(i);
     sc.is_block = model.is_block(i);
@@ -203,6 +205,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       }
     }
     input = std::move(next);
+    if (stage_hook) stage_hook(i, false);
   }
   return costs;
 }

@@ -163,10 +163,6 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
     }
   };
   config::Config c = tiny_config();
-  c.zero_optimization.stage = 3;
-  expect_refused(c, "zero_optimization.stage: 3 (partitioned parameters) is not supported yet; "
-                    "use stage 2");
-  c = tiny_config();
   c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
   expect_refused(c, "zero_optimization.offload_optimizer");
   c = tiny_config();

@@ -1,0 +1,438 @@
+// ZeRO stage 3 through the Engine (docs/zero.md, "Stage 3"): ranks as threads, each with its
+// own cpu device and Gloo communicator.
+//
+// Exactness: stage 3 reduces gradients exactly as stage 2 and gathers the same working copies
+// that stage 2 all-gathers after AdamW, so losses and final parameters are bitwise those of
+// stage 2, at any world size, under every schedule. Memory: the params category holds the
+// rank's shard, the persistent stages and, during a step, the gathered buffers the gather
+// plan has alive (Note [Gather plan]); the measured peak of those equals the plan's.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <stdexcept>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "checkpoint/param_gather.h"
+#include "comm/communicator.h"
+#include "engine/state_file.h"
+#include "engine_test_util.h"
+#include "zero/partition.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+
+config::Config z3_config(int world_size, int stage, int64_t gas = 1) {
+  config::Config c;
+  c.world_size = world_size;
+  c.train_micro_batch_size_per_gpu = 2;
+  c.gradient_accumulation_steps = gas;
+  c.train_batch_size = 2 * gas * world_size;
+  c.gradient_clipping = 1.0;
+  config::OptimizerConfig opt;
+  opt.lr = 3e-3;
+  opt.weight_decay = 0.01;
+  c.optimizer = opt;
+  c.porter.model.layers = 3;
+  c.porter.model.hidden = 64;
+  c.porter.model.heads = 2;
+  c.porter.model.seq_len = 16;
+  c.porter.model.vocab = 256;
+  c.porter.model.dropout = 0.1;
+  c.porter.train.seed = 11;
+  c.porter.comm.timeout_s = 20.0;
+  c.zero_optimization.stage = stage;
+  c.zero_optimization.reduce_bucket_size_elems = 20000;
+  c.zero_optimization.overlap_comm = true;
+  // A block is ~50k elements: prefetch one ahead, free what is not reused within one block,
+  // and keep only the final layernorm persistent.
+  c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
+  c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
+  c.zero_optimization.stage3_param_persistence_threshold_elems = 1000;
+  return c;
+}
+
+struct RankRun {
+  std::vector<double> losses;
+  std::vector<float> params;
+  ZeroStats total;
+  checkpoint::Prediction prediction;
+  size_t params_peak = 0;      // category params, peak over the steps
+  size_t params_current = 0;   // after the last step
+  int64_t shard_elems = 0;
+  std::string plan;
+};
+
+std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
+  const int ws = static_cast<int>(c.world_size);
+  std::vector<RankRun> runs(static_cast<size_t>(ws));
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, ws, o);
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    e.reset_peaks();
+    RankRun& run = runs[static_cast<size_t>(rank)];
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.losses.push_back(
+          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
+    }
+    const MemoryReport m = e.memory_report();
+    run.params_peak = m.peak_by_category[static_cast<size_t>(memory::Category::kParams)];
+    run.params_current = m.current_by_category[static_cast<size_t>(memory::Category::kParams)];
+    run.params = e.params_host();
+    run.total = e.zero_stats();
+    run.prediction = e.plan().prediction;
+    run.shard_elems = e.zero_stats().shard_elems;
+    run.plan = e.plan().schedule.to_string();
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  return runs;
+}
+
+void expect_bitwise(const std::vector<RankRun>& a, const std::vector<RankRun>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t r = 0; r < a.size(); ++r) {
+    ASSERT_EQ(a[r].losses.size(), b[r].losses.size()) << what;
+    for (size_t s = 0; s < a[r].losses.size(); ++s) {
+      EXPECT_EQ(a[r].losses[s], b[r].losses[s]) << what << ": rank " << r << " step " << s;
+    }
+    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r << " params";
+  }
+}
+
+struct Variant {
+  std::string name;
+  std::function<void(config::Config&)> apply;
+};
+
+void set_policy(config::Config& c, config::CheckpointPolicy p, int64_t every = 0) {
+  c.porter.checkpointing.policy = p;
+  c.porter.checkpointing.every_n_layers = every;
+}
+
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = {
+      {"none", [](config::Config& c) { set_policy(c, config::CheckpointPolicy::kNone); }},
+      {"full", [](config::Config& c) { set_policy(c, config::CheckpointPolicy::kFull); }},
+      {"uniform", [](config::Config& c) { set_policy(c, config::CheckpointPolicy::kUniform, 2); }},
+      {"selective", [](config::Config& c) { set_policy(c, config::CheckpointPolicy::kSelective); }},
+      {"sqrt", [](config::Config& c) { set_policy(c, config::CheckpointPolicy::kSqrt); }},
+      {"block", [](config::Config& c) {
+         set_policy(c, config::CheckpointPolicy::kBlock);
+         c.porter.checkpointing.block_layers = 2;
+       }},
+      {"uniform+offload", [](config::Config& c) {
+         set_policy(c, config::CheckpointPolicy::kUniform, 1);
+         config::ActivationCheckpointingConfig ac;
+         ac.cpu_checkpointing = true;
+         c.activation_checkpointing = ac;
+         c.porter.device.sim_link_gbps = 50.0;
+       }},
+      {"accumulation", [](config::Config& c) {
+         set_policy(c, config::CheckpointPolicy::kFull);
+         c.gradient_accumulation_steps = 3;
+         c.train_batch_size = c.train_micro_batch_size_per_gpu * 3 * c.world_size;
+       }},
+      {"bf16", [](config::Config& c) {
+         set_policy(c, config::CheckpointPolicy::kUniform, 1);
+         c.bf16.enabled = true;
+       }},
+      {"fp16", [](config::Config& c) {
+         set_policy(c, config::CheckpointPolicy::kSelective);
+         c.fp16.enabled = true;
+         c.fp16.loss_scale = 0.0;
+         c.fp16.initial_scale_power = 8;
+       }},
+  };
+  return v;
+}
+
+TEST(EngineZero3Test, BitwiseEqualToStageTwoAtTwoRanksUnderEveryVariant) {
+  for (const Variant& v : variants()) {
+    config::Config c = z3_config(2, 2);
+    v.apply(c);
+    const std::vector<RankRun> two = run_ranks(c, 3);
+    c.zero_optimization.stage = 3;
+    const std::vector<RankRun> three = run_ranks(c, 3);
+    expect_bitwise(three, two, "stage 3 vs 2, " + v.name);
+    EXPECT_GT(three[0].total.gathers, 0) << v.name;
+  }
+}
+
+TEST(EngineZero3Test, BitwiseEqualToStageTwoAtFourRanks) {
+  for (const char* name : {"uniform", "accumulation", "bf16"}) {
+    const auto it = std::find_if(variants().begin(), variants().end(),
+                                 [&](const Variant& v) { return v.name == name; });
+    config::Config c = z3_config(4, 2);
+    it->apply(c);
+    const std::vector<RankRun> two = run_ranks(c, 3);
+    c.zero_optimization.stage = 3;
+    const std::vector<RankRun> three = run_ranks(c, 3);
+    expect_bitwise(three, two, std::string("4 ranks, ") + name);
+  }
+}
+
+TEST(EngineZero3Test, ParamsAreTheShardPlusTheLiveGatheredBuffersAsPredicted) {
+  for (int policy = 0; policy < 3; ++policy) {
+    config::Config c = z3_config(2, 3);
+    if (policy == 1) set_policy(c, config::CheckpointPolicy::kFull);
+    if (policy == 2) set_policy(c, config::CheckpointPolicy::kUniform, 3);
+    const std::vector<RankRun> runs = run_ranks(c, 2);
+    for (const RankRun& r : runs) {
+      const size_t shard = static_cast<size_t>(r.shard_elems) * 4;  // f32 working params
+      const size_t persistent = r.prediction.params.persistent_bytes;
+      EXPECT_GT(persistent, 0u) << r.plan;  // the final layernorm
+      EXPECT_EQ(r.params_current, shard + persistent) << r.plan;
+      EXPECT_EQ(r.total.peak_gathered_bytes, r.prediction.params.peak_gathered_bytes) << r.plan;
+      EXPECT_EQ(r.total.peak_live_elems, r.prediction.params.peak_live_elems) << r.plan;
+      EXPECT_EQ(r.params_peak, shard + persistent + r.prediction.params.peak_gathered_bytes)
+          << r.plan;
+      // 2 steps of the plan's gathers, and the persistent final layernorm refreshed after
+      // each update.
+      EXPECT_EQ(r.total.gathers, 2 * r.prediction.params.gathers + 2) << r.plan;
+      EXPECT_GT(r.total.gathered_bytes, 0u);
+    }
+  }
+}
+
+TEST(EngineZero3Test, StageThreeHoldsLessThanStageTwo) {
+  // Deep enough that one block gathered and one prefetched are less than half the model.
+  config::Config c = z3_config(2, 2);
+  c.porter.model.layers = 8;
+  set_policy(c, config::CheckpointPolicy::kFull);
+  const std::vector<RankRun> two = run_ranks(c, 1);
+  c.zero_optimization.stage = 3;
+  const std::vector<RankRun> three = run_ranks(c, 1);
+  EXPECT_LT(three[0].params_peak, two[0].params_peak);
+  EXPECT_LT(three[0].params_current, two[0].params_current);
+}
+
+// Each knob moves the measured peak of live gathered elements, and the plan predicted it.
+TEST(EngineZero3Test, EveryKnobChangesThePeakAsPlanned) {
+  struct Case {
+    std::string knob;
+    std::function<void(config::ZeroConfig&)> low, high;
+  };
+  const std::vector<Case> cases = {
+      {"stage3_prefetch_bucket_size",
+       [](config::ZeroConfig& z) { z.stage3_prefetch_bucket_size_elems = 0; },
+       [](config::ZeroConfig& z) { z.stage3_prefetch_bucket_size_elems = 1'000'000; }},
+      {"stage3_max_reuse_distance",
+       [](config::ZeroConfig& z) { z.stage3_max_reuse_distance_elems = 0; },
+       [](config::ZeroConfig& z) { z.stage3_max_reuse_distance_elems = 1'000'000; }},
+      {"stage3_max_live_parameters",
+       [](config::ZeroConfig& z) {
+         z.stage3_prefetch_bucket_size_elems = 1'000'000;
+         z.stage3_max_live_parameters_elems = 60000;
+       },
+       [](config::ZeroConfig& z) {
+         z.stage3_prefetch_bucket_size_elems = 1'000'000;
+         z.stage3_max_live_parameters_elems = 1'000'000;
+       }},
+  };
+  for (const Case& k : cases) {
+    config::Config c = z3_config(2, 3);
+    set_policy(c, config::CheckpointPolicy::kUniform, 3);
+    k.low(c.zero_optimization);
+    const std::vector<RankRun> low = run_ranks(c, 1);
+    k.high(c.zero_optimization);
+    const std::vector<RankRun> high = run_ranks(c, 1);
+    EXPECT_LT(low[0].total.peak_live_elems, high[0].total.peak_live_elems) << k.knob;
+    for (const auto* runs : {&low, &high}) {
+      EXPECT_EQ((*runs)[0].total.peak_live_elems, (*runs)[0].prediction.params.peak_live_elems)
+          << k.knob;
+    }
+    expect_bitwise(low, high, k.knob);
+  }
+  // The cap holds at every gather (the gatherer throws otherwise) and at the peak.
+  config::Config c = z3_config(2, 3);
+  c.zero_optimization.stage3_prefetch_bucket_size_elems = 1'000'000;
+  c.zero_optimization.stage3_max_live_parameters_elems = 60000;
+  EXPECT_LE(run_ranks(c, 1)[0].total.peak_live_elems, 60000);
+  // Persistence: every stage below the threshold stays gathered, nothing is gathered per op.
+  c = z3_config(2, 3);
+  c.zero_optimization.stage3_param_persistence_threshold_elems = 10'000'000;
+  const std::vector<RankRun> all = run_ranks(c, 1);
+  EXPECT_EQ(all[0].prediction.params.gathers, 0);
+  EXPECT_EQ(all[0].total.gathers, 5);  // each of the 5 stages refreshed once after the update
+  EXPECT_EQ(all[0].total.peak_live_elems, 0);
+  EXPECT_GT(all[0].prediction.params.persistent_bytes, 0u);
+}
+
+TEST(EngineZero3Test, AMaxLiveBelowOneStageIsRefusedNamingTheKey) {
+  config::Config c = z3_config(1, 3);
+  c.world_size = 1;
+  c.train_batch_size = 2;
+  c.zero_optimization.stage3_max_live_parameters_elems = 100;
+  auto device = cpu_device();
+  const std::string msg = error_of<InvalidArgument>([&] { gpt_engine(*device, c); });
+  EXPECT_NE(msg.find("stage3_max_live_parameters"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("raise it to at least"), std::string::npos) << msg;
+}
+
+TEST(EngineZero3Test, OneRankStageThreeEqualsStageZero) {
+  std::vector<double> ref;
+  std::vector<float> ref_params;
+  for (int stage : {0, 3}) {
+    config::Config c = z3_config(1, stage);
+    c.world_size = 1;
+    c.train_batch_size = 2;
+    set_policy(c, config::CheckpointPolicy::kFull);
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    std::vector<double> losses;
+    for (int s = 0; s < 3; ++s) losses.push_back(e->train_step(batches(c, s)).loss);
+    // evaluate gathers stage by stage and leaves nothing gathered.
+    const double eval = e->evaluate(batches(c, 9));
+    EXPECT_TRUE(std::isfinite(eval));
+    if (stage == 0) {
+      ref = losses;
+      ref_params = e->params_host();
+    } else {
+      EXPECT_EQ(losses, ref);
+      EXPECT_TRUE(bitwise_equal(e->params_host(), ref_params));
+      EXPECT_EQ(e->zero_stats().peak_live_elems, e->plan().prediction.params.peak_live_elems);
+    }
+  }
+}
+
+TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
+  config::Config c = z3_config(2, 3);
+  set_policy(c, config::CheckpointPolicy::kUniform, 1);
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_zero3_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<std::vector<double>> straight(2), resumed(2);
+  for (int phase = 0; phase < 3; ++phase) {
+    auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+      auto device = cpu_device();
+      comm::CommOptions o;
+      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+      std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      int begin = 0, end = phase == 1 ? 3 : 6;
+      if (phase == 2) {
+        e.load_checkpoint(dir);
+        begin = static_cast<int>(e.step());
+      }
+      for (int s = begin; s < end; ++s) {
+        const double loss = e.train_step(data.rank_batches(s, 1, rank, 2)).loss;
+        if (phase == 0) straight[static_cast<size_t>(rank)].push_back(loss);
+        if (phase == 2) resumed[static_cast<size_t>(rank)].push_back(loss);
+      }
+      if (phase == 1) e.save_checkpoint(dir);
+    });
+    for (auto& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(resumed[r].size(), 3u);
+    for (size_t s = 0; s < 3; ++s) EXPECT_EQ(resumed[r][s], straight[r][s + 3]) << r << " " << s;
+    // Each rank's file holds its shard of the working parameters only.
+    const LoadedState st = read_state(dir / ("rank" + std::to_string(r)));
+    ASSERT_TRUE(st.meta.contains("params_range"));
+    const int64_t b = st.meta["params_range"][0], e = st.meta["params_range"][1];
+    EXPECT_EQ(static_cast<int64_t>(st.section("params").bytes.size()), (e - b) * 4);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Wraps the GPT: when armed, a stage's backward throws on this rank.
+class Bomb : public nn::Layer {
+ public:
+  Bomb(nn::Layer& inner, std::function<bool()> armed) : inner_(inner), armed_(std::move(armed)) {}
+  std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
+  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
+    inner_.bind(p, g);
+  }
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override { return inner_.forward(ctx, x); }
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
+    if (armed_()) throw std::runtime_error("bomb: injected failure in backward");
+    return inner_.backward(ctx, dy);
+  }
+
+ private:
+  nn::Layer& inner_;
+  std::function<bool()> armed_;
+};
+
+class BombGpt : public Model {
+ public:
+  BombGpt(const config::ModelConfig& c, int stage, std::function<bool()> armed) : inner_(c) {
+    for (int i = 0; i < inner_.num_stages(); ++i) {
+      layers_.push_back(std::make_unique<Bomb>(inner_.stage(i), i == stage ? armed : [] { return false; }));
+    }
+  }
+  int num_stages() const override { return inner_.num_stages(); }
+  nn::Layer& stage(int i) override { return *layers_.at(static_cast<size_t>(i)); }
+  std::string stage_name(int i) const override { return inner_.stage_name(i); }
+  bool is_block(int i) const override { return inner_.is_block(i); }
+  const nn::ParamLayout& layout() const override { return inner_.layout(); }
+  void bind(const nn::FlatParams& flat) override { inner_.bind(flat); }
+  std::vector<float> init_values(uint64_t seed) const override { return inner_.init_values(seed); }
+  void set_targets(const nn::Tensor& t) override { inner_.set_targets(t); }
+  void set_loss_scale(float s) override { inner_.set_loss_scale(s); }
+  std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
+
+ private:
+  GptModel inner_;
+  std::vector<std::unique_ptr<Bomb>> layers_;
+};
+
+TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout) {
+  config::Config c = z3_config(2, 3);
+  c.porter.comm.timeout_s = 3.0;
+  // Nothing kept between forward and backward: the backwards gather every stage again, so the
+  // surviving rank is inside a parameter gather of block 1 when its peer is gone.
+  c.zero_optimization.stage3_max_reuse_distance_elems = 0;
+  c.zero_optimization.stage3_prefetch_bucket_size_elems = 0;
+  std::vector<std::string> messages(2);
+  std::vector<double> seconds(2, 0.0);
+  auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+    int step = 0;
+    auto armed = [&step, rank] { return rank == 1 && step == 1; };
+    Engine e(*device, std::make_unique<BombGpt>(c.porter.model, 2, armed), c, dp);
+    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      for (step = 0; step < 3; ++step) e.train_step(data.rank_batches(step, 1, rank, 2));
+    } catch (const std::exception& ex) {
+      messages[static_cast<size_t>(rank)] = ex.what();
+      seconds[static_cast<size_t>(rank)] =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      throw;
+    }
+  });
+  ASSERT_TRUE(errors[0] != nullptr);
+  ASSERT_TRUE(errors[1] != nullptr);
+  EXPECT_NE(messages[1].find("bomb"), std::string::npos) << messages[1];
+  try {
+    std::rethrow_exception(errors[0]);
+  } catch (const std::exception& ex) {
+    EXPECT_TRUE(dynamic_cast<const PeerError*>(&ex) != nullptr ||
+                dynamic_cast<const TimeoutError*>(&ex) != nullptr)
+        << ex.what();
+    EXPECT_NE(messages[0].find("rank 1"), std::string::npos) << messages[0];
+  }
+  EXPECT_LT(seconds[0], c.porter.comm.timeout_s + 2.0) << messages[0];
+}
+
+}  // namespace
+}  // namespace porter::engine
