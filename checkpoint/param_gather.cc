@@ -117,6 +117,12 @@ GatherPlan plan_gathers(const Schedule& schedule, const ParamGather& params) {
     for (int u : r) {
       if (!is_live(u)) issue(u, k, false);
     }
+    // This op's units are read now: a prefetch of them no longer counts as ahead.
+    for (int u : r) {
+      if (!waited[static_cast<size_t>(u)] && issued_at[static_cast<size_t>(u)] < k) {
+        ahead -= elems_of(u);
+      }
+    }
     // 3. Prefetches, in read order.
     bool stop = false;
     for (size_t j = kk + 1; j < m && !stop; ++j) {
@@ -132,7 +138,6 @@ GatherPlan plan_gathers(const Schedule& schedule, const ParamGather& params) {
     // 4. Waits.
     for (int u : r) {
       if (waited[static_cast<size_t>(u)]) continue;
-      if (issued_at[static_cast<size_t>(u)] < k) ahead -= elems_of(u);  // it was a prefetch
       waited[static_cast<size_t>(u)] = true;
       plan.wait[kk].push_back(u);
     }

@@ -15,9 +15,10 @@
 //      for before they are freed). `evict[k]`.
 //   2. gather: the units of R_k that are not live are issued. `issue[k]`.
 //   3. prefetch: the reads of the ops after k are scanned in order; each unit not live is
-//      issued while the prefetched units not yet read stay within prefetch_elems and the live
-//      ones within max_live_elems; the scan stops at the first that does not fit, so
-//      prefetches follow read order. Also `issue[k]`, after the gathers of step 2.
+//      issued while the prefetched units not yet read (op k's own aside) stay within
+//      prefetch_elems and the live ones within max_live_elems; the scan stops at the first
+//      that does not fit, so prefetches follow read order. Also `issue[k]`, after the gathers
+//      of step 2, and before the waits, so that the comm stream has them queued.
 //   4. wait: the units of R_k not yet waited for. `wait[k]`.
 // After op k, each unit of R_k is freed (`release[k]`) unless it is read again in this
 // micro-batch within max_reuse_distance: the elements of the distinct other units read in

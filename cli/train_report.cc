@@ -89,6 +89,17 @@ ordered_json zero_json(engine::Engine& engine) {
       {"skipped_steps", z.skipped_steps},
       {"model_state_bytes", {{"params", exact.params}, {"grads", exact.grads},
                              {"optimizer", exact.optimizer}, {"total", exact.total()}}},
+      // Stage 3's parameter gathers (docs/zero.md, "Stage 3"); zero below it.
+      {"gathers", z.gathers},
+      {"gathered_bytes", z.gathered_bytes},
+      {"gather_busy_s", z.gather_busy_s},
+      {"gather_exposed_s", z.gather_exposed_s},
+      {"gather_hidden_fraction", z.gather_hidden_fraction},
+      {"peak_live_elems", z.peak_live_elems},
+      {"peak_gathered_bytes", z.peak_gathered_bytes},
+      {"predicted_peak_live_elems", z.predicted_peak_live_elems},
+      {"predicted_gathered_bytes", z.predicted_gathered_bytes},
+      {"persistent_bytes", z.persistent_bytes},
   };
 }
 
@@ -344,10 +355,22 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
           << (z.skipped_steps == 1 ? "" : "s");
     }
     out << " (rank 0's)\n";
+    if (z.zero_stage == 3) {
+      std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * z.gather_hidden_fraction);
+      out << "  parameter gathers: "
+          << format_count(static_cast<double>(z.gathers) / n) << " per step, "
+          << format_bytes(static_cast<uint64_t>(static_cast<double>(z.gathered_bytes) / n))
+          << " received, " << format_seconds(z.gather_busy_s / n) << " busy, "
+          << format_seconds(z.gather_exposed_s / n) << " exposed per step (" << buf
+          << " hidden); live at most " << format_count(static_cast<double>(z.peak_live_elems))
+          << " elements, " << format_bytes(z.peak_gathered_bytes) << " (predicted "
+          << format_bytes(z.predicted_gathered_bytes) << "); persistent "
+          << format_bytes(z.persistent_bytes) << "\n";
+    }
   }
 
   if (engine.tp_size() > 1) {
-    const engine::TensorParallelStats t = engine.tp_stats();
+    const engine::TensorParallelStats tps = engine.tp_stats();
     const double n = static_cast<double>(std::max<size_t>(1, run.steps.size()));
     out << "\ntensor parallel: " << engine.tp_size() << " ranks"
         << (engine.config().porter.model.sequence_parallel ? ", sequence-parallel" : "")
@@ -357,16 +380,16 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
         << format_bytes(static_cast<uint64_t>(
                checkpoint::korthikanti_layer_bytes(engine.run_options().shape)))
         << ")"
-        << "; comm " << format_bytes(static_cast<uint64_t>(static_cast<double>(t.comm_bytes) / n))
-        << " per step, " << format_seconds(t.comm_busy_s / n) << " busy";
-    if (t.gathers > 0) {
-      std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * t.hidden_fraction);
-      out << "; partitioned checkpoints: " << format_bytes(t.partitioned_bytes)
-          << " of slices held at most (predicted " << format_bytes(t.predicted_partitioned_bytes)
+        << "; comm " << format_bytes(static_cast<uint64_t>(static_cast<double>(tps.comm_bytes) / n))
+        << " per step, " << format_seconds(tps.comm_busy_s / n) << " busy";
+    if (tps.gathers > 0) {
+      std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * tps.hidden_fraction);
+      out << "; partitioned checkpoints: " << format_bytes(tps.partitioned_bytes)
+          << " of slices held at most (predicted " << format_bytes(tps.predicted_partitioned_bytes)
           << "), "
-          << format_bytes(static_cast<uint64_t>(static_cast<double>(t.gathered_bytes) / n))
-          << " gathered per step, " << format_seconds(t.gather_busy_s / n) << " busy, "
-          << format_seconds(t.gather_exposed_s / n) << " exposed, " << buf
+          << format_bytes(static_cast<uint64_t>(static_cast<double>(tps.gathered_bytes) / n))
+          << " gathered per step, " << format_seconds(tps.gather_busy_s / n) << " busy, "
+          << format_seconds(tps.gather_exposed_s / n) << " exposed, " << buf
           << " hidden behind recompute";
     }
     out << " (rank 0's)\n";

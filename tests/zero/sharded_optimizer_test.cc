@@ -124,13 +124,18 @@ TEST(ShardedOptimizerTest, Fp16OverflowSkipsTheUpdateAndLowersTheScale) {
   EXPECT_EQ(nn::to_host_f32(*r.device, r.flat->params()), before);
 }
 
-TEST(ShardedOptimizerTest, RefusesStageThreeAndAForeignBuffer) {
+TEST(ShardedOptimizerTest, RefusesAStageAboveThreeAndAForeignBuffer) {
   Rig r(nn::DType::kF32, 1);
   const Partition part = make_partition(r.layout.total_elems(), 1);
   OptimizerOptions opt;
-  opt.zero_stage = 3;
+  opt.zero_stage = 4;
   EXPECT_THROW(ShardedOptimizer(*r.flat, *r.kernels, *r.alloc, nullptr, part, opt),
                InvalidArgument);
+  // Stage 3 owns its working shard (category params), apart from the flat buffer.
+  opt.zero_stage = 3;
+  ShardedOptimizer z3(*r.flat, *r.kernels, *r.alloc, nullptr, part, opt);
+  EXPECT_EQ(z3.working().numel(), part.shard_elems);
+  EXPECT_NE(z3.working().data(), r.flat->params().data());
   const Partition other = make_partition(r.layout.total_elems() * 4, 1);
   EXPECT_THROW(ShardedOptimizer(*r.flat, *r.kernels, *r.alloc, nullptr, other, OptimizerOptions{}),
                InvalidArgument);
