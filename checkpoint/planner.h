@@ -4,11 +4,13 @@
 //
 // The modules of checkpoint/ (each name.h + name.cc) depend on one another only downward:
 //   costs  <-  schedule  <-  offload_plan  <-  simulate  <-  planner
+//   costs  <-  schedule  <-  param_gather  <-  simulate
 //   costs  <-  schedule  <-  offload_plan  <-  rotor  <-  planner
 //   costs  <-  analytic
 // costs: the per-stage cost model. schedule: schedules, validate() and the replay of a
 // schedule over costs. offload_plan: the layout of host and partitioned holds. simulate: the
-// replay with staging, copy and gather timing. rotor: one solve of the dynamic program.
+// replay with staging, copy and gather timing, and ZeRO stage 3's gathered parameters.
+// param_gather: stage 3's gather plan of a schedule. rotor: one solve of the dynamic program.
 // planner: the policies, the searches around rotor, and make_plan. analytic: the costs of the
 // built-in GPT.
 //

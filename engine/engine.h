@@ -2,8 +2,8 @@
 // the config's checkpoint policy. See docs/engine.md.
 //
 // Note [One engine step]
-// With N data-parallel ranks (dp; docs/zero.md) at ZeRO stage z in {0, 1, 2}, train_step runs
-// these phases in order (docs/engine.md, "One step", names the file that owns each):
+// With N data-parallel ranks (dp; docs/zero.md) at ZeRO stage z in {0, 1, 2, 3}, train_step
+// runs these phases in order (docs/engine.md, "One step", names the file that owns each):
 // 1. begin_step: the allocator's and the stash's per-step statistics start empty.
 // 2. forward_backward_and_reduce: the reducer zeroes the gradients (the full flat buffer at
 //    stages 0 and 1, the rank's shard at stage 2); for each micro-batch its tokens and
@@ -16,11 +16,14 @@
 //    reduction] in zero/reducer.h) allocates and binds stage 2's buckets and issues each
 //    complete bucket's reduction on the comm stream (overlap_comm; else after backward):
 //    stage 2 in every micro-batch, stages 0 and 1 in the last; every reduction is complete,
-//    averaged and in the shard when the micro-batch (the step) ends.
+//    averaged and in the shard when the micro-batch (the step) ends. At stage 3 (reduced as
+//    stage 2) the parameter gatherer runs the gather plan around every op (Note [Gather plan]
+//    in checkpoint/param_gather.h): evictions, gathers and waits before it, frees after.
 // 3. global_norm, 4. update, finish_step: the sharded optimizer (Note [Sharded optimizer] in
 //    zero/sharded_optimizer.h): the global norm, fp16 overflow agreed by all ranks, the clip
 //    coefficient, AdamW on the rank's range at the scheduler's lr for the count of updating
-//    steps, and the all-gather of the updated parameters (stages 1 and 2).
+//    steps, and the all-gather of the updated parameters (stages 1 and 2; at stage 3 only the
+//    persistent stages are gathered again).
 // 5. collect_offload, collect_comm and record: wait for the stash's copy streams; with a
 //    trace, turn the step's copy and wait records and the communicator's op records into
 //    spans (Notes [Offload trace], [Comm trace]); record times, memory, offload and ZeRO
@@ -146,15 +149,15 @@ class Engine {
   // optimizer state), initialises the parameters from config.porter.train.seed and plans the
   // checkpoint schedule from the model's analytic costs or a profiling pass (Note [Engine
   // costs] in run_options.h). Throws InvalidArgument for configs it cannot run
-  // (check_supported in run_options.h: zero stage 3, optimizer offload, tensor parallelism, a
-  // world_size other than dp->size() * tensor_parallel, ...) and for a model that is not the
+  // (check_supported in run_options.h: optimizer or parameter offload, a world_size other
+  // than dp->size() * tensor_parallel, ...) and for a model that is not the
   // one the config describes (Model::check_config).
   //
   // Data parallel (docs/zero.md): `dp` is the data-parallel communicator, of
   // config.data_parallel_size() ranks; null runs one rank. Every rank constructs its Engine
   // with the same config and calls train_step with its own micro-batches
-  // (DataSource::rank_batches); ZeRO stages 0, 1 and 2 partition as
-  // zero_optimization.stage says, and stage 3 is refused with an error. config.world_size
+  // (DataSource::rank_batches); ZeRO stages 0 to 3 partition as zero_optimization.stage
+  // says (stage 3: docs/zero.md, "Stage 3"). config.world_size
   // must be dp->size() (tensor_parallel 1). A rank whose step fails aborts `dp` (Note [Comm
   // failure]) so that its peers fail at once; after a communication error the engine cannot
   // step again.
