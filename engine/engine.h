@@ -228,8 +228,10 @@ class Engine {
 
   // Host copies (f32) of the working parameters and of the gradient buffer as the last
   // step left it (accumulated and averaged over ranks, before clipping; with fp16 still
-  // scaled), in layout order. At stages 1 and 2 with N > 1 only the rank's shard is known:
-  // the other elements are 0.
+  // scaled), in layout order. At stages 1 to 3 with N > 1 only the rank's gradient shard is
+  // known: the other elements are 0. At stage 3 params_host() all-gathers the parameter
+  // shards, so every rank must call it (as set_params_host, save_checkpoint and
+  // load_checkpoint, which gather the persistent stages).
   std::vector<float> params_host() const;
   std::vector<float> grads_host() const;
   // The micro-batches of the last step (for --dump-dir).
