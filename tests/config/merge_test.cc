@@ -249,7 +249,9 @@ TEST(Attribution, ASectionNamesEverySourceUnderIt) {
   MergedConfig l = merge_config_sources({source("a.json", R"({"x": {"y": [1, 2]}})")},
                                         sets({"x.z=1"}));
   EXPECT_EQ(l.provenance.label("x.y[1]"), "a.json");
-  EXPECT_EQ(l.provenance.label("absent"), "a.json + --set x.z");
+  // A key nobody gave is the files': no --set gave it either.
+  EXPECT_EQ(l.provenance.label("absent"), "a.json");
+  EXPECT_EQ(l.provenance.label(""), "a.json");
 }
 
 TEST(Attribution, StrictListsEachWarningWithItsSource) {
