@@ -124,7 +124,8 @@ bool is_key_char(char c) {
 
 }  // namespace
 
-Provenance::Provenance(std::vector<std::string> names) : names_(std::move(names)) {}
+Provenance::Provenance(std::vector<std::string> names, std::vector<std::string> untraced)
+    : names_(std::move(names)), untraced_(std::move(untraced)) {}
 
 void Provenance::record(const std::string& path, const Json& value, const std::string& source) {
   // An ancestor that was a leaf (null, {}) is now a section holding `path`.
@@ -174,7 +175,7 @@ std::vector<std::string> Provenance::sources_of(std::string_view path) const {
     std::vector<std::string> found = sources_at(p);
     if (!found.empty()) return found;
   }
-  return names_;
+  return untraced_.empty() ? names_ : untraced_;
 }
 
 std::vector<std::string> Provenance::sources_of(std::string_view path,
@@ -262,15 +263,15 @@ void apply_override(Json& document, const ConfigOverride& o, Provenance& provena
 
 MergedConfig merge_config_sources(const std::vector<ConfigSource>& sources,
                                   const std::vector<ConfigOverride>& overrides) {
-  std::vector<std::string> names;
-  for (const ConfigSource& s : sources) names.push_back(s.name);
-  for (const ConfigOverride& o : overrides) names.push_back(o.name);
   // A name given twice (the same file, the same --set key) is one source.
-  std::vector<std::string> unique;
-  for (std::string& n : names) {
-    if (std::find(unique.begin(), unique.end(), n) == unique.end()) unique.push_back(std::move(n));
-  }
-  MergedConfig m{Json::object(), Provenance(std::move(unique))};
+  std::vector<std::string> names, files;
+  auto add = [](std::vector<std::string>& list, const std::string& name) {
+    if (std::find(list.begin(), list.end(), name) == list.end()) list.push_back(name);
+  };
+  for (const ConfigSource& s : sources) add(names, s.name);
+  files = names;
+  for (const ConfigOverride& o : overrides) add(names, o.name);
+  MergedConfig m{Json::object(), Provenance(std::move(names), std::move(files))};
   for (const ConfigSource& s : sources) {
     if (!s.json.is_object()) {
       throw SourcedConfigError(

@@ -27,7 +27,7 @@ namespace porter::config {
 // 4. The merged document is parsed as one config. Each error and warning names where its key
 //    came from: the last source that set it, found by the longest prefix of its JSON path
 //    (Provenance). A path that is a whole section names every source under it, the empty path
-//    names every source, and a message that mentions other keys given in the config (a rule
+//    (or a key nobody gave, outside any section given) names every file, and a message that mentions other keys given in the config (a rule
 //    across keys) names their sources too: "ds.json + model.json: train_batch_size: ...".
 // With one file and no override, every message is exactly what parse_config_file gives, after
 // the file's name.
@@ -76,14 +76,16 @@ ConfigOverride parse_config_override(std::string_view assignment);
 class Provenance {
  public:
   // `names`: every source in merge order; a label lists its sources in this order.
-  explicit Provenance(std::vector<std::string> names = {});
+  // `untraced`: what a path no source gave is attributed to (merge_config_sources: the files,
+  // since no override gave it either); empty: every name.
+  explicit Provenance(std::vector<std::string> names = {}, std::vector<std::string> untraced = {});
 
   // `source` set `path` to `value`: its leaves replace whatever was at or under `path`.
   void record(const std::string& path, const nlohmann::json& value, const std::string& source);
 
   // The sources of `path`: the source of the leaf at `path` or at its longest prefix; for a
   // section, every source of a leaf under it; for the empty path or a key that no source gave
-  // (under a section none gave), every source.
+  // (under a section none gave), the untraced sources.
   std::vector<std::string> sources_of(std::string_view path) const;
   // sources_of(path), plus the sources of the other given keys `message` mentions outside
   // quotes (words holding a '.' or '_' that name a leaf or a section), in merge order.
@@ -101,6 +103,7 @@ class Provenance {
   std::vector<std::string> sources_at(std::string_view path) const;
 
   std::vector<std::string> names_;
+  std::vector<std::string> untraced_;
   std::map<std::string, std::string, std::less<>> leaves_;  // leaf path -> its source
 };
 
