@@ -236,6 +236,15 @@ TEST_F(ConfigMerge, TrainShowsEveryFile) {
   EXPECT_EQ(json::parse(in)["config"], shown);
 }
 
+TEST_F(ConfigMerge, StressRecordsEveryFile) {
+  const std::string ds2 = (dir_ / "ds_zero2.json").string();
+  fs::copy_file(kRealWorld / "deepspeedexamples__megatron-lm__scripts__ds_zero2_config.json", ds2);
+  CliRun r = porter({"stress", "--config", ds2, "--config", model_, "--set", "train_batch_size=2",
+                     "--runs", "1", "--steps", "1", "--json"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_EQ(json::parse(r.out)["config"], ds2 + " + " + model_ + " + --set train_batch_size=2");
+}
+
 TEST(ConfigArgs, DisplayAndCommandArgs) {
   const ConfigArgs one{{"ds.json"}, {}};
   EXPECT_EQ(one.display(), "ds.json");
