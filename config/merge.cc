@@ -62,15 +62,15 @@ ConfigOverride parse_config_override(std::string_view assignment) {
   }
   const std::string_view path_text = trim(assignment.substr(0, eq));
   if (path_text.empty()) {
-    throw ConfigError("", shown + ": the key path before \"=\" is empty; expected key.path=VALUE, " +
-                              kSetExample);
+    throw ConfigError("", shown + ": the key path before \"=\" is empty; expected " +
+                              "key.path=VALUE, " + kSetExample);
   }
   ConfigOverride o;
   size_t start = 0;
   while (true) {
     const size_t dot = path_text.find('.', start);
-    const std::string_view key =
-        path_text.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
+    const size_t length = dot == std::string_view::npos ? std::string_view::npos : dot - start;
+    const std::string_view key = path_text.substr(start, length);
     if (key.empty()) {
       throw ConfigError("", shown + ": empty key in the path \"" + std::string(path_text) +
                                 "\"; separate keys with single dots, " + kSetExample);
@@ -92,12 +92,14 @@ ConfigOverride parse_config_override(std::string_view assignment) {
   // turning it into a string would hide the mistake.
   const std::string_view value_text = assignment.substr(eq + 1);
   const std::string_view head = trim(value_text);
-  const bool looks_like_json = !head.empty() && (head[0] == '{' || head[0] == '[' || head[0] == '"');
+  const bool looks_like_json =
+      !head.empty() && (head[0] == '{' || head[0] == '[' || head[0] == '"');
   try {
     o.value = detail::parse_json_text(value_text);
   } catch (const ConfigError& e) {
     if (looks_like_json) {
-      throw ConfigError("", shown + ": the value is not valid JSON (" + std::string(e.what()) + ")");
+      throw ConfigError("", shown + ": the value is not valid JSON (" + std::string(e.what()) +
+                                ")");
     }
     o.value = std::string(head);
   }
@@ -275,7 +277,8 @@ MergedConfig merge_config_sources(const std::vector<ConfigSource>& sources,
   for (const ConfigSource& s : sources) {
     if (!s.json.is_object()) {
       throw SourcedConfigError(
-          s.name, ConfigError("", "expected a JSON object at the top level, got " + describe(s.json)));
+          s.name,
+          ConfigError("", "expected a JSON object at the top level, got " + describe(s.json)));
     }
     merge_into(m.json, s.json, "", s.name, m.provenance);
   }
@@ -322,7 +325,9 @@ SourcedParseResult parse_config_sources(const std::vector<ConfigSource>& sources
   if (options.strict && !result.warnings.empty()) {
     // When every warning has the same source, the text is parse_config_string's after it.
     bool one = true;
-    for (const SourcedWarning& w : result.warnings) one = one && w.source == result.warnings[0].source;
+    for (const SourcedWarning& w : result.warnings) {
+      one = one && w.source == result.warnings[0].source;
+    }
     std::string message = std::to_string(result.warnings.size()) +
                           " warning(s), which strict mode makes errors:";
     for (const SourcedWarning& w : result.warnings) {

@@ -26,9 +26,10 @@ namespace porter::config {
 //    that is not an object (or null) is an error.
 // 4. The merged document is parsed as one config. Each error and warning names where its key
 //    came from: the last source that set it, found by the longest prefix of its JSON path
-//    (Provenance). A path that is a whole section names every source under it, the empty path
-//    (or a key nobody gave, outside any section given) names every file, and a message that mentions other keys given in the config (a rule
-//    across keys) names their sources too: "ds.json + model.json: train_batch_size: ...".
+//    (Provenance). A path that is a whole section names every source under it; the empty path
+//    (or a key nobody gave, outside any section given) names every file; and a message that
+//    mentions other keys given in the config (a rule across keys) names their sources too:
+//    "ds.json + model.json: train_batch_size: ...".
 // With one file and no override, every message is exactly what parse_config_file gives, after
 // the file's name.
 
