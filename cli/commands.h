@@ -19,8 +19,10 @@ struct CommandContext {
   std::string error_prefix;  // before an error's text: "rank 1 of 2: " in a distributed train
 };
 
-// `porter config check FILE [--world-size N] [--strict] [--json]`
+// `porter config check FILE... [--config F]... [--set K=V]... [--world-size N] [--strict] [--json]`
 void add_config_command(CLI::App& app, CommandContext& context);
+// Every --config may be repeated (the files are merged) and followed by --set K=V overrides
+// (add_config_options in cli/common.h).
 // `porter train --config F [--nproc N] [--steps N] [--report F] [--trace F] [--dump-dir D]
 // [--save D] [--resume D]`
 void add_train_command(CLI::App& app, CommandContext& context);

@@ -5,7 +5,6 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -15,53 +14,140 @@
 
 namespace porter::cli {
 
-config::Config load_config(const std::string& file, bool strict, std::ostream& err,
-                           int64_t world_size) {
-  config::ParseResult result;
-  try {
-    result = config::parse_config_file(file, config::ParseOptions{world_size, strict});
-  } catch (const porter::Error& e) {
-    throw InvalidArgument(file + ": " + e.what());
-  }
-  for (const config::Warning& w : result.warnings) err << "warning: " << file << ": " << w.text() << "\n";
-  return result.config;
-}
-
 namespace {
 
-// The file's JSON, keys in their order; null when it cannot be read or is not an object.
-nlohmann::ordered_json read_json_object(const std::string& file) {
-  std::ifstream in(file);
-  if (!in) return nullptr;
-  nlohmann::ordered_json j = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false,
-                                                           /*ignore_comments=*/true);
-  return j.is_object() ? j : nullptr;
+// The word as a POSIX shell reads it: unquoted when it is plain, else in single quotes.
+std::string shell_word(const std::string& word) {
+  static const std::string kPlain =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-./=:,+@%";
+  if (!word.empty() && word.find_first_not_of(kPlain) == std::string::npos) return word;
+  std::string quoted = "'";
+  for (char c : word) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+struct ConfigInputs {
+  std::vector<config::ConfigSource> files;
+  std::vector<config::ConfigOverride> sets;
+};
+
+// Every file read and checked alone (its syntax errors name it), and every --set parsed.
+ConfigInputs read_inputs(const ConfigArgs& args) {
+  ConfigInputs in;
+  for (const std::string& file : args.files) {
+    try {
+      in.files.push_back(config::read_config_source(file));
+    } catch (const config::SourcedConfigError&) {
+      throw;  // already names the file
+    } catch (const porter::Error& e) {
+      throw InvalidArgument(file + ": " + e.what());
+    }
+  }
+  for (const std::string& set : args.sets) in.sets.push_back(config::parse_config_override(set));
+  return in;
+}
+
+void print_warnings(const config::SourcedParseResult& result, std::ostream& err) {
+  for (const config::SourcedWarning& w : result.warnings) err << "warning: " << w.text() << "\n";
 }
 
 }  // namespace
 
+std::string ConfigArgs::display() const {
+  std::string s;
+  for (const std::string& f : files) s += (s.empty() ? "" : " + ") + f;
+  for (const std::string& a : sets) s += (s.empty() ? "" : " + ") + ("--set " + a);
+  return s;
+}
+
+std::string ConfigArgs::command_args() const {
+  std::string s;
+  for (const std::string& f : files) s += (s.empty() ? "" : " ") + ("--config " + shell_word(f));
+  for (const std::string& a : sets) s += (s.empty() ? "" : " ") + ("--set " + shell_word(a));
+  return s;
+}
+
+void add_config_options(CLI::App* cmd, ConfigArgs& args, const std::string& config_help) {
+  cmd->add_option("--config", args.files,
+                  config_help + "; give it again to merge more files, each over the ones before "
+                                "(objects merge key by key, other values replace)")
+      ->type_name("FILE")
+      ->allow_extra_args(false)  // one file a flag: a stray word is an error, not a config
+      ->required();
+  add_set_option(cmd, args.sets);
+}
+
+void add_set_option(CLI::App* cmd, std::vector<std::string>& sets) {
+  // Checked while parsing the flags, so that a malformed one is a usage error.
+  const CLI::Validator assignment(
+      [](std::string& text) {
+        try {
+          config::parse_config_override(text);
+          return std::string();
+        } catch (const porter::Error& e) {
+          // CLI11 puts "--set: " before the message, which starts with "--set ".
+          const std::string message = e.what();
+          return message.rfind("--set ", 0) == 0 ? message.substr(6) : message;
+        }
+      },
+      "", "KEY=JSON");
+  cmd->add_option("--set", sets,
+                  "Set one key after the files, e.g. --set porter.model.layers=8; the value is "
+                  "JSON, or else a string (--set porter.checkpointing.policy=uniform); repeatable")
+      ->type_name("KEY=JSON")
+      ->allow_extra_args(false)
+      ->check(assignment);
+}
+
+config::SourcedParseResult parse_config_args(const ConfigArgs& args,
+                                             const config::ParseOptions& options) {
+  const ConfigInputs in = read_inputs(args);
+  return config::parse_config_sources(in.files, in.sets, options);
+}
+
+config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& err,
+                           int64_t world_size) {
+  const config::SourcedParseResult result =
+      parse_config_args(args, config::ParseOptions{world_size, strict});
+  print_warnings(result, err);
+  return result.config;
+}
+
 config::Config load_config(const std::string& file, bool strict, std::ostream& err,
+                           int64_t world_size) {
+  return load_config(ConfigArgs{{file}, {}}, strict, err, world_size);
+}
+
+config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& err,
                            int64_t world_size, int64_t tensor_parallel, const std::string& flag) {
   const std::string what = flag + " " + std::to_string(tensor_parallel);
   if (tensor_parallel < 1) {
     throw InvalidArgument(what + ": the ranks of a tensor-parallel group must be >= 1");
   }
-  nlohmann::ordered_json j = read_json_object(file);
-  const bool placeable =
-      !j.is_null() && (!j.contains("porter") || j["porter"].is_object()) &&
-      (!j.contains("porter") || !j["porter"].contains("model") || j["porter"]["model"].is_object());
-  // A file the JSON reader refuses, or whose porter.model is not an object, fails the same
-  // way without the override, with the parser's own message (line and column, the path).
-  if (!placeable) return load_config(file, strict, err, world_size);
-  j["porter"]["model"]["tensor_parallel"] = tensor_parallel;
-  config::ParseResult result;
+  ConfigInputs in = read_inputs(args);
+  const nlohmann::json merged = config::merge_config_sources(in.files, in.sets).json;
+  auto settable = [](const nlohmann::json& parent, const char* key) {
+    auto it = parent.find(key);
+    return it == parent.end() || it->is_null() || it->is_object();
+  };
+  const bool placeable = settable(merged, "porter") &&
+                         (!merged.contains("porter") || merged["porter"].is_null() ||
+                          settable(merged["porter"], "model"));
+  // A config whose porter or porter.model is not an object fails the same way without the
+  // override, with the parser's own message (the path, the file).
+  if (!placeable) return load_config(args, strict, err, world_size);
+  // The flag is the last override, so the errors and warnings it causes can name it.
+  in.sets.push_back(config::ConfigOverride{what, {"porter", "model", "tensor_parallel"},
+                                           nlohmann::json(tensor_parallel)});
+  config::SourcedParseResult result;
   try {
-    result = config::parse_config_string(j.dump(), config::ParseOptions{world_size, strict});
-  } catch (const porter::Error& e) {
-    const std::string message = e.what();
+    result = config::parse_config_sources(in.files, in.sets,
+                                          config::ParseOptions{world_size, strict});
+  } catch (const config::SourcedConfigError& e) {
+    const std::string& message = e.message();
     const bool ours = message.find("tensor_parallel") != std::string::npos ||
                       message.find("sequence_parallel") != std::string::npos;
-    if (!ours) throw InvalidArgument(file + ": " + message);
+    if (!ours) throw;
     std::string hint;
     if (message.find("does not divide heads") != std::string::npos) {
       hint = "; give " + flag + " a divisor of porter.model.heads";
@@ -70,15 +156,23 @@ config::Config load_config(const std::string& file, bool strict, std::ostream& e
     }
     throw InvalidArgument(what + ": " + message + hint);
   }
-  for (const config::Warning& w : result.warnings) {
-    err << "warning: " << file << ": " << w.text() << "\n";
-  }
+  print_warnings(result, err);
   return result.config;
 }
 
-int64_t implied_world_size(const std::string& file, std::optional<int64_t> tensor_parallel) {
-  const nlohmann::ordered_json j = read_json_object(file);
-  if (j.is_null()) return 1;
+config::Config load_config(const std::string& file, bool strict, std::ostream& err,
+                           int64_t world_size, int64_t tensor_parallel, const std::string& flag) {
+  return load_config(ConfigArgs{{file}, {}}, strict, err, world_size, tensor_parallel, flag);
+}
+
+int64_t implied_world_size(const ConfigArgs& args, std::optional<int64_t> tensor_parallel) {
+  nlohmann::json j;
+  try {
+    const ConfigInputs in = read_inputs(args);
+    j = config::merge_config_sources(in.files, in.sets).json;
+  } catch (const porter::Error&) {
+    return 1;
+  }
   auto integer = [&](const char* key) -> int64_t {
     auto it = j.find(key);
     return it != j.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
@@ -97,6 +191,10 @@ int64_t implied_world_size(const std::string& file, std::optional<int64_t> tenso
   if (tensor_parallel) tp = std::max<int64_t>(1, *tensor_parallel);
   const bool implied = tbs > 0 && mbs > 0 && gas > 0 && tbs % (mbs * gas) == 0;
   return (implied ? tbs / (mbs * gas) : 1) * tp;
+}
+
+int64_t implied_world_size(const std::string& file, std::optional<int64_t> tensor_parallel) {
+  return implied_world_size(ConfigArgs{{file}, {}}, tensor_parallel);
 }
 
 config::MemoryBudget parse_budget_flag(const std::string& text) {

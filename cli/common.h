@@ -9,11 +9,45 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "config/config.h"
+#include "config/merge.h"
 
 namespace porter::cli {
 
-// Parses `file` for `world_size` ranks, printing the warnings to `err`. Throws porter::Error.
+// Where a command's config comes from: the --config files, deep-merged in order, then the --set
+// overrides (Note [Several config files] in config/merge.h).
+struct ConfigArgs {
+  std::vector<std::string> files;
+  std::vector<std::string> sets;  // "porter.model.layers=8"
+  // For headers and reports: "ds.json + model.json + --set porter.model.layers=8"; one file
+  // alone is its name.
+  std::string display() const;
+  // To run it again: "--config ds.json --config model.json --set porter.model.layers=8", each
+  // argument quoted for a POSIX shell where it needs it.
+  std::string command_args() const;
+};
+
+// Adds --config FILE (required; repeat it to merge files) and --set key.path=JSON (repeatable)
+// to `cmd`. A malformed --set is a usage error.
+void add_config_options(CLI::App* cmd, ConfigArgs& args, const std::string& config_help);
+// The --set option alone.
+void add_set_option(CLI::App* cmd, std::vector<std::string>& sets);
+
+// Reads and merges `args` and parses the result for `options`. Errors and warnings name the
+// file or --set their key came from (a lone file: its name, as always). Throws porter::Error.
+config::SourcedParseResult parse_config_args(const ConfigArgs& args,
+                                             const config::ParseOptions& options);
+
+// parse_config_args, printing the warnings to `err`.
+config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& err,
+                           int64_t world_size = 1);
+// The same with porter.model.tensor_parallel replaced by `tensor_parallel` (below).
+config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& err,
+                           int64_t world_size, int64_t tensor_parallel, const std::string& flag);
+
+// Parses one `file` for `world_size` ranks, printing the warnings to `err`. Throws porter::Error.
 config::Config load_config(const std::string& file, bool strict, std::ostream& err,
                            int64_t world_size = 1);
 
@@ -29,7 +63,10 @@ config::Config load_config(const std::string& file, bool strict, std::ostream& e
 // train_micro_batch_size_per_gpu and gradient_accumulation_steps, they imply
 // train_batch_size / (micro-batch x accumulation) data-parallel ranks, else one; the world is
 // that times porter.model.tensor_parallel, or times `tensor_parallel` when a flag overrides
-// it. A file that cannot be read or parsed implies 1 (loading it then says why).
+// it. Of several files, the merged config's numbers count (Note [Several config files]). A file
+// that cannot be read or parsed implies 1 (loading it then says why).
+int64_t implied_world_size(const ConfigArgs& args,
+                           std::optional<int64_t> tensor_parallel = std::nullopt);
 int64_t implied_world_size(const std::string& file,
                            std::optional<int64_t> tensor_parallel = std::nullopt);
 

@@ -28,7 +28,7 @@ namespace porter::cli {
 namespace {
 
 struct EstimateOptions {
-  std::string file;
+  ConfigArgs config_args;  // --config files and --set overrides
   std::optional<int64_t> world_size;
   std::optional<int64_t> tensor_parallel;  // overrides porter.model.tensor_parallel
   std::string budget;
@@ -214,11 +214,11 @@ void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const conf
 }
 
 int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
-  const int64_t world_size = o.world_size.value_or(implied_world_size(o.file, o.tensor_parallel));
+  const int64_t world_size = o.world_size.value_or(implied_world_size(o.config_args, o.tensor_parallel));
   const config::Config cfg =
       o.tensor_parallel
-          ? load_config(o.file, o.strict, err, world_size, *o.tensor_parallel, "--tensor-parallel")
-          : load_config(o.file, o.strict, err, world_size);
+          ? load_config(o.config_args, o.strict, err, world_size, *o.tensor_parallel, "--tensor-parallel")
+          : load_config(o.config_args, o.strict, err, world_size);
   const engine::RunOptions run = engine::make_run_options(cfg);
   const nn::DType dtype = run.compute_dtype;
   const checkpoint::ChainCosts costs = run.analytic_costs();
@@ -320,7 +320,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
 
   if (o.json) {
     nlohmann::ordered_json j;
-    j["config"] = o.file;
+    j["config"] = o.config_args.display();
     j["model"] = {{"layers", layers}, {"hidden", cfg.porter.model.hidden},
                   {"heads", cfg.porter.model.heads}, {"seq_len", cfg.porter.model.seq_len},
                   {"vocab", cfg.porter.model.vocab}, {"compute_dtype", nn::dtype_name(dtype)},
@@ -397,7 +397,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     return kExitOk;
   }
 
-  out << "porter estimate: " << o.file << "\n";
+  out << "porter estimate: " << o.config_args.display() << "\n";
   out << "  model: GPT, " << layers << " layers, hidden " << cfg.porter.model.hidden << ", "
       << cfg.porter.model.heads << " heads, seq " << cfg.porter.model.seq_len << ", vocab "
       << cfg.porter.model.vocab << ", " << nn::dtype_name(dtype) << "\n";
@@ -451,7 +451,7 @@ void add_estimate_command(CLI::App& app, CommandContext& context) {
       "estimate",
       "Per-rank model-state memory for ZeRO stages 0..3 and activation memory under every "
       "checkpoint policy, without allocating");
-  cmd->add_option("--config", o->file, "The JSON config")->required();
+  add_config_options(cmd, o->config_args, "The JSON config");
   cmd->add_option("--world-size", o->world_size,
                   "Ranks to estimate for (default: the world size the config's batch sizes "
                   "imply, else 1)")

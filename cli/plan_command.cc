@@ -33,7 +33,7 @@ namespace porter::cli {
 namespace {
 
 struct PlanCommandOptions {
-  std::string file;
+  ConfigArgs config_args;  // --config files and --set overrides
   std::string budget;
   std::string memory_page;
   bool json = false;
@@ -52,7 +52,7 @@ void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
                      const checkpoint::ChainCosts& costs) {
   const nn::Gpt gpt(cfg.porter.model);  // the layout and names only; allocates nothing
   PlanPageInput in;
-  in.config_file = o.file;
+  in.config_file = o.config_args.display();
   in.plan = &plan;
   in.costs = &costs;
   in.stage_name = [&gpt](int s) { return gpt.stage_name(s); };
@@ -250,7 +250,7 @@ int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   // Note [Implied world size] in cli/common.h: at tensor_parallel t the world is t ranks at
   // least.
-  config::Config cfg = load_config(o.file, o.strict, err, implied_world_size(o.file));
+  config::Config cfg = load_config(o.config_args, o.strict, err, implied_world_size(o.config_args));
   if (!o.budget.empty()) {
     // A budget only means something to the optimal planner.
     cfg.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
@@ -303,7 +303,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
 
   if (o.json) {
     nlohmann::ordered_json j;
-    j["config"] = o.file;
+    j["config"] = o.config_args.display();
     j["policy"] = policy;
     j["description"] = plan.description;
     j["budget_bytes"] = plan.budget_bytes ? nlohmann::ordered_json(*plan.budget_bytes)
@@ -338,7 +338,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     return kExitOk;
   }
 
-  out << "porter plan: " << o.file << "\n";
+  out << "porter plan: " << o.config_args.display() << "\n";
   out << "  " << plan.description << "\n";
   if (plan.budget_bytes) out << "  budget " << format_bytes(*plan.budget_bytes) << "\n";
   out << "  costs: " << where_from << "\n";
@@ -394,7 +394,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
 void add_plan_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<PlanCommandOptions>();
   CLI::App* cmd = app.add_subcommand("plan", "Print the checkpoint plan of a config");
-  cmd->add_option("--config", o->file, "The JSON config")->required();
+  add_config_options(cmd, o->config_args, "The JSON config");
   cmd->add_option("--budget", o->budget,
                   "Plan 'optimal' under this activation budget: bytes (\"6GiB\") or a fraction "
                   "of the none policy's peak (overrides the config's policy)");

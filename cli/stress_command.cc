@@ -24,7 +24,7 @@ namespace {
 using nlohmann::ordered_json;
 
 struct StressCommandOptions {
-  std::string file;
+  ConfigArgs config_args;  // --config files and --set overrides
   int64_t runs = 10;
   uint64_t seed = 1;
   int64_t first = 0;
@@ -40,7 +40,7 @@ std::string percent(double fraction) {
 }
 
 std::string repro(const StressCommandOptions& o, int64_t run) {
-  return "porter stress --config " + o.file + " --seed " + std::to_string(o.seed) + " --first " +
+  return "porter stress " + o.config_args.command_args() + " --seed " + std::to_string(o.seed) + " --first " +
          std::to_string(run) + " --runs 1 --steps " + std::to_string(o.steps);
 }
 
@@ -100,7 +100,7 @@ int stress(const StressCommandOptions& o, std::ostream& out, std::ostream& err) 
   if (o.runs < 1) throw InvalidArgument("--runs: expected at least 1, got " + std::to_string(o.runs));
   if (o.steps < 1) throw InvalidArgument("--steps: expected at least 1, got " + std::to_string(o.steps));
   if (o.first < 0) throw InvalidArgument("--first: expected a run index >= 0, got " + std::to_string(o.first));
-  const config::Config base = load_config(o.file, o.strict, err);
+  const config::Config base = load_config(o.config_args, o.strict, err);
   StressOptions so;
   so.seed = o.seed;
   so.runs = o.runs;
@@ -122,7 +122,7 @@ int stress(const StressCommandOptions& o, std::ostream& out, std::ostream& err) 
 
   if (o.json) {
     ordered_json j;
-    j["config"] = o.file;
+    j["config"] = o.config_args.display();
     j["seed"] = o.seed;
     j["first"] = o.first;
     j["runs"] = o.runs;
@@ -149,7 +149,7 @@ int stress(const StressCommandOptions& o, std::ostream& out, std::ostream& err) 
     return rc;
   }
 
-  out << "porter stress: " << o.file << ", seed " << o.seed << ", runs " << o.first << ".."
+  out << "porter stress: " << o.config_args.display() << ", seed " << o.seed << ", runs " << o.first << ".."
       << o.first + o.runs - 1 << ", " << o.steps << " step" << (o.steps == 1 ? "" : "s")
       << " each\n\nsummary\n";
   // Two columns, both left-aligned: the values are phrases, not numbers.
@@ -190,7 +190,7 @@ void add_stress_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<StressCommandOptions>();
   CLI::App* cmd = app.add_subcommand(
       "stress", "Train random variations of a config under tight memory limits and check them");
-  cmd->add_option("--config", o->file, "The JSON config the variations are drawn from")->required();
+  add_config_options(cmd, o->config_args, "The JSON config the variations are drawn from");
   cmd->add_option("--runs", o->runs, "Number of variations (default 10)");
   cmd->add_option("--seed", o->seed, "Seed of the draws (default 1)");
   cmd->add_option("--first", o->first, "Index of the first run (reproduce run R: --first R --runs 1)");

@@ -36,7 +36,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct TrainOptions {
-  std::string file;
+  ConfigArgs config_args;  // --config files and --set overrides
   std::optional<int> nproc;
   std::optional<int64_t> steps;
   std::optional<int> trace_rank;
@@ -219,7 +219,7 @@ int train(const TrainOptions& o, CommandContext& ctx) {
   std::ostream quiet(nullptr);
   std::ostream& out = env.rank == 0 ? *ctx.out : quiet;
   std::ostream& err = env.rank == 0 ? *ctx.err : quiet;
-  config::Config cfg = load_config(o.file, o.strict, err, env.world_size);
+  config::Config cfg = load_config(o.config_args, o.strict, err, env.world_size);
   if (o.steps) cfg.porter.train.steps = *o.steps;
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
@@ -271,7 +271,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
 
   TrainRun run;
-  run.config_file = o.file;
+  run.config_file = o.config_args.display();
   run.device = device->description();
   run.data = data.describe();
   run.start_step = eng.step();
@@ -280,7 +280,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   const int64_t last = cfg.porter.train.steps;
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
-  out << "porter train: " << o.file << "\n"
+  out << "porter train: " << run.config_file << "\n"
       << "  model: GPT, " << cfg.porter.model.layers << " layers, hidden " << cfg.porter.model.hidden
       << ", " << cfg.porter.model.heads << " heads, seq " << cfg.porter.model.seq_len << ", vocab "
       << cfg.porter.model.vocab << ": "
@@ -311,7 +311,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     if (mem.capacity_bytes > 0 && mem.predicted_peak_bytes > mem.capacity_bytes) {
       err << "warning: the plan's predicted peak, " << format_bytes(mem.predicted_peak_bytes)
           << ", exceeds the device's " << format_bytes(mem.capacity_bytes)
-          << "; expect out of memory (porter estimate --config " << o.file
+          << "; expect out of memory (porter estimate " << o.config_args.command_args()
           << " compares the policies)\n";
     }
   }
@@ -374,7 +374,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   }
   if (!o.memory_page.empty()) {
     if (const engine::StepMemory* step = eng.last_step_memory()) {
-      write_memory_page(o.memory_page, train_page_data(eng, *step, o.file), "--memory-page");
+      write_memory_page(o.memory_page, train_page_data(eng, *step, run.config_file), "--memory-page");
       out << "memory page: " << o.memory_page << " (step " << step->step << ")\n";
     } else {
       err << "warning: --memory-page: no step ran, nothing drawn\n";
@@ -400,7 +400,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
 void add_train_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<TrainOptions>();
   CLI::App* cmd = app.add_subcommand("train", "Train the built-in GPT as a JSON config says");
-  cmd->add_option("--config", o->file, "The JSON config (DeepSpeed keys plus \"porter\")")->required();
+  add_config_options(cmd, o->config_args, "The JSON config (DeepSpeed keys plus \"porter\")");
   cmd->add_option("--nproc", o->nproc,
                   "Train on N local ranks: porter launch -n N -- porter train ... (without --nproc)")
       ->check(CLI::Range(1, 4096));

@@ -13,12 +13,19 @@
 
 namespace porter::config {
 
-ParseResult parse_config_string(std::string_view json_text, const ParseOptions& options) {
-  using namespace detail;
+namespace detail {
+namespace {
+
+void check_world_size(const ParseOptions& options) {
   if (options.world_size < 1) {
     throw ConfigError("", "world size " + std::to_string(options.world_size) +
                               " is not valid: it must be at least 1");
   }
+}
+
+}  // namespace
+
+Json parse_config_text(std::string_view json_text) {
   bool blank = true;
   for (char ch : json_text) blank = blank && std::isspace(static_cast<unsigned char>(ch));
   if (blank) {
@@ -28,7 +35,25 @@ ParseResult parse_config_string(std::string_view json_text, const ParseOptions& 
   if (!document.is_object()) {
     fail("", "expected a JSON object at the top level, got " + describe(document));
   }
+  return document;
+}
 
+std::string read_config_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw IoError("cannot read config file " + path.string() + ": " + std::strerror(errno));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw IoError("error while reading config file " + path.string());
+  return text.str();
+}
+
+ParseResult parse_config_document(const Json& document, const ParseOptions& options) {
+  check_world_size(options);
+  if (!document.is_object()) {
+    fail("", "expected a JSON object at the top level, got " + describe(document));
+  }
   Diagnostics diag;
   ObjectReader root(document, "", &diag);
   ParseResult result;
@@ -49,15 +74,16 @@ ParseResult parse_config_string(std::string_view json_text, const ParseOptions& 
   return result;
 }
 
+}  // namespace detail
+
+ParseResult parse_config_string(std::string_view json_text, const ParseOptions& options) {
+  // The world size is checked before the text, as it always was.
+  detail::check_world_size(options);
+  return detail::parse_config_document(detail::parse_config_text(json_text), options);
+}
+
 ParseResult parse_config_file(const std::filesystem::path& path, const ParseOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw IoError("cannot read config file " + path.string() + ": " + std::strerror(errno));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw IoError("error while reading config file " + path.string());
-  return parse_config_string(text.str(), options);
+  return parse_config_string(detail::read_config_text(path), options);
 }
 
 }  // namespace porter::config

@@ -2,6 +2,9 @@
 // section (shared by parsing and printing), and the JSON spelling of every enum.
 #pragma once
 
+#include <filesystem>
+#include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
@@ -71,5 +74,16 @@ PorterReadState read_porter_section(ObjectReader& root, Config& config);
 void read_deepspeed_keys(ObjectReader& root, Config& config);
 // Resolves the checkpoint policy and checks combinations across sections (porter_keys.cc).
 void check_across_sections(const PorterReadState& state, Config& config, Diagnostics& diag);
+
+// The whole-document steps of parse_config_string (parse.cc), shared with the merge of several
+// sources (merge.cc, Note [Several config files] in config/merge.h).
+// Text -> document: an empty text, malformed JSON, duplicate keys and a top level that is not an
+// object are errors.
+Json parse_config_text(std::string_view json_text);
+// The file's bytes; IoError when it cannot be read.
+std::string read_config_text(const std::filesystem::path& path);
+// Document -> config: every section read and checked; warnings, or under options.strict one
+// error listing them.
+ParseResult parse_config_document(const Json& document, const ParseOptions& options);
 
 }  // namespace porter::config::detail

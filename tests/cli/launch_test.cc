@@ -289,6 +289,24 @@ TEST_F(LaunchTrain, NprocIsTheLaunchShorthand) {
   EXPECT_TRUE(contains(run.output, "[rank 0] step 1/1")) << run.output;
 }
 
+// Every rank gets every --config file and --set, in order: the ranks merge the same config.
+TEST_F(LaunchTrain, NprocPassesEveryConfigFileAndSet) {
+  const std::string overlay = (dir_ / "overlay.json").string();
+  std::ofstream(overlay) << R"({"porter": {"model": {"layers": 3}}})";
+  BinaryRun run = run_binary({"train", "--nproc", "2", "--config", config_, "--config", overlay,
+                              "--set", "porter.model.layers=1", "--steps", "1"});
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  EXPECT_EQ(WEXITSTATUS(run.status), 0) << run.output;
+  EXPECT_TRUE(contains(run.output, "train --config " + config_ + " --config " + overlay +
+                                       " --set porter.model.layers=1 --steps 1\n"))
+      << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] porter train: " + config_ + " + " + overlay +
+                                       " + --set porter.model.layers=1\n"))
+      << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0]   model: GPT, 1 layers")) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 0] step 1/1")) << run.output;
+}
+
 // A rank that fails before the rendezvous leaves rank 0 waiting for it in the store, which
 // gives up after porter.comm.timeout_s; the launcher names the rank that failed first.
 TEST_F(LaunchTrain, ARankThatFailsMakesTheOthersFailWithinTheTimeout) {
