@@ -246,7 +246,8 @@ std::optional<std::pair<int64_t, int64_t>> params_range(const json& meta, int64_
                                                         const fs::path& dir) {
   if (!meta.contains("params_range")) return std::nullopt;
   const json& r = meta["params_range"];
-  if (!r.is_array() || r.size() != 2 || !r[0].is_number_unsigned() || !r[1].is_number_unsigned() ||
+  auto count = [](const json& j) { return j.is_number_integer() && j.get<int64_t>() >= 0; };
+  if (!r.is_array() || r.size() != 2 || !count(r[0]) || !count(r[1]) ||
       r[0].get<int64_t>() > r[1].get<int64_t>() || r[1].get<int64_t>() > padded) {
     throw IoError("consolidate: " + quoted(dir / "meta.json") + ": params_range " + r.dump() +
                   " is not [begin, end] within the padded flat buffer of " + std::to_string(padded) +

@@ -40,6 +40,13 @@ int64_t checked_numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// A non-negative integer (nlohmann stores one read from text as unsigned, one set from an
+// int64_t as signed).
+template <typename Json>
+bool is_count(const Json& j) {
+  return j.is_number_integer() && j.template get<int64_t>() >= 0;
+}
+
 bool parse_dtype(const std::string& s, nn::DType* out) {
   for (nn::DType t : {nn::DType::kF32, nn::DType::kBF16, nn::DType::kF16, nn::DType::kI32}) {
     if (s == safetensors_dtype_name(t)) {
@@ -264,7 +271,7 @@ std::vector<WeightTensor> read_safetensors(const fs::path& path, WeightMetadata*
     const auto& shape = value["shape"];
     if (!shape.is_array()) throw IoError(what + "shape " + shape.dump() + " is not an array");
     for (const auto& d : shape) {
-      if (!d.is_number_unsigned()) {
+      if (!is_count(d)) {
         throw IoError(what + "shape " + shape.dump() + " has a dimension that is not a "
                       "non-negative integer");
       }
@@ -273,8 +280,8 @@ std::vector<WeightTensor> read_safetensors(const fs::path& path, WeightMetadata*
     const int64_t numel = e.tensor.numel();
     if (numel < 0) throw IoError(what + "shape " + shape.dump() + " overflows");
     const auto& offsets = value["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
+    if (!offsets.is_array() || offsets.size() != 2 || !is_count(offsets[0]) ||
+        !is_count(offsets[1])) {
       throw IoError(what + "data_offsets " + offsets.dump() + " is not [begin, end]");
     }
     e.begin = offsets[0].get<uint64_t>();
@@ -345,7 +352,7 @@ std::vector<FlatTensorSpec> layout_specs(const nn::ParamLayout& layout) {
 std::vector<FlatTensorSpec> layout_specs(const nlohmann::json& layout, const std::string& what) {
   const std::string where = what + ": layout: ";
   if (!layout.is_object() || !layout.contains("total_elems") ||
-      !layout["total_elems"].is_number_unsigned() || !layout.contains("params") ||
+      !is_count(layout["total_elems"]) || !layout.contains("params") ||
       !layout["params"].is_array()) {
     throw IoError(where + "needs \"total_elems\" (an integer) and \"params\" (an array)");
   }
@@ -356,13 +363,13 @@ std::vector<FlatTensorSpec> layout_specs(const nlohmann::json& layout, const std
     const nlohmann::json& p = layout["params"][i];
     const std::string at = where + "params[" + std::to_string(i) + "]";
     if (!p.is_object() || !p.contains("name") || !p["name"].is_string() || !p.contains("shape") ||
-        !p["shape"].is_array() || !p.contains("offset") || !p["offset"].is_number_unsigned()) {
+        !p["shape"].is_array() || !p.contains("offset") || !is_count(p["offset"])) {
       throw IoError(at + " needs \"name\", \"shape\" and \"offset\", has " + p.dump());
     }
     FlatTensorSpec s;
     s.name = p["name"].get<std::string>();
     for (const nlohmann::json& d : p["shape"]) {
-      if (!d.is_number_unsigned()) throw IoError(at + " ('" + s.name + "'): bad shape " + p["shape"].dump());
+      if (!is_count(d)) throw IoError(at + " ('" + s.name + "'): bad shape " + p["shape"].dump());
       s.shape.push_back(d.get<int64_t>());
     }
     s.offset_elems = p["offset"].get<int64_t>();
