@@ -49,9 +49,12 @@ int consolidate(const ConsolidateCommandOptions& o, std::ostream& out, std::ostr
   } else {
     origin = "the " + std::string(nn::dtype_name(r.compute_dtype)) + " working parameters, widened";
   }
-  std::string ranks = std::to_string(r.rank_dirs.size()) + " (dp " + std::to_string(r.dp_size);
+  std::string ranks = std::to_string(r.rank_dirs.size());
   if (r.tp_size > 1) {
-    ranks += " of tp rank " + std::to_string(r.tp_rank) + ", tp " + std::to_string(r.tp_size);
+    ranks += " of " + std::to_string(r.dp_size * r.tp_size) + " (dp " + std::to_string(r.dp_size) +
+             " x tp " + std::to_string(r.tp_size) + ": tp rank " + std::to_string(r.tp_rank) + "'s";
+  } else {
+    ranks += " (dp " + std::to_string(r.dp_size);
   }
   ranks += ", ZeRO stage " + std::to_string(r.zero_stage) + ")";
 
