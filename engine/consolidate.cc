@@ -236,7 +236,7 @@ class FlatAssembly {
 
   std::vector<std::byte> bytes_;
   size_t elem_bytes_;
-  const std::vector<FlatTensorSpec>& specs_;
+  const std::vector<FlatTensorSpec>& specs_;  // not owned: the caller's, outlives this
   std::string section_;
   std::vector<Piece> pieces_;  // disjoint, sorted by begin
 };

@@ -37,7 +37,7 @@ struct WeightTensor {
   std::vector<int64_t> shape;    // () for a scalar
   nn::DType dtype = nn::DType::kF32;
   std::vector<std::byte> bytes;  // numel * dtype_size, little-endian, C order
-  int64_t numel() const;
+  int64_t numel() const;  // -1 for a negative dimension or a product that overflows
 };
 
 using WeightMetadata = std::map<std::string, std::string>;
