@@ -28,6 +28,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   add_plan_command(app, context);
   add_estimate_command(app, context);
   add_stress_command(app, context);
+  add_consolidate_command(app, context);
   add_config_command(app, context);
   add_launch_command(app, context);
 

@@ -32,6 +32,8 @@ void add_plan_command(CLI::App& app, CommandContext& context);
 void add_estimate_command(CLI::App& app, CommandContext& context);
 // `porter stress --config F [--runs N] [--seed S] [--first R] [--steps K] [--json]`
 void add_stress_command(CLI::App& app, CommandContext& context);
+// `porter consolidate --checkpoint DIR --out FILE [--dtype working|f32] [--tp-rank K]`
+void add_consolidate_command(CLI::App& app, CommandContext& context);
 
 // `porter launch -n N [--master-addr A] [--master-port P] [--timeout S] -- COMMAND...`
 void add_launch_command(CLI::App& app, CommandContext& context);

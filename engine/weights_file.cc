@@ -1,0 +1,446 @@
+// Safetensors files (Note [Safetensors format] in weights_file.h) and flat-buffer splitting.
+#include "engine/weights_file.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <set>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "base/error.h"
+#include "base/units.h"
+
+namespace porter::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The safetensors library refuses headers above 100 MB; so does porter, before allocating.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr const char* kMetadataKey = "__metadata__";
+
+std::string quoted(const fs::path& p) { return "\"" + p.string() + "\""; }
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ")";
+}
+
+// numel of `shape`, or -1 when a dimension is negative or the product overflows.
+int64_t checked_numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return -1;
+  }
+  return n;
+}
+
+// A non-negative integer (nlohmann stores one read from text as unsigned, one set from an
+// int64_t as signed).
+template <typename Json>
+bool is_count(const Json& j) {
+  return j.is_number_integer() && j.template get<int64_t>() >= 0;
+}
+
+bool parse_dtype(const std::string& s, nn::DType* out) {
+  for (nn::DType t : {nn::DType::kF32, nn::DType::kBF16, nn::DType::kF16, nn::DType::kI32}) {
+    if (s == safetensors_dtype_name(t)) {
+      *out = t;
+      return true;
+    }
+  }
+  return false;
+}
+
+// An open file descriptor that closes itself; writes everything or throws.
+class OutFile {
+ public:
+  explicit OutFile(const fs::path& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail("cannot create");
+  }
+  ~OutFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+
+  void write(const void* data, size_t size) {
+    const char* p = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t n = ::write(fd_, p, size);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        fail("cannot write");
+      }
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+  void sync_and_close() {
+    if (::fsync(fd_) != 0) fail("cannot flush");
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail("cannot flush");
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what) const {
+    throw IoError(std::string("safetensors: ") + what + " " + quoted(path_) + ": " +
+                  std::strerror(errno));
+  }
+  fs::path path_;
+  int fd_ = -1;
+};
+
+void sync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some filesystems refuse
+  ::fsync(fd);
+  ::close(fd);
+}
+
+std::string header_text(const std::vector<WeightTensor>& tensors, const WeightMetadata& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json m = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : metadata) m[k] = v;
+    header[kMetadataKey] = std::move(m);
+  }
+  uint64_t offset = 0;
+  for (const WeightTensor& t : tensors) {
+    const uint64_t end = offset + t.bytes.size();
+    header[t.name] = {{"dtype", std::string(safetensors_dtype_name(t.dtype))},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, end}}};
+    offset = end;
+  }
+  std::string text = header.dump();
+  // 8 + N is a multiple of 8, so the data starts aligned for any element type.
+  text.resize(round_up(text.size(), 8), ' ');
+  return text;
+}
+
+}  // namespace
+
+int64_t WeightTensor::numel() const { return checked_numel(shape); }
+
+std::string_view safetensors_dtype_name(nn::DType dtype) {
+  switch (dtype) {
+    case nn::DType::kF32: return "F32";
+    case nn::DType::kBF16: return "BF16";
+    case nn::DType::kF16: return "F16";
+    case nn::DType::kI32: return "I32";
+  }
+  return "?";
+}
+
+void write_safetensors(const fs::path& path, const std::vector<WeightTensor>& tensors,
+                       const WeightMetadata& metadata) {
+  std::set<std::string> names;
+  for (const WeightTensor& t : tensors) {
+    if (t.name.empty() || t.name == kMetadataKey) {
+      throw InvalidArgument("write_safetensors " + quoted(path) + ": tensor name \"" + t.name +
+                            "\" is " + (t.name.empty() ? "empty" : "reserved for the metadata"));
+    }
+    if (!names.insert(t.name).second) {
+      throw InvalidArgument("write_safetensors " + quoted(path) + ": tensor \"" + t.name +
+                            "\" appears twice");
+    }
+    const int64_t n = t.numel();
+    if (n < 0) {
+      throw InvalidArgument("write_safetensors " + quoted(path) + ": tensor \"" + t.name +
+                            "\" has an invalid shape " + shape_string(t.shape));
+    }
+    const uint64_t need = static_cast<uint64_t>(n) * nn::dtype_size(t.dtype);
+    if (t.bytes.size() != need) {
+      throw InvalidArgument("write_safetensors " + quoted(path) + ": tensor \"" + t.name +
+                            "\" " + shape_string(t.shape) + " " +
+                            std::string(safetensors_dtype_name(t.dtype)) + " has " +
+                            std::to_string(t.bytes.size()) + " bytes, its shape needs " +
+                            std::to_string(need));
+    }
+  }
+  const std::string header = header_text(tensors, metadata);
+
+  const fs::path parent = path.parent_path();
+  if (!parent.empty()) {
+    std::error_code ec;
+    fs::create_directories(parent, ec);
+    if (ec) {
+      throw IoError("safetensors: cannot create directory " + quoted(parent) + ": " + ec.message());
+    }
+  }
+  const fs::path tmp = parent / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
+  try {
+    OutFile out(tmp);
+    unsigned char length[8];
+    const uint64_t n = header.size();
+    for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(n >> (8 * i));
+    out.write(length, sizeof length);
+    out.write(header.data(), header.size());
+    for (const WeightTensor& t : tensors) out.write(t.bytes.data(), t.bytes.size());
+    out.sync_and_close();
+    std::error_code ec;
+    fs::rename(tmp, path, ec);
+    if (ec) {
+      throw IoError("safetensors: cannot rename " + quoted(tmp) + " to " + quoted(path) + ": " +
+                    ec.message());
+    }
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    throw;
+  }
+  sync_dir(parent);
+}
+
+std::vector<WeightTensor> read_safetensors(const fs::path& path, WeightMetadata* metadata) {
+  const std::string where = "safetensors " + quoted(path) + ": ";
+  std::error_code ec;
+  const uintmax_t file_bytes = fs::file_size(path, ec);
+  if (ec) throw IoError(where + "cannot read: " + ec.message());
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw IoError(where + "cannot open: " + std::strerror(errno));
+  if (file_bytes < 8) {
+    throw IoError(where + "truncated: " + std::to_string(file_bytes) +
+                  " bytes, less than the 8-byte header length");
+  }
+  unsigned char length[8];
+  in.read(reinterpret_cast<char*>(length), 8);
+  uint64_t header_bytes = 0;
+  for (int i = 0; i < 8; ++i) header_bytes |= static_cast<uint64_t>(length[i]) << (8 * i);
+  if (header_bytes > kMaxHeaderBytes) {
+    throw IoError(where + "bad header length " + std::to_string(header_bytes) +
+                  ": above the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
+  }
+  if (header_bytes > file_bytes - 8) {
+    throw IoError(where + "bad header length " + std::to_string(header_bytes) + ": the file has " +
+                  std::to_string(file_bytes - 8) + " bytes after it (truncated, or not a "
+                  "safetensors file)");
+  }
+  std::string text(header_bytes, '\0');
+  if (!in.read(text.data(), static_cast<std::streamsize>(header_bytes))) {
+    throw IoError(where + "cannot read the " + std::to_string(header_bytes) + "-byte header");
+  }
+  if (text.empty() || text[0] != '{') {
+    throw IoError(where + "the header does not start with '{' (not a safetensors file)");
+  }
+  nlohmann::ordered_json header;
+  try {
+    header = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw IoError(where + "the header is not valid JSON: " + e.what());
+  }
+  if (!header.is_object()) throw IoError(where + "the header is not a JSON object");
+  const uint64_t data_bytes = file_bytes - 8 - header_bytes;
+
+  struct Entry {
+    WeightTensor tensor;
+    uint64_t begin = 0, end = 0;
+  };
+  std::vector<Entry> entries;
+  for (const auto& [name, value] : header.items()) {
+    if (name == kMetadataKey) {
+      if (!value.is_object()) throw IoError(where + "\"__metadata__\" is not a JSON object");
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) {
+          throw IoError(where + "metadata \"" + k + "\" is " + v.dump() +
+                        ", not a string (metadata maps strings to strings)");
+        }
+        if (metadata) (*metadata)[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    const std::string what = where + "tensor '" + name + "': ";
+    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") ||
+        !value.contains("data_offsets")) {
+      throw IoError(what + "needs \"dtype\", \"shape\" and \"data_offsets\", has " + value.dump());
+    }
+    Entry e;
+    e.tensor.name = name;
+    const auto& dtype = value["dtype"];
+    if (!dtype.is_string() || !parse_dtype(dtype.get<std::string>(), &e.tensor.dtype)) {
+      throw IoError(what + "unknown dtype " + dtype.dump() + " (porter reads F32, BF16, F16, I32)");
+    }
+    const auto& shape = value["shape"];
+    if (!shape.is_array()) throw IoError(what + "shape " + shape.dump() + " is not an array");
+    for (const auto& d : shape) {
+      if (!is_count(d)) {
+        throw IoError(what + "shape " + shape.dump() + " has a dimension that is not a "
+                      "non-negative integer");
+      }
+      e.tensor.shape.push_back(d.get<int64_t>());
+    }
+    const int64_t numel = e.tensor.numel();
+    if (numel < 0) throw IoError(what + "shape " + shape.dump() + " overflows");
+    const auto& offsets = value["data_offsets"];
+    if (!offsets.is_array() || offsets.size() != 2 || !is_count(offsets[0]) ||
+        !is_count(offsets[1])) {
+      throw IoError(what + "data_offsets " + offsets.dump() + " is not [begin, end]");
+    }
+    e.begin = offsets[0].get<uint64_t>();
+    e.end = offsets[1].get<uint64_t>();
+    if (e.begin > e.end) {
+      throw IoError(what + "data_offsets " + offsets.dump() + " end before they begin");
+    }
+    if (e.end > data_bytes) {
+      throw IoError(what + "data_offsets " + offsets.dump() + " are past the end of the data (" +
+                    std::to_string(data_bytes) + " bytes: the file is truncated or the offsets "
+                    "are wrong)");
+    }
+    const uint64_t need = static_cast<uint64_t>(numel) * nn::dtype_size(e.tensor.dtype);
+    if (e.end - e.begin != need) {
+      throw IoError(what + "wrong byte count: data_offsets " + offsets.dump() + " hold " +
+                    std::to_string(e.end - e.begin) + " bytes, shape " +
+                    shape_string(e.tensor.shape) + " of " + dtype.get<std::string>() + " needs " +
+                    std::to_string(need));
+    }
+    entries.push_back(std::move(e));
+  }
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  // Note [Safetensors format]: the tensors tile the data.
+  uint64_t at = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    if (e.begin < at) {
+      throw IoError(where + "tensors '" + entries[i - 1].tensor.name + "' [" +
+                    std::to_string(entries[i - 1].begin) + ", " + std::to_string(entries[i - 1].end) +
+                    ") and '" + e.tensor.name + "' [" + std::to_string(e.begin) + ", " +
+                    std::to_string(e.end) + ") overlap");
+    }
+    if (e.begin > at) {
+      throw IoError(where + "bytes [" + std::to_string(at) + ", " + std::to_string(e.begin) +
+                    ") of the data belong to no tensor (a gap before '" + e.tensor.name + "')");
+    }
+    at = e.end;
+  }
+  if (at != data_bytes) {
+    throw IoError(where + "the data has " + std::to_string(data_bytes) + " bytes, the tensors end at " +
+                  std::to_string(at) + " (trailing bytes belong to no tensor)");
+  }
+
+  std::vector<WeightTensor> out;
+  out.reserve(entries.size());
+  for (Entry& e : entries) {
+    e.tensor.bytes.resize(e.end - e.begin);
+    if (!in.read(reinterpret_cast<char*>(e.tensor.bytes.data()),
+                 static_cast<std::streamsize>(e.tensor.bytes.size()))) {
+      throw IoError(where + "cannot read tensor '" + e.tensor.name + "' at data offset " +
+                    std::to_string(e.begin));
+    }
+    out.push_back(std::move(e.tensor));
+  }
+  return out;
+}
+
+std::vector<FlatTensorSpec> layout_specs(const nn::ParamLayout& layout) {
+  std::vector<FlatTensorSpec> out;
+  for (const nn::ParamEntry& e : layout.entries()) {
+    out.push_back({e.name, e.shape.to_vector(), e.offset_elems});
+  }
+  return out;
+}
+
+std::vector<FlatTensorSpec> layout_specs(const nlohmann::json& layout, const std::string& what) {
+  const std::string where = what + ": layout: ";
+  if (!layout.is_object() || !layout.contains("total_elems") ||
+      !is_count(layout["total_elems"]) || !layout.contains("params") ||
+      !layout["params"].is_array()) {
+    throw IoError(where + "needs \"total_elems\" (an integer) and \"params\" (an array)");
+  }
+  const int64_t total = layout["total_elems"].get<int64_t>();
+  std::vector<FlatTensorSpec> out;
+  int64_t prev_end = 0;
+  for (size_t i = 0; i < layout["params"].size(); ++i) {
+    const nlohmann::json& p = layout["params"][i];
+    const std::string at = where + "params[" + std::to_string(i) + "]";
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string() || !p.contains("shape") ||
+        !p["shape"].is_array() || !p.contains("offset") || !is_count(p["offset"])) {
+      throw IoError(at + " needs \"name\", \"shape\" and \"offset\", has " + p.dump());
+    }
+    FlatTensorSpec s;
+    s.name = p["name"].get<std::string>();
+    for (const nlohmann::json& d : p["shape"]) {
+      if (!is_count(d)) throw IoError(at + " ('" + s.name + "'): bad shape " + p["shape"].dump());
+      s.shape.push_back(d.get<int64_t>());
+    }
+    s.offset_elems = p["offset"].get<int64_t>();
+    const int64_t n = checked_numel(s.shape);
+    int64_t end = 0;
+    if (n < 0 || __builtin_add_overflow(s.offset_elems, n, &end) || end > total) {
+      throw IoError(at + " ('" + s.name + "'): shape " + p["shape"].dump() + " at offset " +
+                    std::to_string(s.offset_elems) + " ends past total_elems " +
+                    std::to_string(total));
+    }
+    if (s.offset_elems < prev_end) {
+      throw IoError(at + " ('" + s.name + "'): offset " + std::to_string(s.offset_elems) +
+                    " overlaps the previous parameter, which ends at " + std::to_string(prev_end));
+    }
+    prev_end = end;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<WeightTensor> layout_tensors(std::span<const FlatTensorSpec> specs, nn::DType dtype,
+                                         std::span<const std::byte> flat_bytes) {
+  const size_t size = nn::dtype_size(dtype);
+  if (flat_bytes.size() % size != 0) {
+    throw InvalidArgument("layout_tensors: " + std::to_string(flat_bytes.size()) +
+                          " bytes are not a whole number of " + std::string(nn::dtype_name(dtype)) +
+                          " elements");
+  }
+  const int64_t flat_elems = static_cast<int64_t>(flat_bytes.size() / size);
+  std::vector<WeightTensor> out;
+  out.reserve(specs.size());
+  for (const FlatTensorSpec& s : specs) {
+    const int64_t n = checked_numel(s.shape);
+    if (n < 0 || s.offset_elems < 0 || s.offset_elems + n > flat_elems) {
+      throw InvalidArgument("layout_tensors: '" + s.name + "' " + shape_string(s.shape) +
+                            " at offset " + std::to_string(s.offset_elems) +
+                            " does not fit in a flat buffer of " + std::to_string(flat_elems) +
+                            " elements");
+    }
+    WeightTensor t;
+    t.name = s.name;
+    t.shape = s.shape;
+    t.dtype = dtype;
+    const auto first = flat_bytes.begin() + static_cast<ptrdiff_t>(s.offset_elems * static_cast<int64_t>(size));
+    t.bytes.assign(first, first + static_cast<ptrdiff_t>(n * static_cast<int64_t>(size)));
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::vector<WeightTensor> layout_tensors(const nn::ParamLayout& layout, nn::DType dtype,
+                                         std::span<const std::byte> flat_bytes) {
+  const std::vector<FlatTensorSpec> specs = layout_specs(layout);
+  return layout_tensors(specs, dtype, flat_bytes);
+}
+
+std::vector<std::byte> to_f32_bytes(nn::DType from, std::span<const std::byte> bytes) {
+  if (from == nn::DType::kF32) return {bytes.begin(), bytes.end()};
+  if (from != nn::DType::kBF16 && from != nn::DType::kF16) {
+    throw InvalidArgument("to_f32_bytes: cannot convert " + std::string(nn::dtype_name(from)) +
+                          " to f32");
+  }
+  const size_t n = bytes.size() / 2;
+  std::vector<std::byte> out(n * 4);
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes.data() + 2 * i, 2);
+    const float f = from == nn::DType::kBF16 ? nn::bf16_to_f32(h) : nn::f16_to_f32(h);
+    std::memcpy(out.data() + 4 * i, &f, 4);
+  }
+  return out;
+}
+
+}  // namespace porter::engine

@@ -1,0 +1,159 @@
+// `porter consolidate` in-process: a checkpoint from `porter train --save` becomes a
+// safetensors file with the layout's names and shapes, the metadata and a summary; bad
+// arguments and tensor-parallel checkpoints get their exit codes and messages.
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/app.h"
+#include "engine/state_file.h"
+#include "engine/weights_file.h"
+#include "tests/cli/cli_test_util.h"
+
+namespace porter::cli {
+namespace {
+
+using testing::CliRun;
+using testing::contains;
+using testing::porter;
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const char* kConfig = R"({
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 1,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+  "bf16": {"enabled": BF16},
+  "porter": {
+    "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+    "data": {"type": "synthetic", "seed": 3},
+    "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
+    "train": {"steps": 2, "log_every": 1}
+  }
+})";
+
+class CliConsolidate : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("porter_cli_consolidate_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Trains the tiny config for 2 steps and saves into dir_/ckpt.
+  fs::path train(bool bf16) {
+    std::string text = kConfig;
+    text.replace(text.find("BF16"), 4, bf16 ? "true" : "false");
+    const fs::path cfg = dir_ / "config.json";
+    std::ofstream(cfg) << text;
+    const fs::path ckpt = dir_ / "ckpt";
+    const CliRun r = porter({"train", "--config", cfg.string(), "--save", ckpt.string()});
+    EXPECT_EQ(r.rc, kExitOk) << r.err;
+    return ckpt;
+  }
+
+  fs::path dir_;
+};
+
+json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return json::parse(in);
+}
+
+TEST_F(CliConsolidate, WritesTheLayoutsTensorsAndASummary) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "f32");
+    const fs::path ckpt = train(bf16);
+    const json layout = read_json(ckpt / "meta.json")["layout"];
+    for (const std::string dtype : {"working", "f32"}) {
+      SCOPED_TRACE(dtype);
+      const fs::path out = dir_ / ("model-" + dtype + ".safetensors");
+      const CliRun r = porter({"consolidate", "--checkpoint", ckpt.string(), "--out", out.string(),
+                               "--dtype", dtype});
+      ASSERT_EQ(r.rc, kExitOk) << r.err;
+      engine::WeightMetadata meta;
+      const std::vector<engine::WeightTensor> tensors = engine::read_safetensors(out, &meta);
+      ASSERT_EQ(tensors.size(), layout["params"].size());
+      int64_t params = 0;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        EXPECT_EQ(tensors[i].name, layout["params"][i]["name"]);
+        EXPECT_EQ(json(tensors[i].shape), layout["params"][i]["shape"]);
+        params += tensors[i].numel();
+      }
+      const nn::DType want = dtype == "f32" || !bf16 ? nn::DType::kF32 : nn::DType::kBF16;
+      for (const engine::WeightTensor& t : tensors) EXPECT_EQ(t.dtype, want) << t.name;
+      EXPECT_EQ(meta, (engine::WeightMetadata{{"format", "pt"},
+                                              {"porter.step", "2"},
+                                              {"porter.source", ckpt.string()}}));
+      // The summary: tensors, parameters, bytes, dtype, step, ranks read.
+      EXPECT_TRUE(contains(r.out, "consolidated " + ckpt.string() + " -> " + out.string())) << r.out;
+      EXPECT_TRUE(contains(r.out, "  step        2\n")) << r.out;
+      EXPECT_TRUE(contains(r.out, "  ranks read  1 (dp 1, ZeRO stage 0)\n")) << r.out;
+      EXPECT_TRUE(contains(r.out, "  tensors     " + std::to_string(tensors.size()) + "\n")) << r.out;
+      EXPECT_TRUE(contains(r.out, "  parameters  " + std::to_string(params) + " (")) << r.out;
+      EXPECT_TRUE(contains(r.out, "  bytes       " +
+                                      std::to_string(params * static_cast<int64_t>(nn::dtype_size(want))) +
+                                      " (")) << r.out;
+      const std::string origin = dtype == "f32" && bf16 ? "f32 (the f32 master weights; trained in bf16)"
+                                 : bf16                 ? "bf16 (the working parameters)"
+                                                        : "f32 (the working parameters)";
+      EXPECT_TRUE(contains(r.out, "  dtype       " + origin + "\n")) << r.out;
+    }
+    fs::remove_all(ckpt);
+  }
+}
+
+TEST_F(CliConsolidate, TensorParallelCheckpointsNeedTpRank) {
+  const fs::path ckpt = train(false);
+  // Two tensor-parallel ranks of one data-parallel rank: rank1 a copy of rank0 here.
+  const fs::path tp = dir_ / "tp";
+  for (const char* r : {"rank0", "rank1"}) {
+    engine::LoadedState s = engine::read_state(ckpt);
+    s.meta["config"]["model"]["tensor_parallel"] = 2;
+    engine::write_state(tp / r, s.meta, s.sections);
+  }
+  const fs::path out = dir_ / "tp.safetensors";
+  CliRun r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string()});
+  EXPECT_EQ(r.rc, kExitInvalid);
+  EXPECT_TRUE(contains(r.err, "error: consolidating a tensor-parallel checkpoint is not supported: "
+                              "each tp rank holds a different part of the model; pass --tp-rank K "
+                              "to write that rank's part")) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+  r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "1"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_TRUE(contains(r.out, "  ranks read  1 of 2 (dp 1 x tp 2: tp rank 1's, ZeRO stage 0)\n")) << r.out;
+  engine::WeightMetadata meta;
+  EXPECT_FALSE(engine::read_safetensors(out, &meta).empty());
+  EXPECT_EQ(meta["porter.tp_rank"], "1");
+  r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "2"});
+  EXPECT_EQ(r.rc, kExitInvalid);
+  EXPECT_TRUE(contains(r.err, "tp rank 2 is not in")) << r.err;
+}
+
+TEST_F(CliConsolidate, BadArgumentsAndMissingCheckpoints) {
+  const std::string out = (dir_ / "x.safetensors").string();
+  CliRun r = porter({"consolidate", "--checkpoint", (dir_ / "none").string(), "--out", out});
+  EXPECT_EQ(r.rc, kExitInvalid);
+  EXPECT_TRUE(contains(r.err, "none\": no such directory")) << r.err;
+  r = porter({"consolidate", "--checkpoint", dir_.string(), "--out", out});
+  EXPECT_EQ(r.rc, kExitInvalid);
+  EXPECT_TRUE(contains(r.err, "is not a porter training checkpoint")) << r.err;
+  r = porter({"consolidate", "--checkpoint", dir_.string(), "--out", out, "--dtype", "f16"});
+  EXPECT_EQ(r.rc, kExitUsage);
+  EXPECT_TRUE(contains(r.err, "--dtype")) << r.err;
+  r = porter({"consolidate", "--checkpoint", dir_.string()});
+  EXPECT_EQ(r.rc, kExitUsage);
+  EXPECT_TRUE(contains(r.err, "--out is required")) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+}
+
+}  // namespace
+}  // namespace porter::cli
