@@ -32,6 +32,7 @@
 #include "engine/engine.h"
 #include "engine/engine_impl.h"
 #include "engine/state_file.h"
+#include "engine/weights_file.h"
 
 namespace porter::engine {
 
@@ -130,6 +131,22 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
     sections.push_back({t.name, download(*device_, t.tensor)});
   }
   write_state(dir, std::move(meta), sections);
+  // zero_optimization.stage3_gather_16bit_weights_on_model_save: the working weights of the
+  // whole model (this tp rank's part), gathered from the shards, in one safetensors file that
+  // dp rank 0 writes beside the rank directories. A collective: every rank gathers.
+  if (im.gatherer && config_.zero_optimization.stage3_gather_16bit_weights_on_model_save) {
+    const std::vector<float> full = params_host();
+    if (dp_rank() == 0) {
+      nn::Tensor host = nn::Tensor::empty(*allocator_, nn::Shape{static_cast<int64_t>(full.size())},
+                                          compute_dtype(), memory::Category::kWorkspace);
+      nn::from_host_f32(*device_, full, host);
+      const std::vector<std::byte> bytes = download(*device_, host);
+      const std::string name = tp_size() > 1 ? "model-tp" + std::to_string(tp_rank()) + ".safetensors"
+                                             : std::string("model.safetensors");
+      write_safetensors(dir_in / name, layout_tensors(model_->layout(), compute_dtype(), bytes),
+                        {{"format", "pt"}, {"porter.step", std::to_string(step_)}});
+    }
+  }
 }
 
 void Engine::load_checkpoint(const std::filesystem::path& dir_in) {

@@ -7,6 +7,7 @@
 // rank's shard, the persistent stages and, during a step, the gathered buffers the gather
 // plan has alive (Note [Gather plan]); the measured peak of those equals the plan's.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <stdexcept>
@@ -17,7 +18,9 @@
 #include "base/error.h"
 #include "checkpoint/param_gather.h"
 #include "comm/communicator.h"
+#include "engine/consolidate.h"
 #include "engine/state_file.h"
+#include "engine/weights_file.h"
 #include "engine_test_util.h"
 #include "zero/partition.h"
 
@@ -432,6 +435,60 @@ TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout
     EXPECT_NE(messages[0].find("rank 1"), std::string::npos) << messages[0];
   }
   EXPECT_LT(seconds[0], c.porter.comm.timeout_s + 2.0) << messages[0];
+}
+
+}  // namespace
+}  // namespace porter::engine
+
+namespace porter::engine {
+namespace {
+
+// stage3_gather_16bit_weights_on_model_save: rank 0 writes the gathered working weights; they
+// equal the stage-0 run's parameters bitwise (2 ranks, one micro-batch each, no clipping: the
+// stages sum the same two values), and porter consolidate of the per-rank shards gives the
+// same file.
+TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_zero3_save_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<float> stage0;
+  for (int stage : {0, 3}) {
+    config::Config c = z3_config(2, stage);
+    c.gradient_clipping = 0.0;
+    c.bf16.enabled = true;
+    c.zero_optimization.stage3_gather_16bit_weights_on_model_save = true;
+    auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
+      auto device = cpu_device();
+      comm::CommOptions o;
+      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+      std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
+      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      for (int s = 0; s < 3; ++s) e.train_step(data.rank_batches(s, 1, rank, 2));
+      const std::vector<float> p = e.params_host();
+      if (stage == 0 && rank == 0) stage0 = p;
+      if (stage == 3) e.save_checkpoint(dir);
+    });
+    for (auto& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+  }
+  const GptModel model(z3_config(2, 3).porter.model);
+  const std::vector<WeightTensor> saved = read_safetensors(dir / "model.safetensors");
+  const ConsolidateResult offline = consolidate_checkpoint(dir);
+  ASSERT_EQ(saved.size(), model.layout().entries().size());
+  ASSERT_EQ(offline.tensors.size(), saved.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const nn::ParamEntry& e = model.layout().entries()[i];
+    EXPECT_EQ(saved[i].name, e.name);
+    EXPECT_EQ(saved[i].dtype, nn::DType::kBF16);
+    EXPECT_EQ(saved[i].bytes, offline.tensors[i].bytes) << e.name;
+    // bf16 -> f32 is exact: compare with the stage-0 run's parameters.
+    const std::vector<std::byte> f32 = to_f32_bytes(nn::DType::kBF16, saved[i].bytes);
+    ASSERT_EQ(f32.size(), static_cast<size_t>(e.shape.numel()) * 4);
+    EXPECT_EQ(std::memcmp(f32.data(), stage0.data() + e.offset_elems, f32.size()), 0) << e.name;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
