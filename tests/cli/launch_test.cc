@@ -511,3 +511,70 @@ TEST_F(LaunchTrain, MpirunStartsATensorParallelRun) {
 
 }  // namespace
 }  // namespace porter::cli
+
+namespace porter::cli {
+namespace {
+
+// Every published DeepSpeed config in tests/config/realworld (copies of
+// ../shared/realworld-configs and SOURCES.md's others) trains 3 steps unchanged, with only a
+// model file beside it (--config ds.json --config model.json), through porter launch at the
+// world size its batch numbers imply (2: the model file sets the micro-batch to half of
+// train_batch_size / gradient_accumulation_steps). Those that ask for optimizer or parameter
+// offload are refused, naming the key.
+TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
+  const fs::path dir = fs::temp_directory_path() / "porter_cli_published_configs";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  int trained = 0, stage3 = 0;
+  for (const fs::directory_entry& f : fs::directory_iterator(PORTER_REALWORLD_CONFIG_DIR)) {
+    if (f.path().extension() != ".json") continue;
+    std::ifstream in(f.path());
+    const nlohmann::json ds = nlohmann::json::parse(in, nullptr, true, /*ignore_comments=*/true);
+    const nlohmann::json z = ds.value("zero_optimization", nlohmann::json::object());
+    auto offloaded = [&](const char* key) {
+      return z.contains(key) && z[key].value("device", std::string("none")) != "none";
+    };
+    const bool offload = z.value("cpu_offload", false) || offloaded("offload_optimizer") ||
+                         offloaded("offload_param");
+    const std::string name = f.path().filename().string();
+    const fs::path model = dir / ("model-" + name);
+    nlohmann::json m = {
+        {"porter",
+         {{"model", {{"layers", 2}, {"hidden", 64}, {"heads", 2}, {"seq_len", 16}, {"vocab", 128}}},
+          {"data", {{"type", "synthetic"}, {"seed", 1}}},
+          {"device", {{"type", "cpu"}, {"memory_limit", "128MiB"}, {"threads", 1}}},
+          {"comm", {{"timeout_s", 30}}},
+          {"train", {{"steps", 3}, {"log_every", 1}}}}}};
+    if (ds.contains("train_batch_size") && ds["train_batch_size"].is_number_integer()) {
+      const int64_t gas = ds.value("gradient_accumulation_steps", int64_t{1});
+      m["train_micro_batch_size_per_gpu"] = ds["train_batch_size"].get<int64_t>() / gas / 2;
+    } else {
+      m["train_batch_size"] = 4;
+      m["train_micro_batch_size_per_gpu"] = 2;
+      m["gradient_accumulation_steps"] = 1;
+    }
+    std::ofstream(model) << m.dump();
+    BinaryRun run = run_binary({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config",
+                                f.path().string(), "--config", model.string()});
+    ASSERT_TRUE(WIFEXITED(run.status)) << name << "\n" << run.output;
+    if (offload) {
+      EXPECT_NE(WEXITSTATUS(run.status), 0) << name;
+      EXPECT_TRUE(contains(run.output, "offload")) << name << "\n" << run.output;
+      continue;
+    }
+    EXPECT_EQ(WEXITSTATUS(run.status), 0) << name << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, "[rank 0] step 3/3")) << name << "\n" << run.output;
+    ++trained;
+    if (z.value("stage", 0) == 3) {
+      ++stage3;
+      EXPECT_TRUE(contains(run.output, "[rank 0] zero: stage 3 over 2 ranks")) << run.output;
+      EXPECT_TRUE(contains(run.output, "parameter gathers: ")) << run.output;
+    }
+  }
+  EXPECT_GE(trained, 2);  // Megatron's ZeRO-2 and ZeRO-3 configs
+  EXPECT_GE(stage3, 1);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace porter::cli
