@@ -21,6 +21,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "engine/run_options.h"
+#include "engine/stage3.h"
 #include "nn/gpt.h"
 #include "zero/partition.h"
 
@@ -42,6 +43,7 @@ struct PolicyEstimate {
   std::string error;          // why the policy does not apply; empty when it does
   std::string description;    // the plan's own one-liner
   size_t activation_peak_bytes = 0;
+  size_t gathered_peak_bytes = 0;  // ZeRO stage 3: gathered parameters alive at once, at most
   size_t total_peak_bytes = 0;  // model states + batch + activations + workspace
   double recompute_flop_fraction = 0.0;
 };
@@ -221,7 +223,8 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
           : load_config(o.config_args, o.strict, err, world_size);
   const engine::RunOptions run = engine::make_run_options(cfg);
   const nn::DType dtype = run.compute_dtype;
-  const checkpoint::ChainCosts costs = run.analytic_costs();
+  checkpoint::ChainCosts costs = run.analytic_costs();
+  engine::add_stage3_params(costs, cfg, dtype);  // ZeRO stage 3's gathered parameters
   const config::ModelConfig& model = cfg.porter.model;
   const int64_t tp = model.tensor_parallel;
   const bool sp = model.sequence_parallel && tp > 1;
@@ -247,7 +250,11 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   }
   // The policies below use the configured stage's model states.
   const int config_stage = cfg.zero_optimization.stage;
-  const zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
+  // At stage 3 the params hold the persistent stages too, between steps (docs/zero.md,
+  // "Stage 3"); the gathered ones come and go within a step, in each plan's total peak.
+  zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
+  const size_t persistent = costs.params.enabled ? costs.params.persistent_bytes() : 0;
+  ms.params += persistent;
   const size_t model_state = ms.total();
   const size_t batch = run.batch_bytes;
   const std::optional<size_t> capacity = run.capacity_bytes;
@@ -269,6 +276,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       checkpoint::Plan plan = checkpoint::make_plan(po, costs);
       e.description = plan.description;
       e.activation_peak_bytes = plan.prediction.peak_activation_bytes;
+      e.gathered_peak_bytes = plan.prediction.params.peak_gathered_bytes;
       e.total_peak_bytes = run.predicted_peak_bytes(model_state, plan.prediction);
       e.recompute_flop_fraction = engine::recompute_flop_fraction(plan.prediction, costs);
     } catch (const porter::Error& ex) {
@@ -386,6 +394,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
         p["grads_bytes"] = ms.grads;
         p["optimizer_bytes"] = ms.optimizer;
         p["activation_peak_bytes"] = e.activation_peak_bytes;
+        p["gathered_params_peak_bytes"] = e.gathered_peak_bytes;
         p["total_peak_bytes"] = e.total_peak_bytes;
         p["recompute_flop_fraction"] = e.recompute_flop_fraction;
         std::optional<bool> f = fits(e);
@@ -416,7 +425,18 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   out << "  model states per rank (ZeRO stage " << config_stage << ", every policy): params "
       << format_bytes(ms.params) << ", grads " << format_bytes(ms.grads) << ", optimizer "
       << format_bytes(ms.optimizer) << " = " << format_bytes(model_state) << "; batch "
-      << format_bytes(batch) << "\n\n";
+      << format_bytes(batch) << "\n";
+  if (costs.params.enabled) {
+    out << "  stage 3: params are the shard plus " << format_bytes(persistent)
+        << " of persistent stages (stage3_param_persistence_threshold); each policy's total "
+           "peak\n  adds the stages gathered at its peak (stage3_prefetch_bucket_size, "
+           "max_live_parameters, max_reuse_distance):";
+    for (const PolicyEstimate& e : rows) {
+      if (e.error.empty()) out << " " << config::to_string(e.policy) << " " << format_bytes(e.gathered_peak_bytes) << ";";
+    }
+    out << "\n";
+  }
+  out << "\n";
   Table t({"policy", "activation peak", "total peak", "recompute", "fits"});
   for (const PolicyEstimate& e : rows) {
     if (!e.error.empty()) {

@@ -25,6 +25,7 @@
 #include "comm/communicator.h"
 #include "engine/run_options.h"
 #include "engine/engine.h"
+#include "engine/stage3.h"
 #include "engine/model.h"
 #include "nn/gpt.h"
 #include "zero/partition.h"
@@ -60,7 +61,8 @@ void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
       gpt.layout().total_elems(), static_cast<int>(cfg.data_parallel_size()));
   in.model_state_bytes = zero::exact_bytes(part, cfg.zero_optimization.stage,
                                            zero::StateDTypes{run.compute_dtype})
-                             .total();
+                             .total() +
+                         plan.prediction.params.persistent_bytes;
   in.batch_bytes = run.batch_bytes;
   in.capacity_bytes = run.capacity_bytes;
   in.predicted_peak_bytes = run.predicted_peak_bytes(in.model_state_bytes, plan.prediction);
@@ -279,6 +281,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     }
   } else {
     costs = analytic;
+    engine::add_stage3_params(costs, cfg, run.compute_dtype);  // ZeRO stage 3's gathers
     plan = checkpoint::make_plan(run.plan, costs);
     where_from = "analytic model (nothing allocated)";
   }
@@ -333,6 +336,16 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     j["recompute_flops"] = flops.recompute_flops * static_cast<double>(micro_batches);
     j["recompute_flop_fraction"] = flop_fraction;
     j["offload"] = offload_json(plan, link_bytes_per_s);
+    const checkpoint::ParamPrediction& pp = plan.prediction.params;
+    j["stage3"] = costs.params.enabled
+                      ? nlohmann::ordered_json{{"peak_gathered_bytes", pp.peak_gathered_bytes},
+                                               {"peak_live_elems", pp.peak_live_elems},
+                                               {"gathers_per_micro_batch", pp.gathers},
+                                               {"gathered_bytes_per_micro_batch", pp.gathered_bytes},
+                                               {"persistent_bytes", pp.persistent_bytes},
+                                               {"predicted_budget_peak_bytes",
+                                                plan.prediction.peak_budget_bytes}}
+                      : nlohmann::ordered_json();
     j["schedule"] = plan.schedule.to_string();
     out << j.dump(2) << "\n";
     return kExitOk;
@@ -342,6 +355,15 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   out << "  " << plan.description << "\n";
   if (plan.budget_bytes) out << "  budget " << format_bytes(*plan.budget_bytes) << "\n";
   out << "  costs: " << where_from << "\n";
+  if (costs.params.enabled) {
+    const checkpoint::ParamPrediction& pp = plan.prediction.params;
+    out << "  ZeRO stage 3: " << pp.gathers << " parameter gathers per micro-batch ("
+        << format_bytes(pp.gathered_bytes) << "), at most "
+        << format_count(static_cast<double>(pp.peak_live_elems)) << " elements ("
+        << format_bytes(pp.peak_gathered_bytes) << ") gathered at once; persistent "
+        << format_bytes(pp.persistent_bytes) << "; activations + gathered parameters peak at "
+        << format_bytes(plan.prediction.peak_budget_bytes) << "\n";
+  }
   if (tp > 1) {
     out << "  tensor parallel " << tp << (sp ? " with sequence parallelism" : "")
         << ": every figure is one tensor-parallel rank's\n";

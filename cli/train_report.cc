@@ -74,8 +74,11 @@ ordered_json zero_json(engine::Engine& engine) {
   const engine::ZeroStats z = engine.zero_stats();
   const zero::Partition part =
       zero::make_partition(engine.model().layout().total_elems(), engine.dp_size());
-  const zero::StateBytes exact =
+  const zero::StateBytes shard_exact =
       zero::exact_bytes(part, z.zero_stage, zero::StateDTypes{engine.compute_dtype()});
+  // Stage 3's params hold the persistent stages beside the shard (docs/zero.md, "Stage 3").
+  zero::StateBytes exact = shard_exact;
+  exact.params += z.persistent_bytes;
   return {
       {"stage", z.zero_stage},
       {"world_size", z.world_size},

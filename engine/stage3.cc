@@ -43,4 +43,11 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, nn::DTy
   return out;
 }
 
+void add_stage3_params(checkpoint::ChainCosts& costs, const config::Config& config,
+                       nn::DType dtype) {
+  if (config.zero_optimization.stage != 3) return;
+  GptModel gpt(config.porter.model);  // layers and layout only; allocates nothing
+  costs.params = stage3_layout(gpt, config.zero_optimization, dtype).costs;
+}
+
 }  // namespace porter::engine

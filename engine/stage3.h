@@ -24,4 +24,9 @@ struct Stage3Layout {
 // with fewer elements than zero.stage3_param_persistence_threshold is persistent.
 Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, nn::DType dtype);
 
+// For planning without an Engine (porter plan, porter estimate): at zero_optimization.stage 3
+// sets costs.params to the built-in GPT's units (tp rank 0's part, which every rank's equals
+// in size), as the Engine does; below stage 3 leaves the costs as they are.
+void add_stage3_params(checkpoint::ChainCosts& costs, const config::Config& config, nn::DType dtype);
+
 }  // namespace porter::engine

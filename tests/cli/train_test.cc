@@ -628,3 +628,58 @@ TEST_F(CliTrain, OutOfMemoryExitsThree) {
 
 }  // namespace
 }  // namespace porter::cli
+
+namespace porter::cli {
+namespace {
+
+// porter estimate's stage-3 bytes are the ones training measures: the params between steps
+// (the shard and the persistent stages) and the gathered parameters' peak of the config's
+// policy; porter plan predicts the same gathers.
+TEST(CliStage3, EstimateAndPlanEqualWhatTrainingMeasures) {
+  const fs::path dir = fs::temp_directory_path() / "porter_cli_stage3_estimate";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path cfg = dir / "z3.json";
+  std::ofstream(cfg) << R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 20000,
+                          "stage3_max_reuse_distance": 20000,
+                          "stage3_param_persistence_threshold": 1000},
+    "porter": {
+      "model": {"layers": 3, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+      "data": {"type": "synthetic", "seed": 3},
+      "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
+      "checkpointing": {"policy": "uniform", "every_n_layers": 3},
+      "train": {"steps": 2, "log_every": 1}
+    }
+  })";
+  const std::string report = (dir / "r.json").string();
+  CliRun t = porter({"train", "--config", cfg.string(), "--report", report});
+  ASSERT_EQ(t.rc, kExitOk) << t.err;
+  EXPECT_TRUE(contains(t.out, "parameter gathers: ")) << t.out;
+  const json r = read_json(report);
+  CliRun e = porter({"estimate", "--config", cfg.string(), "--json"});
+  ASSERT_EQ(e.rc, kExitOk) << e.err;
+  const json est = json::parse(e.out);
+  EXPECT_EQ(est["model_state_bytes"]["params"], r["memory"]["current_by_category"]["params"]);
+  EXPECT_EQ(est["model_state_bytes"]["grads"], r["memory"]["current_by_category"]["grads"]);
+  EXPECT_EQ(est["model_state_bytes"]["optimizer"], r["memory"]["current_by_category"]["optimizer"]);
+  bool found = false;
+  for (const json& p : est["policies"]) {
+    if (p["policy"] != "uniform") continue;
+    found = true;
+    EXPECT_EQ(p["gathered_params_peak_bytes"], r["zero"]["peak_gathered_bytes"]);
+  }
+  EXPECT_TRUE(found) << e.out;
+  EXPECT_GT(r["zero"]["gathers"].get<int64_t>(), 0);
+  EXPECT_EQ(r["zero"]["peak_gathered_bytes"], r["zero"]["predicted_gathered_bytes"]);
+  CliRun p = porter({"plan", "--config", cfg.string(), "--json"});
+  ASSERT_EQ(p.rc, kExitOk) << p.err;
+  EXPECT_EQ(json::parse(p.out)["stage3"]["peak_gathered_bytes"], r["zero"]["peak_gathered_bytes"]);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace porter::cli
