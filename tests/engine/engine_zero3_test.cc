@@ -353,7 +353,7 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
   std::filesystem::remove_all(dir);
 }
 
-// Wraps the GPT: when armed, a stage's backward throws on this rank.
+// Wraps the GPT: when armed, a stage's forward throws on this rank.
 class Bomb : public nn::Layer {
  public:
   Bomb(nn::Layer& inner, std::function<bool()> armed) : inner_(inner), armed_(std::move(armed)) {}
@@ -361,11 +361,11 @@ class Bomb : public nn::Layer {
   void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
     inner_.bind(p, g);
   }
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override { return inner_.forward(ctx, x); }
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
-    if (armed_()) throw std::runtime_error("bomb: injected failure in backward");
-    return inner_.backward(ctx, dy);
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
+    if (armed_()) throw std::runtime_error("bomb: injected failure in forward");
+    return inner_.forward(ctx, x);
   }
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override { return inner_.backward(ctx, dy); }
 
  private:
   nn::Layer& inner_;
@@ -398,8 +398,8 @@ class BombGpt : public Model {
 TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout) {
   config::Config c = z3_config(2, 3);
   c.porter.comm.timeout_s = 3.0;
-  // Nothing kept between forward and backward: the backwards gather every stage again, so the
-  // surviving rank is inside a parameter gather of block 1 when its peer is gone.
+  // Rank 1 fails in block 1's forward; forward reduces nothing, so the surviving rank's first
+  // collective after that is the gather of the next block's parameters.
   c.zero_optimization.stage3_max_reuse_distance_elems = 0;
   c.zero_optimization.stage3_prefetch_bucket_size_elems = 0;
   std::vector<std::string> messages(2);
@@ -433,6 +433,8 @@ TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout
                 dynamic_cast<const TimeoutError*>(&ex) != nullptr)
         << ex.what();
     EXPECT_NE(messages[0].find("rank 1"), std::string::npos) << messages[0];
+    // It failed inside a parameter gather (one broadcast per shard owner).
+    EXPECT_NE(messages[0].find("broadcast"), std::string::npos) << messages[0];
   }
   EXPECT_LT(seconds[0], c.porter.comm.timeout_s + 2.0) << messages[0];
 }
