@@ -235,6 +235,21 @@ TEST(EngineTp, TwoDimensionalWithZero2AndTEqualsWorld) {
               1e-5 * all[0].steps[1].loss);
 }
 
+// ZeRO stage 3 over the dp groups of a 2 x 2 world (each tp rank's part gathered over its dp
+// group) is bitwise stage 2 there, in losses and parameters.
+TEST(EngineTp, StageThreeOverTheDpGroupsIsBitwiseStageTwo) {
+  config::Config c = tp_config(4, 2, config::CheckpointPolicy::kFull);
+  c.zero_optimization.stage = 2;
+  const std::vector<RankRun> two = run_ranks(c, 3);
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.stage3_max_reuse_distance_elems = 0;
+  const std::vector<RankRun> three = run_ranks(c, 3);
+  for (size_t r = 0; r < 4; ++r) {
+    EXPECT_EQ(losses(three[r]), losses(two[r])) << r;
+    EXPECT_TRUE(bitwise_equal(three[r].params, two[r].params)) << r;
+  }
+}
+
 // The trace's "tp comm" lane has the layers' collectives, named after the schedule op that
 // issued them, and the gathers of partitioned checkpoints.
 TEST(EngineTp, TheTraceHasATpCommLane) {
