@@ -38,6 +38,21 @@ double hidden_fraction(double busy_s, double exposed_s) {
   return busy_s > 0.0 ? std::clamp(1.0 - exposed_s / busy_s, 0.0, 1.0) : 0.0;
 }
 
+// Stage 3's gather figures (measured, and the plan's) into a step's or the run's ZeroStats.
+void set_gather_stats(ZeroStats& z, const zero::GatherStats& g,
+                      const checkpoint::ParamPrediction& predicted) {
+  z.gathers = g.gathers;
+  z.gathered_bytes = g.gathered_bytes;
+  z.gather_busy_s = g.busy_s;
+  z.gather_exposed_s = g.exposed_s;
+  z.gather_hidden_fraction = hidden_fraction(g.busy_s, g.exposed_s);
+  z.peak_live_elems = g.peak_live_elems;
+  z.peak_gathered_bytes = g.peak_live_bytes;
+  z.predicted_peak_live_elems = predicted.peak_live_elems;
+  z.predicted_gathered_bytes = predicted.peak_gathered_bytes;
+  z.persistent_bytes = predicted.persistent_bytes;
+}
+
 void check_batches(const config::Config& c, Model& model,
                    const std::vector<HostBatch>& micro_batches, size_t expected_count) {
   const int64_t b = c.train_micro_batch_size_per_gpu;
@@ -476,13 +491,7 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   z.skipped_steps = r.skipped ? 1 : 0;
   if (im.gatherer) {
     const zero::GatherStats g = im.gatherer->take_stats();
-    z.gathers = g.gathers;
-    z.gathered_bytes = g.gathered_bytes;
-    z.gather_busy_s = g.busy_s;
-    z.gather_exposed_s = g.exposed_s;
-    z.gather_hidden_fraction = hidden_fraction(g.busy_s, g.exposed_s);
-    z.peak_live_elems = g.peak_live_elems;
-    z.peak_gathered_bytes = g.peak_live_bytes;
+    set_gather_stats(z, g, im.plan.prediction.params);
     z.comm_exposed_s += g.exposed_s;
     zero::GatherStats& gt = im.gather_total;
     gt.gathers += g.gathers;
@@ -492,9 +501,6 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
     gt.peak_live_elems = std::max(gt.peak_live_elems, g.peak_live_elems);
     gt.peak_live_bytes = std::max(gt.peak_live_bytes, g.peak_live_bytes);
   }
-  z.predicted_peak_live_elems = im.plan.prediction.params.peak_live_elems;
-  z.predicted_gathered_bytes = im.plan.prediction.params.peak_gathered_bytes;
-  z.persistent_bytes = im.plan.prediction.params.persistent_bytes;
   ZeroStats& t = im.zero_total;
   t.comm_bytes += z.comm_bytes;
   t.comm_busy_s += z.comm_busy_s;
@@ -701,17 +707,7 @@ ZeroStats Engine::zero_stats() const {
   z.padded_elems = im.part.padded_elems;
   z.reduce_hidden_fraction = hidden_fraction(im.reduce_busy_total_s, im.reduce_exposed_total_s);
   z.loss_scale = im.optimizer->loss_scale();
-  const zero::GatherStats& g = im.gather_total;
-  z.gathers = g.gathers;
-  z.gathered_bytes = g.gathered_bytes;
-  z.gather_busy_s = g.busy_s;
-  z.gather_exposed_s = g.exposed_s;
-  z.gather_hidden_fraction = hidden_fraction(g.busy_s, g.exposed_s);
-  z.peak_live_elems = g.peak_live_elems;
-  z.peak_gathered_bytes = g.peak_live_bytes;
-  z.predicted_peak_live_elems = im.plan.prediction.params.peak_live_elems;
-  z.predicted_gathered_bytes = im.plan.prediction.params.peak_gathered_bytes;
-  z.persistent_bytes = im.plan.prediction.params.persistent_bytes;
+  set_gather_stats(z, im.gather_total, im.plan.prediction.params);
   return z;
 }
 

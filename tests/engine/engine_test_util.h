@@ -2,7 +2,10 @@
 // micro-batches.
 #pragma once
 
+#include <cmath>
 #include <cstring>
+#include <span>
+#include <stdexcept>
 #include <functional>
 #include <memory>
 #include <string>
@@ -83,5 +86,68 @@ std::string error_of(const std::function<void()>& fn) {
   }
   return "(no error)";
 }
+
+
+// How a BombModel's armed stage fails.
+enum class Bomb {
+  kBackward,     // its backward throws
+  kForward,      // its forward throws
+  kInfinities,   // its backward returns a dx of infinities (inf/nan gradients below it)
+};
+
+// Wraps a GptModel layer: when armed, it fails as `how` says.
+class BombLayer : public nn::Layer {
+ public:
+  BombLayer(nn::Layer& inner, std::function<bool()> armed, Bomb how)
+      : inner_(inner), armed_(std::move(armed)), how_(how) {}
+  std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
+  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
+    inner_.bind(p, g);
+  }
+  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
+    if (how_ == Bomb::kForward && armed_()) throw std::runtime_error("bomb: injected failure in forward");
+    return inner_.forward(ctx, x);
+  }
+  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
+    if (how_ == Bomb::kBackward && armed_()) {
+      throw std::runtime_error("bomb: injected failure in backward");
+    }
+    nn::Tensor dx = inner_.backward(ctx, dy);
+    if (how_ == Bomb::kInfinities && armed_()) ctx.kernels().fill(dx, INFINITY);
+    return dx;
+  }
+
+ private:
+  nn::Layer& inner_;
+  std::function<bool()> armed_;
+  Bomb how_;
+};
+
+// The GPT with stage `bomb_stage` wrapped in a BombLayer.
+class BombModel : public Model {
+ public:
+  BombModel(const config::ModelConfig& c, int bomb_stage, std::function<bool()> armed,
+            Bomb how = Bomb::kBackward)
+      : inner_(c) {
+    for (int i = 0; i < inner_.num_stages(); ++i) {
+      layers_.push_back(std::make_unique<BombLayer>(
+          inner_.stage(i), i == bomb_stage ? armed : [] { return false; }, how));
+    }
+  }
+  int num_stages() const override { return inner_.num_stages(); }
+  nn::Layer& stage(int i) override { return *layers_.at(static_cast<size_t>(i)); }
+  std::string stage_name(int i) const override { return inner_.stage_name(i); }
+  bool is_block(int i) const override { return inner_.is_block(i); }
+  const nn::ParamLayout& layout() const override { return inner_.layout(); }
+  void bind(const nn::FlatParams& flat) override { inner_.bind(flat); }
+  std::vector<float> init_values(uint64_t seed) const override { return inner_.init_values(seed); }
+  void set_targets(const nn::Tensor& t) override { inner_.set_targets(t); }
+  void set_loss_scale(float s) override { inner_.set_loss_scale(s); }
+  std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
+
+ private:
+  GptModel inner_;
+  std::vector<std::unique_ptr<BombLayer>> layers_;
+};
 
 }  // namespace porter::engine::testing

@@ -133,9 +133,9 @@ TEST_P(EngineTpEquivalence, GradientsAndTenLossesMatchOneRank) {
 INSTANTIATE_TEST_SUITE_P(Groups, EngineTpEquivalence,
                          ::testing::Values(std::pair{2, false}, std::pair{4, false},
                                            std::pair{2, true}),
-                         [](const auto& info) {
-                           return "t" + std::to_string(info.param.first) +
-                                  (info.param.second ? "_sp" : "");
+                         [](const auto& group) {
+                           return "t" + std::to_string(group.param.first) +
+                                  (group.param.second ? "_sp" : "");
                          });
 
 struct Variant {

@@ -353,47 +353,6 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
   std::filesystem::remove_all(dir);
 }
 
-// Wraps the GPT: when armed, a stage's forward throws on this rank.
-class Bomb : public nn::Layer {
- public:
-  Bomb(nn::Layer& inner, std::function<bool()> armed) : inner_(inner), armed_(std::move(armed)) {}
-  std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
-  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
-    inner_.bind(p, g);
-  }
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
-    if (armed_()) throw std::runtime_error("bomb: injected failure in forward");
-    return inner_.forward(ctx, x);
-  }
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override { return inner_.backward(ctx, dy); }
-
- private:
-  nn::Layer& inner_;
-  std::function<bool()> armed_;
-};
-
-class BombGpt : public Model {
- public:
-  BombGpt(const config::ModelConfig& c, int stage, std::function<bool()> armed) : inner_(c) {
-    for (int i = 0; i < inner_.num_stages(); ++i) {
-      layers_.push_back(std::make_unique<Bomb>(inner_.stage(i), i == stage ? armed : [] { return false; }));
-    }
-  }
-  int num_stages() const override { return inner_.num_stages(); }
-  nn::Layer& stage(int i) override { return *layers_.at(static_cast<size_t>(i)); }
-  std::string stage_name(int i) const override { return inner_.stage_name(i); }
-  bool is_block(int i) const override { return inner_.is_block(i); }
-  const nn::ParamLayout& layout() const override { return inner_.layout(); }
-  void bind(const nn::FlatParams& flat) override { inner_.bind(flat); }
-  std::vector<float> init_values(uint64_t seed) const override { return inner_.init_values(seed); }
-  void set_targets(const nn::Tensor& t) override { inner_.set_targets(t); }
-  void set_loss_scale(float s) override { inner_.set_loss_scale(s); }
-  std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
-
- private:
-  GptModel inner_;
-  std::vector<std::unique_ptr<Bomb>> layers_;
-};
 
 TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout) {
   config::Config c = z3_config(2, 3);
@@ -411,7 +370,7 @@ TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 1; };
-    Engine e(*device, std::make_unique<BombGpt>(c.porter.model, 2, armed), c, dp);
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kForward), c, dp);
     const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     const auto t0 = std::chrono::steady_clock::now();
     try {

@@ -297,55 +297,6 @@ TEST(EngineZeroTest, OneRankStageTwoEqualsStageZero) {
   }
 }
 
-// Wraps a GptModel layer: when armed, its backward throws, or (inf mode) returns a dx of
-// infinities, which the earlier stages turn into inf/nan parameter gradients.
-class BombLayer : public nn::Layer {
- public:
-  BombLayer(nn::Layer& inner, std::function<bool()> armed, bool inf = false)
-      : inner_(inner), armed_(std::move(armed)), inf_(inf) {}
-  std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
-  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
-    inner_.bind(p, g);
-  }
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override { return inner_.forward(ctx, x); }
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
-    if (armed_() && !inf_) throw std::runtime_error("bomb: injected failure in backward");
-    nn::Tensor dx = inner_.backward(ctx, dy);
-    if (armed_() && inf_) ctx.kernels().fill(dx, INFINITY);
-    return dx;
-  }
-
- private:
-  nn::Layer& inner_;
-  std::function<bool()> armed_;
-  bool inf_;
-};
-
-class BombModel : public Model {
- public:
-  BombModel(const config::ModelConfig& c, int bomb_stage, std::function<bool()> armed,
-            bool inf = false)
-      : inner_(c) {
-    for (int i = 0; i < inner_.num_stages(); ++i) {
-      layers_.push_back(std::make_unique<BombLayer>(
-          inner_.stage(i), i == bomb_stage ? armed : [] { return false; }, inf));
-    }
-  }
-  int num_stages() const override { return inner_.num_stages(); }
-  nn::Layer& stage(int i) override { return *layers_.at(static_cast<size_t>(i)); }
-  std::string stage_name(int i) const override { return inner_.stage_name(i); }
-  bool is_block(int i) const override { return inner_.is_block(i); }
-  const nn::ParamLayout& layout() const override { return inner_.layout(); }
-  void bind(const nn::FlatParams& flat) override { inner_.bind(flat); }
-  std::vector<float> init_values(uint64_t seed) const override { return inner_.init_values(seed); }
-  void set_targets(const nn::Tensor& t) override { inner_.set_targets(t); }
-  void set_loss_scale(float s) override { inner_.set_loss_scale(s); }
-  std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
-
- private:
-  GptModel inner_;
-  std::vector<std::unique_ptr<BombLayer>> layers_;
-};
 
 TEST(EngineZeroTest, ARankThatThrowsMidStepFailsThePeersWithinTheTimeout) {
   config::Config c = zero_config(2, 2);
@@ -394,7 +345,7 @@ TEST(EngineZeroTest, Fp16OverflowOnOneRankSkipsTheStepOnAll) {
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 3; };
-    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, true), c, dp);
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kInfinities), c, dp);
     const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     std::vector<float> before;
     for (step = 0; step < 6; ++step) {

@@ -244,10 +244,10 @@ TEST_P(GptTpEquivalenceTest, RecomputeIsBitIdenticalAtFixedT) {
 INSTANTIATE_TEST_SUITE_P(Groups, GptTpEquivalenceTest,
                          ::testing::Values(TpCase{2, false, true}, TpCase{4, false, true},
                                            TpCase{2, true, true}, TpCase{4, true, false}),
-                         [](const auto& info) {
-                           return "t" + std::to_string(info.param.t) +
-                                  (info.param.sp ? "_sp" : "") +
-                                  (info.param.tied ? "_tied" : "_untied");
+                         [](const auto& group) {
+                           return "t" + std::to_string(group.param.t) +
+                                  (group.param.sp ? "_sp" : "") +
+                                  (group.param.tied ? "_tied" : "_untied");
                          });
 
 }  // namespace
