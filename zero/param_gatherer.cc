@@ -84,16 +84,17 @@ void ParamGatherer::gather(int u) {
   const ParamUnit& un = units_[static_cast<size_t>(u)];
   UnitState& st = state_[static_cast<size_t>(u)];
   if (st.buffer.defined()) throw InternalError("stage 3: unit '" + un.name + "' gathered twice");
+  if (!un.persistent && live_elems_ + un.elems() > max_live_elems_) {
+    throw InternalError("stage 3: gathering '" + un.name + "' makes " +
+                        std::to_string(live_elems_ + un.elems()) +
+                        " live parameter elements, over zero_optimization.stage3_max_live_parameters = " +
+                        std::to_string(max_live_elems_));
+  }
   nn::Tensor buffer = nn::Tensor::empty(*allocator_, nn::Shape{un.elems()}, flat_->param_dtype(),
                                         memory::Category::kParams);
   if (!un.persistent) {
     live_elems_ += un.elems();
     live_bytes_ += buffer.nbytes();
-    if (live_elems_ > max_live_elems_) {
-      throw InternalError("stage 3: gathering '" + un.name + "' makes " + std::to_string(live_elems_) +
-                          " live parameter elements, over zero_optimization.stage3_max_live_parameters = " +
-                          std::to_string(max_live_elems_));
-    }
     stats_.peak_live_elems = std::max(stats_.peak_live_elems, live_elems_);
     stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, live_bytes_);
   }
