@@ -191,7 +191,7 @@ TEST(EngineZero3Test, BitwiseEqualToStageTwoAtFourRanks) {
 TEST(EngineZero3Test, RanksAgreeOnTheOptimalPlanAndMatchStageTwo) {
   config::Config c = z3_config(2, 2);
   c.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
-  c.porter.checkpointing.memory_budget = config::MemoryBudget{0.5};
+  c.porter.checkpointing.memory_budget = config::MemoryBudget{0.8};
   const std::vector<RankRun> two = run_ranks(c, 2);
   c.zero_optimization.stage = 3;
   const std::vector<RankRun> three = run_ranks(c, 2);
