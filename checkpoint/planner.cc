@@ -626,6 +626,8 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
           throw InvalidArgument(std::string(kBudgetKey) + ": " + format_bytes(budget) +
                                 " is below the minimum feasible activation peak of " +
                                 format_bytes(minimum.prediction.peak_budget_bytes) +
+                                (costs.params.enabled ? " (with ZeRO stage 3's gathered parameters)"
+                                                      : "") +
                                 " for this model and micro-batch (policy \"optimal\")");
         }
         best = &minimum;

@@ -201,25 +201,45 @@ void Engine::plan_from_costs() {
     for (const checkpoint::StageCost& st : im.costs.stages) bytes = std::max(bytes, st.input_bytes);
     im.link_bytes_per_s =
         offload::measure_link_bytes_per_s(*allocator_, *im.pinned, *im.stash, bytes);
+    im.link_bytes_per_s = agree_bandwidth(im.link_bytes_per_s, "link probe");
   }
   options.offload.link_bytes_per_s = im.link_bytes_per_s;
   if (options.partition.ways > 1 && options.partition.tp_bytes_per_s == 0.0) {
     size_t bytes = 0;
     for (const checkpoint::StageCost& st : im.costs.stages) bytes = std::max(bytes, st.input_bytes);
-    options.partition.tp_bytes_per_s = measure_tp_bytes_per_s(bytes);
+    options.partition.tp_bytes_per_s =
+        agree_bandwidth(measure_tp_bytes_per_s(bytes), "link probe");
   }
   im.tp_bytes_per_s = options.partition.tp_bytes_per_s;
   set_plan(checkpoint::make_plan(options, im.costs));
 }
 
-// Note [Agreed costs]: the ranks of a tp group must run the same schedule (their layers'
-// collectives pair up op by op), but profiled times differ from rank to rank. Every time is
-// replaced by its maximum over the group, so every rank plans from the same costs. Bytes
-// are exact and equal on every rank already.
+// Note [Agreed costs]: every rank of the world must run the same schedule: the ranks of a
+// tp group because their layers' collectives pair up op by op, and at ZeRO stage 3 the ranks
+// of a dp group because their parameter gathers do (Note [Gather plan]). Profiled times and
+// measured bandwidths differ from rank to rank, so every time is replaced by its maximum and
+// every bandwidth by its minimum over the world (all-reduced over the tp group, then over the
+// dp group) before planning; the plan is a function of the costs, so every rank gets the same
+// one. Bytes are exact and equal on every rank already.
+void Engine::agree_max(std::vector<double>& values, const char* label) {
+  Impl& im = *impl_;
+  for (comm::Communicator* c : {im.tp_comm(), im.comm()}) {
+    if (c == nullptr || values.empty()) continue;
+    const comm::CommLabel l(c, label);
+    c->all_reduce(values.data(), values.size(), comm::ElemType::kF64, comm::ReduceOp::kMax).wait();
+  }
+}
+
+double Engine::agree_bandwidth(double bytes_per_s, const char* label) {
+  // The slowest rank's: the maximum of seconds per byte (0 stays unknown only if every rank's is).
+  std::vector<double> v{bytes_per_s > 0.0 ? 1.0 / bytes_per_s : 0.0};
+  agree_max(v, label);
+  return v[0] > 0.0 ? 1.0 / v[0] : 0.0;
+}
+
 void Engine::agree_on_costs() {
   Impl& im = *impl_;
-  comm::Communicator* tp = im.tp_comm();
-  if (tp == nullptr) return;
+  if (im.tp_comm() == nullptr && im.comm() == nullptr) return;
   std::vector<double> times;
   for (const checkpoint::StageCost& st : im.costs.stages) {
     times.push_back(st.backward_s);
@@ -228,8 +248,7 @@ void Engine::agree_on_costs() {
       times.push_back(o.recompute_s);
     }
   }
-  const comm::CommLabel label(tp, "profile");
-  tp->all_reduce(times.data(), times.size(), comm::ElemType::kF64, comm::ReduceOp::kMax).wait();
+  agree_max(times, "profile");
   size_t i = 0;
   for (checkpoint::StageCost& st : im.costs.stages) {
     st.backward_s = times[i++];

@@ -267,6 +267,9 @@ class Engine {
   void build_model_states();
   void plan_from_costs();
   void agree_on_costs();
+  // Note [Agreed costs]: `values` <- their maximum over the world; a bandwidth's minimum.
+  void agree_max(std::vector<double>& values, const char* label);
+  double agree_bandwidth(double bytes_per_s, const char* label);
   double measure_tp_bytes_per_s(size_t bytes);
   // The phases of train_step (Note [One engine step]).
   void begin_step();

@@ -186,6 +186,20 @@ TEST(EngineZero3Test, BitwiseEqualToStageTwoAtFourRanks) {
   }
 }
 
+// Optimal plans from profiled times, which differ from rank to rank: the ranks agree on the
+// costs (Note [Agreed costs]), so they run one schedule and their gathers pair up.
+TEST(EngineZero3Test, RanksAgreeOnTheOptimalPlanAndMatchStageTwo) {
+  config::Config c = z3_config(2, 2);
+  c.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
+  c.porter.checkpointing.memory_budget = config::MemoryBudget{0.8};
+  const std::vector<RankRun> two = run_ranks(c, 2);
+  c.zero_optimization.stage = 3;
+  const std::vector<RankRun> three = run_ranks(c, 2);
+  EXPECT_EQ(three[0].plan, three[1].plan);
+  EXPECT_EQ(two[0].plan, two[1].plan);
+  expect_bitwise(three, two, "optimal");
+}
+
 TEST(EngineZero3Test, ParamsAreTheShardPlusTheLiveGatheredBuffersAsPredicted) {
   for (int policy = 0; policy < 3; ++policy) {
     config::Config c = z3_config(2, 3);
