@@ -129,8 +129,8 @@ void Engine::build_model_states() {
   im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, run_.compute_dtype,
                                              nn::DType::kF32, im.part.padded_elems,
                                              zero_stage < 2, zero_stage < 3);
-  im.optimizer = std::make_unique<zero::ShardedOptimizer>(*im.flat, *kernels_, *allocator_,
-                                                          im.comm(), im.part, run_.optimizer);
+  im.optimizer = std::make_unique<zero::ShardedOptimizer>(
+      *im.flat, *kernels_, *allocator_, im.comm(), im.part, run_.optimizer, im.pinned.get());
   if (im.tp_comm() != nullptr) {
     // The replicated parameters' element ranges, adjacent ones merged (the alignment padding
     // between them holds zero gradients).
@@ -357,6 +357,7 @@ void Engine::begin_step() {
   (void)im.stash->take_copies();
   (void)im.stash->take_waits();
   (void)im.optimizer->take_exposed_s();
+  (void)im.optimizer->take_offload_stats();
   if (im.gatherer) (void)im.gatherer->take_stats();
   if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
   if (comm::Communicator* tp = im.tp_comm()) {
@@ -508,6 +509,19 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   z.reduce_hidden_fraction = hidden_fraction(reduced.reduce_busy_s, reduced.reduce_exposed_s);
   z.loss_scale = im.optimizer->loss_scale();
   z.skipped_steps = r.skipped ? 1 : 0;
+  if (im.optimizer->offloaded()) {
+    const zero::OffloadStats o = im.optimizer->take_offload_stats();
+    z.offload_d2h_bytes = o.d2h_bytes;
+    z.offload_h2d_bytes = o.h2d_bytes;
+    z.offload_cpu_update_s = o.cpu_update_s;
+    z.offload_exposed_s = o.exposed_s;
+    ZeroStats& ot = im.zero_total;
+    ot.offload_d2h_bytes += o.d2h_bytes;
+    ot.offload_h2d_bytes += o.h2d_bytes;
+    ot.offload_cpu_update_s += o.cpu_update_s;
+    ot.offload_exposed_s += o.exposed_s;
+  }
+  z.offload_host_bytes = im.optimizer->host_bytes();
   if (im.gatherer) {
     const zero::GatherStats g = im.gatherer->take_stats();
     set_gather_stats(z, g, im.plan.prediction.params);
@@ -727,6 +741,7 @@ ZeroStats Engine::zero_stats() const {
   z.reduce_hidden_fraction = hidden_fraction(im.reduce_busy_total_s, im.reduce_exposed_total_s);
   z.loss_scale = im.optimizer->loss_scale();
   set_gather_stats(z, im.gather_total, im.plan.prediction.params);
+  z.offload_host_bytes = im.optimizer->host_bytes();
   return z;
 }
 

@@ -85,6 +85,12 @@ struct ZeroStats {
   int64_t predicted_peak_live_elems = 0;
   size_t predicted_gathered_bytes = 0;
   size_t persistent_bytes = 0;
+  // Optimizer offload (Note [Optimizer offload] in zero/sharded_optimizer.h); zero without.
+  uint64_t offload_d2h_bytes = 0;    // gradients to the host
+  uint64_t offload_h2d_bytes = 0;    // working copies back
+  double offload_cpu_update_s = 0.0; // the host AdamW
+  double offload_exposed_s = 0.0;    // copies + host update, which the step waited for
+  size_t offload_host_bytes = 0;     // host memory of the offloaded state (pinned with pin_memory)
 };
 
 // Tensor-parallel figures of one step, or cumulative (Engine::tp_stats();

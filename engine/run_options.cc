@@ -82,6 +82,11 @@ RunOptions make_run_options(const config::Config& config) {
   r.optimizer.adamw = config.optimizer.value_or(config::OptimizerConfig{});
   r.optimizer.gradient_clipping = config.gradient_clipping;
   r.optimizer.fp16 = config.fp16;
+  // Note [Optimizer offload] ("nvme" reads as "cpu"); the host update uses porter.device.threads
+  // threads (0: every core).
+  r.optimizer.offload.enabled = z.offload_optimizer.device != config::OffloadDevice::kNone;
+  r.optimizer.offload.pin_memory = z.offload_optimizer.pin_memory;
+  r.optimizer.offload.threads = static_cast<int>(p.device.threads);
 
   r.batch_bytes = 2 * static_cast<size_t>(config.train_micro_batch_size_per_gpu) *
                   static_cast<size_t>(p.model.seq_len) * sizeof(int32_t);
@@ -106,12 +111,6 @@ void check_supported(const config::Config& c, int dp_size, int tp_size) {
         ": parse the config with the launch's world size and pass the dp group of that world");
   }
   const auto offloaded = [](config::OffloadDevice d) { return d != config::OffloadDevice::kNone; };
-  if (offloaded(z.offload_optimizer.device)) {
-    throw InvalidArgument(
-        "zero_optimization.offload_optimizer.device: optimizer offload is not supported yet; "
-        "set it to \"none\" (ZeRO stage 2 partitions the optimizer state across the ranks; "
-        "activation_checkpointing.cpu_checkpointing offloads checkpoints)");
-  }
   if (offloaded(z.offload_param.device)) {
     throw InvalidArgument(
         "zero_optimization.offload_param.device: parameter offload is not supported yet; set "
@@ -225,7 +224,11 @@ nlohmann::ordered_json RunOptions::to_json() const {
                      {{"enabled", f.enabled}, {"loss_scale", f.loss_scale},
                       {"initial_scale_power", f.initial_scale_power},
                       {"loss_scale_window", f.loss_scale_window},
-                      {"hysteresis", f.hysteresis}, {"min_loss_scale", f.min_loss_scale}}}};
+                      {"hysteresis", f.hysteresis}, {"min_loss_scale", f.min_loss_scale}}},
+                    {"offload",
+                     {{"enabled", optimizer.offload.enabled},
+                      {"pin_memory", optimizer.offload.pin_memory},
+                      {"threads", optimizer.offload.threads}}}};
   j["batch_bytes"] = batch_bytes;
   j["seed"] = seed;
   return j;

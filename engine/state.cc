@@ -206,6 +206,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
     const StateSection& s = state.section(t.name);
     if (!s.bytes.empty()) device_->copy_sync(t.tensor.data(), s.bytes.data(), s.bytes.size());
   }
+  im.optimizer->state_loaded();
   if (im.gatherer) im.gatherer->refresh_persistent();  // a collective at stage 3
   step_ = step;
   im.optimizer->set_steps(optimizer_steps);

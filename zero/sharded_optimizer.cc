@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "base/check.h"
+#include "base/error.h"
 #include "nn/ctx.h"
+#include "zero/cpu_adam.h"
 
 namespace porter::zero {
 
@@ -23,9 +26,48 @@ nn::Tensor zeros_f32(nn::Kernels& kernels, memory::CachingAllocator& allocator, 
 
 }  // namespace
 
+// Note [Optimizer offload]: the host arrays of the rank's range.
+struct ShardedOptimizer::Host {
+  struct Array {
+    memory::PinnedBuffer pinned;              // pin_memory
+    std::unique_ptr<std::byte[]> pageable;    // otherwise
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  Array master, exp_avg, exp_avg_sq, grad, out;
+  std::unique_ptr<CpuAdam> adam;
+  static Array make(memory::PinnedPool* pinned, size_t bytes, const char* what) {
+    Array a;
+    a.bytes = bytes;
+    if (bytes == 0) return a;
+    if (pinned != nullptr) {
+      try {
+        a.pinned = pinned->allocate(bytes);
+      } catch (const OutOfMemoryError& e) {
+        throw OutOfMemoryError(std::string("zero_optimization.offload_optimizer: the host ") + what +
+                               " (" + std::to_string(bytes) + " bytes) does not fit in pinned memory: " +
+                               e.what() + " (raise porter.device.pinned_limit, or set "
+                               "offload_optimizer.pin_memory to false)",
+                               e.requested_bytes());
+      }
+      a.data = a.pinned.data();
+    } else {
+      a.pageable = std::make_unique<std::byte[]>(bytes);
+      a.data = a.pageable.get();
+    }
+    return a;
+  }
+  size_t bytes() const {
+    return master.bytes + exp_avg.bytes + exp_avg_sq.bytes + grad.bytes + out.bytes;
+  }
+};
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
 ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
                                    memory::CachingAllocator& allocator, comm::Communicator* dp,
-                                   const Partition& part, const OptimizerOptions& options)
+                                   const Partition& part, const OptimizerOptions& options,
+                                   memory::PinnedPool* pinned)
     : flat_(&flat),
       kernels_(&kernels),
       allocator_(&allocator),
@@ -46,12 +88,56 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
                  ? nn::Tensor::empty(allocator, nn::Shape{n}, flat.param_dtype(),
                                      memory::Category::kParams)
                  : flat.params().slice(begin_, end_);
+  if (options.offload.enabled) {
+    PORTER_CHECK(!options.offload.pin_memory || pinned != nullptr,
+                 "ShardedOptimizer: optimizer offload with pin_memory needs the pinned pool");
+    memory::PinnedPool* pool = options.offload.pin_memory ? pinned : nullptr;
+    const size_t f32 = static_cast<size_t>(n) * sizeof(float);
+    host_ = std::make_unique<Host>();
+    host_->master = Host::make(pool, f32, "master weights");
+    host_->exp_avg = Host::make(pool, f32, "AdamW exp_avg");
+    host_->exp_avg_sq = Host::make(pool, f32, "AdamW exp_avg_sq");
+    host_->grad = Host::make(pool, f32, "gradient shard");
+    host_->out = Host::make(pool, static_cast<size_t>(n) * nn::dtype_size(flat.param_dtype()),
+                            "working copy");
+    if (f32 > 0) {
+      std::memset(host_->exp_avg.data, 0, f32);
+      std::memset(host_->exp_avg_sq.data, 0, f32);
+    }
+    CpuAdamOptions ao;
+    ao.threads = options.offload.threads;
+    host_->adam = std::make_unique<CpuAdam>(ao);
+    // Checkpoints see the host arrays as tensors (the device copies them like any buffer).
+    if (flat.param_dtype() != nn::DType::kF32) {
+      master_ = nn::Tensor::from_blob(host_->master.data, nn::Shape{n}, nn::DType::kF32,
+                                      memory::Category::kOptimizer);
+    }
+    exp_avg_ = nn::Tensor::from_blob(host_->exp_avg.data, nn::Shape{n}, nn::DType::kF32,
+                                     memory::Category::kOptimizer);
+    exp_avg_sq_ = nn::Tensor::from_blob(host_->exp_avg_sq.data, nn::Shape{n}, nn::DType::kF32,
+                                        memory::Category::kOptimizer);
+    return;
+  }
   if (flat.param_dtype() != nn::DType::kF32) {
     master_ = nn::Tensor::empty(allocator, nn::Shape{n}, nn::DType::kF32,
                                 memory::Category::kOptimizer);
   }
   exp_avg_ = zeros_f32(kernels, allocator, n);
   exp_avg_sq_ = zeros_f32(kernels, allocator, n);
+}
+
+size_t ShardedOptimizer::host_bytes() const { return host_ ? host_->bytes() : 0; }
+
+OffloadStats ShardedOptimizer::take_offload_stats() {
+  const OffloadStats s = offload_stats_;
+  offload_stats_ = OffloadStats{};
+  return s;
+}
+
+void ShardedOptimizer::state_loaded() {
+  if (!host_ || has_master() || working_.numel() == 0) return;
+  // f32 compute: the checkpoint's params are the master weights.
+  allocator_->device().copy_sync(host_->master.data, working_.data(), host_->master.bytes);
 }
 
 void ShardedOptimizer::wait(comm::Work work) {
@@ -135,8 +221,34 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   args.step = steps_ + 1;
   args.grad_scale = static_cast<float>(norm.clip_coef / scaler_.scale());
   nn::Tensor params = working_;
-  nn::Tensor target = has_master() ? master_ : params;
-  kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
+  if (host_) {
+    // Note [Optimizer offload]: gradients down, AdamW on the host, the working copy up.
+    const auto t0 = Clock::now();
+    memory::Device& device = allocator_->device();
+    PORTER_CHECK_EQ(static_cast<size_t>(grads.nbytes()), host_->grad.bytes,
+                    "ShardedOptimizer: the gradient shard is not f32 over the range");
+    if (host_->grad.bytes > 0) device.copy_sync(host_->grad.data, grads.data(), host_->grad.bytes);
+    const auto t1 = Clock::now();
+    CpuAdamArrays a;
+    a.params = static_cast<float*>(host_->master.data);
+    a.exp_avg = static_cast<float*>(host_->exp_avg.data);
+    a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data);
+    a.grad = host_->grad.data;
+    a.grad_dtype = nn::DType::kF32;
+    a.out = host_->out.data;
+    a.out_dtype = params.dtype();
+    a.elems = end_ - begin_;
+    host_->adam->update(a, args);
+    const auto t2 = Clock::now();
+    if (host_->out.bytes > 0) device.copy_sync(params.data(), host_->out.data, host_->out.bytes);
+    offload_stats_.d2h_bytes += host_->grad.bytes;
+    offload_stats_.h2d_bytes += host_->out.bytes;
+    offload_stats_.cpu_update_s += std::chrono::duration<double>(t2 - t1).count();
+    offload_stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  } else {
+    nn::Tensor target = has_master() ? master_ : params;
+    kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
+  }
   // Stage 3 gathers each stage's parameters when they are next needed (zero/param_gatherer.h).
   if (dp_ != nullptr && options_.zero_stage >= 1 && options_.zero_stage <= 2) {
     const nn::Tensor& all = flat_->params();
@@ -162,7 +274,11 @@ void ShardedOptimizer::set_params(const std::vector<float>& padded) {
     nn::Tensor params = flat_->params();
     nn::from_host_f32(device, padded, params);
   }
-  if (has_master()) nn::from_host_f32(device, mine, master_);
+  if (host_) {
+    if (!mine.empty()) std::memcpy(host_->master.data, mine.data(), host_->master.bytes);
+  } else if (has_master()) {
+    nn::from_host_f32(device, mine, master_);
+  }
 }
 
 std::vector<ShardedOptimizer::StateTensor> ShardedOptimizer::state_tensors() const {

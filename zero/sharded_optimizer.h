@@ -29,12 +29,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "memory/caching_allocator.h"
+#include "memory/pinned_pool.h"
 #include "nn/kernels.h"
 #include "nn/layer.h"
 #include "zero/loss_scaler.h"
@@ -42,11 +44,44 @@
 
 namespace porter::zero {
 
+// Note [Optimizer offload]
+// zero_optimization.offload_optimizer.device "cpu" (ZeRO-Offload; "nvme" reads as "cpu"):
+// the f32 master weights and both AdamW moments of the rank's range live in host memory,
+// pinned (in the engine's pinned pool, within porter.device.pinned_limit) when pin_memory is
+// on, pageable otherwise, and none of it on the device; so does a host copy of the range's
+// gradients and of its updated working copy. update() then
+//   1. copies the reduced gradient shard to the host (D2H),
+//   2. runs AdamW there (zero::CpuAdam, bit-identical to the device kernel: Note [CpuAdam bit
+//      identity]) on the host threads, writing the working copy in the compute dtype,
+//   3. copies the working copy back into the device's range (H2D), and all-gathers it as
+//      without offload (stages 1 and 2).
+// The global norm (clipping, fp16 overflow) is computed on the device before, as without
+// offload, so the update waits for it: nothing is speculative and nothing is rolled back.
+// The copies and the host update run after backward, on the step's critical path (exposed:
+// OffloadStats). A run with the optimizer offloaded is bitwise one without. With f32
+// compute the host master equals the working copy, which is what a checkpoint stores, so
+// checkpoints are the same with and without offload.
+struct OptimizerOffloadOptions {
+  bool enabled = false;
+  bool pin_memory = true;   // offload_optimizer.pin_memory
+  int threads = 0;          // host threads of the update (CpuAdam); 0: every core
+  bool operator==(const OptimizerOffloadOptions&) const = default;
+};
+
+// The offloaded optimizer's traffic and host time since the last take_offload_stats().
+struct OffloadStats {
+  uint64_t d2h_bytes = 0;     // gradients to the host
+  uint64_t h2d_bytes = 0;     // working copies back
+  double cpu_update_s = 0.0;  // the host AdamW
+  double exposed_s = 0.0;     // copies + host update: the time the step waited for them
+};
+
 struct OptimizerOptions {
   int zero_stage = 0;                  // zero_optimization.stage: 0..3
   config::OptimizerConfig adamw;       // lr (the schedule's base), betas, eps, weight_decay
   double gradient_clipping = 0.0;      // 0: off
   config::Fp16Config fp16;             // loss scaling when enabled
+  OptimizerOffloadOptions offload;     // Note [Optimizer offload]
   bool operator==(const OptimizerOptions&) const = default;
 };
 
@@ -61,9 +96,13 @@ class ShardedOptimizer {
  public:
   // `flat` holds the working parameters over part.padded_elems; `dp` may be null (one rank).
   // The moments start at zero; the master copy is loaded by set_params.
+  // With options.offload.enabled and pin_memory, `pinned` (not owned) holds the host state;
+  // a shortfall there throws OutOfMemoryError naming porter.device.pinned_limit.
   ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
                    memory::CachingAllocator& allocator, comm::Communicator* dp,
-                   const Partition& part, const OptimizerOptions& options);
+                   const Partition& part, const OptimizerOptions& options,
+                   memory::PinnedPool* pinned = nullptr);
+  ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
@@ -71,6 +110,14 @@ class ShardedOptimizer {
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
   bool has_master() const { return master_.defined(); }
+  bool offloaded() const { return host_ != nullptr; }
+  // Host bytes the offloaded state holds (0 without offload), and its traffic since the last
+  // call (Note [Optimizer offload]).
+  size_t host_bytes() const;
+  OffloadStats take_offload_stats();
+  // After load_checkpoint wrote state_tensors(): with f32 compute and offload the host master
+  // is the working copy again.
+  void state_loaded();
   // The working parameters of the range: a view of the flat buffer at stages 0-2, the rank's
   // own shard (category params) at stage 3, from which zero/param_gatherer.h gathers.
   const nn::Tensor& working() const { return working_; }
@@ -123,6 +170,9 @@ class ShardedOptimizer {
   Partition part_;
   OptimizerOptions options_;
   int64_t begin_ = 0, end_ = 0;
+  struct Host;                  // Note [Optimizer offload]; null without offload
+  std::unique_ptr<Host> host_;
+  OffloadStats offload_stats_;
   nn::Tensor working_;     // (end - begin) in the compute dtype; see working()
   nn::Tensor master_;      // (end - begin) f32; undefined for f32 compute
   nn::Tensor exp_avg_;     // (end - begin) f32
