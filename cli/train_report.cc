@@ -103,6 +103,16 @@ ordered_json zero_json(engine::Engine& engine) {
       {"predicted_peak_live_elems", z.predicted_peak_live_elems},
       {"predicted_gathered_bytes", z.predicted_gathered_bytes},
       {"persistent_bytes", z.persistent_bytes},
+      // Optimizer offload (Note [Optimizer offload] in zero/sharded_optimizer.h); null without.
+      {"offload_optimizer",
+       z.offload_host_bytes > 0
+           ? ordered_json{{"d2h_bytes", z.offload_d2h_bytes},
+                          {"h2d_bytes", z.offload_h2d_bytes},
+                          {"cpu_update_s", z.offload_cpu_update_s},
+                          {"exposed_s", z.offload_exposed_s},
+                          {"host_bytes", z.offload_host_bytes},
+                          {"pin_memory", engine.run_options().optimizer.offload.pin_memory}}
+           : ordered_json()},
   };
 }
 
@@ -358,6 +368,15 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
           << (z.skipped_steps == 1 ? "" : "s");
     }
     out << " (rank 0's)\n";
+    if (z.offload_host_bytes > 0) {
+      out << "  optimizer offload: " << format_bytes(z.offload_host_bytes) << " on the host ("
+          << (engine.run_options().optimizer.offload.pin_memory ? "pinned" : "pageable")
+          << "); " << format_bytes(static_cast<uint64_t>(static_cast<double>(z.offload_d2h_bytes) / n))
+          << " of gradients down and "
+          << format_bytes(static_cast<uint64_t>(static_cast<double>(z.offload_h2d_bytes) / n))
+          << " of parameters up per step; host AdamW " << format_seconds(z.offload_cpu_update_s / n)
+          << ", " << format_seconds(z.offload_exposed_s / n) << " exposed per step\n";
+    }
     if (z.zero_stage == 3) {
       std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * z.gather_hidden_fraction);
       out << "  parameter gathers: "

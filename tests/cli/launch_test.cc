@@ -520,12 +520,12 @@ namespace {
 // model file beside it (--config ds.json --config model.json), through porter launch at the
 // world size its batch numbers imply (2: the model file sets the micro-batch to half of
 // train_batch_size / gradient_accumulation_steps). Those that ask for optimizer or parameter
-// offload are refused, naming the key.
+// parameter offload are refused, naming the key; optimizer offload trains (host AdamW).
 TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
   const fs::path dir = fs::temp_directory_path() / "porter_cli_published_configs";
   fs::remove_all(dir);
   fs::create_directories(dir);
-  int trained = 0, stage3 = 0;
+  int trained = 0, stage3 = 0, offloading = 0;
   for (const fs::directory_entry& f : fs::directory_iterator(PORTER_REALWORLD_CONFIG_DIR)) {
     if (f.path().extension() != ".json") continue;
     std::ifstream in(f.path());
@@ -534,8 +534,8 @@ TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
     auto offloaded = [&](const char* key) {
       return z.contains(key) && z[key].value("device", std::string("none")) != "none";
     };
-    const bool offload = z.value("cpu_offload", false) || offloaded("offload_optimizer") ||
-                         offloaded("offload_param");
+    const bool offload = offloaded("offload_param");
+    const bool optimizer_offload = z.value("cpu_offload", false) || offloaded("offload_optimizer");
     const std::string name = f.path().filename().string();
     const fs::path model = dir / ("model-" + name);
     nlohmann::json m = {
@@ -559,19 +559,24 @@ TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
     ASSERT_TRUE(WIFEXITED(run.status)) << name << "\n" << run.output;
     if (offload) {
       EXPECT_NE(WEXITSTATUS(run.status), 0) << name;
-      EXPECT_TRUE(contains(run.output, "offload")) << name << "\n" << run.output;
+      EXPECT_TRUE(contains(run.output, "zero_optimization.offload_param")) << name << "\n" << run.output;
       continue;
     }
     EXPECT_EQ(WEXITSTATUS(run.status), 0) << name << "\n" << run.output;
     EXPECT_TRUE(contains(run.output, "[rank 0] step 3/3")) << name << "\n" << run.output;
     ++trained;
+    if (optimizer_offload) {
+      ++offloading;
+      EXPECT_TRUE(contains(run.output, "optimizer offload: ")) << name << "\n" << run.output;
+    }
     if (z.value("stage", 0) == 3) {
       ++stage3;
       EXPECT_TRUE(contains(run.output, "[rank 0] zero: stage 3 over 2 ranks")) << run.output;
       EXPECT_TRUE(contains(run.output, "parameter gathers: ")) << run.output;
     }
   }
-  EXPECT_GE(trained, 2);  // Megatron's ZeRO-2 and ZeRO-3 configs
+  EXPECT_GE(trained, 4);  // Megatron's ZeRO-2, ZeRO-3 and ZeRO-Offload, DeepSpeed's bs8 offload
+  EXPECT_GE(offloading, 2);
   EXPECT_GE(stage3, 1);
   fs::remove_all(dir);
 }

@@ -163,8 +163,9 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
     }
   };
   config::Config c = tiny_config();
-  c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
-  expect_refused(c, "zero_optimization.offload_optimizer");
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = config::OffloadDevice::kCpu;
+  expect_refused(c, "zero_optimization.offload_param");
   c = tiny_config();
   c.world_size = 2;
   expect_refused(c, "world_size 2");

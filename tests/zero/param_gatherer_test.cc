@@ -109,8 +109,11 @@ TEST(ParamGatherer, GathersEveryUnitFromItsOwnersAtTwoAndThreeRanks) {
       EXPECT_EQ(s.peak_live_elems, 384);
       EXPECT_EQ(s.peak_live_bytes, 384u * 4);
       // Received: everything but this rank's part of the 384 elements.
-      if (ws == 1) EXPECT_EQ(s.gathered_bytes, 0u);
-      if (ws > 1) EXPECT_GT(s.gathered_bytes, 0u);
+      if (ws == 1) {
+        EXPECT_EQ(s.gathered_bytes, 0u);
+      } else {
+        EXPECT_GT(s.gathered_bytes, 0u);
+      }
     });
   }
 }

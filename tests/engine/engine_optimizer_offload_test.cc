@@ -1,0 +1,196 @@
+// Optimizer offload through the Engine (Note [Optimizer offload] in zero/sharded_optimizer.h):
+// the master weights and moments live in host memory and AdamW runs there (zero::CpuAdam,
+// bitwise the device kernel), so a run with the optimizer offloaded is bitwise one without,
+// at every stage that partitions the optimizer, and the device holds no optimizer bytes.
+#include <filesystem>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "comm/communicator.h"
+#include "engine_test_util.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+
+config::Config off_config(int world_size, int stage, bool offload, int64_t gas = 1) {
+  config::Config c;
+  c.world_size = world_size;
+  c.train_micro_batch_size_per_gpu = 2;
+  c.gradient_accumulation_steps = gas;
+  c.train_batch_size = 2 * gas * world_size;
+  c.gradient_clipping = 1.0;
+  config::OptimizerConfig opt;
+  opt.lr = 3e-3;
+  opt.weight_decay = 0.01;
+  c.optimizer = opt;
+  c.porter.model.layers = 2;
+  c.porter.model.hidden = 64;
+  c.porter.model.heads = 2;
+  c.porter.model.seq_len = 16;
+  c.porter.model.vocab = 256;
+  c.porter.model.dropout = 0.1;
+  c.porter.train.seed = 5;
+  c.porter.comm.timeout_s = 20.0;
+  c.porter.device.threads = 1;
+  c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
+  c.zero_optimization.stage = stage;
+  c.zero_optimization.reduce_bucket_size_elems = 20000;
+  c.zero_optimization.overlap_comm = true;
+  c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
+  c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
+  if (offload) c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
+  return c;
+}
+
+struct RankRun {
+  std::vector<double> losses;
+  std::vector<float> params;
+  ZeroStats total;
+  size_t optimizer_bytes = 0;  // device, after the steps
+  size_t pinned_bytes = 0;     // the pinned pool's in-use bytes after the steps
+};
+
+std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
+  const int ws = static_cast<int>(c.world_size);
+  std::vector<RankRun> runs(static_cast<size_t>(ws));
+  auto body = [&](int rank, std::shared_ptr<comm::Communicator> dp) {
+    auto device = cpu_device();
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    RankRun& run = runs[static_cast<size_t>(rank)];
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.losses.push_back(
+          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
+    }
+    run.params = e.params_host();
+    run.total = e.zero_stats();
+    run.optimizer_bytes =
+        e.memory_report().current_by_category[static_cast<size_t>(memory::Category::kOptimizer)];
+    run.pinned_bytes = e.pinned_pool().stats().in_use_bytes;
+  };
+  if (ws == 1) {
+    body(0, nullptr);
+    return runs;
+  }
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    body(rank, comm::make_communicator(*device, store, rank, ws, o));
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  return runs;
+}
+
+void expect_bitwise(const std::vector<RankRun>& a, const std::vector<RankRun>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t r = 0; r < a.size(); ++r) {
+    EXPECT_EQ(a[r].losses, b[r].losses) << what << ": rank " << r;
+    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r;
+  }
+}
+
+TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision) {
+  struct Case {
+    int ws, stage;
+    int64_t gas;
+    const char* precision;
+  };
+  for (const Case& k : {Case{1, 1, 1, "f32"}, Case{2, 1, 1, "f32"}, Case{2, 2, 2, "f32"},
+                        Case{2, 3, 1, "f32"}, Case{2, 2, 1, "bf16"}, Case{2, 3, 2, "bf16"},
+                        Case{2, 2, 1, "fp16"}, Case{1, 2, 2, "bf16"}}) {
+    const std::string what = "ws " + std::to_string(k.ws) + " stage " + std::to_string(k.stage) +
+                             " gas " + std::to_string(k.gas) + " " + k.precision;
+    config::Config c = off_config(k.ws, k.stage, false, k.gas);
+    if (std::string(k.precision) == "bf16") c.bf16.enabled = true;
+    if (std::string(k.precision) == "fp16") {
+      c.fp16.enabled = true;
+      c.fp16.loss_scale = 0.0;
+      c.fp16.initial_scale_power = 8;
+    }
+    const std::vector<RankRun> device = run_ranks(c, 3);
+    c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
+    const std::vector<RankRun> host = run_ranks(c, 3);
+    expect_bitwise(host, device, what);
+    for (const RankRun& r : host) {
+      EXPECT_EQ(r.optimizer_bytes, 0u) << what;  // nothing of the optimizer on the device
+      EXPECT_GT(r.total.offload_host_bytes, 0u) << what;
+      EXPECT_GE(r.pinned_bytes, r.total.offload_host_bytes) << what;  // pinned by default
+      EXPECT_EQ(r.total.offload_d2h_bytes, 3 * static_cast<uint64_t>(r.total.shard_elems) * 4)
+          << what;
+      EXPECT_GT(r.total.offload_cpu_update_s, 0.0) << what;
+    }
+    for (const RankRun& r : device) EXPECT_GT(r.optimizer_bytes, 0u) << what;
+  }
+}
+
+TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemory) {
+  config::Config c = off_config(2, 2, true);
+  c.bf16.enabled = true;
+  const std::vector<RankRun> pinned = run_ranks(c, 1);
+  // master + m + v + the gradient shard (f32) + the working copy (bf16), per shard element.
+  EXPECT_EQ(pinned[0].total.offload_host_bytes,
+            static_cast<size_t>(pinned[0].total.shard_elems) * (4 + 4 + 4 + 4 + 2));
+  c.zero_optimization.offload_optimizer.pin_memory = false;
+  const std::vector<RankRun> pageable = run_ranks(c, 1);
+  EXPECT_EQ(pageable[0].total.offload_host_bytes, pinned[0].total.offload_host_bytes);
+  EXPECT_LT(pageable[0].pinned_bytes, pinned[0].total.offload_host_bytes);
+  expect_bitwise(pageable, pinned, "pageable vs pinned");
+}
+
+TEST(EngineOptimizerOffload, APinnedLimitTooSmallIsRefusedBeforeTheFirstStep) {
+  config::Config c = off_config(1, 1, true);
+  c.porter.device.pinned_limit_bytes = 64 * 1024;
+  auto device = cpu_device();
+  const std::string msg = error_of<OutOfMemoryError>([&] { gpt_engine(*device, c); });
+  EXPECT_NE(msg.find("zero_optimization.offload_optimizer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("porter.device.pinned_limit"), std::string::npos) << msg;
+}
+
+TEST(EngineOptimizerOffload, SaveAndResumeAreBitIdenticalAndCheckpointsMatchWithoutOffload) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_optimizer_offload_" + std::to_string(::getpid()));
+  for (bool bf16 : {false, true}) {
+    std::filesystem::remove_all(dir);
+    config::Config c = off_config(1, 1, true);
+    c.bf16.enabled = bf16;
+    std::vector<double> straight, resumed;
+    {
+      auto device = cpu_device();
+      auto e = gpt_engine(*device, c);
+      for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
+    }
+    {
+      auto device = cpu_device();
+      auto e = gpt_engine(*device, c);
+      for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
+      e->save_checkpoint(dir);
+    }
+    {
+      // Resumed with offload, and without: both continue bit-identically.
+      for (bool offload : {true, false}) {
+        config::Config r = c;
+        if (!offload) r.zero_optimization.offload_optimizer.device = config::OffloadDevice::kNone;
+        auto device = cpu_device();
+        auto e = gpt_engine(*device, r);
+        e->load_checkpoint(dir);
+        resumed.clear();
+        for (int s = 2; s < 4; ++s) resumed.push_back(e->train_step(batches(r, s)).loss);
+        EXPECT_EQ(resumed[0], straight[2]) << "bf16 " << bf16 << " offload " << offload;
+        EXPECT_EQ(resumed[1], straight[3]) << "bf16 " << bf16 << " offload " << offload;
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace porter::engine
