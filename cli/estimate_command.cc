@@ -255,6 +255,13 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
   const size_t persistent = costs.params.enabled ? costs.params.persistent_bytes() : 0;
   ms.params += persistent;
+  // Optimizer offload (docs/zero.md, "Optimizer offload"): none of the optimizer on the device;
+  // the host holds master, m, v, the gradient shard (f32) and the working copy per element.
+  const bool offload_optimizer =
+      cfg.zero_optimization.offload_optimizer.device != config::OffloadDevice::kNone;
+  const size_t host_bytes =
+      offload_optimizer ? static_cast<size_t>(part.shard_elems) * (16 + state_dtypes.param_bytes()) : 0;
+  if (offload_optimizer) ms.optimizer = 0;
   const size_t model_state = ms.total();
   const size_t batch = run.batch_bytes;
   const std::optional<size_t> capacity = run.capacity_bytes;
@@ -338,6 +345,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     j["world_size"] = world_size;
     j["zero_stage"] = config_stage;
     j["model_state_bytes"] = bytes_json(ms);
+    j["host_bytes"] = {{"optimizer_offload", host_bytes}};
     nlohmann::ordered_json zj;
     zj["data_parallel_size"] = dp;
     zj["num_params"] = num_params;
@@ -426,6 +434,11 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       << format_bytes(ms.params) << ", grads " << format_bytes(ms.grads) << ", optimizer "
       << format_bytes(ms.optimizer) << " = " << format_bytes(model_state) << "; batch "
       << format_bytes(batch) << "\n";
+  if (offload_optimizer) {
+    out << "  optimizer offload: the optimizer is on the host, " << format_bytes(host_bytes)
+        << " per rank (master weights, moments, gradient shard and working copy), pinned with "
+           "offload_optimizer.pin_memory\n";
+  }
   if (costs.params.enabled) {
     out << "  stage 3: params are the shard plus " << format_bytes(persistent)
         << " of persistent stages (stage3_param_persistence_threshold); each policy's total "

@@ -683,3 +683,46 @@ TEST(CliStage3, EstimateAndPlanEqualWhatTrainingMeasures) {
 
 }  // namespace
 }  // namespace porter::cli
+
+namespace porter::cli {
+namespace {
+
+// porter estimate's optimizer-offload bytes are what training measures: nothing of the
+// optimizer on the device, and the host state the report gives.
+TEST(CliOptimizerOffload, EstimateEqualsWhatTrainingMeasures) {
+  const fs::path dir = fs::temp_directory_path() / "porter_cli_optimizer_offload";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path cfg = dir / "off.json";
+  std::ofstream(cfg) << R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "porter": {
+      "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+      "data": {"type": "synthetic", "seed": 3},
+      "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
+      "train": {"steps": 2, "log_every": 1}
+    }
+  })";
+  const std::string report = (dir / "r.json").string();
+  CliRun t = porter({"train", "--config", cfg.string(), "--report", report});
+  ASSERT_EQ(t.rc, kExitOk) << t.err;
+  EXPECT_TRUE(contains(t.out, "optimizer offload: ")) << t.out;
+  const json r = read_json(report);
+  CliRun e = porter({"estimate", "--config", cfg.string(), "--json"});
+  ASSERT_EQ(e.rc, kExitOk) << e.err;
+  const json est = json::parse(e.out);
+  EXPECT_EQ(r["memory"]["current_by_category"]["optimizer"], 0);
+  EXPECT_EQ(est["model_state_bytes"]["optimizer"], 0);
+  EXPECT_EQ(est["model_state_bytes"]["params"], r["memory"]["current_by_category"]["params"]);
+  EXPECT_EQ(est["host_bytes"]["optimizer_offload"], r["zero"]["offload_optimizer"]["host_bytes"]);
+  EXPECT_EQ(r["zero"]["offload_optimizer"]["d2h_bytes"].get<uint64_t>(),
+            2 * r["zero"]["shard_elems"].get<uint64_t>() * 4);  // 2 steps of f32 gradients
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace porter::cli
