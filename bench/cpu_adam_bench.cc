@@ -1,8 +1,8 @@
 // zero::CpuAdam at memory speed: parameters per second over 16M parameters (f32 gradients,
 // with a bf16 working copy and without) on 1 and 2 threads, as bytes per second against a
-// STREAM triad measured in this process (the roofline of Note [CpuAdam roofline]), beside
-// the cpu device's AdamW (nn::Kernels::adamw) on the same arrays. Each benchmark first
-// checks its kernel against the cpu device's, bit for bit.
+// STREAM triad measured in this process (Note [Bench roofline]), beside the cpu device's
+// AdamW (nn::Kernels::adamw) on the same arrays. Each benchmark first checks its kernel
+// against the cpu device's, bit for bit.
 //
 //   ./build/release/bench/cpu_adam_bench --benchmark_repetitions=3
 //       --benchmark_report_aggregates_only=true --benchmark_counters_tabular=true
@@ -16,6 +16,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "base/check.h"
 #include "memory/caching_allocator.h"
@@ -154,90 +158,183 @@ bool matches_device(const Arrays& a, int threads, bool with_out) {
   return mine == theirs;
 }
 
-// ---- the triad ---------------------------------------------------------------------------
+// ---- the memory roofline -------------------------------------------------------------
 
-void triad_range(double* __restrict a, const double* __restrict b, const double* __restrict c,
-                 double s, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
+// Note [Bench roofline]
+// The roofline is a STREAM triad a = b + s c over three arrays of 512 MiB on 2 threads,
+// counted as STREAM counts it: 24 bytes per element. Its stores are non-temporal, as in
+// Intel's published STREAM builds: ordinary stores first read each line of a into the cache
+// (write-allocate), which the count leaves out, so that triad (reported too, "plain")
+// under-states what the memory moves by up to a third. AdamW writes only lines it has just
+// read, so it pays no write-allocate either way; the in-place stream a = b + s a (24 bytes,
+// reported as "inplace") is the same pattern, and is the second ratio of each AdamW row.
+enum class StreamKind { kTriadPlain = 0, kTriad = 1, kInPlace = 2 };
+
+const char* stream_name(StreamKind k) {
+  switch (k) {
+    case StreamKind::kTriadPlain: return "triad_plain";
+    case StreamKind::kTriad: return "triad";
+    case StreamKind::kInPlace: return "inplace";
+  }
+  return "?";
 }
 
-struct Triad {
-  Triad() : a(host_array<double>(kTriadElems)), b(host_array<double>(kTriadElems)),
-            c(host_array<double>(kTriadElems)) {
+void triad_plain(double* __restrict a, const double* __restrict b, const double* __restrict c,
+                 int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) a[i] = b[i] + 3.0 * c[i];
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void triad_nt_avx512(double* a, const double* b,
+                                                         const double* c, int64_t begin,
+                                                         int64_t end) {
+  const __m512d s = _mm512_set1_pd(3.0);
+  for (int64_t i = begin; i < end; i += 8) {
+    _mm512_stream_pd(a + i, _mm512_add_pd(_mm512_load_pd(b + i), _mm512_mul_pd(s, _mm512_load_pd(c + i))));
+  }
+  _mm_sfence();
+}
+
+void triad_nt_sse2(double* a, const double* b, const double* c, int64_t begin, int64_t end) {
+  const __m128d s = _mm_set1_pd(3.0);
+  for (int64_t i = begin; i < end; i += 2) {
+    _mm_stream_pd(a + i, _mm_add_pd(_mm_load_pd(b + i), _mm_mul_pd(s, _mm_load_pd(c + i))));
+  }
+  _mm_sfence();
+}
+#endif
+
+void triad_nt(double* a, const double* b, const double* c, int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) {
+    triad_nt_avx512(a, b, c, begin, end);
+  } else {
+    triad_nt_sse2(a, b, c, begin, end);
+  }
+#else
+  triad_plain(a, b, c, begin, end);
+#endif
+}
+
+void inplace_plain(double* __restrict a, const double* __restrict b, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) a[i] = b[i] + 0.5 * a[i];
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void inplace_avx512(double* a, const double* b, int64_t begin,
+                                                        int64_t end) {
+  const __m512d s = _mm512_set1_pd(0.5);
+  for (int64_t i = begin; i < end; i += 8) {
+    _mm512_store_pd(a + i, _mm512_add_pd(_mm512_load_pd(b + i), _mm512_mul_pd(s, _mm512_load_pd(a + i))));
+  }
+}
+#endif
+
+// With AVX-512 where the CPU has it: on this class of machine a core's bandwidth grows with
+// the width of its loads (fewer instructions per line in flight), so a scalar loop would
+// under-state the bound.
+void inplace(double* a, const double* b, int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) {
+    inplace_avx512(a, b, begin, end);
+    return;
+  }
+#endif
+  inplace_plain(a, b, begin, end);
+}
+
+struct Streams {
+  Streams() : a(host_array<double>(kTriadElems)), b(host_array<double>(kTriadElems)),
+              c(host_array<double>(kTriadElems)) {
     for (int64_t i = 0; i < kTriadElems; ++i) {
       a[i] = 0.0;
       b[i] = 1.0;
       c[i] = 2.0;
     }
   }
-  // One a = b + s c over all elements, on `threads` threads (the caller among them).
-  void run(int threads) {
+  // One pass of `kind` over all elements on `threads` threads (the caller among them), in
+  // chunks that are multiples of 8 elements (a cache line, for the aligned vector code).
+  void run(StreamKind kind, int threads) {
+    const int64_t chunk = (kTriadElems / threads + 7) / 8 * 8;
+    auto part = [this, kind, chunk](int t) {
+      const int64_t begin = t * chunk, end = std::min(kTriadElems, begin + chunk);
+      switch (kind) {
+        case StreamKind::kTriadPlain: triad_plain(a.get(), b.get(), c.get(), begin, end); break;
+        case StreamKind::kTriad: triad_nt(a.get(), b.get(), c.get(), begin, end); break;
+        case StreamKind::kInPlace: inplace(a.get(), b.get(), begin, end); break;
+      }
+    };
     std::vector<std::thread> workers;
-    const int64_t chunk = (kTriadElems + threads - 1) / threads;
-    for (int t = 1; t < threads; ++t) {
-      workers.emplace_back([this, t, chunk] {
-        triad_range(a.get(), b.get(), c.get(), 3.0, t * chunk, std::min(kTriadElems, (t + 1) * chunk));
-      });
-    }
-    triad_range(a.get(), b.get(), c.get(), 3.0, 0, std::min(kTriadElems, chunk));
+    for (int t = 1; t < threads; ++t) workers.emplace_back(part, t);
+    part(0);
     for (std::thread& w : workers) w.join();
   }
   std::unique_ptr<double[], FreeDeleter> a, b, c;
 };
 
-Triad& triad() {
-  static Triad t;
-  return t;
+Streams& streams() {
+  static Streams s;
+  return s;
 }
 
-// STREAM's count: 24 bytes per element (read b and c, write a; not the write-allocate read
-// of a, which the hardware adds).
-constexpr double kTriadBytes = 24.0 * static_cast<double>(kTriadElems);
+// STREAM's count: 24 bytes per element for either kind.
+constexpr double kStreamBytes = 24.0 * static_cast<double>(kTriadElems);
 
-// The triad's bytes/s on `threads` threads, median of 5 runs, measured once per process.
-double triad_bytes_per_s(int threads) {
+// The bytes/s of `kind` on 2 threads, median of 5 passes, measured once per process.
+double stream_bytes_per_s(StreamKind kind) {
   static double measured[3] = {0, 0, 0};
-  PORTER_CHECK(threads >= 1 && threads <= 2, "cpu_adam_bench: triad on 1 or 2 threads");
-  double& bw = measured[threads];
+  double& bw = measured[static_cast<int>(kind)];
   if (bw == 0) {
-    triad().run(threads);  // warm-up
+    streams().run(kind, 2);  // warm-up
     std::vector<double> s;
     for (int r = 0; r < 5; ++r) {
       const auto t0 = Clock::now();
-      triad().run(threads);
+      streams().run(kind, 2);
       s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     std::sort(s.begin(), s.end());
-    bw = kTriadBytes / s[2];
+    bw = kStreamBytes / s[2];
   }
   return bw;
 }
 
-// args: threads.
-void BM_Triad(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
-  Triad& t = triad();
-  t.run(threads);
-  if (t.a[kTriadElems - 1] != 7.0 || t.a[0] != 7.0) {
-    state.SkipWithError("the triad computed a wrong value");
+// args: kind (0 plain triad, 1 triad, 2 in-place), threads.
+void BM_Stream(benchmark::State& state) {
+  const auto kind = static_cast<StreamKind>(state.range(0));
+  const int threads = static_cast<int>(state.range(1));
+  Streams& st = streams();
+  st.run(StreamKind::kTriad, threads);
+  st.run(kind, threads);
+  // After a triad, a = 1 + 3 * 2; the in-place pass then makes it 1 + 0.5 * 7.
+  const double want = kind == StreamKind::kInPlace ? 4.5 : 7.0;
+  if (st.a[0] != want || st.a[kTriadElems - 1] != want) {
+    state.SkipWithError("the stream kernel computed a wrong value");
     return;
   }
+  state.SetLabel(stream_name(kind));
   for (auto _ : state) {
-    t.run(threads);
-    benchmark::DoNotOptimize(t.a.get());
+    st.run(kind, threads);
+    benchmark::DoNotOptimize(st.a.get());
     benchmark::ClobberMemory();
   }
-  state.counters["GB/s"] = benchmark::Counter(kTriadBytes, benchmark::Counter::kIsIterationInvariantRate,
+  state.counters["GB/s"] = benchmark::Counter(kStreamBytes, benchmark::Counter::kIsIterationInvariantRate,
                                               benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_Triad)->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Stream)
+    ->ArgNames({"kind", "threads"})
+    ->ArgsProduct({{0, 1, 2}, {1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
-// Times `step(iteration)` and sets the rate counters: parameters/s, GB/s of the update's
-// bytes (Note [CpuAdam roofline]), and the ratio to the 2-thread triad ("roofline") and to
-// the triad on the same thread count ("roofline_t").
+// Times `step(iteration)` and sets the counters: parameters/s, GB/s of the update's bytes
+// (Note [CpuAdam roofline]), and their ratios to the 2-thread triad ("roofline") and
+// in-place stream ("vs_inplace") of Note [Bench roofline].
 template <typename Step>
-void time_updates(benchmark::State& state, const CpuAdamArrays& a, int threads, Step&& step) {
-  const double bw2 = triad_bytes_per_s(2), bwt = triad_bytes_per_s(threads);
+void time_updates(benchmark::State& state, const CpuAdamArrays& a, Step&& step) {
+  const double triad_bw = stream_bytes_per_s(StreamKind::kTriad);
+  const double inplace_bw = stream_bytes_per_s(StreamKind::kInPlace);
   const auto bytes = static_cast<double>(cpu_adam_bytes(a));
   int64_t iteration = 0;
   const auto t0 = Clock::now();
@@ -252,9 +349,9 @@ void time_updates(benchmark::State& state, const CpuAdamArrays& a, int threads, 
                                                   benchmark::Counter::kIs1000);
   state.counters["GB/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
                                               benchmark::Counter::kIs1000);
-  state.counters["roofline"] = achieved / bw2;
-  state.counters["roofline_t"] = achieved / bwt;
-  state.counters["triad_GB/s"] = bwt / 1e9;
+  state.counters["roofline"] = achieved / triad_bw;
+  state.counters["vs_inplace"] = achieved / inplace_bw;
+  state.counters["triad_GB/s"] = triad_bw / 1e9;
 }
 
 // args: parameters, threads, bf16 working copy (0/1).
@@ -270,7 +367,7 @@ void BM_CpuAdam(benchmark::State& state) {
   CpuAdam adam({.threads = threads});
   state.SetLabel(std::string(adam.isa()));
   const CpuAdamArrays a = arr.view(with_out);
-  time_updates(state, a, threads, [&](int64_t it) { adam.update(a, args_at(it)); });
+  time_updates(state, a, [&](int64_t it) { adam.update(a, args_at(it)); });
 }
 BENCHMARK(BM_CpuAdam)
     ->ArgNames({"params", "threads", "bf16_out"})
@@ -291,7 +388,7 @@ void BM_DeviceAdamW(benchmark::State& state) {
   }
   nn::Kernels& k = device_kernels(threads);
   const CpuAdamArrays a = arr.view(with_out);
-  time_updates(state, a, threads, [&](int64_t it) { device_adamw(k, a, args_at(it)); });
+  time_updates(state, a, [&](int64_t it) { device_adamw(k, a, args_at(it)); });
 }
 BENCHMARK(BM_DeviceAdamW)
     ->ArgNames({"threads", "bf16_out"})

@@ -82,6 +82,13 @@ void adamw_scalar(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin
 
 #if PORTER_CPU_ADAM_X86
 
+// Whether the working copy at element `i` sits on a `bytes` boundary (a whole vector's
+// store). Every vector of a range is then aligned, as ranges step by whole vectors.
+inline bool out_aligned(const CpuAdamArrays& a, int64_t i, size_t bytes) {
+  const auto addr = reinterpret_cast<uintptr_t>(a.out) + static_cast<uintptr_t>(i) * nn::dtype_size(a.out_dtype);
+  return addr % bytes == 0;
+}
+
 // ---- AVX-512: 16 lanes; the tail is one masked vector ------------------------------------
 
 // g[i, i + 16) under mask `k`, widened to f32 as nn::bf16_to_f32 / nn::f16_to_f32 do.
@@ -149,13 +156,24 @@ PORTER_TARGET_AVX512 inline __m512i to_f16_16(__m512 x) {
   return _mm512_or_si512(h, sign);
 }
 
-template <DType O>
+// The working copy of [i, i + 16) under mask `k`; kStream: all 16 lanes, with a
+// non-temporal store to an aligned address (Note [CpuAdam working copy stores]).
+template <DType O, bool kStream>
 PORTER_TARGET_AVX512 inline void store_out16(void* out, int64_t i, __m512 x, __mmask16 k) {
   if constexpr (O == DType::kF32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(out) + i, k, x);
+    if constexpr (kStream) {
+      _mm512_stream_ps(static_cast<float*>(out) + i, x);
+    } else {
+      _mm512_mask_storeu_ps(static_cast<float*>(out) + i, k, x);
+    }
   } else {
     const __m512i h = O == DType::kBF16 ? to_bf16_16(x) : to_f16_16(x);
-    _mm512_mask_cvtepi32_storeu_epi16(static_cast<uint16_t*>(out) + i, k, h);
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                          _mm512_cvtepi32_epi16(h));
+    } else {
+      _mm512_mask_cvtepi32_storeu_epi16(static_cast<uint16_t*>(out) + i, k, h);
+    }
   }
 }
 
@@ -165,7 +183,7 @@ struct Consts512 {
 };
 
 // Elements [i, i + 16) under mask `mk`, in the reference's order of operations.
-template <DType G, DType O, bool kOut>
+template <DType G, DType O, bool kOut, bool kStream>
 PORTER_TARGET_AVX512 inline void adamw16(const CpuAdamArrays& a, const Consts512& c, int64_t i,
                                          __mmask16 mk) {
   const __m512 grad = _mm512_mul_ps(load_grad16<G>(a.grad, i, mk), c.grad_scale);
@@ -180,7 +198,7 @@ PORTER_TARGET_AVX512 inline void adamw16(const CpuAdamArrays& a, const Consts512
   _mm512_mask_storeu_ps(a.exp_avg + i, mk, mi);
   _mm512_mask_storeu_ps(a.exp_avg_sq + i, mk, vi);
   _mm512_mask_storeu_ps(a.params + i, mk, param);
-  if constexpr (kOut) store_out16<O>(a.out, i, param, mk);
+  if constexpr (kOut) store_out16<O, kStream>(a.out, i, param, mk);
 }
 
 template <DType G, DType O, bool kOut>
@@ -191,11 +209,17 @@ PORTER_TARGET_AVX512 void adamw_avx512(const CpuAdamArrays& a, const AdamWConsta
                     _mm512_set1_ps(k.beta2),      _mm512_set1_ps(k.one_minus_beta2),
                     _mm512_set1_ps(k.bc2_sqrt),   _mm512_set1_ps(k.eps),
                     _mm512_set1_ps(k.step_size)};
+  constexpr auto kAll = static_cast<__mmask16>(0xffff);
   int64_t i = begin;
-  for (; i + 16 <= end; i += 16) adamw16<G, O, kOut>(a, c, i, static_cast<__mmask16>(0xffff));
+  if (kOut && out_aligned(a, begin, 16 * nn::dtype_size(O))) {
+    for (; i + 16 <= end; i += 16) adamw16<G, O, kOut, true>(a, c, i, kAll);
+    _mm_sfence();  // order the streamed stores before the pool's hand-back
+  } else {
+    for (; i + 16 <= end; i += 16) adamw16<G, O, kOut, false>(a, c, i, kAll);
+  }
   if (i < end) {
     const auto tail = static_cast<__mmask16>((1u << (end - i)) - 1u);
-    adamw16<G, O, kOut>(a, c, i, tail);
+    adamw16<G, O, kOut, false>(a, c, i, tail);
   }
 }
 
@@ -262,42 +286,66 @@ PORTER_TARGET_AVX2 inline __m256i to_f16_8(__m256 x) {
   return _mm256_or_si256(h, sign);
 }
 
-template <DType O>
+// The working copy of [i, i + 8); kStream: a non-temporal store to an aligned address.
+template <DType O, bool kStream>
 PORTER_TARGET_AVX2 inline void store_out8(void* out, int64_t i, __m256 x) {
   if constexpr (O == DType::kF32) {
-    _mm256_storeu_ps(static_cast<float*>(out) + i, x);
+    if constexpr (kStream) {
+      _mm256_stream_ps(static_cast<float*>(out) + i, x);
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(out) + i, x);
+    }
   } else {
     const __m256i h = O == DType::kBF16 ? to_bf16_8(x) : to_f16_8(x);
     // Lanes hold <= 0xffff, so the saturating pack is exact; it packs within 128-bit
     // halves, and the permute brings the two halves' results together.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i),
-                     _mm256_castsi256_si128(packed));
+    const __m128i packed =
+        _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+    auto* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
+    if constexpr (kStream) {
+      _mm_stream_si128(dst, packed);
+    } else {
+      _mm_storeu_si128(dst, packed);
+    }
   }
+}
+
+struct Consts256 {
+  __m256 grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
+      step_size;
+};
+
+// Elements [i, i + 8), in the reference's order of operations.
+template <DType G, DType O, bool kOut, bool kStream>
+PORTER_TARGET_AVX2 inline void adamw8(const CpuAdamArrays& a, const Consts256& c, int64_t i) {
+  const __m256 grad = _mm256_mul_ps(load_grad8<G>(a.grad, i), c.grad_scale);
+  __m256 param = _mm256_mul_ps(_mm256_loadu_ps(a.params + i), c.decay);
+  const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg + i), c.beta1),
+                                  _mm256_mul_ps(c.one_minus_beta1, grad));
+  const __m256 vi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), c.beta2),
+                                  _mm256_mul_ps(_mm256_mul_ps(c.one_minus_beta2, grad), grad));
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), c.bc2_sqrt), c.eps);
+  param = _mm256_sub_ps(param, _mm256_mul_ps(c.step_size, _mm256_div_ps(mi, denom)));
+  _mm256_storeu_ps(a.exp_avg + i, mi);
+  _mm256_storeu_ps(a.exp_avg_sq + i, vi);
+  _mm256_storeu_ps(a.params + i, param);
+  if constexpr (kOut) store_out8<O, kStream>(a.out, i, param);
 }
 
 template <DType G, DType O, bool kOut>
 PORTER_TARGET_AVX2 void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants& k,
                                    int64_t begin, int64_t end) {
-  const __m256 grad_scale = _mm256_set1_ps(k.grad_scale), decay = _mm256_set1_ps(k.decay);
-  const __m256 beta1 = _mm256_set1_ps(k.beta1), omb1 = _mm256_set1_ps(k.one_minus_beta1);
-  const __m256 beta2 = _mm256_set1_ps(k.beta2), omb2 = _mm256_set1_ps(k.one_minus_beta2);
-  const __m256 bc2_sqrt = _mm256_set1_ps(k.bc2_sqrt), eps = _mm256_set1_ps(k.eps);
-  const __m256 step_size = _mm256_set1_ps(k.step_size);
+  const Consts256 c{_mm256_set1_ps(k.grad_scale), _mm256_set1_ps(k.decay),
+                    _mm256_set1_ps(k.beta1),      _mm256_set1_ps(k.one_minus_beta1),
+                    _mm256_set1_ps(k.beta2),      _mm256_set1_ps(k.one_minus_beta2),
+                    _mm256_set1_ps(k.bc2_sqrt),   _mm256_set1_ps(k.eps),
+                    _mm256_set1_ps(k.step_size)};
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    const __m256 grad = _mm256_mul_ps(load_grad8<G>(a.grad, i), grad_scale);
-    __m256 param = _mm256_mul_ps(_mm256_loadu_ps(a.params + i), decay);
-    const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg + i), beta1),
-                                    _mm256_mul_ps(omb1, grad));
-    const __m256 vi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), beta2),
-                                    _mm256_mul_ps(_mm256_mul_ps(omb2, grad), grad));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2_sqrt), eps);
-    param = _mm256_sub_ps(param, _mm256_mul_ps(step_size, _mm256_div_ps(mi, denom)));
-    _mm256_storeu_ps(a.exp_avg + i, mi);
-    _mm256_storeu_ps(a.exp_avg_sq + i, vi);
-    _mm256_storeu_ps(a.params + i, param);
-    if constexpr (kOut) store_out8<O>(a.out, i, param);
+  if (kOut && out_aligned(a, begin, 8 * nn::dtype_size(O))) {
+    for (; i + 8 <= end; i += 8) adamw8<G, O, kOut, true>(a, c, i);
+    _mm_sfence();  // order the streamed stores before the pool's hand-back
+  } else {
+    for (; i + 8 <= end; i += 8) adamw8<G, O, kOut, false>(a, c, i);
   }
   adamw_scalar<G, O, kOut>(a, k, i, end);
 }

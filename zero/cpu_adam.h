@@ -33,11 +33,20 @@
 //   write  master 4, m 4, v 4                              = 12   -> 28 bytes with f32 grads
 //   + the working copy when written: 2 (bf16/f16) or 4 (f32)     -> 30 with bf16
 // The target is this traffic at the machine's streaming bandwidth, which bench/cpu_adam_bench.cc
-// measures in the same run as a STREAM triad. The work is cut into tiles of kCpuAdamTileElems
+// measures in the same run as a STREAM triad (docs/benchmarks.md has the figures). The work is cut into tiles of kCpuAdamTileElems
 // elements (240 KiB over the seven arrays): large enough that claiming one, an atomic add,
 // costs nothing beside streaming it, and small enough that the threads finish together.
 // Threads, the caller among them, claim tiles from an atomic counter, so a thread that was
 // descheduled does not hold up the others.
+//
+// Note [CpuAdam working copy stores]
+// The master, m and v are written to lines the update has just read, so their stores cost
+// only the write-back. The working copy is written and not read: an ordinary store would
+// first read each of its lines into the cache (write-allocate), a second 2 bytes per
+// parameter, and leave them there, where the copy to the device does not need them. So a
+// range whose working copy starts on a vector boundary writes it with non-temporal stores
+// (vmovntdq), fenced (sfence) before the range returns; a misaligned one, and the last
+// partial vector, use ordinary stores. The bits stored are the same either way.
 #pragma once
 
 #include <cstdint>

@@ -253,6 +253,44 @@ TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheRoundedMaster) {
   }
 }
 
+// The working copy at every offset from a 64-byte boundary (Note [CpuAdam working copy
+// stores]: non-temporal stores when a range starts aligned, ordinary ones otherwise) has the
+// same bits, and nothing outside it is written.
+TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheSameAtEveryAlignment) {
+  CpuAdam reference({.threads = 1, .max_isa = CpuIsa::kScalar});
+  for (DType out : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const Problem start = make_problem(1000 + 5, DType::kF32, true, out, 47);
+    const Problem want = run(reference, start, 0.1f, 1.0f);
+    const size_t elem = nn::dtype_size(out);
+    for (CpuIsa isa : supported_cpu_isas()) {
+      CpuAdam adam({.threads = 2, .max_isa = isa, .tile_elems = 256});
+      for (size_t offset = 0; offset < 64 / elem; ++offset) {
+        // 64-byte aligned storage with a guard element on each side of the copy.
+        std::vector<uint8_t> storage((static_cast<size_t>(start.n) + 2) * elem + 128, 0xa5);
+        const auto base = (reinterpret_cast<uintptr_t>(storage.data()) + 63) / 64 * 64;
+        uint8_t* dst = reinterpret_cast<uint8_t*>(base) + (offset + 1) * elem;
+        Problem got = start;
+        for (int64_t step : {1, 2}) {
+          CpuAdamArrays a = got.arrays();
+          a.out = dst;
+          adam.update(a, args_for(0.1f, 1.0f, step));
+        }
+        const void* want_out = out == DType::kF32 ? static_cast<const void*>(want.out32.data())
+                                                  : want.out16.data();
+        EXPECT_EQ(std::memcmp(dst, want_out, static_cast<size_t>(start.n) * elem), 0)
+            << cpu_isa_name(isa) << " " << nn::dtype_name(out) << ", offset " << offset;
+        for (size_t b = 0; b < elem; ++b) {
+          ASSERT_EQ(dst[-1 - static_cast<ptrdiff_t>(b)], 0xa5) << "written before the copy";
+          ASSERT_EQ(dst[static_cast<size_t>(start.n) * elem + b], 0xa5) << "written after it";
+        }
+        got.out32 = want.out32;
+        got.out16 = want.out16;
+        EXPECT_TRUE(want == got) << first_difference(want, got);
+      }
+    }
+  }
+}
+
 // Every f16 bit pattern as a gradient gives the same bits on every ISA.
 TEST(CpuAdamThreadsTest, EveryF16GradientGivesTheSameBitsOnEveryIsa) {
   Problem start = make_problem(65536, DType::kF16, true, DType::kF16, 17);
