@@ -62,8 +62,12 @@ float hashed(int64_t i, uint32_t seed) {
 // One AdamW problem: f32 master, moments and gradients, and a bf16 working copy.
 struct Arrays {
   explicit Arrays(int64_t elems)
-      : n(elems), params(host_array<float>(n)), m(host_array<float>(n)), v(host_array<float>(n)),
-        grad(host_array<float>(n)), out(host_array<uint16_t>(n)) {
+      : n(elems),
+        params(host_array<float>(n)),
+        m(host_array<float>(n)),
+        v(host_array<float>(n)),
+        grad(host_array<float>(n)),
+        out(host_array<uint16_t>(n)) {
     for (int64_t i = 0; i < n; ++i) {  // first touch here, on the main thread
       params[i] = hashed(i, 1);
       m[i] = 0.1f * hashed(i, 2);
@@ -137,11 +141,22 @@ nn::AdamWArgs args_at(int64_t step) {
 
 // Copies of the first `n` elements of `a`, so a check leaves the timed arrays alone.
 struct Copy {
-  Copy(const Arrays& a, int64_t n) : p(a.params.get(), a.params.get() + n), m(a.m.get(), a.m.get() + n),
-        v(a.v.get(), a.v.get() + n), g(a.grad.get(), a.grad.get() + n), out(n, 0) {}
+  Copy(const Arrays& a, int64_t n)
+      : p(a.params.get(), a.params.get() + n),
+        m(a.m.get(), a.m.get() + n),
+        v(a.v.get(), a.v.get() + n),
+        g(a.grad.get(), a.grad.get() + n),
+        out(n, 0) {}
   CpuAdamArrays view(bool with_out) {
-    return {p.data(), m.data(), v.data(), g.data(), nn::DType::kF32,
-            with_out ? out.data() : nullptr, nn::DType::kBF16, static_cast<int64_t>(p.size())};
+    CpuAdamArrays a;
+    a.params = p.data();
+    a.exp_avg = m.data();
+    a.exp_avg_sq = v.data();
+    a.grad = g.data();
+    a.out = with_out ? out.data() : nullptr;
+    a.out_dtype = nn::DType::kBF16;
+    a.elems = static_cast<int64_t>(p.size());
+    return a;
   }
   bool operator==(const Copy& o) const { return p == o.p && m == o.m && v == o.v && out == o.out; }
   std::vector<float> p, m, v, g;
@@ -185,12 +200,12 @@ void triad_plain(double* __restrict a, const double* __restrict b, const double*
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) void triad_nt_avx512(double* a, const double* b,
-                                                         const double* c, int64_t begin,
-                                                         int64_t end) {
+__attribute__((target("avx512f"))) void triad_nt_avx512(double* a, const double* b, const double* c,
+                                                        int64_t begin, int64_t end) {
   const __m512d s = _mm512_set1_pd(3.0);
   for (int64_t i = begin; i < end; i += 8) {
-    _mm512_stream_pd(a + i, _mm512_add_pd(_mm512_load_pd(b + i), _mm512_mul_pd(s, _mm512_load_pd(c + i))));
+    _mm512_stream_pd(a + i,
+                     _mm512_add_pd(_mm512_load_pd(b + i), _mm512_mul_pd(s, _mm512_load_pd(c + i))));
   }
   _mm_sfence();
 }
@@ -223,10 +238,11 @@ void inplace_plain(double* __restrict a, const double* __restrict b, int64_t beg
 
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) void inplace_avx512(double* a, const double* b, int64_t begin,
-                                                        int64_t end) {
+                                                       int64_t end) {
   const __m512d s = _mm512_set1_pd(0.5);
   for (int64_t i = begin; i < end; i += 8) {
-    _mm512_store_pd(a + i, _mm512_add_pd(_mm512_load_pd(b + i), _mm512_mul_pd(s, _mm512_load_pd(a + i))));
+    _mm512_store_pd(a + i,
+                    _mm512_add_pd(_mm512_load_pd(b + i), _mm512_mul_pd(s, _mm512_load_pd(a + i))));
   }
 }
 #endif
@@ -246,8 +262,10 @@ void inplace(double* a, const double* b, int64_t begin, int64_t end) {
 }
 
 struct Streams {
-  Streams() : a(host_array<double>(kTriadElems)), b(host_array<double>(kTriadElems)),
-              c(host_array<double>(kTriadElems)) {
+  Streams()
+      : a(host_array<double>(kTriadElems)),
+        b(host_array<double>(kTriadElems)),
+        c(host_array<double>(kTriadElems)) {
     for (int64_t i = 0; i < kTriadElems; ++i) {
       a[i] = 0.0;
       b[i] = 1.0;
@@ -319,8 +337,8 @@ void BM_Stream(benchmark::State& state) {
     benchmark::DoNotOptimize(st.a.get());
     benchmark::ClobberMemory();
   }
-  state.counters["GB/s"] = benchmark::Counter(kStreamBytes, benchmark::Counter::kIsIterationInvariantRate,
-                                              benchmark::Counter::kIs1000);
+  state.counters["GB/s"] = benchmark::Counter(
+      kStreamBytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Stream)
     ->ArgNames({"kind", "threads"})

@@ -85,7 +85,8 @@ void adamw_scalar(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin
 // Whether the working copy at element `i` sits on a `bytes` boundary (a whole vector's
 // store). Every vector of a range is then aligned, as ranges step by whole vectors.
 inline bool out_aligned(const CpuAdamArrays& a, int64_t i, size_t bytes) {
-  const auto addr = reinterpret_cast<uintptr_t>(a.out) + static_cast<uintptr_t>(i) * nn::dtype_size(a.out_dtype);
+  const auto addr =
+      reinterpret_cast<uintptr_t>(a.out) + static_cast<uintptr_t>(i) * nn::dtype_size(a.out_dtype);
   return addr % bytes == 0;
 }
 
@@ -97,8 +98,8 @@ PORTER_TARGET_AVX512 inline __m512 load_grad16(const void* g, int64_t i, __mmask
   if constexpr (G == DType::kF32) {
     return _mm512_maskz_loadu_ps(k, static_cast<const float*>(g) + i);
   } else {
-    const __m512i h16 = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(k),
-                                                 static_cast<const uint16_t*>(g) + i);
+    const __m512i h16 =
+        _mm512_maskz_loadu_epi16(static_cast<__mmask32>(k), static_cast<const uint16_t*>(g) + i);
     const __m512i w = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h16));
     if constexpr (G == DType::kBF16) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -122,8 +123,8 @@ PORTER_TARGET_AVX512 inline __m512 load_grad16(const void* g, int64_t i, __mmask
 PORTER_TARGET_AVX512 inline __m512i to_bf16_16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
-  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                        _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
   const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
@@ -138,10 +139,9 @@ PORTER_TARGET_AVX512 inline __m512i to_f16_16(__m512 x) {
   const __m512i a13 = _mm512_srli_epi32(a, 13);
   // Normal: rebias, add just under half an ulp plus the parity, truncate.
   const __m512i odd = _mm512_and_si512(a13, _mm512_set1_epi32(1));
-  __m512i h = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_sub_epi32(a, _mm512_set1_epi32(0x38000000)),
-                       _mm512_add_epi32(_mm512_set1_epi32(0xfff), odd)),
-      13);
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_sub_epi32(a, _mm512_set1_epi32(0x38000000)),
+                                                 _mm512_add_epi32(_mm512_set1_epi32(0xfff), odd)),
+                                13);
   // Subnormal or zero: one f32 addition of 0.5 rounds on the 2^-24 grid.
   const __m512i sub = _mm512_sub_epi32(
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(0.5f))),
@@ -204,11 +204,10 @@ PORTER_TARGET_AVX512 inline void adamw16(const CpuAdamArrays& a, const Consts512
 template <DType G, DType O, bool kOut>
 PORTER_TARGET_AVX512 void adamw_avx512(const CpuAdamArrays& a, const AdamWConstants& k,
                                        int64_t begin, int64_t end) {
-  const Consts512 c{_mm512_set1_ps(k.grad_scale), _mm512_set1_ps(k.decay),
-                    _mm512_set1_ps(k.beta1),      _mm512_set1_ps(k.one_minus_beta1),
-                    _mm512_set1_ps(k.beta2),      _mm512_set1_ps(k.one_minus_beta2),
-                    _mm512_set1_ps(k.bc2_sqrt),   _mm512_set1_ps(k.eps),
-                    _mm512_set1_ps(k.step_size)};
+  const Consts512 c{
+      _mm512_set1_ps(k.grad_scale),      _mm512_set1_ps(k.decay), _mm512_set1_ps(k.beta1),
+      _mm512_set1_ps(k.one_minus_beta1), _mm512_set1_ps(k.beta2), _mm512_set1_ps(k.one_minus_beta2),
+      _mm512_set1_ps(k.bc2_sqrt),        _mm512_set1_ps(k.eps),   _mm512_set1_ps(k.step_size)};
   constexpr auto kAll = static_cast<__mmask16>(0xffff);
   int64_t i = begin;
   if (kOut && out_aligned(a, begin, 16 * nn::dtype_size(O))) {
@@ -254,8 +253,8 @@ PORTER_TARGET_AVX2 inline __m256 load_grad8(const void* g, int64_t i) {
 PORTER_TARGET_AVX2 inline __m256i to_bf16_8(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                        _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+  const __m256i bias =
+      _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
   const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
   const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
@@ -269,10 +268,9 @@ PORTER_TARGET_AVX2 inline __m256i to_f16_8(__m256 x) {
   const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i a13 = _mm256_srli_epi32(a, 13);
   const __m256i odd = _mm256_and_si256(a13, _mm256_set1_epi32(1));
-  __m256i h = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_sub_epi32(a, _mm256_set1_epi32(0x38000000)),
-                       _mm256_add_epi32(_mm256_set1_epi32(0xfff), odd)),
-      13);
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_sub_epi32(a, _mm256_set1_epi32(0x38000000)),
+                                                 _mm256_add_epi32(_mm256_set1_epi32(0xfff), odd)),
+                                13);
   const __m256i sub = _mm256_sub_epi32(
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(0.5f))),
       _mm256_set1_epi32(0x3f000000));
@@ -333,13 +331,12 @@ PORTER_TARGET_AVX2 inline void adamw8(const CpuAdamArrays& a, const Consts256& c
 }
 
 template <DType G, DType O, bool kOut>
-PORTER_TARGET_AVX2 void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants& k,
-                                   int64_t begin, int64_t end) {
-  const Consts256 c{_mm256_set1_ps(k.grad_scale), _mm256_set1_ps(k.decay),
-                    _mm256_set1_ps(k.beta1),      _mm256_set1_ps(k.one_minus_beta1),
-                    _mm256_set1_ps(k.beta2),      _mm256_set1_ps(k.one_minus_beta2),
-                    _mm256_set1_ps(k.bc2_sqrt),   _mm256_set1_ps(k.eps),
-                    _mm256_set1_ps(k.step_size)};
+PORTER_TARGET_AVX2 void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin,
+                                   int64_t end) {
+  const Consts256 c{
+      _mm256_set1_ps(k.grad_scale),      _mm256_set1_ps(k.decay), _mm256_set1_ps(k.beta1),
+      _mm256_set1_ps(k.one_minus_beta1), _mm256_set1_ps(k.beta2), _mm256_set1_ps(k.one_minus_beta2),
+      _mm256_set1_ps(k.bc2_sqrt),        _mm256_set1_ps(k.eps),   _mm256_set1_ps(k.step_size)};
   int64_t i = begin;
   if (kOut && out_aligned(a, begin, 8 * nn::dtype_size(O))) {
     for (; i + 8 <= end; i += 8) adamw8<G, O, kOut, true>(a, c, i);
@@ -424,10 +421,9 @@ void check_arrays(const CpuAdamArrays& a) {
     const auto b = reinterpret_cast<uintptr_t>(p);
     return ByteRange{name, b, b + static_cast<uintptr_t>(a.elems) * nn::dtype_size(t)};
   };
-  std::vector<ByteRange> ranges = {range("params", a.params, DType::kF32),
-                                   range("exp_avg", a.exp_avg, DType::kF32),
-                                   range("exp_avg_sq", a.exp_avg_sq, DType::kF32),
-                                   range("grad", a.grad, a.grad_dtype)};
+  std::vector<ByteRange> ranges = {
+      range("params", a.params, DType::kF32), range("exp_avg", a.exp_avg, DType::kF32),
+      range("exp_avg_sq", a.exp_avg_sq, DType::kF32), range("grad", a.grad, a.grad_dtype)};
   if (a.out != nullptr) ranges.push_back(range("out", a.out, a.out_dtype));
   for (size_t x = 0; x < ranges.size(); ++x) {
     for (size_t y = x + 1; y < ranges.size(); ++y) {
@@ -474,8 +470,10 @@ std::vector<CpuIsa> supported_cpu_isas() {
 
 AdamWConstants adamw_constants(const nn::AdamWArgs& args) {
   // As nn/cpu_optimizer.cc: bias corrections in double (PyTorch's Python floats).
-  const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), static_cast<double>(args.step));
+  const double bc1 =
+      1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
+  const double bc2 =
+      1.0 - std::pow(static_cast<double>(args.beta2), static_cast<double>(args.step));
   AdamWConstants k;
   k.decay = 1.0f - args.lr * args.weight_decay;
   k.beta1 = args.beta1;
@@ -567,8 +565,8 @@ class CpuAdam::Pool {
   }
 
   std::mutex mu_;
-  std::condition_variable wake_;  // workers wait here for a new generation_ or stop_
-  std::condition_variable done_;  // run() waits here for running_ == 0
+  std::condition_variable wake_;                // workers wait here for a new generation_ or stop_
+  std::condition_variable done_;                // run() waits here for running_ == 0
   const std::function<void()>* job_ = nullptr;  // guarded by mu_; run()'s argument, not owned
   uint64_t generation_ = 0;                     // guarded by mu_; one per run()
   int running_ = 0;                             // guarded by mu_; workers still in the job
@@ -579,8 +577,9 @@ class CpuAdam::Pool {
 CpuAdam::CpuAdam(const CpuAdamOptions& options) {
   PORTER_CHECK_GE(options.threads, 0, "CpuAdam: threads must be >= 0 (0: one per hardware thread)");
   PORTER_CHECK_GT(options.tile_elems, 0, "CpuAdam: tile_elems must be positive");
-  threads_ = options.threads > 0 ? options.threads
-                                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  threads_ = options.threads > 0
+                 ? options.threads
+                 : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   isa_ = std::min(options.max_isa, best_cpu_isa());
   tile_elems_ = options.tile_elems;
   if (threads_ > 1) pool_ = std::make_unique<Pool>(threads_ - 1);

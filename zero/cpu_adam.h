@@ -32,10 +32,11 @@
 //   read   grad 4 (2 for bf16/f16), master 4, m 4, v 4     = 16
 //   write  master 4, m 4, v 4                              = 12   -> 28 bytes with f32 grads
 //   + the working copy when written: 2 (bf16/f16) or 4 (f32)     -> 30 with bf16
-// The target is this traffic at the machine's streaming bandwidth, which bench/cpu_adam_bench.cc
-// measures in the same run as a STREAM triad (docs/benchmarks.md has the figures). The work is cut into tiles of kCpuAdamTileElems
-// elements (240 KiB over the seven arrays): large enough that claiming one, an atomic add,
-// costs nothing beside streaming it, and small enough that the threads finish together.
+// The target is this traffic at the machine's streaming bandwidth, which
+// bench/cpu_adam_bench.cc measures in the same run as a STREAM triad (docs/benchmarks.md has
+// the figures). The work is cut into tiles of kCpuAdamTileElems elements (240 KiB over the
+// seven arrays): large enough that claiming one, an atomic add, costs nothing beside
+// streaming it, and small enough that the threads finish together.
 // Threads, the caller among them, claim tiles from an atomic counter, so a thread that was
 // descheduled does not hold up the others.
 //
@@ -45,7 +46,7 @@
 // first read each of its lines into the cache (write-allocate), a second 2 bytes per
 // parameter, and leave them there, where the copy to the device does not need them. So a
 // range whose working copy starts on a vector boundary writes it with non-temporal stores
-// (vmovntdq), fenced (sfence) before the range returns; a misaligned one, and the last
+// (vmovntdq, vmovntps), fenced (sfence) before the range returns; a misaligned one, and the last
 // partial vector, use ordinary stores. The bits stored are the same either way.
 #pragma once
 
@@ -64,7 +65,7 @@ namespace porter::zero {
 enum class CpuIsa : uint8_t {
   kScalar,  // baseline x86-64 (or any other CPU): one element at a time
   kAvx2,    // 8 lanes
-  kAvx512,  // 16 lanes; AVX-512F and BW (masked 16-bit loads and stores for the tail)
+  kAvx512,  // 16 lanes; AVX-512F, and BW for the masked 16-bit loads of the tail
 };
 
 // "scalar", "avx2" or "avx512".
@@ -77,13 +78,13 @@ std::vector<CpuIsa> supported_cpu_isas();
 // The per-step constants of Note [CpuAdam bit identity], computed as nn/cpu_optimizer.cc
 // does: bias corrections in double, then each constant rounded to float.
 struct AdamWConstants {
-  float decay = 1.0f;            // 1 - lr * weight_decay
+  float decay = 1.0f;  // 1 - lr * weight_decay
   float beta1 = 0.9f;
   float one_minus_beta1 = 0.1f;
   float beta2 = 0.999f;
   float one_minus_beta2 = 0.001f;
-  float step_size = 1e-3f;       // lr / (1 - beta1^step)
-  float bc2_sqrt = 1.0f;         // sqrt(1 - beta2^step)
+  float step_size = 1e-3f;  // lr / (1 - beta1^step)
+  float bc2_sqrt = 1.0f;    // sqrt(1 - beta2^step)
   float eps = 1e-8f;
   float grad_scale = 1.0f;
 };
@@ -91,12 +92,12 @@ AdamWConstants adamw_constants(const nn::AdamWArgs& args);
 
 // The arrays of one update, each of `elems` elements, on the host. None may overlap another.
 struct CpuAdamArrays {
-  float* params = nullptr;                  // f32 master weights, updated in place
-  float* exp_avg = nullptr;                 // AdamW m, f32, updated in place
-  float* exp_avg_sq = nullptr;              // AdamW v, f32, updated in place
-  const void* grad = nullptr;               // grad_dtype (f32, bf16 or f16), read only
+  float* params = nullptr;      // f32 master weights, updated in place
+  float* exp_avg = nullptr;     // AdamW m, f32, updated in place
+  float* exp_avg_sq = nullptr;  // AdamW v, f32, updated in place
+  const void* grad = nullptr;   // grad_dtype (f32, bf16 or f16), read only
   nn::DType grad_dtype = nn::DType::kF32;
-  void* out = nullptr;                      // optional working copy (out_dtype); null: none
+  void* out = nullptr;  // optional working copy (out_dtype); null: none
   nn::DType out_dtype = nn::DType::kBF16;
   int64_t elems = 0;
 };

@@ -115,7 +115,7 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
       case 3: g[i] = 3e30f; break;                  // g * g overflows
       case 4: g[i] = float_of(0x00000321u); break;  // f32 subnormal
       case 5: g[i] = -0.0f; break;
-      case 6: g[i] = 1e-6f; break;                  // an f16 subnormal
+      case 6: g[i] = 1e-6f; break;  // an f16 subnormal
       default: break;
     }
   }
@@ -140,8 +140,10 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
 
 // The formula of Note [CpuAdam bit identity], written out again, one element at a time.
 void scalar_reference(Problem& p, const nn::AdamWArgs& args) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), static_cast<double>(args.step));
+  const double bc1 =
+      1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
+  const double bc2 =
+      1.0 - std::pow(static_cast<double>(args.beta2), static_cast<double>(args.step));
   const float decay = 1.0f - args.lr * args.weight_decay;
   const float step_size = static_cast<float>(args.lr / bc1);
   const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
@@ -252,7 +254,8 @@ void check_against_references(int64_t n, DType grad_dtype, bool has_out, DType o
   SCOPED_TRACE("n " + std::to_string(n) + ", grad " + std::string(nn::dtype_name(grad_dtype)) +
                ", out " + out_name(has_out, out_dtype) + ", weight_decay " +
                std::to_string(weight_decay) + ", grad_scale " + std::to_string(grad_scale));
-  const Problem start = make_problem(n, grad_dtype, has_out, out_dtype, 7 + static_cast<uint32_t>(n));
+  const Problem start =
+      make_problem(n, grad_dtype, has_out, out_dtype, 7 + static_cast<uint32_t>(n));
   Problem by_device = start, by_formula = start;
   for (int64_t step : {3, 4}) {
     device.update(by_device, args_for(weight_decay, grad_scale, step));
@@ -267,7 +270,8 @@ void check_against_references(int64_t n, DType grad_dtype, bool has_out, DType o
     CpuAdam adam({.threads = 2, .max_isa = isa});
     ASSERT_EQ(adam.isa_level(), isa);
     Problem mine = start;
-    for (int64_t step : {3, 4}) adam.update(mine.arrays(), args_for(weight_decay, grad_scale, step));
+    for (int64_t step : {3, 4})
+      adam.update(mine.arrays(), args_for(weight_decay, grad_scale, step));
     expect_same(by_device, mine);
   }
 }

@@ -3,8 +3,6 @@
 // conversion of the master; the pool survives many and concurrent updates; bad arrays and
 // arguments are refused before anything is written. No cpu kernels (OpenMP) run here, so
 // this binary runs under TSan too; cpu_adam_test.cc holds CpuAdam against the cpu device.
-#include "zero/cpu_adam.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +16,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "zero/cpu_adam.h"
 
 namespace porter::zero {
 namespace {
@@ -96,7 +95,7 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
       case 2: g[i] = 3e30f; break;                  // g * g overflows
       case 3: g[i] = float_of(0x00000321u); break;  // f32 subnormal
       case 40: p.params[i] = -std::numeric_limits<float>::infinity(); break;
-      case 41: p.params[i] = 65520.0f; break;       // f16 inf
+      case 41: p.params[i] = 65520.0f; break;  // f16 inf
       default: break;
     }
   }
@@ -129,8 +128,8 @@ std::string describe(const Problem& p) {
 // The first index where two problems differ, for the failure message.
 std::string first_difference(const Problem& want, const Problem& got) {
   for (size_t i = 0; i < want.params.size(); ++i) {
-    if (bits_of(want.params[i]) != bits_of(got.params[i]) || bits_of(want.m[i]) != bits_of(got.m[i]) ||
-        bits_of(want.v[i]) != bits_of(got.v[i]) ||
+    if (bits_of(want.params[i]) != bits_of(got.params[i]) ||
+        bits_of(want.m[i]) != bits_of(got.m[i]) || bits_of(want.v[i]) != bits_of(got.v[i]) ||
         (!want.out32.empty() && want.out32[i] != got.out32[i]) ||
         (!want.out16.empty() && want.out16[i] != got.out16[i])) {
       return "element " + std::to_string(i) + ": params " + std::to_string(want.params[i]) +
@@ -180,8 +179,9 @@ TEST(CpuAdamThreadsTest, EveryIsaThreadCountAndTileGivesTheSameBits) {
   for (int64_t n : {0, 1, 15, 17, 3 * 1000 + 7}) {
     for (DType grad : floats) {
       for (int out = 0; out < 4; ++out) {  // none, f32, bf16, f16
-        const Problem start = make_problem(n, grad, out > 0, out > 0 ? floats[out - 1] : DType::kBF16,
-                                           static_cast<uint32_t>(n) + 3);
+        const Problem start =
+            make_problem(n, grad, out > 0, out > 0 ? floats[out - 1] : DType::kBF16,
+                         static_cast<uint32_t>(n) + 3);
         for (float wd : {0.0f, 0.1f}) {
           for (float gs : {1.0f, 0.37f}) {
             const Problem want = run(reference, start, wd, gs);
@@ -225,8 +225,8 @@ TEST(CpuAdamThreadsTest, AMillionAndThreeGiveTheSameBitsOnEveryIsaAndThreadCount
       for (int threads : {1, 2, 3}) {
         CpuAdam adam({.threads = threads, .max_isa = isa});
         const Problem got = run(adam, start, 0.1f, 0.37f);
-        EXPECT_TRUE(want == got) << describe(start) << ", isa " << cpu_isa_name(isa)
-                                 << ", threads " << threads << ": first difference at "
+        EXPECT_TRUE(want == got) << describe(start) << ", isa " << cpu_isa_name(isa) << ", threads "
+                                 << threads << ": first difference at "
                                  << first_difference(want, got);
       }
     }
@@ -245,8 +245,8 @@ TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheRoundedMaster) {
           ASSERT_EQ(p.out32[i], bits_of(x)) << cpu_isa_name(isa) << " f32, element " << i;
         } else {
           const uint16_t want = out == DType::kBF16 ? nn::f32_to_bf16(x) : nn::f32_to_f16(x);
-          ASSERT_EQ(p.out16[i], want) << cpu_isa_name(isa) << " " << nn::dtype_name(out)
-                                      << ", element " << i << " = " << x;
+          ASSERT_EQ(p.out16[i], want)
+              << cpu_isa_name(isa) << " " << nn::dtype_name(out) << ", element " << i << " = " << x;
         }
       }
     }
@@ -275,8 +275,8 @@ TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheSameAtEveryAlignment) {
           a.out = dst;
           adam.update(a, args_for(0.1f, 1.0f, step));
         }
-        const void* want_out = out == DType::kF32 ? static_cast<const void*>(want.out32.data())
-                                                  : want.out16.data();
+        const void* want_out =
+            out == DType::kF32 ? static_cast<const void*>(want.out32.data()) : want.out16.data();
         EXPECT_EQ(std::memcmp(dst, want_out, static_cast<size_t>(start.n) * elem), 0)
             << cpu_isa_name(isa) << " " << nn::dtype_name(out) << ", offset " << offset;
         for (size_t b = 0; b < elem; ++b) {
@@ -335,8 +335,8 @@ TEST(CpuAdamThreadsTest, WriteBackOfF32BitPatternsIsTheNnConversion) {
         if (!std::isnan(before)) {
           ASSERT_EQ(bits_of(p.params[i]), patterns[i]) << "element " << i;
         }
-        const uint16_t want = out == DType::kBF16 ? nn::f32_to_bf16(p.params[i])
-                                                  : nn::f32_to_f16(p.params[i]);
+        const uint16_t want =
+            out == DType::kBF16 ? nn::f32_to_bf16(p.params[i]) : nn::f32_to_f16(p.params[i]);
         ASSERT_EQ(p.out16[i], want) << cpu_isa_name(isa) << " " << nn::dtype_name(out)
                                     << ", pattern 0x" << std::hex << patterns[i];
       }
@@ -403,20 +403,21 @@ TEST(CpuAdamThreadsTest, ThePoolSurvivesManyAndConcurrentUpdates) {
 TEST(CpuAdamThreadsTest, BadArraysAndArgumentsThrowBeforeAnythingIsWritten) {
   CpuAdam adam({.threads = 2});
   const Problem start = make_problem(64, DType::kF32, true, DType::kBF16, 43);
-  auto expect_refused = [&](const std::function<void(Problem&, CpuAdamArrays&, nn::AdamWArgs&)>& spoil,
-                            const std::string& text) {
-    Problem p = start;
-    CpuAdamArrays a = p.arrays();
-    nn::AdamWArgs args = args_for(0.1f, 1.0f, 1);
-    spoil(p, a, args);
-    try {
-      adam.update(a, args);
-      ADD_FAILURE() << "no error; expected one containing \"" << text << "\"";
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-    }
-    EXPECT_TRUE(p == start) << "an array was written before the error: " << text;
-  };
+  auto expect_refused =
+      [&](const std::function<void(Problem&, CpuAdamArrays&, nn::AdamWArgs&)>& spoil,
+          const std::string& text) {
+        Problem p = start;
+        CpuAdamArrays a = p.arrays();
+        nn::AdamWArgs args = args_for(0.1f, 1.0f, 1);
+        spoil(p, a, args);
+        try {
+          adam.update(a, args);
+          ADD_FAILURE() << "no error; expected one containing \"" << text << "\"";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+        }
+        EXPECT_TRUE(p == start) << "an array was written before the error: " << text;
+      };
   expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.elems = -1; },
                  "elems must not be negative");
   expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.exp_avg_sq = nullptr; },
@@ -427,11 +428,12 @@ TEST(CpuAdamThreadsTest, BadArraysAndArgumentsThrowBeforeAnythingIsWritten) {
                  "grad_dtype i32");
   expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.out_dtype = DType::kI32; },
                  "out_dtype i32");
-  expect_refused([](Problem& p, CpuAdamArrays& a, nn::AdamWArgs&) { a.exp_avg = p.params.data() + 10; },
-                 "params and exp_avg overlap");
   expect_refused(
-      [](Problem& p, CpuAdamArrays& a, nn::AdamWArgs&) { a.out = reinterpret_cast<uint16_t*>(p.v.data()) + 1; },
-      "exp_avg_sq and out overlap");
+      [](Problem& p, CpuAdamArrays& a, nn::AdamWArgs&) { a.exp_avg = p.params.data() + 10; },
+      "params and exp_avg overlap");
+  expect_refused([](Problem& p, CpuAdamArrays& a,
+                    nn::AdamWArgs&) { a.out = reinterpret_cast<uint16_t*>(p.v.data()) + 1; },
+                 "exp_avg_sq and out overlap");
   expect_refused([](Problem&, CpuAdamArrays&, nn::AdamWArgs& args) { args.step = 0; },
                  "step 0 must be >= 1");
   expect_refused([](Problem&, CpuAdamArrays&, nn::AdamWArgs& args) { args.eps = 0.0f; },
