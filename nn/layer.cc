@@ -11,9 +11,8 @@ namespace porter::nn {
 void ParamLayout::add(const std::string& prefix, const std::vector<ParamSpec>& specs) {
   for (const ParamSpec& s : specs) {
     std::string name = prefix.empty() ? s.name : prefix + "." + s.name;
-    for (const ParamEntry& e : entries_) {
-      PORTER_CHECK(e.name != name, "parameter '", name, "' declared twice");
-    }
+    PORTER_CHECK(index_.emplace(name, entries_.size()).second, "parameter '", name,
+                 "' declared twice");
     entries_.push_back({name, s.shape, total_elems_});
     int64_t n = s.shape.numel();
     total_elems_ += (n + kParamAlignElems - 1) / kParamAlignElems * kParamAlignElems;
@@ -21,8 +20,7 @@ void ParamLayout::add(const std::string& prefix, const std::vector<ParamSpec>& s
 }
 
 const ParamEntry& ParamLayout::find(const std::string& name) const {
-  for (const ParamEntry& e : entries_)
-    if (e.name == name) return e;
+  if (const auto it = index_.find(name); it != index_.end()) return entries_[it->second];
   std::string near;
   for (const ParamEntry& e : entries_) {
     if (e.name.find(name) != std::string::npos || name.find(e.name) != std::string::npos)

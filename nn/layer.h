@@ -17,6 +17,7 @@
 
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "memory/caching_allocator.h"
@@ -77,6 +78,9 @@ class ParamLayout {
 
  private:
   std::vector<ParamEntry> entries_;
+  // Name -> entry: binding looks every parameter up by name, and ZeRO rebinds the model
+  // whenever a gradient bucket or a stage-3 gather changes a view.
+  std::unordered_map<std::string, size_t> index_;
   int64_t total_elems_ = 0;
 };
 
