@@ -17,29 +17,12 @@ namespace {
 using namespace porter::engine::testing;
 
 config::Config off_config(int world_size, int stage, bool offload, int64_t gas = 1) {
-  config::Config c;
-  c.world_size = world_size;
-  c.train_micro_batch_size_per_gpu = 2;
-  c.gradient_accumulation_steps = gas;
-  c.train_batch_size = 2 * gas * world_size;
+  config::Config c = zero_config(world_size, stage, gas);
   c.gradient_clipping = 1.0;
-  config::OptimizerConfig opt;
-  opt.lr = 3e-3;
-  opt.weight_decay = 0.01;
-  c.optimizer = opt;
-  c.porter.model.layers = 2;
-  c.porter.model.hidden = 64;
-  c.porter.model.heads = 2;
-  c.porter.model.seq_len = 16;
-  c.porter.model.vocab = 256;
   c.porter.model.dropout = 0.1;
   c.porter.train.seed = 5;
-  c.porter.comm.timeout_s = 20.0;
   c.porter.device.threads = 1;
   c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
-  c.zero_optimization.stage = stage;
-  c.zero_optimization.reduce_bucket_size_elems = 20000;
-  c.zero_optimization.overlap_comm = true;
   c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
   c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
   if (offload) c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
@@ -57,9 +40,8 @@ struct RankRun {
 std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
   const int ws = static_cast<int>(c.world_size);
   std::vector<RankRun> runs(static_cast<size_t>(ws));
-  auto body = [&](int rank, std::shared_ptr<comm::Communicator> dp) {
-    auto device = cpu_device();
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
     RankRun& run = runs[static_cast<size_t>(rank)];
     const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
@@ -72,20 +54,7 @@ std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
     run.optimizer_bytes =
         e.memory_report().current_by_category[static_cast<size_t>(memory::Category::kOptimizer)];
     run.pinned_bytes = e.pinned_pool().stats().in_use_bytes;
-  };
-  if (ws == 1) {
-    body(0, nullptr);
-    return runs;
-  }
-  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
-    auto device = cpu_device();
-    comm::CommOptions o;
-    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
-    body(rank, comm::make_communicator(*device, store, rank, ws, o));
   });
-  for (auto& err : errors) {
-    if (err) std::rethrow_exception(err);
-  }
   return runs;
 }
 

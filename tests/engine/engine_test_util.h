@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "config/config.h"
 #include "engine/data.h"
 #include "engine/engine.h"
@@ -87,6 +88,58 @@ std::string error_of(const std::function<void()>& fn) {
   return "(no error)";
 }
 
+
+// The data-parallel suites' GPT (zero, zero3, optimizer offload): 2 layers, hidden 64, one
+// micro-batch of 2 per rank and accumulation step, no clipping, no dropout, ZeRO `stage` with
+// small buckets (so that they straddle shards and several are in flight) and overlap_comm.
+inline config::Config zero_config(int world_size, int stage, int64_t gas = 1) {
+  config::Config c;
+  c.world_size = world_size;
+  c.train_micro_batch_size_per_gpu = 2;
+  c.gradient_accumulation_steps = gas;
+  c.train_batch_size = 2 * gas * world_size;
+  c.gradient_clipping = 0.0;
+  config::OptimizerConfig opt;
+  opt.lr = 3e-3;
+  opt.weight_decay = 0.01;
+  c.optimizer = opt;
+  c.porter.model.layers = 2;
+  c.porter.model.hidden = 64;
+  c.porter.model.heads = 2;
+  c.porter.model.seq_len = 16;
+  c.porter.model.vocab = 256;
+  c.porter.model.dropout = 0.0;
+  c.porter.train.seed = 11;
+  c.porter.comm.timeout_s = 20.0;
+  c.zero_optimization.stage = stage;
+  c.zero_optimization.reduce_bucket_size_elems = 20000;
+  c.zero_optimization.overlap_comm = true;
+  return c;
+}
+
+// Runs fn(rank, device, dp) on c.world_size thread ranks, each with its own cpu device and a
+// Gloo communicator on it (with one rank: on the calling thread, dp null); rethrows the first
+// rank's error.
+inline void for_each_dp_rank(
+    const config::Config& c,
+    const std::function<void(int rank, memory::Device& device,
+                             std::shared_ptr<comm::Communicator> dp)>& fn) {
+  const int ws = static_cast<int>(c.world_size);
+  if (ws == 1) {
+    auto device = cpu_device();
+    fn(0, *device, nullptr);
+    return;
+  }
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    fn(rank, *device, comm::make_communicator(*device, store, rank, ws, o));
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+}
 
 // How a BombModel's armed stage fails.
 enum class Bomb {

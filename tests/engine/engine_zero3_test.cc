@@ -30,27 +30,10 @@ namespace {
 using namespace porter::engine::testing;
 
 config::Config z3_config(int world_size, int stage, int64_t gas = 1) {
-  config::Config c;
-  c.world_size = world_size;
-  c.train_micro_batch_size_per_gpu = 2;
-  c.gradient_accumulation_steps = gas;
-  c.train_batch_size = 2 * gas * world_size;
+  config::Config c = zero_config(world_size, stage, gas);
   c.gradient_clipping = 1.0;
-  config::OptimizerConfig opt;
-  opt.lr = 3e-3;
-  opt.weight_decay = 0.01;
-  c.optimizer = opt;
   c.porter.model.layers = 3;
-  c.porter.model.hidden = 64;
-  c.porter.model.heads = 2;
-  c.porter.model.seq_len = 16;
-  c.porter.model.vocab = 256;
   c.porter.model.dropout = 0.1;
-  c.porter.train.seed = 11;
-  c.porter.comm.timeout_s = 20.0;
-  c.zero_optimization.stage = stage;
-  c.zero_optimization.reduce_bucket_size_elems = 20000;
-  c.zero_optimization.overlap_comm = true;
   // A block is ~50k elements: prefetch one ahead, free what is not reused within one block,
   // and keep only the final layernorm persistent.
   c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
@@ -73,12 +56,8 @@ struct RankRun {
 std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
   const int ws = static_cast<int>(c.world_size);
   std::vector<RankRun> runs(static_cast<size_t>(ws));
-  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
-    auto device = cpu_device();
-    comm::CommOptions o;
-    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
-    std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, ws, o);
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
     e.reset_peaks();
     RankRun& run = runs[static_cast<size_t>(rank)];
     const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
@@ -96,9 +75,6 @@ std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
     run.shard_elems = e.zero_stats().shard_elems;
     run.plan = e.plan().schedule.to_string();
   });
-  for (auto& err : errors) {
-    if (err) std::rethrow_exception(err);
-  }
   return runs;
 }
 
@@ -332,12 +308,8 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
   std::filesystem::remove_all(dir);
   std::vector<std::vector<double>> straight(2), resumed(2);
   for (int phase = 0; phase < 3; ++phase) {
-    auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
-      auto device = cpu_device();
-      comm::CommOptions o;
-      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
-      std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
-      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+      Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
       const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       int begin = 0, end = phase == 1 ? 3 : 6;
       if (phase == 2) {
@@ -351,9 +323,6 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
       }
       if (phase == 1) e.save_checkpoint(dir);
     });
-    for (auto& err : errors) {
-      if (err) std::rethrow_exception(err);
-    }
   }
   for (size_t r = 0; r < 2; ++r) {
     ASSERT_EQ(resumed[r].size(), 3u);
@@ -432,21 +401,14 @@ TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
     c.gradient_clipping = 0.0;
     c.bf16.enabled = true;
     c.zero_optimization.stage3_gather_16bit_weights_on_model_save = true;
-    auto errors = comm::run_thread_ranks(2, [&](int rank, std::shared_ptr<comm::Store> store) {
-      auto device = cpu_device();
-      comm::CommOptions o;
-      o.timeout = comm::Seconds{c.porter.comm.timeout_s};
-      std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
-      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+      Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
       const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       for (int s = 0; s < 3; ++s) e.train_step(data.rank_batches(s, 1, rank, 2));
       const std::vector<float> p = e.params_host();
       if (stage == 0 && rank == 0) stage0 = p;
       if (stage == 3) e.save_checkpoint(dir);
     });
-    for (auto& err : errors) {
-      if (err) std::rethrow_exception(err);
-    }
   }
   const GptModel model(z3_config(2, 3).porter.model);
   const std::vector<WeightTensor> saved = read_safetensors(dir / "model.safetensors");

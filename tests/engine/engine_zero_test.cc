@@ -25,32 +25,6 @@ namespace {
 
 using namespace porter::engine::testing;
 
-config::Config zero_config(int world_size, int stage, int64_t gas = 1) {
-  config::Config c;
-  c.world_size = world_size;
-  c.train_micro_batch_size_per_gpu = 2;
-  c.gradient_accumulation_steps = gas;
-  c.train_batch_size = 2 * gas * world_size;
-  c.gradient_clipping = 0.0;
-  config::OptimizerConfig opt;
-  opt.lr = 3e-3;
-  opt.weight_decay = 0.01;
-  c.optimizer = opt;
-  c.porter.model.layers = 2;
-  c.porter.model.hidden = 64;
-  c.porter.model.heads = 2;
-  c.porter.model.seq_len = 16;
-  c.porter.model.vocab = 256;
-  c.porter.model.dropout = 0.0;
-  c.porter.train.seed = 11;
-  c.porter.comm.timeout_s = 20.0;
-  c.zero_optimization.stage = stage;
-  // Small buckets, so that buckets straddle shards and several are in flight.
-  c.zero_optimization.reduce_bucket_size_elems = 20000;
-  c.zero_optimization.overlap_comm = true;
-  return c;
-}
-
 struct RankRun {
   std::vector<StepResult> steps;
   std::vector<float> params;
