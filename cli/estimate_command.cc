@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <iomanip>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -67,6 +68,18 @@ std::string stage_formula(int stage, const zero::StateDTypes& d, int n) {
     case 2: return p + " Psi + (" + g + "+" + k + ") Psi/" + ns;
     default: return "(" + p + "+" + g + "+" + k + ") Psi/" + ns;
   }
+}
+
+// Model states on the device and the host for one offload setting.
+struct OffloadEstimate {
+  bool optimizer = false, params = false;
+  zero::StateBytes device;
+  zero::HostStateBytes host;
+};
+
+nlohmann::ordered_json host_json(const zero::HostStateBytes& b) {
+  return {{"optimizer", b.optimizer}, {"grads", b.grads}, {"params", b.params},
+          {"total", b.total()}};
 }
 
 nlohmann::ordered_json bytes_json(const zero::StateBytes& b) {
@@ -255,13 +268,34 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
   const size_t persistent = costs.params.enabled ? costs.params.persistent_bytes() : 0;
   ms.params += persistent;
-  // Optimizer offload (docs/zero.md, "Optimizer offload"): none of the optimizer on the device;
-  // the host holds master, m, v, the gradient shard (f32) and the working copy per element.
-  const bool offload_optimizer =
-      cfg.zero_optimization.offload_optimizer.device != config::OffloadDevice::kNone;
-  const size_t host_bytes =
-      offload_optimizer ? static_cast<size_t>(part.shard_elems) * (16 + state_dtypes.param_bytes()) : 0;
-  if (offload_optimizer) ms.optimizer = 0;
+  // Offload (docs/zero.md, "Optimizer offload" and "Parameter offload"; Note [Host-state
+  // bytes per rank]): every setting the configured stage allows, device and host bytes per
+  // rank; the configured one sets the model states of the plans below.
+  const config::ZeroConfig& zc = cfg.zero_optimization;
+  const bool offload_optimizer = zc.offload_optimizer.device != config::OffloadDevice::kNone;
+  const bool offload_param = zc.offload_param.device != config::OffloadDevice::kNone;
+  const zero::StateBytes base = ms;
+  auto offload_row = [&](bool opt, bool params) {
+    OffloadEstimate e;
+    e.optimizer = opt;
+    e.params = params;
+    e.device = base;
+    if (opt) e.device.optimizer = 0;
+    if (params) e.device.params = persistent;  // the shard is on the host
+    e.host = zero::host_state_bytes(part, config_stage, state_dtypes, opt, params,
+                                    zc.offload_optimizer.pin_memory, zc.offload_param.pin_memory);
+    return e;
+  };
+  std::vector<OffloadEstimate> offload_rows;
+  for (bool opt : {false, true}) {
+    for (bool params : {false, true}) {
+      if ((opt && config_stage == 0) || (params && config_stage != 3)) continue;
+      offload_rows.push_back(offload_row(opt, params));
+    }
+  }
+  const OffloadEstimate configured = offload_row(offload_optimizer, offload_param);
+  ms = configured.device;
+  const zero::HostStateBytes host = configured.host;
   const size_t model_state = ms.total();
   const size_t batch = run.batch_bytes;
   const std::optional<size_t> capacity = run.capacity_bytes;
@@ -345,7 +379,12 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     j["world_size"] = world_size;
     j["zero_stage"] = config_stage;
     j["model_state_bytes"] = bytes_json(ms);
-    j["host_bytes"] = {{"optimizer_offload", host_bytes}};
+    j["host_bytes"] = host_json(host);
+    j["offload"] = nlohmann::ordered_json::array();
+    for (const OffloadEstimate& e : offload_rows) {
+      j["offload"].push_back({{"offload_optimizer", e.optimizer}, {"offload_param", e.params},
+                              {"device", bytes_json(e.device)}, {"host", host_json(e.host)}});
+    }
     nlohmann::ordered_json zj;
     zj["data_parallel_size"] = dp;
     zj["num_params"] = num_params;
@@ -434,10 +473,26 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       << format_bytes(ms.params) << ", grads " << format_bytes(ms.grads) << ", optimizer "
       << format_bytes(ms.optimizer) << " = " << format_bytes(model_state) << "; batch "
       << format_bytes(batch) << "\n";
-  if (offload_optimizer) {
-    out << "  optimizer offload: the optimizer is on the host, " << format_bytes(host_bytes)
-        << " per rank (master weights, moments, gradient shard and working copy), pinned with "
-           "offload_optimizer.pin_memory\n";
+  if (offload_rows.size() > 1) {
+    out << "  offload (model states per rank; host: optimizer = master + moments, grads = the "
+           "gradient shard's copy, params = working copy / shard):\n";
+    for (const OffloadEstimate& e : offload_rows) {
+      const bool mine = e.optimizer == offload_optimizer && e.params == offload_param;
+      std::string name = e.optimizer && e.params ? "optimizer + params"
+                         : e.optimizer           ? "optimizer"
+                         : e.params              ? "params"
+                                                 : "none";
+      out << "    " << (mine ? "* " : "  ") << std::left << std::setw(20) << name << std::right
+          << " device " << std::setw(10) << format_bytes(e.device.total()) << "  host "
+          << std::setw(10) << format_bytes(e.host.total());
+      if (e.host.total() > 0) {
+        out << " (optimizer " << format_bytes(e.host.optimizer) << ", grads "
+            << format_bytes(e.host.grads) << ", params " << format_bytes(e.host.params) << ")";
+      }
+      out << "\n";
+    }
+    out << "    (* the config's: zero_optimization.offload_optimizer / offload_param; host bytes "
+           "are pinned as their pin_memory says)\n";
   }
   if (costs.params.enabled) {
     out << "  stage 3: params are the shard plus " << format_bytes(persistent)

@@ -113,6 +113,14 @@ ordered_json zero_json(engine::Engine& engine) {
                           {"host_bytes", z.offload_host_bytes},
                           {"pin_memory", engine.run_options().optimizer.offload.pin_memory}}
            : ordered_json()},
+      // Parameter offload (Note [Parameter offload]); null without.
+      {"offload_param",
+       engine.run_options().optimizer.param_offload.enabled
+           ? ordered_json{{"host_bytes", z.param_offload_host_bytes},
+                          {"h2d_bytes", z.param_offload_h2d_bytes},
+                          {"d2h_bytes", z.param_offload_d2h_bytes},
+                          {"pin_memory", engine.run_options().optimizer.param_offload.pin_memory}}
+           : ordered_json()},
   };
 }
 
@@ -376,6 +384,20 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
           << format_bytes(static_cast<uint64_t>(static_cast<double>(z.offload_h2d_bytes) / n))
           << " of parameters up per step; host AdamW " << format_seconds(z.offload_cpu_update_s / n)
           << ", " << format_seconds(z.offload_exposed_s / n) << " exposed per step\n";
+    }
+    if (engine.run_options().optimizer.param_offload.enabled) {
+      out << "  parameter offload: the shard, " << format_bytes(z.param_offload_host_bytes)
+          << ", on the host ("
+          << (engine.run_options().optimizer.param_offload.pin_memory ? "pinned" : "pageable")
+          << "); "
+          << format_bytes(static_cast<uint64_t>(static_cast<double>(z.param_offload_h2d_bytes) / n))
+          << " uploaded for the gathers";
+      if (z.param_offload_d2h_bytes > 0) {
+        out << " and "
+            << format_bytes(static_cast<uint64_t>(static_cast<double>(z.param_offload_d2h_bytes) / n))
+            << " of updated shard down";
+      }
+      out << " per step\n";
     }
     if (z.zero_stage == 3) {
       std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * z.gather_hidden_fraction);

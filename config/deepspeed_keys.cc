@@ -290,8 +290,8 @@ void read_precision(ObjectReader& root, Config& c) {
 template <typename S>
 void read_offload_device(const Json& v, const std::string& path, S& o, Diagnostics& diag) {
   if (v.is_string() && v.get_ref<const std::string&>() == "nvme") {
-    diag.warn(path, "\"nvme\": NVMe offload is not supported yet; porter reads it as "
-                    "\"cpu\" (host memory)");
+    diag.warn(path, "\"nvme\": porter does not offload to NVMe; it reads this as \"cpu\" "
+                    "(host memory), which needs the same state to fit in host memory; use \"cpu\"");
     o.device = OffloadDevice::kCpu;
     return;
   }
@@ -394,8 +394,16 @@ void read_zero(ObjectReader& root, Config& c) {
                     "\"offload_optimizer\": {\"device\": \"cpu\"}")) {
     if (*r->boolean("cpu_offload")) z.offload_optimizer.device = OffloadDevice::kCpu;
   }
+  // The NVMe swap-buffer sizes mean nothing for host memory, where porter keeps the state.
+  auto nvme_only = [](ObjectReader& o, const char* key, const char* meaning) {
+    if (o.has(key)) {
+      o.diag().warn(o.path_of(key), std::string(meaning) + ", for NVMe offload only; porter keeps "
+                                    "this state in host memory, so it has no effect");
+    }
+  };
   if (std::optional<ObjectReader> o = r->object("offload_optimizer")) {
     read_keys(*o, z.offload_optimizer, c);
+    nvme_only(*o, "buffer_count", "sets the number of optimizer-state swap buffers");
     o->not_implemented("pipeline_read", false, "NVMe read pipelining");
     o->not_implemented("pipeline_write", false, "NVMe write pipelining");
     o->not_implemented("pipeline", false, "NVMe pipelining");
@@ -407,6 +415,9 @@ void read_zero(ObjectReader& root, Config& c) {
   }
   if (std::optional<ObjectReader> o = r->object("offload_param")) {
     read_keys(*o, z.offload_param, c);
+    nvme_only(*o, "buffer_count", "sets the number of parameter swap buffers");
+    nvme_only(*o, "buffer_size", "sets the size of each parameter swap buffer");
+    nvme_only(*o, "max_in_cpu", "caps the parameter elements kept in host memory");
     o->finish();
   }
   if (r->has("cpu_offload_use_pin_memory")) {

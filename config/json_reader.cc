@@ -449,7 +449,7 @@ void ObjectReader::not_implemented(std::string_view key, const Json& harmless,
                                    std::string_view note) {
   const Json* v = get(key);
   if (v == nullptr || *v == harmless) return;
-  diag_->warn(path_of(key), "set to " + describe(*v) + ", but porter does not implement it yet (" +
+  diag_->warn(path_of(key), "set to " + describe(*v) + ", but porter does not implement it (" +
                                 std::string(note) + "); ignored");
 }
 
@@ -461,7 +461,7 @@ void ObjectReader::not_implemented_section(std::string_view key, std::string_vie
     if (enabled != v->end() && *enabled == false) return;
   }
   diag_->warn(path_of(key),
-              "porter does not implement this section yet (" + std::string(note) + "); ignored");
+              "porter does not implement this section (" + std::string(note) + "); ignored");
 }
 
 void ObjectReader::finish() {

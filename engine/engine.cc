@@ -53,6 +53,14 @@ void set_gather_stats(ZeroStats& z, const zero::GatherStats& g,
   z.persistent_bytes = predicted.persistent_bytes;
 }
 
+// The offloaded state's host bytes (Note [Host-state bytes per rank]): the optimizer's arrays,
+// and the parameter shard apart when the parameters are offloaded.
+void set_host_state(ZeroStats& z, const zero::ShardedOptimizer& optimizer) {
+  const zero::HostStateBytes h = optimizer.host_state();
+  z.param_offload_host_bytes = optimizer.params_offloaded() ? h.params : 0;
+  z.offload_host_bytes = h.total() - z.param_offload_host_bytes;
+}
+
 void check_batches(const config::Config& c, Model& model,
                    const std::vector<HostBatch>& micro_batches, size_t expected_count) {
   const int64_t b = c.train_micro_batch_size_per_gpu;
@@ -170,7 +178,8 @@ void Engine::build_model_states() {
     im.param_costs = std::move(s3.costs);
     im.gatherer = std::make_unique<zero::ParamGatherer>(
         *im.flat, *allocator_, im.comm(), im.part, im.optimizer->working(), std::move(s3.units),
-        im.param_costs.max_live_elems, [m, flat] { m->bind(*flat); });
+        im.param_costs.max_live_elems, [m, flat] { m->bind(*flat); },
+        im.optimizer->params_offloaded());
   }
   if (im.flat->grads().defined()) {
     nn::Tensor grads = im.flat->grads();
@@ -423,9 +432,24 @@ zero::GradNorm Engine::update(StepResult& r) {
   const int64_t start_us = trace_ != nullptr ? trace_->now_us() : 0;
   const int64_t start_ns = im.step_memory ? im.step_memory->now_ns() : 0;
   const nn::Tensor& grads = im.reducer->shard();
+  if (im.gatherer) im.gatherer->check();  // a failed upload fails the step here, state untouched
   const zero::GradNorm norm = im.optimizer->global_norm(grads);
   r.lr = im.lr->lr(im.optimizer->steps());
   im.optimizer->update(grads, r.lr, norm);
+  if (trace_ != nullptr && im.optimizer->offloaded()) {
+    // The host AdamW on its own lane (Note [Optimizer offload]). Its stats stay for record().
+    const zero::OffloadStats& o = im.optimizer->offload_stats();
+    if (o.update_end > o.update_begin) {
+      TraceSpan span;
+      span.name = "host adamw";
+      span.category = "optimizer";
+      span.lane = "host optimizer";
+      span.start_us = trace_->to_us(o.update_begin);
+      span.dur_us = trace_->to_us(o.update_end) - span.start_us;
+      span.step = step_;
+      trace_->span(std::move(span));
+    }
+  }
   // Stage 3: the persistent stages' buffers follow the updated shards.
   if (im.gatherer && !norm.overflow) im.gatherer->refresh_persistent();
   r.grad_norm = norm.norm;
@@ -509,8 +533,10 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   z.reduce_hidden_fraction = hidden_fraction(reduced.reduce_busy_s, reduced.reduce_exposed_s);
   z.loss_scale = im.optimizer->loss_scale();
   z.skipped_steps = r.skipped ? 1 : 0;
-  if (im.optimizer->offloaded()) {
+  if (im.optimizer->offloaded() || im.optimizer->params_offloaded()) {
     const zero::OffloadStats o = im.optimizer->take_offload_stats();
+    z.param_offload_d2h_bytes = o.param_d2h_bytes;
+    im.zero_total.param_offload_d2h_bytes += o.param_d2h_bytes;
     z.offload_d2h_bytes = o.d2h_bytes;
     z.offload_h2d_bytes = o.h2d_bytes;
     z.offload_cpu_update_s = o.cpu_update_s;
@@ -521,14 +547,17 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
     ot.offload_cpu_update_s += o.cpu_update_s;
     ot.offload_exposed_s += o.exposed_s;
   }
-  z.offload_host_bytes = im.optimizer->host_bytes();
+  set_host_state(z, *im.optimizer);
   if (im.gatherer) {
     const zero::GatherStats g = im.gatherer->take_stats();
+    z.param_offload_h2d_bytes = g.h2d_bytes;
+    im.zero_total.param_offload_h2d_bytes += g.h2d_bytes;
     set_gather_stats(z, g, im.plan.prediction.params);
     z.comm_exposed_s += g.exposed_s;
     zero::GatherStats& gt = im.gather_total;
     gt.gathers += g.gathers;
     gt.gathered_bytes += g.gathered_bytes;
+    gt.h2d_bytes += g.h2d_bytes;
     gt.busy_s += g.busy_s;
     gt.exposed_s += g.exposed_s;
     gt.peak_live_elems = std::max(gt.peak_live_elems, g.peak_live_elems);
@@ -741,7 +770,7 @@ ZeroStats Engine::zero_stats() const {
   z.reduce_hidden_fraction = hidden_fraction(im.reduce_busy_total_s, im.reduce_exposed_total_s);
   z.loss_scale = im.optimizer->loss_scale();
   set_gather_stats(z, im.gather_total, im.plan.prediction.params);
-  z.offload_host_bytes = im.optimizer->host_bytes();
+  set_host_state(z, *im.optimizer);
   return z;
 }
 

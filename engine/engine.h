@@ -91,6 +91,10 @@ struct ZeroStats {
   double offload_cpu_update_s = 0.0; // the host AdamW
   double offload_exposed_s = 0.0;    // copies + host update, which the step waited for
   size_t offload_host_bytes = 0;     // host memory of the offloaded state (pinned with pin_memory)
+  // Parameter offload (Note [Parameter offload]); zero without.
+  size_t param_offload_host_bytes = 0;   // the parameter shard in host memory
+  uint64_t param_offload_h2d_bytes = 0;  // this rank's parts of the gathered units, uploaded
+  uint64_t param_offload_d2h_bytes = 0;  // the device-updated shard back (optimizer on device)
 };
 
 // Tensor-parallel figures of one step, or cumulative (Engine::tp_stats();

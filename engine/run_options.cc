@@ -87,6 +87,9 @@ RunOptions make_run_options(const config::Config& config) {
   r.optimizer.offload.enabled = z.offload_optimizer.device != config::OffloadDevice::kNone;
   r.optimizer.offload.pin_memory = z.offload_optimizer.pin_memory;
   r.optimizer.offload.threads = static_cast<int>(p.device.threads);
+  // Note [Parameter offload] (stage 3; "nvme" reads as "cpu").
+  r.optimizer.param_offload.enabled = z.offload_param.device != config::OffloadDevice::kNone;
+  r.optimizer.param_offload.pin_memory = z.offload_param.pin_memory;
 
   r.batch_bytes = 2 * static_cast<size_t>(config.train_micro_batch_size_per_gpu) *
                   static_cast<size_t>(p.model.seq_len) * sizeof(int32_t);
@@ -95,7 +98,6 @@ RunOptions make_run_options(const config::Config& config) {
 }
 
 void check_supported(const config::Config& c, int dp_size, int tp_size) {
-  const config::ZeroConfig& z = c.zero_optimization;
   const int64_t tp = c.porter.model.tensor_parallel;
   if (tp_size != tp) {
     throw InvalidArgument(
@@ -109,12 +111,6 @@ void check_supported(const config::Config& c, int dp_size, int tp_size) {
         "communicator's " + std::to_string(dp_size) + " ranks times porter.model."
         "tensor_parallel " + std::to_string(tp) +
         ": parse the config with the launch's world size and pass the dp group of that world");
-  }
-  const auto offloaded = [](config::OffloadDevice d) { return d != config::OffloadDevice::kNone; };
-  if (offloaded(z.offload_param.device)) {
-    throw InvalidArgument(
-        "zero_optimization.offload_param.device: parameter offload is not supported yet; set "
-        "it to \"none\" (activation_checkpointing.cpu_checkpointing offloads checkpoints)");
   }
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {

@@ -20,7 +20,7 @@ using Clock = std::chrono::steady_clock;
 ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator,
                              comm::Communicator* dp, const Partition& part, nn::Tensor shard,
                              std::vector<ParamUnit> units, int64_t max_live_elems,
-                             std::function<void()> rebind)
+                             std::function<void()> rebind, bool shard_on_host)
     : flat_(&flat),
       allocator_(&allocator),
       dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
@@ -31,6 +31,7 @@ ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& all
       state_(units_.size()),
       max_live_elems_(max_live_elems),
       rebind_(std::move(rebind)) {
+  if (shard_on_host) h2d_ = allocator.device().create_stream("param h2d");
   PORTER_CHECK(shard_.defined() && shard_.numel() == part.shard_elems,
                "ParamGatherer: the working shard has ", shard_.defined() ? shard_.numel() : 0,
                " elements, the partition's shard ", part.shard_elems);
@@ -43,8 +44,24 @@ ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& all
 
 ParamGatherer::~ParamGatherer() {
   // The buffers may still be written by a broadcast only after a failure, and then the
-  // communicator was aborted: its stream is drained before it is destroyed.
+  // communicator was aborted: its stream is drained before it is destroyed. An upload may be
+  // in flight after a failure too.
   for (UnitState& s : state_) s.works.clear();
+  if (h2d_) {
+    try {
+      h2d_->synchronize();
+    } catch (...) {  // the failure was reported by the step that made it
+    }
+  }
+}
+
+void ParamGatherer::wait_upload(UnitState& st) {
+  if (!st.uploading) return;
+  memory::Stream& compute = allocator_->device().compute_stream();
+  const auto t0 = Clock::now();
+  compute.wait(*st.uploaded);
+  stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  st.uploading = false;
 }
 
 void ParamGatherer::issue(int u, nn::Tensor buffer) {
@@ -52,14 +69,30 @@ void ParamGatherer::issue(int u, nn::Tensor buffer) {
   UnitState& st = state_[static_cast<size_t>(u)];
   const size_t esize = nn::dtype_size(buffer.dtype());
   char* base = static_cast<char*>(buffer.data());
-  // This rank's part, from its shard, on the compute stream.
+  // This rank's part, from its shard: on the compute stream, or from the host on the upload
+  // stream, which the comm stream then waits for (Note [Stage 3 gather]).
   const int64_t mine_lo = std::max(un.lo, part_.begin(rank_));
   const int64_t mine_hi = std::min(un.hi, part_.end(rank_));
   if (mine_lo < mine_hi) {
-    allocator_->device().compute_stream().copy_async(
-        base + static_cast<size_t>(mine_lo - un.lo) * esize,
-        static_cast<const char*>(shard_.data()) + static_cast<size_t>(mine_lo - part_.begin(rank_)) * esize,
-        static_cast<size_t>(mine_hi - mine_lo) * esize);
+    void* dst = base + static_cast<size_t>(mine_lo - un.lo) * esize;
+    const void* src = static_cast<const char*>(shard_.data()) +
+                      static_cast<size_t>(mine_lo - part_.begin(rank_)) * esize;
+    const size_t bytes = static_cast<size_t>(mine_hi - mine_lo) * esize;
+    if (h2d_) {
+      // The upload starts after compute's work so far: the buffer's allocation, and the reads
+      // of a persistent unit refilled in place.
+      if (!st.uploaded) st.uploaded = allocator_->device().create_event();
+      allocator_->device().compute_stream().record(*st.uploaded);
+      h2d_->wait(*st.uploaded);
+      h2d_->copy_async(dst, src, bytes);
+      h2d_->record(*st.uploaded);
+      buffer.record_stream(*h2d_);
+      st.uploading = true;
+      stats_.h2d_bytes += bytes;
+      if (dp_ != nullptr) dp_->stream().wait(*st.uploaded);
+    } else {
+      allocator_->device().compute_stream().copy_async(dst, src, bytes);
+    }
   }
   if (dp_ != nullptr) {
     const comm::CommLabel label(dp_, "gather " + un.name);  // Note [Comm records]
@@ -118,6 +151,7 @@ void ParamGatherer::wait(int u) {
     }
     st.works.clear();
   }
+  wait_upload(st);
   if (!st.bound) bind(u);
 }
 
@@ -156,6 +190,7 @@ void ParamGatherer::release(int u) {
     }
     st.works.clear();
   }
+  wait_upload(st);
   if (st.bound) unbind(u);
   if (!un.persistent) {
     live_elems_ -= un.elems();
@@ -196,7 +231,14 @@ void ParamGatherer::release_all() {
 }
 
 void ParamGatherer::abort() {
+  if (h2d_) {
+    try {
+      h2d_->synchronize();  // no upload may write a buffer dropped below
+    } catch (...) {       // the step that failed reports the error
+    }
+  }
   for (int u = 0; u < num_units(); ++u) {
+    state_[static_cast<size_t>(u)].uploading = false;
     UnitState& st = state_[static_cast<size_t>(u)];
     if (units_[static_cast<size_t>(u)].persistent || !st.buffer.defined()) continue;
     st.works.clear();
@@ -205,6 +247,10 @@ void ParamGatherer::abort() {
     live_bytes_ -= st.buffer.nbytes();
     st.buffer = nn::Tensor();
   }
+}
+
+void ParamGatherer::check() {
+  if (h2d_) h2d_->synchronize();
 }
 
 GatherStats ParamGatherer::take_stats() {

@@ -21,10 +21,16 @@
 // the engine's lifetime: refresh_persistent() gathers it again after every update.
 // Live elements (gathered or in flight, persistent ones aside) are checked against
 // stage3_max_live_parameters at every gather.
+// With parameter offload the shard is in host memory (Note [Parameter offload] in
+// zero/sharded_optimizer.h): this rank's part then goes to the buffer on the gatherer's own
+// copy stream ("param h2d"), an event marks its end, and the comm stream waits for that event
+// before the broadcasts (the one rooted here sends those bytes), and the compute stream at
+// wait(u). So a prefetched unit's upload, like its broadcasts, overlaps the ops before it.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -47,6 +53,7 @@ struct ParamUnit {
 struct GatherStats {
   int64_t gathers = 0;
   uint64_t gathered_bytes = 0;  // received from other ranks
+  uint64_t h2d_bytes = 0;       // parameter offload: this rank's parts uploaded from the host
   double busy_s = 0.0;          // comm-stream time of the broadcasts
   double exposed_s = 0.0;       // host time the compute stream waited for them
   int64_t peak_live_elems = 0;  // gathered elements alive at once (persistent aside), at most
@@ -55,11 +62,12 @@ struct GatherStats {
 
 class ParamGatherer {
  public:
-  // `shard` is the rank's working shard [r*S, (r+1)*S) (the whole buffer with one rank); `dp`
-  // may be null (one rank). `rebind` binds the model to `flat` again after views change.
+  // `shard` is the rank's working shard [r*S, (r+1)*S) (the whole buffer with one rank), in
+  // device memory, or in host memory when `shard_on_host`; `dp` may be null (one rank).
+  // `rebind` binds the model to `flat` again after views change.
   ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator, comm::Communicator* dp,
                 const Partition& part, nn::Tensor shard, std::vector<ParamUnit> units,
-                int64_t max_live_elems, std::function<void()> rebind);
+                int64_t max_live_elems, std::function<void()> rebind, bool shard_on_host = false);
   ParamGatherer(const ParamGatherer&) = delete;
   ParamGatherer& operator=(const ParamGatherer&) = delete;
   ~ParamGatherer();
@@ -84,14 +92,22 @@ class ParamGatherer {
   // (the communicator is aborted).
   void abort();
 
+  // Parameter offload: rethrows the first error of an upload since the last call (a copy
+  // stream reports errors when it is synchronized); the engine calls it before the update,
+  // so a failed upload fails the step before any state changes.
+  void check();
+
   GatherStats take_stats();
 
  private:
   struct UnitState {
     nn::Tensor buffer;
     std::vector<comm::Work> works;
+    std::unique_ptr<memory::Event> uploaded;  // shard on the host: this rank's part is in
+    bool uploading = false;                   // the buffer once `uploaded` completes
     bool bound = false;
   };
+  void wait_upload(UnitState& st);
   void issue(int u, nn::Tensor buffer);
   void bind(int u);
   void unbind(int u);
@@ -108,6 +124,7 @@ class ParamGatherer {
   int64_t live_elems_ = 0;
   size_t live_bytes_ = 0;
   std::function<void()> rebind_;
+  std::unique_ptr<memory::Stream> h2d_;  // shard on the host; null otherwise
   GatherStats stats_;
 };
 

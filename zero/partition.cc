@@ -2,6 +2,7 @@
 #include "zero/partition.h"
 
 #include "base/check.h"
+#include "memory/pinned_pool.h"
 #include "nn/layer.h"
 
 namespace porter::zero {
@@ -27,6 +28,30 @@ StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes&
   b.params = dtypes.param_bytes() * (zero_stage >= 3 ? shard : full);
   b.grads = dtypes.grad_bytes() * (zero_stage >= 2 ? shard : full);
   b.optimizer = dtypes.optimizer_bytes() * (zero_stage >= 1 ? shard : full);
+  return b;
+}
+
+HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes,
+                                bool optimizer_offload, bool param_offload,
+                                bool optimizer_pinned, bool param_pinned) {
+  PORTER_CHECK(!param_offload || zero_stage == 3, "parameter offload needs ZeRO stage 3, got ",
+               zero_stage);
+  PORTER_CHECK(!optimizer_offload || zero_stage >= 1, "optimizer offload needs ZeRO stage 1-3");
+  const auto n = static_cast<size_t>(part.shard_elems);
+  auto array = [&](size_t bytes, bool pinned) {
+    constexpr size_t g = memory::PinnedPool::kGranularity;
+    return pinned ? (bytes + g - 1) / g * g : bytes;
+  };
+  HostStateBytes b;
+  if (optimizer_offload) {
+    b.optimizer = 3 * array(4 * n, optimizer_pinned);
+    b.grads = array(4 * n, optimizer_pinned);
+  }
+  if (param_offload) {
+    b.params = array(dtypes.param_bytes() * n, param_pinned);
+  } else if (optimizer_offload) {
+    b.params = array(dtypes.param_bytes() * n, optimizer_pinned);
+  }
   return b;
 }
 

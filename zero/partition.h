@@ -59,6 +59,24 @@ struct StateBytes {
   size_t total() const { return params + grads + optimizer; }
 };
 
+// Note [Host-state bytes per rank]
+// With the optimizer offloaded (Note [Optimizer offload]) the rank's range of S' elements (S
+// at stages 1-3) keeps on the host the f32 master, both f32 moments and an f32 copy of the
+// gradient shard, 16 S' bytes (the master even for f32 compute, where the device has none),
+// plus the working copy in the compute dtype, p S'. Parameter offload (stage 3, Note
+// [Parameter offload]) keeps the working shard there, p S; with both, the working copy is the
+// shard, counted once (and pinned as offload_param.pin_memory says). Pinned arrays round up
+// to the pinned pool's granularity, each one.
+struct HostStateBytes {
+  size_t optimizer = 0;  // master + exp_avg + exp_avg_sq
+  size_t grads = 0;      // the gradient shard's host copy
+  size_t params = 0;     // the working copy / parameter shard
+  size_t total() const { return optimizer + grads + params; }
+};
+HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes,
+                                bool optimizer_offload, bool param_offload,
+                                bool optimizer_pinned, bool param_pinned);
+
 // porter's exact per-rank bytes at `stage` (0..3).
 StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes);
 // The paper's formula with porter's dtypes, Psi = num_params (unpadded parameter count).

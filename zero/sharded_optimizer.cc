@@ -26,17 +26,20 @@ nn::Tensor zeros_f32(nn::Kernels& kernels, memory::CachingAllocator& allocator, 
 
 }  // namespace
 
-// Note [Optimizer offload]: the host arrays of the rank's range.
+// Note [Optimizer offload], Note [Parameter offload]: the host arrays of the rank's range.
 struct ShardedOptimizer::Host {
   struct Array {
     memory::PinnedBuffer pinned;              // pin_memory
     std::unique_ptr<std::byte[]> pageable;    // otherwise
     void* data = nullptr;
     size_t bytes = 0;
+    size_t held = 0;  // what it takes: the pinned pool's capacity (Note [Host-state bytes per rank])
   };
+  bool optimizer = false;  // master, exp_avg, exp_avg_sq, grad live here
+  bool params = false;     // `out` is the parameter shard itself
   Array master, exp_avg, exp_avg_sq, grad, out;
   std::unique_ptr<CpuAdam> adam;
-  static Array make(memory::PinnedPool* pinned, size_t bytes, const char* what) {
+  static Array make(memory::PinnedPool* pinned, size_t bytes, const char* key, const char* what) {
     Array a;
     a.bytes = bytes;
     if (bytes == 0) return a;
@@ -44,21 +47,21 @@ struct ShardedOptimizer::Host {
       try {
         a.pinned = pinned->allocate(bytes);
       } catch (const OutOfMemoryError& e) {
-        throw OutOfMemoryError(std::string("zero_optimization.offload_optimizer: the host ") + what +
+        throw OutOfMemoryError(std::string("zero_optimization.") + key + ": the host " + what +
                                " (" + std::to_string(bytes) + " bytes) does not fit in pinned memory: " +
-                               e.what() + " (raise porter.device.pinned_limit, or set "
-                               "offload_optimizer.pin_memory to false)",
+                               e.what() + " (raise porter.device.pinned_limit, or set " + key +
+                               ".pin_memory to false)",
                                e.requested_bytes());
       }
       a.data = a.pinned.data();
+      constexpr size_t g = memory::PinnedPool::kGranularity;
+      a.held = (bytes + g - 1) / g * g;
     } else {
       a.pageable = std::make_unique<std::byte[]>(bytes);
       a.data = a.pageable.get();
+      a.held = bytes;
     }
     return a;
-  }
-  size_t bytes() const {
-    return master.bytes + exp_avg.bytes + exp_avg_sq.bytes + grad.bytes + out.bytes;
   }
 };
 
@@ -83,30 +86,56 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
   begin_ = options.zero_stage >= 1 ? part.begin(rank) : 0;
   end_ = options.zero_stage >= 1 ? part.end(rank) : part.padded_elems;
   const int64_t n = end_ - begin_;
-  // Stage 3 keeps only the shard of the working parameters, and owns it here.
-  working_ = options.zero_stage == 3
-                 ? nn::Tensor::empty(allocator, nn::Shape{n}, flat.param_dtype(),
-                                     memory::Category::kParams)
-                 : flat.params().slice(begin_, end_);
-  if (options.offload.enabled) {
-    PORTER_CHECK(!options.offload.pin_memory || pinned != nullptr,
-                 "ShardedOptimizer: optimizer offload with pin_memory needs the pinned pool");
-    memory::PinnedPool* pool = options.offload.pin_memory ? pinned : nullptr;
-    const size_t f32 = static_cast<size_t>(n) * sizeof(float);
+  const bool offload_params = options.param_offload.enabled;
+  PORTER_CHECK(!offload_params || options.zero_stage == 3,
+               "ShardedOptimizer: parameter offload needs ZeRO stage 3, got stage ",
+               options.zero_stage);
+  PORTER_CHECK(!options.offload.enabled || options.zero_stage >= 1,
+               "ShardedOptimizer: optimizer offload needs ZeRO stage 1-3");
+  if (options.offload.enabled || offload_params) {
+    const bool pin_opt = options.offload.enabled && options.offload.pin_memory;
+    const bool pin_params = offload_params && options.param_offload.pin_memory;
+    PORTER_CHECK((!pin_opt && !pin_params) || pinned != nullptr,
+                 "ShardedOptimizer: offload with pin_memory needs the pinned pool");
     host_ = std::make_unique<Host>();
-    host_->master = Host::make(pool, f32, "master weights");
-    host_->exp_avg = Host::make(pool, f32, "AdamW exp_avg");
-    host_->exp_avg_sq = Host::make(pool, f32, "AdamW exp_avg_sq");
-    host_->grad = Host::make(pool, f32, "gradient shard");
-    host_->out = Host::make(pool, static_cast<size_t>(n) * nn::dtype_size(flat.param_dtype()),
-                            "working copy");
-    if (f32 > 0) {
-      std::memset(host_->exp_avg.data, 0, f32);
-      std::memset(host_->exp_avg_sq.data, 0, f32);
+    host_->optimizer = options.offload.enabled;
+    host_->params = offload_params;
+    const size_t pbytes = static_cast<size_t>(n) * nn::dtype_size(flat.param_dtype());
+    if (offload_params) {
+      host_->out = Host::make(pin_params ? pinned : nullptr, pbytes, "offload_param",
+                              "parameter shard");
     }
-    CpuAdamOptions ao;
-    ao.threads = options.offload.threads;
-    host_->adam = std::make_unique<CpuAdam>(ao);
+    if (options.offload.enabled) {
+      memory::PinnedPool* pool = pin_opt ? pinned : nullptr;
+      const size_t f32 = static_cast<size_t>(n) * sizeof(float);
+      constexpr const char* key = "offload_optimizer";
+      host_->master = Host::make(pool, f32, key, "master weights");
+      host_->exp_avg = Host::make(pool, f32, key, "AdamW exp_avg");
+      host_->exp_avg_sq = Host::make(pool, f32, key, "AdamW exp_avg_sq");
+      host_->grad = Host::make(pool, f32, key, "gradient shard");
+      if (!offload_params) host_->out = Host::make(pool, pbytes, key, "working copy");
+      if (f32 > 0) {
+        std::memset(host_->exp_avg.data, 0, f32);
+        std::memset(host_->exp_avg_sq.data, 0, f32);
+      }
+      CpuAdamOptions ao;
+      ao.threads = options.offload.threads;
+      host_->adam = std::make_unique<CpuAdam>(ao);
+    }
+  }
+  // Stage 3 keeps only the shard of the working parameters, and owns it here: on the device,
+  // or in host memory with parameter offload (the device copies to and from it like any
+  // pinned buffer).
+  if (options.zero_stage != 3) {
+    working_ = flat.params().slice(begin_, end_);
+  } else if (offload_params) {
+    working_ = nn::Tensor::from_blob(host_->out.data, nn::Shape{n}, flat.param_dtype(),
+                                     memory::Category::kParams);
+  } else {
+    working_ = nn::Tensor::empty(allocator, nn::Shape{n}, flat.param_dtype(),
+                                 memory::Category::kParams);
+  }
+  if (options.offload.enabled) {
     // Checkpoints see the host arrays as tensors (the device copies them like any buffer).
     if (flat.param_dtype() != nn::DType::kF32) {
       master_ = nn::Tensor::from_blob(host_->master.data, nn::Shape{n}, nn::DType::kF32,
@@ -126,7 +155,17 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
   exp_avg_sq_ = zeros_f32(kernels, allocator, n);
 }
 
-size_t ShardedOptimizer::host_bytes() const { return host_ ? host_->bytes() : 0; }
+bool ShardedOptimizer::offloaded() const { return host_ != nullptr && host_->optimizer; }
+bool ShardedOptimizer::params_offloaded() const { return host_ != nullptr && host_->params; }
+
+HostStateBytes ShardedOptimizer::host_state() const {
+  HostStateBytes b;
+  if (!host_) return b;
+  b.optimizer = host_->master.held + host_->exp_avg.held + host_->exp_avg_sq.held;
+  b.grads = host_->grad.held;
+  b.params = host_->out.held;
+  return b;
+}
 
 OffloadStats ShardedOptimizer::take_offload_stats() {
   const OffloadStats s = offload_stats_;
@@ -135,7 +174,7 @@ OffloadStats ShardedOptimizer::take_offload_stats() {
 }
 
 void ShardedOptimizer::state_loaded() {
-  if (!host_ || has_master() || working_.numel() == 0) return;
+  if (!offloaded() || has_master() || working_.numel() == 0) return;
   // f32 compute: the checkpoint's params are the master weights.
   allocator_->device().copy_sync(host_->master.data, working_.data(), host_->master.bytes);
 }
@@ -221,10 +260,11 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   args.step = steps_ + 1;
   args.grad_scale = static_cast<float>(norm.clip_coef / scaler_.scale());
   nn::Tensor params = working_;
-  if (host_) {
-    // Note [Optimizer offload]: gradients down, AdamW on the host, the working copy up.
+  memory::Device& device = allocator_->device();
+  if (offloaded()) {
+    // Note [Optimizer offload]: gradients down, AdamW on the host, the working copy up (with
+    // parameter offload the working copy is the host shard: nothing goes up).
     const auto t0 = Clock::now();
-    memory::Device& device = allocator_->device();
     PORTER_CHECK_EQ(static_cast<size_t>(grads.nbytes()), host_->grad.bytes,
                     "ShardedOptimizer: the gradient shard is not f32 over the range");
     if (host_->grad.bytes > 0) device.copy_sync(host_->grad.data, grads.data(), host_->grad.bytes);
@@ -240,11 +280,27 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
     a.elems = end_ - begin_;
     host_->adam->update(a, args);
     const auto t2 = Clock::now();
-    if (host_->out.bytes > 0) device.copy_sync(params.data(), host_->out.data, host_->out.bytes);
+    if (!host_->params && host_->out.bytes > 0) {
+      device.copy_sync(params.data(), host_->out.data, host_->out.bytes);
+      offload_stats_.h2d_bytes += host_->out.bytes;
+    }
     offload_stats_.d2h_bytes += host_->grad.bytes;
-    offload_stats_.h2d_bytes += host_->out.bytes;
     offload_stats_.cpu_update_s += std::chrono::duration<double>(t2 - t1).count();
     offload_stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    offload_stats_.update_begin = t1;
+    offload_stats_.update_end = t2;
+  } else if (params_offloaded()) {
+    // Note [Parameter offload]: AdamW on the device into a transient copy of the shard, which
+    // then goes to the host. f32 compute updates the parameters in place, so it starts from
+    // the host shard.
+    nn::Tensor tmp = nn::Tensor::empty(*allocator_, nn::Shape{end_ - begin_}, params.dtype(),
+                                       memory::Category::kParams);
+    const size_t bytes = static_cast<size_t>(tmp.nbytes());
+    if (!has_master() && bytes > 0) device.copy_sync(tmp.data(), params.data(), bytes);
+    nn::Tensor target = has_master() ? master_ : tmp;
+    kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &tmp : nullptr);
+    if (bytes > 0) device.copy_sync(params.data(), tmp.data(), bytes);
+    offload_stats_.param_d2h_bytes += bytes;
   } else {
     nn::Tensor target = has_master() ? master_ : params;
     kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
@@ -274,7 +330,7 @@ void ShardedOptimizer::set_params(const std::vector<float>& padded) {
     nn::Tensor params = flat_->params();
     nn::from_host_f32(device, padded, params);
   }
-  if (host_) {
+  if (offloaded()) {
     if (!mine.empty()) std::memcpy(host_->master.data, mine.data(), host_->master.bytes);
   } else if (has_master()) {
     nn::from_host_f32(device, mine, master_);

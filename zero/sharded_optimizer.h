@@ -28,6 +28,7 @@
 // report what communication the step did not hide.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -68,12 +69,36 @@ struct OptimizerOffloadOptions {
   bool operator==(const OptimizerOffloadOptions&) const = default;
 };
 
+// Note [Parameter offload]
+// zero_optimization.offload_param.device "cpu" at stage 3 (ZeRO-Infinity's parameter offload
+// to host memory; "nvme" reads as "cpu"): the rank's working shard, working(), lives in host
+// memory (pinned within porter.device.pinned_limit when pin_memory is on, pageable otherwise)
+// instead of on the device. The device then holds, of the parameters, only the gathered
+// units in flight and the persistent ones: the gatherer copies this rank's part of a unit to
+// the device on its own copy stream ("param h2d", over the link) and broadcasts it from
+// there (Note [Stage 3 gather]). The update writes the shard on the host:
+//   * with the optimizer offloaded too, CpuAdam's working-copy output is the shard itself,
+//     so nothing goes back to the device after the update;
+//   * with the optimizer on the device, AdamW writes the range into a transient device
+//     buffer (category params, the shard's size, alive for the update only), which is then
+//     copied to the host shard (param_d2h_bytes).
+// The values are those of the run without offload, bit for bit: only where they are kept
+// changes.
+struct ParamOffloadOptions {
+  bool enabled = false;
+  bool pin_memory = true;   // offload_param.pin_memory
+  bool operator==(const ParamOffloadOptions&) const = default;
+};
+
 // The offloaded optimizer's traffic and host time since the last take_offload_stats().
 struct OffloadStats {
   uint64_t d2h_bytes = 0;     // gradients to the host
   uint64_t h2d_bytes = 0;     // working copies back
   double cpu_update_s = 0.0;  // the host AdamW
   double exposed_s = 0.0;     // copies + host update: the time the step waited for them
+  uint64_t param_d2h_bytes = 0;  // Note [Parameter offload]: the device-updated shard to the host
+  // The host update's span, for the trace (steady_clock; equal when there was none).
+  std::chrono::steady_clock::time_point update_begin, update_end;
 };
 
 struct OptimizerOptions {
@@ -82,6 +107,7 @@ struct OptimizerOptions {
   double gradient_clipping = 0.0;      // 0: off
   config::Fp16Config fp16;             // loss scaling when enabled
   OptimizerOffloadOptions offload;     // Note [Optimizer offload]
+  ParamOffloadOptions param_offload;   // Note [Parameter offload]; stage 3 only
   bool operator==(const OptimizerOptions&) const = default;
 };
 
@@ -96,8 +122,9 @@ class ShardedOptimizer {
  public:
   // `flat` holds the working parameters over part.padded_elems; `dp` may be null (one rank).
   // The moments start at zero; the master copy is loaded by set_params.
-  // With options.offload.enabled and pin_memory, `pinned` (not owned) holds the host state;
-  // a shortfall there throws OutOfMemoryError naming porter.device.pinned_limit.
+  // With options.offload (or options.param_offload) enabled and pin_memory, `pinned` (not
+  // owned) holds the host state; a shortfall there throws OutOfMemoryError naming the offload
+  // key and porter.device.pinned_limit.
   ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
                    memory::CachingAllocator& allocator, comm::Communicator* dp,
                    const Partition& part, const OptimizerOptions& options,
@@ -110,16 +137,21 @@ class ShardedOptimizer {
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
   bool has_master() const { return master_.defined(); }
-  bool offloaded() const { return host_ != nullptr; }
-  // Host bytes the offloaded state holds (0 without offload), and its traffic since the last
-  // call (Note [Optimizer offload]).
-  size_t host_bytes() const;
+  bool offloaded() const;
+  bool params_offloaded() const;
+  // Host bytes the offloaded state holds (0 without offload; pinned buffers at their pool
+  // capacity), by array kind (zero::host_state_bytes predicts them), and the traffic since
+  // the last call (Note [Optimizer offload]).
+  HostStateBytes host_state() const;
+  size_t host_bytes() const { return host_state().total(); }
   OffloadStats take_offload_stats();
+  const OffloadStats& offload_stats() const { return offload_stats_; }
   // After load_checkpoint wrote state_tensors(): with f32 compute and offload the host master
   // is the working copy again.
   void state_loaded();
   // The working parameters of the range: a view of the flat buffer at stages 0-2, the rank's
-  // own shard (category params) at stage 3, from which zero/param_gatherer.h gathers.
+  // own shard (category params) at stage 3, from which zero/param_gatherer.h gathers; in host
+  // memory with parameter offload (Note [Parameter offload]).
   const nn::Tensor& working() const { return working_; }
 
   // The scale the loss stage multiplies the gradients by this step (1 without fp16).
@@ -170,8 +202,8 @@ class ShardedOptimizer {
   Partition part_;
   OptimizerOptions options_;
   int64_t begin_ = 0, end_ = 0;
-  struct Host;                  // Note [Optimizer offload]; null without offload
-  std::unique_ptr<Host> host_;
+  struct Host;                  // Note [Optimizer offload], Note [Parameter offload]
+  std::unique_ptr<Host> host_;  // null without either offload
   OffloadStats offload_stats_;
   nn::Tensor working_;     // (end - begin) in the compute dtype; see working()
   nn::Tensor master_;      // (end - begin) f32; undefined for f32 compute

@@ -191,8 +191,8 @@ TEST(Warnings, NotImplementedKeysSaySo) {
       "zero_optimization": {"zero_quantized_weights": true, "elastic_checkpoint": false}})");
   EXPECT_EQ(w, (std::vector<std::string>{
                    "zero_optimization.zero_quantized_weights: set to true, but porter does not "
-                   "implement it yet (ZeRO++ quantized weights); ignored",
-                   "tensorboard: porter does not implement this section yet (TensorBoard "
+                   "implement it (ZeRO++ quantized weights); ignored",
+                   "tensorboard: porter does not implement this section (TensorBoard "
                    "logging); ignored"}));
 }
 

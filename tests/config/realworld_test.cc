@@ -42,7 +42,7 @@ const std::vector<RealWorldCase>& cases() {
         "porter reads it as \"cpu\" (host memory)",
         "zero_optimization.stage3_param_persitance_threshold: unknown key, ignored (did you mean "
         "\"stage3_param_persistence_threshold\"?)",
-        "aio: porter does not implement this section yet (asynchronous I/O for NVMe offload); "
+        "aio: porter does not implement this section (asynchronous I/O for NVMe offload); "
         "ignored"}},
       {"deepspeedexamples__megatron-lm__scripts__ds_zero-offload_10b_config.json",
        {1, 2, 5, 10},
