@@ -86,7 +86,8 @@ void ParamGatherer::issue(int u, nn::Tensor buffer) {
       h2d_->wait(*st.uploaded);
       h2d_->copy_async(dst, src, bytes);
       h2d_->record(*st.uploaded);
-      buffer.record_stream(*h2d_);
+      // No record_stream on h2d_: every path that drops the buffer (wait, release, abort)
+      // waits for the upload first, and the stream may go before the persistent buffers do.
       st.uploading = true;
       stats_.h2d_bytes += bytes;
       if (dp_ != nullptr) dp_->stream().wait(*st.uploaded);

@@ -4,6 +4,7 @@
 // compute side binds and reads them.
 #include "zero/param_gatherer.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,14 +44,18 @@ std::vector<ParamUnit> units_of(const nn::ParamLayout& layout, int64_t persisten
 }
 
 // Runs fn(rank, gatherer, flat, device, shard) on `ws` thread ranks whose shard r holds the
-// values v[i] = i + 0.5 of the padded buffer.
+// values v[i] = i + 0.5 of the padded buffer: on the device, or with `shard_on_host` in host
+// memory (parameter offload), uploaded over a throttled link so that the uploads are still
+// running when the broadcasts and the waits are queued.
 void run(int ws, int64_t max_live, int64_t persistent_below,
          const std::function<void(int, ParamGatherer&, nn::FlatParams&, memory::Device&,
-                                  nn::Tensor&, memory::CachingAllocator&)>& fn) {
+                                  nn::Tensor&, memory::CachingAllocator&)>& fn,
+         bool shard_on_host = false) {
   auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
     memory::DeviceOptions o;
     o.memory_limit_bytes = size_t{16} << 20;
     o.threads = 1;
+    if (shard_on_host) o.sim_link_gbps = 0.001;  // 1 MB/s: a 1 KiB part takes about 1 ms
     auto device = memory::make_device(o);
     memory::CachingAllocator alloc(*device);
     comm::CommOptions co;
@@ -60,8 +65,13 @@ void run(int ws, int64_t max_live, int64_t persistent_below,
     const Partition part = make_partition(layout.total_elems(), ws);
     nn::FlatParams flat(alloc, layout, nn::DType::kF32, nn::DType::kF32, part.padded_elems,
                         /*allocate_grads=*/false, /*allocate_params=*/false);
-    nn::Tensor shard = nn::Tensor::empty(alloc, nn::Shape{part.shard_elems}, nn::DType::kF32,
-                                         memory::Category::kParams);
+    std::vector<float> host(static_cast<size_t>(part.shard_elems));
+    nn::Tensor shard =
+        shard_on_host
+            ? nn::Tensor::from_blob(host.data(), nn::Shape{part.shard_elems}, nn::DType::kF32,
+                                    memory::Category::kParams)
+            : nn::Tensor::empty(alloc, nn::Shape{part.shard_elems}, nn::DType::kF32,
+                                memory::Category::kParams);
     std::vector<float> mine(static_cast<size_t>(part.shard_elems));
     for (int64_t i = 0; i < part.shard_elems; ++i) {
       mine[static_cast<size_t>(i)] = static_cast<float>(part.begin(rank) + i) + 0.5f;
@@ -69,7 +79,7 @@ void run(int ws, int64_t max_live, int64_t persistent_below,
     nn::from_host_f32(*device, mine, shard);
     int binds = 0;
     ParamGatherer g(flat, alloc, dp.get(), part, shard, units_of(layout, persistent_below),
-                    max_live, [&binds] { ++binds; });
+                    max_live, [&binds] { ++binds; }, shard_on_host);
     fn(rank, g, flat, *device, shard, alloc);
     EXPECT_GT(binds, 0);
   });
@@ -115,6 +125,48 @@ TEST(ParamGatherer, GathersEveryUnitFromItsOwnersAtTwoAndThreeRanks) {
         EXPECT_GT(s.gathered_bytes, 0u);
       }
     });
+  }
+}
+
+// Note [Parameter offload]: the shard in host memory. Each rank's part goes up on the
+// gatherer's copy stream, which the broadcasts wait for; the device holds only the buffers.
+TEST(ParamGatherer, GathersFromAShardInHostMemory) {
+  for (int ws : {1, 2, 3}) {
+    run(
+        ws, 1000, 100,
+        [&](int rank, ParamGatherer& g, nn::FlatParams& flat, memory::Device& device,
+            nn::Tensor& shard, memory::CachingAllocator& alloc) {
+          EXPECT_EQ(alloc.stats().by_category[0].current_bytes, 0u);  // nothing on the device
+          g.refresh_persistent();
+          expect_entry(device, flat, 2);
+          for (int u = 0; u < 2; ++u) g.gather(u);
+          for (int u = 1; u >= 0; --u) g.wait(u);
+          for (size_t i = 0; i < 2; ++i) expect_entry(device, flat, i);
+          g.release(0);
+          g.gather(0);
+          g.release(0);  // an upload still in flight is waited for before its buffer goes
+          g.release(1);
+          g.check();
+          const GatherStats s = g.take_stats();
+          const Partition part = make_partition(384, ws);
+          // This rank's parts of unit 0 (gathered twice), unit 1 and unit 2 (persistent).
+          uint64_t mine = 0;
+          const int64_t lo = part.begin(rank), hi = part.end(rank);
+          const int64_t bounds[4] = {0, 128, 320, 384};
+          for (int u : {0, 0, 1, 2}) {
+            mine += static_cast<uint64_t>(
+                std::max<int64_t>(0, std::min(hi, bounds[u + 1]) - std::max(lo, bounds[u])) * 4);
+          }
+          EXPECT_EQ(s.h2d_bytes, mine);
+          // The shard changes on the host: the next gather sees it.
+          float* p = static_cast<float*>(shard.data());
+          for (int64_t i = 0; i < shard.numel(); ++i) p[i] += 1.0f;
+          g.gather(1);
+          g.wait(1);
+          expect_entry(device, flat, 1, 1.0f);
+          g.release(1);
+        },
+        /*shard_on_host=*/true);
   }
 }
 

@@ -1,0 +1,223 @@
+// Parameter offload through the Engine (Note [Parameter offload] in zero/sharded_optimizer.h):
+// at ZeRO stage 3 the rank's parameter shard lives in host memory and each gathered unit's part
+// is uploaded before its broadcasts, so a run with the parameters offloaded (with or without the
+// optimizer) is bitwise the run without, while the device holds no parameter shard.
+#include <filesystem>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "comm/communicator.h"
+#include "engine_test_util.h"
+#include "faulty_device.h"
+#include "zero/partition.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+
+config::Config s3_config(int world_size, int64_t gas = 1) {
+  config::Config c = zero_config(world_size, 3, gas);
+  c.gradient_clipping = 1.0;
+  c.porter.model.dropout = 0.1;
+  c.porter.train.seed = 5;
+  c.porter.device.threads = 1;
+  c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
+  c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
+  c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
+  c.zero_optimization.stage3_param_persistence_threshold_elems = 1000;
+  return c;
+}
+
+void set_offload(config::Config& c, bool optimizer, bool params) {
+  c.zero_optimization.offload_optimizer.device =
+      optimizer ? config::OffloadDevice::kCpu : config::OffloadDevice::kNone;
+  c.zero_optimization.offload_param.device =
+      params ? config::OffloadDevice::kCpu : config::OffloadDevice::kNone;
+}
+
+struct RankRun {
+  std::vector<double> losses;
+  std::vector<float> params;
+  ZeroStats total;
+  size_t params_bytes = 0;     // device, category params, after the steps
+  size_t optimizer_bytes = 0;  // device, category optimizer, after the steps
+  size_t pinned_bytes = 0;     // the pinned pool's in-use bytes after the steps
+};
+
+std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
+  const int ws = static_cast<int>(c.world_size);
+  std::vector<RankRun> runs(static_cast<size_t>(ws));
+  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    RankRun& run = runs[static_cast<size_t>(rank)];
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.losses.push_back(
+          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
+    }
+    const MemoryReport m = e.memory_report();
+    run.params_bytes = m.current_by_category[static_cast<size_t>(memory::Category::kParams)];
+    run.optimizer_bytes = m.current_by_category[static_cast<size_t>(memory::Category::kOptimizer)];
+    run.pinned_bytes = e.pinned_pool().stats().in_use_bytes;
+    run.params = e.params_host();
+    run.total = e.zero_stats();
+  });
+  return runs;
+}
+
+void expect_bitwise(const std::vector<RankRun>& a, const std::vector<RankRun>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t r = 0; r < a.size(); ++r) {
+    EXPECT_EQ(a[r].losses, b[r].losses) << what << ": rank " << r;
+    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r;
+  }
+}
+
+TEST(EngineParamOffload, BitwiseTheRunWithoutOffloadWithAndWithoutTheOptimizer) {
+  struct Case {
+    int ws;
+    int64_t gas;
+    const char* precision;
+  };
+  for (const Case& k : {Case{1, 1, "f32"}, Case{2, 1, "f32"}, Case{2, 2, "bf16"},
+                        Case{1, 2, "bf16"}, Case{2, 1, "fp16"}}) {
+    const std::string base = "ws " + std::to_string(k.ws) + " gas " + std::to_string(k.gas) +
+                             " " + k.precision;
+    config::Config c = s3_config(k.ws, k.gas);
+    if (std::string(k.precision) == "bf16") c.bf16.enabled = true;
+    if (std::string(k.precision) == "fp16") {
+      c.fp16.enabled = true;
+      c.fp16.loss_scale = 0.0;
+      c.fp16.initial_scale_power = 8;
+    }
+    const std::vector<RankRun> device = run_ranks(c, 3);
+    const nn::DType dtype = c.bf16.enabled   ? nn::DType::kBF16
+                            : c.fp16.enabled ? nn::DType::kF16
+                                             : nn::DType::kF32;
+    for (bool optimizer : {false, true}) {
+      const std::string what = base + (optimizer ? ", optimizer and params" : ", params");
+      config::Config o = c;
+      set_offload(o, optimizer, true);
+      const std::vector<RankRun> host = run_ranks(o, 3);
+      expect_bitwise(host, device, what);
+      for (size_t r = 0; r < host.size(); ++r) {
+        const RankRun& h = host[r];
+        const zero::Partition part = zero::make_partition(h.total.padded_elems, k.ws);
+        const size_t shard_bytes = static_cast<size_t>(part.shard_elems) * nn::dtype_size(dtype);
+        // The device lost exactly the shard: what is left is the persistent stages.
+        EXPECT_EQ(h.params_bytes + shard_bytes, device[r].params_bytes) << what;
+        EXPECT_EQ(h.params_bytes, h.total.persistent_bytes) << what;
+        EXPECT_EQ(h.optimizer_bytes, optimizer ? 0u : device[r].optimizer_bytes) << what;
+        // Host bytes are the estimate's (Note [Host-state bytes per rank]), all pinned.
+        const zero::HostStateBytes predicted =
+            zero::host_state_bytes(part, 3, zero::StateDTypes{dtype}, optimizer, true, true, true);
+        EXPECT_EQ(h.total.param_offload_host_bytes, predicted.params) << what;
+        EXPECT_EQ(h.total.offload_host_bytes, predicted.optimizer + predicted.grads) << what;
+        EXPECT_GE(h.pinned_bytes, predicted.total()) << what;
+        EXPECT_GT(h.total.param_offload_h2d_bytes, 0u) << what;
+        // With the optimizer on the device its updated shard comes down at every update.
+        if (!optimizer && std::string(k.precision) != "fp16") {
+          EXPECT_EQ(h.total.param_offload_d2h_bytes, 3 * shard_bytes) << what;
+        }
+        if (optimizer) {
+          EXPECT_EQ(h.total.param_offload_d2h_bytes, 0u) << what;
+          EXPECT_EQ(h.total.offload_h2d_bytes, 0u) << what;  // CpuAdam wrote the shard itself
+        }
+      }
+    }
+  }
+}
+
+TEST(EngineParamOffload, PageableWithoutPinMemory) {
+  config::Config c = s3_config(2);
+  c.bf16.enabled = true;
+  set_offload(c, false, true);
+  const std::vector<RankRun> pinned = run_ranks(c, 2);
+  c.zero_optimization.offload_param.pin_memory = false;
+  const std::vector<RankRun> pageable = run_ranks(c, 2);
+  expect_bitwise(pageable, pinned, "pageable vs pinned");
+  const zero::Partition part = zero::make_partition(pinned[0].total.padded_elems, 2);
+  EXPECT_EQ(pageable[0].total.param_offload_host_bytes, static_cast<size_t>(part.shard_elems) * 2);
+  EXPECT_LT(pageable[0].pinned_bytes, pinned[0].pinned_bytes);
+}
+
+TEST(EngineParamOffload, APinnedLimitTooSmallIsRefusedBeforeTheFirstStep) {
+  config::Config c = s3_config(1);
+  set_offload(c, false, true);
+  c.porter.device.pinned_limit_bytes = 64 * 1024;
+  auto device = cpu_device();
+  const std::string msg = error_of<OutOfMemoryError>([&] { gpt_engine(*device, c); });
+  EXPECT_NE(msg.find("zero_optimization.offload_param"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("porter.device.pinned_limit"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("parameter shard"), std::string::npos) << msg;
+}
+
+TEST(EngineParamOffload, SaveAndResumeAreBitIdenticalWithAndWithoutOffload) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_param_offload_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  config::Config c = s3_config(1);
+  c.bf16.enabled = true;
+  set_offload(c, true, true);
+  std::vector<double> straight;
+  {
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
+  }
+  {
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
+    e->save_checkpoint(dir);
+  }
+  for (bool offload : {true, false}) {
+    config::Config r = c;
+    set_offload(r, offload, offload);
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, r);
+    e->load_checkpoint(dir);
+    EXPECT_EQ(e->train_step(batches(r, 2)).loss, straight[2]) << "offload " << offload;
+    EXPECT_EQ(e->train_step(batches(r, 3)).loss, straight[3]) << "offload " << offload;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A copy error on the parameter upload stream in the middle of a step fails the step before
+// the update, so the engine is where it was: the next step is the one it would have taken.
+TEST(EngineParamOffload, ACopyErrorMidStepLeavesTheStateUnchanged) {
+  for (bool optimizer : {false, true}) {
+    config::Config c = s3_config(1);
+    c.bf16.enabled = true;
+    set_offload(c, optimizer, true);
+    std::vector<double> straight;
+    std::vector<float> straight_params;
+    {
+      auto device = cpu_device();
+      auto e = gpt_engine(*device, c);
+      for (int s = 0; s < 3; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
+      straight_params = e->params_host();
+    }
+    FaultyDevice device(cpu_device());
+    auto e = gpt_engine(device, c);
+    EXPECT_EQ(e->train_step(batches(c, 0)).loss, straight[0]);
+    const std::vector<float> before = e->params_host();
+    device.fail_copy("param h2d", 3);  // the third upload of the next step
+    const std::string msg = error_of<std::exception>([&] { e->train_step(batches(c, 1)); });
+    EXPECT_NE(msg.find("injected copy failure"), std::string::npos) << msg;
+    EXPECT_EQ(device.failures(), 1);
+    EXPECT_EQ(e->step(), 1);
+    EXPECT_TRUE(bitwise_equal(e->params_host(), before)) << "optimizer " << optimizer;
+    EXPECT_EQ(e->train_step(batches(c, 1)).loss, straight[1]) << "optimizer " << optimizer;
+    EXPECT_EQ(e->train_step(batches(c, 2)).loss, straight[2]) << "optimizer " << optimizer;
+    EXPECT_TRUE(bitwise_equal(e->params_host(), straight_params)) << "optimizer " << optimizer;
+  }
+}
+
+}  // namespace
+}  // namespace porter::engine
