@@ -394,16 +394,20 @@ void read_zero(ObjectReader& root, Config& c) {
                     "\"offload_optimizer\": {\"device\": \"cpu\"}")) {
     if (*r->boolean("cpu_offload")) z.offload_optimizer.device = OffloadDevice::kCpu;
   }
-  // The NVMe swap-buffer sizes mean nothing for host memory, where porter keeps the state.
-  auto nvme_only = [](ObjectReader& o, const char* key, const char* meaning) {
-    if (o.has(key)) {
+  // The NVMe swap-buffer sizes mean nothing for host memory, where porter keeps the state:
+  // a warning when one is set to other than DeepSpeed's default (as for keys porter does not
+  // implement: JsonReader::not_implemented).
+  auto nvme_only = [](ObjectReader& o, const char* key, bool is_default, const char* meaning) {
+    if (!is_default) {
       o.diag().warn(o.path_of(key), std::string(meaning) + ", for NVMe offload only; porter keeps "
                                     "this state in host memory, so it has no effect");
     }
   };
   if (std::optional<ObjectReader> o = r->object("offload_optimizer")) {
     read_keys(*o, z.offload_optimizer, c);
-    nvme_only(*o, "buffer_count", "sets the number of optimizer-state swap buffers");
+    nvme_only(*o, "buffer_count",
+              z.offload_optimizer.buffer_count == OffloadOptimizerConfig{}.buffer_count,
+              "sets the number of optimizer-state swap buffers");
     o->not_implemented("pipeline_read", false, "NVMe read pipelining");
     o->not_implemented("pipeline_write", false, "NVMe write pipelining");
     o->not_implemented("pipeline", false, "NVMe pipelining");
@@ -415,9 +419,13 @@ void read_zero(ObjectReader& root, Config& c) {
   }
   if (std::optional<ObjectReader> o = r->object("offload_param")) {
     read_keys(*o, z.offload_param, c);
-    nvme_only(*o, "buffer_count", "sets the number of parameter swap buffers");
-    nvme_only(*o, "buffer_size", "sets the size of each parameter swap buffer");
-    nvme_only(*o, "max_in_cpu", "caps the parameter elements kept in host memory");
+    const OffloadParamConfig d;
+    nvme_only(*o, "buffer_count", z.offload_param.buffer_count == d.buffer_count,
+              "sets the number of parameter swap buffers");
+    nvme_only(*o, "buffer_size", z.offload_param.buffer_size_elems == d.buffer_size_elems,
+              "sets the size of each parameter swap buffer");
+    nvme_only(*o, "max_in_cpu", z.offload_param.max_in_cpu_elems == d.max_in_cpu_elems,
+              "caps the parameter elements kept in host memory");
     o->finish();
   }
   if (r->has("cpu_offload_use_pin_memory")) {

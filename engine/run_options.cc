@@ -112,6 +112,16 @@ void check_supported(const config::Config& c, int dp_size, int tp_size) {
         "tensor_parallel " + std::to_string(tp) +
         ": parse the config with the launch's world size and pass the dp group of that world");
   }
+  // The parser refuses these too; a Config built in code reaches here unchecked.
+  const config::ZeroConfig& z = c.zero_optimization;
+  if (z.offload_param.device != config::OffloadDevice::kNone && z.stage != 3) {
+    throw InvalidArgument("zero_optimization.offload_param.device: parameter offload needs ZeRO "
+                          "stage 3, but zero_optimization.stage is " + std::to_string(z.stage));
+  }
+  if (z.offload_optimizer.device != config::OffloadDevice::kNone && z.stage == 0) {
+    throw InvalidArgument("zero_optimization.offload_optimizer.device: optimizer offload needs "
+                          "ZeRO stage 1, 2 or 3, but zero_optimization.stage is 0");
+  }
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
     throw InvalidArgument("optimizer.params.adam_w_mode: false with weight_decay " +

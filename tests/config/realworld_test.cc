@@ -36,10 +36,15 @@ const std::vector<RealWorldCase>& cases() {
         "checkpoints"}},
       {"deepspeedexamples__megatron-lm-v1.1.5-zero3__examples__ds_zero_stage_infinity_config.json",
        {1, 2, 16},
-       {"zero_optimization.offload_optimizer.device: \"nvme\": NVMe offload is not supported "
-        "yet; porter reads it as \"cpu\" (host memory)",
-        "zero_optimization.offload_param.device: \"nvme\": NVMe offload is not supported yet; "
-        "porter reads it as \"cpu\" (host memory)",
+       {"zero_optimization.offload_optimizer.device: \"nvme\": porter does not offload to "
+        "NVMe; it reads this as \"cpu\" (host memory), which needs the same state to fit in "
+        "host memory; use \"cpu\"",
+        "zero_optimization.offload_param.device: \"nvme\": porter does not offload to NVMe; it "
+        "reads this as \"cpu\" (host memory), which needs the same state to fit in host "
+        "memory; use \"cpu\"",
+        "zero_optimization.offload_param.max_in_cpu: caps the parameter elements kept in host "
+        "memory, for NVMe offload only; porter keeps this state in host memory, so it has no "
+        "effect",
         "zero_optimization.stage3_param_persitance_threshold: unknown key, ignored (did you mean "
         "\"stage3_param_persistence_threshold\"?)",
         "aio: porter does not implement this section (asynchronous I/O for NVMe offload); "

@@ -163,9 +163,12 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
     }
   };
   config::Config c = tiny_config();
-  c.zero_optimization.stage = 3;
+  c.zero_optimization.stage = 2;
   c.zero_optimization.offload_param.device = config::OffloadDevice::kCpu;
-  expect_refused(c, "zero_optimization.offload_param");
+  expect_refused(c, "zero_optimization.offload_param");  // stage 3 only
+  c = tiny_config();
+  c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
+  expect_refused(c, "zero_optimization.offload_optimizer");  // stage 0 has no shard
   c = tiny_config();
   c.world_size = 2;
   expect_refused(c, "world_size 2");
