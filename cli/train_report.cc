@@ -67,6 +67,17 @@ ordered_json memory_json(const engine::MemoryReport& mem) {
       {"predicted_activation_peak_bytes", mem.predicted_activation_bytes},
       {"pinned_peak_bytes", mem.peak_pinned_bytes},
       {"pinned_limit_bytes", mem.pinned_limit_bytes},
+      // Offloaded model states (Note [Host-state bytes per rank]); zero without offload.
+      {"host",
+       {{"predicted", {{"optimizer", mem.predicted_host_state.optimizer},
+                       {"grads", mem.predicted_host_state.grads},
+                       {"params", mem.predicted_host_state.params},
+                       {"total", mem.predicted_host_state.total()}}},
+        {"measured", {{"optimizer", mem.host_state.optimizer},
+                      {"grads", mem.host_state.grads},
+                      {"params", mem.host_state.params},
+                      {"total", mem.host_state.total()}}},
+        {"pinned_in_use_bytes", mem.pinned_in_use_bytes}}},
   };
 }
 
@@ -355,6 +366,21 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
     }
     m.add({"all (peak of the sum)", format_bytes(mem.peak_bytes)});
     m.print(out);
+  }
+  if (mem.host_state.total() > 0 || mem.predicted_host_state.total() > 0) {
+    // The offloaded model states in host memory, this rank's (Note [Host-state bytes per rank]).
+    out << "\nhost memory (model states, rank 0's): pinned in use "
+        << format_bytes(mem.pinned_in_use_bytes) << " of " << format_bytes(mem.pinned_limit_bytes)
+        << " (porter.device.pinned_limit), checkpoint stash included\n";
+    Table h({"category", "predicted", "measured"});
+    auto add = [&](const char* name, size_t predicted, size_t measured) {
+      h.add({name, format_bytes(predicted), format_bytes(measured)});
+    };
+    add("optimizer (master, moments)", mem.predicted_host_state.optimizer, mem.host_state.optimizer);
+    add("gradient shard", mem.predicted_host_state.grads, mem.host_state.grads);
+    add("params (shard / working copy)", mem.predicted_host_state.params, mem.host_state.params);
+    add("total", mem.predicted_host_state.total(), mem.host_state.total());
+    h.print(out);
   }
 
   const engine::ZeroStats z = engine.zero_stats();

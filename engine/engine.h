@@ -55,6 +55,7 @@
 #include "memory/pinned_pool.h"
 #include "nn/kernels.h"
 #include "offload/stash.h"
+#include "zero/partition.h"
 
 namespace porter::engine {
 
@@ -150,6 +151,13 @@ struct MemoryReport {
   size_t predicted_pinned_bytes = 0;          // the plan's plan.offload.pinned_bytes
   size_t offloaded_bytes = 0;                 // the plan's, per micro-batch (0: no offload)
   offload::StashStats offload;                // Engine::offload_stats()
+  // Host memory of the offloaded model states (Note [Host-state bytes per rank]): predicted by
+  // zero::host_state_bytes from the config, and measured from what the optimizer holds; all
+  // zero without optimizer or parameter offload. Pinned ones count against pinned_limit_bytes
+  // beside the stash's.
+  zero::HostStateBytes predicted_host_state;
+  zero::HostStateBytes host_state;
+  size_t pinned_in_use_bytes = 0;             // the pinned pool's, now (stash and model states)
   std::string format() const;                 // a table for the terminal
 };
 

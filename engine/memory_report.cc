@@ -33,6 +33,14 @@ MemoryReport Engine::memory_report() const {
   r.predicted_pinned_bytes = im.plan.offload.pinned_bytes;
   r.offloaded_bytes = im.plan.offload.offloaded_bytes;
   r.offload = im.offload_total;
+  r.host_state = im.optimizer->host_state();
+  const zero::OptimizerOptions& o = run_.optimizer;
+  if (o.offload.enabled || o.param_offload.enabled) {
+    r.predicted_host_state = zero::host_state_bytes(
+        im.part, o.zero_stage, zero::StateDTypes{run_.compute_dtype}, o.offload.enabled,
+        o.param_offload.enabled, o.offload.pin_memory, o.param_offload.pin_memory);
+  }
+  r.pinned_in_use_bytes = im.pinned->stats().in_use_bytes;
   if (!im.recompute_s_per_step.empty()) {
     std::vector<double> v = im.recompute_s_per_step;
     std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
@@ -72,6 +80,18 @@ std::string MemoryReport::format() const {
       << format_bytes(offload.h2d_bytes) << "; copy busy " << offload.copy_busy_s * 1e3
       << " ms, exposed wait " << offload.exposed_wait_s * 1e3 << " ms, hidden "
       << std::setprecision(1) << offload.hidden_fraction() * 100.0 << "%\n";
+  }
+  if (host_state.total() > 0 || predicted_host_state.total() > 0) {
+    o << "\n";
+    row("host (model states)", "predicted", "measured");
+    row("optimizer state", format_bytes(predicted_host_state.optimizer),
+        format_bytes(host_state.optimizer));
+    row("gradient shard", format_bytes(predicted_host_state.grads), format_bytes(host_state.grads));
+    row("params / working copy", format_bytes(predicted_host_state.params),
+        format_bytes(host_state.params));
+    row("host total", format_bytes(predicted_host_state.total()), format_bytes(host_state.total()));
+    o << "  pinned in use now " << format_bytes(pinned_in_use_bytes)
+      << " (checkpoint stash and pinned model states)\n";
   }
   return o.str();
 }
