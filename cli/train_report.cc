@@ -118,6 +118,8 @@ ordered_json zero_json(engine::Engine& engine) {
       {"offload_optimizer",
        z.offload_host_bytes > 0
            ? ordered_json{{"d2h_bytes", z.offload_d2h_bytes},
+                          {"d2h_overlapped_bytes", z.offload_d2h_overlapped_bytes},
+                          {"d2h_wait_s", z.offload_d2h_wait_s},
                           {"h2d_bytes", z.offload_h2d_bytes},
                           {"cpu_update_s", z.offload_cpu_update_s},
                           {"exposed_s", z.offload_exposed_s},
@@ -403,10 +405,16 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
     }
     out << " (rank 0's)\n";
     if (z.offload_host_bytes > 0) {
+      char queued[16];
+      std::snprintf(queued, sizeof queued, "%.0f",
+                    z.offload_d2h_bytes > 0 ? 100.0 * static_cast<double>(z.offload_d2h_overlapped_bytes) /
+                                                  static_cast<double>(z.offload_d2h_bytes)
+                                            : 0.0);
       out << "  optimizer offload: " << format_bytes(z.offload_host_bytes) << " on the host ("
           << (engine.run_options().optimizer.offload.pin_memory ? "pinned" : "pageable")
           << "); " << format_bytes(static_cast<uint64_t>(static_cast<double>(z.offload_d2h_bytes) / n))
-          << " of gradients down and "
+          << " of gradients down (" << queued << "% queued during backward, "
+          << format_seconds(z.offload_d2h_wait_s / n) << " waited) and "
           << format_bytes(static_cast<uint64_t>(static_cast<double>(z.offload_h2d_bytes) / n))
           << " of parameters up per step; host AdamW " << format_seconds(z.offload_cpu_update_s / n)
           << ", " << format_seconds(z.offload_exposed_s / n) << " exposed per step\n";

@@ -173,6 +173,13 @@ void Engine::build_model_states() {
       *im.flat, *kernels_, *allocator_, im.comm(), im.part,
       zero::plan_buckets(sl.ranges, writers, config_.zero_optimization.reduce_bucket_size_elems),
       std::move(sl.entry_stage), run_.reducer, [m, flat] { m->bind(*flat); });
+  if (im.optimizer->offloaded()) {
+    // Note [Ready gradients]: each bucket's part of the shard goes to the host as it is final.
+    zero::ShardedOptimizer* opt = im.optimizer.get();
+    zero::GradReducer* red = im.reducer.get();
+    im.reducer->set_on_ready(
+        [opt, red](int64_t lo, int64_t hi) { opt->gradients_ready(red->shard(), lo, hi); });
+  }
   if (zero_stage == 3) {
     Stage3Layout s3 = stage3_layout(*model_, config_.zero_optimization, run_.compute_dtype);
     im.param_costs = std::move(s3.costs);
@@ -367,6 +374,7 @@ void Engine::begin_step() {
   (void)im.stash->take_waits();
   (void)im.optimizer->take_exposed_s();
   (void)im.optimizer->take_offload_stats();
+  im.optimizer->begin_step();
   if (im.gatherer) (void)im.gatherer->take_stats();
   if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
   if (comm::Communicator* tp = im.tp_comm()) {
@@ -538,11 +546,15 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
     z.param_offload_d2h_bytes = o.param_d2h_bytes;
     im.zero_total.param_offload_d2h_bytes += o.param_d2h_bytes;
     z.offload_d2h_bytes = o.d2h_bytes;
+    z.offload_d2h_overlapped_bytes = o.d2h_overlapped_bytes;
+    z.offload_d2h_wait_s = o.d2h_wait_s;
     z.offload_h2d_bytes = o.h2d_bytes;
     z.offload_cpu_update_s = o.cpu_update_s;
     z.offload_exposed_s = o.exposed_s;
     ZeroStats& ot = im.zero_total;
     ot.offload_d2h_bytes += o.d2h_bytes;
+    ot.offload_d2h_overlapped_bytes += o.d2h_overlapped_bytes;
+    ot.offload_d2h_wait_s += o.d2h_wait_s;
     ot.offload_h2d_bytes += o.h2d_bytes;
     ot.offload_cpu_update_s += o.cpu_update_s;
     ot.offload_exposed_s += o.exposed_s;

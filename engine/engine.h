@@ -88,6 +88,8 @@ struct ZeroStats {
   size_t persistent_bytes = 0;
   // Optimizer offload (Note [Optimizer offload] in zero/sharded_optimizer.h); zero without.
   uint64_t offload_d2h_bytes = 0;    // gradients to the host
+  uint64_t offload_d2h_overlapped_bytes = 0;  // of which queued while backward went on
+  double offload_d2h_wait_s = 0.0;   // the update's wait for the gradient copies
   uint64_t offload_h2d_bytes = 0;    // working copies back
   double offload_cpu_update_s = 0.0; // the host AdamW
   double offload_exposed_s = 0.0;    // copies + host update, which the step waited for

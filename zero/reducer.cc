@@ -145,6 +145,7 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
   if (n_ == 1) {  // stage 2 on one rank: the bucket is the shard's [lo, hi)
     nn::Tensor dst = shard_.slice(bk.lo, bk.hi);
     kernels_->accumulate(dst, local);
+    finished(b);
     return;
   }
   prescale(local);
@@ -188,6 +189,22 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
   pending_.push_back(std::move(p));
 }
 
+// The post-scale of bucket b's part of the shard, then on_ready (Note [Ready gradients]).
+void GradReducer::finished(size_t b) {
+  if (!last_) return;
+  const int64_t lo = std::max(buckets_[b].lo, shard_begin_) - shard_begin_;
+  const int64_t hi = std::min(buckets_[b].hi, shard_begin_ + shard_.numel()) - shard_begin_;
+  if (lo >= hi) return;
+  if (n_ > 1) {
+    const double f = options_.predivide_factor;
+    if (!options_.prescale_gradients && f != static_cast<double>(n_)) {
+      nn::Tensor part = shard_.slice(lo, hi);
+      kernels_->scale(part, static_cast<float>(f / n_));
+    }
+  }
+  if (on_ready_) on_ready_(lo, hi);
+}
+
 void GradReducer::complete_oldest() {
   Pending p = std::move(pending_.front());
   pending_.pop_front();
@@ -195,6 +212,12 @@ void GradReducer::complete_oldest() {
   p.work.wait_on(allocator_->device().compute_stream());
   stats_.reduce_exposed_s += seconds_since(t0);
   stats_.reduce_busy_s += std::max(0.0, p.work.end_s() - p.work.start_s());
+  complete(p);
+  finished(p.bucket);
+}
+
+// Pending p's result into the shard (nothing to do where it reduced in place).
+void GradReducer::complete(Pending& p) {
   if (!p.packed.defined() && !p.reduced.defined()) return;
   const BucketBlocks& bb = blocks_[p.bucket];
   const int64_t m = bb.size(rank_);
@@ -224,13 +247,8 @@ void GradReducer::end_micro_batch() {
     while (!pending_.empty()) complete_oldest();
   }
   for (nn::Tensor& t : live_) t = nn::Tensor();
-  if (reducing_ && last_ && n_ > 1) {
-    const double f = options_.predivide_factor;
-    if (!options_.prescale_gradients && f != static_cast<double>(n_)) {
-      nn::Tensor all = shard_;
-      kernels_->scale(all, static_cast<float>(f / n_));
-    }
-  }
+  // The post-scale ran per bucket as each completed (finished()); with more than one rank
+  // every bucket is reduced in the last micro-batch, so every part of the shard was scaled.
 }
 
 void GradReducer::abort() noexcept {

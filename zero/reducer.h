@@ -24,7 +24,17 @@
 //                             (when f != N)  -- the default f = 1 sums, then takes 1/N;
 //   prescale_gradients true:  times 1/N before, nothing after.
 // "Before" scales each bucket's local gradients; "after" scales the rank's reduced shard (the
-// whole buffer at stage 0) once, at the end of the step's last micro-batch.
+// whole buffer at stage 0) once per element, in the step's last micro-batch: each bucket's
+// part of the shard as soon as its reduction is complete (Note [Ready gradients]), and what
+// no bucket reduced (one rank at stages 0 and 1) at the end.
+//
+// Note [Ready gradients]
+// A part of the shard is final once the last micro-batch's reduction of its bucket is complete
+// and post-scaled. on_ready(lo, hi) (set_on_ready) is then called with the part, in shard
+// elements, in compute-stream order: its values are there for work queued after the call. The
+// optimizer offload uses it to copy each bucket's gradients to the host while backward goes on
+// (Note [Optimizer offload]). Parts no reduction covers (one rank at stages 0 and 1, where
+// nothing is reduced) are not reported: the caller takes them after end_micro_batch.
 #pragma once
 
 #include <cstdint>
@@ -74,6 +84,11 @@ class GradReducer {
   bool distributed() const { return n_ > 1; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
 
+  // Note [Ready gradients]: called for each bucket's part of the shard once it is final.
+  void set_on_ready(std::function<void(int64_t lo, int64_t hi)> on_ready) {
+    on_ready_ = std::move(on_ready);
+  }
+
   // Zeroes the gradients (the shard at stage 2) for a new step.
   void zero_grads();
   void begin_micro_batch(bool last);
@@ -97,7 +112,9 @@ class GradReducer {
     nn::Tensor reduced;
   };
   void issue(size_t b, nn::Tensor contiguous);
+  void finished(size_t b);  // Note [Ready gradients]
   void complete_oldest();
+  void complete(Pending& p);
   void prescale(nn::Tensor& t);
   void bind_bucket(size_t b, const nn::Tensor& buffer);
 
@@ -112,6 +129,7 @@ class GradReducer {
   std::vector<std::vector<size_t>> bucket_entries_;
   ReducerOptions options_;
   std::function<void()> rebind_;
+  std::function<void(int64_t, int64_t)> on_ready_;
   nn::Tensor shard_;
   int64_t shard_begin_ = 0;
   bool last_ = false;

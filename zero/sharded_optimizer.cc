@@ -2,6 +2,8 @@
 #include "zero/sharded_optimizer.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -39,6 +41,12 @@ struct ShardedOptimizer::Host {
   bool params = false;     // `out` is the parameter shard itself
   Array master, exp_avg, exp_avg_sq, grad, out;
   std::unique_ptr<CpuAdam> adam;
+  // The copies of the offloaded optimizer (Note [Optimizer offload]): gradients down as the
+  // reducer finishes them, the working copy up after the update.
+  std::unique_ptr<memory::Stream> stream;
+  std::unique_ptr<memory::Event> ready;  // recorded on compute before each gradient copy
+  std::vector<std::pair<int64_t, int64_t>> sent;  // this step's gradient parts already queued
+  uint64_t sent_bytes = 0;
   static Array make(memory::PinnedPool* pinned, size_t bytes, const char* key, const char* what) {
     Array a;
     a.bytes = bytes;
@@ -121,6 +129,8 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
       CpuAdamOptions ao;
       ao.threads = options.offload.threads;
       host_->adam = std::make_unique<CpuAdam>(ao);
+      host_->stream = allocator.device().create_stream("optimizer offload");
+      host_->ready = allocator.device().create_event();
     }
   }
   // Stage 3 keeps only the shard of the working parameters, and owns it here: on the device,
@@ -177,6 +187,60 @@ void ShardedOptimizer::state_loaded() {
   if (!offloaded() || has_master() || working_.numel() == 0) return;
   // f32 compute: the checkpoint's params are the master weights.
   allocator_->device().copy_sync(host_->master.data, working_.data(), host_->master.bytes);
+}
+
+void ShardedOptimizer::begin_step() {
+  if (!offloaded()) return;
+  try {
+    host_->stream->synchronize();  // a failed step's copies are done before they are forgotten
+  } catch (...) {  // that step reported its error
+  }
+  host_->sent.clear();
+  host_->sent_bytes = 0;
+}
+
+void ShardedOptimizer::gradients_ready(const nn::Tensor& grads, int64_t lo, int64_t hi) {
+  if (!offloaded() || lo >= hi) return;
+  PORTER_CHECK(lo >= 0 && hi <= grads.numel() && grads.dtype() == nn::DType::kF32,
+               "ShardedOptimizer::gradients_ready: [", lo, ", ", hi, ") of a shard of ",
+               grads.numel());
+  memory::Device& device = allocator_->device();
+  device.compute_stream().record(*host_->ready);
+  host_->stream->wait(*host_->ready);
+  const size_t bytes = static_cast<size_t>(hi - lo) * sizeof(float);
+  host_->stream->copy_async(static_cast<float*>(host_->grad.data) + lo,
+                            static_cast<const float*>(grads.data()) + lo, bytes);
+  host_->sent.emplace_back(lo, hi);
+  host_->sent_bytes += bytes;
+}
+
+// The parts of the gradient shard no gradients_ready() queued go down now; then the host waits
+// for every copy (a copy error is thrown here, before any state changed).
+void ShardedOptimizer::finish_gradient_copies(const nn::Tensor& grads) {
+  std::vector<std::pair<int64_t, int64_t>> sent = host_->sent;
+  std::sort(sent.begin(), sent.end());
+  memory::Device& device = allocator_->device();
+  device.compute_stream().record(*host_->ready);
+  host_->stream->wait(*host_->ready);
+  int64_t at = 0;
+  auto copy = [&](int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    host_->stream->copy_async(static_cast<float*>(host_->grad.data) + lo,
+                              static_cast<const float*>(grads.data()) + lo,
+                              static_cast<size_t>(hi - lo) * sizeof(float));
+  };
+  for (const auto& [lo, hi] : sent) {
+    copy(at, lo);
+    at = std::max(at, hi);
+  }
+  copy(at, grads.numel());
+  const auto t0 = Clock::now();
+  host_->stream->synchronize();
+  offload_stats_.d2h_wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  offload_stats_.d2h_bytes += host_->grad.bytes;
+  offload_stats_.d2h_overlapped_bytes += host_->sent_bytes;
+  host_->sent.clear();
+  host_->sent_bytes = 0;
 }
 
 void ShardedOptimizer::wait(comm::Work work) {
@@ -249,6 +313,12 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
 }
 
 void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm& norm) {
+  const auto t0 = Clock::now();
+  if (offloaded()) {
+    PORTER_CHECK_EQ(static_cast<size_t>(grads.nbytes()), host_->grad.bytes,
+                    "ShardedOptimizer: the gradient shard is not f32 over the range");
+    finish_gradient_copies(grads);
+  }
   if (norm.overflow) return;
   const config::OptimizerConfig& o = options_.adamw;
   nn::AdamWArgs args;
@@ -262,12 +332,8 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   nn::Tensor params = working_;
   memory::Device& device = allocator_->device();
   if (offloaded()) {
-    // Note [Optimizer offload]: gradients down, AdamW on the host, the working copy up (with
-    // parameter offload the working copy is the host shard: nothing goes up).
-    const auto t0 = Clock::now();
-    PORTER_CHECK_EQ(static_cast<size_t>(grads.nbytes()), host_->grad.bytes,
-                    "ShardedOptimizer: the gradient shard is not f32 over the range");
-    if (host_->grad.bytes > 0) device.copy_sync(host_->grad.data, grads.data(), host_->grad.bytes);
+    // Note [Optimizer offload]: the gradients are down (finish_gradient_copies), AdamW on the
+    // host, the working copy up (with parameter offload it is the host shard: nothing goes up).
     const auto t1 = Clock::now();
     CpuAdamArrays a;
     a.params = static_cast<float*>(host_->master.data);
@@ -281,10 +347,11 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
     host_->adam->update(a, args);
     const auto t2 = Clock::now();
     if (!host_->params && host_->out.bytes > 0) {
-      device.copy_sync(params.data(), host_->out.data, host_->out.bytes);
+      // Over the link, on the offload stream; compute (the all-gather below) waits for it.
+      host_->stream->copy_async(params.data(), host_->out.data, host_->out.bytes);
+      host_->stream->synchronize();
       offload_stats_.h2d_bytes += host_->out.bytes;
     }
-    offload_stats_.d2h_bytes += host_->grad.bytes;
     offload_stats_.cpu_update_s += std::chrono::duration<double>(t2 - t1).count();
     offload_stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
     offload_stats_.update_begin = t1;

@@ -93,6 +93,8 @@ struct ParamOffloadOptions {
 // The offloaded optimizer's traffic and host time since the last take_offload_stats().
 struct OffloadStats {
   uint64_t d2h_bytes = 0;     // gradients to the host
+  uint64_t d2h_overlapped_bytes = 0;  // of which queued during backward (gradients_ready)
+  double d2h_wait_s = 0.0;            // the update's wait for the gradient copies
   uint64_t h2d_bytes = 0;     // working copies back
   double cpu_update_s = 0.0;  // the host AdamW
   double exposed_s = 0.0;     // copies + host update: the time the step waited for them
@@ -156,6 +158,13 @@ class ShardedOptimizer {
 
   // The scale the loss stage multiplies the gradients by this step (1 without fp16).
   double loss_scale() const { return scaler_.scale(); }
+  // Optimizer offload: a new step's gradient copies start from none (the engine calls it
+  // first), and the reducer's bucket parts [lo, hi) of `grads` (the shard) as they become
+  // final (Note [Ready gradients] in zero/reducer.h), copied to the host while backward goes
+  // on. Both do nothing without offload.
+  void begin_step();
+  void gradients_ready(const nn::Tensor& grads, int64_t lo, int64_t hi);
+
   // Phases 1-3 of Note [Sharded optimizer]. `grads` is the reducer's shard (the whole
   // buffer at stage 0).
   GradNorm global_norm(const nn::Tensor& grads);
@@ -192,6 +201,7 @@ class ShardedOptimizer {
 
  private:
   void wait(comm::Work work);
+  void finish_gradient_copies(const nn::Tensor& grads);
 
   nn::FlatParams* flat_;                 // not owned; outlives this
   nn::Kernels* kernels_;                 // not owned

@@ -243,15 +243,16 @@ TEST(EngineZeroTest, Bf16RunsAtStageTwo) {
   expect_close(two, zero, 1e-6, "bf16 stage 2 vs stage 0");
 }
 
-TEST(EngineZeroTest, RefusesAWrongWorldSizeAndParameterOffload) {
+TEST(EngineZeroTest, RefusesAWrongWorldSizeAndParameterOffloadBelowStage3) {
   auto device = cpu_device();
   config::Config c = zero_config(2, 1);  // world_size 2 without a communicator
   const std::string ws = error_of<InvalidArgument>([&] { gpt_engine(*device, c); });
   EXPECT_NE(ws.find("world_size 2"), std::string::npos) << ws;
-  c = zero_config(1, 3);
+  c = zero_config(1, 2);
   c.zero_optimization.offload_param.device = config::OffloadDevice::kCpu;
   const std::string off = error_of<InvalidArgument>([&] { gpt_engine(*device, c); });
   EXPECT_NE(off.find("offload_param"), std::string::npos) << off;
+  EXPECT_NE(off.find("stage 3"), std::string::npos) << off;
 }
 
 TEST(EngineZeroTest, OneRankStageTwoEqualsStageZero) {
