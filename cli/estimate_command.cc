@@ -280,10 +280,17 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     e.optimizer = opt;
     e.params = params;
     e.device = base;
-    if (opt) e.device.optimizer = 0;
+    // Note [Partial offload]: offload_optimizer.ratio of the shard's optimizer on the host.
+    const double ratio = opt ? zc.offload_optimizer.ratio : 1.0;
+    if (opt) {
+      e.device.optimizer = state_dtypes.optimizer_bytes() *
+                           static_cast<size_t>(part.shard_elems -
+                                               zero::offloaded_elems(part.shard_elems, ratio));
+    }
     if (params) e.device.params = persistent;  // the shard is on the host
     e.host = zero::host_state_bytes(part, config_stage, state_dtypes, opt, params,
-                                    zc.offload_optimizer.pin_memory, zc.offload_param.pin_memory);
+                                    zc.offload_optimizer.pin_memory, zc.offload_param.pin_memory,
+                                    ratio);
     return e;
   };
   std::vector<OffloadEstimate> offload_rows;
@@ -383,6 +390,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     j["offload"] = nlohmann::ordered_json::array();
     for (const OffloadEstimate& e : offload_rows) {
       j["offload"].push_back({{"offload_optimizer", e.optimizer}, {"offload_param", e.params},
+                              {"ratio", e.optimizer ? zc.offload_optimizer.ratio : 0.0},
                               {"device", bytes_json(e.device)}, {"host", host_json(e.host)}});
     }
     nlohmann::ordered_json zj;
@@ -482,7 +490,12 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                          : e.optimizer           ? "optimizer"
                          : e.params              ? "params"
                                                  : "none";
-      out << "    " << (mine ? "* " : "  ") << std::left << std::setw(20) << name << std::right
+      if (e.optimizer && zc.offload_optimizer.ratio < 1.0) {
+        char r[48];
+        std::snprintf(r, sizeof r, " (ratio %g)", zc.offload_optimizer.ratio);
+        name += r;
+      }
+      out << "    " << (mine ? "* " : "  ") << std::left << std::setw(30) << name << std::right
           << " device " << std::setw(10) << format_bytes(e.device.total()) << "  host "
           << std::setw(10) << format_bytes(e.host.total());
       if (e.host.total() > 0) {

@@ -462,18 +462,11 @@ void read_zero(ObjectReader& root, Config& c) {
     fail(path, value + ": parameter offload needs ZeRO stage 3 (only stage 3 partitions "
                        "parameters), but zero_optimization.stage is " + std::to_string(z.stage));
   }
-  if (z.offload_optimizer.ratio < 1.0) {
-    if (z.stage < 3) {
-      fail(r->path_of("offload_optimizer.ratio"),
-           describe(Json(z.offload_optimizer.ratio)) +
-               " < 1 (partial offload) needs ZeRO stage 3, but zero_optimization.stage is " +
-               std::to_string(z.stage) + "; use ratio 1 or stage 3");
-    }
-    r->diag().warn(r->path_of("offload_optimizer.ratio"),
-                   describe(Json(z.offload_optimizer.ratio)) +
-                       ": partial optimizer offload is not supported yet; porter reads it as "
-                       "ratio 1 (all of the optimizer state)");
-    z.offload_optimizer.ratio = 1.0;
+  if (z.offload_optimizer.ratio < 1.0 && z.stage < 3) {
+    fail(r->path_of("offload_optimizer.ratio"),
+         describe(Json(z.offload_optimizer.ratio)) +
+             " < 1 (partial offload) needs ZeRO stage 3, but zero_optimization.stage is " +
+             std::to_string(z.stage) + "; use ratio 1 or stage 3");
   }
 
   // DeepSpeed keys porter reads but does not implement; harmless at these values.

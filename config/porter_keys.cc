@@ -328,9 +328,11 @@ void check_across_sections(const PorterReadState& state, Config& c, Diagnostics&
                  std::to_string(layers) + " layers (porter.model.layers)");
       }
       if (number_checkpoints > layers) {
-        fail("activation_checkpointing.number_checkpoints",
-             std::to_string(number_checkpoints) + " is more than the model's " +
-                 std::to_string(layers) + " layers (porter.model.layers)");
+        // DeepSpeed uses the number only to size its checkpoint buffers, so it accepts this.
+        diag.warn("activation_checkpointing.number_checkpoints",
+                  std::to_string(number_checkpoints) + " is more than the model's " +
+                      std::to_string(layers) + " layers (porter.model.layers); porter "
+                      "checkpoints every layer, one layer per segment");
       }
       break;
     case CheckpointPolicy::kBlock:

@@ -86,6 +86,7 @@ RunOptions make_run_options(const config::Config& config) {
   // threads (0: every core).
   r.optimizer.offload.enabled = z.offload_optimizer.device != config::OffloadDevice::kNone;
   r.optimizer.offload.pin_memory = z.offload_optimizer.pin_memory;
+  r.optimizer.offload.ratio = z.offload_optimizer.ratio;  // Note [Partial offload]
   r.optimizer.offload.threads = static_cast<int>(p.device.threads);
   // Note [Parameter offload] (stage 3; "nvme" reads as "cpu").
   r.optimizer.param_offload.enabled = z.offload_param.device != config::OffloadDevice::kNone;
@@ -121,6 +122,10 @@ void check_supported(const config::Config& c, int dp_size, int tp_size) {
   if (z.offload_optimizer.device != config::OffloadDevice::kNone && z.stage == 0) {
     throw InvalidArgument("zero_optimization.offload_optimizer.device: optimizer offload needs "
                           "ZeRO stage 1, 2 or 3, but zero_optimization.stage is 0");
+  }
+  if (z.offload_optimizer.ratio < 1.0 && z.stage != 3) {
+    throw InvalidArgument("zero_optimization.offload_optimizer.ratio: a partial offload needs "
+                          "ZeRO stage 3, but zero_optimization.stage is " + std::to_string(z.stage));
   }
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {

@@ -128,7 +128,12 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   sections.push_back({"params", download(*device_, im.gatherer ? im.optimizer->working()
                                                                 : im.flat->params())});
   for (const zero::ShardedOptimizer::StateTensor& t : im.optimizer->state_tensors()) {
-    sections.push_back({t.name, download(*device_, t.tensor)});
+    std::vector<std::byte> bytes = download(*device_, t.tensor);
+    if (t.rest.defined()) {  // Note [Partial offload]: the host's part, then the device's
+      const std::vector<std::byte> rest = download(*device_, t.rest);
+      bytes.insert(bytes.end(), rest.begin(), rest.end());
+    }
+    sections.push_back({t.name, std::move(bytes)});
   }
   write_state(dir, std::move(meta), sections);
   // zero_optimization.stage3_gather_16bit_weights_on_model_save: the working weights of the
@@ -194,17 +199,25 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   std::vector<Target> targets = {
       {"params", im.gatherer ? im.optimizer->working() : im.flat->params()}};
   for (const Target& t : im.optimizer->state_tensors()) targets.push_back(t);
+  auto bytes_of = [](const Target& t) {
+    return static_cast<size_t>(t.tensor.nbytes()) +
+           (t.rest.defined() ? static_cast<size_t>(t.rest.nbytes()) : 0);
+  };
   for (const Target& t : targets) {
     const StateSection& s = state.section(t.name);
-    if (s.bytes.size() != t.tensor.nbytes()) {
+    if (s.bytes.size() != bytes_of(t)) {
       throw InvalidArgument(where + "section '" + t.name + "' has " +
                             std::to_string(s.bytes.size()) + " bytes, this engine needs " +
-                            std::to_string(t.tensor.nbytes()));
+                            std::to_string(bytes_of(t)));
     }
   }
   for (const Target& t : targets) {
     const StateSection& s = state.section(t.name);
-    if (!s.bytes.empty()) device_->copy_sync(t.tensor.data(), s.bytes.data(), s.bytes.size());
+    const size_t first = static_cast<size_t>(t.tensor.nbytes());
+    if (first > 0) device_->copy_sync(t.tensor.data(), s.bytes.data(), first);
+    if (t.rest.defined() && s.bytes.size() > first) {  // Note [Partial offload]
+      device_->copy_sync(t.rest.data(), s.bytes.data() + first, s.bytes.size() - first);
+    }
   }
   im.optimizer->state_loaded();
   if (im.gatherer) im.gatherer->refresh_persistent();  // a collective at stage 3

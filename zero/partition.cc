@@ -1,6 +1,8 @@
 // ZeRO's flat partition and per-rank model-state bytes (Note [Flat partition]).
 #include "zero/partition.h"
 
+#include <algorithm>
+
 #include "base/check.h"
 #include "memory/pinned_pool.h"
 #include "nn/layer.h"
@@ -33,26 +35,33 @@ StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes&
 
 HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes,
                                 bool optimizer_offload, bool param_offload,
-                                bool optimizer_pinned, bool param_pinned) {
+                                bool optimizer_pinned, bool param_pinned, double ratio) {
   PORTER_CHECK(!param_offload || zero_stage == 3, "parameter offload needs ZeRO stage 3, got ",
                zero_stage);
   PORTER_CHECK(!optimizer_offload || zero_stage >= 1, "optimizer offload needs ZeRO stage 1-3");
   const auto n = static_cast<size_t>(part.shard_elems);
+  const auto h = static_cast<size_t>(offloaded_elems(part.shard_elems, ratio));
   auto array = [&](size_t bytes, bool pinned) {
     constexpr size_t g = memory::PinnedPool::kGranularity;
     return pinned ? (bytes + g - 1) / g * g : bytes;
   };
   HostStateBytes b;
   if (optimizer_offload) {
-    b.optimizer = 3 * array(4 * n, optimizer_pinned);
-    b.grads = array(4 * n, optimizer_pinned);
+    b.optimizer = 3 * array(4 * h, optimizer_pinned);
+    b.grads = array(4 * h, optimizer_pinned);
   }
   if (param_offload) {
     b.params = array(dtypes.param_bytes() * n, param_pinned);
   } else if (optimizer_offload) {
-    b.params = array(dtypes.param_bytes() * n, optimizer_pinned);
+    b.params = array(dtypes.param_bytes() * h, optimizer_pinned);
   }
   return b;
+}
+
+int64_t offloaded_elems(int64_t n, double ratio) {
+  PORTER_CHECK(ratio >= 0.0 && ratio <= 1.0, "offload_optimizer.ratio ", ratio, " outside [0, 1]");
+  if (ratio >= 1.0) return n;
+  return std::min<int64_t>(n, static_cast<int64_t>(static_cast<double>(n) * ratio));
 }
 
 StateBytes paper_bytes(int64_t num_params, int world_size, int zero_stage,

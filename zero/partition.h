@@ -73,9 +73,13 @@ struct HostStateBytes {
   size_t params = 0;     // the working copy / parameter shard
   size_t total() const { return optimizer + grads + params; }
 };
+// `ratio`: offload_optimizer.ratio (Note [Partial offload]); the optimizer's arrays hold
+// offloaded_elems(S, ratio) elements.
 HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes,
                                 bool optimizer_offload, bool param_offload,
-                                bool optimizer_pinned, bool param_pinned);
+                                bool optimizer_pinned, bool param_pinned, double ratio = 1.0);
+// floor(ratio * n), the elements of a range of n that a partial offload keeps on the host.
+int64_t offloaded_elems(int64_t n, double ratio);
 
 // porter's exact per-rank bytes at `stage` (0..3).
 StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes);

@@ -95,6 +95,11 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
   end_ = options.zero_stage >= 1 ? part.end(rank) : part.padded_elems;
   const int64_t n = end_ - begin_;
   const bool offload_params = options.param_offload.enabled;
+  // Note [Partial offload]: the first h elements of the range are the host's.
+  const int64_t h = options.offload.enabled ? offloaded_elems(n, options.offload.ratio) : 0;
+  PORTER_CHECK(options.offload.ratio == 1.0 || options.zero_stage == 3,
+               "ShardedOptimizer: a partial optimizer offload needs ZeRO stage 3");
+  host_elems_ = h;
   PORTER_CHECK(!offload_params || options.zero_stage == 3,
                "ShardedOptimizer: parameter offload needs ZeRO stage 3, got stage ",
                options.zero_stage);
@@ -115,13 +120,16 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
     }
     if (options.offload.enabled) {
       memory::PinnedPool* pool = pin_opt ? pinned : nullptr;
-      const size_t f32 = static_cast<size_t>(n) * sizeof(float);
+      const size_t f32 = static_cast<size_t>(h) * sizeof(float);
       constexpr const char* key = "offload_optimizer";
       host_->master = Host::make(pool, f32, key, "master weights");
       host_->exp_avg = Host::make(pool, f32, key, "AdamW exp_avg");
       host_->exp_avg_sq = Host::make(pool, f32, key, "AdamW exp_avg_sq");
       host_->grad = Host::make(pool, f32, key, "gradient shard");
-      if (!offload_params) host_->out = Host::make(pool, pbytes, key, "working copy");
+      if (!offload_params) {
+        host_->out = Host::make(pool, static_cast<size_t>(h) * nn::dtype_size(flat.param_dtype()),
+                                key, "working copy");
+      }
       if (f32 > 0) {
         std::memset(host_->exp_avg.data, 0, f32);
         std::memset(host_->exp_avg_sq.data, 0, f32);
@@ -145,27 +153,28 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
     working_ = nn::Tensor::empty(allocator, nn::Shape{n}, flat.param_dtype(),
                                  memory::Category::kParams);
   }
-  if (options.offload.enabled) {
+  if (options.offload.enabled && h > 0) {
     // Checkpoints see the host arrays as tensors (the device copies them like any buffer).
     if (flat.param_dtype() != nn::DType::kF32) {
-      master_ = nn::Tensor::from_blob(host_->master.data, nn::Shape{n}, nn::DType::kF32,
-                                      memory::Category::kOptimizer);
+      host_master_ = nn::Tensor::from_blob(host_->master.data, nn::Shape{h}, nn::DType::kF32,
+                                           memory::Category::kOptimizer);
     }
-    exp_avg_ = nn::Tensor::from_blob(host_->exp_avg.data, nn::Shape{n}, nn::DType::kF32,
-                                     memory::Category::kOptimizer);
-    exp_avg_sq_ = nn::Tensor::from_blob(host_->exp_avg_sq.data, nn::Shape{n}, nn::DType::kF32,
-                                        memory::Category::kOptimizer);
-    return;
+    host_exp_avg_ = nn::Tensor::from_blob(host_->exp_avg.data, nn::Shape{h}, nn::DType::kF32,
+                                          memory::Category::kOptimizer);
+    host_exp_avg_sq_ = nn::Tensor::from_blob(host_->exp_avg_sq.data, nn::Shape{h},
+                                             nn::DType::kF32, memory::Category::kOptimizer);
   }
+  if (h == n && options.offload.enabled) return;  // nothing of the optimizer on the device
   if (flat.param_dtype() != nn::DType::kF32) {
-    master_ = nn::Tensor::empty(allocator, nn::Shape{n}, nn::DType::kF32,
+    master_ = nn::Tensor::empty(allocator, nn::Shape{n - h}, nn::DType::kF32,
                                 memory::Category::kOptimizer);
   }
-  exp_avg_ = zeros_f32(kernels, allocator, n);
-  exp_avg_sq_ = zeros_f32(kernels, allocator, n);
+  exp_avg_ = zeros_f32(kernels, allocator, n - h);
+  exp_avg_sq_ = zeros_f32(kernels, allocator, n - h);
 }
 
 bool ShardedOptimizer::offloaded() const { return host_ != nullptr && host_->optimizer; }
+bool ShardedOptimizer::has_master() const { return flat_->param_dtype() != nn::DType::kF32; }
 bool ShardedOptimizer::params_offloaded() const { return host_ != nullptr && host_->params; }
 
 HostStateBytes ShardedOptimizer::host_state() const {
@@ -184,8 +193,8 @@ OffloadStats ShardedOptimizer::take_offload_stats() {
 }
 
 void ShardedOptimizer::state_loaded() {
-  if (!offloaded() || has_master() || working_.numel() == 0) return;
-  // f32 compute: the checkpoint's params are the master weights.
+  if (!offloaded() || has_master() || host_->master.bytes == 0) return;
+  // f32 compute: the checkpoint's params are the master weights (of the host's part).
   allocator_->device().copy_sync(host_->master.data, working_.data(), host_->master.bytes);
 }
 
@@ -200,10 +209,11 @@ void ShardedOptimizer::begin_step() {
 }
 
 void ShardedOptimizer::gradients_ready(const nn::Tensor& grads, int64_t lo, int64_t hi) {
-  if (!offloaded() || lo >= hi) return;
   PORTER_CHECK(lo >= 0 && hi <= grads.numel() && grads.dtype() == nn::DType::kF32,
                "ShardedOptimizer::gradients_ready: [", lo, ", ", hi, ") of a shard of ",
                grads.numel());
+  hi = std::min(hi, host_elems_);  // Note [Partial offload]: the host's part only
+  if (!offloaded() || lo >= hi) return;
   memory::Device& device = allocator_->device();
   device.compute_stream().record(*host_->ready);
   host_->stream->wait(*host_->ready);
@@ -233,7 +243,7 @@ void ShardedOptimizer::finish_gradient_copies(const nn::Tensor& grads) {
     copy(at, lo);
     at = std::max(at, hi);
   }
-  copy(at, grads.numel());
+  copy(at, host_elems_);
   const auto t0 = Clock::now();
   host_->stream->synchronize();
   offload_stats_.d2h_wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -315,8 +325,8 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
 void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm& norm) {
   const auto t0 = Clock::now();
   if (offloaded()) {
-    PORTER_CHECK_EQ(static_cast<size_t>(grads.nbytes()), host_->grad.bytes,
-                    "ShardedOptimizer: the gradient shard is not f32 over the range");
+    PORTER_CHECK(grads.dtype() == nn::DType::kF32 && grads.numel() == end_ - begin_,
+                 "ShardedOptimizer: the gradient shard is not f32 over the range");
     finish_gradient_copies(grads);
   }
   if (norm.overflow) return;
@@ -331,7 +341,8 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   args.grad_scale = static_cast<float>(norm.clip_coef / scaler_.scale());
   nn::Tensor params = working_;
   memory::Device& device = allocator_->device();
-  if (offloaded()) {
+  const int64_t n = end_ - begin_, h = host_elems_;
+  if (h > 0) {
     // Note [Optimizer offload]: the gradients are down (finish_gradient_copies), AdamW on the
     // host, the working copy up (with parameter offload it is the host shard: nothing goes up).
     const auto t1 = Clock::now();
@@ -343,34 +354,43 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
     a.grad_dtype = nn::DType::kF32;
     a.out = host_->out.data;
     a.out_dtype = params.dtype();
-    a.elems = end_ - begin_;
+    a.elems = h;
     host_->adam->update(a, args);
     const auto t2 = Clock::now();
-    if (!host_->params && host_->out.bytes > 0) {
+    const size_t out_bytes = static_cast<size_t>(h) * nn::dtype_size(params.dtype());
+    if (!host_->params) {
       // Over the link, on the offload stream; compute (the all-gather below) waits for it.
-      host_->stream->copy_async(params.data(), host_->out.data, host_->out.bytes);
+      host_->stream->copy_async(params.data(), host_->out.data, out_bytes);
       host_->stream->synchronize();
-      offload_stats_.h2d_bytes += host_->out.bytes;
+      offload_stats_.h2d_bytes += out_bytes;
     }
     offload_stats_.cpu_update_s += std::chrono::duration<double>(t2 - t1).count();
     offload_stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
     offload_stats_.update_begin = t1;
     offload_stats_.update_end = t2;
-  } else if (params_offloaded()) {
-    // Note [Parameter offload]: AdamW on the device into a transient copy of the shard, which
-    // then goes to the host. f32 compute updates the parameters in place, so it starts from
-    // the host shard.
-    nn::Tensor tmp = nn::Tensor::empty(*allocator_, nn::Shape{end_ - begin_}, params.dtype(),
-                                       memory::Category::kParams);
-    const size_t bytes = static_cast<size_t>(tmp.nbytes());
-    if (!has_master() && bytes > 0) device.copy_sync(tmp.data(), params.data(), bytes);
-    nn::Tensor target = has_master() ? master_ : tmp;
-    kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &tmp : nullptr);
-    if (bytes > 0) device.copy_sync(params.data(), tmp.data(), bytes);
-    offload_stats_.param_d2h_bytes += bytes;
-  } else {
-    nn::Tensor target = has_master() ? master_ : params;
-    kernels_->adamw(target, grads, exp_avg_, exp_avg_sq_, args, has_master() ? &params : nullptr);
+  }
+  if (h < n) {
+    // The device's part [h, n): all of the range without optimizer offload (Note [Partial
+    // offload]).
+    nn::Tensor g = h > 0 ? grads.slice(h, n) : grads;
+    if (params_offloaded()) {
+      // Note [Parameter offload]: AdamW on the device into a transient copy of the part, which
+      // then goes to the host shard. f32 compute updates the parameters in place, so it starts
+      // from the host shard.
+      nn::Tensor tmp = nn::Tensor::empty(*allocator_, nn::Shape{n - h}, params.dtype(),
+                                         memory::Category::kParams);
+      nn::Tensor host_part = params.slice(h, n);
+      const size_t bytes = static_cast<size_t>(tmp.nbytes());
+      if (!has_master()) device.copy_sync(tmp.data(), host_part.data(), bytes);
+      nn::Tensor target = has_master() ? master_ : tmp;
+      kernels_->adamw(target, g, exp_avg_, exp_avg_sq_, args, has_master() ? &tmp : nullptr);
+      device.copy_sync(host_part.data(), tmp.data(), bytes);
+      offload_stats_.param_d2h_bytes += bytes;
+    } else {
+      nn::Tensor p = h > 0 ? params.slice(h, n) : params;
+      nn::Tensor target = has_master() ? master_ : p;
+      kernels_->adamw(target, g, exp_avg_, exp_avg_sq_, args, has_master() ? &p : nullptr);
+    }
   }
   // Stage 3 gathers each stage's parameters when they are next needed (zero/param_gatherer.h).
   if (dp_ != nullptr && options_.zero_stage >= 1 && options_.zero_stage <= 2) {
@@ -397,18 +417,23 @@ void ShardedOptimizer::set_params(const std::vector<float>& padded) {
     nn::Tensor params = flat_->params();
     nn::from_host_f32(device, padded, params);
   }
-  if (offloaded()) {
-    if (!mine.empty()) std::memcpy(host_->master.data, mine.data(), host_->master.bytes);
-  } else if (has_master()) {
-    nn::from_host_f32(device, mine, master_);
+  const size_t h = static_cast<size_t>(host_elems_);
+  if (h > 0) std::memcpy(host_->master.data, mine.data(), host_->master.bytes);
+  if (has_master() && h < mine.size()) {
+    nn::from_host_f32(device, std::vector<float>(mine.begin() + static_cast<long>(h), mine.end()),
+                      master_);
   }
 }
 
 std::vector<ShardedOptimizer::StateTensor> ShardedOptimizer::state_tensors() const {
+  // The host's part first, then the device's (Note [Partial offload]); either may be absent.
+  auto state = [](const char* name, const nn::Tensor& host, const nn::Tensor& device) {
+    return host.defined() ? StateTensor{name, host, device} : StateTensor{name, device, {}};
+  };
   std::vector<StateTensor> out;
-  if (has_master()) out.push_back({"master", master_});
-  out.push_back({"exp_avg", exp_avg_});
-  out.push_back({"exp_avg_sq", exp_avg_sq_});
+  if (has_master()) out.push_back(state("master", host_master_, master_));
+  out.push_back(state("exp_avg", host_exp_avg_, exp_avg_));
+  out.push_back(state("exp_avg_sq", host_exp_avg_sq_, exp_avg_sq_));
   return out;
 }
 

@@ -62,8 +62,16 @@ namespace porter::zero {
 // OffloadStats). A run with the optimizer offloaded is bitwise one without. With f32
 // compute the host master equals the working copy, which is what a checkpoint stores, so
 // checkpoints are the same with and without offload.
+// Note [Partial offload]
+// offload_optimizer.ratio r < 1 (stage 3; DeepSpeed's ZeRO-Offload++): of the rank's range of
+// n elements the first h = offloaded_elems(n, r) = floor(r n) are the host's (master, moments,
+// gradient copy and working copy in host memory, CpuAdam), and the other n - h stay on the
+// device, updated there by the device kernel in the same step. Each element is updated by the
+// same formula either way, so any ratio is bitwise the run without offload; checkpoints hold
+// each state tensor whole (host part, then device part), the same for every ratio.
 struct OptimizerOffloadOptions {
   bool enabled = false;
+  double ratio = 1.0;       // offload_optimizer.ratio: the fraction of the range on the host
   bool pin_memory = true;   // offload_optimizer.pin_memory
   int threads = 0;          // host threads of the update (CpuAdam); 0: every core
   bool operator==(const OptimizerOffloadOptions&) const = default;
@@ -138,7 +146,7 @@ class ShardedOptimizer {
   // The optimizer range in the padded flat buffer.
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
-  bool has_master() const { return master_.defined(); }
+  bool has_master() const;  // bf16/fp16 compute: an f32 master copy
   bool offloaded() const;
   bool params_offloaded() const;
   // Host bytes the offloaded state holds (0 without offload; pinned buffers at their pool
@@ -189,9 +197,12 @@ class ShardedOptimizer {
   // Training checkpoints (engine/state.cc, Note [Engine state]): the state tensors by name
   // ("master" for bf16/fp16, "exp_avg", "exp_avg_sq"), the count of updating steps (the LR
   // schedule's and AdamW's step) and the loss scaler.
+  // A state tensor is `tensor` followed by `rest` (when defined): with a partial offload the
+  // host's part and the device's (Note [Partial offload]); checkpoints store the two as one.
   struct StateTensor {
     const char* name;
     nn::Tensor tensor;
+    nn::Tensor rest = {};
   };
   std::vector<StateTensor> state_tensors() const;
   int64_t steps() const { return steps_; }
@@ -216,9 +227,12 @@ class ShardedOptimizer {
   std::unique_ptr<Host> host_;  // null without either offload
   OffloadStats offload_stats_;
   nn::Tensor working_;     // (end - begin) in the compute dtype; see working()
-  nn::Tensor master_;      // (end - begin) f32; undefined for f32 compute
-  nn::Tensor exp_avg_;     // (end - begin) f32
-  nn::Tensor exp_avg_sq_;  // (end - begin) f32
+  // The device's part [h, end - begin) of the range (all of it without offload, none with a
+  // full one; undefined then), and the host's [0, h) as views of the host arrays (Note
+  // [Partial offload]). The masters are undefined for f32 compute.
+  int64_t host_elems_ = 0;  // h
+  nn::Tensor master_, exp_avg_, exp_avg_sq_;                 // f32, device
+  nn::Tensor host_master_, host_exp_avg_, host_exp_avg_sq_;  // f32, host
   LossScaler scaler_;
   int64_t steps_ = 0;      // steps that updated (fp16 overflow skips)
   double exposed_s_ = 0.0;

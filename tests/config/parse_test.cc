@@ -234,12 +234,21 @@ TEST(Warnings, SettingsWithoutEffectUnderTensorParallelism) {
   EXPECT_TRUE(on.warnings.empty());
 }
 
-TEST(Warnings, PartialOffloadAtStage3IsResolvedToFull) {
+TEST(Warnings, PartialOffloadAtStage3IsKept) {
   ParseResult r = parse(R"({"train_batch_size": 1, "zero_optimization": {"stage": 3,
       "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})");
-  EXPECT_EQ(r.config.zero_optimization.offload_optimizer.ratio, 1.0);
+  EXPECT_EQ(r.config.zero_optimization.offload_optimizer.ratio, 0.3);
+  EXPECT_TRUE(r.warnings.empty());
+}
+
+TEST(Warnings, MoreCheckpointsThanLayersIsAcceptedAsEveryLayer) {
+  ParseResult r = parse(R"({"train_batch_size": 1, "activation_checkpointing":
+      {"number_checkpoints": 10}, "porter": {"model": {"layers": 4}}})");
+  EXPECT_EQ(r.config.porter.checkpointing.policy, CheckpointPolicy::kUniform);
+  EXPECT_EQ(r.config.porter.checkpointing.segments, 10);
   ASSERT_EQ(r.warnings.size(), 1u);
-  EXPECT_EQ(r.warnings[0].path, "zero_optimization.offload_optimizer.ratio");
+  EXPECT_EQ(r.warnings[0].path, "activation_checkpointing.number_checkpoints");
+  EXPECT_NE(r.warnings[0].text().find("checkpoints every layer"), std::string::npos);
 }
 
 TEST(Strict, TurnsWarningsIntoErrors) {

@@ -219,5 +219,75 @@ TEST(EngineParamOffload, ACopyErrorMidStepLeavesTheStateUnchanged) {
   }
 }
 
+// Note [Partial offload]: offload_optimizer.ratio of the shard's optimizer on the host, the rest
+// on the device; bitwise the run without offload at any ratio, with or without the parameters
+// offloaded, and checkpoints that resume under any other ratio.
+TEST(EnginePartialOffload, AnyRatioIsBitwiseTheRunWithoutOffload) {
+  for (int ws : {1, 2}) {
+    config::Config c = s3_config(ws, 2);
+    c.bf16.enabled = true;
+    const std::vector<RankRun> device = run_ranks(c, 3);
+    for (double ratio : {0.0, 0.3, 0.75}) {
+      for (bool params : {false, true}) {
+        const std::string what = "ws " + std::to_string(ws) + " ratio " + std::to_string(ratio) +
+                                 (params ? " with params" : "");
+        config::Config o = c;
+        set_offload(o, true, params);
+        o.zero_optimization.offload_optimizer.ratio = ratio;
+        const std::vector<RankRun> host = run_ranks(o, 3);
+        expect_bitwise(host, device, what);
+        for (size_t r = 0; r < host.size(); ++r) {
+          const zero::Partition part = zero::make_partition(host[r].total.padded_elems, ws);
+          const int64_t h = zero::offloaded_elems(part.shard_elems, ratio);
+          // Master + two moments, f32, for the device's part.
+          EXPECT_EQ(host[r].optimizer_bytes, static_cast<size_t>(part.shard_elems - h) * 12) << what;
+          const zero::HostStateBytes predicted = zero::host_state_bytes(
+              part, 3, zero::StateDTypes{nn::DType::kBF16}, true, params, true, true, ratio);
+          EXPECT_EQ(host[r].total.offload_host_bytes + host[r].total.param_offload_host_bytes,
+                    predicted.total())
+              << what;
+          EXPECT_EQ(host[r].total.offload_d2h_bytes, 3 * static_cast<uint64_t>(h) * 4) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(EnginePartialOffload, CheckpointsResumeUnderAnyOtherRatio) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_partial_offload_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  config::Config c = s3_config(1);
+  c.bf16.enabled = true;
+  set_offload(c, true, false);
+  c.zero_optimization.offload_optimizer.ratio = 0.4;
+  std::vector<double> straight;
+  {
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
+  }
+  {
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
+    e->save_checkpoint(dir);
+  }
+  for (double ratio : {0.4, 0.9, 1.0, -1.0}) {  // -1: no offload at all
+    config::Config r = c;
+    if (ratio < 0) {
+      set_offload(r, false, false);
+    } else {
+      r.zero_optimization.offload_optimizer.ratio = ratio;
+    }
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, r);
+    e->load_checkpoint(dir);
+    EXPECT_EQ(e->train_step(batches(r, 2)).loss, straight[2]) << "ratio " << ratio;
+    EXPECT_EQ(e->train_step(batches(r, 3)).loss, straight[3]) << "ratio " << ratio;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace porter::engine
