@@ -98,8 +98,9 @@ RunOptions make_run_options(const config::Config& config);
 // Note [What the engine runs]
 // One device per rank; data parallelism over a dp communicator with ZeRO stages 0 to 3
 // (docs/zero.md). A config asking for what porter does not run is refused, naming the key
-// and what to use instead, rather than silently run differently: optimizer and parameter
-// offload. Tensor parallelism (porter.model.tensor_parallel,
+// and what to use instead, rather than silently run differently: parameter offload below
+// stage 3, optimizer offload at stage 0, a partial offload ratio below stage 3. Optimizer and
+// parameter offload run (docs/zero.md). Tensor parallelism (porter.model.tensor_parallel,
 // sequence_parallel) runs over a tp communicator, and partition_activations partitions the
 // held checkpoints over it (docs/tensor-parallel.md). fp16 runs with loss scaling
 // (zero/loss_scaler.h) on both devices; checkpoint offload

@@ -50,18 +50,25 @@ namespace porter::zero {
 // the f32 master weights and both AdamW moments of the rank's range live in host memory,
 // pinned (in the engine's pinned pool, within porter.device.pinned_limit) when pin_memory is
 // on, pageable otherwise, and none of it on the device; so does a host copy of the range's
-// gradients and of its updated working copy. update() then
-//   1. copies the reduced gradient shard to the host (D2H),
+// gradients and of its updated working copy (Note [Host-state bytes per rank] in
+// zero/partition.h). A step then
+//   1. copies each bucket's part of the reduced gradient shard to the host on the optimizer's
+//      copy stream ("optimizer offload") as soon as the reducer reports it final
+//      (gradients_ready, Note [Ready gradients] in zero/reducer.h), while backward goes on;
+//      update() copies what is left and waits for the copies (a copy error throws there,
+//      before any state changed),
 //   2. runs AdamW there (zero::CpuAdam, bit-identical to the device kernel: Note [CpuAdam bit
 //      identity]) on the host threads, writing the working copy in the compute dtype,
-//   3. copies the working copy back into the device's range (H2D), and all-gathers it as
-//      without offload (stages 1 and 2).
+//   3. copies the working copy back into the device's range on the copy stream (with
+//      parameter offload the working copy is the host shard: nothing goes back), and
+//      all-gathers it as without offload (stages 1 and 2).
 // The global norm (clipping, fp16 overflow) is computed on the device before, as without
-// offload, so the update waits for it: nothing is speculative and nothing is rolled back.
-// The copies and the host update run after backward, on the step's critical path (exposed:
-// OffloadStats). A run with the optimizer offloaded is bitwise one without. With f32
-// compute the host master equals the working copy, which is what a checkpoint stores, so
-// checkpoints are the same with and without offload.
+// offload, so the update waits for it: nothing is speculative and nothing is rolled back; the
+// host update is on the step's critical path (exposed: OffloadStats). A run with the
+// optimizer offloaded is bitwise one without. With f32 compute the host master equals the
+// working copy, which is what a checkpoint stores, so checkpoints are the same with and
+// without offload.
+//
 // Note [Partial offload]
 // offload_optimizer.ratio r < 1 (stage 3; DeepSpeed's ZeRO-Offload++): of the rank's range of
 // n elements the first h = offloaded_elems(n, r) = floor(r n) are the host's (master, moments,

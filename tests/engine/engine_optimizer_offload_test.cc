@@ -126,6 +126,24 @@ TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemo
   expect_bitwise(pageable, pinned, "pageable vs pinned");
 }
 
+TEST(EngineOptimizerOffload, TheHostUpdateHasItsOwnTraceLane) {
+  config::Config c = off_config(1, 2, true);
+  auto device = cpu_device();
+  auto e = gpt_engine(*device, c);
+  TraceRecorder trace;
+  e->set_trace(&trace);
+  e->train_step(batches(c, 0));
+  e->train_step(batches(c, 1));
+  int host = 0;
+  for (const TraceSpan& s : trace.spans()) {
+    if (s.lane != "host optimizer") continue;
+    ++host;
+    EXPECT_EQ(s.name, "host adamw");
+    EXPECT_GT(s.dur_us, 0);
+  }
+  EXPECT_EQ(host, 2);  // one per step
+}
+
 TEST(EngineOptimizerOffload, APinnedLimitTooSmallIsRefusedBeforeTheFirstStep) {
   config::Config c = off_config(1, 1, true);
   c.porter.device.pinned_limit_bytes = 64 * 1024;
