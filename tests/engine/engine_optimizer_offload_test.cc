@@ -30,43 +30,7 @@ config::Config off_config(int world_size, int stage, bool offload, int64_t gas =
   return c;
 }
 
-struct RankRun {
-  std::vector<double> losses;
-  std::vector<float> params;
-  ZeroStats total;
-  size_t optimizer_bytes = 0;  // device, after the steps
-  size_t pinned_bytes = 0;     // the pinned pool's in-use bytes after the steps
-};
-
-std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
-  const int ws = static_cast<int>(c.world_size);
-  std::vector<RankRun> runs(static_cast<size_t>(ws));
-  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
-    RankRun& run = runs[static_cast<size_t>(rank)];
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
-                          c.porter.model.seq_len);
-    for (int s = 0; s < steps; ++s) {
-      run.losses.push_back(
-          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
-    }
-    run.params = e.params_host();
-    run.total = e.zero_stats();
-    run.optimizer_bytes =
-        e.memory_report().current_by_category[static_cast<size_t>(memory::Category::kOptimizer)];
-    run.pinned_bytes = e.pinned_pool().stats().in_use_bytes;
-  });
-  return runs;
-}
-
-void expect_bitwise(const std::vector<RankRun>& a, const std::vector<RankRun>& b,
-                    const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t r = 0; r < a.size(); ++r) {
-    EXPECT_EQ(a[r].losses, b[r].losses) << what << ": rank " << r;
-    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r;
-  }
-}
+using RankRun = DpRankRun;
 
 TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision) {
   struct Case {
@@ -86,12 +50,12 @@ TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision
       c.fp16.loss_scale = 0.0;
       c.fp16.initial_scale_power = 8;
     }
-    const std::vector<RankRun> device = run_ranks(c, 3);
+    const std::vector<RankRun> device = run_dp_ranks(c, 3);
     c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
-    const std::vector<RankRun> host = run_ranks(c, 3);
-    expect_bitwise(host, device, what);
+    const std::vector<RankRun> host = run_dp_ranks(c, 3);
+    expect_bitwise_runs(host, device, what);
     for (const RankRun& r : host) {
-      EXPECT_EQ(r.optimizer_bytes, 0u) << what;  // nothing of the optimizer on the device
+      EXPECT_EQ(r.current(memory::Category::kOptimizer), 0u) << what;  // nothing of the optimizer on the device
       EXPECT_GT(r.total.offload_host_bytes, 0u) << what;
       EXPECT_GE(r.pinned_bytes, r.total.offload_host_bytes) << what;  // pinned by default
       EXPECT_EQ(r.total.offload_d2h_bytes, 3 * static_cast<uint64_t>(r.total.shard_elems) * 4)
@@ -102,14 +66,14 @@ TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision
       EXPECT_LE(r.total.offload_d2h_overlapped_bytes, r.total.offload_d2h_bytes) << what;
       if (k.ws > 1 || k.stage >= 2) EXPECT_GT(r.total.offload_d2h_overlapped_bytes, 0u) << what;
     }
-    for (const RankRun& r : device) EXPECT_GT(r.optimizer_bytes, 0u) << what;
+    for (const RankRun& r : device) EXPECT_GT(r.current(memory::Category::kOptimizer), 0u) << what;
   }
 }
 
 TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemory) {
   config::Config c = off_config(2, 2, true);
   c.bf16.enabled = true;
-  const std::vector<RankRun> pinned = run_ranks(c, 1);
+  const std::vector<RankRun> pinned = run_dp_ranks(c, 1);
   // master + m + v + the gradient shard (f32) + the working copy (bf16), per shard element,
   // each array at the pinned pool's granularity (Note [Host-state bytes per rank]).
   const zero::Partition part = zero::make_partition(pinned[0].total.padded_elems, 2);
@@ -118,12 +82,12 @@ TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemo
                                    true, true)
                 .total());
   c.zero_optimization.offload_optimizer.pin_memory = false;
-  const std::vector<RankRun> pageable = run_ranks(c, 1);
+  const std::vector<RankRun> pageable = run_dp_ranks(c, 1);
   EXPECT_EQ(pageable[0].total.offload_host_bytes,
             static_cast<size_t>(pinned[0].total.shard_elems) * (4 + 4 + 4 + 4 + 2));
   EXPECT_GE(pinned[0].total.offload_host_bytes, pageable[0].total.offload_host_bytes);
   EXPECT_LT(pageable[0].pinned_bytes, pinned[0].total.offload_host_bytes);
-  expect_bitwise(pageable, pinned, "pageable vs pinned");
+  expect_bitwise_runs(pageable, pinned, "pageable vs pinned");
 }
 
 TEST(EngineOptimizerOffload, TheHostUpdateHasItsOwnTraceLane) {
@@ -160,31 +124,13 @@ TEST(EngineOptimizerOffload, SaveAndResumeAreBitIdenticalAndCheckpointsMatchWith
     std::filesystem::remove_all(dir);
     config::Config c = off_config(1, 1, true);
     c.bf16.enabled = bf16;
-    std::vector<double> straight, resumed;
-    {
-      auto device = cpu_device();
-      auto e = gpt_engine(*device, c);
-      for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
-    }
-    {
-      auto device = cpu_device();
-      auto e = gpt_engine(*device, c);
-      for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
-      e->save_checkpoint(dir);
-    }
-    {
-      // Resumed with offload, and without: both continue bit-identically.
-      for (bool offload : {true, false}) {
-        config::Config r = c;
-        if (!offload) r.zero_optimization.offload_optimizer.device = config::OffloadDevice::kNone;
-        auto device = cpu_device();
-        auto e = gpt_engine(*device, r);
-        e->load_checkpoint(dir);
-        resumed.clear();
-        for (int s = 2; s < 4; ++s) resumed.push_back(e->train_step(batches(r, s)).loss);
-        EXPECT_EQ(resumed[0], straight[2]) << "bf16 " << bf16 << " offload " << offload;
-        EXPECT_EQ(resumed[1], straight[3]) << "bf16 " << bf16 << " offload " << offload;
-      }
+    const std::vector<double> straight = straight_and_checkpoint(c, dir);
+    // Resumed with offload, and without: both continue bit-identically.
+    for (bool offload : {true, false}) {
+      config::Config r = c;
+      if (!offload) r.zero_optimization.offload_optimizer.device = config::OffloadDevice::kNone;
+      expect_resumes(r, dir, straight,
+                     std::string("bf16 ") + (bf16 ? "on" : "off") + (offload ? ", offload" : ""));
     }
   }
   std::filesystem::remove_all(dir);

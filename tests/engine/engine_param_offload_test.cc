@@ -38,45 +38,7 @@ void set_offload(config::Config& c, bool optimizer, bool params) {
       params ? config::OffloadDevice::kCpu : config::OffloadDevice::kNone;
 }
 
-struct RankRun {
-  std::vector<double> losses;
-  std::vector<float> params;
-  ZeroStats total;
-  size_t params_bytes = 0;     // device, category params, after the steps
-  size_t optimizer_bytes = 0;  // device, category optimizer, after the steps
-  size_t pinned_bytes = 0;     // the pinned pool's in-use bytes after the steps
-};
-
-std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
-  const int ws = static_cast<int>(c.world_size);
-  std::vector<RankRun> runs(static_cast<size_t>(ws));
-  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
-    RankRun& run = runs[static_cast<size_t>(rank)];
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
-                          c.porter.model.seq_len);
-    for (int s = 0; s < steps; ++s) {
-      run.losses.push_back(
-          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
-    }
-    const MemoryReport m = e.memory_report();
-    run.params_bytes = m.current_by_category[static_cast<size_t>(memory::Category::kParams)];
-    run.optimizer_bytes = m.current_by_category[static_cast<size_t>(memory::Category::kOptimizer)];
-    run.pinned_bytes = e.pinned_pool().stats().in_use_bytes;
-    run.params = e.params_host();
-    run.total = e.zero_stats();
-  });
-  return runs;
-}
-
-void expect_bitwise(const std::vector<RankRun>& a, const std::vector<RankRun>& b,
-                    const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t r = 0; r < a.size(); ++r) {
-    EXPECT_EQ(a[r].losses, b[r].losses) << what << ": rank " << r;
-    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r;
-  }
-}
+using RankRun = DpRankRun;
 
 TEST(EngineParamOffload, BitwiseTheRunWithoutOffloadWithAndWithoutTheOptimizer) {
   struct Case {
@@ -95,7 +57,7 @@ TEST(EngineParamOffload, BitwiseTheRunWithoutOffloadWithAndWithoutTheOptimizer) 
       c.fp16.loss_scale = 0.0;
       c.fp16.initial_scale_power = 8;
     }
-    const std::vector<RankRun> device = run_ranks(c, 3);
+    const std::vector<RankRun> device = run_dp_ranks(c, 3);
     const nn::DType dtype = c.bf16.enabled   ? nn::DType::kBF16
                             : c.fp16.enabled ? nn::DType::kF16
                                              : nn::DType::kF32;
@@ -103,16 +65,16 @@ TEST(EngineParamOffload, BitwiseTheRunWithoutOffloadWithAndWithoutTheOptimizer) 
       const std::string what = base + (optimizer ? ", optimizer and params" : ", params");
       config::Config o = c;
       set_offload(o, optimizer, true);
-      const std::vector<RankRun> host = run_ranks(o, 3);
-      expect_bitwise(host, device, what);
+      const std::vector<RankRun> host = run_dp_ranks(o, 3);
+      expect_bitwise_runs(host, device, what);
       for (size_t r = 0; r < host.size(); ++r) {
         const RankRun& h = host[r];
         const zero::Partition part = zero::make_partition(h.total.padded_elems, k.ws);
         const size_t shard_bytes = static_cast<size_t>(part.shard_elems) * nn::dtype_size(dtype);
         // The device lost exactly the shard: what is left is the persistent stages.
-        EXPECT_EQ(h.params_bytes + shard_bytes, device[r].params_bytes) << what;
-        EXPECT_EQ(h.params_bytes, h.total.persistent_bytes) << what;
-        EXPECT_EQ(h.optimizer_bytes, optimizer ? 0u : device[r].optimizer_bytes) << what;
+        EXPECT_EQ(h.current(memory::Category::kParams) + shard_bytes, device[r].current(memory::Category::kParams)) << what;
+        EXPECT_EQ(h.current(memory::Category::kParams), h.total.persistent_bytes) << what;
+        EXPECT_EQ(h.current(memory::Category::kOptimizer), optimizer ? 0u : device[r].current(memory::Category::kOptimizer)) << what;
         // Host bytes are the estimate's (Note [Host-state bytes per rank]), all pinned.
         const zero::HostStateBytes predicted =
             zero::host_state_bytes(part, 3, zero::StateDTypes{dtype}, optimizer, true, true, true);
@@ -137,10 +99,10 @@ TEST(EngineParamOffload, PageableWithoutPinMemory) {
   config::Config c = s3_config(2);
   c.bf16.enabled = true;
   set_offload(c, false, true);
-  const std::vector<RankRun> pinned = run_ranks(c, 2);
+  const std::vector<RankRun> pinned = run_dp_ranks(c, 2);
   c.zero_optimization.offload_param.pin_memory = false;
-  const std::vector<RankRun> pageable = run_ranks(c, 2);
-  expect_bitwise(pageable, pinned, "pageable vs pinned");
+  const std::vector<RankRun> pageable = run_dp_ranks(c, 2);
+  expect_bitwise_runs(pageable, pinned, "pageable vs pinned");
   const zero::Partition part = zero::make_partition(pinned[0].total.padded_elems, 2);
   EXPECT_EQ(pageable[0].total.param_offload_host_bytes, static_cast<size_t>(part.shard_elems) * 2);
   EXPECT_LT(pageable[0].pinned_bytes, pinned[0].pinned_bytes);
@@ -164,26 +126,11 @@ TEST(EngineParamOffload, SaveAndResumeAreBitIdenticalWithAndWithoutOffload) {
   config::Config c = s3_config(1);
   c.bf16.enabled = true;
   set_offload(c, true, true);
-  std::vector<double> straight;
-  {
-    auto device = cpu_device();
-    auto e = gpt_engine(*device, c);
-    for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
-  }
-  {
-    auto device = cpu_device();
-    auto e = gpt_engine(*device, c);
-    for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
-    e->save_checkpoint(dir);
-  }
+  const std::vector<double> straight = straight_and_checkpoint(c, dir);
   for (bool offload : {true, false}) {
     config::Config r = c;
     set_offload(r, offload, offload);
-    auto device = cpu_device();
-    auto e = gpt_engine(*device, r);
-    e->load_checkpoint(dir);
-    EXPECT_EQ(e->train_step(batches(r, 2)).loss, straight[2]) << "offload " << offload;
-    EXPECT_EQ(e->train_step(batches(r, 3)).loss, straight[3]) << "offload " << offload;
+    expect_resumes(r, dir, straight, offload ? "offload" : "no offload");
   }
   std::filesystem::remove_all(dir);
 }
@@ -226,7 +173,7 @@ TEST(EnginePartialOffload, AnyRatioIsBitwiseTheRunWithoutOffload) {
   for (int ws : {1, 2}) {
     config::Config c = s3_config(ws, 2);
     c.bf16.enabled = true;
-    const std::vector<RankRun> device = run_ranks(c, 3);
+    const std::vector<RankRun> device = run_dp_ranks(c, 3);
     for (double ratio : {0.0, 0.3, 0.75}) {
       for (bool params : {false, true}) {
         const std::string what = "ws " + std::to_string(ws) + " ratio " + std::to_string(ratio) +
@@ -234,13 +181,13 @@ TEST(EnginePartialOffload, AnyRatioIsBitwiseTheRunWithoutOffload) {
         config::Config o = c;
         set_offload(o, true, params);
         o.zero_optimization.offload_optimizer.ratio = ratio;
-        const std::vector<RankRun> host = run_ranks(o, 3);
-        expect_bitwise(host, device, what);
+        const std::vector<RankRun> host = run_dp_ranks(o, 3);
+        expect_bitwise_runs(host, device, what);
         for (size_t r = 0; r < host.size(); ++r) {
           const zero::Partition part = zero::make_partition(host[r].total.padded_elems, ws);
           const int64_t h = zero::offloaded_elems(part.shard_elems, ratio);
           // Master + two moments, f32, for the device's part.
-          EXPECT_EQ(host[r].optimizer_bytes, static_cast<size_t>(part.shard_elems - h) * 12) << what;
+          EXPECT_EQ(host[r].current(memory::Category::kOptimizer), static_cast<size_t>(part.shard_elems - h) * 12) << what;
           const zero::HostStateBytes predicted = zero::host_state_bytes(
               part, 3, zero::StateDTypes{nn::DType::kBF16}, true, params, true, true, ratio);
           EXPECT_EQ(host[r].total.offload_host_bytes + host[r].total.param_offload_host_bytes,
@@ -261,18 +208,7 @@ TEST(EnginePartialOffload, CheckpointsResumeUnderAnyOtherRatio) {
   c.bf16.enabled = true;
   set_offload(c, true, false);
   c.zero_optimization.offload_optimizer.ratio = 0.4;
-  std::vector<double> straight;
-  {
-    auto device = cpu_device();
-    auto e = gpt_engine(*device, c);
-    for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
-  }
-  {
-    auto device = cpu_device();
-    auto e = gpt_engine(*device, c);
-    for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
-    e->save_checkpoint(dir);
-  }
+  const std::vector<double> straight = straight_and_checkpoint(c, dir);
   for (double ratio : {0.4, 0.9, 1.0, -1.0}) {  // -1: no offload at all
     config::Config r = c;
     if (ratio < 0) {
@@ -280,11 +216,7 @@ TEST(EnginePartialOffload, CheckpointsResumeUnderAnyOtherRatio) {
     } else {
       r.zero_optimization.offload_optimizer.ratio = ratio;
     }
-    auto device = cpu_device();
-    auto e = gpt_engine(*device, r);
-    e->load_checkpoint(dir);
-    EXPECT_EQ(e->train_step(batches(r, 2)).loss, straight[2]) << "ratio " << ratio;
-    EXPECT_EQ(e->train_step(batches(r, 3)).loss, straight[3]) << "ratio " << ratio;
+    expect_resumes(r, dir, straight, "ratio " + std::to_string(ratio));
   }
   std::filesystem::remove_all(dir);
 }

@@ -4,12 +4,15 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <span>
 #include <stdexcept>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "comm/communicator.h"
 #include "config/config.h"
@@ -139,6 +142,83 @@ inline void for_each_dp_rank(
   for (auto& err : errors) {
     if (err) std::rethrow_exception(err);
   }
+}
+
+// One rank's results of run_dp_ranks: the shared record of the data-parallel suites.
+struct DpRankRun {
+  std::vector<double> losses;
+  std::vector<float> params;          // params_host() after the steps
+  ZeroStats total;                    // zero_stats()
+  MemoryReport memory;                // memory_report() after the steps (peaks over them)
+  size_t pinned_bytes = 0;            // the pinned pool's in-use bytes after the steps
+  checkpoint::Prediction prediction;  // the plan's
+  std::string plan;                   // the schedule, printed
+  size_t current(memory::Category c) const {
+    return memory.current_by_category[static_cast<size_t>(c)];
+  }
+  size_t peak(memory::Category c) const { return memory.peak_by_category[static_cast<size_t>(c)]; }
+};
+
+// `steps` steps of the built-in GPT on c.world_size thread ranks (for_each_dp_rank), each
+// rank training on its share of the data.
+inline std::vector<DpRankRun> run_dp_ranks(const config::Config& c, int steps) {
+  const int ws = static_cast<int>(c.world_size);
+  std::vector<DpRankRun> runs(static_cast<size_t>(ws));
+  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    e.reset_peaks();
+    DpRankRun& run = runs[static_cast<size_t>(rank)];
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.losses.push_back(
+          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
+    }
+    run.memory = e.memory_report();  // before params_host(), whose buffers would count
+    run.pinned_bytes = e.pinned_pool().stats().in_use_bytes;
+    run.params = e.params_host();
+    run.total = e.zero_stats();
+    run.prediction = e.plan().prediction;
+    run.plan = e.plan().schedule.to_string();
+  });
+  return runs;
+}
+
+// Every rank's losses and final parameters bit for bit.
+inline void expect_bitwise_runs(const std::vector<DpRankRun>& a, const std::vector<DpRankRun>& b,
+                                const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t r = 0; r < a.size(); ++r) {
+    EXPECT_EQ(a[r].losses, b[r].losses) << what << ": rank " << r;
+    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r;
+  }
+}
+
+// One rank: the losses of 4 straight steps of c, and a training checkpoint of c written to
+// `dir` after its first 2 steps (in another engine).
+inline std::vector<double> straight_and_checkpoint(const config::Config& c,
+                                                   const std::filesystem::path& dir) {
+  std::vector<double> straight;
+  {
+    auto device = cpu_device();
+    auto e = gpt_engine(*device, c);
+    for (int s = 0; s < 4; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
+  }
+  auto device = cpu_device();
+  auto e = gpt_engine(*device, c);
+  for (int s = 0; s < 2; ++s) e->train_step(batches(c, s));
+  e->save_checkpoint(dir);
+  return straight;
+}
+
+// Loads `dir` into an engine of r and expects its steps 2 and 3 to be straight's.
+inline void expect_resumes(const config::Config& r, const std::filesystem::path& dir,
+                           const std::vector<double>& straight, const std::string& what) {
+  auto device = cpu_device();
+  auto e = gpt_engine(*device, r);
+  e->load_checkpoint(dir);
+  EXPECT_EQ(e->train_step(batches(r, 2)).loss, straight.at(2)) << what;
+  EXPECT_EQ(e->train_step(batches(r, 3)).loss, straight.at(3)) << what;
 }
 
 // How a BombModel's armed stage fails.

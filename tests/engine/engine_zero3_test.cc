@@ -42,53 +42,8 @@ config::Config z3_config(int world_size, int stage, int64_t gas = 1) {
   return c;
 }
 
-struct RankRun {
-  std::vector<double> losses;
-  std::vector<float> params;
-  ZeroStats total;
-  checkpoint::Prediction prediction;
-  size_t params_peak = 0;      // category params, peak over the steps
-  size_t params_current = 0;   // after the last step
-  int64_t shard_elems = 0;
-  std::string plan;
-};
+using RankRun = DpRankRun;
 
-std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
-  const int ws = static_cast<int>(c.world_size);
-  std::vector<RankRun> runs(static_cast<size_t>(ws));
-  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
-    e.reset_peaks();
-    RankRun& run = runs[static_cast<size_t>(rank)];
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
-                          c.porter.model.seq_len);
-    for (int s = 0; s < steps; ++s) {
-      run.losses.push_back(
-          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)).loss);
-    }
-    const MemoryReport m = e.memory_report();
-    run.params_peak = m.peak_by_category[static_cast<size_t>(memory::Category::kParams)];
-    run.params_current = m.current_by_category[static_cast<size_t>(memory::Category::kParams)];
-    run.params = e.params_host();
-    run.total = e.zero_stats();
-    run.prediction = e.plan().prediction;
-    run.shard_elems = e.zero_stats().shard_elems;
-    run.plan = e.plan().schedule.to_string();
-  });
-  return runs;
-}
-
-void expect_bitwise(const std::vector<RankRun>& a, const std::vector<RankRun>& b,
-                    const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t r = 0; r < a.size(); ++r) {
-    ASSERT_EQ(a[r].losses.size(), b[r].losses.size()) << what;
-    for (size_t s = 0; s < a[r].losses.size(); ++s) {
-      EXPECT_EQ(a[r].losses[s], b[r].losses[s]) << what << ": rank " << r << " step " << s;
-    }
-    EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params)) << what << ": rank " << r << " params";
-  }
-}
 
 struct Variant {
   std::string name;
@@ -141,10 +96,10 @@ TEST(EngineZero3Test, BitwiseEqualToStageTwoAtTwoRanksUnderEveryVariant) {
   for (const Variant& v : variants()) {
     config::Config c = z3_config(2, 2);
     v.apply(c);
-    const std::vector<RankRun> two = run_ranks(c, 3);
+    const std::vector<RankRun> two = run_dp_ranks(c, 3);
     c.zero_optimization.stage = 3;
-    const std::vector<RankRun> three = run_ranks(c, 3);
-    expect_bitwise(three, two, "stage 3 vs 2, " + v.name);
+    const std::vector<RankRun> three = run_dp_ranks(c, 3);
+    expect_bitwise_runs(three, two, "stage 3 vs 2, " + v.name);
     EXPECT_GT(three[0].total.gathers, 0) << v.name;
   }
 }
@@ -155,10 +110,10 @@ TEST(EngineZero3Test, BitwiseEqualToStageTwoAtFourRanks) {
                                  [&](const Variant& v) { return v.name == name; });
     config::Config c = z3_config(4, 2);
     it->apply(c);
-    const std::vector<RankRun> two = run_ranks(c, 3);
+    const std::vector<RankRun> two = run_dp_ranks(c, 3);
     c.zero_optimization.stage = 3;
-    const std::vector<RankRun> three = run_ranks(c, 3);
-    expect_bitwise(three, two, std::string("4 ranks, ") + name);
+    const std::vector<RankRun> three = run_dp_ranks(c, 3);
+    expect_bitwise_runs(three, two, std::string("4 ranks, ") + name);
   }
 }
 
@@ -168,12 +123,12 @@ TEST(EngineZero3Test, RanksAgreeOnTheOptimalPlanAndMatchStageTwo) {
   config::Config c = z3_config(2, 2);
   c.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
   c.porter.checkpointing.memory_budget = config::MemoryBudget{0.8};
-  const std::vector<RankRun> two = run_ranks(c, 2);
+  const std::vector<RankRun> two = run_dp_ranks(c, 2);
   c.zero_optimization.stage = 3;
-  const std::vector<RankRun> three = run_ranks(c, 2);
+  const std::vector<RankRun> three = run_dp_ranks(c, 2);
   EXPECT_EQ(three[0].plan, three[1].plan);
   EXPECT_EQ(two[0].plan, two[1].plan);
-  expect_bitwise(three, two, "optimal");
+  expect_bitwise_runs(three, two, "optimal");
 }
 
 TEST(EngineZero3Test, ParamsAreTheShardPlusTheLiveGatheredBuffersAsPredicted) {
@@ -181,15 +136,15 @@ TEST(EngineZero3Test, ParamsAreTheShardPlusTheLiveGatheredBuffersAsPredicted) {
     config::Config c = z3_config(2, 3);
     if (policy == 1) set_policy(c, config::CheckpointPolicy::kFull);
     if (policy == 2) set_policy(c, config::CheckpointPolicy::kUniform, 3);
-    const std::vector<RankRun> runs = run_ranks(c, 2);
+    const std::vector<RankRun> runs = run_dp_ranks(c, 2);
     for (const RankRun& r : runs) {
-      const size_t shard = static_cast<size_t>(r.shard_elems) * 4;  // f32 working params
+      const size_t shard = static_cast<size_t>(r.total.shard_elems) * 4;  // f32 working params
       const size_t persistent = r.prediction.params.persistent_bytes;
       EXPECT_GT(persistent, 0u) << r.plan;  // the final layernorm
-      EXPECT_EQ(r.params_current, shard + persistent) << r.plan;
+      EXPECT_EQ(r.current(memory::Category::kParams), shard + persistent) << r.plan;
       EXPECT_EQ(r.total.peak_gathered_bytes, r.prediction.params.peak_gathered_bytes) << r.plan;
       EXPECT_EQ(r.total.peak_live_elems, r.prediction.params.peak_live_elems) << r.plan;
-      EXPECT_EQ(r.params_peak, shard + persistent + r.prediction.params.peak_gathered_bytes)
+      EXPECT_EQ(r.peak(memory::Category::kParams), shard + persistent + r.prediction.params.peak_gathered_bytes)
           << r.plan;
       // 2 steps of the plan's gathers, and the persistent final layernorm refreshed after
       // each update.
@@ -204,11 +159,11 @@ TEST(EngineZero3Test, StageThreeHoldsLessThanStageTwo) {
   config::Config c = z3_config(2, 2);
   c.porter.model.layers = 8;
   set_policy(c, config::CheckpointPolicy::kFull);
-  const std::vector<RankRun> two = run_ranks(c, 1);
+  const std::vector<RankRun> two = run_dp_ranks(c, 1);
   c.zero_optimization.stage = 3;
-  const std::vector<RankRun> three = run_ranks(c, 1);
-  EXPECT_LT(three[0].params_peak, two[0].params_peak);
-  EXPECT_LT(three[0].params_current, two[0].params_current);
+  const std::vector<RankRun> three = run_dp_ranks(c, 1);
+  EXPECT_LT(three[0].peak(memory::Category::kParams), two[0].peak(memory::Category::kParams));
+  EXPECT_LT(three[0].current(memory::Category::kParams), two[0].current(memory::Category::kParams));
 }
 
 // Each knob moves the measured peak of live gathered elements, and the plan predicted it.
@@ -238,25 +193,25 @@ TEST(EngineZero3Test, EveryKnobChangesThePeakAsPlanned) {
     config::Config c = z3_config(2, 3);
     set_policy(c, config::CheckpointPolicy::kUniform, 3);
     k.low(c.zero_optimization);
-    const std::vector<RankRun> low = run_ranks(c, 1);
+    const std::vector<RankRun> low = run_dp_ranks(c, 1);
     k.high(c.zero_optimization);
-    const std::vector<RankRun> high = run_ranks(c, 1);
+    const std::vector<RankRun> high = run_dp_ranks(c, 1);
     EXPECT_LT(low[0].total.peak_live_elems, high[0].total.peak_live_elems) << k.knob;
     for (const auto* runs : {&low, &high}) {
       EXPECT_EQ((*runs)[0].total.peak_live_elems, (*runs)[0].prediction.params.peak_live_elems)
           << k.knob;
     }
-    expect_bitwise(low, high, k.knob);
+    expect_bitwise_runs(low, high, k.knob);
   }
   // The cap holds at every gather (the gatherer throws otherwise) and at the peak.
   config::Config c = z3_config(2, 3);
   c.zero_optimization.stage3_prefetch_bucket_size_elems = 1'000'000;
   c.zero_optimization.stage3_max_live_parameters_elems = 60000;
-  EXPECT_LE(run_ranks(c, 1)[0].total.peak_live_elems, 60000);
+  EXPECT_LE(run_dp_ranks(c, 1)[0].total.peak_live_elems, 60000);
   // Persistence: every stage below the threshold stays gathered, nothing is gathered per op.
   c = z3_config(2, 3);
   c.zero_optimization.stage3_param_persistence_threshold_elems = 10'000'000;
-  const std::vector<RankRun> all = run_ranks(c, 1);
+  const std::vector<RankRun> all = run_dp_ranks(c, 1);
   EXPECT_EQ(all[0].prediction.params.gathers, 0);
   EXPECT_EQ(all[0].total.gathers, 5);  // each of the 5 stages refreshed once after the update
   EXPECT_EQ(all[0].total.peak_live_elems, 0);
