@@ -693,49 +693,74 @@ checkpoint::ChainCosts Engine::profile() {
     mb.targets.push_back(static_cast<int32_t>((i * 5 + 1) % vocab));
   }
   // Profiling runs real backwards: keep the gradient buffer as the last step left it. At
-  // stage 2 there is none: every entry is bound to a scratch buffer (comm) for the pass.
+  // stages 2 and 3 there is none: while a stage is measured, the entries its backward writes
+  // (its own and, for the head, the tied embedding's: Model::grad_writers) are bound to a
+  // scratch buffer (comm) per written stage, so the pass holds one stage's gradients at a
+  // time, not the whole model's.
   const bool scratch = !im.flat->grads().defined();
-  nn::Tensor grads = scratch ? nn::Tensor::empty(*allocator_, nn::Shape{im.part.padded_elems},
-                                                 nn::DType::kF32, memory::Category::kComm)
-                             : im.flat->grads();
+  nn::Tensor grads = scratch ? nn::Tensor() : im.flat->grads();
   const std::vector<float> saved_grads = scratch ? std::vector<float>{}
                                                  : nn::to_host_f32(*device_, grads);
-  const size_t num_entries = model_->layout().entries().size();
-  auto bind_scratch = [&](bool on) {
-    for (size_t i = 0; i < num_entries; ++i) {
-      const nn::ParamEntry& e = model_->layout().entries()[i];
-      im.flat->set_grad_view(
-          i, on ? grads.slice(e.offset_elems, e.offset_elems + e.shape.numel()).reshape(e.shape)
-                : nn::Tensor());
+  const nn::ParamLayout& layout = model_->layout();
+  const int num_stages = model_->num_stages();
+  std::vector<std::vector<int>> writes(static_cast<size_t>(num_stages));  // stage -> stages
+  zero::StageLayout sl;
+  if (scratch) {
+    std::vector<zero::StageParams> stages;
+    for (int s = 0; s < num_stages; ++s) {
+      stages.push_back({model_->stage_name(s), model_->stage(s).params()});
+      for (int w : model_->grad_writers(s)) writes.at(static_cast<size_t>(w)).push_back(s);
+    }
+    sl = zero::stage_layout(layout, stages);
+  }
+  std::vector<nn::Tensor> scratch_of(static_cast<size_t>(num_stages));  // per written stage
+  auto bind_scratch = [&](int i, bool on) {
+    for (int j : writes[static_cast<size_t>(i)]) {
+      const zero::StageRange& r = sl.ranges[static_cast<size_t>(j)];
+      nn::Tensor& buf = scratch_of[static_cast<size_t>(j)];
+      if (on && r.hi > r.lo) {
+        buf = nn::Tensor::empty(*allocator_, nn::Shape{r.hi - r.lo}, nn::DType::kF32,
+                                memory::Category::kComm);
+        kernels_->fill(buf, 0.0f);
+      }
+      for (size_t e = 0; e < sl.entry_stage.size(); ++e) {
+        if (sl.entry_stage[e] != j) continue;
+        const nn::ParamEntry& pe = layout.entries()[e];
+        const int64_t off = pe.offset_elems - r.lo;
+        im.flat->set_grad_view(
+            e, on ? buf.slice(off, off + pe.shape.numel()).reshape(pe.shape) : nn::Tensor());
+      }
+      if (!on) buf = nn::Tensor();
     }
     model_->bind(*im.flat);
   };
-  if (scratch) {
-    kernels_->fill(grads, 0.0f);
-    bind_scratch(true);
-  }
   // Stage 3: each stage's units are gathered before its measurements and freed after them,
   // within stage3_max_live_parameters as the plan's gathers are.
   zero::ParamGatherer* g = im.gatherer.get();
   std::function<void(int, bool)> stage_hook;
-  if (g != nullptr) {
-    stage_hook = [g, &im](int s, bool begin) {
-      const std::vector<int>& reads = im.param_costs.reads[static_cast<size_t>(s)];
-      for (int u : reads) {
-        if (g->unit(u).persistent || g->unit(u).elems() == 0) continue;
-        if (begin) {
-          g->gather(u);
-          g->wait(u);
-        } else {
-          g->release(u);
+  if (g != nullptr || scratch) {
+    stage_hook = [g, &im, &bind_scratch, scratch](int s, bool begin) {
+      if (scratch && begin) bind_scratch(s, true);
+      if (g != nullptr) {
+        for (int u : im.param_costs.reads[static_cast<size_t>(s)]) {
+          if (g->unit(u).persistent || g->unit(u).elems() == 0) continue;
+          if (begin) {
+            g->gather(u);
+            g->wait(u);
+          } else {
+            g->release(u);
+          }
         }
       }
+      if (scratch && !begin) bind_scratch(s, false);
     };
   }
   auto restore = [&] {
     if (im.gatherer) im.gatherer->release_all();
     if (scratch) {
-      bind_scratch(false);
+      for (int s = 0; s < num_stages; ++s) {
+        if (!writes[static_cast<size_t>(s)].empty()) bind_scratch(s, false);
+      }
     } else {
       nn::from_host_f32(*device_, saved_grads, grads);
     }
