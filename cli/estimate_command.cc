@@ -115,8 +115,8 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
   t.print(out);
   out << "  total = porter's exact bytes per rank (padding included). paper = Rajbhandari et al.\n"
          "  2020 with porter's p, g, k for their 2, 2, K = 12 (stage 0 (2+2+K)Psi, 1 4Psi + K Psi/N,\n"
-         "  2 2Psi + (2+K)Psi/N, 3 (2+2+K)Psi/N). padding = total - paper. Stage 3 is estimate only;\n"
-         "  stage 2's reduce buckets are transient and count under comm (docs/zero.md).\n\n";
+         "  2 2Psi + (2+K)Psi/N, 3 (2+2+K)Psi/N). padding = total - paper. The\n"
+         "  reduce buckets of stages 2 and 3 are transient and count under comm (docs/zero.md).\n\n";
 }
 
 // Note [Estimate tensor parallelism]

@@ -90,6 +90,16 @@ ordered_json zero_json(engine::Engine& engine) {
   // Stage 3's params hold the persistent stages beside the shard (docs/zero.md, "Stage 3").
   zero::StateBytes exact = shard_exact;
   exact.params += z.persistent_bytes;
+  // Offloaded states are on the host (docs/zero.md, "Optimizer offload", "Parameter offload"):
+  // the device keeps the optimizer's part a partial ratio leaves, and no parameter shard.
+  const zero::OptimizerOptions& oo = engine.run_options().optimizer;
+  if (oo.offload.enabled) {
+    const zero::StateDTypes d{engine.compute_dtype()};
+    exact.optimizer = d.optimizer_bytes() *
+                      static_cast<size_t>(part.shard_elems -
+                                          zero::offloaded_elems(part.shard_elems, oo.offload.ratio));
+  }
+  if (oo.param_offload.enabled) exact.params = z.persistent_bytes;
   return {
       {"stage", z.zero_stage},
       {"world_size", z.world_size},

@@ -13,9 +13,12 @@ std::optional<Category> category_from_name(std::string_view name) {
 std::string_view category_hint(Category c) {
   switch (c) {
     case Category::kParams:
-      return "partition parameters with zero_optimization.stage=3, or use a smaller porter.model";
+      return "partition parameters with zero_optimization.stage=3 (with "
+             "zero_optimization.offload_param.device=\"cpu\" the shard stays in host memory), "
+             "or use a smaller porter.model";
     case Category::kGrads:
-      return "partition gradients with zero_optimization.stage>=2";
+      return "partition gradients with zero_optimization.stage>=2 (the shard is 4 bytes per "
+             "parameter over the data-parallel ranks: at stage 2 or 3, add ranks)";
     case Category::kOptimizer:
       return "partition optimizer state with zero_optimization.stage>=1, or set "
              "zero_optimization.offload_optimizer.device=\"cpu\"";

@@ -18,7 +18,7 @@
 //   stage 0: params p*padded, grads g*padded, optimizer k*padded
 //   stage 1: params p*padded, grads g*padded, optimizer k*S
 //   stage 2: params p*padded, grads g*S,      optimizer k*S
-//   stage 3: params p*S,      grads g*S,      optimizer k*S      (estimate only)
+//   stage 3: params p*S,      grads g*S,      optimizer k*S
 // Stage 2's reduce buckets are transient and count under `comm`, not `grads`
 // (docs/zero.md, "Buckets"). The ZeRO paper (Rajbhandari et al. 2020) writes the same with
 // Psi = P unpadded, fp16 params and grads (2 + 2) and K = 12: stage 0 (2+2+K)Psi, stage 1
