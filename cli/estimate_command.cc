@@ -274,20 +274,15 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const config::ZeroConfig& zc = cfg.zero_optimization;
   const bool offload_optimizer = zc.offload_optimizer.device != config::OffloadDevice::kNone;
   const bool offload_param = zc.offload_param.device != config::OffloadDevice::kNone;
-  const zero::StateBytes base = ms;
   auto offload_row = [&](bool opt, bool params) {
     OffloadEstimate e;
     e.optimizer = opt;
     e.params = params;
-    e.device = base;
     // Note [Partial offload]: offload_optimizer.ratio of the shard's optimizer on the host.
     const double ratio = opt ? zc.offload_optimizer.ratio : 1.0;
-    if (opt) {
-      e.device.optimizer = state_dtypes.optimizer_bytes() *
-                           static_cast<size_t>(part.shard_elems -
-                                               zero::offloaded_elems(part.shard_elems, ratio));
-    }
-    if (params) e.device.params = persistent;  // the shard is on the host
+    e.device = zero::device_state_bytes(stages[static_cast<size_t>(config_stage)].exact, part,
+                                        state_dtypes, opt, ratio, params);
+    e.device.params += persistent;
     e.host = zero::host_state_bytes(part, config_stage, state_dtypes, opt, params,
                                     zc.offload_optimizer.pin_memory, zc.offload_param.pin_memory,
                                     ratio);

@@ -85,21 +85,14 @@ ordered_json zero_json(engine::Engine& engine) {
   const engine::ZeroStats z = engine.zero_stats();
   const zero::Partition part =
       zero::make_partition(engine.model().layout().total_elems(), engine.dp_size());
-  const zero::StateBytes shard_exact =
-      zero::exact_bytes(part, z.zero_stage, zero::StateDTypes{engine.compute_dtype()});
-  // Stage 3's params hold the persistent stages beside the shard (docs/zero.md, "Stage 3").
-  zero::StateBytes exact = shard_exact;
-  exact.params += z.persistent_bytes;
-  // Offloaded states are on the host (docs/zero.md, "Optimizer offload", "Parameter offload"):
-  // the device keeps the optimizer's part a partial ratio leaves, and no parameter shard.
+  // Offloaded states are on the host (docs/zero.md, "Optimizer offload", "Parameter offload");
+  // stage 3's device params hold the persistent stages beside the shard ("Stage 3").
+  const zero::StateDTypes dtypes{engine.compute_dtype()};
   const zero::OptimizerOptions& oo = engine.run_options().optimizer;
-  if (oo.offload.enabled) {
-    const zero::StateDTypes d{engine.compute_dtype()};
-    exact.optimizer = d.optimizer_bytes() *
-                      static_cast<size_t>(part.shard_elems -
-                                          zero::offloaded_elems(part.shard_elems, oo.offload.ratio));
-  }
-  if (oo.param_offload.enabled) exact.params = z.persistent_bytes;
+  zero::StateBytes exact = zero::device_state_bytes(
+      zero::exact_bytes(part, z.zero_stage, dtypes), part, dtypes, oo.offload.enabled,
+      oo.offload.ratio, oo.param_offload.enabled);
+  exact.params += z.persistent_bytes;
   return {
       {"stage", z.zero_stage},
       {"world_size", z.world_size},

@@ -166,13 +166,18 @@ void Engine::build_model_states() {
     stages.push_back({model_->stage_name(s), model_->stage(s).params()});
     writers.push_back(model_->grad_writers(s));
   }
-  zero::StageLayout sl = zero::stage_layout(layout, stages);
+  im.stage_layout = zero::stage_layout(layout, stages);
+  const zero::StageLayout& sl = im.stage_layout;
+  im.writes.assign(stages.size(), {});
+  for (size_t s = 0; s < writers.size(); ++s) {
+    for (int w : writers[s]) im.writes.at(static_cast<size_t>(w)).push_back(static_cast<int>(s));
+  }
   Model* m = model_.get();
   nn::FlatParams* flat = im.flat.get();
   im.reducer = std::make_unique<zero::GradReducer>(
       *im.flat, *kernels_, *allocator_, im.comm(), im.part,
       zero::plan_buckets(sl.ranges, writers, config_.zero_optimization.reduce_bucket_size_elems),
-      std::move(sl.entry_stage), run_.reducer, [m, flat] { m->bind(*flat); });
+      sl.entry_stage, run_.reducer, [m, flat] { m->bind(*flat); });
   if (im.optimizer->offloaded()) {
     // Note [Ready gradients]: each bucket's part of the shard goes to the host as it is final.
     zero::ShardedOptimizer* opt = im.optimizer.get();
@@ -703,16 +708,8 @@ checkpoint::ChainCosts Engine::profile() {
                                                  : nn::to_host_f32(*device_, grads);
   const nn::ParamLayout& layout = model_->layout();
   const int num_stages = model_->num_stages();
-  std::vector<std::vector<int>> writes(static_cast<size_t>(num_stages));  // stage -> stages
-  zero::StageLayout sl;
-  if (scratch) {
-    std::vector<zero::StageParams> stages;
-    for (int s = 0; s < num_stages; ++s) {
-      stages.push_back({model_->stage_name(s), model_->stage(s).params()});
-      for (int w : model_->grad_writers(s)) writes.at(static_cast<size_t>(w)).push_back(s);
-    }
-    sl = zero::stage_layout(layout, stages);
-  }
+  const std::vector<std::vector<int>>& writes = im.writes;
+  const zero::StageLayout& sl = im.stage_layout;
   std::vector<nn::Tensor> scratch_of(static_cast<size_t>(num_stages));  // per written stage
   auto bind_scratch = [&](int i, bool on) {
     for (int j : writes[static_cast<size_t>(i)]) {

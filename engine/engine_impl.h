@@ -42,6 +42,11 @@ struct Engine::Impl {
   // gradient reducer, which unbinds its buckets from the flat buffers.
   std::unique_ptr<zero::ShardedOptimizer> optimizer;
   std::unique_ptr<zero::GradReducer> reducer;
+  // Each stage's flat range and each entry's stage (zero::stage_layout), and per stage the
+  // stages whose gradients its backward writes (the inverse of Model::grad_writers): the
+  // reducer's buckets and the profile's per-stage gradient scratch (Engine::profile).
+  zero::StageLayout stage_layout;
+  std::vector<std::vector<int>> writes;
   // ZeRO stage 3 (docs/zero.md, "Stage 3"): the parameter gatherer over the optimizer's
   // working shard, and the gather plan of the current schedule (set_plan); null / empty at
   // stages 0-2.

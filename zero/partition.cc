@@ -64,6 +64,16 @@ int64_t offloaded_elems(int64_t n, double ratio) {
   return std::min<int64_t>(n, static_cast<int64_t>(static_cast<double>(n) * ratio));
 }
 
+StateBytes device_state_bytes(StateBytes exact, const Partition& part, const StateDTypes& dtypes,
+                              bool optimizer_offload, double ratio, bool param_offload) {
+  if (optimizer_offload) {
+    exact.optimizer = dtypes.optimizer_bytes() *
+                      static_cast<size_t>(part.shard_elems - offloaded_elems(part.shard_elems, ratio));
+  }
+  if (param_offload) exact.params = 0;
+  return exact;
+}
+
 StateBytes paper_bytes(int64_t num_params, int world_size, int zero_stage,
                        const StateDTypes& dtypes) {
   PORTER_CHECK(zero_stage >= 0 && zero_stage <= 3, "zero_optimization.stage must be 0..3, got ",

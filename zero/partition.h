@@ -80,6 +80,11 @@ HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const Sta
                                 bool optimizer_pinned, bool param_pinned, double ratio = 1.0);
 // floor(ratio * n), the elements of a range of n that a partial offload keeps on the host.
 int64_t offloaded_elems(int64_t n, double ratio);
+// The device's part of `exact` (exact_bytes at the stage) with the optimizer offloaded (the
+// optimizer's bytes for the S - offloaded_elems(S, ratio) elements left on the device) and/or
+// the parameters (no parameter shard on the device).
+StateBytes device_state_bytes(StateBytes exact, const Partition& part, const StateDTypes& dtypes,
+                              bool optimizer_offload, double ratio, bool param_offload);
 
 // porter's exact per-rank bytes at `stage` (0..3).
 StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes);

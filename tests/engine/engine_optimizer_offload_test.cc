@@ -18,14 +18,7 @@ namespace {
 using namespace porter::engine::testing;
 
 config::Config off_config(int world_size, int stage, bool offload, int64_t gas = 1) {
-  config::Config c = zero_config(world_size, stage, gas);
-  c.gradient_clipping = 1.0;
-  c.porter.model.dropout = 0.1;
-  c.porter.train.seed = 5;
-  c.porter.device.threads = 1;
-  c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
-  c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
-  c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
+  config::Config c = offload_config(world_size, stage, gas);
   if (offload) c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
   return c;
 }

@@ -19,14 +19,7 @@ namespace {
 using namespace porter::engine::testing;
 
 config::Config s3_config(int world_size, int64_t gas = 1) {
-  config::Config c = zero_config(world_size, 3, gas);
-  c.gradient_clipping = 1.0;
-  c.porter.model.dropout = 0.1;
-  c.porter.train.seed = 5;
-  c.porter.device.threads = 1;
-  c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
-  c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
-  c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
+  config::Config c = offload_config(world_size, 3, gas);
   c.zero_optimization.stage3_param_persistence_threshold_elems = 1000;
   return c;
 }

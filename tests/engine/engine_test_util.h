@@ -120,6 +120,20 @@ inline config::Config zero_config(int world_size, int stage, int64_t gas = 1) {
   return c;
 }
 
+// The offload suites' config: zero_config with clipping, dropout, full checkpointing, one
+// kernel thread and stage-3 prefetch and reuse of about one block.
+inline config::Config offload_config(int world_size, int stage, int64_t gas = 1) {
+  config::Config c = zero_config(world_size, stage, gas);
+  c.gradient_clipping = 1.0;
+  c.porter.model.dropout = 0.1;
+  c.porter.train.seed = 5;
+  c.porter.device.threads = 1;
+  c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
+  c.zero_optimization.stage3_prefetch_bucket_size_elems = 60000;
+  c.zero_optimization.stage3_max_reuse_distance_elems = 60000;
+  return c;
+}
+
 // Runs fn(rank, device, dp) on c.world_size thread ranks, each with its own cpu device and a
 // Gloo communicator on it (with one rank: on the calling thread, dp null); rethrows the first
 // rank's error.
