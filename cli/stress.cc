@@ -205,7 +205,8 @@ Variation draw_variation(const config::Config& base, uint64_t seed, int64_t run)
                        c.data_parallel_size();
   // Synthetic tokens: memory does not depend on their values, and the stress then needs no
   // files and runs from any directory.
-  c.porter.data = config::DataConfig{config::DataType::kSynthetic, {}, base.porter.data.seed};
+  c.porter.data = config::DataConfig{};
+  c.porter.data.seed = base.porter.data.seed;
   c.porter.trace.path.reset();
   c.porter.device.memory_limit_bytes.reset();
 

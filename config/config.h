@@ -122,8 +122,12 @@ struct ActivationCheckpointingConfig {
 
 // ---- porter's own section ("porter") ------------------------------------------------------
 
-enum class ModelType { kGpt };
+enum class ModelType { kGpt, kLlama };
 
+// porter.model: the built-in decoder. `type` is the architecture (the key porter.model.arch;
+// "type" is its older spelling): the pre-LN GPT (GPT-2's layout) or the Llama family
+// (docs/layers.md). With `from` set, the shape comes from a Hugging Face model directory's
+// config.json (engine/hf_checkpoint.h), before the engine is built.
 struct ModelConfig {
   ModelType type = ModelType::kGpt;
   int64_t layers = 12;
@@ -133,6 +137,21 @@ struct ModelConfig {
   int64_t vocab = 50257;
   double dropout = 0.0;
   bool tie_embeddings = true;
+  // Llama: grouped-query attention with kv_heads key/value heads (num_key_value_heads); 0
+  // means heads (full multi-head attention). The GPT takes only 0 or heads.
+  int64_t kv_heads = 0;
+  // The MLP's inner width; 0 means the architecture's default (GPT 4 * hidden; Llama
+  // 8/3 * hidden rounded up to a multiple of 256). The GPT takes only 0 or 4 * hidden.
+  int64_t intermediate = 0;
+  // The normalisation epsilon (GPT-2 layer_norm_epsilon, Llama rms_norm_eps).
+  double norm_eps = 1e-5;
+  // Llama: the rotary embedding base (rope_theta).
+  double rope_theta = 10000.0;
+  // GPT: rows of the position table wpe (n_positions); 0 means seq_len. Must be >= seq_len.
+  int64_t max_positions = 0;
+  // A Hugging Face model directory (config.json, model.safetensors or sharded files with
+  // model.safetensors.index.json) to start from.
+  std::optional<std::string> from;
   int64_t tensor_parallel = 1;
   // Megatron's sequence parallelism: layernorm, dropout and the residual stream hold 1/t of
   // the token rows (docs/tensor-parallel.md). No effect at tensor_parallel 1.
@@ -140,11 +159,15 @@ struct ModelConfig {
   bool operator==(const ModelConfig&) const = default;
 };
 
-enum class DataType { kSynthetic, kText };
+enum class DataType { kSynthetic, kText, kTokens };
 
+// porter.data. tokens: pre-tokenized shards (llm.c's .bin with its 256-int32 header, or
+// nanoGPT's raw uint16 train.bin), engine/data.h. val_paths: a validation set of the same
+// type (text or tokens), evaluated every porter.train.eval_every steps.
 struct DataConfig {
   DataType type = DataType::kSynthetic;
   std::vector<std::string> paths;
+  std::vector<std::string> val_paths;
   uint64_t seed = 1234;
   bool operator==(const DataConfig&) const = default;
 };
@@ -192,6 +215,10 @@ struct TrainConfig {
   int64_t steps = 10;
   uint64_t seed = 42;
   int64_t log_every = 1;
+  // With porter.data.val_paths: the validation loss every eval_every steps (0: after the
+  // last step only), over eval_micro_batches micro-batches of the training shape.
+  int64_t eval_every = 0;
+  int64_t eval_micro_batches = 8;
   bool operator==(const TrainConfig&) const = default;
 };
 

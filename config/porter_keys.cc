@@ -15,7 +15,8 @@ constexpr IntRange kPositive{1, kInt64Max};
 
 // Bounds keep every size product (hidden^2, vocab x hidden, ...) inside 64 bits.
 constexpr Key<ModelConfig> kModelKeys[] = {
-    {"type", enum_key<&ModelConfig::type, kModelTypes>()},
+    {"arch", enum_key<&ModelConfig::type, kModelTypes>(), Alias{"type"}},
+    {"from", &ModelConfig::from, kOmitNone},
     {"layers", &ModelConfig::layers, IntRange{1, 100'000}},
     {"hidden", &ModelConfig::hidden, IntRange{1, 1 << 20}},
     {"heads", &ModelConfig::heads, IntRange{1, 1 << 16}},
@@ -25,6 +26,11 @@ constexpr Key<ModelConfig> kModelKeys[] = {
     {"tie_embeddings", &ModelConfig::tie_embeddings},
     {"tensor_parallel", &ModelConfig::tensor_parallel, IntRange{1, 1 << 16}},
     {"sequence_parallel", &ModelConfig::sequence_parallel},
+    {"kv_heads", &ModelConfig::kv_heads, IntRange{0, 1 << 16}},
+    {"intermediate", &ModelConfig::intermediate, IntRange{0, 1 << 22}},
+    {"norm_eps", &ModelConfig::norm_eps, RealRange{0.0, 1.0, true, false}},
+    {"rope_theta", &ModelConfig::rope_theta, RealRange{0.0, 1e12, true, false}},
+    {"max_positions", &ModelConfig::max_positions, IntRange{0, 1 << 24}},
 };
 
 // After the whole porter section: the data type is read after the model.
@@ -33,6 +39,50 @@ void check_model(const std::string& path, const Config& c) {
   if (m.hidden % m.heads != 0) {
     fail(path + ".hidden", std::to_string(m.hidden) + " is not divisible by heads " +
                                std::to_string(m.heads) + "; each head needs hidden/heads channels");
+  }
+  const bool llama = m.type == ModelType::kLlama;
+  if (!llama) {
+    if (m.kv_heads != 0 && m.kv_heads != m.heads) {
+      fail(path + ".kv_heads", std::to_string(m.kv_heads) + " key/value heads, but the GPT has "
+                               "one per query head (" + std::to_string(m.heads) + "); grouped-"
+                               "query attention needs " + path + ".arch \"llama\"");
+    }
+    if (m.intermediate != 0 && m.intermediate != 4 * m.hidden) {
+      fail(path + ".intermediate", std::to_string(m.intermediate) + ", but the GPT's MLP is 4 x "
+                                   "hidden = " + std::to_string(4 * m.hidden) + " wide; drop the "
+                                   "key or set " + path + ".arch \"llama\"");
+    }
+    if (m.rope_theta != 10000.0) {
+      fail(path + ".rope_theta", "is used only by " + path + ".arch \"llama\" (the GPT has "
+                                 "learned positions, not rotary ones); drop the key");
+    }
+    if (m.max_positions != 0 && m.max_positions < m.seq_len) {
+      fail(path + ".max_positions", std::to_string(m.max_positions) + " position rows are fewer "
+                                    "than seq_len " + std::to_string(m.seq_len) + "; raise it "
+                                    "or lower seq_len");
+    }
+  } else {
+    if (m.max_positions != 0) {
+      fail(path + ".max_positions", "is used only by " + path + ".arch \"gpt\" (Llama's "
+                                    "positions are rotary, with no table); drop the key");
+    }
+    const int64_t kv = m.kv_heads == 0 ? m.heads : m.kv_heads;
+    if (m.heads % kv != 0) {
+      fail(path + ".kv_heads", std::to_string(kv) + " does not divide heads " +
+                                   std::to_string(m.heads) + "; each key/value head serves an "
+                                   "equal group of query heads");
+    }
+    if (kv % m.tensor_parallel != 0) {
+      fail(path + ".tensor_parallel", std::to_string(m.tensor_parallel) +
+                                          " does not divide kv_heads " + std::to_string(kv) +
+                                          "; tensor parallelism splits the key/value heads "
+                                          "evenly");
+    }
+    if ((m.hidden / m.heads) % 2 != 0) {
+      fail(path + ".hidden", "hidden / heads = " + std::to_string(m.hidden / m.heads) +
+                                 " channels per head is odd; rotary embeddings rotate pairs of "
+                                 "channels");
+    }
   }
   if (m.heads % m.tensor_parallel != 0) {
     fail(path + ".tensor_parallel", std::to_string(m.tensor_parallel) +
@@ -78,21 +128,39 @@ std::optional<OJson> write_paths(const DataConfig& d) {
   return OJson(d.paths);
 }
 
+void read_val_paths(const Json& paths, const std::string& path, DataConfig& d, Diagnostics& diag) {
+  DataConfig val;
+  read_paths(paths, path, val, diag);
+  d.val_paths = std::move(val.paths);
+}
+
+std::optional<OJson> write_val_paths(const DataConfig& d) {
+  if (d.val_paths.empty()) return std::nullopt;
+  return OJson(d.val_paths);
+}
+
 constexpr Key<DataConfig> kDataKeys[] = {
     {"type", enum_key<&DataConfig::type, kDataTypes>()},
     {"paths", Custom<DataConfig>{&read_paths, &write_paths}},
+    {"val_paths", Custom<DataConfig>{&read_val_paths, &write_val_paths}},
     {"seed", &DataConfig::seed, IntRange{0, kInt64Max}},
 };
 
 void read_data(ObjectReader& r, Config& c) {
   DataConfig& d = c.porter.data;
   read_keys(r, d, c);
-  if (d.type == DataType::kText && d.paths.empty()) {
-    fail(r.path_of("paths"), "missing; data type \"text\" needs one or more files in paths");
+  if (d.type != DataType::kSynthetic && d.paths.empty()) {
+    fail(r.path_of("paths"), "missing; data type \"" + std::string(to_string(d.type)) +
+                                 "\" needs one or more files in paths");
   }
   if (d.type == DataType::kSynthetic && !d.paths.empty()) {
     fail(r.path_of("paths"), describe(*r.get("paths")) + " given, but " + r.path_of("type") +
-                                 " is \"synthetic\"; set type to \"text\" or drop paths");
+                                 " is \"synthetic\"; set type to \"text\" or \"tokens\", or "
+                                 "drop paths");
+  }
+  if (d.type == DataType::kSynthetic && !d.val_paths.empty()) {
+    fail(r.path_of("val_paths"), "given, but " + r.path_of("type") + " is \"synthetic\"; a "
+                                 "validation set is files of the training data's type");
   }
   r.finish();
 }
@@ -182,6 +250,8 @@ constexpr Key<TrainConfig> kTrainKeys[] = {
     {"steps", &TrainConfig::steps, kPositive},
     {"seed", &TrainConfig::seed, IntRange{0, kInt64Max}},
     {"log_every", &TrainConfig::log_every, kPositive},
+    {"eval_every", &TrainConfig::eval_every, IntRange{0, kInt64Max}},
+    {"eval_micro_batches", &TrainConfig::eval_micro_batches, IntRange{1, 1 << 20}},
 };
 
 constexpr Key<TraceConfig> kTraceKeys[] = {

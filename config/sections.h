@@ -22,9 +22,11 @@ inline constexpr EnumName<SchedulerType> kSchedulerTypes[] = {
     {"WarmupCosineLR", SchedulerType::kWarmupCosineLR}};
 inline constexpr EnumName<WarmupType> kWarmupTypes[] = {{"log", WarmupType::kLog},
                                                         {"linear", WarmupType::kLinear}};
-inline constexpr EnumName<ModelType> kModelTypes[] = {{"gpt", ModelType::kGpt}};
+inline constexpr EnumName<ModelType> kModelTypes[] = {{"gpt", ModelType::kGpt},
+                                                      {"llama", ModelType::kLlama}};
 inline constexpr EnumName<DataType> kDataTypes[] = {{"synthetic", DataType::kSynthetic},
-                                                    {"text", DataType::kText}};
+                                                    {"text", DataType::kText},
+                                                    {"tokens", DataType::kTokens}};
 inline constexpr EnumName<CommBackend> kCommBackends[] = {
     {"auto", CommBackend::kAuto}, {"gloo", CommBackend::kGloo}, {"nccl", CommBackend::kNccl}};
 inline constexpr EnumName<DeviceType> kDeviceTypes[] = {

@@ -57,7 +57,9 @@ TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision
       // Note [Ready gradients]: the buckets reduced during backward went down then; with
       // several ranks and overlap_comm only the last two buckets in flight are left.
       EXPECT_LE(r.total.offload_d2h_overlapped_bytes, r.total.offload_d2h_bytes) << what;
-      if (k.ws > 1 || k.stage >= 2) EXPECT_GT(r.total.offload_d2h_overlapped_bytes, 0u) << what;
+      if (k.ws > 1 || k.stage >= 2) {
+        EXPECT_GT(r.total.offload_d2h_overlapped_bytes, 0u) << what;
+      }
     }
     for (const RankRun& r : device) EXPECT_GT(r.current(memory::Category::kOptimizer), 0u) << what;
   }
