@@ -231,6 +231,11 @@ struct Dims {
   bool drop;
   nn::DType dtype;
   memory::DeviceKind device;
+  bool llama = false;           // Note [Llama] in nn/gpt.h
+  size_t kvs = 0;               // Llama: this rank's key/value channels Hkv * D / tp
+  size_t fs = 0;                // Llama: this rank's MLP width F / tp
+  size_t kv_col() const { return n * kvs * dt; }  // (B, T, Hkv D / tp)
+  size_t mlp() const { return n * fs * dt; }      // (B, T, F / tp)
   size_t whole() const { return n * c * dt; }     // a (B, T, C) activation, A
   size_t res() const { return rows * c * dt; }    // the residual stream's rows here
   size_t col() const { return n * cs * dt; }      // (B, T, C / tp): this rank's channels
@@ -278,6 +283,12 @@ Dims dims_of(const GptShape& shape) {
   d.drop = m.dropout > 0.0;
   d.dtype = shape.compute_dtype;
   d.device = shape.device;
+  d.llama = m.type == config::ModelType::kLlama;
+  if (d.llama) {
+    const size_t kv = static_cast<size_t>(m.kv_heads == 0 ? m.heads : m.kv_heads);
+    d.kvs = kv * (d.c / d.h) / d.tp;
+    d.fs = static_cast<size_t>(nn::llama_intermediate(m)) / d.tp;
+  }
   return d;
 }
 
@@ -399,28 +410,105 @@ StageGraph block_graph(const Dims& d) {
   return g;
 }
 
+// LlamaBlock (Note [Llama] in nn/gpt.h), op by op as nn/gpt_blocks.cc runs it.
+StageGraph llama_block_graph(const Dims& d) {
+  GraphBuilder gb;
+  const size_t r = d.res(), u = d.col(), kvb = d.kv_col(), fb = d.mlp(), st = d.stat();
+  const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
+  const double cs = static_cast<double>(d.cs), kvs = static_cast<double>(d.kvs);
+  const double fs = static_cast<double>(d.fs);
+  const double ncs = static_cast<double>(d.n) * cs;
+  Ref n1 = gb.op(nn::OpKind::kLayerNorm, {r, st}, {kIn, kExt});
+  Ref q = gb.op(nn::OpKind::kMatmul, {u}, {n1, kExt}, 2.0 * nc * cs, d.sp_gather());
+  Ref k = gb.op(nn::OpKind::kMatmul, {kvb}, {n1, kExt}, 2.0 * nc * kvs, d.sp_gather());
+  Ref v = gb.op(nn::OpKind::kMatmul, {kvb}, {n1, kExt}, 2.0 * nc * kvs, d.sp_gather());
+  Ref qkv = gb.op(nn::OpKind::kOther, {3 * u}, {q, k, v});
+  // The forward drops q, k and v once the rotary op has read them.
+  for (Ref t : {q, k, v}) gb.graph().ops[t.op].dies_after = qkv.op;
+  Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
+                  4.0 * ncs * static_cast<double>(d.t),
+                  nn::attention_forward_workspace_bytes(d.device, attention_call(d)));
+  Ref o = gb.op(nn::OpKind::kMatmul, {r}, {att, kExt}, 2.0 * nc * cs, d.sp_gather());
+  Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kIn, gb.dropout(o, r, d.drop, true)});
+  Ref n2 = gb.op(nn::OpKind::kLayerNorm, {r, st}, {x2, kExt});
+  Ref gate = gb.op(nn::OpKind::kMatmul, {fb}, {n2, kExt}, 2.0 * nc * fs, d.sp_gather());
+  Ref up = gb.op(nn::OpKind::kMatmul, {fb}, {n2, kExt}, 2.0 * nc * fs, d.sp_gather());
+  Ref a = gb.op(nn::OpKind::kGelu, {fb}, {gate, up});
+  Ref f = gb.op(nn::OpKind::kMatmul, {r}, {a, kExt}, 2.0 * nc * fs, d.sp_gather());
+  Ref y = gb.op(nn::OpKind::kAdd, {r}, {x2, gb.dropout(f, r, d.drop, true)});
+  StageGraph& g = gb.graph();
+  g.saves = {kIn, n1, GraphBuilder::slot(n1, 1), qkv, att, GraphBuilder::slot(att, 1),
+             x2,  n2, GraphBuilder::slot(n2, 1), gate, up, a};
+  g.output = y;
+  // LlamaBlock::backward.
+  WorkspaceTrace w;
+  if (d.sp) w.alloc(2 * d.c * 4);  // RowPartialGrads: the two RMSNorms' f32 partial gradients
+  const int df = dropout_backward(w, d, r);
+  const int da = row_linear_backward(w, d, fb);
+  w.free(df);
+  const int dgate = w.alloc(fb);
+  const int dup = w.alloc(fb);
+  w.free(da);
+  const int dn2 = column_linear_backward(w, d, r);
+  w.free(dgate);
+  const int dn2_up = column_linear_backward(w, d, r);
+  w.free(dup);
+  w.free(dn2_up);
+  w.alloc(r);  // dx2
+  w.free(dn2);
+  const int dproj = dropout_backward(w, d, r);
+  const int datt = row_linear_backward(w, d, u);
+  w.free(dproj);
+  const int dqkv = w.alloc(3 * u);
+  w.transient(nn::attention_backward_workspace_bytes(d.device, attention_call(d)));
+  w.free(datt);
+  const int dq = w.alloc(u);
+  const int dk = w.alloc(kvb);
+  const int dv = w.alloc(kvb);
+  w.free(dqkv);
+  const int dn1 = column_linear_backward(w, d, r);
+  w.free(dq);
+  const int dn1_k = column_linear_backward(w, d, r);
+  w.free(dk);
+  w.free(dn1_k);
+  const int dn1_v = column_linear_backward(w, d, r);
+  w.free(dv);
+  w.free(dn1_v);
+  w.alloc(r);  // dx, the result
+  w.free(dn1);
+  g.backward_workspace_peak = w.peak();
+  return g;
+}
+
 StageGraph head_graph(const Dims& d) {
   GraphBuilder gb;
   const size_t st = d.stat(), logits_bytes = d.n * d.vs * d.dt;
   const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
-  Ref lnf = gb.op(nn::OpKind::kLayerNorm, {d.res(), st, st}, {kIn, kExt, kExt});
+  // The Llama head's RMSNorm has one statistic (rstd) where the layernorm has two.
+  Ref lnf = d.llama ? gb.op(nn::OpKind::kLayerNorm, {d.res(), st}, {kIn, kExt})
+                    : gb.op(nn::OpKind::kLayerNorm, {d.res(), st, st}, {kIn, kExt, kExt});
   Ref logits = gb.op(nn::OpKind::kMatmul, {logits_bytes}, {lnf, kExt},
                      2.0 * nc * static_cast<double>(d.vs), d.sp_gather());
   // The per-row losses are workspace inside the op, and so are the partials of their sum.
   const size_t sum_ws = nn::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n));
   Ref loss;
   StageGraph& g = gb.graph();
+  std::vector<Ref> norm_saves = {lnf, GraphBuilder::slot(lnf, 1)};
+  if (!d.llama) norm_saves.push_back(GraphBuilder::slot(lnf, 2));
   if (d.tp == 1) {
     loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExt}, 0.0, d.n * 4 + sum_ws);
-    g.saves = {kIn, lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2), logits, kExt};
+    g.saves = {kIn};
+    g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
+    g.saves.insert(g.saves.end(), {logits, kExt});
   } else {
     // Vocabulary-parallel: the loss and the rows' log-sum-exp (N) f32, which backward reads;
     // inside, this rank's (max, sum of exp, target logit) per row, every rank's gathered, and
     // the losses.
     loss = gb.op(nn::OpKind::kLoss, {4, d.n * 4}, {logits, kExt}, 0.0,
                  d.n * 12 + d.tp * d.n * 12 + d.n * 4 + sum_ws);
-    g.saves = {kIn,   lnf, GraphBuilder::slot(lnf, 1), GraphBuilder::slot(lnf, 2),
-               logits, kExt, GraphBuilder::slot(loss, 1)};
+    g.saves = {kIn};
+    g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
+    g.saves.insert(g.saves.end(), {logits, kExt, GraphBuilder::slot(loss, 1)});
   }
   g.output = loss;
   // GptHead::backward: dlogits stays alive through a row view until the end, with dlnf and
@@ -429,7 +517,7 @@ StageGraph head_graph(const Dims& d) {
   w.alloc(logits_bytes);               // dlogits
   column_linear_backward(w, d, d.res());  // dlnf
   w.alloc(d.res());                    // dx
-  if (d.sp) w.alloc(2 * d.c * 4);      // RowPartialGrads of lnf
+  if (d.sp) w.alloc((d.llama ? 1 : 2) * d.c * 4);  // RowPartialGrads of the final norm
   g.backward_workspace_peak = w.peak();
   return g;
 }
@@ -443,7 +531,7 @@ ChainCosts analytic_gpt_costs(const GptShape& shape, const nn::OpPolicy& selecti
   costs.selective_ops = selective.to_string();
   StageGraph emb = embedding_graph(d);
   costs.stages.push_back(stage_cost("embedding", false, 0, emb, selective));
-  StageGraph blk = block_graph(d);
+  StageGraph blk = d.llama ? llama_block_graph(d) : block_graph(d);
   const StageCost block = stage_cost("block", true, d.res(), blk, selective);
   for (int64_t l = 0; l < shape.model.layers; ++l) {
     costs.stages.push_back(block);
@@ -460,6 +548,18 @@ size_t gpt_none_peak_bytes(const GptShape& shape) {
   // the residual stream's bytes on this rank (A, or A / t under sequence parallelism).
   const Dims d = dims_of(shape);
   const size_t L = static_cast<size_t>(shape.model.layers);
+  if (d.llama) {
+    // The same sum from the stage graphs: the blocks' tapes and inputs, then the peak of the
+    // last block's or the head's forward above them.
+    StageGraph emb = embedding_graph(d), blk = llama_block_graph(d), head = head_graph(d);
+    const OptionCost e = evaluate(emb, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost;
+    const OptionCost b = evaluate(blk, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost;
+    const OptionCost h = evaluate(head, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost;
+    const size_t r = d.res();
+    const size_t before_last = (L - 1) * (b.saved_bytes + r) + r;
+    return std::max({e.forward_peak_bytes, before_last + b.forward_peak_bytes,
+                     L * (b.saved_bytes + r) + r + h.forward_peak_bytes});
+  }
   const size_t r = d.res(), u = d.col(), stat = d.stat();
   const size_t block_saved = 3 * r + 12 * u + 4 * stat + d.probs();  // without its input x
   const size_t drop = d.drop ? 1 : 0;
@@ -483,7 +583,7 @@ double korthikanti_layer_bytes(const GptShape& shape) {
 
 size_t gpt_layer_bytes(const GptShape& shape) {
   const Dims d = dims_of(shape);
-  StageGraph blk = block_graph(d);
+  StageGraph blk = d.llama ? llama_block_graph(d) : block_graph(d);
   return evaluate(blk, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost.saved_bytes +
          d.res();
 }

@@ -60,6 +60,17 @@ class CpuKernels final : public Kernels {
   void do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                              const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
                              Tensor& dbeta) override;
+  void do_rmsnorm_forward(const Tensor& x, const Tensor& gamma, Tensor& y, Tensor& rstd,
+                          float eps) override;
+  void do_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                           const Tensor& rstd, Tensor& dx, Tensor& dgamma) override;
+  void do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
+                           int heads, int kv_heads, double theta) override;
+  void do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv, int heads,
+                            int kv_heads, double theta) override;
+  void do_swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& y) override;
+  void do_swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, Tensor& dgate,
+                          Tensor& dup) override;
   void do_gelu_forward(const Tensor& x, Tensor& y) override;
   void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
   void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override;

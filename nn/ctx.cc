@@ -357,16 +357,40 @@ Tensor Ctx::linear(std::string_view name, const Tensor& x, const Tensor& w, cons
 }
 
 std::array<Tensor, 3> Ctx::layernorm(std::string_view name, const Tensor& x, const Tensor& gamma,
-                                     const Tensor& beta) {
+                                     const Tensor& beta, float eps) {
   const int64_t n = x.numel() / x.dim(-1);
   auto outs = op(OpKind::kLayerNorm, name, {x, gamma, beta},
                  {{x.shape(), x.dtype()}, {Shape{n}, DType::kF32}, {Shape{n}, DType::kF32}},
                  [&](std::span<Tensor> out) {
                    Tensor y = out[0].reshape({n, x.dim(-1)});
                    kernels_->layernorm_forward(x.reshape({n, x.dim(-1)}), gamma, beta, y, out[1],
-                                               out[2]);
+                                               out[2], eps);
                  });
   return {outs[0], outs[1], outs[2]};
+}
+
+std::array<Tensor, 2> Ctx::rmsnorm(std::string_view name, const Tensor& x, const Tensor& gamma,
+                                   float eps) {
+  const int64_t n = x.numel() / x.dim(-1);
+  auto outs = op(OpKind::kLayerNorm, name, {x, gamma},
+                 {{x.shape(), x.dtype()}, {Shape{n}, DType::kF32}}, [&](std::span<Tensor> out) {
+                   Tensor y = out[0].reshape({n, x.dim(-1)});
+                   kernels_->rmsnorm_forward(x.reshape({n, x.dim(-1)}), gamma, y, out[1], eps);
+                 });
+  return {outs[0], outs[1]};
+}
+
+Tensor Ctx::swiglu(std::string_view name, const Tensor& gate, const Tensor& up) {
+  return op(OpKind::kGelu, name, {gate, up}, {{gate.shape(), gate.dtype()}},
+            [&](std::span<Tensor> out) { kernels_->swiglu_forward(gate, up, out[0]); })[0];
+}
+
+Tensor Ctx::rope_qkv(std::string_view name, const Tensor& q, const Tensor& k, const Tensor& v,
+                     int heads, int kv_heads, double theta) {
+  const Shape shape{q.dim(0), q.dim(1), 3 * q.dim(2)};
+  return op(OpKind::kOther, name, {q, k, v}, {{shape, q.dtype()}}, [&](std::span<Tensor> out) {
+    kernels_->rope_qkv_forward(q, k, v, out[0], heads, kv_heads, theta);
+  })[0];
 }
 
 Tensor Ctx::gelu(std::string_view name, const Tensor& x) {

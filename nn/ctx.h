@@ -217,7 +217,16 @@ class Ctx {
   Tensor linear(std::string_view name, const Tensor& x, const Tensor& w, const Tensor& b);
   // Returns {y, mean, rstd}.
   std::array<Tensor, 3> layernorm(std::string_view name, const Tensor& x, const Tensor& gamma,
-                                  const Tensor& beta);
+                                  const Tensor& beta, float eps = 1e-5f);
+  // Returns {y, rstd}; kind layernorm (the normalisation).
+  std::array<Tensor, 2> rmsnorm(std::string_view name, const Tensor& x, const Tensor& gamma,
+                                float eps);
+  // silu(gate) * up; kind gelu (the MLP's activation).
+  Tensor swiglu(std::string_view name, const Tensor& gate, const Tensor& up);
+  // Kernels::rope_qkv_forward: q (B, T, H*D), k and v (B, T, Hkv*D) -> (B, T, 3*H*D); kind
+  // other.
+  Tensor rope_qkv(std::string_view name, const Tensor& q, const Tensor& k, const Tensor& v,
+                  int heads, int kv_heads, double theta);
   Tensor gelu(std::string_view name, const Tensor& x);
   // Returns {out (B, T, C), probs (B, heads, T, T) f32}.
   std::array<Tensor, 2> attention(std::string_view name, const Tensor& qkv, int heads);

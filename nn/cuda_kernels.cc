@@ -72,6 +72,37 @@ class CudaKernels final : public Kernels {
                              rstd.data_as<float>(), dev(dx), dev(dgamma), dev(dbeta),
                              cols ? x.numel() / cols : 0, cols);
   }
+  void do_rmsnorm_forward(const Tensor& x, const Tensor& gamma, Tensor& y, Tensor& rstd,
+                          float eps) override {
+    const int64_t cols = x.dim(-1);
+    cuda::rmsnorm_forward(launch(), dev(x), dev(gamma), dev(y), rstd.data_as<float>(),
+                          cols ? x.numel() / cols : 0, cols, eps);
+  }
+  void do_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                           const Tensor& rstd, Tensor& dx, Tensor& dgamma) override {
+    const int64_t cols = x.dim(-1);
+    cuda::rmsnorm_backward(launch(), dev(dy), dev(x), dev(gamma), rstd.data_as<float>(), dev(dx),
+                           dev(dgamma), cols ? x.numel() / cols : 0, cols);
+  }
+  void do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
+                           int heads, int kv_heads, double theta) override {
+    cuda::rope_qkv_forward(launch(), dev(q), dev(k), dev(v), dev(qkv), qkv.dim(0) * qkv.dim(1),
+                           qkv.dim(1), heads, kv_heads, qkv.dim(2) / 3 / heads, theta);
+  }
+  void do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv, int heads,
+                            int kv_heads, double theta) override {
+    cuda::rope_qkv_backward(launch(), dev(dqkv), dev(dq), dev(dk), dev(dv),
+                            dqkv.dim(0) * dqkv.dim(1), dqkv.dim(1), heads, kv_heads,
+                            dqkv.dim(2) / 3 / heads, theta);
+  }
+  void do_swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& y) override {
+    cuda::swiglu_forward(launch(), dev(gate), dev(up), dev(y), gate.numel());
+  }
+  void do_swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, Tensor& dgate,
+                          Tensor& dup) override {
+    cuda::swiglu_backward(launch(), dev(gate), dev(up), dev(dy), dev(dgate), dev(dup),
+                          gate.numel());
+  }
   void do_gelu_forward(const Tensor& x, Tensor& y) override {
     cuda::gelu_forward(launch(), dev(x), dev(y), x.numel());
   }

@@ -63,6 +63,24 @@ struct AdamWStep {
 void adamw(const Launch& l, float* params, DevPtr grad, float* m, float* v, DevPtr params_out,
            int64_t n, const AdamWStep& s);
 
+// --- cuda_llama.cu -------------------------------------------------------------------------
+// RMSNorm over rows (rows, cols): rstd (rows) f32 saved; backward overwrites dx and accumulates
+// dgamma (deterministic).
+void rmsnorm_forward(const Launch& l, DevPtr x, DevPtr gamma, DevPtr y, float* rstd,
+                     int64_t rows, int64_t cols, float eps);
+void rmsnorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, const float* rstd,
+                      DevPtr dx, DevPtr dgamma, int64_t rows, int64_t cols);
+// Note [Rotary qkv] in kernels.cc; rows = B * T, position = row % seq.
+void rope_qkv_forward(const Launch& l, DevPtr q, DevPtr k, DevPtr v, DevPtr qkv, int64_t rows,
+                      int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      double theta);
+void rope_qkv_backward(const Launch& l, DevPtr dqkv, DevPtr dq, DevPtr dk, DevPtr dv,
+                       int64_t rows, int64_t seq, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, double theta);
+void swiglu_forward(const Launch& l, DevPtr gate, DevPtr up, DevPtr y, int64_t n);
+void swiglu_backward(const Launch& l, DevPtr gate, DevPtr up, DevPtr dy, DevPtr dgate,
+                     DevPtr dup, int64_t n);
+
 // --- cuda_rowwise.cu -----------------------------------------------------------------------
 // dbias (cols) += column sums of dy (rows, cols). Deterministic (fixed summation order).
 void bias_backward(const Launch& l, DevPtr dy, DevPtr dbias, int64_t rows, int64_t cols);

@@ -28,28 +28,77 @@ Gpt::Gpt(const config::ModelConfig& config, int tp_rank) : config_(config) {
                " is not divisible by heads = ", config.heads);
   PORTER_CHECK(config.dropout >= 0.0 && config.dropout < 1.0, "porter.model.dropout = ",
                config.dropout, " must be in [0, 1)");
+  PORTER_CHECK(config.norm_eps > 0.0, "porter.model.norm_eps = ", config.norm_eps,
+               " must be positive");
+  arch_ = config.type == config::ModelType::kLlama ? Arch::kLlama : Arch::kGpt;
+  const bool llama = arch_ == Arch::kLlama;
+  const int64_t kv_heads = config.kv_heads == 0 ? config.heads : config.kv_heads;
+  if (llama) {
+    PORTER_CHECK(kv_heads >= 1 && config.heads % kv_heads == 0, "porter.model.kv_heads = ",
+                 kv_heads, " does not divide heads = ", config.heads);
+    PORTER_CHECK(kv_heads % config.tensor_parallel == 0, "porter.model.kv_heads = ", kv_heads,
+                 " is not divisible by tensor_parallel = ", config.tensor_parallel,
+                 "; tensor parallelism splits the key/value heads evenly");
+    PORTER_CHECK((config.hidden / config.heads) % 2 == 0, "porter.model: hidden / heads = ",
+                 config.hidden / config.heads, " is odd; rotary embeddings rotate channel pairs");
+  } else {
+    PORTER_CHECK(kv_heads == config.heads, "porter.model.kv_heads = ", config.kv_heads,
+                 ": the GPT has one key/value head per query head");
+    PORTER_CHECK(config.intermediate == 0 || config.intermediate == 4 * config.hidden,
+                 "porter.model.intermediate = ", config.intermediate, ": the GPT's MLP is 4 x "
+                 "hidden wide");
+  }
+  const int64_t intermediate = llama ? llama_intermediate(config) : 4 * config.hidden;
+  PORTER_CHECK(intermediate % config.tensor_parallel == 0, "porter.model.intermediate = ",
+               intermediate, " is not divisible by tensor_parallel = ", config.tensor_parallel);
+  const int64_t positions = config.max_positions > 0 ? config.max_positions : config.seq_len;
+  PORTER_CHECK(llama || positions >= config.seq_len, "porter.model.max_positions = ",
+               config.max_positions, " is below seq_len = ", config.seq_len);
   tp_.rank = tp_rank;
   tp_.size = static_cast<int>(config.tensor_parallel);
   tp_.sequence_parallel = config.sequence_parallel && tp_.size > 1;
   tp_.vocab = config.vocab;
   tp_.vocab_shard = (config.vocab + tp_.size - 1) / tp_.size;
   const float p = static_cast<float>(config.dropout);
-  auto emb =
-      std::make_unique<GptEmbedding>(config.vocab, config.seq_len, config.hidden, p, tp_);
+  const float eps = static_cast<float>(config.norm_eps);
+  auto emb = std::make_unique<GptEmbedding>(config.vocab, llama ? 0 : positions, config.hidden,
+                                            p, tp_, arch_);
   embedding_ = emb.get();
   layout_.add("", emb->params());
   stages_.push_back(std::move(emb));
   for (int64_t l = 0; l < config.layers; ++l) {
-    auto block =
-        std::make_unique<GptBlock>(config.hidden, static_cast<int>(config.heads), p, tp_);
-    layout_.add("h." + std::to_string(l), block->params());
+    std::unique_ptr<Layer> block;
+    if (llama) {
+      LlamaShape shape;
+      shape.hidden = config.hidden;
+      shape.heads = static_cast<int>(config.heads);
+      shape.kv_heads = static_cast<int>(kv_heads);
+      shape.intermediate = intermediate;
+      shape.norm_eps = eps;
+      shape.rope_theta = config.rope_theta;
+      block = std::make_unique<LlamaBlock>(shape, p, tp_);
+    } else {
+      block = std::make_unique<GptBlock>(config.hidden, static_cast<int>(config.heads), p, tp_,
+                                         eps);
+    }
+    layout_.add((llama ? "layers." : "h.") + std::to_string(l), block->params());
     stages_.push_back(std::move(block));
   }
-  auto head =
-      std::make_unique<GptHead>(config.vocab, config.hidden, config.tie_embeddings, tp_);
+  auto head = std::make_unique<GptHead>(config.vocab, config.hidden, config.tie_embeddings, tp_,
+                                        arch_, eps);
   head_ = head.get();
   layout_.add("", head->params());
   stages_.push_back(std::move(head));
+}
+
+int64_t llama_intermediate(const config::ModelConfig& config) {
+  if (config.intermediate > 0) return config.intermediate;
+  const int64_t f = (8 * config.hidden + 2) / 3;  // ceil(8C / 3)
+  return (f + 255) / 256 * 256;
+}
+
+std::string Gpt::embedding_name() const {
+  return arch_ == Arch::kLlama ? "embed_tokens.weight" : "wte";
 }
 
 std::string Gpt::stage_name(int i) const {
@@ -62,10 +111,12 @@ void Gpt::bind(const FlatParams& flat) {
   PORTER_CHECK(&flat.layout() == &layout_ || flat.layout().total_elems() == layout_.total_elems(),
                "Gpt::bind: the flat buffers use another layout");
   bind_layer(*embedding_, "", flat);
-  for (int l = 0; l < config_.layers; ++l) bind_layer(stage(l + 1), "h." + std::to_string(l), flat);
+  const std::string prefix = arch_ == Arch::kLlama ? "layers." : "h.";
+  for (int l = 0; l < config_.layers; ++l) bind_layer(stage(l + 1), prefix + std::to_string(l), flat);
   bind_layer(*head_, "", flat);
   if (config_.tie_embeddings) {
-    size_t wte = static_cast<size_t>(&layout_.find("wte") - layout_.entries().data());
+    size_t wte =
+        static_cast<size_t>(&layout_.find(embedding_name()) - layout_.entries().data());
     head_->bind_tied(flat.param(wte), flat.grad(wte));
   }
 }
@@ -85,6 +136,13 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// The token table and the untied head: split by vocabulary rows (Note [GPT tensor
+// parallelism]).
+bool vocab_parallel(const std::string& name) {
+  return name == "wte" || name == "head.weight" || name == "embed_tokens.weight" ||
+         name == "lm_head.weight";
+}
+
 }  // namespace
 
 std::vector<float> Gpt::init_values(uint64_t seed) const {
@@ -98,12 +156,17 @@ std::vector<float> Gpt::init_values(uint64_t seed) const {
   // projections (proj, fc2) scaled by 1/sqrt(2L); biases 0; layernorm weight 1, bias 0.
   // Normals come from Box-Muller over Philox keyed by (seed, FNV-1a of the parameter name),
   // so a parameter's values do not depend on the layout, thread count or device.
+  // Llama: Hugging Face's LlamaPreTrainedModel scheme, every matrix ~ normal(0, 0.02) and
+  // the RMSNorm weights 1, drawn the same way.
   std::vector<float> v(static_cast<size_t>(layout_.total_elems()), 0.0f);
-  const float resid_scale = 1.0f / std::sqrt(2.0f * static_cast<float>(config_.layers));
+  const bool llama = arch_ == Arch::kLlama;
+  const float resid_scale =
+      llama ? 1.0f : 1.0f / std::sqrt(2.0f * static_cast<float>(config_.layers));
   for (const ParamEntry& e : layout_.entries()) {
     float* out = v.data() + e.offset_elems;
     const int64_t n = e.shape.numel();
-    const bool ln = e.name.find("ln") != std::string::npos;
+    const bool ln = llama ? e.name.find("norm") != std::string::npos
+                          : e.name.find("ln") != std::string::npos;
     if (ends_with(e.name, ".bias")) continue;
     if (ln) {
       for (int64_t i = 0; i < n; ++i) out[i] = 1.0f;
@@ -132,7 +195,7 @@ std::vector<float> Gpt::init_values(uint64_t seed) const {
 }
 
 bool Gpt::replicated(const std::string& name) {
-  return name == "wpe" || name.rfind("lnf.", 0) == 0 || name.find(".ln1.") != std::string::npos ||
+  return name == "wpe" || name.rfind("lnf.", 0) == 0 || name.find("norm") != std::string::npos || name.find(".ln1.") != std::string::npos ||
          name.find(".ln2.") != std::string::npos || ends_with(name, "proj.bias") ||
          ends_with(name, "fc2.bias");
 }
@@ -165,7 +228,7 @@ std::vector<float> Gpt::shard_values(std::span<const float> whole) const {
     } else if (ends_with(e.name, "qkv.weight") || ends_with(e.name, "qkv.bias")) {
       const int64_t part = rows / 3, c = w.shape[0] / 3;  // this rank's heads of q, k, v
       for (int j = 0; j < 3; ++j) copy_rows(j * c + r * part, j * part, part);
-    } else if (e.name == "wte" || e.name == "head.weight") {
+    } else if (vocab_parallel(e.name)) {
       const int64_t begin = tp_.vocab_begin();
       copy_rows(begin, 0, tp_.vocab_valid());  // the padding rows stay 0
     } else if (e.shape.rank() == 2 && e.shape[0] == w.shape[0]) {
@@ -179,6 +242,55 @@ std::vector<float> Gpt::shard_values(std::span<const float> whole) const {
       // Column-parallel (fc1 weight and bias): this rank's rows.
       PORTER_CHECK_EQ(rows * t, w.shape[0], "Gpt::shard_values: ", e.name);
       copy_rows(r * rows, 0, rows);
+    }
+  }
+  return out;
+}
+
+std::vector<float> Gpt::merge_shards(const std::vector<std::vector<float>>& shards) const {
+  const int64_t t = tp_.size;
+  PORTER_CHECK_EQ(static_cast<int64_t>(shards.size()), t, "Gpt::merge_shards: one part per "
+                  "tensor-parallel rank");
+  for (const std::vector<float>& part : shards) {
+    PORTER_CHECK_EQ(static_cast<int64_t>(part.size()), layout_.total_elems(),
+                    "Gpt::merge_shards: a rank's values in its layout");
+  }
+  if (t == 1) return shards[0];
+  config::ModelConfig whole_config = config_;
+  whole_config.tensor_parallel = 1;
+  whole_config.sequence_parallel = false;
+  const Gpt full(whole_config);
+  std::vector<float> out(static_cast<size_t>(full.layout().total_elems()), 0.0f);
+  for (int r = 0; r < t; ++r) {
+    // Every rank's layout has the same entries and shapes; rank r's own offsets and vocabulary
+    // range come from its layout, which is this one's shape with rank r.
+    config::ModelConfig rank_config = config_;
+    const Gpt rank_model(rank_config, r);
+    const TpShard& tp = rank_model.tp();
+    for (const ParamEntry& e : rank_model.layout().entries()) {
+      const ParamEntry& w = full.layout().find(e.name);
+      const float* src = shards[static_cast<size_t>(r)].data() + e.offset_elems;
+      float* dst = out.data() + w.offset_elems;
+      const int64_t cols = e.shape.rank() == 2 ? e.shape[1] : 1;
+      const int64_t rows = e.shape[0];
+      auto copy_rows = [&](int64_t from_row, int64_t to_row, int64_t count) {
+        std::copy(src + from_row * cols, src + (from_row + count) * cols, dst + to_row * cols);
+      };
+      if (e.shape == w.shape) {
+        if (r == 0) std::copy(src, src + e.shape.numel(), dst);
+      } else if (ends_with(e.name, "qkv.weight") || ends_with(e.name, "qkv.bias")) {
+        const int64_t part = rows / 3, c = w.shape[0] / 3;
+        for (int j = 0; j < 3; ++j) copy_rows(j * part, j * c + r * part, part);
+      } else if (vocab_parallel(e.name)) {
+        copy_rows(0, tp.vocab_begin(), tp.vocab_valid());
+      } else if (e.shape.rank() == 2 && e.shape[0] == w.shape[0]) {
+        const int64_t full_cols = w.shape[1];
+        for (int64_t i = 0; i < rows; ++i) {
+          std::copy(src + i * cols, src + (i + 1) * cols, dst + i * full_cols + r * cols);
+        }
+      } else {
+        copy_rows(0, r * rows, rows);
+      }
     }
   }
   return out;

@@ -1,4 +1,5 @@
-// The built-in pre-LN GPT decoder, built from layers that follow the layer contract. Its
+// The built-in decoders, built from layers that follow the layer contract: the pre-LN GPT
+// (GPT-2's layout) and the Llama family (porter.model.arch, Note [Llama] below). Their
 // stages (embedding, each block, head) are the unit of checkpoint planning. The parameter
 // order and the init are documented in docs/layers.md.
 #pragma once
@@ -52,11 +53,28 @@ struct TpShard {
   int64_t vocab_valid() const;
 };
 
-// Stage 0: token + position embedding, then dropout. Input tokens (B, T) i32.
+// Note [Llama]
+// porter.model.arch "llama" builds Hugging Face's LlamaForCausalLM: a token embedding
+// (embed_tokens, no position table), blocks of
+//   x2 = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))), n1 = rms(x)
+//   y  = x2 + down_proj(silu(gate_proj(n2)) * up_proj(n2)),                     n2 = rms(x2)
+// and a head of RMSNorm (norm) and lm_head (tied to embed_tokens or its own), with no biases.
+// Attention is grouped-query: kv_heads key/value heads, each serving heads / kv_heads query
+// heads; rope and the expansion of k and v to every query head are one op (Note [Rotary
+// qkv] in kernels.cc), whose output is the GPT's (B, T, 3C) qkv, so the attention kernels,
+// the checkpoint policies and the memory model are shared with the GPT. Parameter names are
+// Hugging Face's without the "model." prefix. Tensor parallelism splits q, k, v (by heads),
+// gate and up (by rows) as column-parallel and o and down as row-parallel, as in Megatron;
+// kv_heads must divide by t. Dropout (porter.model.dropout) sits where the GPT's does, after
+// o_proj and down_proj, and is 0 for a Hugging Face model.
+enum class Arch { kGpt, kLlama };
+
+// Stage 0: token embedding (+ positions for the GPT), then dropout. Input tokens (B, T) i32.
 class GptEmbedding : public Layer {
  public:
+  // max_seq 0 (Llama): no position table; the token table is then "embed_tokens.weight".
   GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout,
-               const TpShard& tp = {});
+               const TpShard& tp = {}, Arch arch = Arch::kGpt);
   std::vector<ParamSpec> params() const override;
   Tensor forward(Ctx& ctx, const Tensor& tokens) override;  // -> (B, T, C)
   Tensor backward(Ctx& ctx, const Tensor& dy) override;     // -> undefined (tokens)
@@ -65,12 +83,14 @@ class GptEmbedding : public Layer {
   int64_t vocab_, max_seq_, hidden_;
   float dropout_;
   TpShard tp_;
+  Arch arch_;
 };
 
 // One pre-LN block: x + drop(proj(attn(qkv(ln1(x))))), then + drop(fc2(gelu(fc1(ln2(.))))).
 class GptBlock : public Layer {
  public:
-  GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp = {});
+  GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp = {},
+           float norm_eps = 1e-5f);
   std::vector<ParamSpec> params() const override;
   // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
   Tensor forward(Ctx& ctx, const Tensor& x) override;
@@ -81,6 +101,31 @@ class GptBlock : public Layer {
   int heads_;
   float dropout_;
   TpShard tp_;
+  float eps_;
+};
+
+// One Llama block (Note [Llama]).
+struct LlamaShape {
+  int64_t hidden = 0;
+  int heads = 1;
+  int kv_heads = 1;
+  int64_t intermediate = 0;
+  float norm_eps = 1e-5f;
+  double rope_theta = 10000.0;
+};
+
+class LlamaBlock : public Layer {
+ public:
+  LlamaBlock(const LlamaShape& shape, float dropout, const TpShard& tp = {});
+  std::vector<ParamSpec> params() const override;
+  // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
+  Tensor forward(Ctx& ctx, const Tensor& x) override;
+  Tensor backward(Ctx& ctx, const Tensor& dy) override;
+
+ private:
+  LlamaShape shape_;
+  float dropout_;
+  TpShard tp_;
 };
 
 // Final layernorm, the vocabulary projection (no bias; tied to wte or its own weight) and
@@ -88,7 +133,9 @@ class GptBlock : public Layer {
 // gradient of the mean loss is scaled by loss_scale (1 unless fp16 loss scaling).
 class GptHead : public Layer {
  public:
-  GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp = {});
+  // Llama: RMSNorm ("norm.weight", no bias) and "lm_head.weight".
+  GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp = {},
+          Arch arch = Arch::kGpt, float norm_eps = 1e-5f);
   std::vector<ParamSpec> params() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   // The tied weight: views of the embedding's wte and its gradient.
@@ -103,11 +150,17 @@ class GptHead : public Layer {
   int64_t vocab_, hidden_;
   bool tied_;
   TpShard tp_;
+  Arch arch_;
+  float eps_;
   Tensor lnf_w_, lnf_b_, head_w_;     // views into the flat parameter buffer
   Tensor dlnf_w_, dlnf_b_, dhead_w_;  // views into the flat gradient buffer
   Tensor targets_;                    // the current micro-batch's input, not a saved tensor
   float loss_scale_ = 1.0f;
 };
+
+// The Llama MLP's width: porter.model.intermediate, or 8/3 hidden rounded up to a multiple
+// of 256 when it is 0.
+int64_t llama_intermediate(const config::ModelConfig& config);
 
 // How one stage runs in Gpt::forward_backward.
 struct StagePlan {
@@ -123,6 +176,7 @@ class Gpt {
   explicit Gpt(const config::ModelConfig& config, int tp_rank = 0);
 
   const config::ModelConfig& config() const { return config_; }
+  Arch arch() const { return arch_; }
   const TpShard& tp() const { return tp_; }
   const ParamLayout& layout() const { return layout_; }
   int num_stages() const { return static_cast<int>(stages_.size()); }
@@ -138,8 +192,13 @@ class Gpt {
   // This rank's part (in layout() order) of `whole`, values in the layout of the same model
   // at tensor_parallel 1 (Note [GPT tensor parallelism]).
   std::vector<float> shard_values(std::span<const float> whole) const;
+  // The inverse: the t = 1 values from every rank's (shards[r] in rank r's layout order, as
+  // Engine::params_host gives them). Replicated parameters are taken from rank 0.
+  std::vector<float> merge_shards(const std::vector<std::vector<float>>& shards) const;
+  // The name of the token table: "wte" (GPT) or "embed_tokens.weight" (Llama).
+  std::string embedding_name() const;
   // Whether the parameter named `name` is whole on every tensor-parallel rank (layernorms,
-  // wpe, the row-parallel biases) rather than split.
+  // RMSNorms, wpe, the row-parallel biases) rather than split.
   static bool replicated(const std::string& name);
 
   // Forward and backward of one micro-batch through every stage, stage by stage, as
@@ -150,6 +209,7 @@ class Gpt {
 
  private:
   config::ModelConfig config_;
+  Arch arch_ = Arch::kGpt;
   TpShard tp_;
   ParamLayout layout_;
   std::vector<std::unique_ptr<Layer>> stages_;

@@ -185,11 +185,12 @@ class RowPartialGrads {
 enum EmbeddingParam : size_t { kWte, kWpe };
 
 GptEmbedding::GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout,
-                           const TpShard& tp)
-    : vocab_(vocab), max_seq_(max_seq), hidden_(hidden), dropout_(dropout), tp_(tp) {}
+                           const TpShard& tp, Arch arch)
+    : vocab_(vocab), max_seq_(max_seq), hidden_(hidden), dropout_(dropout), tp_(tp), arch_(arch) {}
 
 std::vector<ParamSpec> GptEmbedding::params() const {
   const int64_t rows = tp_.size == 1 ? vocab_ : tp_.vocab_shard;
+  if (arch_ == Arch::kLlama) return {{"embed_tokens.weight", Shape{rows, hidden_}}};
   return {{"wte", Shape{rows, hidden_}}, {"wpe", Shape{max_seq_, hidden_}}};
 }
 
@@ -197,14 +198,22 @@ Tensor GptEmbedding::forward(Ctx& ctx, const Tensor& tokens) {
   PORTER_CHECK(tokens.rank() == 2 && tokens.dtype() == DType::kI32,
                "GPT input tokens must be (B, T) i32, got ", tokens.shape().to_string(), " ",
                dtype_name(tokens.dtype()));
-  PORTER_CHECK_LE(tokens.dim(1), max_seq_, "sequence length of the batch (model seq_len)");
+  const bool llama = arch_ == Arch::kLlama;
+  if (!llama) {
+    PORTER_CHECK_LE(tokens.dim(1), max_seq_, "sequence length of the batch (model seq_len)");
+  }
   check_group(ctx, tp_, "GptEmbedding");
   const Tensor& wte = param(kWte);
-  const Tensor& wpe = param(kWpe);
+  const Tensor wpe = llama ? Tensor() : param(kWpe);
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
   const DType dtype = ctx.compute_dtype();
   Tensor x;
-  if (tp_.size == 1) {
+  if (tp_.size == 1 && llama) {
+    x = ctx.op(OpKind::kEmbedding, "embed", {tokens, wte}, {{Shape{b, t, hidden_}, dtype}},
+               [&](std::span<Tensor> out) {
+                 ctx.kernels().embedding_forward_vocab_range(tokens, wte, 0, Tensor(), out[0]);
+               })[0];
+  } else if (tp_.size == 1) {
     x = ctx.op(OpKind::kEmbedding, "embed", {tokens, wte, wpe}, {{Shape{b, t, hidden_}, dtype}},
                [&](std::span<Tensor> out) {
                  ctx.kernels().embedding_forward(tokens, wte, wpe, out[0]);
@@ -240,8 +249,11 @@ Tensor GptEmbedding::forward(Ctx& ctx, const Tensor& tokens) {
 Tensor GptEmbedding::backward(Ctx& ctx, const Tensor& dy) {
   Tensor dx = dropout_backward(ctx, dy, dropout_, 0, shard_offset(tp_, dy));
   const Tensor& tokens = ctx.saved("tokens");
-  if (tp_.size == 1) {
-    ctx.kernels().embedding_backward(dx, tokens, grad(kWte), grad(kWpe));
+  const bool llama = arch_ == Arch::kLlama;
+  Tensor no_positions;
+  Tensor& dwpe = llama ? no_positions : grad(kWpe);
+  if (tp_.size == 1 && !llama) {
+    ctx.kernels().embedding_backward(dx, tokens, grad(kWte), dwpe);
     return Tensor();
   }
   if (tp_.sequence_parallel) {
@@ -251,8 +263,7 @@ Tensor GptEmbedding::backward(Ctx& ctx, const Tensor& dy) {
     dx = whole;
   }
   // Every rank has the whole dy: dwpe is complete everywhere, dwte for its own rows.
-  ctx.kernels().embedding_backward_vocab_range(dx, tokens, tp_.vocab_begin(), grad(kWte),
-                                               grad(kWpe));
+  ctx.kernels().embedding_backward_vocab_range(dx, tokens, tp_.vocab_begin(), grad(kWte), dwpe);
   return Tensor();
 }
 
@@ -262,8 +273,8 @@ enum BlockParam : size_t {
   kLn1W, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2W, kLn2B, kFc1W, kFc1B, kFc2W, kFc2B
 };
 
-GptBlock::GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp)
-    : hidden_(hidden), heads_(heads), dropout_(dropout), tp_(tp) {}
+GptBlock::GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp, float norm_eps)
+    : hidden_(hidden), heads_(heads), dropout_(dropout), tp_(tp), eps_(norm_eps) {}
 
 std::vector<ParamSpec> GptBlock::params() const {
   const int64_t c = hidden_, cs = hidden_ / tp_.size;  // cs: this rank's channels
@@ -278,7 +289,7 @@ std::vector<ParamSpec> GptBlock::params() const {
 Tensor GptBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, C) under sp
   check_group(ctx, tp_, "GptBlock");
   const int heads = heads_ / tp_.size;
-  auto [ln1, mean1, rstd1] = ctx.layernorm("ln1", x, param(kLn1W), param(kLn1B));
+  auto [ln1, mean1, rstd1] = ctx.layernorm("ln1", x, param(kLn1W), param(kLn1B), eps_);
   Tensor qkv = column_linear(ctx, "qkv", ln1, param(kQkvW), param(kQkvB), tp_);
   if (tp_.sequence_parallel) {  // (N, 3C/t) -> (B, T, 3C/t)
     const RunInfo& run = ctx.run();
@@ -291,7 +302,7 @@ Tensor GptBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, 
   Tensor proj = row_linear(ctx, "proj", att, param(kProjW), param(kProjB), tp_);
   const int64_t offset = shard_offset(tp_, x);
   Tensor x2 = ctx.add("res1", x, ctx.dropout("drop1", proj, dropout_, offset));
-  auto [ln2, mean2, rstd2] = ctx.layernorm("ln2", x2, param(kLn2W), param(kLn2B));
+  auto [ln2, mean2, rstd2] = ctx.layernorm("ln2", x2, param(kLn2W), param(kLn2B), eps_);
   Tensor h = column_linear(ctx, "fc1", ln2, param(kFc1W), param(kFc1B), tp_);  // (.., 4C/t)
   Tensor g = ctx.gelu("gelu", h);
   Tensor f = row_linear(ctx, "fc2", g, param(kFc2W), param(kFc2B), tp_);
@@ -355,29 +366,171 @@ Tensor GptBlock::backward(Ctx& ctx, const Tensor& dy) {
   return dx;
 }
 
+// ---- Llama block (Note [Llama]) ----
+
+enum LlamaParam : size_t { kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown };
+
+LlamaBlock::LlamaBlock(const LlamaShape& shape, float dropout, const TpShard& tp)
+    : shape_(shape), dropout_(dropout), tp_(tp) {}
+
+std::vector<ParamSpec> LlamaBlock::params() const {
+  const int64_t c = shape_.hidden, d = c / shape_.heads;
+  const int64_t qs = c / tp_.size, kvs = shape_.kv_heads * d / tp_.size;
+  const int64_t fs = shape_.intermediate / tp_.size;
+  return {{"input_layernorm.weight", Shape{c}},
+          {"self_attn.q_proj.weight", Shape{qs, c}},
+          {"self_attn.k_proj.weight", Shape{kvs, c}},
+          {"self_attn.v_proj.weight", Shape{kvs, c}},
+          {"self_attn.o_proj.weight", Shape{c, qs}},
+          {"post_attention_layernorm.weight", Shape{c}},
+          {"mlp.gate_proj.weight", Shape{fs, c}},
+          {"mlp.up_proj.weight", Shape{fs, c}},
+          {"mlp.down_proj.weight", Shape{c, fs}}};
+}
+
+Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, C) under sp
+  check_group(ctx, tp_, "LlamaBlock");
+  const int heads = shape_.heads / tp_.size, kv = shape_.kv_heads / tp_.size;
+  const Tensor none;
+  auto [n1, r1] = ctx.rmsnorm("input_norm", x, param(kInNorm), shape_.norm_eps);
+  Tensor q = column_linear(ctx, "q_proj", n1, param(kQ), none, tp_);
+  Tensor k = column_linear(ctx, "k_proj", n1, param(kK), none, tp_);
+  Tensor v = column_linear(ctx, "v_proj", n1, param(kV), none, tp_);
+  // (B, T, .) for the rotary op: the micro-batch's shape under sequence parallelism.
+  const RunInfo& run = ctx.run();
+  const int64_t b = tp_.sequence_parallel ? run.batch : x.dim(0);
+  const int64_t t = tp_.sequence_parallel ? run.seq : x.dim(1);
+  PORTER_CHECK(b * t == q.numel() / q.dim(-1), "LlamaBlock: ", b, " x ", t, " token rows for ",
+               q.numel() / q.dim(-1), " (under sequence parallelism the micro-batch's (batch, "
+               "seq) come from RunInfo, Ctx::set_run)");
+  Tensor qkv = ctx.rope_qkv("rope", q.reshape({b, t, q.dim(-1)}), k.reshape({b, t, k.dim(-1)}),
+                            v.reshape({b, t, v.dim(-1)}), heads, kv, shape_.rope_theta);
+  q = k = v = Tensor();
+  auto [att, probs] = ctx.attention("attn", qkv, heads);  // (B, T, C/t), (B, H/t, T, T)
+  Tensor o = row_linear(ctx, "o_proj", att, param(kO), none, tp_);
+  const int64_t offset = shard_offset(tp_, x);
+  Tensor x2 = ctx.add("res1", x, ctx.dropout("drop1", o, dropout_, offset));
+  auto [n2, r2] = ctx.rmsnorm("post_norm", x2, param(kPostNorm), shape_.norm_eps);
+  Tensor gate = column_linear(ctx, "gate_proj", n2, param(kGate), none, tp_);
+  Tensor up = column_linear(ctx, "up_proj", n2, param(kUp), none, tp_);
+  Tensor a = ctx.swiglu("swiglu", gate, up);
+  Tensor f = row_linear(ctx, "down_proj", a, param(kDown), none, tp_);
+  Tensor y = ctx.add("res2", x2, ctx.dropout("drop2", f, dropout_, offset));
+  ctx.save("x", x);
+  ctx.save("n1", n1);
+  ctx.save("r1", r1);
+  ctx.save("qkv", qkv);
+  ctx.save("att", att);
+  ctx.save("probs", probs);
+  ctx.save("x2", x2);
+  ctx.save("n2", n2);
+  ctx.save("r2", r2);
+  ctx.save("gate", gate);
+  ctx.save("up", up);
+  ctx.save("a", a);
+  return y;
+}
+
+Tensor LlamaBlock::backward(Ctx& ctx, const Tensor& dy) {
+  Kernels& k = ctx.kernels();
+  const int heads = shape_.heads / tp_.size, kv = shape_.kv_heads / tp_.size;
+  const int64_t offset = shard_offset(tp_, dy);
+  RowPartialGrads norm_grads(ctx, tp_, {&grad(kPostNorm), &grad(kInNorm)});
+  // Second half: y = x2 + drop2(down(silu(gate(n2)) * up(n2))).
+  Tensor df = dropout_backward(ctx, dy, dropout_, 1, offset);
+  Tensor da = row_linear_backward(ctx, df, ctx.saved("a"), param(kDown), grad(kDown), nullptr,
+                                  tp_);
+  df = Tensor();
+  const Tensor& gate = ctx.saved("gate");
+  Tensor dgate = ctx.workspace(gate.shape(), gate.dtype());
+  Tensor dup = ctx.workspace(gate.shape(), gate.dtype());
+  k.swiglu_backward(gate, ctx.saved("up"), da, dgate, dup);
+  da = Tensor();
+  const Tensor& n2 = ctx.saved("n2");
+  Tensor dn2 = column_linear_backward(ctx, dgate, n2, param(kGate), grad(kGate), nullptr, tp_);
+  dgate = Tensor();
+  Tensor dn2_up = column_linear_backward(ctx, dup, n2, param(kUp), grad(kUp), nullptr, tp_);
+  dup = Tensor();
+  k.accumulate(dn2, dn2_up);
+  dn2_up = Tensor();
+  Tensor dx2 = ctx.grad_like(dy);
+  Tensor dx2_rows = rows(dx2);
+  k.rmsnorm_backward(rows(dn2), rows(ctx.saved("x2")), param(kPostNorm), ctx.saved("r2"),
+                     dx2_rows, norm_grads.view(0));
+  dn2 = Tensor();
+  k.accumulate(dx2, dy);  // the residual path
+  // First half: x2 = x + drop1(o(attention(rope(q(n1), k(n1)), v(n1)))).
+  Tensor dproj = dropout_backward(ctx, dx2, dropout_, 0, offset);
+  Tensor datt = row_linear_backward(ctx, dproj, ctx.saved("att"), param(kO), grad(kO), nullptr,
+                                    tp_);
+  dproj = Tensor();
+  const Tensor& qkv = ctx.saved("qkv");
+  Tensor dqkv = ctx.workspace(qkv.shape(), qkv.dtype());
+  k.attention_backward(datt, qkv, ctx.saved("probs"), dqkv, heads);
+  datt = Tensor();
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), d = shape_.hidden / shape_.heads;
+  Tensor dq = ctx.workspace(Shape{b, t, heads * d}, qkv.dtype());
+  Tensor dk = ctx.workspace(Shape{b, t, kv * d}, qkv.dtype());
+  Tensor dv = ctx.workspace(Shape{b, t, kv * d}, qkv.dtype());
+  k.rope_qkv_backward(dqkv, dq, dk, dv, heads, kv, shape_.rope_theta);
+  dqkv = Tensor();
+  const Tensor& n1 = ctx.saved("n1");
+  // Column-parallel inputs are (N, .) under sequence parallelism, (B, T, .) otherwise.
+  auto as_output = [&](const Tensor& g) {
+    return tp_.sequence_parallel ? g.reshape({b * t, g.dim(-1)}) : g;
+  };
+  Tensor dn1 = column_linear_backward(ctx, as_output(dq), n1, param(kQ), grad(kQ), nullptr, tp_);
+  dq = Tensor();
+  Tensor dn1_k = column_linear_backward(ctx, as_output(dk), n1, param(kK), grad(kK), nullptr, tp_);
+  dk = Tensor();
+  k.accumulate(dn1, dn1_k);
+  dn1_k = Tensor();
+  Tensor dn1_v = column_linear_backward(ctx, as_output(dv), n1, param(kV), grad(kV), nullptr, tp_);
+  dv = Tensor();
+  k.accumulate(dn1, dn1_v);
+  dn1_v = Tensor();
+  Tensor dx = ctx.grad_like(dy);
+  Tensor dx_rows = rows(dx);
+  k.rmsnorm_backward(rows(dn1), rows(ctx.saved("x")), param(kInNorm), ctx.saved("r1"), dx_rows,
+                     norm_grads.view(1));
+  dn1 = Tensor();
+  k.accumulate(dx, dx2);
+  norm_grads.finish();
+  return dx;
+}
+
 // ---- head ----
 
 enum HeadParam : size_t { kLnfW, kLnfB, kHeadW };
 
-GptHead::GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp)
-    : vocab_(vocab), hidden_(hidden), tied_(tied), tp_(tp) {}
+GptHead::GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp, Arch arch,
+                 float norm_eps)
+    : vocab_(vocab), hidden_(hidden), tied_(tied), tp_(tp), arch_(arch), eps_(norm_eps) {}
 
 std::vector<ParamSpec> GptHead::params() const {
-  std::vector<ParamSpec> p = {{"lnf.weight", Shape{hidden_}}, {"lnf.bias", Shape{hidden_}}};
   const int64_t rows = tp_.size == 1 ? vocab_ : tp_.vocab_shard;
+  if (arch_ == Arch::kLlama) {
+    std::vector<ParamSpec> p = {{"norm.weight", Shape{hidden_}}};
+    if (!tied_) p.push_back({"lm_head.weight", Shape{rows, hidden_}});
+    return p;
+  }
+  std::vector<ParamSpec> p = {{"lnf.weight", Shape{hidden_}}, {"lnf.bias", Shape{hidden_}}};
   if (!tied_) p.push_back({"head.weight", Shape{rows, hidden_}});
   return p;
 }
 
 void GptHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  PORTER_CHECK_EQ(params.size(), tied_ ? size_t{2} : size_t{3}, "GptHead parameter views");
-  lnf_w_ = params[kLnfW];
-  lnf_b_ = params[kLnfB];
-  dlnf_w_ = grads[kLnfW];
-  dlnf_b_ = grads[kLnfB];
+  const size_t norms = arch_ == Arch::kLlama ? 1 : 2;
+  PORTER_CHECK_EQ(params.size(), tied_ ? norms : norms + 1, "GptHead parameter views");
+  lnf_w_ = params[0];
+  dlnf_w_ = grads[0];
+  if (norms == 2) {
+    lnf_b_ = params[kLnfB];
+    dlnf_b_ = grads[kLnfB];
+  }
   if (!tied_) {
-    head_w_ = params[kHeadW];
-    dhead_w_ = grads[kHeadW];
+    head_w_ = params[norms];
+    dhead_w_ = grads[norms];
   }
 }
 
@@ -393,7 +546,17 @@ Tensor GptHead::forward(Ctx& ctx, const Tensor& x) {
   const int64_t rows_here = tp_.sequence_parallel ? n / tp_.size : n;
   PORTER_CHECK(targets_.defined() && rows_here * hidden_ == x.numel(),
                "GptHead: set_targets with the micro-batch's (B, T) targets before forward");
-  auto [lnf, mean, rstd] = ctx.layernorm("lnf", x, lnf_w_, lnf_b_);
+  Tensor lnf, mean, rstd;
+  if (arch_ == Arch::kLlama) {
+    auto outs = ctx.rmsnorm("norm", x, lnf_w_, eps_);
+    lnf = outs[0];
+    rstd = outs[1];
+  } else {
+    auto outs = ctx.layernorm("lnf", x, lnf_w_, lnf_b_, eps_);
+    lnf = outs[0];
+    mean = outs[1];
+    rstd = outs[2];
+  }
   // (B, T, V), or this rank's vocabulary columns (N, Vs) under tensor parallelism.
   Tensor logits = column_linear(ctx, "head", lnf, head_w_, Tensor(), tp_);
   Tensor targets = targets_.reshape({n});
@@ -430,7 +593,7 @@ Tensor GptHead::forward(Ctx& ctx, const Tensor& x) {
   }
   ctx.save("x", x);
   ctx.save("lnf", lnf);
-  ctx.save("mean", mean);
+  if (mean.defined()) ctx.save("mean", mean);
   ctx.save("rstd", rstd);
   ctx.save("logits", logits);
   ctx.save("targets", targets);
@@ -457,6 +620,13 @@ Tensor GptHead::backward(Ctx& ctx, const Tensor& /*dy*/) {
   const Tensor& x = ctx.saved("x");
   Tensor dx = ctx.grad_like(x);
   Tensor dx_rows = rows(dx);
+  if (arch_ == Arch::kLlama) {
+    RowPartialGrads norm_grads(ctx, tp_, {&dlnf_w_});
+    k.rmsnorm_backward(rows(dlnf), rows(x), lnf_w_, ctx.saved("rstd"), dx_rows,
+                       norm_grads.view(0));
+    norm_grads.finish();
+    return dx;
+  }
   RowPartialGrads ln_grads(ctx, tp_, {&dlnf_w_, &dlnf_b_});
   k.layernorm_backward(rows(dlnf), rows(x), lnf_w_, ctx.saved("mean"), ctx.saved("rstd"),
                        dx_rows, ln_grads.view(0), ln_grads.view(1));

@@ -36,6 +36,7 @@
 // None of these kernels needs workspace.
 #include "nn/kernels.h"
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -222,6 +223,131 @@ void Kernels::gelu_forward(const Tensor& x, Tensor& y) {
   check_shape("gelu_forward", "y", y, x.shape());
   check_same_or_disjoint("gelu_forward", "y", y, "x", x);
   do_gelu_forward(x, y);
+}
+
+void Kernels::rmsnorm_forward(const Tensor& x, const Tensor& gamma, Tensor& y, Tensor& rstd,
+                              float eps) {
+  const char* op = "rmsnorm_forward";
+  check_rows_param(op, "x", x, "gamma", gamma);
+  check_float(op, "y", y);
+  check_shape(op, "y", y, x.shape());
+  check_dtype(op, "rstd", rstd, DType::kF32);
+  check_shape(op, "rstd", rstd, Shape{rows_of(x)});
+  PORTER_CHECK(eps > 0.0f, op, ": eps ", eps, " must be positive");
+  for (const Tensor* in : {&x, &gamma}) {
+    check_no_alias(op, "y", y, "an input", *in);
+    check_no_alias(op, "rstd", rstd, "an input", *in);
+  }
+  check_no_alias(op, "y", y, "rstd", rstd);
+  do_rmsnorm_forward(x, gamma, y, rstd, eps);
+}
+
+void Kernels::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                               const Tensor& rstd, Tensor& dx, Tensor& dgamma) {
+  const char* op = "rmsnorm_backward";
+  check_rows_param(op, "x", x, "gamma", gamma);
+  check_float(op, "dy", dy);
+  check_shape(op, "dy", dy, x.shape());
+  check_float(op, "dx", dx);
+  check_shape(op, "dx", dx, x.shape());
+  check_dtype(op, "rstd", rstd, DType::kF32);
+  check_shape(op, "rstd", rstd, Shape{rows_of(x)});
+  check_float(op, "dgamma", dgamma);
+  check_shape(op, "dgamma", dgamma, gamma.shape());
+  for (const Tensor* in : {&dy, &x, &gamma, &rstd}) {
+    check_no_alias(op, "dx", dx, "an input", *in);
+    check_no_alias(op, "dgamma", dgamma, "an input", *in);
+  }
+  check_no_alias(op, "dx", dx, "dgamma", dgamma);
+  do_rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma);
+}
+
+namespace {
+
+// Note [Rotary qkv]
+// Llama's q, k and v projections and its rotary embedding meet in one op that writes the
+// (B, T, 3C) qkv attention_forward takes, C = H*D: q rotated, k rotated and v, with each of
+// the Hkv key/value heads repeated for the H / Hkv query heads of its group (grouped-query
+// attention, Hugging Face's repeat_kv). The expansion costs the same activation bytes as the
+// GPT's qkv and lets Llama use the GPT's attention kernels unchanged. The angles are t *
+// theta^(-2i/D) computed in double and rounded once to f32 cos and sin, on both devices.
+// Backward is the transpose: a rotation by -angle, and for k and v a sum over the group's
+// query heads in head order, so the result does not depend on threads or device.
+void check_rope_shapes(const char* op, const Tensor& qkv, const Tensor& q, const Tensor& k,
+                       const Tensor& v, int heads, int kv_heads, double theta) {
+  PORTER_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, op, ": kv_heads ",
+               kv_heads, " must be >= 1 and divide heads ", heads);
+  PORTER_CHECK(theta > 0.0 && std::isfinite(theta), op, ": theta ", theta, " must be positive");
+  check_float(op, "qkv", qkv);
+  check_rank(op, "qkv", qkv, 3, 3);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  PORTER_CHECK(qkv.dim(2) % 3 == 0 && c % heads == 0 && (c / heads) % 2 == 0, op, ": qkv ",
+               qkv.shape().to_string(), " is not (B, T, 3 * heads * D) with heads ", heads,
+               " and an even D");
+  const int64_t d = c / heads;
+  check_float(op, "q", q);
+  check_float(op, "k", k);
+  check_float(op, "v", v);
+  check_shape(op, "q", q, Shape{b, t, heads * d});
+  check_shape(op, "k", k, Shape{b, t, kv_heads * d});
+  check_shape(op, "v", v, Shape{b, t, kv_heads * d});
+  check_same_dtype(op, "q", q, "k", k);
+  check_same_dtype(op, "q", q, "v", v);
+}
+
+}  // namespace
+
+void Kernels::rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
+                               int heads, int kv_heads, double theta) {
+  const char* op = "rope_qkv_forward";
+  check_rope_shapes(op, qkv, q, k, v, heads, kv_heads, theta);
+  for (const Tensor* in : {&q, &k, &v}) check_no_alias(op, "qkv", qkv, "an input", *in);
+  do_rope_qkv_forward(q, k, v, qkv, heads, kv_heads, theta);
+}
+
+void Kernels::rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv,
+                                int heads, int kv_heads, double theta) {
+  const char* op = "rope_qkv_backward";
+  check_rope_shapes(op, dqkv, dq, dk, dv, heads, kv_heads, theta);
+  check_no_alias(op, "dq", dq, "dqkv", dqkv);
+  check_no_alias(op, "dk", dk, "dqkv", dqkv);
+  check_no_alias(op, "dv", dv, "dqkv", dqkv);
+  check_no_alias(op, "dq", dq, "dk", dk);
+  check_no_alias(op, "dq", dq, "dv", dv);
+  check_no_alias(op, "dk", dk, "dv", dv);
+  do_rope_qkv_backward(dqkv, dq, dk, dv, heads, kv_heads, theta);
+}
+
+void Kernels::swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& y) {
+  const char* op = "swiglu_forward";
+  check_float(op, "gate", gate);
+  check_float(op, "up", up);
+  check_float(op, "y", y);
+  check_shape(op, "up", up, gate.shape());
+  check_shape(op, "y", y, gate.shape());
+  check_same_or_disjoint(op, "y", y, "gate", gate);
+  check_same_or_disjoint(op, "y", y, "up", up);
+  do_swiglu_forward(gate, up, y);
+}
+
+void Kernels::swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy,
+                              Tensor& dgate, Tensor& dup) {
+  const char* op = "swiglu_backward";
+  check_float(op, "gate", gate);
+  check_float(op, "up", up);
+  check_float(op, "dy", dy);
+  check_float(op, "dgate", dgate);
+  check_float(op, "dup", dup);
+  check_shape(op, "up", up, gate.shape());
+  check_shape(op, "dy", dy, gate.shape());
+  check_shape(op, "dgate", dgate, gate.shape());
+  check_shape(op, "dup", dup, gate.shape());
+  for (const Tensor* in : {&gate, &up, &dy}) {
+    check_no_alias(op, "dgate", dgate, "an input", *in);
+    check_no_alias(op, "dup", dup, "an input", *in);
+  }
+  check_no_alias(op, "dgate", dgate, "dup", dup);
+  do_swiglu_backward(gate, up, dy, dgate, dup);
 }
 
 void Kernels::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {

@@ -100,6 +100,29 @@ class Kernels {
   void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                           const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
                           Tensor& dbeta);
+  // RMSNorm (Llama): y = x * rstd * gamma per row of x (N, C), with rstd = 1 / sqrt(mean(x^2)
+  // + eps) saved (N) f32.
+  void rmsnorm_forward(const Tensor& x, const Tensor& gamma, Tensor& y, Tensor& rstd, float eps);
+  // dx = (overwrite); dgamma += .
+  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                        const Tensor& rstd, Tensor& dx, Tensor& dgamma);
+  // Llama's attention input (Note [Rotary qkv] in kernels.cc): q (B, T, H*D), k and v (B, T,
+  // Hkv*D) with H = heads, Hkv = kv_heads dividing H, D even. qkv (B, T, 3*H*D) = [rope(q) |
+  // rope(k) | v], k and v expanded so that query head h reads key/value head h / (H / Hkv):
+  // the layout attention_forward takes with `heads` = H. Position of row (b, t) is t; rope
+  // rotates the channel pairs (i, i + D/2) of each head by t * theta^(-2i/D) (Hugging Face's
+  // rotate_half convention).
+  void rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
+                        int heads, int kv_heads, double theta);
+  // The transpose: dq = rope^-1(dqkv's q part); dk, dv = the sums over each group's query
+  // heads (in head order) of dqkv's k and v parts, dk rotated back. Overwrites dq, dk, dv.
+  void rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv, int heads,
+                         int kv_heads, double theta);
+  // SwiGLU (Llama's MLP): y = silu(gate) * up, silu(g) = g / (1 + exp(-g)); same shapes.
+  void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& y);
+  // dgate, dup = (overwrite).
+  void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, Tensor& dgate,
+                       Tensor& dup);
   // GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   void gelu_forward(const Tensor& x, Tensor& y);
   void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
@@ -194,6 +217,17 @@ class Kernels {
   virtual void do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                      const Tensor& mean, const Tensor& rstd, Tensor& dx,
                                      Tensor& dgamma, Tensor& dbeta) = 0;
+  virtual void do_rmsnorm_forward(const Tensor& x, const Tensor& gamma, Tensor& y, Tensor& rstd,
+                                  float eps) = 0;
+  virtual void do_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                   const Tensor& rstd, Tensor& dx, Tensor& dgamma) = 0;
+  virtual void do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   Tensor& qkv, int heads, int kv_heads, double theta) = 0;
+  virtual void do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv,
+                                    int heads, int kv_heads, double theta) = 0;
+  virtual void do_swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& y) = 0;
+  virtual void do_swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy,
+                                  Tensor& dgate, Tensor& dup) = 0;
   virtual void do_gelu_forward(const Tensor& x, Tensor& y) = 0;
   virtual void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
   virtual void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) = 0;

@@ -48,7 +48,8 @@ struct Env {
   size_t peak_req() const { return alloc->stats().peak_requested_bytes; }
 };
 
-config::ModelConfig small_model(double dropout, int64_t vocab, int64_t seq_len = 12) {
+config::ModelConfig small_model(double dropout, int64_t vocab, int64_t seq_len = 12,
+                                bool llama = false) {
   config::ModelConfig m;
   m.layers = 2;
   m.hidden = 32;
@@ -56,6 +57,12 @@ config::ModelConfig small_model(double dropout, int64_t vocab, int64_t seq_len =
   m.seq_len = seq_len;
   m.vocab = vocab;
   m.dropout = dropout;
+  if (llama) {  // grouped-query attention, an MLP width of its own
+    m.type = config::ModelType::kLlama;
+    m.kv_heads = 2;
+    m.intermediate = 88;
+    m.tie_embeddings = false;
+  }
   return m;
 }
 
@@ -106,6 +113,7 @@ struct Case {
   double dropout;
   int64_t vocab;
   int64_t seq = 12;  // > 64: the cpu attention backward works in two row blocks
+  bool llama = false;
 };
 
 class AnalyticVsMeasured : public ::testing::TestWithParam<Case> {};
@@ -113,7 +121,7 @@ class AnalyticVsMeasured : public ::testing::TestWithParam<Case> {};
 TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
   const Case k = GetParam();
   Env env;
-  const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq);
+  const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq, k.llama);
   nn::Gpt gpt(mc);
   nn::FlatParams flat(*env.alloc, gpt.layout(), k.dtype, DType::kF32);
   Tensor p = flat.params();
@@ -176,11 +184,19 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndDropout, AnalyticVsMeasured,
                                            Case{DType::kF32, 0.1, 50, 70},
                                            Case{DType::kBF16, 0.0, 50, 70}));
 
+INSTANTIATE_TEST_SUITE_P(Llama, AnalyticVsMeasured,
+                         ::testing::Values(Case{DType::kF32, 0.0, 50, 12, true},
+                                           Case{DType::kF32, 0.1, 500, 12, true},
+                                           Case{DType::kBF16, 0.0, 500, 12, true},
+                                           Case{DType::kBF16, 0.1, 50, 70, true},
+                                           Case{DType::kF32, 0.0, 50, 70, true}));
+
 TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
+  for (bool llama : {false, true}) {
   for (DType dt : {DType::kF32, DType::kBF16}) {
     for (double p : {0.0, 0.1}) {
       for (int64_t vocab : {50, 500}) {
-        const config::ModelConfig mc = small_model(p, vocab);
+        const config::ModelConfig mc = small_model(p, vocab, 12, llama);
         const GptShape shape{mc, 2, 12, dt};
         const ChainCosts costs = analytic_gpt_costs(shape);
         EXPECT_EQ(gpt_none_peak_bytes(shape), simulate(schedule_none(costs), costs).peak_activation_bytes)
@@ -197,9 +213,11 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
         const size_t base = env.act();
         env.alloc->reset_peak();
         gpt.forward_backward(ctx, env.ids(2, 12, vocab, 0), env.ids(2, 12, vocab, 1));
-        EXPECT_EQ(env.peak_act() - base, gpt_none_peak_bytes(shape)) << "dropout " << p << " vocab " << vocab;
+        EXPECT_EQ(env.peak_act() - base, gpt_none_peak_bytes(shape)) << "dropout " << p << " vocab " << vocab
+                                                                     << " llama " << llama;
       }
     }
+  }
   }
 }
 

@@ -21,8 +21,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-config::ModelConfig small_config(int64_t tp, bool sp, bool tied = true) {
+config::ModelConfig small_config(int64_t tp, bool sp, bool tied = true, bool llama = false) {
   config::ModelConfig mc;
+  if (llama) {  // grouped-query at t <= 2; t = 4 needs a key/value head per rank
+    mc.type = config::ModelType::kLlama;
+    mc.kv_heads = tp == 4 ? 4 : 2;
+    mc.intermediate = 88;
+  }
   mc.layers = 2;
   mc.hidden = 32;
   mc.heads = 4;
@@ -175,6 +180,26 @@ TEST(GptTpLayoutTest, ShardValuesPicksEachRanksPart) {
   EXPECT_THROW(Gpt(mc, 0).shard_values(std::vector<float>(3)), InvalidArgument);
 }
 
+TEST(GptTpLayoutTest, MergeShardsInvertsShardValues) {
+  for (bool llama : {false, true}) {
+    for (int t : {2, 4}) {
+      const auto mc = small_config(t, false, false, llama);
+      config::ModelConfig whole_config = mc;
+      whole_config.tensor_parallel = 1;
+      const Gpt whole(whole_config);
+      std::vector<float> values(static_cast<size_t>(whole.layout().total_elems()), 0.0f);
+      for (const ParamEntry& e : whole.layout().entries()) {
+        for (int64_t i = 0; i < e.shape.numel(); ++i) {
+          values[static_cast<size_t>(e.offset_elems + i)] = static_cast<float>(e.offset_elems + i);
+        }
+      }
+      std::vector<std::vector<float>> parts;
+      for (int r = 0; r < t; ++r) parts.push_back(Gpt(mc, r).shard_values(values));
+      EXPECT_EQ(Gpt(mc, 0).merge_shards(parts), values) << "llama " << llama << " t " << t;
+    }
+  }
+}
+
 TEST(GptTpLayoutTest, RejectsHeadsThatDoNotSplit) {
   auto mc = small_config(3, false);
   try {
@@ -191,6 +216,7 @@ struct TpCase {
   int t;
   bool sp;
   bool tied;
+  bool llama = false;
 };
 
 class GptTpEquivalenceTest : public ::testing::TestWithParam<TpCase> {};
@@ -198,12 +224,15 @@ class GptTpEquivalenceTest : public ::testing::TestWithParam<TpCase> {};
 TEST_P(GptTpEquivalenceTest, LossesAndGradientsMatchOneRank) {
   const TpCase c = GetParam();
   const int steps = 3;
-  const Result one = run_rank(small_config(1, false, c.tied), 0, nullptr, Plan::kKeepAll, steps);
+  config::ModelConfig whole = small_config(c.t, c.sp, c.tied, c.llama);
+  whole.tensor_parallel = 1;
+  whole.sequence_parallel = false;
+  const Result one = run_rank(whole, 0, nullptr, Plan::kKeepAll, steps);
   const std::vector<Result> group =
-      run_group(small_config(c.t, c.sp, c.tied), Plan::kKeepAll, steps);
+      run_group(small_config(c.t, c.sp, c.tied, c.llama), Plan::kKeepAll, steps);
   for (int r = 0; r < c.t; ++r) {
     const Result& got = group[static_cast<size_t>(r)];
-    Gpt part(small_config(c.t, c.sp, c.tied), r);
+    Gpt part(small_config(c.t, c.sp, c.tied, c.llama), r);
     for (int s = 0; s < steps; ++s) {
       EXPECT_NEAR(got.losses[static_cast<size_t>(s)], one.losses[static_cast<size_t>(s)],
                   1e-5 * std::fabs(one.losses[static_cast<size_t>(s)]))
@@ -214,8 +243,12 @@ TEST_P(GptTpEquivalenceTest, LossesAndGradientsMatchOneRank) {
     }
   }
   // The replicated parameters' gradients are the same bytes on every rank.
-  Gpt part0(small_config(c.t, c.sp, c.tied), 0);
-  for (const char* name : {"lnf.weight", "h.1.ln2.bias", "h.0.fc2.bias", "wpe"}) {
+  Gpt part0(small_config(c.t, c.sp, c.tied, c.llama), 0);
+  const std::vector<std::string> replicated =
+      c.llama ? std::vector<std::string>{"norm.weight", "layers.1.post_attention_layernorm.weight",
+                                         "layers.0.input_layernorm.weight"}
+              : std::vector<std::string>{"lnf.weight", "h.1.ln2.bias", "h.0.fc2.bias", "wpe"};
+  for (const std::string& name : replicated) {
     const ParamEntry& e = part0.layout().find(name);
     for (int r = 1; r < c.t; ++r) {
       for (int64_t i = 0; i < e.shape.numel(); ++i) {
@@ -229,7 +262,7 @@ TEST_P(GptTpEquivalenceTest, LossesAndGradientsMatchOneRank) {
 
 TEST_P(GptTpEquivalenceTest, RecomputeIsBitIdenticalAtFixedT) {
   const TpCase c = GetParam();
-  const auto mc = small_config(c.t, c.sp, c.tied);
+  const auto mc = small_config(c.t, c.sp, c.tied, c.llama);
   const std::vector<Result> keep = run_group(mc, Plan::kKeepAll, 1);
   for (Plan plan : {Plan::kCheckpointAll, Plan::kSelective}) {
     const std::vector<Result> again = run_group(mc, plan, 1);
@@ -243,9 +276,13 @@ TEST_P(GptTpEquivalenceTest, RecomputeIsBitIdenticalAtFixedT) {
 
 INSTANTIATE_TEST_SUITE_P(Groups, GptTpEquivalenceTest,
                          ::testing::Values(TpCase{2, false, true}, TpCase{4, false, true},
-                                           TpCase{2, true, true}, TpCase{4, true, false}),
+                                           TpCase{2, true, true}, TpCase{4, true, false},
+                                           TpCase{2, false, false, true},
+                                           TpCase{2, true, true, true},
+                                           TpCase{4, true, false, true}),
                          [](const auto& group) {
-                           return "t" + std::to_string(group.param.t) +
+                           return std::string(group.param.llama ? "llama_" : "") + "t" +
+                                  std::to_string(group.param.t) +
                                   (group.param.sp ? "_sp" : "") +
                                   (group.param.tied ? "_tied" : "_untied");
                          });
