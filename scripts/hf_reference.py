@@ -578,7 +578,8 @@ def forward_backward(w, s, tokens, targets):
 
 def save_npy(path, array):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.save(path, np.ascontiguousarray(array))
+    # np.ascontiguousarray would make a () loss (1,); np.require keeps 0-d arrays 0-d.
+    np.save(path, np.require(array, requirements="C"))
 
 
 def write_fixture(out, i, name, kwargs, naming, dtype, b, t):
