@@ -70,7 +70,8 @@ class Shape:
             raise InputError(f"n_embd {hidden} is not a multiple of n_head {heads}")
         if heads % self.kv_heads != 0:
             raise InputError(f"num_attention_heads {heads} is not a multiple of "
-                             f"num_key_value_heads {self.kv_heads}; grouped-query attention needs it")
+                             f"num_key_value_heads {self.kv_heads}; grouped-query attention "
+                             "needs it")
         if arch == "llama" and self.head_dim % 2 != 0:
             raise InputError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate pairs")
 
@@ -241,7 +242,8 @@ def load_hf_dir(d):
         raise InputError(f"{d}: no config.json; a Hugging Face model directory has one")
     with open(cfg_path) as f:
         shape = shape_from_hf_config(json.load(f), cfg_path)
-    single, index = os.path.join(d, "model.safetensors"), os.path.join(d, "model.safetensors.index.json")
+    single = os.path.join(d, "model.safetensors")
+    index = os.path.join(d, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
@@ -496,7 +498,8 @@ def hf_name_of_porter(arch, name):
         for ours, theirs, transposed in GPT2_FROM_PORTER:
             if parts[2] == ours:
                 return f"h.{parts[1]}.{theirs}", transposed
-    raise InputError(f"porter parameter {name} has no GPT-2 counterpart (docs/layers.md names them)")
+    raise InputError(f"porter parameter {name} has no GPT-2 counterpart (docs/layers.md names "
+                     "them)")
 
 
 def hf_from_porter(arch, params):
@@ -716,7 +719,8 @@ def naive_llama_logits(w, s, tokens):
     (x[i], x[i + D/2]), attention head by head with kv head h // (H / Hkv), explicit norms."""
     b, t = tokens.shape
     nh, nkv, d = s.heads, s.kv_heads, s.head_dim
-    theta = torch.tensor([s.rope_theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    theta = torch.tensor([s.rope_theta ** (-2.0 * i / d) for i in range(d // 2)],
+                         dtype=torch.float64)
     rot = torch.polar(torch.ones(t, d // 2, dtype=torch.float64),
                       torch.arange(t, dtype=torch.float64)[:, None] * theta)  # (T, D/2)
 
@@ -774,8 +778,11 @@ def porter_from_hf_gpt2(w):
 
 def write_dump(d, arch, s, params_hf, grads_hf, micro, loss):
     """A porter-format dump of a fixture, for replaying the fixture through porter's names."""
-    to_porter = (porter_from_hf_gpt2 if arch == "gpt" else
-                 lambda w: {k[len("model."):] if k.startswith("model.") else k: v for k, v in w.items()})
+    def to_porter(w):
+        if arch == "gpt":
+            return porter_from_hf_gpt2(w)
+        return {k[len("model."):] if k.startswith("model.") else k: v for k, v in w.items()}
+
     params, grads = to_porter(params_hf), to_porter(grads_hf)
     tensors, batches = [], []
     for name, t in params.items():
@@ -852,7 +859,8 @@ def cmd_selftest(args):
         theirs.backward()
         ours_p = porter_from_hf_gpt2(grads)
         expect(f"{name} loss", abs(loss.item() - theirs.item()) / abs(theirs.item()), 1e-12)
-        expect(f"{name} gradients", max(rel_diff(ours_p[k].numpy(), p[k].grad.numpy()) for k in p), 1e-12)
+        expect(f"{name} gradients",
+               max(rel_diff(ours_p[k].numpy(), p[k].grad.numpy()) for k in p), 1e-12)
         # The committed porter fixtures, replayed through porter's names (f32 files).
         fd = os.path.join(REPO, "tests", "nn", "fixtures", name)
         with tempfile.TemporaryDirectory() as tmp:
@@ -909,7 +917,8 @@ def cmd_selftest(args):
         prefixed = os.path.exists(os.path.join(d, "grads", "transformer.wte.weight.npy"))
         gerr = max(rel_diff(np.load(os.path.join(d, "grads", stored_name(k, prefixed) + ".npy")),
                             g.numpy()) for k, g in grads.items())
-        expect(f"{name} logits", rel_diff(np.load(os.path.join(d, "logits.npy")), logits.numpy()), 1e-6)
+        expect(f"{name} logits",
+               rel_diff(np.load(os.path.join(d, "logits.npy")), logits.numpy()), 1e-6)
         expect(f"{name} gradients", gerr, 1e-6)
         # And through porter's names, as two micro-batches of the same loss.
         with tempfile.TemporaryDirectory() as tmp:
