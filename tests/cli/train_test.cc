@@ -663,6 +663,13 @@ TEST_F(CliTrain, TokenShardsWithAValidationLoss) {
   ASSERT_EQ(again.rc, kExitOk) << again.err;
   EXPECT_EQ(read_json(report)["validation"], j["validation"]);
 
+  // On a terminal each validation line erases the bar it interrupts; the next step redraws it.
+  CliRun tty = porter({"train", "--config", config(text)}, /*tty=*/true);
+  ASSERT_EQ(tty.rc, kExitOk) << tty.err;
+  EXPECT_TRUE(contains(tty.err, "\033[K\r\033[Kval loss ")) << tty.err;
+  EXPECT_TRUE(contains(tty.err, " (step 2, 2 micro-batches)\n\r[")) << tty.err;
+  EXPECT_EQ(std::count(tty.err.begin(), tty.err.end(), '\n'), 3) << tty.err;
+
   // Without val_paths there is no validation.
   const std::string val = ", \"val_paths\": [\"" + (dir_ / "val.bin").string() + "\"]";
   text.replace(text.find(val), val.size(), "");
