@@ -124,7 +124,7 @@ class ValidationSet {
   int dp_size() const { return dp_size_; }
   int64_t num_windows() const { return num_windows_; }
   const TokenCorpus* tokens() const { return tokens_.get(); }
-  // "tokens: 40.0k tokens in 1 raw uint16 shard, 64 of its 155 windows of 257".
+  // "tokens: 40.0k tokens in 1 raw uint16 shard, 64 of its 156 windows of 257".
   std::string describe() const;
 
  private:
