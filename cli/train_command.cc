@@ -83,6 +83,11 @@ class Progress {
     err_ << line << std::flush;
   }
 
+  // A line of its own between steps; on a terminal the next step redraws the bar below it.
+  void note(const std::string& line) {
+    err_ << (tty_ ? "\r\033[K" : "") << line << "\n" << std::flush;
+  }
+
   // Ends a half-written bar line before an error message.
   void interrupt() {
     if (tty_) err_ << "\n";
@@ -205,6 +210,36 @@ std::vector<nlohmann::ordered_json> gather_rank_reports(const World& w, engine::
   return all;
 }
 
+// Note [Validation loss]
+// With porter.data.val_paths every rank evaluates its dp rank's share of the validation set
+// (engine::ValidationSet, Note [Validation set] in engine/data.h) after every
+// porter.train.eval_every-th step and after the last one; every rank calls Engine::evaluate,
+// since its forward may communicate (tensor-parallel layers, stage-3 gathers). The dp ranks'
+// shares are equally large, so the set's loss is the mean of their means. The tp ranks of a
+// dp rank evaluate the same micro-batches to the same loss, so the first of them speaks for
+// it: it set()s its mean in the run's store under "porter/train/val/<step>/<dp rank>" and rank
+// 0 get()s them (within porter.comm.timeout_s). The store, not the dp communicator, carries
+// the means: they are host values, and an NCCL collective reads device memory.
+double validation_loss(const World& w, engine::Engine& eng, const engine::ValidationSet& val,
+                       int64_t step, double timeout_s) {
+  const double mine = eng.evaluate(val.rank_batches(eng.dp_rank()));
+  if (!w.distributed() || eng.dp_size() == 1) return mine;
+  const std::string prefix = "porter/train/val/" + std::to_string(step) + "/";
+  if (!w.leader()) {
+    if (eng.tp_rank() == 0) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.17g", mine);
+      w.store->set_string(prefix + std::to_string(eng.dp_rank()), buf);
+    }
+    return mine;
+  }
+  double sum = mine;
+  for (int r = 1; r < eng.dp_size(); ++r) {
+    sum += std::stod(w.store->get_string(prefix + std::to_string(r), comm::Seconds(timeout_s)));
+  }
+  return sum / static_cast<double>(eng.dp_size());
+}
+
 int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::Config& cfg,
                const std::string& trace_path, memory::Device& dev, const World& w,
                std::ostream& out, std::ostream& err);
@@ -246,6 +281,12 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   }
   engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                           cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
+  std::optional<engine::ValidationSet> val;
+  if (!cfg.porter.data.val_paths.empty()) {
+    val.emplace(cfg.porter.data, cfg.porter.model.vocab, cfg.train_micro_batch_size_per_gpu,
+                cfg.porter.model.seq_len, cfg.porter.train.eval_micro_batches,
+                static_cast<int>(cfg.data_parallel_size()));
+  }
   engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model, w.tp_rank), cfg,
                      w.dp, w.tp);
   // Note [Train trace]: every rank records (unless --trace-rank keeps another) and notes its
@@ -274,6 +315,10 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   run.config_file = o.config_args.display();
   run.device = device->description();
   run.data = data.describe();
+  if (val) {
+    run.validation_data = val->describe();
+    run.validation_micro_batches = val->micro_batches();
+  }
   run.start_step = eng.step();
   run.world_size = w.env.world_size;
   if (w.world) run.comm_backend = std::string(w.world->backend());
@@ -294,8 +339,16 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       << " x " << cfg.porter.model.seq_len << " tokens per step"
       << (eng.dp_size() > 1 ? " on each of " + std::to_string(eng.dp_size()) + " data-parallel ranks"
                             : std::string())
-      << "\n"
-      << "  device: " << run.device << "\n"
+      << "\n";
+  if (val) {
+    const int64_t every = cfg.porter.train.eval_every;
+    out << "  validation: " << run.validation_data << "; " << val->micro_batches()
+        << " micro-batches" << (eng.dp_size() > 1 ? " on each data-parallel rank" : "")
+        << (every > 0 ? ", every " + std::to_string(every) + " steps and after the last"
+                      : std::string(", after the last step"))
+        << "\n";
+  }
+  out << "  device: " << run.device << "\n"
       << "  checkpointing: " << eng.plan().description << "\n";
   if (w.distributed() || cfg.zero_optimization.stage > 0) {
     out << "  ranks: " << w.env.world_size << " (" << eng.dp_size() << " data-parallel"
@@ -341,6 +394,16 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
             << "; lower the learning rate or enable gradient_clipping\n";
       }
       progress.step(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      const int64_t every = cfg.porter.train.eval_every;
+      if (val && (r.step == last || (every > 0 && r.step % every == 0))) {
+        const double loss = validation_loss(w, eng, *val, r.step, cfg.porter.comm.timeout_s);
+        run.validation.push_back({r.step, loss});
+        char line[160];
+        std::snprintf(line, sizeof line, "val loss %.4f (step %lld, %lld micro-batches%s)", loss,
+                      static_cast<long long>(r.step), static_cast<long long>(val->micro_batches()),
+                      eng.dp_size() > 1 ? " on each data-parallel rank" : "");
+        progress.note(line);
+      }
     }
   } catch (...) {
     progress.interrupt();

@@ -197,6 +197,11 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["final_loss"] = run.steps.empty() ? ordered_json() : ordered_json(run.steps.back().loss);
   j["final_loss_mean_last_10"] =
       run.steps.empty() ? ordered_json() : ordered_json(mean_last_loss(run.steps));
+  j["validation_data"] = run.validation_data.empty() ? ordered_json() : ordered_json(run.validation_data);
+  j["validation_micro_batches"] = run.validation_micro_batches;
+  ordered_json validation = ordered_json::array();
+  for (const ValidationLoss& v : run.validation) validation.push_back({{"step", v.step}, {"loss", v.loss}});
+  j["validation"] = std::move(validation);
   j["lrs"] = lrs;
   j["grad_norms"] = norms;
   j["step_times_s"] = times;
@@ -326,6 +331,11 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
     t.add({"loss (mean of the last " + std::to_string(std::min<size_t>(10, run.steps.size())) +
                " steps)",
            buf});
+  }
+  if (!run.validation.empty()) {
+    const ValidationLoss& v = run.validation.back();
+    std::snprintf(buf, sizeof buf, "%.4f", v.loss);
+    t.add({"val loss (step " + std::to_string(v.step) + ")", buf});
   }
   t.add({"step time (median, min, max)", format_seconds(st.median_s) + ", " +
                                              format_seconds(st.min_s) + ", " + format_seconds(st.max_s)});

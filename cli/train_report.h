@@ -13,6 +13,14 @@
 
 namespace porter::cli {
 
+// One evaluation of the validation set (Note [Validation loss] in train_command.cc): the mean
+// loss over every data-parallel rank's share, after optimizer step `step` (1-based, as the
+// progress lines count).
+struct ValidationLoss {
+  int64_t step = 0;
+  double loss = 0.0;
+};
+
 // What one `porter train` run did, beyond what the engine reports.
 struct TrainRun {
   std::string config_file;
@@ -20,6 +28,9 @@ struct TrainRun {
   std::string data;          // DataSource::describe()
   int64_t start_step = 0;    // the engine's step before the first train_step (resume)
   std::vector<engine::StepResult> steps;
+  std::string validation_data;            // ValidationSet::describe(); empty without val_paths
+  int64_t validation_micro_batches = 0;   // per data-parallel rank
+  std::vector<ValidationLoss> validation;
   double wall_s = 0.0;       // of the training loop
   int world_size = 1;        // ranks of the run (WORLD_SIZE)
   std::string comm_backend;  // "gloo", "nccl"; empty for one rank

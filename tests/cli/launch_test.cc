@@ -384,6 +384,69 @@ std::map<int, RankEvents> rank_events(const nlohmann::json& trace) {
   return out;
 }
 
+// Raw uint16 tokens: `n` of them, token i = f(i).
+template <typename F>
+void write_tokens(const fs::path& p, size_t n, F&& f) {
+  std::vector<uint16_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(f(i));
+  std::ofstream(p, std::ios::binary)
+      .write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(n * 2));
+}
+
+// The validation loss of 2 ranks is the loss of the whole set, not rank 0's share: it matches
+// one rank that evaluates both shares. The set's first half continues the training pattern
+// (rank 0's windows) and its second half is noise (rank 1's), so the shares' losses differ.
+TEST_F(LaunchTrain, ValidationLossIsTheMeanOverTheRanks) {
+  write_tokens(dir_ / "train.bin", 4000, [](size_t i) { return i % 8; });
+  uint32_t x = 12345;
+  write_tokens(dir_ / "val.bin", 16 * 16 + 1, [&](size_t i) {
+    x = x * 1664525u + 1013904223u;
+    return i <= 128 ? i % 8 : (x >> 16) % 64;
+  });
+  auto make = [&](const std::string& name, int accumulation, int eval_micro_batches) {
+    std::string text = kZero2Config;
+    auto replace = [&](const std::string& from, const std::string& to) {
+      ASSERT_NE(text.find(from), std::string::npos) << from;
+      text.replace(text.find(from), from.size(), to);
+    };
+    replace("\"gradient_accumulation_steps\": 2", "\"gradient_accumulation_steps\": " +
+                                                   std::to_string(accumulation));
+    replace("\"lr\": 1e-3", "\"lr\": 1e-2");
+    replace("\"data\": {\"type\": \"synthetic\", \"seed\": 3}",
+            "\"data\": {\"type\": \"tokens\", \"paths\": \"" + (dir_ / "train.bin").string() +
+                "\", \"val_paths\": \"" + (dir_ / "val.bin").string() + "\"}");
+    replace("\"train\": {\"steps\": 3, \"log_every\": 1}",
+            "\"train\": {\"steps\": 8, \"log_every\": 4, \"eval_every\": 4, "
+            "\"eval_micro_batches\": " + std::to_string(eval_micro_batches) + "}");
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  };
+  const std::string two = make("two.json", 2, 2), one = make("one.json", 4, 4);
+  const std::string report_two = (dir_ / "two_report.json").string();
+  const std::string report_one = (dir_ / "one_report.json").string();
+  CliRun r = porter({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config", two, "--report",
+                     report_two});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0]   validation: tokens: 257 tokens in 1 raw uint16 shard, 8 "
+                              "of its 16 windows of 17; 2 micro-batches on each data-parallel "
+                              "rank, every 4 steps and after the last")) << r.out;
+  EXPECT_TRUE(contains(r.err, " (step 8, 2 micro-batches on each data-parallel rank)")) << r.err;
+  CliRun single = porter({"train", "--config", one, "--report", report_one});
+  ASSERT_EQ(single.rc, kExitOk) << single.err;
+
+  const nlohmann::json v2 = read_json(report_two)["validation"];
+  const nlohmann::json v1 = read_json(report_one)["validation"];
+  ASSERT_EQ(v2.size(), 2u);
+  ASSERT_EQ(v1.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(v2[i]["step"], 4 * (i + 1));
+    EXPECT_EQ(v1[i]["step"], v2[i]["step"]);
+    // The same windows and (up to the order of the gradient sums) the same parameters.
+    EXPECT_NEAR(v2[i]["loss"].get<double>(), v1[i]["loss"].get<double>(), 2e-3) << i;
+  }
+}
+
 // `make demo`'s shape: ZeRO-2 on 2 processes. The trace is one valid file with both ranks as
 // processes, every rank's collectives on its comm lane, and their bytes the report's.
 TEST_F(LaunchTrain, TheTraceOfTwoProcessesHasBothRanksAndTheirCollectives) {

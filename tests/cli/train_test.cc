@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -608,6 +610,97 @@ TEST_F(CliTrain, TextDataErrorsExitTwo) {
   CliRun missing = porter({"train", "--config", config(text, "missing.json")});
   EXPECT_EQ(missing.rc, kExitInvalid);
   EXPECT_TRUE(contains(missing.err, "\"no/such/dir\" does not exist")) << missing.err;
+}
+
+// Raw uint16 tokens (nanoGPT's train.bin): token i is (i * mul + add) % 64.
+void write_tokens(const fs::path& p, size_t n, int mul, int add) {
+  std::vector<uint16_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>((i * static_cast<size_t>(mul) + static_cast<size_t>(add)) % 64);
+  std::ofstream(p, std::ios::binary)
+      .write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(n * 2));
+}
+
+TEST_F(CliTrain, TokenShardsWithAValidationLoss) {
+  write_tokens(dir_ / "train.bin", 2000, 7, 3);
+  write_tokens(dir_ / "val.bin", 600, 5, 1);  // 37 windows of 17
+  std::string text = kTinyConfig;
+  const std::string synthetic = "\"data\": {\"type\": \"synthetic\", \"seed\": 3}";
+  text.replace(text.find(synthetic), synthetic.size(),
+               "\"data\": {\"type\": \"tokens\", \"paths\": \"" + (dir_ / "train.bin").string() +
+                   "\", \"val_paths\": [\"" + (dir_ / "val.bin").string() + "\"]}");
+  const std::string train = "\"train\": {\"steps\": 3, \"log_every\": 2}";
+  text.replace(text.find(train), train.size(),
+               "\"train\": {\"steps\": 3, \"log_every\": 2, \"eval_every\": 2, "
+               "\"eval_micro_batches\": 2}");
+  const std::string report = (dir_ / "report.json").string();
+  CliRun r = porter({"train", "--config", config(text), "--report", report});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_TRUE(contains(r.out, "  data: tokens: 2000 tokens in 1 raw uint16 shard, 124 windows of "
+                              "17; 2 x 2 x 16 tokens per step\n")) << r.out;
+  EXPECT_TRUE(contains(r.out, "  validation: tokens: 600 tokens in 1 raw uint16 shard, 4 of its 37 "
+                              "windows of 17; 2 micro-batches, every 2 steps and after the last\n"))
+      << r.out;
+  EXPECT_TRUE(contains(r.err, " (step 2, 2 micro-batches)\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, " (step 3, 2 micro-batches)\n")) << r.err;
+  EXPECT_FALSE(contains(r.err, "(step 1,")) << r.err;
+  EXPECT_TRUE(contains(r.out, "val loss (step 3)")) << r.out;
+
+  json j = read_json(report);
+  EXPECT_EQ(j["validation_data"], "tokens: 600 tokens in 1 raw uint16 shard, 4 of its 37 windows of 17");
+  EXPECT_EQ(j["validation_micro_batches"], 2);
+  ASSERT_EQ(j["validation"].size(), 2u);
+  EXPECT_EQ(j["validation"][0]["step"], 2);
+  EXPECT_EQ(j["validation"][1]["step"], 3);
+  for (const json& v : j["validation"]) {
+    const double loss = v["loss"].get<double>();
+    EXPECT_NEAR(loss, std::log(64.0), 0.3);
+    char line[64];
+    std::snprintf(line, sizeof line, "val loss %.4f (step %d,", loss, v["step"].get<int>());
+    EXPECT_TRUE(contains(r.err, line)) << line << "\n" << r.err;
+  }
+  // The same windows at every evaluation: a second run from scratch reports the same losses.
+  CliRun again = porter({"train", "--config", config(text), "--report", report});
+  ASSERT_EQ(again.rc, kExitOk) << again.err;
+  EXPECT_EQ(read_json(report)["validation"], j["validation"]);
+
+  // On a terminal each validation line erases the bar it interrupts; the next step redraws it.
+  CliRun tty = porter({"train", "--config", config(text)}, /*tty=*/true);
+  ASSERT_EQ(tty.rc, kExitOk) << tty.err;
+  EXPECT_TRUE(contains(tty.err, "\033[K\r\033[Kval loss ")) << tty.err;
+  EXPECT_TRUE(contains(tty.err, " (step 2, 2 micro-batches)\n\r[")) << tty.err;
+  EXPECT_EQ(std::count(tty.err.begin(), tty.err.end(), '\n'), 3) << tty.err;
+
+  // Without val_paths there is no validation.
+  const std::string val = ", \"val_paths\": [\"" + (dir_ / "val.bin").string() + "\"]";
+  text.replace(text.find(val), val.size(), "");
+  CliRun none = porter({"train", "--config", config(text), "--report", report});
+  ASSERT_EQ(none.rc, kExitOk) << none.err;
+  EXPECT_FALSE(contains(none.err, "val loss")) << none.err;
+  EXPECT_TRUE(read_json(report)["validation"].empty());
+  EXPECT_TRUE(read_json(report)["validation_data"].is_null());
+}
+
+TEST_F(CliTrain, TokenShardErrorsExitTwo) {
+  write_tokens(dir_ / "train.bin", 2000, 7, 3);
+  std::vector<uint16_t> bad(300, 1);
+  bad[123] = 100;  // vocab is 64
+  std::ofstream(dir_ / "val.bin", std::ios::binary)
+      .write(reinterpret_cast<const char*>(bad.data()), static_cast<std::streamsize>(bad.size() * 2));
+  std::string text = kTinyConfig;
+  const std::string synthetic = "\"data\": {\"type\": \"synthetic\", \"seed\": 3}";
+  text.replace(text.find(synthetic), synthetic.size(),
+               "\"data\": {\"type\": \"tokens\", \"paths\": \"" + (dir_ / "train.bin").string() +
+                   "\", \"val_paths\": \"" + (dir_ / "val.bin").string() + "\"}");
+  CliRun r = porter({"train", "--config", config(text)});
+  EXPECT_EQ(r.rc, kExitInvalid);
+  EXPECT_TRUE(contains(r.err, "error: porter.data.val_paths: \"" + (dir_ / "val.bin").string() +
+                                  "\": token 123 (byte offset 246) is id 100, not below "
+                                  "porter.model.vocab = 64")) << r.err;
+  std::ofstream(dir_ / "train.bin", std::ios::binary) << "abc";
+  r = porter({"train", "--config", config(text)});
+  EXPECT_EQ(r.rc, kExitInvalid);
+  EXPECT_TRUE(contains(r.err, "error: porter.data.paths: \"" + (dir_ / "train.bin").string() +
+                                  "\" has 3 bytes, an odd number")) << r.err;
 }
 
 TEST_F(CliTrain, OutOfMemoryExitsThree) {
