@@ -279,6 +279,78 @@ TEST_F(CudaKernelsTest, Gelu) {
   }
 }
 
+// ---- Llama: RMSNorm, rotary qkv, SwiGLU ---------------------------------------------------
+
+TEST_F(CudaKernelsTest, RmsNormForwardBackward) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (int64_t cols : {int64_t{24}, int64_t{768}}) {
+      const int64_t rows = 19;
+      Pair x = random(Shape{rows, cols}, dt, -2.0f, 3.0f);
+      Pair gamma = random(Shape{cols}, dt);
+      Pair y = empty(Shape{rows, cols}, dt);
+      Pair rstd = empty(Shape{rows}, DType::kF32);
+      both([&](Kernels& k, bool gpu) {
+        k.rmsnorm_forward(side(x, gpu), side(gamma, gpu), side(y, gpu), side(rstd, gpu), 1e-6f);
+      });
+      expect_close(y, tol_for(dt, kF32Tol), "rmsnorm y");
+      expect_close(rstd, kF32Tol, "rmsnorm rstd");
+      Pair dy = random(Shape{rows, cols}, dt);
+      Pair dx = random(Shape{rows, cols}, dt);  // overwritten
+      Pair dgamma = random(Shape{cols}, dt);    // accumulated
+      both([&](Kernels& k, bool gpu) {
+        k.rmsnorm_backward(side(dy, gpu), side(x, gpu), side(gamma, gpu), side(rstd, gpu), side(dx, gpu), side(dgamma, gpu));
+      });
+      expect_close(dx, tol_for(dt, kChainTol), "rmsnorm dx");
+      expect_close(dgamma, tol_for(dt, kChainTol), "rmsnorm dgamma");
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, RopeQkvForwardBackward) {
+  struct Case {
+    int64_t b, t;
+    int heads, kv;
+    int64_t d;
+    double theta;
+  };
+  for (Case c : {Case{2, 9, 4, 2, 8, 1e4}, Case{1, 33, 8, 1, 64, 5e5}, Case{3, 4, 2, 2, 6, 1e4}}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      const int64_t C = c.heads * c.d, Ckv = c.kv * c.d;
+      Pair q = random(Shape{c.b, c.t, C}, dt), k = random(Shape{c.b, c.t, Ckv}, dt);
+      Pair v = random(Shape{c.b, c.t, Ckv}, dt), qkv = empty(Shape{c.b, c.t, 3 * C}, dt);
+      both([&](Kernels& kk, bool gpu) {
+        kk.rope_qkv_forward(side(q, gpu), side(k, gpu), side(v, gpu), side(qkv, gpu), c.heads, c.kv, c.theta);
+      });
+      expect_close(qkv, tol_for(dt, kF32Tol), "rope_qkv forward");
+      Pair g = random(Shape{c.b, c.t, 3 * C}, dt);
+      Pair dq = empty(Shape{c.b, c.t, C}, dt), dk = empty(Shape{c.b, c.t, Ckv}, dt);
+      Pair dv = empty(Shape{c.b, c.t, Ckv}, dt);
+      both([&](Kernels& kk, bool gpu) {
+        kk.rope_qkv_backward(side(g, gpu), side(dq, gpu), side(dk, gpu), side(dv, gpu), c.heads, c.kv, c.theta);
+      });
+      expect_close(dq, tol_for(dt, kF32Tol), "rope_qkv dq");
+      expect_close(dk, tol_for(dt, kChainTol), "rope_qkv dk");
+      expect_close(dv, tol_for(dt, kChainTol), "rope_qkv dv");
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, Swiglu) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    Pair gate = random(Shape{1000}, dt, -6.0f, 6.0f), up = random(Shape{1000}, dt);
+    Pair y = empty(Shape{1000}, dt);
+    both([&](Kernels& k, bool gpu) { k.swiglu_forward(side(gate, gpu), side(up, gpu), side(y, gpu)); });
+    expect_close(y, tol_for(dt, kF32Tol), "swiglu forward");
+    Pair dy = random(Shape{1000}, dt);
+    Pair dgate = empty(Shape{1000}, dt), dup = empty(Shape{1000}, dt);
+    both([&](Kernels& k, bool gpu) {
+      k.swiglu_backward(side(gate, gpu), side(up, gpu), side(dy, gpu), side(dgate, gpu), side(dup, gpu));
+    });
+    expect_close(dgate, tol_for(dt, kF32Tol), "swiglu dgate");
+    expect_close(dup, tol_for(dt, kF32Tol), "swiglu dup");
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 struct AttentionCase {

@@ -26,7 +26,7 @@ FLAGS=(-std=c++20 -O1 -g -w -I"$HERE/fake" -I"$ROOT" -I"$BUILD/generated" -isyst
 python3 - "$ROOT" "$WORK" <<'PY'
 import re, sys
 root, work = sys.argv[1], sys.argv[2]
-for f in ['cuda_elementwise', 'cuda_rowwise', 'cuda_attention']:
+for f in ['cuda_elementwise', 'cuda_rowwise', 'cuda_attention', 'cuda_llama']:
     s = open(f'{root}/nn/{f}.cu').read()
     def rep(m):
         parts = [p.strip() for p in m.group(2).split(',')]
@@ -40,7 +40,7 @@ for f in ['cuda_elementwise', 'cuda_rowwise', 'cuda_attention']:
 PY
 
 pids=()
-for f in cuda_elementwise cuda_rowwise cuda_attention; do
+for f in cuda_elementwise cuda_rowwise cuda_attention cuda_llama; do
   g++ "${FLAGS[@]}" -c "$WORK/$f.cc" -o "$WORK/$f.o" & pids+=($!)
 done
 g++ "${FLAGS[@]}" -c "$HERE/emu_support.cc" -o "$WORK/emu_support.o" & pids+=($!)
@@ -50,7 +50,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 
 # Our objects come first, so the archives' real cuda objects are never pulled in.
 g++ -o "$WORK/cuda_kernels_emu_test" "$WORK/test.o" "$WORK/cuda_kernels.o" \
-  "$WORK/cuda_elementwise.o" "$WORK/cuda_rowwise.o" "$WORK/cuda_attention.o" \
+  "$WORK/cuda_elementwise.o" "$WORK/cuda_rowwise.o" "$WORK/cuda_attention.o" "$WORK/cuda_llama.o" \
   "$WORK/emu_support.o" "$BUILD/nn/libporter_nn.a" "$BUILD/memory/libporter_memory.a" \
   "$BUILD/base/libporter_base.a" -ldnnl -lspdlog -lfmt -lgtest -lgtest_main -lgomp -lpthread
 exec "$WORK/cuda_kernels_emu_test" "$@"
