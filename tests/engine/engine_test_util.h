@@ -198,6 +198,50 @@ inline std::vector<DpRankRun> run_dp_ranks(const config::Config& c, int steps) {
   return runs;
 }
 
+// One rank's results of run_tp_ranks: the tensor-parallel suites' record.
+struct TpRankRun {
+  std::vector<StepResult> steps;
+  std::vector<float> first_grads;  // after step 1, this rank's layout
+  std::vector<float> params;       // after the last step
+  TensorParallelStats tp;
+  MemoryReport memory;
+  checkpoint::Plan plan;
+};
+
+// `steps` steps of the built-in model on c.world_size thread ranks in tp groups of
+// porter.model.tensor_parallel; the tp ranks of a dp rank share its batches.
+std::vector<TpRankRun> run_tp_ranks(const config::Config& c, int steps) {
+  const int ws = static_cast<int>(c.world_size);
+  const int tp = static_cast<int>(c.porter.model.tensor_parallel);
+  std::vector<TpRankRun> runs(static_cast<size_t>(ws));
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    std::shared_ptr<comm::Communicator> world =
+        comm::make_communicator(*device, store, rank, ws, o);
+    comm::ProcessGroups g = comm::make_process_groups(world, tp);
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c,
+             tp == 1 ? world : g.dp, tp == 1 ? nullptr : g.tp);
+    TpRankRun& run = runs[static_cast<size_t>(rank)];
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.steps.push_back(e.train_step(
+          data.rank_batches(s, c.gradient_accumulation_steps, g.dp_rank, g.dp_size)));
+      if (s == 0) run.first_grads = e.grads_host();
+    }
+    run.params = e.params_host();
+    run.tp = e.tp_stats();
+    run.memory = e.memory_report();
+    run.plan = e.plan();
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  return runs;
+}
+
 // Every rank's losses and final parameters bit for bit.
 inline void expect_bitwise_runs(const std::vector<DpRankRun>& a, const std::vector<DpRankRun>& b,
                                 const std::string& what) {

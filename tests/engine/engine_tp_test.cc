@@ -41,48 +41,6 @@ config::Config tp_config(int world, int tp, config::CheckpointPolicy policy, boo
   return c;
 }
 
-struct RankRun {
-  std::vector<StepResult> steps;
-  std::vector<float> first_grads;  // after step 1, this rank's layout
-  std::vector<float> params;       // after the last step
-  TensorParallelStats tp;
-  MemoryReport memory;
-  checkpoint::Plan plan;
-};
-
-// `steps` steps on c.world_size thread ranks; the tp ranks of a dp rank share its batches.
-std::vector<RankRun> run_ranks(const config::Config& c, int steps) {
-  const int ws = static_cast<int>(c.world_size);
-  const int tp = static_cast<int>(c.porter.model.tensor_parallel);
-  std::vector<RankRun> runs(static_cast<size_t>(ws));
-  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
-    auto device = cpu_device();
-    comm::CommOptions o;
-    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
-    std::shared_ptr<comm::Communicator> world =
-        comm::make_communicator(*device, store, rank, ws, o);
-    comm::ProcessGroups g = comm::make_process_groups(world, tp);
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c,
-             tp == 1 ? world : g.dp, tp == 1 ? nullptr : g.tp);
-    RankRun& run = runs[static_cast<size_t>(rank)];
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
-                          c.porter.model.seq_len);
-    for (int s = 0; s < steps; ++s) {
-      run.steps.push_back(e.train_step(
-          data.rank_batches(s, c.gradient_accumulation_steps, g.dp_rank, g.dp_size)));
-      if (s == 0) run.first_grads = e.grads_host();
-    }
-    run.params = e.params_host();
-    run.tp = e.tp_stats();
-    run.memory = e.memory_report();
-    run.plan = e.plan();
-  });
-  for (auto& err : errors) {
-    if (err) std::rethrow_exception(err);
-  }
-  return runs;
-}
-
 // |a - b| <= tol * max|b| over the vector.
 void expect_close(const std::vector<float>& a, const std::vector<float>& b, double tol,
                   const std::string& what) {
@@ -96,7 +54,7 @@ void expect_close(const std::vector<float>& a, const std::vector<float>& b, doub
   EXPECT_LE(worst, tol * scale) << what << ": worst difference " << worst << " of " << scale;
 }
 
-std::vector<double> losses(const RankRun& r) {
+std::vector<double> losses(const TpRankRun& r) {
   std::vector<double> out;
   for (const StepResult& s : r.steps) out.push_back(s.loss);
   return out;
@@ -107,10 +65,10 @@ class EngineTpEquivalence : public ::testing::TestWithParam<std::pair<int, bool>
 TEST_P(EngineTpEquivalence, GradientsAndTenLossesMatchOneRank) {
   const auto [t, sp] = GetParam();
   const auto policy = config::CheckpointPolicy::kFull;
-  const std::vector<RankRun> one = run_ranks(tp_config(1, 1, policy), 10);
-  const std::vector<RankRun> group = run_ranks(tp_config(t, t, policy, sp), 10);
+  const std::vector<TpRankRun> one = run_tp_ranks(tp_config(1, 1, policy), 10);
+  const std::vector<TpRankRun> group = run_tp_ranks(tp_config(t, t, policy, sp), 10);
   for (int r = 0; r < t; ++r) {
-    const RankRun& got = group[static_cast<size_t>(r)];
+    const TpRankRun& got = group[static_cast<size_t>(r)];
     for (size_t s = 0; s < got.steps.size(); ++s) {
       EXPECT_NEAR(got.steps[s].loss, one[0].steps[s].loss, 1e-5 * one[0].steps[s].loss)
           << "rank " << r << " step " << s;
@@ -164,7 +122,7 @@ config::Config variant_config(const Variant& v, bool sp = false) {
 
 TEST(EngineTp, BitIdenticalAcrossPoliciesPartitioningOffloadAndPrefetch) {
   using P = config::CheckpointPolicy;
-  const std::vector<RankRun> base = run_ranks(variant_config({"none", P::kNone}), 2);
+  const std::vector<TpRankRun> base = run_tp_ranks(variant_config({"none", P::kNone}), 2);
   const std::vector<Variant> variants = {
       {"full", P::kFull},
       {"uniform", P::kUniform},
@@ -180,7 +138,7 @@ TEST(EngineTp, BitIdenticalAcrossPoliciesPartitioningOffloadAndPrefetch) {
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
-    const std::vector<RankRun> got = run_ranks(variant_config(v), 2);
+    const std::vector<TpRankRun> got = run_tp_ranks(variant_config(v), 2);
     for (size_t r = 0; r < got.size(); ++r) {
       EXPECT_EQ(losses(got[r]), losses(base[r])) << "rank " << r;
       EXPECT_TRUE(bitwise_equal(got[r].params, base[r].params)) << "rank " << r;
@@ -194,8 +152,8 @@ TEST(EngineTp, BitIdenticalAcrossPoliciesPartitioningOffloadAndPrefetch) {
 
 TEST(EngineTp, PartitionedCheckpointBytesAreThePredictedShare) {
   const config::CheckpointPolicy full = config::CheckpointPolicy::kFull;
-  const std::vector<RankRun> whole = run_ranks(variant_config({"full", full}), 1);
-  const std::vector<RankRun> part = run_ranks(variant_config({"full partitioned", full, true}), 1);
+  const std::vector<TpRankRun> whole = run_tp_ranks(variant_config({"full", full}), 1);
+  const std::vector<TpRankRun> part = run_tp_ranks(variant_config({"full partitioned", full, true}), 1);
   for (size_t r = 0; r < part.size(); ++r) {
     EXPECT_EQ(part[r].memory.peak_activation_bytes, part[r].memory.predicted_activation_bytes)
         << "rank " << r;
@@ -219,8 +177,8 @@ TEST(EngineTp, TwoDimensionalWithZero2AndTEqualsWorld) {
   one.zero_optimization.stage = 2;
   config::Config two = tp_config(4, 2, full);
   two.zero_optimization.stage = 2;
-  const std::vector<RankRun> a = run_ranks(one, 4);
-  const std::vector<RankRun> b = run_ranks(two, 4);
+  const std::vector<TpRankRun> a = run_tp_ranks(one, 4);
+  const std::vector<TpRankRun> b = run_tp_ranks(two, 4);
   // Rank (dp d, tp r) = d * 2 + r trains on dp rank d's batches.
   for (size_t s = 0; s < 4; ++s) {
     for (int d = 0; d < 2; ++d) {
@@ -230,8 +188,8 @@ TEST(EngineTp, TwoDimensionalWithZero2AndTEqualsWorld) {
       }
     }
   }
-  const std::vector<RankRun> all = run_ranks(tp_config(4, 4, full), 2);  // no dp
-  EXPECT_NEAR(all[3].steps[1].loss, run_ranks(tp_config(1, 1, full), 2)[0].steps[1].loss,
+  const std::vector<TpRankRun> all = run_tp_ranks(tp_config(4, 4, full), 2);  // no dp
+  EXPECT_NEAR(all[3].steps[1].loss, run_tp_ranks(tp_config(1, 1, full), 2)[0].steps[1].loss,
               1e-5 * all[0].steps[1].loss);
 }
 
@@ -240,10 +198,10 @@ TEST(EngineTp, TwoDimensionalWithZero2AndTEqualsWorld) {
 TEST(EngineTp, StageThreeOverTheDpGroupsIsBitwiseStageTwo) {
   config::Config c = tp_config(4, 2, config::CheckpointPolicy::kFull);
   c.zero_optimization.stage = 2;
-  const std::vector<RankRun> two = run_ranks(c, 3);
+  const std::vector<TpRankRun> two = run_tp_ranks(c, 3);
   c.zero_optimization.stage = 3;
   c.zero_optimization.stage3_max_reuse_distance_elems = 0;
-  const std::vector<RankRun> three = run_ranks(c, 3);
+  const std::vector<TpRankRun> three = run_tp_ranks(c, 3);
   for (size_t r = 0; r < 4; ++r) {
     EXPECT_EQ(losses(three[r]), losses(two[r])) << r;
     EXPECT_TRUE(bitwise_equal(three[r].params, two[r].params)) << r;
