@@ -645,7 +645,8 @@ double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
     nn::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
     nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
     im.ctx->set_run({run_.seed, static_cast<uint64_t>(step_), static_cast<uint32_t>(i),
-                     static_cast<int64_t>(mb.batch), static_cast<int64_t>(mb.seq)});
+                     static_cast<int64_t>(mb.batch), static_cast<int64_t>(mb.seq),
+                     /*eval=*/true});
     for (int s = 0; s < n; ++s) {
       if (g != nullptr) {
         for (int u : reads(s)) {

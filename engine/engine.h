@@ -274,8 +274,8 @@ class Engine {
   void set_trace(TraceRecorder* trace);
 
   // The mean loss of `micro_batches` at the current parameters, forward only: no gradient,
-  // no update, nothing kept (dropout masks are those of the next step). Same shape checks as
-  // train_step.
+  // no update, nothing kept, and no dropout (RunInfo::eval, as PyTorch's eval mode). Same
+  // shape checks as train_step.
   double evaluate(const std::vector<HostBatch>& micro_batches);
   // Overwrites the parameters (and the f32 master copy for bf16) with `values` in layout
   // order, e.g. pretrained weights or a finite-difference probe. Moments and step stay.

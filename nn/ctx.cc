@@ -410,7 +410,7 @@ std::array<Tensor, 2> Ctx::attention(std::string_view name, const Tensor& qkv, i
 
 Tensor Ctx::dropout(std::string_view name, const Tensor& x, float p, int64_t element_offset) {
   const int site = dropout_site_++;
-  if (p == 0.0f) return x;
+  if (p == 0.0f || run_.eval) return x;
   const PhiloxKey key = dropout_key_for(site, element_offset);
   return op(OpKind::kDropout, name, {x}, {{x.shape(), x.dtype()}},
             [&](std::span<Tensor> out) { kernels_->dropout_forward(x, out[0], p, key); })[0];

@@ -145,6 +145,8 @@ struct RunInfo {
   uint32_t micro_batch = 0;
   int64_t batch = 0;
   int64_t seq = 0;
+  // Evaluation (Engine::evaluate): dropout is the identity, as in PyTorch's eval mode.
+  bool eval = false;
 };
 
 // The element type collectives use for a tensor of `dtype`.
@@ -230,8 +232,8 @@ class Ctx {
   Tensor gelu(std::string_view name, const Tensor& x);
   // Returns {out (B, T, C), probs (B, heads, T, T) f32}.
   std::array<Tensor, 2> attention(std::string_view name, const Tensor& qkv, int heads);
-  // The mask's key is this stage's next dropout site (Note [Save context]). p == 0 copies
-  // nothing: it returns x itself without an op.
+  // The mask's key is this stage's next dropout site (Note [Save context]). p == 0, or an
+  // evaluation run (RunInfo::eval), copies nothing: it returns x itself without an op.
   Tensor dropout(std::string_view name, const Tensor& x, float p, int64_t element_offset = 0);
   Tensor add(std::string_view name, const Tensor& a, const Tensor& b);
   // The PhiloxKey the n-th dropout of this stage uses (for backward). element_offset (a

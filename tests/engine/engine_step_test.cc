@@ -222,5 +222,20 @@ TEST(EngineStepTest, EvaluateMatchesTheStepsLossWithoutChangingAnything) {
   EXPECT_EQ(eval, r.loss);
 }
 
+// Evaluation has no dropout: with dropout on, it equals the loss of the same model at dropout 0.
+TEST(EngineStepTest, EvaluateRunsWithoutDropout) {
+  auto device = cpu_device();
+  const config::Config with = tiny_config(config::CheckpointPolicy::kFull, 0.3);
+  const config::Config without = tiny_config(config::CheckpointPolicy::kFull, 0.0);
+  auto a = gpt_engine(*device, with);
+  const double eval = a->evaluate(batches(with, 0));
+  EXPECT_EQ(eval, a->evaluate(batches(with, 0)));
+  const double train = a->train_step(batches(with, 0)).loss;
+  EXPECT_NE(eval, train);
+  a.reset();
+  auto b = gpt_engine(*device, without);
+  EXPECT_EQ(eval, b->evaluate(batches(without, 0)));
+}
+
 }  // namespace
 }  // namespace porter::engine
