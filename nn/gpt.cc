@@ -296,6 +296,30 @@ std::vector<float> Gpt::merge_shards(const std::vector<std::vector<float>>& shar
   return out;
 }
 
+Tensor Gpt::forward_logits(Ctx& ctx, const Tensor& tokens) {
+  RunInfo run = ctx.run();
+  run.batch = tokens.dim(0);
+  run.seq = tokens.dim(1);
+  run.eval = true;
+  ctx.set_run(run);
+  Tensor x = tokens;
+  const int n = num_stages();
+  for (int s = 0; s + 1 < n; ++s) {
+    Tape tape;  // dropped at once: nothing is kept
+    x = forward_stage(ctx, stage(s), s, tape, SaveMode::kSaveAll, x);
+  }
+  Tape tape;
+  ctx.begin(n - 1, tape, SaveMode::kSaveAll);
+  try {
+    Tensor logits = head_->logits(ctx, x);
+    ctx.end();
+    return logits;
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
+}
+
 float Gpt::forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
                             std::span<const StagePlan> plans) {
   const int n = num_stages();

@@ -145,6 +145,10 @@ class GptHead : public Layer {
   void set_loss_scale(float s) { loss_scale_ = s; }
   Tensor forward(Ctx& ctx, const Tensor& x) override;  // (B, T, C) -> (1)
   Tensor backward(Ctx& ctx, const Tensor& dy) override;
+  // The final norm and the projection without the loss: (B, T, C) -> (B, T, V), or this
+  // rank's vocabulary columns (N, Vs) under tensor parallelism. Inside a stage's forward
+  // (Ctx::begin); saves nothing.
+  Tensor logits(Ctx& ctx, const Tensor& x);
 
  private:
   int64_t vocab_, hidden_;
@@ -206,6 +210,9 @@ class Gpt {
   // the bound gradient buffer. tokens and targets are (B, T) i32 with T <= seq_len.
   float forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
                          std::span<const StagePlan> plans = {});
+  // The logits of tokens (B, T) i32, forward only (GptHead::logits): for comparing a model
+  // with a reference, and for inference. Nothing is kept.
+  Tensor forward_logits(Ctx& ctx, const Tensor& tokens);
 
  private:
   config::ModelConfig config_;

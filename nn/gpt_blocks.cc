@@ -540,6 +540,17 @@ void GptHead::bind_tied(const Tensor& wte, const Tensor& dwte) {
   dhead_w_ = dwte;
 }
 
+Tensor GptHead::logits(Ctx& ctx, const Tensor& x) {
+  check_group(ctx, tp_, "GptHead");
+  Tensor normed;
+  if (arch_ == Arch::kLlama) {
+    normed = ctx.rmsnorm("norm", x, lnf_w_, eps_)[0];
+  } else {
+    normed = ctx.layernorm("lnf", x, lnf_w_, lnf_b_, eps_)[0];
+  }
+  return column_linear(ctx, "head", normed, head_w_, Tensor(), tp_);
+}
+
 Tensor GptHead::forward(Ctx& ctx, const Tensor& x) {
   check_group(ctx, tp_, "GptHead");
   const int64_t n = targets_.defined() ? targets_.numel() : 0;
