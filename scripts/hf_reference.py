@@ -12,6 +12,10 @@ Run it with Debian's python3 and PyTorch (not the pyenv python3 first on PATH). 
         [--targets targets.npy] [--logits logits.npy] [--tol 1e-5]
     /usr/bin/python3 scripts/hf_reference.py replay DUMP_DIR [--tol 1e-4]
     /usr/bin/python3 scripts/hf_reference.py selftest
+    python3 scripts/hf_reference.py init --out DIR [--layers 4 --hidden 128 ...]
+
+`init` writes a random Llama checkpoint (config.json and model.safetensors) with the standard
+library alone, so it runs on a machine without PyTorch: the start of examples/llama-finetune.json.
 
 The two models follow transformers' modeling_gpt2.py and modeling_llama.py (eager attention,
 no dropout, no cache) and compute in float64. Neither transformers nor safetensors is needed:
@@ -34,9 +38,16 @@ import struct
 import sys
 import tempfile
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+try:  # every subcommand but init needs them; init runs without
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+except ImportError as _import_error:  # pragma: no cover - depends on the machine
+    np = torch = F = None
+    TORCH_MISSING = str(_import_error)
+else:
+    TORCH_MISSING = None
+import random
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -163,8 +174,8 @@ def hf_config(shape, torch_dtype):
 # ---- safetensors ------------------------------------------------------------------------------
 
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
-TORCH_TO_ST = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
-               torch.float16: "F16"}
+TORCH_TO_ST = ({torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
+                torch.float16: "F16"} if torch is not None else {})
 ST_TO_TORCH_DTYPE_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
@@ -536,19 +547,19 @@ def shape_from_manifest(model, params):
 # gpt2 checkpoint, "prefixed" as GPT2LMHeadModel.save_pretrained writes it), stored dtype, B, T
 FIXTURES = [
     ("gpt2_bare_tied", dict(arch="gpt2", layers=2, hidden=32, heads=2, vocab=64, tied=True,
-                            eps=1e-5, positions=16), "bare", torch.float32, 2, 16),
+                            eps=1e-5, positions=16), "bare", "float32", 2, 16),
     ("gpt2_prefixed_untied", dict(arch="gpt2", layers=2, hidden=48, heads=4, vocab=67,
                                   tied=False, eps=1e-5, positions=24), "prefixed",
-     torch.float32, 3, 13),
+     "float32", 3, 13),
     ("llama_gqa_tied", dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2,
                             intermediate=88, vocab=64, tied=True, eps=1e-5, rope_theta=10000.0,
-                            positions=64), None, torch.float32, 2, 16),
+                            positions=64), None, "float32", 2, 16),
     ("llama_mha_untied_theta", dict(arch="llama", layers=2, hidden=48, heads=4, kv_heads=4,
                                     intermediate=128, vocab=70, tied=False, eps=1e-6,
-                                    rope_theta=500000.0, positions=64), None, torch.float32, 2, 13),
+                                    rope_theta=500000.0, positions=64), None, "float32", 2, 13),
     ("llama_gqa_bf16", dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=1,
                             intermediate=88, vocab=64, tied=True, eps=1e-5, rope_theta=10000.0,
-                            positions=64), None, torch.bfloat16, 1, 9),
+                            positions=64), None, "bfloat16", 1, 9),
 ]
 
 
@@ -630,7 +641,8 @@ def write_fixture(out, i, name, kwargs, naming, dtype, b, t):
 
 def cmd_fixtures(args):
     torch.use_deterministic_algorithms(True)
-    for i, (name, kwargs, naming, dtype, b, t) in enumerate(FIXTURES):
+    for i, (name, kwargs, naming, dtype_name, b, t) in enumerate(FIXTURES):
+        dtype = getattr(torch, dtype_name)
         write_fixture(args.out, i, name, kwargs, naming, dtype, b, t)
     return 0
 
@@ -936,6 +948,43 @@ def cmd_selftest(args):
     return 0 if not failures else 1
 
 
+def cmd_init(args):
+    """A random Llama in Hugging Face's layout, drawn with Python's own generator: matrices
+    ~ normal(0, 0.02), RMSNorm weights 1 (LlamaPreTrainedModel's init), stored as F32."""
+    s = Shape("llama", args.layers, args.hidden, args.heads, args.vocab, args.tied, args.eps,
+              kv_heads=args.kv_heads, intermediate=args.intermediate,
+              rope_theta=args.rope_theta, positions=args.max_positions)
+    if s.hidden % s.heads != 0:
+        raise InputError(f"--hidden {s.hidden} is not a multiple of --heads {s.heads}")
+    rng = random.Random(args.seed)
+    header = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, shape in sorted(param_shapes(s).items()):
+        n = math.prod(shape)
+        if len(shape) == 1:
+            values = [1.0] * n
+        else:
+            values = [rng.gauss(0.0, 0.02) for _ in range(n)]
+        data = struct.pack(f"<{n}f", *values)
+        header[name] = {"dtype": "F32", "shape": list(shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    os.makedirs(args.out, exist_ok=True)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    with open(os.path.join(args.out, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        f.write(hf_config(s, "float32"))
+    params = sum(math.prod(v) for v in param_shapes(s).values())
+    print(f"{args.out}: {s.describe()}, {params / 1e6:.2f} M parameters, f32")
+    return 0
+
+
 def main():
     default_out = os.path.join(REPO, "tests", "nn", "fixtures", "hf")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -955,10 +1004,28 @@ def main():
                    help="largest relative gradient (and loss) difference")
     t = sub.add_parser("selftest", help="check the reference itself")
     t.add_argument("--fixtures", default=default_out)
+    i = sub.add_parser("init", help="write a random Llama checkpoint (no PyTorch needed)")
+    i.add_argument("--out", required=True)
+    i.add_argument("--layers", type=int, default=4)
+    i.add_argument("--hidden", type=int, default=128)
+    i.add_argument("--heads", type=int, default=4)
+    i.add_argument("--kv-heads", type=int, default=2)
+    i.add_argument("--intermediate", type=int, default=352)
+    i.add_argument("--vocab", type=int, default=512)
+    i.add_argument("--max-positions", type=int, default=512)
+    i.add_argument("--rope-theta", type=float, default=10000.0)
+    i.add_argument("--eps", type=float, default=1e-5)
+    i.add_argument("--tied", action="store_true")
+    i.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.cmd != "init" and TORCH_MISSING:
+        print(f"error: {args.cmd} needs PyTorch and NumPy ({TORCH_MISSING}); on Debian 12: "
+              "apt-get install python3-torch python3-numpy libopenblas0-pthread, and run "
+              "/usr/bin/python3", file=sys.stderr)
+        return 2
     try:
         return {"fixtures": cmd_fixtures, "check": cmd_check, "replay": cmd_replay,
-                "selftest": cmd_selftest}[args.cmd](args)
+                "selftest": cmd_selftest, "init": cmd_init}[args.cmd](args)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
