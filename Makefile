@@ -1,5 +1,5 @@
 # A thin wrapper over CMake presets. `make test` works on a fresh Debian 12 machine as root.
-.PHONY: all deps build test test-release test-asan test-tsan consumer bench demo clean
+.PHONY: all deps build test test-release test-asan test-tsan consumer bench demo finetune-data finetune clean
 
 JOBS ?= $(shell nproc)
 PREFIX ?= $(CURDIR)/build/install
@@ -50,6 +50,21 @@ demo: deps
 	./build/release/cli/porter train --nproc 2 --config examples/gpt-tiny-zero2.json \
 	  --report build/demo-report.json --trace build/demo-trace.json \
 	  --memory-page build/demo-memory.html
+
+# The fine-tuning example (README.md, "Fine-tuning a Hugging Face model"): a small random
+# Llama checkpoint in Hugging Face's layout and BPE token shards of porter's docs (train and
+# validation), both written by the repository's scripts with Python's standard library.
+finetune-data: deps
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS) --target porter
+	python3 scripts/hf_reference.py init --out build/llama-small --vocab 512
+	python3 scripts/write_token_shards.py docs --out build/llama-tokens --tokenizer bpe --vocab 512
+
+# Fine-tunes it with ZeRO-2, optimizer offload and the optimal planner, reporting validation
+# loss, and writes the result in Hugging Face's layout to build/llama-finetuned.
+finetune:
+	./build/release/cli/porter train --config examples/llama-finetune.json \
+	  --save-hf build/llama-finetuned --report build/finetune-report.json
 
 bench: build
 	./build/release/bench/memory_bench --benchmark_counters_tabular=true

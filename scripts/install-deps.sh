@@ -14,6 +14,8 @@ packages=(
   chromium
   # multi-process runs started by OpenMPI's launcher (mpirun -n 4 porter train ...)
   openmpi-bin
+  # the example's scripts (token shards, a Hugging Face checkpoint): the standard library only
+  python3
 )
 
 missing=()
