@@ -313,7 +313,8 @@ HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
     if (e.shape.to_vector() != it->second->shape) {
       throw InvalidArgument("Hugging Face weights: porter's layout has '" + e.name + "' " +
                             shape_string(e.shape.to_vector()) + ", config.json's model " +
-                            shape_string(it->second->shape));
+                            shape_string(it->second->shape) + " (the model built is not the "
+                            "one porter.model describes)");
     }
   }
   if (layout.entries().size() != params.size()) {
