@@ -81,6 +81,12 @@ HfConfig read_hf_config(const std::filesystem::path& dir);
 // max_positions.
 nlohmann::ordered_json hf_model_overrides(const HfConfig& hf, const nlohmann::json& user_model);
 
+// `base` with config.json's model (for a program that builds its Config itself rather than
+// through the config parser): every field of model_keys set from config.json, `from` set to
+// the directory, the training fields (seq_len, dropout, tensor_parallel, sequence_parallel)
+// kept. Throws InvalidArgument when base.seq_len is above max_positions.
+config::ModelConfig hf_model_config(const HfConfig& hf, const config::ModelConfig& base);
+
 // config.json for `model` (tensor_parallel ignored) with weights of `dtype` (torch_dtype): the
 // keys transformers reads for GPT2LMHeadModel or LlamaForCausalLM. From `source` (the
 // config.json the model was read from, or null) it keeps bos_token_id, eos_token_id,

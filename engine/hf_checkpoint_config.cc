@@ -290,6 +290,29 @@ nlohmann::ordered_json hf_model_overrides(const HfConfig& hf, const Json& user_m
   return out;
 }
 
+config::ModelConfig hf_model_config(const HfConfig& hf, const config::ModelConfig& base) {
+  if (base.seq_len > hf.max_positions) {
+    throw InvalidArgument("porter.model.seq_len " + std::to_string(base.seq_len) +
+                          " is longer than the " + std::to_string(hf.max_positions) +
+                          " positions of \"" + hf.path.string() + "\"");
+  }
+  config::ModelConfig m = base;
+  const nlohmann::ordered_json& k = hf.model_keys;
+  m.type = hf.arch == HfArch::kGpt2 ? config::ModelType::kGpt : config::ModelType::kLlama;
+  m.layers = k["layers"].get<int64_t>();
+  m.hidden = k["hidden"].get<int64_t>();
+  m.heads = k["heads"].get<int64_t>();
+  m.vocab = k["vocab"].get<int64_t>();
+  m.tie_embeddings = k["tie_embeddings"].get<bool>();
+  m.kv_heads = k["kv_heads"].get<int64_t>();
+  m.intermediate = k["intermediate"].get<int64_t>();
+  m.norm_eps = k["norm_eps"].get<double>();
+  m.rope_theta = k.contains("rope_theta") ? k["rope_theta"].get<double>() : 10000.0;
+  m.max_positions = k.contains("max_positions") ? k["max_positions"].get<int64_t>() : 0;
+  m.from = hf.path.parent_path().string();
+  return m;
+}
+
 nlohmann::ordered_json hf_config_json(const config::ModelConfig& m, nn::DType dtype,
                                       const Json& source) {
   const char* torch_dtype = dtype == nn::DType::kBF16  ? "bfloat16"

@@ -775,6 +775,18 @@ TEST_F(HfCheckpoint, UserKeysApplyThroughTheConfigParser) {
   EXPECT_EQ(c.porter.model.max_positions, 16);
   EXPECT_FALSE(c.porter.model.tie_embeddings);
   EXPECT_EQ(c.porter.model.from, (dir_ / "gpt2").string());
+
+  // hf_model_config gives the same model from a ModelConfig built in code.
+  config::ModelConfig base;
+  base.seq_len = 12;
+  base.dropout = 0.25;
+  config::ModelConfig direct = hf_model_config(hf, base);
+  EXPECT_EQ(direct.dropout, 0.25);
+  direct.dropout = c.porter.model.dropout;
+  EXPECT_EQ(direct, c.porter.model);
+  base.seq_len = 17;
+  EXPECT_THAT(error_of<InvalidArgument>([&] { hf_model_config(hf, base); }),
+              HasSubstr("porter.model.seq_len 17 is longer than the 16 positions of"));
 }
 
 // ---- Llama -------------------------------------------------------------------------------
