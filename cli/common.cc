@@ -11,6 +11,7 @@
 #include "base/error.h"
 #include "base/units.h"
 #include "config/parse.h"
+#include "engine/hf_checkpoint.h"
 
 namespace porter::cli {
 
@@ -31,7 +32,43 @@ struct ConfigInputs {
   std::vector<config::ConfigOverride> sets;
 };
 
-// Every file read and checked alone (its syntax errors name it), and every --set parsed.
+// Note [Config from a Hugging Face model]
+// porter.model.from names a Hugging Face model directory: its config.json's keys
+// (engine::hf_model_overrides) become overrides after every file and --set, each named after
+// that config.json. Every command reads its config through read_inputs, so train, estimate,
+// plan, config check and every launched rank parse the same model, and the parser checks the
+// keys like any other (an error about porter.model.hidden then names the config.json). A key
+// the user set to another value is an error naming the user's source and both values. A
+// relative path is relative to the working directory, like porter.data's paths.
+void apply_model_from(ConfigInputs& in) {
+  const config::MergedConfig merged = config::merge_config_sources(in.files, in.sets);
+  const nlohmann::json& j = merged.json;
+  const auto porter = j.find("porter");
+  if (porter == j.end() || !porter->is_object()) return;
+  const auto model = porter->find("model");
+  if (model == porter->end() || !model->is_object()) return;
+  const auto from = model->find("from");
+  // Anything but a string is the parser's to refuse.
+  if (from == model->end() || !from->is_string()) return;
+  engine::HfConfig hf;
+  try {
+    hf = engine::read_hf_config(from->get<std::string>());
+  } catch (const IoError& e) {
+    throw IoError(merged.provenance.label("porter.model.from") + ": porter.model.from: " + e.what());
+  }
+  nlohmann::ordered_json overrides;
+  try {
+    overrides = engine::hf_model_overrides(hf, *model);
+  } catch (const config::ConfigError& e) {
+    throw config::SourcedConfigError(merged.provenance.label(e.path()), e);
+  }
+  for (const auto& [key, value] : overrides.items()) {
+    in.sets.push_back(config::ConfigOverride{hf.path.string(), {"porter", "model", key}, value});
+  }
+}
+
+// Every file read and checked alone (its syntax errors name it), and every --set parsed;
+// then porter.model.from applied (Note [Config from a Hugging Face model]).
 ConfigInputs read_inputs(const ConfigArgs& args) {
   ConfigInputs in;
   for (const std::string& file : args.files) {
@@ -44,6 +81,7 @@ ConfigInputs read_inputs(const ConfigArgs& args) {
     }
   }
   for (const std::string& set : args.sets) in.sets.push_back(config::parse_config_override(set));
+  apply_model_from(in);
   return in;
 }
 

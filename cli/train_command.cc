@@ -1,8 +1,9 @@
 // `porter train --config F [--nproc N] [--steps N] [--report FILE] [--trace FILE]
-// [--trace-rank R] [--memory-page FILE] [--dump-dir DIR] [--save DIR] [--resume DIR]`:
-// trains the built-in GPT as the config says, with progress, a summary, and optional report,
-// trace, memory page, tensor dump and training checkpoint; on one rank, or as one rank of a
-// launched world (Note [Distributed train]).
+// [--trace-rank R] [--memory-page FILE] [--dump-dir DIR] [--save DIR] [--resume DIR]
+// [--save-hf DIR]`: trains the built-in GPT as the config says (from a Hugging Face model's
+// weights with porter.model.from), with progress, a summary, and optional report, trace,
+// memory page, tensor dump, training checkpoint and Hugging Face export; on one rank, or as
+// one rank of a launched world (Note [Distributed train]).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -27,6 +28,7 @@
 #include "comm/store.h"
 #include "engine/data.h"
 #include "engine/engine.h"
+#include "engine/hf_checkpoint.h"
 #include "engine/model.h"
 #include "engine/trace.h"
 
@@ -41,6 +43,7 @@ struct TrainOptions {
   std::optional<int64_t> steps;
   std::optional<int> trace_rank;
   std::string report, trace, dump_dir, save, resume;
+  std::string save_hf;  // a Hugging Face model directory written at the end
   std::string memory_page;  // the last step's, drawn by rank 0
   bool strict = false;
 };
@@ -121,6 +124,9 @@ class Progress {
 //   cli/train_trace.h); config warnings are printed by rank 0 only. --save and --resume are every
 //   rank's (each saves and loads its own `DIR`/rank<r>); --dump-dir is refused (a rank holds
 //   only its gradient shard);
+// - with porter.model.from every rank reads the Hugging Face weights itself and keeps its
+//   tensor-parallel part (load_hf_weights); --save-hf gathers the whole model (Note [Whole
+//   parameters] in engine/hf_checkpoint.h) and rank 0 writes it;
 // - after the last step every rank hands its memory report to rank 0 (Note [Per-rank
 //   report] in cli/train_report.h);
 // - a rank that fails aborts its communicator (so its peers fail at once rather than at the
@@ -244,6 +250,20 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                const std::string& trace_path, memory::Device& dev, const World& w,
                std::ostream& out, std::ostream& err);
 
+// porter.model.from's weights in place of the random init: this rank's tensor-parallel part
+// of them (every rank calls set_params_host: a collective at ZeRO stage 3). Returns the
+// header line that says so.
+std::string load_hf_weights(const config::Config& cfg, engine::Engine& eng, int tp_rank) {
+  const std::string& dir = *cfg.porter.model.from;
+  const engine::HfWeights hf = engine::read_hf_weights(dir, cfg.porter.model);
+  eng.set_params_host(nn::Gpt(cfg.porter.model, tp_rank).shard_values(hf.values));
+  std::string dtypes;
+  for (const std::string& d : hf.dtypes) dtypes += (dtypes.empty() ? "" : "+") + d;
+  return "  weights: " + dir + " (Hugging Face, " + std::to_string(hf.tensors) + " tensors in " +
+         std::to_string(hf.files.size()) + " file" + (hf.files.size() == 1 ? "" : "s") + ", " +
+         dtypes + ", " + format_bytes(hf.bytes) + ")\n";
+}
+
 int train(const TrainOptions& o, CommandContext& ctx) {
   if (o.nproc) return train_nproc(o, ctx);
   const comm::DistEnv env = comm::dist_env_from_process();
@@ -308,6 +328,17 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     throw UsageError("--trace-rank: there is no trace to write; give --trace FILE (or set "
                      "porter.trace.path)");
   }
+  std::string weights_line;
+  nlohmann::json hf_source;  // the config.json that --save-hf carries token ids over from
+  if (cfg.porter.model.from) {
+    if (o.resume.empty()) {
+      weights_line = load_hf_weights(cfg, eng, w.tp_rank);
+    } else {
+      weights_line = "  weights: from --resume " + o.resume + " (" + *cfg.porter.model.from +
+                     " gave the model's shape)\n";
+    }
+    if (!o.save_hf.empty()) hf_source = engine::read_hf_config(*cfg.porter.model.from).json;
+  }
   if (!o.resume.empty()) eng.load_checkpoint(o.resume);
   if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
 
@@ -348,7 +379,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                       : std::string(", after the last step"))
         << "\n";
   }
-  out << "  device: " << run.device << "\n"
+  out << weights_line
+      << "  device: " << run.device << "\n"
       << "  checkpointing: " << eng.plan().description << "\n";
   if (w.distributed() || cfg.zero_optimization.stage > 0) {
     out << "  ranks: " << w.env.world_size << " (" << eng.dp_size() << " data-parallel"
@@ -418,6 +450,18 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
 
   // Every rank saves its own state (engine/state.cc: `dir`/rank<r> with several ranks).
   if (!o.save.empty()) eng.save_checkpoint(o.save);
+  std::optional<engine::HfExport> hf_export;
+  if (!o.save_hf.empty()) {
+    // Every rank takes part in the gather; rank 0 writes.
+    const std::vector<float> whole = engine::whole_params_host(eng, w.tp.get());
+    if (w.leader()) {
+      config::ModelConfig model = cfg.porter.model;
+      model.tensor_parallel = 1;
+      model.sequence_parallel = false;
+      hf_export = engine::write_hf_checkpoint(o.save_hf, model, nn::Gpt(model).layout(), whole,
+                                              eng.compute_dtype(), hf_source);
+    }
+  }
   run.ranks = gather_rank_reports(w, eng, cfg.porter.comm.timeout_s);
   if (trace) share_trace(share, *trace, trace_sync_us, trace_path);
   if (!w.leader()) return kExitOk;
@@ -455,6 +499,14 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     out << "saved: " << o.save << " (step " << eng.step() << ")"
         << (w.distributed() ? ", one rank<r> folder per rank" : "") << "\n";
   }
+  if (hf_export) {
+    out << "saved Hugging Face model: " << o.save_hf << " (step " << eng.step() << "; "
+        << hf_export->config_file.filename().string() << ", "
+        << hf_export->weights_file.filename().string() << ": " << hf_export->tensors
+        << " tensors, " << format_count(static_cast<double>(hf_export->num_params))
+        << " parameters, " << nn::dtype_name(eng.compute_dtype()) << ", "
+        << format_bytes(hf_export->bytes) << ")\n";
+  }
   return kExitOk;
 }
 
@@ -482,6 +534,10 @@ void add_train_command(CLI::App& app, CommandContext& context) {
                   "Dump the last step's parameters, gradients and inputs as .npy (docs/dump-format.md)");
   cmd->add_option("--save", o->save, "Save a training checkpoint to this directory at the end");
   cmd->add_option("--resume", o->resume, "Resume from a training checkpoint directory");
+  cmd->add_option("--save-hf", o->save_hf,
+                  "Write the trained model to this directory at the end as a Hugging Face model "
+                  "(config.json and model.safetensors, in the compute dtype)")
+      ->type_name("DIR");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
   cmd->footer("Exit codes: 0 success, 1 usage error (with --nproc: a rank failed), 2 invalid "
               "config or input, 3 out of memory.");

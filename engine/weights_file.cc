@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <numeric>
 #include <set>
+#include <utility>
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "base/error.h"
@@ -126,6 +128,146 @@ std::string header_text(const std::vector<WeightTensor>& tensors, const WeightMe
   return text;
 }
 
+// Every dtype of the safetensors format with its element size; porter computes in the first
+// four (parse_dtype).
+struct DtypeSize {
+  std::string_view name;
+  size_t bytes;
+};
+constexpr DtypeSize kSafetensorsDtypes[] = {
+    {"F32", 4}, {"BF16", 2}, {"F16", 2},     {"I32", 4},     {"F64", 8},     {"I64", 8},
+    {"U64", 8}, {"U32", 4},  {"I16", 2},     {"U16", 2},     {"I8", 1},      {"U8", 1},
+    {"BOOL", 1}, {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"F8_E8M0", 1},
+};
+
+std::optional<size_t> safetensors_dtype_bytes(std::string_view name) {
+  for (const DtypeSize& d : kSafetensorsDtypes) {
+    if (d.name == name) return d.bytes;
+  }
+  return std::nullopt;
+}
+
+// The header length is in range for a file of `file_bytes` (Note [Safetensors format]).
+uint64_t check_header_length(uint64_t header_bytes, uint64_t file_bytes, const std::string& where) {
+  if (header_bytes > kMaxHeaderBytes) {
+    throw IoError(where + "bad header length " + std::to_string(header_bytes) +
+                  ": above the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
+  }
+  if (header_bytes > file_bytes - 8) {
+    throw IoError(where + "bad header length " + std::to_string(header_bytes) + ": the file has " +
+                  std::to_string(file_bytes - 8) + " bytes after it (truncated, or not a "
+                  "safetensors file)");
+  }
+  return header_bytes;
+}
+
+// The header's tensors in offset order, each checked against `data_bytes` of data, and the
+// tensors tiling the data (Note [Safetensors format]); its metadata into `metadata`. The
+// messages start with `where`.
+std::vector<SafetensorsEntry> parse_header(std::string_view text, uint64_t data_bytes,
+                                           const std::string& where, WeightMetadata& metadata) {
+  if (text.empty() || text[0] != '{') {
+    throw IoError(where + "the header does not start with '{' (not a safetensors file)");
+  }
+  nlohmann::ordered_json header;
+  try {
+    header = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw IoError(where + "the header is not valid JSON: " + e.what());
+  }
+  if (!header.is_object()) throw IoError(where + "the header is not a JSON object");
+
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, value] : header.items()) {
+    if (name == kMetadataKey) {
+      if (!value.is_object()) throw IoError(where + "\"__metadata__\" is not a JSON object");
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) {
+          throw IoError(where + "metadata \"" + k + "\" is " + v.dump() +
+                        ", not a string (metadata maps strings to strings)");
+        }
+        metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    const std::string what = where + "tensor '" + name + "': ";
+    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") ||
+        !value.contains("data_offsets")) {
+      throw IoError(what + "needs \"dtype\", \"shape\" and \"data_offsets\", has " + value.dump());
+    }
+    SafetensorsEntry e;
+    e.name = name;
+    const auto& dtype = value["dtype"];
+    const std::optional<size_t> elem_bytes =
+        dtype.is_string() ? safetensors_dtype_bytes(dtype.get<std::string>()) : std::nullopt;
+    if (!elem_bytes) {
+      throw IoError(what + "unknown dtype " + dtype.dump() + " (not a safetensors dtype)");
+    }
+    e.dtype = dtype.get<std::string>();
+    nn::DType porter = nn::DType::kF32;
+    if (parse_dtype(e.dtype, &porter)) e.porter_dtype = porter;
+    const auto& shape = value["shape"];
+    if (!shape.is_array()) throw IoError(what + "shape " + shape.dump() + " is not an array");
+    for (const auto& d : shape) {
+      if (!is_count(d)) {
+        throw IoError(what + "shape " + shape.dump() + " has a dimension that is not a "
+                      "non-negative integer");
+      }
+      e.shape.push_back(d.get<int64_t>());
+    }
+    e.numel = checked_numel(e.shape);
+    if (e.numel < 0) throw IoError(what + "shape " + shape.dump() + " overflows");
+    const auto& offsets = value["data_offsets"];
+    if (!offsets.is_array() || offsets.size() != 2 || !is_count(offsets[0]) ||
+        !is_count(offsets[1])) {
+      throw IoError(what + "data_offsets " + offsets.dump() + " is not [begin, end]");
+    }
+    e.begin = offsets[0].get<uint64_t>();
+    e.end = offsets[1].get<uint64_t>();
+    if (e.begin > e.end) {
+      throw IoError(what + "data_offsets " + offsets.dump() + " end before they begin");
+    }
+    if (e.end > data_bytes) {
+      throw IoError(what + "data_offsets " + offsets.dump() + " are past the end of the data (" +
+                    std::to_string(data_bytes) + " bytes: the file is truncated or the offsets "
+                    "are wrong)");
+    }
+    uint64_t need = 0;
+    const bool overflow = __builtin_mul_overflow(static_cast<uint64_t>(e.numel), *elem_bytes, &need);
+    if (overflow || e.end - e.begin != need) {
+      throw IoError(what + "wrong byte count: data_offsets " + offsets.dump() + " hold " +
+                    std::to_string(e.end - e.begin) + " bytes, shape " + shape_string(e.shape) +
+                    " of " + e.dtype + " needs " +
+                    (overflow ? std::string("more than 2^64") : std::to_string(need)));
+    }
+    entries.push_back(std::move(e));
+  }
+  std::stable_sort(entries.begin(), entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  // Note [Safetensors format]: the tensors tile the data.
+  uint64_t at = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const SafetensorsEntry& e = entries[i];
+    if (e.begin < at) {
+      throw IoError(where + "tensors '" + entries[i - 1].name + "' [" +
+                    std::to_string(entries[i - 1].begin) + ", " + std::to_string(entries[i - 1].end) +
+                    ") and '" + e.name + "' [" + std::to_string(e.begin) + ", " +
+                    std::to_string(e.end) + ") overlap");
+    }
+    if (e.begin > at) {
+      throw IoError(where + "bytes [" + std::to_string(at) + ", " + std::to_string(e.begin) +
+                    ") of the data belong to no tensor (a gap before '" + e.name + "')");
+    }
+    at = e.end;
+  }
+  if (at != data_bytes) {
+    throw IoError(where + "the data has " + std::to_string(data_bytes) + " bytes, the tensors end at " +
+                  std::to_string(at) + " (trailing bytes belong to no tensor)");
+  }
+  return entries;
+}
+
 }  // namespace
 
 int64_t WeightTensor::numel() const { return checked_numel(shape); }
@@ -201,144 +343,108 @@ void write_safetensors(const fs::path& path, const std::vector<WeightTensor>& te
 }
 
 std::vector<WeightTensor> read_safetensors(const fs::path& path, WeightMetadata* metadata) {
-  const std::string where = "safetensors " + quoted(path) + ": ";
-  std::error_code ec;
-  const uintmax_t file_bytes = fs::file_size(path, ec);
-  if (ec) throw IoError(where + "cannot read: " + ec.message());
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(where + "cannot open: " + std::strerror(errno));
-  if (file_bytes < 8) {
-    throw IoError(where + "truncated: " + std::to_string(file_bytes) +
-                  " bytes, less than the 8-byte header length");
+  const SafetensorsFile file(path);
+  for (const SafetensorsEntry& e : file.tensors()) {
+    if (!e.porter_dtype) {
+      throw IoError("safetensors " + quoted(path) + ": tensor '" + e.name + "': unknown dtype \"" +
+                    e.dtype + "\" (porter reads F32, BF16, F16, I32)");
+    }
   }
-  unsigned char length[8];
-  in.read(reinterpret_cast<char*>(length), 8);
-  uint64_t header_bytes = 0;
-  for (int i = 0; i < 8; ++i) header_bytes |= static_cast<uint64_t>(length[i]) << (8 * i);
-  if (header_bytes > kMaxHeaderBytes) {
-    throw IoError(where + "bad header length " + std::to_string(header_bytes) +
-                  ": above the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
-  }
-  if (header_bytes > file_bytes - 8) {
-    throw IoError(where + "bad header length " + std::to_string(header_bytes) + ": the file has " +
-                  std::to_string(file_bytes - 8) + " bytes after it (truncated, or not a "
-                  "safetensors file)");
-  }
-  std::string text(header_bytes, '\0');
-  if (!in.read(text.data(), static_cast<std::streamsize>(header_bytes))) {
-    throw IoError(where + "cannot read the " + std::to_string(header_bytes) + "-byte header");
-  }
-  if (text.empty() || text[0] != '{') {
-    throw IoError(where + "the header does not start with '{' (not a safetensors file)");
-  }
-  nlohmann::ordered_json header;
-  try {
-    header = nlohmann::ordered_json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw IoError(where + "the header is not valid JSON: " + e.what());
-  }
-  if (!header.is_object()) throw IoError(where + "the header is not a JSON object");
-  const uint64_t data_bytes = file_bytes - 8 - header_bytes;
-
-  struct Entry {
-    WeightTensor tensor;
-    uint64_t begin = 0, end = 0;
-  };
-  std::vector<Entry> entries;
-  for (const auto& [name, value] : header.items()) {
-    if (name == kMetadataKey) {
-      if (!value.is_object()) throw IoError(where + "\"__metadata__\" is not a JSON object");
-      for (const auto& [k, v] : value.items()) {
-        if (!v.is_string()) {
-          throw IoError(where + "metadata \"" + k + "\" is " + v.dump() +
-                        ", not a string (metadata maps strings to strings)");
-        }
-        if (metadata) (*metadata)[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    const std::string what = where + "tensor '" + name + "': ";
-    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") ||
-        !value.contains("data_offsets")) {
-      throw IoError(what + "needs \"dtype\", \"shape\" and \"data_offsets\", has " + value.dump());
-    }
-    Entry e;
-    e.tensor.name = name;
-    const auto& dtype = value["dtype"];
-    if (!dtype.is_string() || !parse_dtype(dtype.get<std::string>(), &e.tensor.dtype)) {
-      throw IoError(what + "unknown dtype " + dtype.dump() + " (porter reads F32, BF16, F16, I32)");
-    }
-    const auto& shape = value["shape"];
-    if (!shape.is_array()) throw IoError(what + "shape " + shape.dump() + " is not an array");
-    for (const auto& d : shape) {
-      if (!is_count(d)) {
-        throw IoError(what + "shape " + shape.dump() + " has a dimension that is not a "
-                      "non-negative integer");
-      }
-      e.tensor.shape.push_back(d.get<int64_t>());
-    }
-    const int64_t numel = e.tensor.numel();
-    if (numel < 0) throw IoError(what + "shape " + shape.dump() + " overflows");
-    const auto& offsets = value["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !is_count(offsets[0]) ||
-        !is_count(offsets[1])) {
-      throw IoError(what + "data_offsets " + offsets.dump() + " is not [begin, end]");
-    }
-    e.begin = offsets[0].get<uint64_t>();
-    e.end = offsets[1].get<uint64_t>();
-    if (e.begin > e.end) {
-      throw IoError(what + "data_offsets " + offsets.dump() + " end before they begin");
-    }
-    if (e.end > data_bytes) {
-      throw IoError(what + "data_offsets " + offsets.dump() + " are past the end of the data (" +
-                    std::to_string(data_bytes) + " bytes: the file is truncated or the offsets "
-                    "are wrong)");
-    }
-    const uint64_t need = static_cast<uint64_t>(numel) * nn::dtype_size(e.tensor.dtype);
-    if (e.end - e.begin != need) {
-      throw IoError(what + "wrong byte count: data_offsets " + offsets.dump() + " hold " +
-                    std::to_string(e.end - e.begin) + " bytes, shape " +
-                    shape_string(e.tensor.shape) + " of " + dtype.get<std::string>() + " needs " +
-                    std::to_string(need));
-    }
-    entries.push_back(std::move(e));
-  }
-  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  // Note [Safetensors format]: the tensors tile the data.
-  uint64_t at = 0;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const Entry& e = entries[i];
-    if (e.begin < at) {
-      throw IoError(where + "tensors '" + entries[i - 1].tensor.name + "' [" +
-                    std::to_string(entries[i - 1].begin) + ", " + std::to_string(entries[i - 1].end) +
-                    ") and '" + e.tensor.name + "' [" + std::to_string(e.begin) + ", " +
-                    std::to_string(e.end) + ") overlap");
-    }
-    if (e.begin > at) {
-      throw IoError(where + "bytes [" + std::to_string(at) + ", " + std::to_string(e.begin) +
-                    ") of the data belong to no tensor (a gap before '" + e.tensor.name + "')");
-    }
-    at = e.end;
-  }
-  if (at != data_bytes) {
-    throw IoError(where + "the data has " + std::to_string(data_bytes) + " bytes, the tensors end at " +
-                  std::to_string(at) + " (trailing bytes belong to no tensor)");
-  }
-
   std::vector<WeightTensor> out;
-  out.reserve(entries.size());
-  for (Entry& e : entries) {
-    e.tensor.bytes.resize(e.end - e.begin);
-    if (!in.read(reinterpret_cast<char*>(e.tensor.bytes.data()),
-                 static_cast<std::streamsize>(e.tensor.bytes.size()))) {
-      throw IoError(where + "cannot read tensor '" + e.tensor.name + "' at data offset " +
-                    std::to_string(e.begin));
-    }
-    out.push_back(std::move(e.tensor));
+  out.reserve(file.tensors().size());
+  for (const SafetensorsEntry& e : file.tensors()) {
+    const std::span<const std::byte> bytes = file.bytes(e);
+    out.push_back(WeightTensor{e.name, e.shape, *e.porter_dtype, {bytes.begin(), bytes.end()}});
+  }
+  if (metadata) {
+    for (const auto& [k, v] : file.metadata()) (*metadata)[k] = v;
   }
   return out;
+}
+
+SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
+  const std::string where = "safetensors " + quoted(path) + ": ";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError(where + "cannot read: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw IoError(where + "cannot read: " + std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw IoError(where + "cannot read: not a regular file");
+  }
+  file_bytes_ = static_cast<uint64_t>(st.st_size);
+  if (file_bytes_ < 8) {
+    ::close(fd);
+    throw IoError(where + "truncated: " + std::to_string(file_bytes_) +
+                  " bytes, less than the 8-byte header length");
+  }
+  void* m = ::mmap(nullptr, static_cast<size_t>(file_bytes_), PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);  // the mapping keeps the file open
+  if (m == MAP_FAILED) throw IoError(where + "cannot map: " + std::strerror(map_errno));
+  map_ = static_cast<const std::byte*>(m);
+  map_bytes_ = static_cast<size_t>(file_bytes_);
+  try {
+    uint64_t header_bytes = 0;
+    for (int i = 0; i < 8; ++i) {
+      header_bytes |= static_cast<uint64_t>(std::to_integer<uint8_t>(map_[i])) << (8 * i);
+    }
+    const std::string_view text(reinterpret_cast<const char*>(map_) + 8,
+                                check_header_length(header_bytes, file_bytes_, where));
+    data_begin_ = 8 + header_bytes;
+    tensors_ = parse_header(text, file_bytes_ - data_begin_, where, metadata_);
+    for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  } catch (...) {
+    unmap();
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() { unmap(); }
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      map_(std::exchange(other.map_, nullptr)),
+      map_bytes_(std::exchange(other.map_bytes_, 0)),
+      file_bytes_(other.file_bytes_),
+      data_begin_(other.data_begin_),
+      tensors_(std::move(other.tensors_)),
+      index_(std::move(other.index_)),
+      metadata_(std::move(other.metadata_)) {}
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
+  if (this != &other) {
+    unmap();
+    path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_bytes_ = std::exchange(other.map_bytes_, 0);
+    file_bytes_ = other.file_bytes_;
+    data_begin_ = other.data_begin_;
+    tensors_ = std::move(other.tensors_);
+    index_ = std::move(other.index_);
+    metadata_ = std::move(other.metadata_);
+  }
+  return *this;
+}
+
+void SafetensorsFile::unmap() noexcept {
+  if (map_ != nullptr) ::munmap(const_cast<std::byte*>(map_), map_bytes_);
+  map_ = nullptr;
+  map_bytes_ = 0;
+}
+
+const SafetensorsEntry* SafetensorsFile::find(std::string_view name) const {
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+std::span<const std::byte> SafetensorsFile::bytes(const SafetensorsEntry& e) const {
+  // parse_header checked end <= the data's bytes, so this is inside the mapping.
+  return {map_ + data_begin_ + e.begin, static_cast<size_t>(e.end - e.begin)};
 }
 
 std::vector<FlatTensorSpec> layout_specs(const nn::ParamLayout& layout) {

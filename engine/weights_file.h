@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -57,9 +58,60 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Weig
 // given. Throws IoError naming the file and the problem: missing or unreadable, shorter than
 // 8 bytes, a header length beyond the file or above 100 MB, a header that is not a JSON
 // object, metadata that is not strings, an unknown dtype, a bad shape, data offsets out of
-// the data, overlapping, leaving a gap or not matching numel * dtype size.
+// the data, overlapping, leaving a gap or not matching numel * dtype size. Only porter's
+// dtypes (F32, BF16, F16, I32) are read; SafetensorsFile also maps files with the others.
 std::vector<WeightTensor> read_safetensors(const std::filesystem::path& path,
                                            WeightMetadata* metadata = nullptr);
+
+// One tensor of a SafetensorsFile, as its header describes it (checked against the file).
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;                      // as the header spells it: "F32", "BF16", "F64", ...
+  std::optional<nn::DType> porter_dtype;  // F32, BF16, F16, I32; none for the other dtypes
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  uint64_t begin = 0, end = 0;  // bytes, relative to the start of the data
+};
+
+// A safetensors file mapped read-only (mmap), for weights too large to copy whole: opening it
+// reads and checks only the header, by every rule of read_safetensors (Note [Safetensors
+// format]), with the byte sizes of every dtype the safetensors format defines (BOOL, U8, I8,
+// F8_E5M2, F8_E4M3, F8_E8M0, I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64), so that a
+// caller can refuse an unsupported one by name. A tensor's bytes are read from the page cache
+// only when bytes() is touched. The file must not shrink while it is mapped (reading a page
+// past its new end raises SIGBUS, as for any mapping). Move-only; unmaps on destruction.
+class SafetensorsFile {
+ public:
+  // Throws IoError naming the file and the problem, as read_safetensors does, and for a path
+  // that is not a regular file.
+  explicit SafetensorsFile(const std::filesystem::path& path);
+  ~SafetensorsFile();
+  SafetensorsFile(SafetensorsFile&& other) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  uint64_t file_bytes() const { return file_bytes_; }
+  // In offset order.
+  const std::vector<SafetensorsEntry>& tensors() const { return tensors_; }
+  const WeightMetadata& metadata() const { return metadata_; }
+  // The tensor named `name`; null when the file has none.
+  const SafetensorsEntry* find(std::string_view name) const;
+  // A view of `e`'s bytes (little-endian, C order) in the mapping, valid while this lives.
+  std::span<const std::byte> bytes(const SafetensorsEntry& e) const;
+
+ private:
+  void unmap() noexcept;
+  std::filesystem::path path_;
+  const std::byte* map_ = nullptr;  // owned: the mapping of the whole file, map_bytes_ long
+  size_t map_bytes_ = 0;
+  uint64_t file_bytes_ = 0;
+  uint64_t data_begin_ = 0;  // 8 + the header length
+  std::vector<SafetensorsEntry> tensors_;
+  std::map<std::string, size_t, std::less<>> index_;  // name -> position in tensors_
+  WeightMetadata metadata_;
+};
 
 // One parameter of a flat buffer (nn::ParamLayout's entries; meta.json's "layout").
 struct FlatTensorSpec {

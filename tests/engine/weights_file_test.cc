@@ -1,6 +1,7 @@
 // Safetensors files (engine/weights_file.h): f32/bf16/f16 round trips with metadata, the
 // header's 8-byte alignment, the split of a flat buffer by its layout, and every error the
 // reader and the writer give.
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -288,6 +289,59 @@ TEST_F(WeightsFileTest, WriterRefusesBadTensorsAndNamesThePath) {
   const std::string msg = error_of<IoError>([&] { write_safetensors(p / "x.safetensors", {}); });
   EXPECT_THAT(msg, HasSubstr("w.safetensors"));
   EXPECT_THAT(msg, HasSubstr("cannot create"));
+}
+
+TEST_F(WeightsFileTest, MappedFileGivesEveryTensorInPlace) {
+  const fs::path p = dir_ / "m.safetensors";
+  write_safetensors(p, sample_tensors(), {{"format", "pt"}});
+  SafetensorsFile file(p);
+  EXPECT_EQ(file.path(), p);
+  EXPECT_EQ(file.file_bytes(), fs::file_size(p));
+  EXPECT_EQ(file.metadata(), (WeightMetadata{{"format", "pt"}}));
+  const std::vector<WeightTensor> want = sample_tensors();
+  ASSERT_EQ(file.tensors().size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const SafetensorsEntry& e = file.tensors()[i];
+    EXPECT_EQ(e.name, want[i].name);
+    EXPECT_EQ(e.shape, want[i].shape);
+    EXPECT_EQ(e.dtype, safetensors_dtype_name(want[i].dtype));
+    EXPECT_EQ(e.porter_dtype, want[i].dtype);
+    EXPECT_EQ(e.numel, want[i].numel());
+    const std::span<const std::byte> bytes = file.bytes(e);
+    EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), want[i].bytes.begin(), want[i].bytes.end())) << e.name;
+    EXPECT_EQ(file.find(e.name), &e);
+  }
+  EXPECT_EQ(file.find("nope"), nullptr);
+  // Moved, the mapping goes with it.
+  SafetensorsFile moved = std::move(file);
+  EXPECT_EQ(moved.tensors().size(), want.size());
+  EXPECT_EQ(moved.bytes(*moved.find("wte")).size(), 24u);
+}
+
+TEST_F(WeightsFileTest, MappedFileOpensEverySafetensorsDtypeAndRefusesTheRest) {
+  const std::string eight(8, '\0');
+  const fs::path p = raw("f64.st", R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]},)"
+                                   R"("m":{"dtype":"BOOL","shape":[2],"data_offsets":[8,10]}})",
+                         eight + std::string("\1\0", 2));
+  const SafetensorsFile file(p);
+  ASSERT_EQ(file.tensors().size(), 2u);
+  EXPECT_EQ(file.tensors()[0].dtype, "F64");
+  EXPECT_FALSE(file.tensors()[0].porter_dtype.has_value());
+  EXPECT_EQ(file.tensors()[1].dtype, "BOOL");
+  // read_safetensors reads porter's dtypes only.
+  EXPECT_THAT(read_error(p), HasSubstr("tensor 'a': unknown dtype \"F64\" (porter reads F32, BF16, F16, I32)"));
+  auto open_error = [](const fs::path& path) {
+    return error_of<IoError>([&] { SafetensorsFile f(path); });
+  };
+  EXPECT_THAT(open_error(raw("f33.st", R"({"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", "1234")),
+              HasSubstr("tensor 'a': unknown dtype \"F33\" (not a safetensors dtype)"));
+  // Numel x dtype size past 2^64.
+  EXPECT_THAT(open_error(raw("big.st", R"({"a":{"dtype":"F64","shape":[2147483648,2147483648],)"
+                                       R"("data_offsets":[0,8]}})", eight)),
+              HasSubstr("needs more than 2^64"));
+  EXPECT_THAT(open_error(dir_), HasSubstr("cannot read: not a regular file"));
+  EXPECT_THAT(open_error(dir_ / "none.st"), HasSubstr("none.st\": cannot read: No such file"));
+  EXPECT_THAT(open_error(raw("empty.st", 0, "")), HasSubstr("the header does not start with"));
 }
 
 }  // namespace
