@@ -147,7 +147,8 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   // Llama: the rotary embedding base (rope_theta).
   double rope_theta = 10000.0;
-  // GPT: rows of the position table wpe (n_positions); 0 means seq_len. Must be >= seq_len.
+  // The context length, >= seq_len; 0 means seq_len. GPT: the rows of the position table
+  // wpe (n_positions); Llama: max_position_embeddings (no table: positions are rotary).
   int64_t max_positions = 0;
   // A Hugging Face model directory (config.json, model.safetensors or sharded files with
   // model.safetensors.index.json) to start from.

@@ -56,16 +56,7 @@ void check_model(const std::string& path, const Config& c) {
       fail(path + ".rope_theta", "is used only by " + path + ".arch \"llama\" (the GPT has "
                                  "learned positions, not rotary ones); drop the key");
     }
-    if (m.max_positions != 0 && m.max_positions < m.seq_len) {
-      fail(path + ".max_positions", std::to_string(m.max_positions) + " position rows are fewer "
-                                    "than seq_len " + std::to_string(m.seq_len) + "; raise it "
-                                    "or lower seq_len");
-    }
   } else {
-    if (m.max_positions != 0) {
-      fail(path + ".max_positions", "is used only by " + path + ".arch \"gpt\" (Llama's "
-                                    "positions are rotary, with no table); drop the key");
-    }
     const int64_t kv = m.kv_heads == 0 ? m.heads : m.kv_heads;
     if (m.heads % kv != 0) {
       fail(path + ".kv_heads", std::to_string(kv) + " does not divide heads " +
@@ -83,6 +74,11 @@ void check_model(const std::string& path, const Config& c) {
                                  " channels per head is odd; rotary embeddings rotate pairs of "
                                  "channels");
     }
+  }
+  if (m.max_positions != 0 && m.max_positions < m.seq_len) {
+    fail(path + ".max_positions", std::to_string(m.max_positions) + " positions are fewer than "
+                                  "seq_len " + std::to_string(m.seq_len) + "; raise it or lower "
+                                  "seq_len");
   }
   if (m.heads % m.tensor_parallel != 0) {
     fail(path + ".tensor_parallel", std::to_string(m.tensor_parallel) +

@@ -164,12 +164,14 @@ void read_llama(const Reader& r, HfConfig& hf) {
                    {"hidden", hidden},       {"heads", heads},
                    {"vocab", vocab},         {"tie_embeddings", tied},
                    {"kv_heads", kv_heads},   {"intermediate", intermediate},
-                   {"norm_eps", eps},        {"rope_theta", theta}};
+                   {"norm_eps", eps},        {"rope_theta", theta},
+                   {"max_positions", positions}};
   hf.hf_key = {{"arch", "model_type"},            {"layers", "num_hidden_layers"},
                {"hidden", "hidden_size"},         {"heads", "num_attention_heads"},
                {"vocab", "vocab_size"},           {"tie_embeddings", "tie_word_embeddings"},
                {"kv_heads", "num_key_value_heads"}, {"intermediate", "intermediate_size"},
-               {"norm_eps", "rms_norm_eps"},      {"rope_theta", "rope_theta"}};
+               {"norm_eps", "rms_norm_eps"},      {"rope_theta", "rope_theta"},
+               {"max_positions", "max_position_embeddings"}};
 }
 
 // Meta's width of a Llama MLP: 8/3 x hidden rounded up to a multiple of 256.
@@ -342,8 +344,8 @@ nlohmann::ordered_json hf_config_json(const config::ModelConfig& m, nn::DType dt
   } else {
     const int64_t kv = m.kv_heads > 0 ? m.kv_heads : m.heads;
     const int64_t f = m.intermediate > 0 ? m.intermediate : llama_default_intermediate(m.hidden);
-    int64_t positions = m.seq_len;
-    if (source.is_object()) {
+    int64_t positions = m.max_positions > 0 ? m.max_positions : m.seq_len;
+    if (m.max_positions == 0 && source.is_object()) {
       auto it = source.find("max_position_embeddings");
       if (it != source.end() && it->is_number_integer() && it->get<int64_t>() >= m.seq_len) {
         positions = it->get<int64_t>();

@@ -161,7 +161,7 @@ const std::vector<InvalidCase>& invalid_cases() {
       {"gpt_kv_heads", with("\"porter\": {\"model\": {\"kv_heads\": 4}}"), "porter.model.kv_heads", "llama"},
       {"gpt_rope_theta", with("\"porter\": {\"model\": {\"rope_theta\": 5e5}}"), "porter.model.rope_theta", "llama"},
       {"llama_kv_heads", with("\"porter\": {\"model\": {\"arch\": \"llama\", \"kv_heads\": 5}}"), "porter.model.kv_heads", "does not divide heads 12"},
-      {"llama_max_positions", with("\"porter\": {\"model\": {\"arch\": \"llama\", \"max_positions\": 64}}"), "porter.model.max_positions", "rotary"},
+      {"llama_max_positions", with("\"porter\": {\"model\": {\"arch\": \"llama\", \"max_positions\": 64}}"), "porter.model.max_positions", "fewer than seq_len 1024"},
       {"norm_eps_zero", with("\"porter\": {\"model\": {\"norm_eps\": 0}}"), "porter.model.norm_eps", "0"},
       {"val_paths_synthetic", with("\"porter\": {\"data\": {\"val_paths\": \"v.bin\"}}"), "porter.data.val_paths", "synthetic"},
       {"model_layers_zero", with("\"porter\": {\"model\": {\"layers\": 0}}"), "porter.model.layers", "got 0"},
