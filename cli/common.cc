@@ -295,4 +295,15 @@ std::string format_count(double v) {
   return buf;
 }
 
+std::string describe_model(const config::ModelConfig& m) {
+  const bool llama = m.type == config::ModelType::kLlama;
+  std::string out = std::string(llama ? "Llama" : "GPT") + ", " + std::to_string(m.layers) +
+                    " layers, hidden " + std::to_string(m.hidden) + ", " +
+                    std::to_string(m.heads) + " heads";
+  if (llama && m.kv_heads != 0 && m.kv_heads != m.heads) {
+    out += " (" + std::to_string(m.kv_heads) + " key/value)";
+  }
+  return out + ", seq " + std::to_string(m.seq_len) + ", vocab " + std::to_string(m.vocab);
+}
+
 }  // namespace porter::cli

@@ -91,4 +91,8 @@ std::string format_seconds(double s);
 // "12.3k", "4.56M".
 std::string format_count(double v);
 
+// "GPT, 12 layers, hidden 768, 12 heads, seq 1024, vocab 50257" (Llama: "Llama, ..., 32
+// heads (8 key/value), ..."): porter.model as the commands' headers show it.
+std::string describe_model(const config::ModelConfig& model);
+
 }  // namespace porter::cli

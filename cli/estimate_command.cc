@@ -457,9 +457,8 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   }
 
   out << "porter estimate: " << o.config_args.display() << "\n";
-  out << "  model: GPT, " << layers << " layers, hidden " << cfg.porter.model.hidden << ", "
-      << cfg.porter.model.heads << " heads, seq " << cfg.porter.model.seq_len << ", vocab "
-      << cfg.porter.model.vocab << ", " << nn::dtype_name(dtype) << "\n";
+  out << "  model: " << describe_model(cfg.porter.model) << ", " << nn::dtype_name(dtype)
+      << "\n";
   if (tp > 1) {
     out << "  tensor parallel " << tp << (sp ? " with sequence parallelism" : "")
         << (o.tensor_parallel ? " (--tensor-parallel)" : "")

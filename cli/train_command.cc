@@ -357,15 +357,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
   out << "porter train: " << run.config_file << "\n"
-      << "  model: " << (cfg.porter.model.type == config::ModelType::kLlama ? "Llama" : "GPT")
-      << ", " << cfg.porter.model.layers << " layers, hidden " << cfg.porter.model.hidden
-      << ", " << cfg.porter.model.heads << " heads"
-      << (cfg.porter.model.type == config::ModelType::kLlama && cfg.porter.model.kv_heads != 0 &&
-                  cfg.porter.model.kv_heads != cfg.porter.model.heads
-              ? " (" + std::to_string(cfg.porter.model.kv_heads) + " key/value)"
-              : std::string())
-      << ", seq " << cfg.porter.model.seq_len << ", vocab "
-      << cfg.porter.model.vocab << ": "
+      << "  model: " << describe_model(cfg.porter.model) << ": "
       << format_count(static_cast<double>(eng.model().layout().num_params()))
       << (eng.tp_size() > 1 ? " parameters on each of " + std::to_string(eng.tp_size()) +
                                   " tensor-parallel ranks" +
