@@ -46,15 +46,26 @@ PORTER_CPU_CLONES void rms_bwd_row(const TD* dy, const TX* x, const TP* gamma, f
   }
 }
 
-// The cos and sin of position t for the D/2 frequencies (Note [Rotary qkv]).
-void rope_angles(int64_t t, int64_t half, double theta, float* cs, float* sn) {
+// The cos and sin of every position t < seq for the D/2 frequencies (Note [Rotary qkv]):
+// row t holds D/2 cosines, then D/2 sines. It is host memory of the call, like oneDNN's
+// scratchpad (Note [Kernel workspace] in kernels.h): seq * D floats, 512 KiB at T = 2048 and
+// D = 64, shared by every row and head of the batch.
+std::vector<float> rope_table(int threads, int64_t seq, int64_t half, double theta) {
+  std::vector<float> table(static_cast<size_t>(seq * 2 * half));
+  std::vector<double> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
-    const double inv_freq = std::pow(theta, -static_cast<double>(2 * i) /
-                                                static_cast<double>(2 * half));
-    const double a = static_cast<double>(t) * inv_freq;
-    cs[i] = static_cast<float>(std::cos(a));
-    sn[i] = static_cast<float>(std::sin(a));
+    inv_freq[static_cast<size_t>(i)] =
+        std::pow(theta, -static_cast<double>(2 * i) / static_cast<double>(2 * half));
   }
+  cpu::parallel_rows(threads, seq, [&](int64_t t) {
+    float* row = table.data() + t * 2 * half;
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = static_cast<double>(t) * inv_freq[static_cast<size_t>(i)];
+      row[i] = static_cast<float>(std::cos(a));
+      row[half + i] = static_cast<float>(std::sin(a));
+    }
+  });
+  return table;
 }
 
 // out = rope(x) over one head of D = 2 * half channels; sign +1 rotates by the angle, -1 back.
@@ -170,13 +181,12 @@ void CpuKernels::do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Ten
                                      Tensor& qkv, int heads, int kv_heads, double theta) {
   const RopeDims r = rope_dims(qkv, heads, kv_heads);
   const int64_t c = r.heads * r.d, ckv = r.kv * r.d;
+  const std::vector<float> table = rope_table(threads_, r.t, r.half, theta);
   cpu::with_typed(
       [&](const auto* qp, const auto* kp, const auto* vp, auto* op) {
         cpu::parallel_rows(threads_, r.b * r.t, [&](int64_t row) {
-          std::vector<float> angles(static_cast<size_t>(2 * r.half));
-          float* cs = angles.data();
-          float* sn = cs + r.half;
-          rope_angles(row % r.t, r.half, theta, cs, sn);
+          const float* cs = table.data() + (row % r.t) * 2 * r.half;
+          const float* sn = cs + r.half;
           auto* o = op + row * 3 * c;
           for (int64_t h = 0; h < r.heads; ++h) {
             rotate_head(qp + row * c + h * r.d, o + h * r.d, cs, sn, r.half, 1.0f);
@@ -201,14 +211,15 @@ void CpuKernels::do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk
                                       int heads, int kv_heads, double theta) {
   const RopeDims r = rope_dims(dqkv, heads, kv_heads);
   const int64_t c = r.heads * r.d, ckv = r.kv * r.d;
+  const std::vector<float> table = rope_table(threads_, r.t, r.half, theta);
+  // Per row, the group sum of one k or v head before it is rotated back (host, D floats).
+  std::vector<float> sums(static_cast<size_t>(r.b * r.t * r.d));
   cpu::with_typed(
       [&](const auto* gp, auto* dqp, auto* dkp, auto* dvp) {
         cpu::parallel_rows(threads_, r.b * r.t, [&](int64_t row) {
-          std::vector<float> scratch(static_cast<size_t>(2 * r.half + r.d));
-          float* cs = scratch.data();
-          float* sn = cs + r.half;
-          float* acc = sn + r.half;
-          rope_angles(row % r.t, r.half, theta, cs, sn);
+          const float* cs = table.data() + (row % r.t) * 2 * r.half;
+          const float* sn = cs + r.half;
+          float* acc = sums.data() + row * r.d;
           const auto* g = gp + row * 3 * c;
           for (int64_t h = 0; h < r.heads; ++h) {
             rotate_head(g + h * r.d, dqp + row * c + h * r.d, cs, sn, r.half, -1.0f);

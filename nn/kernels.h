@@ -47,7 +47,8 @@
 //   at run time: cuBLASLt's fixed 32 MiB workspace (cuda_matmul.h), a device segment owned
 //   by the matmul object for the kernels' lifetime (the device counts it against its
 //   capacity; MemoryStats does not show it), and oneDNN's library-managed scratchpad on cpu
-//   (host heap, outside the simulated capacity).
+//   (host heap, outside the simulated capacity), and likewise the cpu rotary op's cos/sin
+//   table of T x D floats (cpu_llama.cc).
 #pragma once
 
 #include <memory>
