@@ -52,8 +52,8 @@ struct HfConfig {
   HfArch arch = HfArch::kGpt2;
   std::filesystem::path path;  // dir/config.json
   // The porter.model keys config.json fixes, spelt as porter.model spells them: arch, layers,
-  // hidden, heads, vocab, tie_embeddings, kv_heads, intermediate, norm_eps, and rope_theta
-  // (Llama) or max_positions (GPT-2).
+  // hidden, heads, vocab, tie_embeddings, kv_heads, intermediate, norm_eps, max_positions
+  // (n_positions, max_position_embeddings) and, for Llama, rope_theta.
   nlohmann::ordered_json model_keys;
   // Each of those keys' config.json key, for messages: "layers" -> "n_layer".
   std::map<std::string, std::string> hf_key;

@@ -667,7 +667,8 @@ TEST_F(HfCheckpoint, LlamaConfigGivesPorterModelKeys) {
                                                   {"heads", 4}, {"vocab", 100},
                                                   {"tie_embeddings", false}, {"kv_heads", 2},
                                                   {"intermediate", 176}, {"norm_eps", 1e-6},
-                                                  {"rope_theta", 500000.0}}));
+                                                  {"rope_theta", 500000.0},
+                                                  {"max_positions", 256}}));
   // num_key_value_heads defaults to the heads.
   const fs::path mha = model_dir("mha", {{"model_type", "llama"}, {"num_attention_heads", 8}}, {});
   EXPECT_EQ(read_hf_config(mha).model_keys["kv_heads"], 8);
