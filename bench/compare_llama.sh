@@ -45,16 +45,20 @@ for dtype in ("f32", "bf16"):
     rate = b["model_TFLOP"] * 1e3 / s
     peak = b["sgemm_peak_GFLOP/s" if dtype == "f32" else "bf16_gemm_peak_GFLOP/s"]
     print(f"{dtype:5s} | {s:.3f} s | {t['median_s']:.3f} s | {s / t['median_s']:.2f}x | "
-          f"{tokens / s:.0f} | {tokens / t['median_s']:.0f} | {rate:.0f} ({100 * rate / peak:.0f}% of "
+          f"{tokens / s:.0f} | {tokens / t['median_s']:.0f} | "
+          f"{rate:.0f} ({100 * rate / peak:.0f}% of "
           f"{peak:.0f}) | {b['cpu_time'] / b['real_time']:.2f} | {t['cpu_util']:.2f}")
     rows.append((dtype, b, t))
 print()
 print("dtype | porter activation peak | PyTorch saved for backward (of it weight casts)"
-      " | porter step peak - params | PyTorch anon RSS growth (peak RSS growth) | params porter"
-      " / PyTorch  (MiB)")
+      " | porter step peak - params (reserved) | PyTorch anon RSS growth (peak RSS growth)"
+      " | params porter / PyTorch  (MiB)")
 for dtype, b, t in rows:
-    print(f"{dtype:5s} | {b['act_peak_MiB']:.1f} | {t['saved_MiB']:.1f} ({t['saved_weight_casts_MiB']:.1f})"
-          f" | {b['peak_MiB'] - b['params_MiB']:.1f} | {t['anon_growth_MiB']:.1f}"
+    print(f"{dtype:5s} | {b['act_peak_MiB']:.1f} | {t['saved_MiB']:.1f} "
+          f"({t['saved_weight_casts_MiB']:.1f})"
+          f" | {b['peak_MiB'] - b['params_MiB']:.1f}"
+          f" ({b['reserved_peak_MiB'] - b['params_MiB']:.1f})"
+          f" | {t['anon_growth_MiB']:.1f}"
           f" ({t['rss_growth_MiB']:.1f})"
           f" | {b['params_MiB']:.1f} / {t['params_MiB']:.1f}")
 PY

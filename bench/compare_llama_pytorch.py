@@ -234,7 +234,8 @@ def main():
     torch.mm(torch.ones(8, 8), torch.ones(8, 8))  # loads the BLAS
     blas = blas_library()
     if not any("openblas" in l for l in blas):
-        raise SystemExit(f"PyTorch is using {blas}, not OpenBLAS: apt-get install libopenblas0-pthread")
+        raise SystemExit(f"PyTorch is using {blas}, not OpenBLAS: "
+                         "apt-get install libopenblas0-pthread")
     torch.manual_seed(0)
     model = Llama(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate,
                   args.seq_len, args.vocab)

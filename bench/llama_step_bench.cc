@@ -90,7 +90,8 @@ double gemm_peak_gflops(DType dtype) {
   for (int i = 0; i < 5; ++i) {
     auto t0 = std::chrono::steady_clock::now();
     e.kernels->matmul(a, b, c);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const auto dt = std::chrono::steady_clock::now() - t0;
+    best = std::min(best, std::chrono::duration<double>(dt).count());
   }
   double& peak = best_peak[dtype == DType::kF32 ? 0 : 1];
   peak = std::max(peak, 2.0 * n * n * n / best / 1e9);
@@ -127,9 +128,12 @@ struct LlamaRun {
     from_host_f32(*e.device, llama.init_values(1), p);
     llama.bind(flat);
     std::vector<int32_t> tok(static_cast<size_t>(kBatch * kSeq));
-    for (size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int32_t>((i * 2654435761u) % kVocab);
+    for (size_t i = 0; i < tok.size(); ++i) {
+      tok[i] = static_cast<int32_t>((i * 2654435761u) % kVocab);
+    }
     auto ids = [&](int shift) {
-      Tensor t = Tensor::empty(*e.alloc, Shape{kBatch, kSeq}, DType::kI32, memory::Category::kWorkspace);
+      Tensor t = Tensor::empty(*e.alloc, Shape{kBatch, kSeq}, DType::kI32,
+                               memory::Category::kWorkspace);
       std::vector<int32_t> v(tok.size());
       for (size_t i = 0; i < v.size(); ++i) v[i] = tok[(i + shift) % tok.size()];
       e.device->copy_sync(t.data(), v.data(), t.nbytes());
@@ -163,6 +167,7 @@ void BM_LlamaStep(benchmark::State& state) {
   Env& e = env();
   gemm_peak_gflops(DType::kF32);
   gemm_peak_gflops(DType::kBF16);
+  e.alloc->empty_cache();  // so that the reserved peak is this repetition's alone
   LlamaRun run(dtype);
   Ctx ctx(*e.kernels, *e.alloc, dtype);
   const float loss = run.step(*e.kernels, ctx);
@@ -175,19 +180,23 @@ void BM_LlamaStep(benchmark::State& state) {
   const double peak_bf16 = gemm_peak_gflops(DType::kBF16);
   const double flops = model_flops();
   state.counters["model_TFLOP"] = flops / 1e12;
-  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens"] = static_cast<double>(kBatch * kSeq);
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kBatch * kSeq),
                                                   benchmark::Counter::kIsIterationInvariantRate);
   state.counters["sgemm_peak_GFLOP/s"] = peak;
   state.counters["bf16_gemm_peak_GFLOP/s"] = peak_bf16;
   // Memory, MiB: the activation peak (activations + checkpoints + staging, the quantity a
-  // checkpoint policy is judged by), and the peak of everything requested during the steps
+  // checkpoint policy is judged by), the peak of everything requested during the steps
   // (parameters, gradients, inputs, activations and kernel workspace) with the part that
-  // was already live before the first step (parameters, gradients, inputs).
+  // was already live before the first step (parameters, gradients, inputs), and the peak
+  // the allocator reserved from the device (requested bytes plus rounding and cached
+  // blocks: what the process holds).
   state.counters["act_peak_MiB"] = static_cast<double>(after.peak_activation_bytes) / kMiB;
   state.counters["peak_MiB"] = static_cast<double>(after.peak_requested_bytes) / kMiB;
   state.counters["resident_MiB"] = static_cast<double>(before.requested_bytes) / kMiB;
+  state.counters["reserved_peak_MiB"] = static_cast<double>(after.peak_reserved_bytes) / kMiB;
   state.counters["params_MiB"] = static_cast<double>(run.flat.params().nbytes()) / kMiB;
   state.counters["grads_MiB"] = static_cast<double>(run.flat.grads().nbytes()) / kMiB;
   state.counters["threads"] = e.device->threads();

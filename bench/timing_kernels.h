@@ -61,7 +61,8 @@ class TimingKernels : public nn::Kernels {
   }
   void do_layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, Tensor& y,
                             Tensor& mean, Tensor& rstd, float eps) override {
-    timed("layernorm_forward", [&] { inner_->layernorm_forward(x, gamma, beta, y, mean, rstd, eps); });
+    timed("layernorm_forward",
+          [&] { inner_->layernorm_forward(x, gamma, beta, y, mean, rstd, eps); });
   }
   void do_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                              const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
@@ -79,7 +80,8 @@ class TimingKernels : public nn::Kernels {
   }
   void do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
                            int heads, int kv_heads, double theta) override {
-    timed("rope_qkv_forward", [&] { inner_->rope_qkv_forward(q, k, v, qkv, heads, kv_heads, theta); });
+    timed("rope_qkv_forward",
+          [&] { inner_->rope_qkv_forward(q, k, v, qkv, heads, kv_heads, theta); });
   }
   void do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv, int heads,
                             int kv_heads, double theta) override {
