@@ -18,6 +18,7 @@
 #include "nn/ctx.h"
 #include "nn/gpt.h"
 #include "nn/kernels.h"
+#include "bench/timing_kernels.h"
 
 namespace {
 
@@ -85,47 +86,68 @@ double sgemm_peak_gflops() {
   return best_peak;
 }
 
+// The benchmark's model, parameters and batch in one dtype.
+struct GptRun {
+  explicit GptRun(DType dtype) : gpt(model_config()), flat(*env().alloc, gpt.layout(), dtype, DType::kF32) {
+    Env& e = env();
+    Tensor p = flat.params();
+    from_host_f32(*e.device, gpt.init_values(1), p);
+    gpt.bind(flat);
+    std::vector<int32_t> tok(static_cast<size_t>(kBatch * kSeq));
+    for (size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int32_t>((i * 2654435761u) % kVocab);
+    auto ids = [&](int shift) {
+      Tensor t = Tensor::empty(*e.alloc, Shape{kBatch, kSeq}, DType::kI32, memory::Category::kWorkspace);
+      std::vector<int32_t> v(tok.size());
+      for (size_t i = 0; i < v.size(); ++i) v[i] = tok[(i + shift) % tok.size()];
+      e.device->copy_sync(t.data(), v.data(), t.nbytes());
+      return t;
+    };
+    tokens = ids(0);
+    targets = ids(1);
+  }
+  static config::ModelConfig model_config() {
+    config::ModelConfig mc;
+    mc.layers = kLayers;
+    mc.hidden = kHidden;
+    mc.heads = kHeads;
+    mc.seq_len = kSeq;
+    mc.vocab = kVocab;
+    mc.dropout = 0.0;
+    mc.tie_embeddings = true;
+    return mc;
+  }
+  // One step: gradients zeroed, forward and backward; the loss.
+  float step(Kernels& k, Ctx& ctx) {
+    Tensor g = flat.grads();
+    k.fill(g, 0.0f);
+    return gpt.forward_backward(ctx, tokens, targets);
+  }
+
+  Gpt gpt;
+  FlatParams flat;
+  Tensor tokens, targets;
+};
+
+// The untrained model's loss is close to ln(V): checked once, before timing.
+bool loss_ok(benchmark::State& state, float loss) {
+  if (std::fabs(loss - std::log(static_cast<float>(kVocab))) < 0.5f) return true;
+  state.SkipWithError("loss of the untrained model is not ~ln(V)");
+  return false;
+}
+
+DType dtype_of(const benchmark::State& state) {
+  return state.range(0) == 0 ? DType::kF32 : DType::kBF16;
+}
+
 void BM_GptStep(benchmark::State& state) {
-  const DType dtype = state.range(0) == 0 ? DType::kF32 : DType::kBF16;
+  const DType dtype = dtype_of(state);
   Env& e = env();
   sgemm_peak_gflops();
-  config::ModelConfig mc;
-  mc.layers = kLayers;
-  mc.hidden = kHidden;
-  mc.heads = kHeads;
-  mc.seq_len = kSeq;
-  mc.vocab = kVocab;
-  mc.dropout = 0.0;
-  mc.tie_embeddings = true;
-  Gpt gpt(mc);
-  FlatParams flat(*e.alloc, gpt.layout(), dtype, DType::kF32);
-  Tensor p = flat.params();
-  from_host_f32(*e.device, gpt.init_values(1), p);
-  gpt.bind(flat);
-  std::vector<int32_t> tok(static_cast<size_t>(kBatch * kSeq));
-  for (size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int32_t>((i * 2654435761u) % kVocab);
-  auto ids = [&](int shift) {
-    Tensor t = Tensor::empty(*e.alloc, Shape{kBatch, kSeq}, DType::kI32, memory::Category::kWorkspace);
-    std::vector<int32_t> v(tok.size());
-    for (size_t i = 0; i < v.size(); ++i) v[i] = tok[(i + shift) % tok.size()];
-    e.device->copy_sync(t.data(), v.data(), t.nbytes());
-    return t;
-  };
-  Tensor tokens = ids(0), targets = ids(1);
+  GptRun run(dtype);
   Ctx ctx(*e.kernels, *e.alloc, dtype);
-  Tensor g = flat.grads();
-
-  // Check once before timing: the untrained model's loss is close to ln(V).
-  e.kernels->fill(g, 0.0f);
-  const float loss = gpt.forward_backward(ctx, tokens, targets);
-  if (!(std::fabs(loss - std::log(static_cast<float>(kVocab))) < 0.5f)) {
-    state.SkipWithError("loss of the untrained model is not ~ln(V)");
-    return;
-  }
-  for (auto _ : state) {
-    e.kernels->fill(g, 0.0f);
-    benchmark::DoNotOptimize(gpt.forward_backward(ctx, tokens, targets));
-  }
+  const float loss = run.step(*e.kernels, ctx);
+  if (!loss_ok(state, loss)) return;
+  for (auto _ : state) benchmark::DoNotOptimize(run.step(*e.kernels, ctx));
   const double peak = sgemm_peak_gflops();
   const double flops = model_flops();
   state.counters["model_TFLOP"] = flops / 1e12;
@@ -139,6 +161,36 @@ void BM_GptStep(benchmark::State& state) {
 // Iteration time ~ seconds: five single-step repetitions, median reported.
 BENCHMARK(BM_GptStep)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()
     ->Iterations(1)->Repetitions(5)->ReportAggregatesOnly(true);
+
+// Where a step's time goes: every kernel call timed (bench/timing_kernels.h), summed over
+// the timed steps and divided by their number. Counters: ms per step of each group of ops,
+// and of the step outside any kernel; the per-op table, with each matmul shape's GFLOP/s,
+// goes to stderr.
+void BM_GptOpSplit(benchmark::State& state) {
+  const DType dtype = dtype_of(state);
+  Env& e = env();
+  GptRun run(dtype);
+  bench::TimingKernels timing(*e.kernels);
+  Ctx ctx(timing, *e.alloc, dtype);
+  if (!loss_ok(state, run.step(timing, ctx))) return;
+  timing.reset();
+  double step_s = 0.0;
+  int steps = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(run.step(timing, ctx));
+    step_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++steps;
+  }
+  const double kernels_s = bench::print_op_split(timing, std::string(dtype_name(dtype)), steps,
+                                                 step_s, state);
+  state.counters["outside_kernels_ms"] = (step_s - kernels_s) * 1e3 / steps;
+  state.counters["step_ms"] = step_s * 1e3 / steps;
+  state.SetLabel(std::string(dtype_name(dtype)));
+}
+
+BENCHMARK(BM_GptOpSplit)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()
+    ->Iterations(3);
 
 }  // namespace
 

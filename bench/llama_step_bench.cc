@@ -228,34 +228,8 @@ void BM_LlamaOpSplit(benchmark::State& state) {
     step_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++steps;
   }
-  // Groups: the first matching prefix of the op's name.
-  const std::pair<const char*, const char*> groups[] = {
-      {"matmul", "matmul"},           {"attention", "attention"},
-      {"rmsnorm", "rmsnorm"},         {"rope", "rope_qkv"},
-      {"swiglu", "swiglu"},           {"cross_entropy", "cross_entropy"},
-      {"embedding", "embedding"},     {"fill", "fill"},
-      {"add", "add"},                 {"accumulate", "accumulate"},
-      {"other_kernels", ""}};
-  std::map<std::string, double> group_ms;
-  double kernels_s = 0.0;
-  std::fprintf(stderr, "\n%s, %d steps: ms per step, calls per step, GFLOP/s\n",
-               std::string(dtype_name(dtype)).c_str(), steps);
-  for (const auto& [name, t] : timing.times()) {
-    kernels_s += t.seconds;
-    for (const auto& [group, prefix] : groups) {
-      if (name.rfind(prefix, 0) == 0) {
-        group_ms[group] += t.seconds * 1e3 / steps;
-        break;
-      }
-    }
-    std::fprintf(stderr, "  %-36s %9.1f %5lld", name.c_str(), t.seconds * 1e3 / steps,
-                 static_cast<long long>(t.calls / steps));
-    if (t.flops > 0) std::fprintf(stderr, " %7.0f", t.flops / t.seconds / 1e9);
-    std::fprintf(stderr, "\n");
-  }
-  std::fprintf(stderr, "  %-36s %9.1f\n  %-36s %9.1f\n", "outside kernels",
-               (step_s - kernels_s) * 1e3 / steps, "step", step_s * 1e3 / steps);
-  for (const auto& [group, ms] : group_ms) state.counters[group + "_ms"] = ms;
+  const double kernels_s = bench::print_op_split(timing, std::string(dtype_name(dtype)), steps,
+                                                 step_s, state);
   state.counters["outside_kernels_ms"] = (step_s - kernels_s) * 1e3 / steps;
   state.counters["step_ms"] = step_s * 1e3 / steps;
   state.SetLabel(std::string(dtype_name(dtype)));

@@ -3,10 +3,13 @@
 // call's wall time is the op's time.
 #pragma once
 
+#include <benchmark/benchmark.h>
+
 #include <chrono>
 #include <cstdio>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "nn/kernels.h"
 
@@ -193,5 +196,41 @@ class TimingKernels : public nn::Kernels {
   nn::Kernels* inner_;  // not owned; outlives this
   std::map<std::string, OpTime> times_;
 };
+
+// Prints `timing`'s per-op table to stderr (ms per step, calls per step, and GFLOP/s of the
+// matmuls) under `label`, for `steps` steps that took `step_s` seconds in all, and sets one
+// counter per group of ops (ms per step, "matmul_ms", "attention_ms", ...). Returns the
+// seconds spent inside kernels.
+inline double print_op_split(const TimingKernels& timing, const std::string& label, int steps,
+                             double step_s, benchmark::State& state) {
+  // Groups: the first matching prefix of the op's name.
+  const std::pair<const char*, const char*> groups[] = {
+      {"matmul", "matmul"},       {"attention", "attention"},         {"layernorm", "layernorm"},
+      {"gelu", "gelu"},           {"rmsnorm", "rmsnorm"},             {"rope", "rope_qkv"},
+      {"swiglu", "swiglu"},       {"cross_entropy", "cross_entropy"}, {"embedding", "embedding"},
+      {"bias", "bias"},           {"fill", "fill"},                   {"add", "add"},
+      {"accumulate", "accumulate"}, {"other_kernels", ""}};
+  std::map<std::string, double> group_ms;
+  double kernels_s = 0.0;
+  std::fprintf(stderr, "\n%s, %d steps: ms per step, calls per step, GFLOP/s\n", label.c_str(),
+               steps);
+  for (const auto& [name, t] : timing.times()) {
+    kernels_s += t.seconds;
+    for (const auto& [group, prefix] : groups) {
+      if (name.rfind(prefix, 0) == 0) {
+        group_ms[group] += t.seconds * 1e3 / steps;
+        break;
+      }
+    }
+    std::fprintf(stderr, "  %-36s %9.1f %5lld", name.c_str(), t.seconds * 1e3 / steps,
+                 static_cast<long long>(t.calls / steps));
+    if (t.flops > 0) std::fprintf(stderr, " %7.0f", t.flops / t.seconds / 1e9);
+    std::fprintf(stderr, "\n");
+  }
+  std::fprintf(stderr, "  %-36s %9.1f\n  %-36s %9.1f\n", "outside kernels",
+               (step_s - kernels_s) * 1e3 / steps, "step", step_s * 1e3 / steps);
+  for (const auto& [group, ms] : group_ms) state.counters[group + "_ms"] = ms;
+  return kernels_s;
+}
 
 }  // namespace porter::bench

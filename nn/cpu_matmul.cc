@@ -26,16 +26,48 @@
 // 4·batch·m·n when out is f16 (matmul_workspace_bytes). Always widening, rather than trying
 // oneDNN first, keeps the workspace an exact function of the call on every cpu, which the
 // analytic memory model needs.
+//
+// Note [Matmul weight layout]
+// oneDNN's brgemm matmul reads B (its "weights") either where the caller keeps it, in the
+// plain row-major or transposed layout, or from the blocked layout its kernel prefers
+// (format_tag::any), which a reorder writes first. Which is faster depends on the shape and
+// on the cpu. On a 2-core Intel Xeon with AMX, a plain f32 B with rows of 3072 floats (12 KiB,
+// a multiple of the 4 KiB page) runs at 100-115 GFLOP/s, and the same product with B blocked,
+// reorder included, at 210-220 (the MLP's fc2 dgrad and wgrad); on most other GPT shapes plain
+// is as fast or faster, and the fc2 forward loses 15% blocked. So the choice is measured, not
+// assumed: the first time a problem (every MatmulProblem field, and the thread count) is seen,
+// both ways are timed on scratch operands of its shape (the best of three runs each,
+// interleaved), and blocked is kept when it is at least 10% faster. Problems under kMinMeasuredFlops are not worth the timing and stay plain.
+// The choice is made once per process (a shared table), so every Kernels in it, every policy
+// and every thread rank, computes a given problem the same way.
+//
+// In f32 the two ways give identical bits: oneDNN runs the same brgemm kernel over the same K
+// blocks, only the panel copies of B differ (matmul_test checks this on the GPT's shapes). In
+// bf16 with long K (2048 and up) the blocked kernel can sum K in another order, so two
+// processes whose measurements disagree can differ in the last bit; PORTER_MATMUL_LAYOUT=plain
+// (or blocked) fixes the choice for bitwise run-to-run reproducibility.
+//
+// The blocked copy of B lives in one host buffer per DnnlMatmul, grown to the largest copy
+// needed (blocked_buffer_bytes), beside oneDNN's own scratchpad and like it outside the
+// device's capacity: it is the kernel's internal packing, not a tensor, and depends on a
+// measurement, where kernel workspace must be an exact function of the call (Note [Kernel
+// workspace] in kernels.h).
 #include "nn/cpu_matmul.h"
 
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
+#include <string_view>
 
 #include "base/check.h"
+#include "base/error.h"
+#include "base/log.h"
 #include "nn/cpu_kernels.h"
 #include "nn/kernel_workspace.h"
 
@@ -91,24 +123,67 @@ dnnl::memory::desc operand_desc(const MatmulProblem& p, int64_t rows, int64_t co
   return dnnl::memory::desc(dims, dnnl_type(dtype), st);
 }
 
+// Problems smaller than this many flops are multiplied with B plain, unmeasured: timing
+// them would cost more than any layout could win back.
+constexpr double kMinMeasuredFlops = double{1 << 27};
+
+// Elements an operand spans: one past its farthest element.
+int64_t extent(const MatmulProblem& p, int64_t rows, int64_t cols, const int64_t strides[4]) {
+  return 1 + (p.batch0 - 1) * strides[0] + (p.batch1 - 1) * strides[1] + (rows - 1) * strides[2] +
+         (cols - 1) * strides[3];
+}
+
+// The process-wide table of measured choices (Note [Matmul weight layout]). Measurements run
+// one at a time, under the table's lock, so that two ranks' measurements do not share cores.
+struct LayoutTable {
+  std::mutex mu;
+  std::map<std::pair<ProblemKey, int>, bool> blocked;
+};
+
+LayoutTable& layout_table() {
+  static LayoutTable table;
+  return table;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace
+
+MatmulLayout matmul_layout_from_env() {
+  const char* v = std::getenv("PORTER_MATMUL_LAYOUT");
+  if (v == nullptr || *v == '\0') return MatmulLayout::kMeasure;
+  const std::string_view s(v);
+  if (s == "measure") return MatmulLayout::kMeasure;
+  if (s == "plain") return MatmulLayout::kPlain;
+  if (s == "blocked") return MatmulLayout::kBlocked;
+  throw InvalidArgument("PORTER_MATMUL_LAYOUT is \"" + std::string(s) +
+                        "\"; use measure (the default), plain or blocked");
+}
 
 struct DnnlMatmul::Impl {
   struct Entry {
     dnnl::matmul primitive;
     dnnl::memory a, b, out;
     std::string impl_name;
+    // With blocked weights: plain B is reordered into b_blocked, which the primitive reads.
+    bool blocked = false;
+    dnnl::reorder to_blocked;
+    dnnl::memory b_blocked;
+    size_t blocked_bytes = 0;
   };
 
-  explicit Impl(int n) : threads(n), engine(dnnl::engine::kind::cpu, 0), stream(engine) {}
+  Impl(int n, MatmulLayout l)
+      : threads(n), layout(l), engine(dnnl::engine::kind::cpu, 0), stream(engine) {}
 
   Entry& entry(const MatmulProblem& p) {
     ProblemKey key = key_of(p);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
-    dnnl::memory::desc a_md = operand_desc(p, p.m, p.k, p.a_strides, p.a_dtype);
-    dnnl::memory::desc b_md = operand_desc(p, p.k, p.n, p.b_strides, p.b_dtype);
-    dnnl::memory::desc out_md = operand_desc(p, p.m, p.n, p.out_strides, p.out_dtype);
+    const dnnl::memory::desc a_md = operand_desc(p, p.m, p.k, p.a_strides, p.a_dtype);
+    const dnnl::memory::desc b_md = operand_desc(p, p.k, p.n, p.b_strides, p.b_dtype);
+    const dnnl::memory::desc out_md = operand_desc(p, p.m, p.n, p.out_strides, p.out_dtype);
     dnnl::primitive_attr attr;
     if (p.alpha != 1.0f) attr.set_output_scales(0, {p.alpha});
     if (p.beta != 0.0f) {
@@ -119,35 +194,122 @@ struct DnnlMatmul::Impl {
     // oneDNN sizes its blocking from the thread count at creation (Note [Matmul determinism],
     // Note [Matmul threads]).
     omp_set_num_threads(threads);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, out_md), attr, engine);
-    Entry e{dnnl::matmul(pd), dnnl::memory(a_md, engine, nullptr),
-            dnnl::memory(b_md, engine, nullptr), dnnl::memory(out_md, engine, nullptr),
-            pd.impl_info_str()};
-    return cache.emplace(key, std::move(e)).first->second;
+    const dnnl::matmul::primitive_desc plain_pd(dnnl::matmul::desc(a_md, b_md, out_md), attr,
+                                                engine);
+    Entry plain;
+    plain.primitive = dnnl::matmul(plain_pd);
+    plain.a = dnnl::memory(a_md, engine, nullptr);
+    plain.b = dnnl::memory(b_md, engine, nullptr);
+    plain.out = dnnl::memory(out_md, engine, nullptr);
+    plain.impl_name = plain_pd.impl_info_str();
+    Entry blocked = blocked_entry(p, a_md, b_md, out_md, attr);
+    const bool use_blocked = blocked.blocked && choose_blocked(p, key, plain, blocked);
+    return cache.emplace(key, use_blocked ? std::move(blocked) : std::move(plain)).first->second;
+  }
+
+  // The primitive that reads B in oneDNN's preferred layout, and the reorder into it; an
+  // entry with blocked = false when that layout is B's own or oneDNN cannot reorder into it.
+  Entry blocked_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
+                      const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md,
+                      const dnnl::primitive_attr& attr) {
+    if (layout == MatmulLayout::kPlain) return {};
+    try {
+      const dnnl::memory::desc any_md(b_md.dims(), dnnl_type(p.b_dtype),
+                                      dnnl::memory::format_tag::any);
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, any_md, out_md), attr, engine);
+      const dnnl::memory::desc blocked_md = pd.weights_desc();
+      if (blocked_md == b_md) return {};
+      const dnnl::memory b_plain(b_md, engine, nullptr);
+      const dnnl::memory b_blocked(blocked_md, engine, nullptr);
+      const dnnl::reorder::primitive_desc reorder_pd(b_plain, b_blocked);
+      return Entry{dnnl::matmul(pd), dnnl::memory(a_md, engine, nullptr), b_plain,
+                   dnnl::memory(out_md, engine, nullptr),
+                   std::string(pd.impl_info_str()) + ", blocked weights", true,
+                   dnnl::reorder(reorder_pd), b_blocked, blocked_md.get_size()};
+    } catch (const dnnl::error&) {
+      return {};  // no blocked form for this problem: it stays plain
+    }
+  }
+
+  // Whether `problem` uses its blocked entry: as the policy says, or as measured once per
+  // process (Note [Matmul weight layout]).
+  bool choose_blocked(const MatmulProblem& p, const ProblemKey& key, Entry& plain, Entry& blocked) {
+    if (layout == MatmulLayout::kBlocked) return true;
+    const double flops = 2.0 * static_cast<double>(p.batch0 * p.batch1) * static_cast<double>(p.m) *
+                         static_cast<double>(p.n) * static_cast<double>(p.k);
+    if (flops < kMinMeasuredFlops) return false;
+    LayoutTable& table = layout_table();
+    std::lock_guard lock(table.mu);
+    auto [it, inserted] = table.blocked.try_emplace({key, threads}, false);
+    if (!inserted) return it->second;
+    const auto [plain_s, blocked_s] = time_both(p, plain, blocked);
+    it->second = blocked_s < 0.9 * plain_s;
+    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}): B plain {:.2f} ms ({}), blocked {:.2f} ms: {}",
+                     p.m, p.n, p.k, p.batch0, p.batch1, plain_s * 1e3, plain.impl_name,
+                     blocked_s * 1e3, it->second ? "blocked" : "plain");
+    return it->second;
+  }
+
+  // The fastest of three runs of each entry, interleaved so that a busy moment on a shared
+  // machine slows both alike, after one untimed run of each; on scratch operands of p's shape
+  // (bytes 0x3c: 0.0115 in f32 and in bf16, no denormals or infinities).
+  std::pair<double, double> time_both(const MatmulProblem& p, Entry& plain, Entry& blocked) {
+    auto scratch = [](int64_t elems, DType dtype) {
+      return std::vector<char>(static_cast<size_t>(elems) * dtype_size(dtype), 0x3c);
+    };
+    std::vector<char> a = scratch(extent(p, p.m, p.k, p.a_strides), p.a_dtype);
+    std::vector<char> b = scratch(extent(p, p.k, p.n, p.b_strides), p.b_dtype);
+    std::vector<char> out = scratch(extent(p, p.m, p.n, p.out_strides), p.out_dtype);
+    double best[2] = {1e30, 1e30};
+    for (int run = 0; run < 4; ++run) {
+      for (int which = 0; which < 2; ++which) {
+        const auto t0 = std::chrono::steady_clock::now();
+        execute(which == 0 ? plain : blocked, a.data(), b.data(), out.data());
+        if (run > 0) best[which] = std::min(best[which], seconds_since(t0));
+      }
+    }
+    return {best[0], best[1]};
+  }
+
+  void execute(Entry& e, const void* a, const void* b, void* out) {
+    e.a.set_data_handle(const_cast<void*>(a));
+    e.b.set_data_handle(const_cast<void*>(b));
+    e.out.set_data_handle(out);
+    omp_set_num_threads(threads);
+    if (e.blocked) {
+      if (blocked_buffer.size() < e.blocked_bytes) {
+        // 64-byte aligned, as oneDNN's kernels load whole cache lines of B.
+        blocked_buffer.assign(e.blocked_bytes + 64, std::byte{0});
+      }
+      void* aligned = reinterpret_cast<void*>(
+          (reinterpret_cast<uintptr_t>(blocked_buffer.data()) + 63) & ~uintptr_t{63});
+      e.b_blocked.set_data_handle(aligned);
+      e.to_blocked.execute(stream, e.b, e.b_blocked);
+    }
+    e.primitive.execute(stream, {{DNNL_ARG_SRC, e.a},
+                                 {DNNL_ARG_WEIGHTS, e.blocked ? e.b_blocked : e.b},
+                                 {DNNL_ARG_DST, e.out}});
+    stream.wait();
   }
 
   int threads;
+  MatmulLayout layout;
   dnnl::engine engine;
   dnnl::stream stream;
-  std::mutex mu;  // guards cache and serialises runs (one engine stream)
+  mutable std::mutex mu;  // guards cache and blocked_buffer, and serialises runs (one stream)
   std::map<ProblemKey, Entry> cache;
+  std::vector<std::byte> blocked_buffer;
 };
 
-DnnlMatmul::DnnlMatmul(int threads) : impl_(std::make_unique<Impl>(threads)) {}
+DnnlMatmul::DnnlMatmul(int threads, MatmulLayout layout)
+    : impl_(std::make_unique<Impl>(threads, layout)) {}
 DnnlMatmul::~DnnlMatmul() = default;
 
 void DnnlMatmul::run(const MatmulProblem& p, const void* a, const void* b, void* out) {
   if (p.m == 0 || p.n == 0 || p.batch0 == 0 || p.batch1 == 0) return;
   PORTER_ASSERT(p.k > 0, "matmul with K = 0 must be handled by the caller");
   std::lock_guard lock(impl_->mu);
-  Impl::Entry& e = impl_->entry(p);
-  e.a.set_data_handle(const_cast<void*>(a));
-  e.b.set_data_handle(const_cast<void*>(b));
-  e.out.set_data_handle(out);
-  omp_set_num_threads(impl_->threads);
-  e.primitive.execute(impl_->stream, {{DNNL_ARG_SRC, e.a}, {DNNL_ARG_WEIGHTS, e.b},
-                                      {DNNL_ARG_DST, e.out}});
-  impl_->stream.wait();
+  impl_->execute(impl_->entry(p), a, b, out);
 }
 
 size_t DnnlMatmul::cached_primitives() const {
@@ -158,6 +320,16 @@ size_t DnnlMatmul::cached_primitives() const {
 std::string DnnlMatmul::implementation(const MatmulProblem& p) {
   std::lock_guard lock(impl_->mu);
   return impl_->entry(p).impl_name;
+}
+
+bool DnnlMatmul::blocked_weights(const MatmulProblem& p) {
+  std::lock_guard lock(impl_->mu);
+  return impl_->entry(p).blocked;
+}
+
+size_t DnnlMatmul::blocked_buffer_bytes() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->blocked_buffer.size();
 }
 
 void CpuKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) {

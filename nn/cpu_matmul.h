@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "nn/dtype.h"
@@ -25,9 +26,21 @@ struct MatmulProblem {
   float alpha = 1.0f, beta = 0.0f;
 };
 
+// How a matmul reads its B operand (oneDNN's "weights"): as the caller stores it, or reordered
+// first into the blocked layout oneDNN's kernel prefers (Note [Matmul weight layout]).
+enum class MatmulLayout {
+  kMeasure,  // per problem, whichever of the two is faster on this cpu, measured at first use
+  kPlain,
+  kBlocked,  // wherever oneDNN prefers a blocked layout
+};
+
+// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain or blocked; measure when
+// unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
+MatmulLayout matmul_layout_from_env();
+
 class DnnlMatmul {
  public:
-  explicit DnnlMatmul(int threads);
+  explicit DnnlMatmul(int threads, MatmulLayout layout = matmul_layout_from_env());
   ~DnnlMatmul();
   DnnlMatmul(const DnnlMatmul&) = delete;
   DnnlMatmul& operator=(const DnnlMatmul&) = delete;
@@ -35,8 +48,13 @@ class DnnlMatmul {
   void run(const MatmulProblem& problem, const void* a, const void* b, void* out);
   // Distinct problems seen so far (primitives created).
   size_t cached_primitives() const;
-  // The oneDNN implementation chosen for `problem` ("brg:avx512_core", "gemm:jit", ...).
+  // The oneDNN implementation chosen for `problem` ("brg:avx512_core", "gemm:jit", ...), with
+  // ", blocked weights" when B is reordered first.
   std::string implementation(const MatmulProblem& problem);
+  // Whether `problem` reads B through the blocked layout.
+  bool blocked_weights(const MatmulProblem& problem);
+  // Host bytes held for blocked copies of B (the largest one needed so far).
+  size_t blocked_buffer_bytes() const;
 
  private:
   struct Impl;

@@ -1,5 +1,7 @@
 // matmul on cpu (oneDNN): transposes, alpha/beta, batches, bf16, odd sizes, the primitive
-// cache, determinism across thread counts, and shape validation.
+// cache, determinism across thread counts, the weight layout choice, and shape validation.
+#include <cstdlib>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +16,7 @@ using ::testing::HasSubstr;
 using testing::Env;
 using testing::max_rel_error;
 using testing::random_values;
+using testing::round_bf16;
 using testing::round_to;
 
 // Reference: out = alpha * op(a) @ op(b) + beta * out0, in double, batch by batch.
@@ -214,6 +217,133 @@ TEST(MatmulTest, PrimitivesAreCachedPerProblem) {
   mm.run(p, a.data(), b.data(), out.data());
   EXPECT_EQ(mm.cached_primitives(), 2u);
   EXPECT_EQ(out, std::vector<float>(15, 4.0f));
+}
+
+// A 2-D problem as CpuKernels::do_matmul builds it: row-major operands, op(a) (m, k),
+// op(b) (k, n), out (m, n).
+MatmulProblem problem_2d(int64_t m, int64_t n, int64_t k, bool ta, bool tb, DType ab, float beta) {
+  MatmulProblem p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_strides[2] = ta ? 1 : k;
+  p.a_strides[3] = ta ? m : 1;
+  p.b_strides[2] = tb ? 1 : n;
+  p.b_strides[3] = tb ? k : 1;
+  p.out_strides[2] = n;
+  p.a_dtype = p.b_dtype = ab;
+  p.beta = beta;
+  return p;
+}
+
+struct LayoutCase {
+  int64_t m, n, k;
+  bool ta, tb;
+  float beta;
+};
+
+// The GPT's MLP and qkv shapes at 256 token rows, rows of B of 3072 and 768 elements, the
+// weight gradient accumulating (beta = 1), and an odd small one.
+const LayoutCase kLayoutCases[] = {
+    {256, 3072, 768, false, false, 0.0f},  {256, 768, 3072, false, true, 0.0f},
+    {768, 3072, 256, true, false, 1.0f},   {256, 2304, 768, false, true, 0.0f},
+    {3072, 768, 256, true, false, 1.0f},   {37, 70, 33, false, false, 1.0f},
+};
+
+// Runs `p` through `mm` on a, b (f32 values, held as p's dtype) and out0; returns out.
+std::vector<float> run_problem(DnnlMatmul& mm, const MatmulProblem& p, const std::vector<float>& a,
+                               const std::vector<float>& b, const std::vector<float>& out0) {
+  std::vector<float> out = out0;
+  if (p.a_dtype == DType::kF32) {
+    mm.run(p, a.data(), b.data(), out.data());
+    return out;
+  }
+  std::vector<uint16_t> a16(a.size()), b16(b.size());
+  for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+  mm.run(p, a16.data(), b16.data(), out.data());
+  return out;
+}
+
+// Note [Matmul weight layout]: in f32, reading B blocked gives the plain layout's bits.
+TEST(MatmulLayoutTest, BlockedWeightsGiveThePlainBitsInF32) {
+  DnnlMatmul plain(2, MatmulLayout::kPlain), blocked(2, MatmulLayout::kBlocked);
+  int blocked_cases = 0;
+  for (const LayoutCase& c : kLayoutCases) {
+    const MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kF32, c.beta);
+    const std::vector<float> a = random_values(static_cast<size_t>(c.m * c.k), 1);
+    const std::vector<float> b = random_values(static_cast<size_t>(c.k * c.n), 2);
+    const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 3);
+    const std::vector<float> want = run_problem(plain, p, a, b, out0);
+    const std::vector<float> got = run_problem(blocked, p, a, b, out0);
+    EXPECT_EQ(got, want) << c.m << "x" << c.n << "x" << c.k;
+    EXPECT_FALSE(plain.blocked_weights(p));
+    // oneDNN's brgemm kernels always prefer a blocked B, so the blocked path ran.
+    if (plain.implementation(p).rfind("brg", 0) == 0) {
+      EXPECT_TRUE(blocked.blocked_weights(p)) << blocked.implementation(p);
+      EXPECT_THAT(blocked.implementation(p), HasSubstr("blocked weights"));
+      ++blocked_cases;
+    }
+  }
+  if (blocked_cases > 0) {
+    EXPECT_GE(blocked.blocked_buffer_bytes(), size_t{3072 * 768 * 4});
+  }
+  EXPECT_EQ(plain.blocked_buffer_bytes(), 0u);
+}
+
+// In bf16 the blocked kernel may sum K in another order; both are bf16 products summed in f32.
+TEST(MatmulLayoutTest, BlockedWeightsInBf16MatchTheReference) {
+  // Fewer rows than kLayoutCases, for the double reference's sake; K of 2048 and 3072.
+  const LayoutCase cases[] = {{64, 3072, 768, false, false, 0.0f},
+                              {64, 768, 3072, false, true, 0.0f},
+                              {256, 256, 2048, true, false, 1.0f},
+                              {37, 70, 33, false, false, 1.0f}};
+  DnnlMatmul plain(2, MatmulLayout::kPlain), blocked(2, MatmulLayout::kBlocked);
+  for (const LayoutCase& c : cases) {
+    const MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kBF16, c.beta);
+    const std::vector<float> a = round_bf16(random_values(static_cast<size_t>(c.m * c.k), 4));
+    const std::vector<float> b = round_bf16(random_values(static_cast<size_t>(c.k * c.n), 5));
+    const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 6);
+    const std::vector<double> want =
+        reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 1.0f, c.beta});
+    EXPECT_LT(max_rel_error(run_problem(plain, p, a, b, out0), want), 1e-5);
+    EXPECT_LT(max_rel_error(run_problem(blocked, p, a, b, out0), want), 1e-5)
+        << c.m << "x" << c.n << "x" << c.k;
+  }
+}
+
+// A measured choice is made once per process: another DnnlMatmul with the same threads makes
+// the same one, and small problems are not measured.
+TEST(MatmulLayoutTest, MeasuredChoiceIsSharedWithinAProcess) {
+  DnnlMatmul first(2, MatmulLayout::kMeasure), second(2, MatmulLayout::kMeasure);
+  const MatmulProblem big = problem_2d(512, 3072, 768, false, false, DType::kF32, 0.0f);
+  const std::vector<float> a = random_values(512 * 768, 7), b = random_values(768 * 3072, 8);
+  const std::vector<float> out0(512 * 3072, 0.0f);
+  const std::vector<float> got = run_problem(first, big, a, b, out0);
+  EXPECT_EQ(second.blocked_weights(big), first.blocked_weights(big));
+  DnnlMatmul plain(2, MatmulLayout::kPlain);
+  EXPECT_EQ(got, run_problem(plain, big, a, b, out0));
+  const MatmulProblem small = problem_2d(64, 64, 64, false, false, DType::kF32, 0.0f);
+  EXPECT_FALSE(first.blocked_weights(small));
+}
+
+TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
+  ::unsetenv("PORTER_MATMUL_LAYOUT");
+  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kMeasure);
+  ::setenv("PORTER_MATMUL_LAYOUT", "plain", 1);
+  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kPlain);
+  ::setenv("PORTER_MATMUL_LAYOUT", "blocked", 1);
+  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kBlocked);
+  ::setenv("PORTER_MATMUL_LAYOUT", "fastest", 1);
+  try {
+    matmul_layout_from_env();
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("PORTER_MATMUL_LAYOUT"));
+    EXPECT_THAT(e.what(), HasSubstr("\"fastest\""));
+    EXPECT_THAT(e.what(), HasSubstr("plain"));
+  }
+  ::unsetenv("PORTER_MATMUL_LAYOUT");
 }
 
 TEST(MatmulTest, RejectsMismatchedShapesNamingTheOp) {
