@@ -216,23 +216,7 @@ void BM_LlamaOpSplit(benchmark::State& state) {
   const DType dtype = dtype_of(state);
   Env& e = env();
   LlamaRun run(dtype);
-  bench::TimingKernels timing(*e.kernels);
-  Ctx ctx(timing, *e.alloc, dtype);
-  if (!loss_ok(state, run.step(timing, ctx))) return;
-  timing.reset();
-  double step_s = 0.0;
-  int steps = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(run.step(timing, ctx));
-    step_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    ++steps;
-  }
-  const double kernels_s = bench::print_op_split(timing, std::string(dtype_name(dtype)), steps,
-                                                 step_s, state);
-  state.counters["outside_kernels_ms"] = (step_s - kernels_s) * 1e3 / steps;
-  state.counters["step_ms"] = step_s * 1e3 / steps;
-  state.SetLabel(std::string(dtype_name(dtype)));
+  bench::op_split_benchmark(state, run, dtype, *e.kernels, *e.alloc, loss_ok);
 }
 
 BENCHMARK(BM_LlamaOpSplit)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()

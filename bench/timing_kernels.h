@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "nn/ctx.h"
 #include "nn/kernels.h"
 
 namespace porter::bench {
@@ -231,6 +232,32 @@ inline double print_op_split(const TimingKernels& timing, const std::string& lab
                (step_s - kernels_s) * 1e3 / steps, "step", step_s * 1e3 / steps);
   for (const auto& [group, ms] : group_ms) state.counters[group + "_ms"] = ms;
   return kernels_s;
+}
+
+// The body of a step's op-split benchmark: `run.step(kernels, ctx)` (which returns the loss)
+// through TimingKernels around `kernels`, the first step checked by `loss_ok(state, loss)`
+// and not timed; then the table (print_op_split) and the counters outside_kernels_ms and
+// step_ms, ms per step.
+template <typename Run, typename LossOk>
+void op_split_benchmark(benchmark::State& state, Run& run, nn::DType dtype, nn::Kernels& kernels,
+                        memory::CachingAllocator& allocator, LossOk loss_ok) {
+  TimingKernels timing(kernels);
+  nn::Ctx ctx(timing, allocator, dtype);
+  if (!loss_ok(state, run.step(timing, ctx))) return;
+  timing.reset();
+  double step_s = 0.0;
+  int steps = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(run.step(timing, ctx));
+    step_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++steps;
+  }
+  const std::string label(nn::dtype_name(dtype));
+  const double kernels_s = print_op_split(timing, label, steps, step_s, state);
+  state.counters["outside_kernels_ms"] = (step_s - kernels_s) * 1e3 / steps;
+  state.counters["step_ms"] = step_s * 1e3 / steps;
+  state.SetLabel(label);
 }
 
 }  // namespace porter::bench
