@@ -1,13 +1,17 @@
 #!/usr/bin/python3
 """PyTorch 1.13's time for the GPT step that bench/gpt_step_bench.cc times in porter: the
 same pre-LN GPT (tied head, dropout 0, tanh GELU), same shapes, forward + backward, no
-optimizer, at a fixed thread count. Prints one JSON line with the median step time.
+optimizer, at a fixed thread count, in f32 or (--dtype bf16) under
+torch.autocast("cpu", dtype=torch.bfloat16), PyTorch's counterpart of porter's bf16 step.
+Prints one JSON line with the dtype and the median step time.
 
 Run with Debian's python3 (python3-torch), e.g. through bench/compare_step.sh:
-    OPENBLAS_CORETYPE=SkylakeX /usr/bin/python3 bench/compare_pytorch.py --threads 2
+    OPENBLAS_CORETYPE=SkylakeX /usr/bin/python3 bench/compare_pytorch.py --threads 2 --dtype f32
 PyTorch is run at its best: OPENBLAS_CORETYPE=SkylakeX is set before torch loads (without it
 Debian's OpenBLAS picks a slow generic kernel on this CPU), grads are set to None between
-steps rather than zeroed, and two warm-up steps run first.
+steps rather than zeroed, and two warm-up steps run first. Its f32 matmuls call OpenBLAS;
+under autocast its matmuls run in bf16 through its bundled oneDNN, whatever the BLAS, while
+autocast keeps the ops on its f32 list (the loss among them) in f32.
 
 Debian's torch calls whatever libblas.so.3 the alternatives system points to. With only
 libblas3 installed that is the netlib reference BLAS (~25x slower); the script refuses to
@@ -97,6 +101,8 @@ def main():
     ap = argparse.ArgumentParser(description="PyTorch GPT step time")
     add_model_args(ap)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32",
+                    help="bf16: the step under torch.autocast(\"cpu\", dtype=torch.bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.mm(torch.ones(8, 8), torch.ones(8, 8))  # loads the BLAS
@@ -107,11 +113,15 @@ def main():
     model = Gpt(args.layers, args.hidden, args.heads, args.seq_len, args.vocab)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     targets = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    bf16 = args.dtype == "bf16"
 
     def step():
         for p in model.parameters():
             p.grad = None
-        loss = model(tokens, targets)
+        # Forward only under autocast, as PyTorch prescribes: backward runs each op in the
+        # dtype its forward used.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(tokens, targets)
         loss.backward()
         return loss.item()
 
@@ -126,6 +136,7 @@ def main():
         times.append(time.perf_counter() - t0)
     print(json.dumps({
         "framework": f"pytorch {torch.__version__}",
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
         "blas": blas,

@@ -1,0 +1,657 @@
+// Every matmul of the GPT step that bench/gpt_step_bench.cc times (B = 4, T = 512, C = 768,
+// 12 heads, vocab 8192, tied head), one row each: the Linears' forward, dgrad and wgrad in all
+// four transpose forms, f32 and bf16, and the attention's batched matmuls at porter's strides.
+// A row reports its median time, GFLOP/s, the ratio to a peak measured in this process, and
+// the oneDNN implementation chosen; it is checked against oneDNN's sgemm before it is timed.
+//
+// Note [Sweep forms]
+// Porter stores a Linear's weight (out, in) and computes forward y = x W^T (NT), dgrad
+// dx = dy W (NN) and wgrad dW += dy^T x (TN, beta = 1), Ctx::linear and linear_backward in
+// nn/gpt_blocks.cc. Each is also timed with its operands stored in the other layouts (the
+// same M, N, K), so a slow form shows whether a relayout would pay. In a bf16 run the
+// activations are bf16, so forward and dgrad write bf16 and wgrad accumulates into the f32
+// gradients; the bf16 rows do the same. Attention runs in f32 whatever the model's dtype
+// (Note [Attention scratch] in nn/cpu_attention.cc), so its rows are f32 only.
+//
+// Note [Sweep peaks]
+// f32: oneDNN's sgemm at 2048^3, best of 5. bf16: porter's bf16 matmul (bf16 operands, f32
+// out) on squares of 1024 to 4096, the best rate of any. Both are measured before the rows
+// and again after them, each retried like a contended row (kQuietCpuUtil); the summary on
+// stderr divides by the best of all, so a busy moment on a shared machine does not
+// understate the peak. A row's own of_peak counter divides by the peak known when it ran
+// (the one before), so it can only read higher than the summary.
+#include <benchmark/benchmark.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <memory>
+#include <oneapi/dnnl/dnnl.h>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "memory/caching_allocator.h"
+#include "memory/device.h"
+#include "nn/cpu_matmul.h"
+#include "nn/kernels.h"
+
+namespace porter::nn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The GPT step's shapes (bench/gpt_step_bench.cc).
+constexpr int64_t kBatch = 4, kSeq = 512, kTokens = kBatch * kSeq, kHidden = 768, kHeads = 12;
+constexpr int64_t kHeadDim = kHidden / kHeads, kVocab = 8192;
+// Attention's query row block (Note [Causal row blocks] in nn/cpu_attention.cc); the rows
+// time the last one, which attends to all T keys.
+constexpr int64_t kRowBlock = 64;
+// Each row repeats until about this much time is spent, at least 5 and at most 41 runs.
+constexpr double kRowSeconds = 0.4;
+// A row timed under contention (cpu_util below kQuietCpuUtil, see Timing) is timed again
+// after a pause, up to kMaxAttempts in all, and keeps its least contended attempt. The
+// retries of the whole run share kRetryBudgetSeconds, so a machine that stays busy costs at
+// most that much more; past it, rows keep their first attempt and show its cpu_util.
+constexpr double kQuietCpuUtil = 0.9, kRetryBudgetSeconds = 90.0;
+constexpr int kMaxAttempts = 3;
+
+int bench_threads() {
+  const char* env = std::getenv("PORTER_BENCH_THREADS");
+  return env != nullptr ? std::max(1, std::atoi(env)) : 2;
+}
+
+// One cpu device, allocator and kernels for the whole run, plus a DnnlMatmul of the same
+// thread count: it names the implementation of a problem and runs the attention's strided
+// ones, which Kernels::matmul cannot express.
+struct Env {
+  Env() {
+    memory::DeviceOptions o;
+    o.kind = memory::DeviceKind::kCpu;
+    o.memory_limit_bytes = size_t{8} << 30;
+    o.threads = bench_threads();
+    device = memory::make_device(o);
+    allocator = std::make_unique<memory::CachingAllocator>(*device);
+    kernels = make_kernels(*allocator);
+    probe = std::make_unique<DnnlMatmul>(device->threads());
+  }
+  // Uniform in [-1, 1), from a hash of the index: quick enough to refill 16M elements per row.
+  Tensor random(Shape shape, uint64_t seed, DType dtype) {
+    std::vector<float> v(static_cast<size_t>(shape.numel()));
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
+      v[i] = static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    }
+    Tensor t = Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
+    from_host_f32(*device, v, t);
+    return t;
+  }
+  Tensor copy(const Tensor& t) {
+    Tensor c = Tensor::empty(*allocator, t.shape(), t.dtype(), memory::Category::kWorkspace);
+    std::memcpy(c.data(), t.data(), t.nbytes());
+    return c;
+  }
+  std::vector<float> host(const Tensor& t) { return to_host_f32(*device, t); }
+
+  std::unique_ptr<memory::Device> device;
+  std::unique_ptr<memory::CachingAllocator> allocator;
+  std::unique_ptr<Kernels> kernels;
+  std::unique_ptr<DnnlMatmul> probe;
+};
+
+Env& env() {
+  static Env e;
+  return e;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// A row's timing: the median of its runs, and the process's cpu time over the runs' wall time
+// times the threads. oneDNN's threads spin while they wait, so the latter is near 1 when they
+// had their cores to themselves and drops when other processes took turns on them; a row
+// whose value is well below 1 was timed under contention.
+struct Timing {
+  double median_s = 0, cpu_util = 0;
+  int runs = 0;
+};
+
+// One warm-up call, then runs until kRowSeconds (5 to 41 of them).
+template <typename Fn>
+Timing median_seconds(Fn&& fn) {
+  fn();
+  std::vector<double> t;
+  const std::clock_t cpu0 = std::clock();
+  auto t0 = Clock::now();
+  fn();
+  t.push_back(seconds_since(t0));
+  const int runs = std::clamp(static_cast<int>(kRowSeconds / t[0]), 5, 41);
+  while (static_cast<int>(t.size()) < runs) {
+    t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  const double cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  double wall_s = 0;
+  for (double x : t) wall_s += x;
+  std::sort(t.begin(), t.end());
+  return Timing{t[t.size() / 2], cpu_s / (wall_s * bench_threads()), runs};
+}
+
+// oneDNN's sgemm (row-major) on the bench's thread count: the reference and the f32 peak.
+void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           const float* b, float beta, float* c) {
+  omp_set_num_threads(bench_threads());
+  dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, ta ? m : k, b, tb ? k : n, beta,
+             c, n);
+}
+
+// What is left of kRetryBudgetSeconds, for the rows and the peaks together.
+double& retry_seconds_left() {
+  static double left = kRetryBudgetSeconds;
+  return left;
+}
+
+// ---- peaks (Note [Sweep peaks]) ----
+
+// One peak measurement: its rate, the square size that gave it, and cpu_util (see Timing)
+// over its timed calls.
+struct PeakSample {
+  double gflops = 0, cpu_util = 0;
+  int64_t n = 0;
+};
+
+// The best sample of each peak so far.
+struct Peaks {
+  PeakSample f32, bf16;
+  bool measured = false;
+};
+
+Peaks& peaks() {
+  static Peaks p;
+  return p;
+}
+
+// Best time of `runs` calls after a warm-up, with the cpu and wall seconds of those calls.
+struct Best {
+  double best_s = 1e30, cpu_s = 0, wall_s = 0;
+};
+
+template <typename Fn>
+Best best_seconds(int runs, Fn&& fn) {
+  fn();
+  Best b;
+  const std::clock_t cpu0 = std::clock();
+  for (int r = 0; r < runs; ++r) {
+    auto t0 = Clock::now();
+    fn();
+    const double s = seconds_since(t0);
+    b.best_s = std::min(b.best_s, s);
+    b.wall_s += s;
+  }
+  b.cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  return b;
+}
+
+PeakSample sgemm_peak() {
+  const int64_t n = 2048;
+  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
+  const Best t = best_seconds(5, [&] {
+    sgemm(false, false, n, n, n, 1.0f, a.data(), b.data(), 0.0f, c.data());
+  });
+  return {2.0 * n * n * n / t.best_s / 1e9, t.cpu_s / (t.wall_s * bench_threads()), n};
+}
+
+PeakSample bf16_peak() {
+  Env& e = env();
+  PeakSample best;
+  double cpu_s = 0, wall_s = 0;
+  for (int64_t n : {1024, 2048, 3072, 4096}) {
+    Tensor a = e.random({n, n}, 11, DType::kBF16), b = e.random({n, n}, 12, DType::kBF16);
+    Tensor out =
+        Tensor::empty(*e.allocator, Shape{n, n}, DType::kF32, memory::Category::kWorkspace);
+    const Best t = best_seconds(3, [&] { e.kernels->matmul(a, b, out); });
+    cpu_s += t.cpu_s;
+    wall_s += t.wall_s;
+    const double rate = 2.0 * n * n * n / t.best_s / 1e9;
+    if (rate > best.gflops) {
+      best.gflops = rate;
+      best.n = n;
+    }
+  }
+  best.cpu_util = cpu_s / (wall_s * bench_threads());
+  return best;
+}
+
+// Measures both peaks now, again after a pause while either was contended (within the retry
+// budget), and keeps the best of these and of any earlier measurement. Returns this call's
+// best samples.
+void measure_peaks(PeakSample* f32_now, PeakSample* bf16_now) {
+  Peaks& p = peaks();
+  *f32_now = *bf16_now = PeakSample{};
+  for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
+    const auto t0 = Clock::now();
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    const PeakSample f = sgemm_peak(), b = bf16_peak();
+    if (f.gflops > f32_now->gflops) *f32_now = f;
+    if (b.gflops > bf16_now->gflops) *bf16_now = b;
+    if (attempt > 0) retry_seconds_left() -= seconds_since(t0);
+    if (std::min(f.cpu_util, b.cpu_util) >= kQuietCpuUtil || retry_seconds_left() <= 0) break;
+  }
+  if (f32_now->gflops > p.f32.gflops) p.f32 = *f32_now;
+  if (bf16_now->gflops > p.bf16.gflops) p.bf16 = *bf16_now;
+  p.measured = true;
+}
+
+void ensure_peaks() {
+  if (peaks().measured) return;
+  PeakSample f, b;
+  measure_peaks(&f, &b);
+}
+
+double peak_of(DType ab) {
+  return ab == DType::kF32 ? peaks().f32.gflops : peaks().bf16.gflops;
+}
+
+void BM_Peaks(benchmark::State& state) {
+  PeakSample f32, bf16;
+  for (auto _ : state) measure_peaks(&f32, &bf16);
+  state.counters["f32_sgemm2048_GFLOP/s"] = f32.gflops;
+  state.counters["f32_cpu_util"] = f32.cpu_util;
+  state.counters["bf16_GFLOP/s"] = bf16.gflops;
+  state.counters["bf16_best_n"] = static_cast<double>(bf16.n);
+  state.counters["bf16_cpu_util"] = bf16.cpu_util;
+  state.counters["f32_max_GFLOP/s"] = peaks().f32.gflops;
+  state.counters["bf16_max_GFLOP/s"] = peaks().bf16.gflops;
+}
+
+// ---- results, for the summary ----
+
+struct RowResult {
+  std::string name;
+  bool porter;  // the form porter runs
+  DType ab;     // the operands' dtype, which picks the peak
+  double ms, gflops, cpu_util;
+  std::string impl;
+};
+
+std::vector<RowResult>& results() {
+  static std::vector<RowResult> r;
+  return r;
+}
+
+// Largest |got - want| over the largest |want|: one bound for the whole output, as the
+// accumulation error grows with K rather than with each element.
+double max_rel_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double err = 0, mag = 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, std::abs(double(got[i]) - double(want[i])));
+    mag = std::max(mag, std::abs(double(want[i])));
+  }
+  return err / mag;
+}
+
+double tolerance(DType ab) { return ab == DType::kF32 ? 1e-4 : 2e-2; }
+
+// Times fn, then sets the row's time, counters and label and records it.
+template <typename Fn>
+void time_row(benchmark::State& state, const std::string& name, bool porter, DType ab,
+              double flops, const std::string& impl, double rel_error, Fn&& fn) {
+  ensure_peaks();
+  Timing t;
+  int attempts = 0;
+  for (auto _ : state) {
+    t = median_seconds(fn);
+    for (attempts = 1; attempts < kMaxAttempts && t.cpu_util < kQuietCpuUtil &&
+                       retry_seconds_left() > 0;
+         ++attempts) {
+      const auto t0 = Clock::now();
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      const Timing again = median_seconds(fn);
+      if (again.cpu_util > t.cpu_util) t = again;
+      retry_seconds_left() -= seconds_since(t0);
+    }
+    state.SetIterationTime(t.median_s);
+  }
+  const double gflops = flops / t.median_s / 1e9;
+  state.counters["GFLOP/s"] = gflops;
+  state.counters["of_peak"] = gflops / peak_of(ab);
+  state.counters["runs"] = t.runs;
+  state.counters["cpu_util"] = t.cpu_util;
+  state.counters["attempts"] = attempts;
+  state.counters["rel_err"] = rel_error;
+  state.SetLabel((porter ? "porter | " : "       | ") + impl);
+  results().push_back({name, porter, ab, t.median_s * 1e3, gflops, t.cpu_util, impl});
+}
+
+// ---- the Linears' rows (Note [Sweep forms]) ----
+
+// The MatmulProblem that CpuKernels::do_matmul (nn/cpu_matmul.cc) builds for this call with
+// operands that are not f16, so that DnnlMatmul::implementation names the primitive the
+// kernels run. The row's check also runs it on the probe, so a mirror that computes other
+// math than the kernels' call fails the row; one that computes the same math through other
+// strides would still pass, so this must follow do_matmul by hand.
+MatmulProblem problem_of(const Tensor& a, const Tensor& b, const Tensor& out,
+                         const MatmulSpec& spec) {
+  const int64_t a_rows = a.dim(-2), a_cols = a.dim(-1);
+  const int64_t b_rows = b.dim(-2), b_cols = b.dim(-1);
+  MatmulProblem p;
+  p.batch0 = a.rank() == 3 ? a.dim(0) : 1;
+  p.m = spec.trans_a ? a_cols : a_rows;
+  p.k = spec.trans_a ? a_rows : a_cols;
+  p.n = spec.trans_b ? b_rows : b_cols;
+  p.a_strides[0] = a_rows * a_cols;
+  p.a_strides[2] = spec.trans_a ? 1 : a_cols;
+  p.a_strides[3] = spec.trans_a ? a_cols : 1;
+  p.b_strides[0] = b_rows * b_cols;
+  p.b_strides[2] = spec.trans_b ? 1 : b_cols;
+  p.b_strides[3] = spec.trans_b ? b_cols : 1;
+  p.out_strides[0] = p.m * p.n;
+  p.out_strides[2] = p.n;
+  p.a_dtype = a.dtype();
+  p.b_dtype = b.dtype();
+  p.out_dtype = out.dtype();
+  p.alpha = spec.alpha;
+  p.beta = spec.beta;
+  return p;
+}
+
+struct LinearShape {
+  const char* name;
+  int64_t in, out;
+};
+
+// The head multiplies by the tied embedding (V, C), stored like any Linear's weight.
+constexpr LinearShape kLinears[] = {{"qkv", kHidden, 3 * kHidden},
+                                    {"proj", kHidden, kHidden},
+                                    {"fc1", kHidden, 4 * kHidden},
+                                    {"fc2", 4 * kHidden, kHidden},
+                                    {"head", kHidden, kVocab}};
+
+enum Pass { kForward, kDgrad, kWgrad };
+constexpr const char* kPassNames[] = {"fwd", "dgrad", "wgrad"};
+
+// One Linear pass as out (M, N) = A (M, K) @ B (K, N), and the form porter stores it in.
+struct LinearMatmul {
+  int64_t m, n, k;
+  bool porter_ta, porter_tb;
+  float beta;
+};
+
+LinearMatmul linear_matmul(const LinearShape& l, Pass pass) {
+  switch (pass) {
+    case kForward: return {kTokens, l.out, l.in, false, true, 0.0f};  // x (N, in) @ W^T
+    case kDgrad: return {kTokens, l.in, l.out, false, false, 0.0f};   // dy (N, out) @ W
+    case kWgrad: return {l.out, l.in, kTokens, true, false, 1.0f};    // dy^T @ x, +=
+  }
+  return {};
+}
+
+std::string form_name(bool ta, bool tb) { return std::string(ta ? "T" : "N") + (tb ? "T" : "N"); }
+
+void BM_Linear(benchmark::State& state, std::string name, LinearShape layer, Pass pass, bool ta,
+               bool tb, DType ab) {
+  Env& e = env();
+  const LinearMatmul mm = linear_matmul(layer, pass);
+  const int64_t m = mm.m, n = mm.n, k = mm.k;
+  // Activations are ab; the gradients that wgrad accumulates into are f32.
+  const DType out_dtype = pass == kWgrad ? DType::kF32 : ab;
+  Tensor a = e.random(ta ? Shape{k, m} : Shape{m, k}, 1, ab);
+  Tensor b = e.random(tb ? Shape{n, k} : Shape{k, n}, 2, ab);
+  Tensor out = e.random({m, n}, 3, out_dtype);  // wgrad adds to it
+  const MatmulSpec spec{ta, tb, 1.0f, mm.beta};
+  const MatmulProblem problem = problem_of(a, b, out, spec);
+  double err = 0;
+  {
+    // Check: the kernels and the probe (running the mirrored problem) against oneDNN's
+    // sgemm on f32 copies of the same operands and initial out.
+    std::vector<float> ref = e.host(out);
+    sgemm(ta, tb, m, n, k, 1.0f, e.host(a).data(), e.host(b).data(), mm.beta, ref.data());
+    Tensor probe_out = e.copy(out);
+    e.kernels->matmul(a, b, out, spec);
+    e.probe->run(problem, a.data(), b.data(), probe_out.data());
+    err = max_rel_error(e.host(out), ref);
+    const double probe_err = max_rel_error(e.host(probe_out), ref);
+    if (!(err <= tolerance(ab)) || !(probe_err <= tolerance(ab))) {
+      const std::string msg = "disagrees with oneDNN sgemm: kernels rel err " +
+                              std::to_string(err) + ", probe " + std::to_string(probe_err) +
+                              ", tolerance " + std::to_string(tolerance(ab));
+      state.SkipWithError(msg.c_str());
+      return;
+    }
+  }
+  const bool porter = ta == mm.porter_ta && tb == mm.porter_tb;
+  time_row(state, name, porter, ab, 2.0 * m * n * k, e.probe->implementation(problem), err,
+           [&] { e.kernels->matmul(a, b, out, spec); });
+}
+
+// ---- the attention's rows (Note [Causal row blocks] in nn/cpu_attention.cc) ----
+
+enum AttentionOp { kScores, kPV, kDP, kDQ, kDK, kDV };
+constexpr const char* kAttentionNames[] = {"fwd/S=QK^T", "fwd/O=PV",    "bwd/dP=dOV^T",
+                                           "bwd/dQ=dSK", "bwd/dK=dS^TQ", "bwd/dV=P^TdO"};
+
+// The tensors porter's attention reads and writes, f32: the (B, T, 3C) qkv that q, k and v
+// are strided views of, the (B, H, T, T) probabilities, the (B, T, C) output and its
+// gradient, the (B, H, kRowBlock, T) dS scratch and the (B, T, 3C) dqkv.
+struct AttentionTensors {
+  explicit AttentionTensors(Env& e)
+      : qkv(e.random({kBatch, kSeq, 3 * kHidden}, 4, DType::kF32)),
+        probs(e.random({kBatch, kHeads, kSeq, kSeq}, 5, DType::kF32)),
+        out(e.random({kBatch, kSeq, kHidden}, 6, DType::kF32)),
+        dout(e.random({kBatch, kSeq, kHidden}, 7, DType::kF32)),
+        ds(e.random({kBatch, kHeads, kRowBlock, kSeq}, 8, DType::kF32)),
+        dqkv(e.random({kBatch, kSeq, 3 * kHidden}, 9, DType::kF32)) {}
+  Tensor qkv, probs, out, dout, ds, dqkv;
+};
+
+struct StridedCall {
+  MatmulProblem p;
+  const float* a;
+  const float* b;
+  float* out;
+};
+
+// The call do_attention_forward / do_attention_backward makes for the last row block
+// (i0 = T - 64, i1 = T), with the same pointers and strides. Backward runs that block first
+// with beta = 0 (it initialises dK and dV), so beta is 0 here.
+StridedCall attention_call(AttentionOp op, const AttentionTensors& t) {
+  const int64_t c = kHidden, c3 = 3 * c, T = kSeq, hd = kHeadDim;
+  const int64_t i1 = T, i0 = T - kRowBlock, rows = i1 - i0;
+  const int64_t qkv_str[4] = {T * c3, hd, c3, 1};
+  const int64_t qkv_t_str[4] = {T * c3, hd, 1, c3};
+  const int64_t probs_str[4] = {kHeads * T * T, T * T, T, 1};
+  const int64_t probs_t_str[4] = {kHeads * T * T, T * T, 1, T};
+  const int64_t out_str[4] = {T * c, hd, c, 1};
+  const int64_t ds_str[4] = {kHeads * kRowBlock * T, kRowBlock * T, T, 1};
+  const int64_t ds_t_str[4] = {kHeads * kRowBlock * T, kRowBlock * T, 1, T};
+  const float* x = t.qkv.data_as<float>();
+  float* pr = t.probs.data_as<float>();  // written by the scores, read by the rest
+  const float* dy = t.dout.data_as<float>();
+  float* ds = t.ds.data_as<float>();
+  float* dx = t.dqkv.data_as<float>();
+  float* o = t.out.data_as<float>();
+  StridedCall s{};
+  auto set = [&](int64_t m, int64_t n, int64_t k, const int64_t (&as)[4], const float* a,
+                 const int64_t (&bs)[4], const float* b, const int64_t (&os)[4], float* out,
+                 float alpha) {
+    s.p.batch0 = kBatch;
+    s.p.batch1 = kHeads;
+    s.p.m = m;
+    s.p.n = n;
+    s.p.k = k;
+    for (int i = 0; i < 4; ++i) {
+      s.p.a_strides[i] = as[i];
+      s.p.b_strides[i] = bs[i];
+      s.p.out_strides[i] = os[i];
+    }
+    s.p.alpha = alpha;
+    s.p.beta = 0.0f;
+    s.a = a;
+    s.b = b;
+    s.out = out;
+  };
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // Each as in nn/cpu_attention.cc: m, n, k, then a, b and out with their strides.
+  switch (op) {
+    case kScores:  // S = scale Q[i0:i1] K[0:i1]^T
+      set(rows, i1, hd, qkv_str, x + i0 * c3, qkv_t_str, x + c, probs_str, pr + i0 * T, scale);
+      break;
+    case kPV:  // O[i0:i1] = P[i0:i1, 0:i1] V[0:i1]
+      set(rows, hd, i1, probs_str, pr + i0 * T, qkv_str, x + 2 * c, out_str, o + i0 * c, 1.0f);
+      break;
+    case kDP:  // dP = dO[i0:i1] V[0:i1]^T
+      set(rows, i1, hd, out_str, dy + i0 * c, qkv_t_str, x + 2 * c, ds_str, ds, 1.0f);
+      break;
+    case kDQ:  // dQ[i0:i1] = dS K[0:i1]
+      set(rows, hd, i1, ds_str, ds, qkv_str, x + c, qkv_str, dx + i0 * c3, 1.0f);
+      break;
+    case kDK:  // dK[0:i1] = dS^T Q[i0:i1]
+      set(i1, hd, rows, ds_t_str, ds, qkv_str, x + i0 * c3, qkv_str, dx + c, 1.0f);
+      break;
+    case kDV:  // dV[0:i1] = P[i0:i1, 0:i1]^T dO[i0:i1]
+      set(i1, hd, rows, probs_t_str, pr + i0 * T, out_str, dy + i0 * c, qkv_str, dx + 2 * c,
+          1.0f);
+      break;
+  }
+  return s;
+}
+
+// One (batch0, batch1) matrix of a strided operand, rows x cols, row-major.
+std::vector<float> gather(const float* base, const int64_t (&st)[4], int64_t b0, int64_t b1,
+                          int64_t rows, int64_t cols) {
+  std::vector<float> m(static_cast<size_t>(rows * cols));
+  const float* p = base + b0 * st[0] + b1 * st[1];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) m[i * cols + j] = p[i * st[2] + j * st[3]];
+  return m;
+}
+
+void BM_Attention(benchmark::State& state, std::string name, AttentionOp op) {
+  Env& e = env();
+  AttentionTensors t(e);
+  const StridedCall s = attention_call(op, t);
+  const MatmulProblem& p = s.p;
+  double err = 0;
+  {
+    // Check: each (batch, head) matrix against oneDNN's sgemm on contiguous copies.
+    std::vector<std::vector<float>> refs;
+    for (int64_t b0 = 0; b0 < p.batch0; ++b0) {
+      for (int64_t b1 = 0; b1 < p.batch1; ++b1) {
+        std::vector<float> ref = gather(s.out, p.out_strides, b0, b1, p.m, p.n);
+        sgemm(false, false, p.m, p.n, p.k, p.alpha,
+              gather(s.a, p.a_strides, b0, b1, p.m, p.k).data(),
+              gather(s.b, p.b_strides, b0, b1, p.k, p.n).data(), p.beta, ref.data());
+        refs.push_back(std::move(ref));
+      }
+    }
+    e.probe->run(p, s.a, s.b, s.out);
+    std::vector<float> got, want;
+    for (int64_t b0 = 0, i = 0; b0 < p.batch0; ++b0) {
+      for (int64_t b1 = 0; b1 < p.batch1; ++b1, ++i) {
+        std::vector<float> g = gather(s.out, p.out_strides, b0, b1, p.m, p.n);
+        got.insert(got.end(), g.begin(), g.end());
+        want.insert(want.end(), refs[i].begin(), refs[i].end());
+      }
+    }
+    err = max_rel_error(got, want);
+    if (!(err <= tolerance(DType::kF32))) {
+      const std::string msg = "disagrees with oneDNN sgemm: rel err " + std::to_string(err);
+      state.SkipWithError(msg.c_str());
+      return;
+    }
+  }
+  const double flops = 2.0 * p.batch0 * p.batch1 * p.m * p.n * p.k;
+  time_row(state, name, true, DType::kF32, flops, e.probe->implementation(p), err,
+           [&] { e.probe->run(p, s.a, s.b, s.out); });
+}
+
+// ---- registration and summary ----
+
+void register_rows() {
+  auto row = [](benchmark::internal::Benchmark* b) {
+    b->Unit(benchmark::kMillisecond)->UseManualTime()->Iterations(1);
+  };
+  benchmark::RegisterBenchmark("peaks/before", BM_Peaks)->Unit(benchmark::kMillisecond)->Iterations(1);
+  for (DType ab : {DType::kF32, DType::kBF16}) {
+    for (const LinearShape& l : kLinears) {
+      for (Pass pass : {kForward, kDgrad, kWgrad}) {
+        for (int form = 0; form < 4; ++form) {
+          const bool ta = form >= 2, tb = form % 2 == 1;
+          const std::string name = std::string(l.name) + "/" + kPassNames[pass] + "/" +
+                                   form_name(ta, tb) + "/" + std::string(dtype_name(ab));
+          row(benchmark::RegisterBenchmark(name.c_str(), BM_Linear, name, l, pass, ta, tb, ab));
+        }
+      }
+    }
+    if (ab != DType::kF32) continue;
+    for (AttentionOp op : {kScores, kPV, kDP, kDQ, kDK, kDV}) {
+      const std::string name = std::string("attn/") + kAttentionNames[op] + "/f32";
+      row(benchmark::RegisterBenchmark(name.c_str(), BM_Attention, name, op));
+    }
+  }
+  benchmark::RegisterBenchmark("peaks/after", BM_Peaks)->Unit(benchmark::kMillisecond)->Iterations(1);
+}
+
+void print_summary(const double (&load_before)[3]) {
+  const std::vector<RowResult>& rows = results();
+  if (rows.empty()) return;
+  const Peaks& pk = peaks();
+  double load_after[3] = {0, 0, 0};
+  getloadavg(load_after, 3);
+  std::fprintf(stderr,
+               "\nmatmul sweep, %d threads; peaks, the best of before and after the rows: f32 "
+               "sgemm 2048^3 %.1f GFLOP/s (cpu_util %.2f), bf16 matmul %.1f GFLOP/s at n = %lld "
+               "(cpu_util %.2f)\n",
+               bench_threads(), pk.f32.gflops, pk.f32.cpu_util, pk.bf16.gflops,
+               static_cast<long long>(pk.bf16.n), pk.bf16.cpu_util);
+  std::fprintf(stderr, "load average before %.2f %.2f %.2f, after %.2f %.2f %.2f\n",
+               load_before[0], load_before[1], load_before[2], load_after[0], load_after[1],
+               load_after[2]);
+  std::fprintf(stderr, "%-24s %-6s %9s %9s %7s %8s  %s\n", "row", "porter", "ms", "GFLOP/s",
+               "of_peak", "cpu_util", "oneDNN implementation");
+  for (const RowResult& r : rows) {
+    std::fprintf(stderr, "%-24s %-6s %9.3f %9.1f %7.3f %8.2f  %s\n", r.name.c_str(),
+                 r.porter ? "yes" : "", r.ms, r.gflops, r.gflops / peak_of(r.ab), r.cpu_util,
+                 r.impl.c_str());
+  }
+  // Minimum ratio to peak over the rows of each dtype, and where it is.
+  for (DType ab : {DType::kF32, DType::kBF16}) {
+    for (bool porter_only : {true, false}) {
+      const RowResult* worst = nullptr;
+      for (const RowResult& r : rows) {
+        if (r.ab != ab || (porter_only && !r.porter)) continue;
+        if (worst == nullptr || r.gflops < worst->gflops) worst = &r;
+      }
+      if (worst == nullptr) continue;
+      std::fprintf(stderr, "min of_peak, %s, %-13s %.3f (%s)\n",
+                   std::string(dtype_name(ab)).c_str(),
+                   porter_only ? "porter's rows:" : "all rows:", worst->gflops / peak_of(ab),
+                   worst->name.c_str());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace porter::nn
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  double load_before[3] = {0, 0, 0};
+  getloadavg(load_before, 3);
+  porter::nn::register_rows();
+  benchmark::RunSpecifiedBenchmarks();
+  porter::nn::print_summary(load_before);
+  benchmark::Shutdown();
+  return 0;
+}
