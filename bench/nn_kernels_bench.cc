@@ -251,16 +251,32 @@ void elementwise_shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Elementwise)->Apply(elementwise_shapes)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
-// args: batch, seq_len, channels, heads, backward. Causal FLOPs: each of the two forward
-// matmuls does B H hd T (T + 1) multiply-adds; backward has four.
+// Square 2048^3 bf16 matmul through the kernels (f32 out): the peak the bf16 attention's
+// matmuls on this machine and thread count can expect.
+double bf16_matmul_peak_gflops() {
+  static const double peak = [] {
+    const int64_t n = 2048;
+    Env& e = env();
+    Tensor a = e.random({n, n}, 11, DType::kBF16), b = e.random({n, n}, 12, DType::kBF16);
+    Tensor c = e.empty({n, n});
+    double s = median_seconds(5, [&] { e.kernels->matmul(a, b, c, {false, false, 1.0f, 0.0f}); });
+    return 2.0 * n * n * n / s / 1e9;
+  }();
+  return peak;
+}
+
+// args: batch, seq_len, channels, heads, backward, bf16 (qkv, out, dout and dqkv in bf16; the
+// probabilities are f32 either way). Causal FLOPs: each of the two forward matmuls does
+// B H hd T (T + 1) multiply-adds; backward has four.
 void BM_Attention(benchmark::State& state) {
   const int64_t bsz = state.range(0), t = state.range(1), c = state.range(2);
   const int heads = static_cast<int>(state.range(3));
-  const bool backward = state.range(4) != 0;
+  const bool backward = state.range(4) != 0, bf16 = state.range(5) != 0;
+  const DType dt = bf16 ? DType::kBF16 : DType::kF32;
   Env& e = env();
-  Tensor qkv = e.random({bsz, t, 3 * c}, 7), out = e.empty({bsz, t, c});
-  Tensor probs = e.empty({bsz, heads, t, t}), dout = e.random({bsz, t, c}, 8);
-  Tensor dqkv = e.empty({bsz, t, 3 * c});
+  Tensor qkv = e.random({bsz, t, 3 * c}, 7, dt), out = e.empty({bsz, t, c}, dt);
+  Tensor probs = e.empty({bsz, heads, t, t}), dout = e.random({bsz, t, c}, 8, dt);
+  Tensor dqkv = e.empty({bsz, t, 3 * c}, dt);
   e.kernels->attention_forward(qkv, out, probs, heads);
   // Check once: every probability row sums to 1.
   for (int64_t r = 0; r < bsz * heads * t; r += 37) {
@@ -281,12 +297,18 @@ void BM_Attention(benchmark::State& state) {
   const double flops = (backward ? 4.0 : 2.0) * bsz * c * t * (t + 1);
   state.counters["GFLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
-  state.counters["sgemm_peak_GFLOP/s"] = sgemm_peak_gflops();
+  if (bf16) {
+    state.counters["bf16_matmul_peak_GFLOP/s"] = bf16_matmul_peak_gflops();
+  } else {
+    state.counters["sgemm_peak_GFLOP/s"] = sgemm_peak_gflops();
+  }
 }
 BENCHMARK(BM_Attention)
-    ->Args({4, 512, 768, 12, 0})
-    ->Args({4, 512, 768, 12, 1})
-    ->ArgNames({"B", "T", "C", "heads", "bwd"})
+    ->Args({4, 512, 768, 12, 0, 0})
+    ->Args({4, 512, 768, 12, 1, 0})
+    ->Args({4, 512, 768, 12, 0, 1})
+    ->Args({4, 512, 768, 12, 1, 1})
+    ->ArgNames({"B", "T", "C", "heads", "bwd", "bf16"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

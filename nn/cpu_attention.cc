@@ -1,26 +1,56 @@
 // Causal softmax attention on cpu: oneDNN batched matmuls over (batch, head) on row blocks,
-// skipping the masked upper triangle, with vectorised softmax loops in between.
+// skipping the masked upper triangle in f32, with vectorised softmax loops in between.
 //
 // Note [Causal row blocks]
 // Rows are processed in blocks of kRowBlock queries. Block [i0, i1) attends to keys [0, i1),
-// so its scores are one (i1 - i0) x i1 matmul per (batch, head), all heads in one oneDNN
-// call. Only the triangle's diagonal blocks compute masked entries (then zeroed), so with
-// T = 512 the matmuls do 56% of the full T x T work. Each block size is its own cached
-// oneDNN primitive.
+// so in f32 its scores are one (i1 - i0) x i1 matmul per (batch, head), all heads in one
+// oneDNN call. Only the triangle's diagonal blocks compute masked entries (then zeroed), so
+// with T = 512 the matmuls do 56% of the full T x T work. Each block size is its own cached
+// oneDNN primitive. The bf16 path keeps the row blocks but multiplies each against all T keys
+// (Note [Bf16 attention]).
 //
 // Note [Attention scratch]
-// Backward needs dP / dS for one row block, (B, heads, kRowBlock, T) f32 (6 MiB for B = 4,
-// 12 heads, T = 512). Tensors that are not f32 (bf16, f16) are widened to f32 copies first,
-// and a bf16 or f16 result is computed in f32 and narrowed at the end, since oneDNN cannot
-// multiply the f32 probabilities by 16-bit values. All of it is one workspace buffer per
-// call from the kernels' allocator (Note [Kernel workspace] in kernels.h), laid out as
-// workspace_layout::CpuAttentionForward / CpuAttentionBackward (kernel_workspace.h): f32
-// forward takes none, bf16 or f16 forward 16·N·C bytes (N = B·T), backward
-// B·heads·min(64, T)·T·4 bytes plus 28·N·C in bf16 or f16. The buffer is freed when the call
-// returns; the allocator keeps the block cached, so the next call reuses it without touching
-// the device.
+// The f32 path's backward needs dP / dS for one row block, (B, heads, kRowBlock, T) f32
+// (6 MiB for B = 4, 12 heads, T = 512). Tensors that are not f32 are widened to f32 copies
+// first, and a 16-bit result is computed in f32 and narrowed at the end, since oneDNN cannot
+// multiply f32 by 16-bit values and has no f16 matmul on most cpus (Note [Cpu f16 matmul] in
+// cpu_matmul.cc). That is the path for f16, and for bf16 mixed with f32 where the bf16 path
+// does not apply. All of it is one workspace buffer per call from the kernels' allocator
+// (Note [Kernel workspace] in kernels.h), laid out as workspace_layout::CpuAttentionForward /
+// CpuAttentionBackward (kernel_workspace.h): f32 forward takes none, f16 forward 16·N·C bytes
+// (N = B·T), backward B·heads·min(64, T)·T·4 bytes plus 28·N·C in f16; bf16 in Note [Bf16
+// attention]. The buffer is freed when the call returns; the allocator keeps the block
+// cached, so the next call reuses it without touching the device.
+//
+// Note [Bf16 attention]
+// With bf16 qkv (forward) or bf16 qkv and dout (backward) the matmuls multiply bf16 by bf16
+// into f32, which oneDNN runs on AMX (brg:avx512_core_amx_bf16), or on AVX512-BF16 without
+// AMX. oneDNN 2.6's brgemm matmul takes only dense operands, plain or transposed: the strided
+// views of qkv and out, and row blocks of larger tensors, all go to its gemm:jit, which here
+// multiplied bf16 no faster than f32. So the call first packs per-head bf16 copies: Q and
+// dout in row blocks, each block a dense (B, heads, rows, hd) tensor, and K and V as
+// (B, heads, T, hd). The keys [0, i1) of a row block are not a dense tensor (each head's
+// stride stays T·hd), so a block multiplies against all T keys: the full T x T work instead
+// of the triangle's (1.8x at T = 512), where the masked entries are exact zeros in P and dS,
+// and each block has one primitive shape. A non-finite K or V value therefore reaches every
+// row (0 · inf), not only the later ones.
+// - Precision. The scores and dP are sums of bf16 products, exact in f32, accumulated in f32.
+//   The probabilities stay f32 in probs; a row block of them is rounded to a bf16 copy for
+//   P V and P^T dout, and dS is rounded to bf16 for dS K and dS^T Q (2^-9 relative each).
+//   Softmax, its statistics and its backward run in f32. dQ (per block), dK and dV (summed
+//   over the blocks in order, beta = 1) and out are f32 results rounded once, to nearest
+//   even, into out / dqkv's dtype as they are copied back. The bf16 dot products of AMX and
+//   AVX512-BF16 treat subnormal inputs as zero.
+// - Scratch (workspace_layout::CpuAttentionForward / CpuAttentionBackward), R = min(64, T):
+//   forward 6·N·C bytes of packed Q, K, V, B·heads·R·T·6 of f32 scores and bf16 P for a row
+//   block, and B·R·C·4 of its f32 out; backward 8·N·C of packed Q, dout, K, V, 8·N·C of f32
+//   dK and dV, B·heads·R·T·6 of f32 dP and bf16 P, then dS, and B·R·C·4 of a block's f32 dQ.
+//   With head_dim 64 that is 12·N·C + B·R·C·4 forward and 22·N·C + B·R·C·4 backward (the
+//   f32 path's widening took 16·N·C and 32·N·C).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "nn/cpu_kernels.h"
 #include "nn/cpu_matmul.h"
@@ -42,14 +72,19 @@ Dims dims_of(const Tensor& qkv, int heads) {
   return d;
 }
 
-// An operand in (batch, head, row, column) element strides.
+// An operand in (batch, head, row, column) element strides, f32 or bf16.
 struct Operand {
-  const float* data;
+  const void* data;
+  DType dtype;
   int64_t strides[4];
 };
 
 Operand op(const float* data, const int64_t (&strides)[4]) {
-  return Operand{data, {strides[0], strides[1], strides[2], strides[3]}};
+  return Operand{data, DType::kF32, {strides[0], strides[1], strides[2], strides[3]}};
+}
+
+Operand op(const uint16_t* data, const int64_t (&strides)[4]) {
+  return Operand{data, DType::kBF16, {strides[0], strides[1], strides[2], strides[3]}};
 }
 
 void run_batched(DnnlMatmul& mm, const Dims& d, int64_t m, int64_t n, int64_t k, const Operand& a,
@@ -66,6 +101,8 @@ void run_batched(DnnlMatmul& mm, const Dims& d, int64_t m, int64_t n, int64_t k,
     p.b_strides[i] = b.strides[i];
     p.out_strides[i] = out_strides[i];
   }
+  p.a_dtype = a.dtype;
+  p.b_dtype = b.dtype;
   p.alpha = alpha;
   p.beta = beta;
   mm.run(p, a.data, b.data, out);
@@ -100,6 +137,115 @@ PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i
   for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
 }
 
+// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
+// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
+// reduction without -ffast-math.
+PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (float& m : lane) m = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
+  }
+  float mx = -INFINITY;
+  for (float m : lane) mx = std::max(mx, m);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+// Row i of the causal probabilities in the bf16 path: softmax_causal_row of the f32 scores
+// `s` into `row`, and `row` rounded to bf16 into `p16`, both zero after i (up to `width`).
+PORTER_CPU_CLONES void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16,
+                                               int64_t i, int64_t width) {
+  const float mx = row_max(s, i + 1);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j <= i; ++j) {
+    float e = cpu::fast_exp(s[j] - mx);
+    row[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) cpu::store(p16 + j, row[j]);
+}
+
+// softmax_backward_row of the f32 P and dP rows, rounded to bf16 into `ds16`.
+PORTER_CPU_CLONES void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16,
+                                                 int64_t i, int64_t width, float scale) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) s += p[j] * dp[j];
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) cpu::store(ds16 + j, scale * p[j] * (dp[j] - s));
+  for (int64_t j = i + 1; j < width; ++j) ds16[j] = 0;
+}
+
+// Row i of the probabilities rounded to bf16: P[0, i], then the zeros after it up to `width`
+// (not read from probs, which hold zeros there too).
+PORTER_CPU_CLONES void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i,
+                                            int64_t width) {
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) cpu::store(dst + j, p[j]);
+  for (int64_t j = i + 1; j < width; ++j) dst[j] = 0;
+}
+
+template <typename T>
+PORTER_CPU_CLONES void store_row(const float* src, T* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) cpu::store(dst + j, src[j]);
+}
+
+// Rows in one row block of a packed tensor and where the block starts (Note [Bf16 attention]):
+// block k holds rows [k * block_rows, ...) of every (batch, head) as one dense
+// (B, heads, rows, hd) tensor, so a block starts after k * block_rows * B * C elements.
+struct PackedBlock {
+  int64_t rows, offset;
+};
+
+PackedBlock packed_block(const Dims& d, int64_t block_rows, int64_t blk) {
+  return {std::min(block_rows, d.t - blk * block_rows), blk * block_rows * d.b * d.c};
+}
+
+// Copies the heads of the bf16 rows at `src` ((B, T) rows of `ld` elements, head h in
+// columns [h * hd, (h + 1) * hd)) into `dst`, packed in blocks of `block_rows` rows; with
+// block_rows = T that is (B, heads, T, hd).
+void pack_heads(int threads, const Dims& d, const uint16_t* src, int64_t ld, int64_t block_rows,
+                uint16_t* dst) {
+  cpu::parallel_rows(threads, d.b * d.t, [&](int64_t row) {
+    const int64_t b = row / d.t, t = row % d.t;
+    const PackedBlock blk = packed_block(d, block_rows, t / block_rows);
+    uint16_t* base = dst + blk.offset + (b * d.heads * blk.rows + t % block_rows) * d.hd;
+    const uint16_t* in = src + row * ld;
+    for (int64_t h = 0; h < d.heads; ++h) {
+      std::memcpy(base + h * blk.rows * d.hd, in + h * d.hd, d.hd * sizeof(uint16_t));
+    }
+  });
+}
+
+// The inverse for an f32 (B, heads, rows, hd) result holding rows [i0, i0 + rows): written
+// into the rows of `dst` (a (B, T, ·) tensor, head h at columns col + [h * hd, (h + 1) * hd)),
+// each value rounded once to dst's dtype.
+void unpack_heads(int threads, const Dims& d, const float* src, int64_t i0, int64_t rows,
+                  Tensor& dst, int64_t col) {
+  const int64_t ld = dst.dim(2);
+  cpu::dispatch_float(dst.dtype(), [&](auto tag) {
+    auto* out = static_cast<decltype(tag)*>(dst.data());
+    cpu::parallel_rows(threads, d.b * rows, [&](int64_t row) {
+      const int64_t b = row / rows, r = row % rows;
+      auto* o = out + (b * d.t + i0 + r) * ld + col;
+      for (int64_t h = 0; h < d.heads; ++h) {
+        store_row(src + ((b * d.heads + h) * rows + r) * d.hd, o + h * d.hd, d.hd);
+      }
+    });
+  });
+}
+
 // f32 view of a float tensor: the tensor itself, or a widened copy at `scratch`.
 const float* as_f32(int threads, const Tensor& t, float* scratch) {
   if (t.dtype() == DType::kF32) return static_cast<const float*>(t.data());
@@ -111,20 +257,124 @@ AttentionCall call_of(const Dims& d, DType qkv, DType out, DType dqkv) {
   return AttentionCall{d.b, d.t, d.c, static_cast<int>(d.heads), qkv, out, dqkv};
 }
 
+// Strides of a dense (B, heads, rows, cols) tensor, as itself and as its transpose.
+struct Dense {
+  int64_t plain[4], trans[4];
+};
+
+Dense dense(const Dims& d, int64_t rows, int64_t cols) {
+  const int64_t head = rows * cols;
+  return {{d.heads * head, head, cols, 1}, {d.heads * head, head, 1, cols}};
+}
+
+// The bf16 forward (Note [Bf16 attention]).
+void forward_bf16(DnnlMatmul& mm, int threads, const Dims& d,
+                  const workspace_layout::CpuAttentionForward& layout, char* scratch,
+                  const Tensor& qkv, Tensor& out, float* pr) {
+  const int64_t t = d.t, n = d.b * d.t * d.c;
+  float* scores = reinterpret_cast<float*>(scratch);
+  float* o = reinterpret_cast<float*>(scratch + layout.scores_bytes);
+  char* half = scratch + layout.scores_bytes + layout.out_block_bytes;
+  uint16_t* p16 = reinterpret_cast<uint16_t*>(half);
+  uint16_t* q = reinterpret_cast<uint16_t*>(half + layout.probs16_bytes);
+  uint16_t* k = q + n;
+  uint16_t* v = k + n;
+  const auto* x = static_cast<const uint16_t*>(qkv.data());
+  pack_heads(threads, d, x, 3 * d.c, kRowBlock, q);
+  pack_heads(threads, d, x + d.c, 3 * d.c, t, k);
+  pack_heads(threads, d, x + 2 * d.c, 3 * d.c, t, v);
+
+  const Dense kv = dense(d, t, d.hd);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.hd));
+  for (int64_t blk = 0; blk * kRowBlock < t; ++blk) {
+    const PackedBlock pb = packed_block(d, kRowBlock, blk);
+    const int64_t i0 = blk * kRowBlock, rows = pb.rows;
+    const Dense qb = dense(d, rows, d.hd), sb = dense(d, rows, t);
+    // Scores S = scale * Q[i0:i1] K^T over every key; the masked ones are discarded.
+    run_batched(mm, d, rows, t, d.hd, op(q + pb.offset, qb.plain), op(k, kv.trans), scores,
+                sb.plain, scale, 0.0f);
+    cpu::parallel_rows(threads, d.b * d.heads * rows, [&](int64_t r) {
+      const int64_t bh = r / rows, ri = r % rows;
+      softmax_causal_row_bf16(scores + r * t, pr + bh * t * t + (i0 + ri) * t, p16 + r * t,
+                              i0 + ri, t);
+    });
+    // out[i0:i1] = P[i0:i1] V, the zeros above the diagonal included.
+    run_batched(mm, d, rows, d.hd, t, op(p16, sb.plain), op(v, kv.plain), o, qb.plain, 1.0f, 0.0f);
+    unpack_heads(threads, d, o, i0, rows, out, 0);
+  }
+}
+
+// The bf16 backward (Note [Bf16 attention]).
+void backward_bf16(DnnlMatmul& mm, int threads, const Dims& d,
+                   const workspace_layout::CpuAttentionBackward& layout, char* scratch,
+                   const Tensor& dout, const Tensor& qkv, const float* pr, Tensor& dqkv) {
+  const int64_t t = d.t, n = d.b * d.t * d.c;
+  float* dp = reinterpret_cast<float*>(scratch);
+  float* dk = reinterpret_cast<float*>(scratch + layout.dp_bytes);
+  float* dv = dk + n;
+  float* dq = reinterpret_cast<float*>(scratch + layout.dp_bytes + layout.dkv_bytes);
+  char* half = scratch + layout.dp_bytes + layout.dkv_bytes + layout.dq_block_bytes;
+  uint16_t* s16 = reinterpret_cast<uint16_t*>(half);
+  uint16_t* q = reinterpret_cast<uint16_t*>(half + layout.probs16_bytes);
+  uint16_t* dy = q + n;
+  uint16_t* k = dy + n;
+  uint16_t* v = k + n;
+  const auto* x = static_cast<const uint16_t*>(qkv.data());
+  pack_heads(threads, d, x, 3 * d.c, kRowBlock, q);
+  pack_heads(threads, d, static_cast<const uint16_t*>(dout.data()), d.c, kRowBlock, dy);
+  pack_heads(threads, d, x + d.c, 3 * d.c, t, k);
+  pack_heads(threads, d, x + 2 * d.c, 3 * d.c, t, v);
+
+  const Dense kv = dense(d, t, d.hd);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.hd));
+  for (int64_t blk = 0; blk * kRowBlock < t; ++blk) {
+    const PackedBlock pb = packed_block(d, kRowBlock, blk);
+    const int64_t i0 = blk * kRowBlock, rows = pb.rows;
+    const float beta = blk == 0 ? 0.0f : 1.0f;
+    const Dense qb = dense(d, rows, d.hd), sb = dense(d, rows, t);
+    // dP = dout[i0:i1] V^T.
+    run_batched(mm, d, rows, t, d.hd, op(dy + pb.offset, qb.plain), op(v, kv.trans), dp,
+                sb.plain, 1.0f, 0.0f);
+    // dV (+)= P[i0:i1]^T dout[i0:i1], with P rounded to bf16 first.
+    cpu::parallel_rows(threads, d.b * d.heads * rows, [&](int64_t r) {
+      const int64_t bh = r / rows, ri = r % rows;
+      round_probs_row_bf16(pr + bh * t * t + (i0 + ri) * t, s16 + r * t, i0 + ri, t);
+    });
+    run_batched(mm, d, t, d.hd, rows, op(s16, sb.trans), op(dy + pb.offset, qb.plain), dv,
+                kv.plain, 1.0f, beta);
+    // dS in bf16, over the P copy dV no longer needs.
+    cpu::parallel_rows(threads, d.b * d.heads * rows, [&](int64_t r) {
+      const int64_t bh = r / rows, ri = r % rows;
+      softmax_backward_row_bf16(pr + bh * t * t + (i0 + ri) * t, dp + r * t, s16 + r * t, i0 + ri,
+                                t, scale);
+    });
+    // dQ[i0:i1] = dS K, written once;  dK (+)= dS^T Q[i0:i1].
+    run_batched(mm, d, rows, d.hd, t, op(s16, sb.plain), op(k, kv.plain), dq, qb.plain, 1.0f, 0.0f);
+    unpack_heads(threads, d, dq, i0, rows, dqkv, 0);
+    run_batched(mm, d, t, d.hd, rows, op(s16, sb.trans), op(q + pb.offset, qb.plain), dk,
+                kv.plain, 1.0f, beta);
+  }
+  unpack_heads(threads, d, dk, 0, t, dqkv, d.c);
+  unpack_heads(threads, d, dv, 0, t, dqkv, 2 * d.c);
+}
+
 }  // namespace
 
 void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
   const Dims d = dims_of(qkv, heads);
   if (d.b == 0 || d.t == 0 || d.c == 0) return;
-  // Scratch layout (Note [Attention scratch]): f32 qkv, then f32 out, each when needed.
   const workspace_layout::CpuAttentionForward layout =
       workspace_layout::cpu_attention_forward(call_of(d, qkv.dtype(), out.dtype(), DType::kF32));
-  const memory::DeviceBuffer buffer =
-      workspace(layout.total_elems() * sizeof(float), "attention_forward");
+  const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_forward");
+  float* pr = probs.data_as<float>();
+  if (layout.bf16) {
+    forward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), qkv, out, pr);
+    return;
+  }
+  // f32 scratch (Note [Attention scratch]): f32 qkv, then f32 out, each when needed.
   float* scratch = buffer.as<float>();
   const float* x = as_f32(threads_, qkv, scratch);
-  float* o = layout.out_elems ? scratch + layout.qkv_elems : out.data_as<float>();
-  float* pr = probs.data_as<float>();
+  float* o = layout.out_bytes ? scratch + layout.qkv_bytes / sizeof(float) : out.data_as<float>();
 
   const int64_t c3 = 3 * d.c, t = d.t;
   const int64_t qkv_str[4] = {t * c3, d.hd, c3, 1};
@@ -145,7 +395,7 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
     run_batched(*dnnl_, d, rows, d.hd, i1, op(pr + i0 * t, probs_str), op(x + 2 * d.c, qkv_str),
                 o + i0 * d.c, out_str, 1.0f, 0.0f);
   }
-  if (layout.out_elems) cpu::narrow_from_f32(threads_, o, out);
+  if (layout.out_bytes) cpu::narrow_from_f32(threads_, o, out);
 }
 
 void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
@@ -154,22 +404,25 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
   if (d.b == 0 || d.t == 0 || d.c == 0) return;
   const int64_t c3 = 3 * d.c, t = d.t;
   const int64_t block_rows = std::min(kRowBlock, t);
-  // Scratch layout: the dS block, then the f32 copies of the arguments that are not f32
-  // (Note [Attention scratch]).
   const workspace_layout::CpuAttentionBackward layout =
       workspace_layout::cpu_attention_backward(call_of(d, qkv.dtype(), dout.dtype(), dqkv.dtype()));
-  PORTER_ASSERT(layout.ds_elems == static_cast<size_t>(d.b * d.heads * block_rows * t),
+  PORTER_ASSERT(layout.dp_bytes == static_cast<size_t>(d.b * d.heads * block_rows * t) * 4,
                 "attention_backward scratch layout disagrees with the row blocks");
-  const memory::DeviceBuffer buffer =
-      workspace(layout.total_elems() * sizeof(float), "attention_backward");
+  const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_backward");
+  const float* pr = probs.data_as<float>();
+  if (layout.bf16) {
+    backward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), dout, qkv, pr, dqkv);
+    return;
+  }
+  // f32 scratch: the dS block, then the f32 copies of the arguments that are not f32
+  // (Note [Attention scratch]).
   float* scratch = buffer.as<float>();
-  const size_t ds_elems = layout.ds_elems, qkv_elems = layout.qkv_elems;
-  const size_t dout_elems = layout.dout_elems, dqkv_elems = layout.dqkv_elems;
+  const size_t ds_elems = layout.dp_bytes / 4, qkv_elems = layout.qkv_bytes / 4;
+  const size_t dout_elems = layout.dout_bytes / 4, dqkv_elems = layout.dqkv_bytes / 4;
   float* ds = scratch;
   const float* x = as_f32(threads_, qkv, scratch + ds_elems);
   const float* dy = as_f32(threads_, dout, scratch + ds_elems + qkv_elems);
   float* dx = dqkv_elems ? scratch + ds_elems + qkv_elems + dout_elems : dqkv.data_as<float>();
-  const float* pr = probs.data_as<float>();
 
   const int64_t qkv_str[4] = {t * c3, d.hd, c3, 1};
   const int64_t qkv_t_str[4] = {t * c3, d.hd, 1, c3};

@@ -26,7 +26,7 @@ size_t attention_forward_workspace_bytes(memory::DeviceKind kind, const Attentio
   if (call.batch == 0 || call.seq == 0 || call.channels == 0) return 0;
   switch (kind) {
     case memory::DeviceKind::kCpu:
-      return workspace_layout::cpu_attention_forward(call).total_elems() * sizeof(float);
+      return workspace_layout::cpu_attention_forward(call).total_bytes();
     case memory::DeviceKind::kCuda:
       return workspace_layout::kCudaForwardHeadBuffers *
              workspace_layout::cuda_attention(call).head_elems * sizeof(float);
@@ -39,7 +39,7 @@ size_t attention_backward_workspace_bytes(memory::DeviceKind kind, const Attenti
   if (call.batch == 0 || call.seq == 0 || call.channels == 0) return 0;
   switch (kind) {
     case memory::DeviceKind::kCpu:
-      return workspace_layout::cpu_attention_backward(call).total_elems() * sizeof(float);
+      return workspace_layout::cpu_attention_backward(call).total_bytes();
     case memory::DeviceKind::kCuda: {
       const workspace_layout::CudaAttention w = workspace_layout::cuda_attention(call);
       return (workspace_layout::kCudaBackwardHeadBuffers * w.head_elems + w.probs_elems) *

@@ -68,11 +68,12 @@ struct DtypeCase {
 TEST(KernelWorkspaceTest, CpuAttentionScratchComesFromTheAllocatorInExactBytes) {
   for (const DtypeCase& d : {DtypeCase{DType::kF32, DType::kF32, DType::kF32},
                              DtypeCase{DType::kBF16, DType::kBF16, DType::kBF16},
+                             DtypeCase{DType::kBF16, DType::kBF16, DType::kF32},
                              DtypeCase{DType::kBF16, DType::kF32, DType::kF32},
                              DtypeCase{DType::kF32, DType::kBF16, DType::kBF16},
                              DtypeCase{DType::kF16, DType::kF16, DType::kF16},
                              DtypeCase{DType::kF16, DType::kF32, DType::kF32}}) {
-    // T = 70 > 64: two row blocks, the dS block is (B, H, 64, T).
+    // T = 70 > 64: two row blocks, the block buffers are (B, H, 64, T).
     for (int64_t seq : {5, 70}) {
       SCOPED_TRACE(std::string(dtype_name(d.qkv)) + "/" + std::string(dtype_name(d.out)) + "/" +
                    std::string(dtype_name(d.dqkv)) + " T=" + std::to_string(seq));
@@ -80,9 +81,19 @@ TEST(KernelWorkspaceTest, CpuAttentionScratchComesFromTheAllocatorInExactBytes) 
       const AttentionCall call{2, seq, 24, 3, d.qkv, d.out, d.dqkv};
       AttentionTensors a = attention_tensors(env, call);
 
-      const size_t fwd = attention_forward_workspace_bytes(DeviceKind::kCpu, call);
+      // Note [Attention scratch], Note [Bf16 attention]: with n = N·C elements, f32 copies of
+      // what is not f32, or in bf16 the packed heads (6n or 8n bytes) and one row block's
+      // f32 scores or dP, bf16 P (6 B·H·rows·T) and f32 result (4 B·rows·C).
       const size_t n = static_cast<size_t>(2 * seq * 24);
-      EXPECT_EQ(fwd, (d.qkv == DType::kF32 ? 0 : 12 * n) + (d.out == DType::kF32 ? 0 : 4 * n));
+      const size_t rows = static_cast<size_t>(std::min<int64_t>(seq, 64));
+      const size_t block = 2 * 3 * rows * static_cast<size_t>(seq);
+      const size_t row_block = 6 * block + 4 * 2 * rows * 24;
+      const bool bf16_fwd = d.qkv == DType::kBF16;
+      const bool bf16_bwd = d.qkv == DType::kBF16 && d.out == DType::kBF16;
+      const size_t fwd = attention_forward_workspace_bytes(DeviceKind::kCpu, call);
+      EXPECT_EQ(fwd, bf16_fwd ? row_block + 6 * n
+                              : (d.qkv == DType::kF32 ? 0 : 12 * n) +
+                                    (d.out == DType::kF32 ? 0 : 4 * n));
       const CallStats f = measure(*env.allocator, [&] {
         env.kernels->attention_forward(a.qkv, a.out, a.probs, call.heads);
       });
@@ -91,9 +102,10 @@ TEST(KernelWorkspaceTest, CpuAttentionScratchComesFromTheAllocatorInExactBytes) 
       EXPECT_EQ(f.requested_after, f.requested_before);
 
       const size_t bwd = attention_backward_workspace_bytes(DeviceKind::kCpu, call);
-      const size_t ds = static_cast<size_t>(2 * 3 * std::min<int64_t>(seq, 64) * seq) * 4;
-      EXPECT_EQ(bwd, ds + (d.qkv == DType::kF32 ? 0 : 12 * n) + (d.out == DType::kF32 ? 0 : 4 * n) +
-                         (d.dqkv == DType::kF32 ? 0 : 12 * n));
+      EXPECT_EQ(bwd, bf16_bwd ? row_block + 16 * n
+                              : 4 * block + (d.qkv == DType::kF32 ? 0 : 12 * n) +
+                                    (d.out == DType::kF32 ? 0 : 4 * n) +
+                                    (d.dqkv == DType::kF32 ? 0 : 12 * n));
       const CallStats b = measure(*env.allocator, [&] {
         env.kernels->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
       });
@@ -201,11 +213,12 @@ TEST(KernelWorkspaceTest, ScratchThatDoesNotFitIsAnOutOfMemoryErrorNamingTheOp) 
   env.device = memory::make_device(o);
   env.allocator = std::make_unique<memory::CachingAllocator>(*env.device);
   env.kernels = make_kernels(*env.allocator);
-  // Arguments ~4 MiB in bf16; the scratch is 28·N·C = 7 MiB of f32 copies plus dS.
+  // Arguments 4.5 MiB in bf16; the scratch is 16·N·C = 4 MiB of packed heads and f32 dK,
+  // dV, plus 1.75 MiB of row-block buffers (Note [Bf16 attention]).
   const AttentionCall call{4, 64, 1024, 8, DType::kBF16, DType::kBF16, DType::kBF16};
   AttentionTensors a = attention_tensors(env, call);
   const size_t bwd = attention_backward_workspace_bytes(DeviceKind::kCpu, call);
-  ASSERT_GT(bwd, size_t{7} << 20);
+  ASSERT_EQ(bwd, (size_t{23} << 20) / 4);
   const size_t before = env.allocator->stats().requested_bytes;
   try {
     env.kernels->attention_backward(a.dout, a.qkv, a.probs, a.dqkv, call.heads);
