@@ -335,36 +335,6 @@ void time_row(benchmark::State& state, const std::string& name, bool porter, DTy
 
 // ---- the Linears' rows (Note [Sweep forms]) ----
 
-// The MatmulProblem that CpuKernels::do_matmul (nn/cpu_matmul.cc) builds for this call with
-// operands that are not f16, so that DnnlMatmul::implementation names the primitive the
-// kernels run. The row's check also runs it on the probe, so a mirror that computes other
-// math than the kernels' call fails the row; one that computes the same math through other
-// strides would still pass, so this must follow do_matmul by hand.
-MatmulProblem problem_of(const Tensor& a, const Tensor& b, const Tensor& out,
-                         const MatmulSpec& spec) {
-  const int64_t a_rows = a.dim(-2), a_cols = a.dim(-1);
-  const int64_t b_rows = b.dim(-2), b_cols = b.dim(-1);
-  MatmulProblem p;
-  p.batch0 = a.rank() == 3 ? a.dim(0) : 1;
-  p.m = spec.trans_a ? a_cols : a_rows;
-  p.k = spec.trans_a ? a_rows : a_cols;
-  p.n = spec.trans_b ? b_rows : b_cols;
-  p.a_strides[0] = a_rows * a_cols;
-  p.a_strides[2] = spec.trans_a ? 1 : a_cols;
-  p.a_strides[3] = spec.trans_a ? a_cols : 1;
-  p.b_strides[0] = b_rows * b_cols;
-  p.b_strides[2] = spec.trans_b ? 1 : b_cols;
-  p.b_strides[3] = spec.trans_b ? b_cols : 1;
-  p.out_strides[0] = p.m * p.n;
-  p.out_strides[2] = p.n;
-  p.a_dtype = a.dtype();
-  p.b_dtype = b.dtype();
-  p.out_dtype = out.dtype();
-  p.alpha = spec.alpha;
-  p.beta = spec.beta;
-  return p;
-}
-
 struct LinearShape {
   const char* name;
   int64_t in, out;
@@ -409,7 +379,7 @@ void BM_Linear(benchmark::State& state, std::string name, LinearShape layer, Pas
   Tensor b = e.random(tb ? Shape{n, k} : Shape{k, n}, 2, ab);
   Tensor out = e.random({m, n}, 3, out_dtype);  // wgrad adds to it
   const MatmulSpec spec{ta, tb, 1.0f, mm.beta};
-  const MatmulProblem problem = problem_of(a, b, out, spec);
+  const MatmulProblem problem = matmul_problem(a, b, out, spec);
   double err = 0;
   {
     // Check: the kernels and the probe (running the mirrored problem) against oneDNN's

@@ -332,14 +332,12 @@ size_t DnnlMatmul::blocked_buffer_bytes() const {
   return impl_->blocked_buffer.size();
 }
 
-void CpuKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) {
-  // Shapes were validated by Kernels::matmul; rank 2 or 3, row-major.
-  const bool batched = a.rank() == 3;
-  const int64_t batch = batched ? a.dim(0) : 1;
+MatmulProblem matmul_problem(const Tensor& a, const Tensor& b, const Tensor& out,
+                             const MatmulSpec& spec) {
   const int64_t a_rows = a.dim(-2), a_cols = a.dim(-1);
   const int64_t b_rows = b.dim(-2), b_cols = b.dim(-1);
   MatmulProblem p;
-  p.batch0 = batch;
+  p.batch0 = a.rank() == 3 ? a.dim(0) : 1;
   p.m = spec.trans_a ? a_cols : a_rows;
   p.k = spec.trans_a ? a_rows : a_cols;
   p.n = spec.trans_b ? b_rows : b_cols;
@@ -356,6 +354,12 @@ void CpuKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const 
   p.out_dtype = out.dtype();
   p.alpha = spec.alpha;
   p.beta = spec.beta;
+  return p;
+}
+
+void CpuKernels::do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const MatmulSpec& spec) {
+  // Shapes were validated by Kernels::matmul; rank 2 or 3, row-major.
+  MatmulProblem p = matmul_problem(a, b, out, spec);
   if (p.k == 0) {
     // An empty sum: out = beta * out.
     if (spec.beta == 0.0f) {

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "nn/dtype.h"
+#include "nn/kernels.h"
+#include "nn/tensor.h"
 
 namespace porter::nn {
 
@@ -25,6 +27,11 @@ struct MatmulProblem {
   DType a_dtype = DType::kF32, b_dtype = DType::kF32, out_dtype = DType::kF32;
   float alpha = 1.0f, beta = 0.0f;
 };
+
+// The problem of Kernels::matmul(a, b, out, spec) on row-major rank-2 or rank-3 tensors, as
+// CpuKernels runs it (dtypes as given; f16 is widened before it reaches oneDNN).
+MatmulProblem matmul_problem(const Tensor& a, const Tensor& b, const Tensor& out,
+                             const MatmulSpec& spec);
 
 // How a matmul reads its B operand (oneDNN's "weights"): as the caller stores it, or reordered
 // first into the blocked layout oneDNN's kernel prefers (Note [Matmul weight layout]).

@@ -16,8 +16,8 @@
 //
 // Note [Kernel workspace]
 // Every device byte a kernel uses beyond its arguments comes from a CachingAllocator, in
-// category `workspace`: the cpu attention's f32 scratch (Note [Attention scratch] in
-// cpu_attention.cc), the cpu matmul's f32 copies of f16 operands (Note [Cpu f16 matmul] in
+// category `workspace`: the cpu attention's scratch (Note [Attention scratch] and Note [Bf16
+// attention] in cpu_attention.cc), the cpu matmul's f32 copies of f16 operands (Note [Cpu f16 matmul] in
 // cpu_matmul.cc), the cpu reduction partials (cpu_reduce.cc), and the cuda attention and
 // reduction buffers (Note [Cuda kernel workspace] in cuda_kernels.cc). So the device's
 // capacity, MemoryStats, the out-of-memory accounting and the offload staging plans see
