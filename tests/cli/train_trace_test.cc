@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <string>
 
 #include "comm/communicator.h"
 #include "tests/cli/trace_schema.h"
@@ -42,7 +43,9 @@ json read(const fs::path& p) {
 class TrainTrace : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / "porter_train_trace_test";
+    // One directory per test: ctest runs this fixture's tests at the same time.
+    dir_ = fs::temp_directory_path() /
+           ("porter_train_trace_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
