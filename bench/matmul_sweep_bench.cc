@@ -10,8 +10,9 @@
 // nn/gpt_blocks.cc. Each is also timed with its operands stored in the other layouts (the
 // same M, N, K), so a slow form shows whether a relayout would pay. In a bf16 run the
 // activations are bf16, so forward and dgrad write bf16 and wgrad accumulates into the f32
-// gradients; the bf16 rows do the same. Attention runs in f32 whatever the model's dtype
-// (Note [Attention scratch] in nn/cpu_attention.cc), so its rows are f32 only.
+// gradients; the bf16 rows do the same. The attention rows are the calls of one row block:
+// f32 on strided views of qkv (Note [Causal row blocks] in nn/cpu_attention.cc), bf16 on the
+// packed per-head copies (Note [Bf16 attention]).
 //
 // Note [Sweep peaks]
 // f32: oneDNN's sgemm at 2048^3, best of 5. bf16: porter's bf16 matmul (bf16 operands, f32
@@ -404,17 +405,21 @@ void BM_Linear(benchmark::State& state, std::string name, LinearShape layer, Pas
            [&] { e.kernels->matmul(a, b, out, spec); });
 }
 
-// ---- the attention's rows (Note [Causal row blocks] in nn/cpu_attention.cc) ----
+// ---- the attention's rows ----
+//
+// f32: the strided calls of Note [Causal row blocks] in nn/cpu_attention.cc, for the last row
+// block (it attends to all T keys). bf16: the packed calls of Note [Bf16 attention], which
+// every row block makes at the same shape, multiplying bf16 by bf16 into f32.
 
 enum AttentionOp { kScores, kPV, kDP, kDQ, kDK, kDV };
 constexpr const char* kAttentionNames[] = {"fwd/S=QK^T", "fwd/O=PV",    "bwd/dP=dOV^T",
                                            "bwd/dQ=dSK", "bwd/dK=dS^TQ", "bwd/dV=P^TdO"};
 
-// The tensors porter's attention reads and writes, f32: the (B, T, 3C) qkv that q, k and v
-// are strided views of, the (B, H, T, T) probabilities, the (B, T, C) output and its
-// gradient, the (B, H, kRowBlock, T) dS scratch and the (B, T, 3C) dqkv.
-struct AttentionTensors {
-  explicit AttentionTensors(Env& e)
+// The f32 path's tensors: the (B, T, 3C) qkv that q, k and v are strided views of, the
+// (B, H, T, T) probabilities, the (B, T, C) output and its gradient, the (B, H, kRowBlock, T)
+// dS scratch and the (B, T, 3C) dqkv.
+struct F32AttentionTensors {
+  explicit F32AttentionTensors(Env& e)
       : qkv(e.random({kBatch, kSeq, 3 * kHidden}, 4, DType::kF32)),
         probs(e.random({kBatch, kHeads, kSeq, kSeq}, 5, DType::kF32)),
         out(e.random({kBatch, kSeq, kHidden}, 6, DType::kF32)),
@@ -424,17 +429,72 @@ struct AttentionTensors {
   Tensor qkv, probs, out, dout, ds, dqkv;
 };
 
-struct StridedCall {
-  MatmulProblem p;
-  const float* a;
-  const float* b;
-  float* out;
+// The bf16 path's packed tensors: a row block of Q and dout and all of K and V as bf16
+// (B, H, rows, hd) / (B, H, T, hd), a row block's bf16 P (or dS) copy, and the f32 results:
+// scores (or dP) for a row block, its out (or dQ), and dK, dV.
+struct Bf16AttentionTensors {
+  explicit Bf16AttentionTensors(Env& e)
+      : q(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 4, DType::kBF16)),
+        k(e.random({kBatch, kHeads, kSeq, kHeadDim}, 5, DType::kBF16)),
+        v(e.random({kBatch, kHeads, kSeq, kHeadDim}, 6, DType::kBF16)),
+        dy(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 7, DType::kBF16)),
+        p16(e.random({kBatch, kHeads, kRowBlock, kSeq}, 8, DType::kBF16)),
+        scores(e.random({kBatch, kHeads, kRowBlock, kSeq}, 9, DType::kF32)),
+        o(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 10, DType::kF32)),
+        dkv(e.random({kBatch, kHeads, kSeq, kHeadDim}, 11, DType::kF32)) {}
+  Tensor q, k, v, dy, p16, scores, o, dkv;
 };
 
-// The call do_attention_forward / do_attention_backward makes for the last row block
-// (i0 = T - 64, i1 = T), with the same pointers and strides. Backward runs that block first
+// An operand of a strided call: a tensor, the element where the view starts, and the view's
+// (batch0, batch1, row, column) strides.
+struct View {
+  const Tensor* t = nullptr;
+  int64_t offset = 0;
+  int64_t strides[4] = {0, 0, 0, 1};
+  void* data() const {
+    return static_cast<char*>(const_cast<void*>(t->data())) +
+           offset * static_cast<int64_t>(dtype_size(t->dtype()));
+  }
+};
+
+struct StridedCall {
+  MatmulProblem p;
+  View a, b, out;
+};
+
+View view(const Tensor& t, int64_t offset, const int64_t (&st)[4]) {
+  View v{&t, offset, {st[0], st[1], st[2], st[3]}};
+  return v;
+}
+
+StridedCall strided_call(int64_t m, int64_t n, int64_t k, const View& a, const View& b,
+                         const View& out, float alpha) {
+  StridedCall s;
+  s.p.batch0 = kBatch;
+  s.p.batch1 = kHeads;
+  s.p.m = m;
+  s.p.n = n;
+  s.p.k = k;
+  for (int i = 0; i < 4; ++i) {
+    s.p.a_strides[i] = a.strides[i];
+    s.p.b_strides[i] = b.strides[i];
+    s.p.out_strides[i] = out.strides[i];
+  }
+  s.p.a_dtype = a.t->dtype();
+  s.p.b_dtype = b.t->dtype();
+  s.p.out_dtype = out.t->dtype();
+  s.p.alpha = alpha;
+  s.p.beta = 0.0f;
+  s.a = a;
+  s.b = b;
+  s.out = out;
+  return s;
+}
+
+// The call do_attention_forward / do_attention_backward makes in f32 for the last row block
+// (i0 = T - 64, i1 = T), with the same offsets and strides. Backward runs that block first
 // with beta = 0 (it initialises dK and dV), so beta is 0 here.
-StridedCall attention_call(AttentionOp op, const AttentionTensors& t) {
+StridedCall f32_attention_call(AttentionOp op, const F32AttentionTensors& t) {
   const int64_t c = kHidden, c3 = 3 * c, T = kSeq, hd = kHeadDim;
   const int64_t i1 = T, i0 = T - kRowBlock, rows = i1 - i0;
   const int64_t qkv_str[4] = {T * c3, hd, c3, 1};
@@ -444,95 +504,121 @@ StridedCall attention_call(AttentionOp op, const AttentionTensors& t) {
   const int64_t out_str[4] = {T * c, hd, c, 1};
   const int64_t ds_str[4] = {kHeads * kRowBlock * T, kRowBlock * T, T, 1};
   const int64_t ds_t_str[4] = {kHeads * kRowBlock * T, kRowBlock * T, 1, T};
-  const float* x = t.qkv.data_as<float>();
-  float* pr = t.probs.data_as<float>();  // written by the scores, read by the rest
-  const float* dy = t.dout.data_as<float>();
-  float* ds = t.ds.data_as<float>();
-  float* dx = t.dqkv.data_as<float>();
-  float* o = t.out.data_as<float>();
-  StridedCall s{};
-  auto set = [&](int64_t m, int64_t n, int64_t k, const int64_t (&as)[4], const float* a,
-                 const int64_t (&bs)[4], const float* b, const int64_t (&os)[4], float* out,
-                 float alpha) {
-    s.p.batch0 = kBatch;
-    s.p.batch1 = kHeads;
-    s.p.m = m;
-    s.p.n = n;
-    s.p.k = k;
-    for (int i = 0; i < 4; ++i) {
-      s.p.a_strides[i] = as[i];
-      s.p.b_strides[i] = bs[i];
-      s.p.out_strides[i] = os[i];
-    }
-    s.p.alpha = alpha;
-    s.p.beta = 0.0f;
-    s.a = a;
-    s.b = b;
-    s.out = out;
-  };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // Each as in nn/cpu_attention.cc: m, n, k, then a, b and out with their strides.
+  // Each as in nn/cpu_attention.cc: m, n, k, then a, b and out at their offsets and strides.
   switch (op) {
     case kScores:  // S = scale Q[i0:i1] K[0:i1]^T
-      set(rows, i1, hd, qkv_str, x + i0 * c3, qkv_t_str, x + c, probs_str, pr + i0 * T, scale);
-      break;
+      return strided_call(rows, i1, hd, view(t.qkv, i0 * c3, qkv_str), view(t.qkv, c, qkv_t_str),
+                          view(t.probs, i0 * T, probs_str), scale);
     case kPV:  // O[i0:i1] = P[i0:i1, 0:i1] V[0:i1]
-      set(rows, hd, i1, probs_str, pr + i0 * T, qkv_str, x + 2 * c, out_str, o + i0 * c, 1.0f);
-      break;
+      return strided_call(rows, hd, i1, view(t.probs, i0 * T, probs_str),
+                          view(t.qkv, 2 * c, qkv_str), view(t.out, i0 * c, out_str), 1.0f);
     case kDP:  // dP = dO[i0:i1] V[0:i1]^T
-      set(rows, i1, hd, out_str, dy + i0 * c, qkv_t_str, x + 2 * c, ds_str, ds, 1.0f);
-      break;
+      return strided_call(rows, i1, hd, view(t.dout, i0 * c, out_str),
+                          view(t.qkv, 2 * c, qkv_t_str), view(t.ds, 0, ds_str), 1.0f);
     case kDQ:  // dQ[i0:i1] = dS K[0:i1]
-      set(rows, hd, i1, ds_str, ds, qkv_str, x + c, qkv_str, dx + i0 * c3, 1.0f);
-      break;
+      return strided_call(rows, hd, i1, view(t.ds, 0, ds_str), view(t.qkv, c, qkv_str),
+                          view(t.dqkv, i0 * c3, qkv_str), 1.0f);
     case kDK:  // dK[0:i1] = dS^T Q[i0:i1]
-      set(i1, hd, rows, ds_t_str, ds, qkv_str, x + i0 * c3, qkv_str, dx + c, 1.0f);
-      break;
+      return strided_call(i1, hd, rows, view(t.ds, 0, ds_t_str), view(t.qkv, i0 * c3, qkv_str),
+                          view(t.dqkv, c, qkv_str), 1.0f);
     case kDV:  // dV[0:i1] = P[i0:i1, 0:i1]^T dO[i0:i1]
-      set(i1, hd, rows, probs_t_str, pr + i0 * T, out_str, dy + i0 * c, qkv_str, dx + 2 * c,
-          1.0f);
-      break;
+      return strided_call(i1, hd, rows, view(t.probs, i0 * T, probs_t_str),
+                          view(t.dout, i0 * c, out_str), view(t.dqkv, 2 * c, qkv_str), 1.0f);
   }
-  return s;
+  return {};
 }
 
-// One (batch0, batch1) matrix of a strided operand, rows x cols, row-major.
-std::vector<float> gather(const float* base, const int64_t (&st)[4], int64_t b0, int64_t b1,
+// Strides of a dense (B, H, rows, cols) tensor, and of its transpose.
+struct Dense {
+  int64_t plain[4], trans[4];
+};
+
+Dense dense(int64_t rows, int64_t cols) {
+  const int64_t head = rows * cols;
+  return {{kHeads * head, head, cols, 1}, {kHeads * head, head, 1, cols}};
+}
+
+// The call forward_bf16 / backward_bf16 in nn/cpu_attention.cc makes for a row block.
+StridedCall bf16_attention_call(AttentionOp op, const Bf16AttentionTensors& t) {
+  const int64_t T = kSeq, hd = kHeadDim, rows = kRowBlock;
+  const Dense kv = dense(T, hd), qb = dense(rows, hd), sb = dense(rows, T);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  switch (op) {
+    case kScores:  // S = scale Q_blk K^T, every key
+      return strided_call(rows, T, hd, view(t.q, 0, qb.plain), view(t.k, 0, kv.trans),
+                          view(t.scores, 0, sb.plain), scale);
+    case kPV:  // O_blk = P_blk V
+      return strided_call(rows, hd, T, view(t.p16, 0, sb.plain), view(t.v, 0, kv.plain),
+                          view(t.o, 0, qb.plain), 1.0f);
+    case kDP:  // dP = dO_blk V^T
+      return strided_call(rows, T, hd, view(t.dy, 0, qb.plain), view(t.v, 0, kv.trans),
+                          view(t.scores, 0, sb.plain), 1.0f);
+    case kDQ:  // dQ_blk = dS K
+      return strided_call(rows, hd, T, view(t.p16, 0, sb.plain), view(t.k, 0, kv.plain),
+                          view(t.o, 0, qb.plain), 1.0f);
+    case kDK:  // dK = dS^T Q_blk
+      return strided_call(T, hd, rows, view(t.p16, 0, sb.trans), view(t.q, 0, qb.plain),
+                          view(t.dkv, 0, kv.plain), 1.0f);
+    case kDV:  // dV = P^T dO_blk
+      return strided_call(T, hd, rows, view(t.p16, 0, sb.trans), view(t.dy, 0, qb.plain),
+                          view(t.dkv, 0, kv.plain), 1.0f);
+  }
+  return {};
+}
+
+// One (batch0, batch1) matrix of a view, rows x cols, row-major, from the f32 host copy of
+// its tensor.
+std::vector<float> gather(const std::vector<float>& host, const View& v, int64_t b0, int64_t b1,
                           int64_t rows, int64_t cols) {
   std::vector<float> m(static_cast<size_t>(rows * cols));
-  const float* p = base + b0 * st[0] + b1 * st[1];
+  const float* p = host.data() + v.offset + b0 * v.strides[0] + b1 * v.strides[1];
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) m[i * cols + j] = p[i * st[2] + j * st[3]];
+    for (int64_t j = 0; j < cols; ++j) m[i * cols + j] = p[i * v.strides[2] + j * v.strides[3]];
   return m;
 }
 
-void BM_Attention(benchmark::State& state, std::string name, AttentionOp op) {
+void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DType ab) {
   Env& e = env();
-  AttentionTensors t(e);
-  const StridedCall s = attention_call(op, t);
+  // Both kinds live for the row; only one is used.
+  std::unique_ptr<F32AttentionTensors> f32;
+  std::unique_ptr<Bf16AttentionTensors> bf16;
+  StridedCall s;
+  if (ab == DType::kF32) {
+    f32 = std::make_unique<F32AttentionTensors>(e);
+    s = f32_attention_call(op, *f32);
+  } else {
+    bf16 = std::make_unique<Bf16AttentionTensors>(e);
+    s = bf16_attention_call(op, *bf16);
+  }
   const MatmulProblem& p = s.p;
   double err = 0;
   {
-    // Check: each (batch, head) matrix against oneDNN's sgemm on contiguous copies.
+    // Check: each (batch, head) matrix against oneDNN's sgemm on f32 copies of its operands.
+    const std::vector<float> a = e.host(*s.a.t), b = e.host(*s.b.t);
     std::vector<std::vector<float>> refs;
-    for (int64_t b0 = 0; b0 < p.batch0; ++b0) {
-      for (int64_t b1 = 0; b1 < p.batch1; ++b1) {
-        std::vector<float> ref = gather(s.out, p.out_strides, b0, b1, p.m, p.n);
-        sgemm(false, false, p.m, p.n, p.k, p.alpha,
-              gather(s.a, p.a_strides, b0, b1, p.m, p.k).data(),
-              gather(s.b, p.b_strides, b0, b1, p.k, p.n).data(), p.beta, ref.data());
-        refs.push_back(std::move(ref));
+    {
+      const std::vector<float> out0 = e.host(*s.out.t);
+      for (int64_t b0 = 0; b0 < p.batch0; ++b0) {
+        for (int64_t b1 = 0; b1 < p.batch1; ++b1) {
+          std::vector<float> ref = gather(out0, s.out, b0, b1, p.m, p.n);
+          sgemm(false, false, p.m, p.n, p.k, p.alpha, gather(a, s.a, b0, b1, p.m, p.k).data(),
+                gather(b, s.b, b0, b1, p.k, p.n).data(), p.beta, ref.data());
+          refs.push_back(std::move(ref));
+        }
       }
     }
-    e.probe->run(p, s.a, s.b, s.out);
+    e.probe->run(p, s.a.data(), s.b.data(), s.out.data());
+    const std::vector<float> out1 = e.host(*s.out.t);
     std::vector<float> got, want;
     for (int64_t b0 = 0, i = 0; b0 < p.batch0; ++b0) {
       for (int64_t b1 = 0; b1 < p.batch1; ++b1, ++i) {
-        std::vector<float> g = gather(s.out, p.out_strides, b0, b1, p.m, p.n);
+        std::vector<float> g = gather(out1, s.out, b0, b1, p.m, p.n);
         got.insert(got.end(), g.begin(), g.end());
         want.insert(want.end(), refs[i].begin(), refs[i].end());
       }
     }
+    // The products of bf16 values are exact in f32, so bf16 operands meet the f32 bound.
     err = max_rel_error(got, want);
     if (!(err <= tolerance(DType::kF32))) {
       const std::string msg = "disagrees with oneDNN sgemm: rel err " + std::to_string(err);
@@ -541,8 +627,8 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op) {
     }
   }
   const double flops = 2.0 * p.batch0 * p.batch1 * p.m * p.n * p.k;
-  time_row(state, name, true, DType::kF32, flops, e.probe->implementation(p), err,
-           [&] { e.probe->run(p, s.a, s.b, s.out); });
+  time_row(state, name, true, ab, flops, e.probe->implementation(p), err,
+           [&] { e.probe->run(p, s.a.data(), s.b.data(), s.out.data()); });
 }
 
 // ---- registration and summary ----
@@ -563,10 +649,10 @@ void register_rows() {
         }
       }
     }
-    if (ab != DType::kF32) continue;
     for (AttentionOp op : {kScores, kPV, kDP, kDQ, kDK, kDV}) {
-      const std::string name = std::string("attn/") + kAttentionNames[op] + "/f32";
-      row(benchmark::RegisterBenchmark(name.c_str(), BM_Attention, name, op));
+      const std::string name =
+          std::string("attn/") + kAttentionNames[op] + "/" + std::string(dtype_name(ab));
+      row(benchmark::RegisterBenchmark(name.c_str(), BM_Attention, name, op, ab));
     }
   }
   benchmark::RegisterBenchmark("peaks/after", BM_Peaks)->Unit(benchmark::kMillisecond)->Iterations(1);

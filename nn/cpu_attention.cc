@@ -108,11 +108,27 @@ void run_batched(DnnlMatmul& mm, const Dims& d, int64_t m, int64_t n, int64_t k,
   mm.run(p, a.data, b.data, out);
 }
 
+// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
+// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
+// reduction without -ffast-math.
+PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (float& m : lane) m = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
+  }
+  float mx = -INFINITY;
+  for (float m : lane) mx = std::max(mx, m);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
 // Row i of the causal scores: softmax over [0, i], zeros after (up to `width`).
 PORTER_CPU_CLONES void softmax_causal_row(float* row, int64_t i, int64_t width) {
-  float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
+  const float mx = row_max(row, i + 1);
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t j = 0; j <= i; ++j) {
@@ -135,24 +151,6 @@ PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i
 #pragma omp simd
   for (int64_t j = 0; j <= i; ++j) ds[j] = scale * p[j] * (ds[j] - s);
   for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
-}
-
-// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
-// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
-// reduction without -ffast-math.
-PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float lane[kLanes];
-  for (float& m : lane) m = -INFINITY;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
-  }
-  float mx = -INFINITY;
-  for (float m : lane) mx = std::max(mx, m);
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
-  return mx;
 }
 
 // Row i of the causal probabilities in the bf16 path: softmax_causal_row of the f32 scores
