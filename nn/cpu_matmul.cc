@@ -47,6 +47,20 @@
 // processes whose measurements disagree can differ in the last bit; PORTER_MATMUL_LAYOUT=plain
 // (or blocked) fixes the choice for bitwise run-to-run reproducibility.
 //
+// Note [Widened bf16 matmul]
+// A bf16 x bf16 matmul runs on the cpu's bf16 units: AMX tiles (brg:avx512_core_amx_bf16) or
+// AVX512-BF16 dot products (brg:avx512_core_bf16). Without AMX the latter can be slower than
+// the f32 kernels: on a 2-core Intel Xeon with AVX512-BF16 but no AMX, oneDNN's best bf16
+// GEMM reached 167 GFLOP/s where its sgemm reached 314. So, measured like the weight layout
+// and in the same table, a bf16 problem can instead run widened: A and B (and out, when out is
+// 16-bit and beta != 0) are reordered into f32 copies with the same strides, the f32 problem
+// runs on them (itself with B plain or blocked, as measured for it), and a 16-bit out is
+// rounded once, to nearest even, from the f32 result. The products of bf16 values are exact
+// in f32 and accumulate in f32 either way, so the two differ only in summation order, as the
+// blocked and plain bf16 kernels do; widened is kept when it is at least 10% faster, reorders
+// included. The copies live in a second host buffer (widened_buffer_bytes), like the blocked
+// copy of B below. PORTER_MATMUL_LAYOUT=widened always widens; plain and blocked never do.
+//
 // The blocked copy of B lives in one host buffer per DnnlMatmul, grown to the largest copy
 // needed (blocked_buffer_bytes), beside oneDNN's own scratchpad and like it outside the
 // device's capacity: it is the kernel's internal packing, not a tensor, and depends on a
@@ -138,7 +152,18 @@ int64_t extent(const MatmulProblem& p, int64_t rows, int64_t cols, const int64_t
 struct LayoutTable {
   std::mutex mu;
   std::map<std::pair<ProblemKey, int>, bool> blocked;
+  std::map<std::pair<ProblemKey, int>, bool> widened;  // Note [Widened bf16 matmul]
 };
+
+// 64-byte aligned views into a host buffer grown to `bytes` (oneDNN's kernels load whole
+// cache lines).
+char* aligned_bytes(std::vector<std::byte>& buffer, size_t bytes) {
+  if (buffer.size() < bytes + 64) buffer.assign(bytes + 64, std::byte{0});
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                                 ~uintptr_t{63});
+}
+
+size_t round_up_64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 LayoutTable& layout_table() {
   static LayoutTable table;
@@ -158,8 +183,9 @@ MatmulLayout matmul_layout_from_env() {
   if (s == "measure") return MatmulLayout::kMeasure;
   if (s == "plain") return MatmulLayout::kPlain;
   if (s == "blocked") return MatmulLayout::kBlocked;
+  if (s == "widened") return MatmulLayout::kWidened;
   throw InvalidArgument("PORTER_MATMUL_LAYOUT is \"" + std::string(s) +
-                        "\"; use measure (the default), plain or blocked");
+                        "\"; use measure (the default), plain, blocked or widened");
 }
 
 struct DnnlMatmul::Impl {
@@ -172,6 +198,15 @@ struct DnnlMatmul::Impl {
     dnnl::reorder to_blocked;
     dnnl::memory b_blocked;
     size_t blocked_bytes = 0;
+    // With widened operands (Note [Widened bf16 matmul]): a, b and out are the caller's bf16
+    // tensors, reordered into and out of the f32 copies a32, b32 and out32 (out32 only when
+    // out is not f32), and the f32 problem f32_key runs on the copies.
+    bool widened = false;
+    ProblemKey f32_key{};
+    dnnl::reorder a_to_f32, b_to_f32, out_to_f32, out_from_f32;
+    dnnl::memory a32, b32, out32;
+    size_t a32_bytes = 0, b32_bytes = 0, out32_bytes = 0;
+    bool widen_out_first = false;  // out is 16-bit and beta != 0
   };
 
   Impl(int n, MatmulLayout l)
@@ -204,7 +239,72 @@ struct DnnlMatmul::Impl {
     plain.impl_name = plain_pd.impl_info_str();
     Entry blocked = blocked_entry(p, a_md, b_md, out_md, attr);
     const bool use_blocked = blocked.blocked && choose_blocked(p, key, plain, blocked);
-    return cache.emplace(key, use_blocked ? std::move(blocked) : std::move(plain)).first->second;
+    Entry native = use_blocked ? std::move(blocked) : std::move(plain);
+    if (p.a_dtype == DType::kBF16 && p.b_dtype == DType::kBF16 && layout != MatmulLayout::kPlain &&
+        layout != MatmulLayout::kBlocked) {
+      Entry widened = widened_entry(p, a_md, b_md, out_md);
+      if (choose_widened(p, key, native, widened)) {
+        return cache.emplace(key, std::move(widened)).first->second;
+      }
+    }
+    return cache.emplace(key, std::move(native)).first->second;
+  }
+
+  // The entry that runs bf16 problem p on f32 copies of its operands (Note [Widened bf16
+  // matmul]); creates the f32 problem's entry first.
+  Entry widened_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
+                      const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md) {
+    MatmulProblem p32 = p;
+    p32.a_dtype = p32.b_dtype = p32.out_dtype = DType::kF32;
+    const Entry& f32 = entry(p32);
+    Entry e;
+    e.widened = true;
+    e.f32_key = key_of(p32);
+    e.impl_name = f32.impl_name + ", bf16 widened to f32";
+    const dnnl::memory::desc a32_md = operand_desc(p32, p.m, p.k, p.a_strides, DType::kF32);
+    const dnnl::memory::desc b32_md = operand_desc(p32, p.k, p.n, p.b_strides, DType::kF32);
+    const dnnl::memory::desc out32_md = operand_desc(p32, p.m, p.n, p.out_strides, DType::kF32);
+    e.a = dnnl::memory(a_md, engine, nullptr);
+    e.b = dnnl::memory(b_md, engine, nullptr);
+    e.out = dnnl::memory(out_md, engine, nullptr);
+    e.a32 = dnnl::memory(a32_md, engine, nullptr);
+    e.b32 = dnnl::memory(b32_md, engine, nullptr);
+    e.a_to_f32 = dnnl::reorder(e.a, e.a32);
+    e.b_to_f32 = dnnl::reorder(e.b, e.b32);
+    e.a32_bytes = round_up_64(a32_md.get_size());
+    e.b32_bytes = round_up_64(b32_md.get_size());
+    if (p.out_dtype != DType::kF32) {
+      e.out32 = dnnl::memory(out32_md, engine, nullptr);
+      e.out32_bytes = round_up_64(out32_md.get_size());
+      e.out_from_f32 = dnnl::reorder(e.out32, e.out);
+      e.widen_out_first = p.beta != 0.0f;
+      if (e.widen_out_first) e.out_to_f32 = dnnl::reorder(e.out, e.out32);
+    }
+    return e;
+  }
+
+  // Whether bf16 problem p runs widened: as the policy says, or as measured once per process
+  // against its native entry.
+  bool choose_widened(const MatmulProblem& p, const ProblemKey& key, Entry& native,
+                      Entry& widened) {
+    if (layout == MatmulLayout::kWidened) return true;
+    if (flops_of(p) < kMinMeasuredFlops) return false;
+    LayoutTable& table = layout_table();
+    std::lock_guard lock(table.mu);
+    auto [it, inserted] = table.widened.try_emplace({key, threads}, false);
+    if (!inserted) return it->second;
+    const auto [native_s, widened_s] = time_both(p, native, widened);
+    it->second = widened_s < 0.9 * native_s;
+    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}) bf16: {:.2f} ms ({}), widened to f32 {:.2f} "
+                     "ms: {}",
+                     p.m, p.n, p.k, p.batch0, p.batch1, native_s * 1e3, native.impl_name,
+                     widened_s * 1e3, it->second ? "widened" : "bf16");
+    return it->second;
+  }
+
+  static double flops_of(const MatmulProblem& p) {
+    return 2.0 * static_cast<double>(p.batch0 * p.batch1) * static_cast<double>(p.m) *
+           static_cast<double>(p.n) * static_cast<double>(p.k);
   }
 
   // The primitive that reads B in oneDNN's preferred layout, and the reorder into it; an
@@ -212,7 +312,7 @@ struct DnnlMatmul::Impl {
   Entry blocked_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
                       const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md,
                       const dnnl::primitive_attr& attr) {
-    if (layout == MatmulLayout::kPlain) return {};
+    if (layout == MatmulLayout::kPlain || layout == MatmulLayout::kWidened) return {};
     try {
       const dnnl::memory::desc any_md(b_md.dims(), dnnl_type(p.b_dtype),
                                       dnnl::memory::format_tag::any);
@@ -222,10 +322,17 @@ struct DnnlMatmul::Impl {
       const dnnl::memory b_plain(b_md, engine, nullptr);
       const dnnl::memory b_blocked(blocked_md, engine, nullptr);
       const dnnl::reorder::primitive_desc reorder_pd(b_plain, b_blocked);
-      return Entry{dnnl::matmul(pd), dnnl::memory(a_md, engine, nullptr), b_plain,
-                   dnnl::memory(out_md, engine, nullptr),
-                   std::string(pd.impl_info_str()) + ", blocked weights", true,
-                   dnnl::reorder(reorder_pd), b_blocked, blocked_md.get_size()};
+      Entry e;
+      e.primitive = dnnl::matmul(pd);
+      e.a = dnnl::memory(a_md, engine, nullptr);
+      e.b = b_plain;
+      e.out = dnnl::memory(out_md, engine, nullptr);
+      e.impl_name = std::string(pd.impl_info_str()) + ", blocked weights";
+      e.blocked = true;
+      e.to_blocked = dnnl::reorder(reorder_pd);
+      e.b_blocked = b_blocked;
+      e.blocked_bytes = blocked_md.get_size();
+      return e;
     } catch (const dnnl::error&) {
       return {};  // no blocked form for this problem: it stays plain
     }
@@ -235,9 +342,7 @@ struct DnnlMatmul::Impl {
   // process (Note [Matmul weight layout]).
   bool choose_blocked(const MatmulProblem& p, const ProblemKey& key, Entry& plain, Entry& blocked) {
     if (layout == MatmulLayout::kBlocked) return true;
-    const double flops = 2.0 * static_cast<double>(p.batch0 * p.batch1) * static_cast<double>(p.m) *
-                         static_cast<double>(p.n) * static_cast<double>(p.k);
-    if (flops < kMinMeasuredFlops) return false;
+    if (flops_of(p) < kMinMeasuredFlops) return false;
     LayoutTable& table = layout_table();
     std::lock_guard lock(table.mu);
     auto [it, inserted] = table.blocked.try_emplace({key, threads}, false);
@@ -276,20 +381,40 @@ struct DnnlMatmul::Impl {
     e.b.set_data_handle(const_cast<void*>(b));
     e.out.set_data_handle(out);
     omp_set_num_threads(threads);
+    if (e.widened) {
+      execute_widened(e);
+      return;
+    }
     if (e.blocked) {
-      if (blocked_buffer.size() < e.blocked_bytes) {
-        // 64-byte aligned, as oneDNN's kernels load whole cache lines of B.
-        blocked_buffer.assign(e.blocked_bytes + 64, std::byte{0});
-      }
-      void* aligned = reinterpret_cast<void*>(
-          (reinterpret_cast<uintptr_t>(blocked_buffer.data()) + 63) & ~uintptr_t{63});
-      e.b_blocked.set_data_handle(aligned);
+      e.b_blocked.set_data_handle(aligned_bytes(blocked_buffer, e.blocked_bytes));
       e.to_blocked.execute(stream, e.b, e.b_blocked);
     }
     e.primitive.execute(stream, {{DNNL_ARG_SRC, e.a},
                                  {DNNL_ARG_WEIGHTS, e.blocked ? e.b_blocked : e.b},
                                  {DNNL_ARG_DST, e.out}});
     stream.wait();
+  }
+
+  // Note [Widened bf16 matmul]: e's operands are bound; widen them, run the f32 problem and
+  // round a 16-bit out.
+  void execute_widened(Entry& e) {
+    char* base = aligned_bytes(widened_buffer, e.a32_bytes + e.b32_bytes + e.out32_bytes);
+    e.a32.set_data_handle(base);
+    e.b32.set_data_handle(base + e.a32_bytes);
+    e.a_to_f32.execute(stream, e.a, e.a32);
+    e.b_to_f32.execute(stream, e.b, e.b32);
+    void* out32 = e.out.get_data_handle();
+    if (e.out32_bytes != 0) {
+      out32 = base + e.a32_bytes + e.b32_bytes;
+      e.out32.set_data_handle(out32);
+      if (e.widen_out_first) e.out_to_f32.execute(stream, e.out, e.out32);
+    }
+    stream.wait();
+    execute(cache.at(e.f32_key), e.a32.get_data_handle(), e.b32.get_data_handle(), out32);
+    if (e.out32_bytes != 0) {
+      e.out_from_f32.execute(stream, e.out32, e.out);
+      stream.wait();
+    }
   }
 
   int threads;
@@ -299,6 +424,7 @@ struct DnnlMatmul::Impl {
   mutable std::mutex mu;  // guards cache and blocked_buffer, and serialises runs (one stream)
   std::map<ProblemKey, Entry> cache;
   std::vector<std::byte> blocked_buffer;
+  std::vector<std::byte> widened_buffer;  // Note [Widened bf16 matmul]
 };
 
 DnnlMatmul::DnnlMatmul(int threads, MatmulLayout layout)
@@ -330,6 +456,16 @@ bool DnnlMatmul::blocked_weights(const MatmulProblem& p) {
 size_t DnnlMatmul::blocked_buffer_bytes() const {
   std::lock_guard lock(impl_->mu);
   return impl_->blocked_buffer.size();
+}
+
+bool DnnlMatmul::widened_operands(const MatmulProblem& p) {
+  std::lock_guard lock(impl_->mu);
+  return impl_->entry(p).widened;
+}
+
+size_t DnnlMatmul::widened_buffer_bytes() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->widened_buffer.size();
 }
 
 MatmulProblem matmul_problem(const Tensor& a, const Tensor& b, const Tensor& out,

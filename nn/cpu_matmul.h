@@ -39,10 +39,11 @@ enum class MatmulLayout {
   kMeasure,  // per problem, whichever of the two is faster on this cpu, measured at first use
   kPlain,
   kBlocked,  // wherever oneDNN prefers a blocked layout
+  kWidened,  // B plain, and bf16 x bf16 problems widened to f32 (Note [Widened bf16 matmul])
 };
 
-// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain or blocked; measure when
-// unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
+// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain, blocked or widened;
+// measure when unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
 MatmulLayout matmul_layout_from_env();
 
 class DnnlMatmul {
@@ -62,6 +63,10 @@ class DnnlMatmul {
   bool blocked_weights(const MatmulProblem& problem);
   // Host bytes held for blocked copies of B (the largest one needed so far).
   size_t blocked_buffer_bytes() const;
+  // Whether `problem` (bf16 x bf16) runs on f32 copies of its operands through f32 kernels.
+  bool widened_operands(const MatmulProblem& problem);
+  // Host bytes held for those f32 copies (the largest set needed so far).
+  size_t widened_buffer_bytes() const;
 
  private:
   struct Impl;

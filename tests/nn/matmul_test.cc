@@ -13,6 +13,7 @@ namespace porter::nn {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Env;
 using testing::max_rel_error;
 using testing::random_values;
@@ -327,6 +328,73 @@ TEST(MatmulLayoutTest, MeasuredChoiceIsSharedWithinAProcess) {
   EXPECT_FALSE(first.blocked_weights(small));
 }
 
+// Note [Widened bf16 matmul]: a widened bf16 problem gives the bits of the f32 problem on the
+// widened values, its out rounded once to bf16 when out is bf16.
+TEST(MatmulLayoutTest, WidenedBf16IsTheF32ProductOfTheBf16Values) {
+  struct WidenCase {
+    int64_t m, n, k;
+    bool ta, tb;
+    float beta;
+    DType out;
+  };
+  const WidenCase cases[] = {{256, 3072, 768, false, true, 0.0f, DType::kBF16},
+                        {256, 768, 3072, false, false, 0.0f, DType::kBF16},
+                        {768, 3072, 256, true, false, 1.0f, DType::kF32},
+                        {37, 70, 33, false, false, 1.0f, DType::kBF16}};
+  DnnlMatmul widened(2, MatmulLayout::kWidened), plain(2, MatmulLayout::kPlain);
+  for (const WidenCase& c : cases) {
+    MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kBF16, c.beta);
+    p.out_dtype = c.out;
+    const std::vector<float> a = round_bf16(random_values(static_cast<size_t>(c.m * c.k), 9));
+    const std::vector<float> b = round_bf16(random_values(static_cast<size_t>(c.k * c.n), 10));
+    std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 11);
+    if (c.out == DType::kBF16) out0 = round_bf16(out0);
+    // Want: the f32 problem on the same values, rounded to out's dtype.
+    MatmulProblem p32 = p;
+    p32.a_dtype = p32.b_dtype = p32.out_dtype = DType::kF32;
+    std::vector<float> want = run_problem(plain, p32, a, b, out0);
+    if (c.out == DType::kBF16) want = round_bf16(want);
+    // Got: the bf16 problem on bf16 operands (and a bf16 out, read back as f32).
+    std::vector<uint16_t> a16(a.size()), b16(b.size()), out16(out0.size());
+    for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+    std::vector<float> got = out0;
+    if (c.out == DType::kBF16) {
+      for (size_t i = 0; i < out0.size(); ++i) out16[i] = f32_to_bf16(out0[i]);
+      widened.run(p, a16.data(), b16.data(), out16.data());
+      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(out16[i]);
+    } else {
+      widened.run(p, a16.data(), b16.data(), got.data());
+    }
+    EXPECT_EQ(got, want) << c.m << "x" << c.n << "x" << c.k;
+    EXPECT_TRUE(widened.widened_operands(p));
+    EXPECT_THAT(widened.implementation(p), HasSubstr("bf16 widened to f32"));
+    EXPECT_FALSE(plain.widened_operands(p));
+    EXPECT_FALSE(widened.widened_operands(p32));  // f32 problems run as they are
+  }
+  EXPECT_GE(widened.widened_buffer_bytes(), size_t{(256 * 768 + 768 * 3072 + 256 * 3072) * 4});
+  EXPECT_EQ(plain.widened_buffer_bytes(), 0u);
+}
+
+// Measured, the bf16 choice is shared within a process like the layout, and the result is one
+// of the two ways' bits.
+TEST(MatmulLayoutTest, MeasuredBf16ChoiceIsSharedAndGivesOneOfTheTwoResults) {
+  const MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
+  const std::vector<float> a = round_bf16(random_values(512 * 768, 12));
+  const std::vector<float> b = round_bf16(random_values(768 * 3072, 13));
+  const std::vector<float> out0(512 * 3072, 0.0f);
+  DnnlMatmul first(2, MatmulLayout::kMeasure), second(2, MatmulLayout::kMeasure);
+  const std::vector<float> got = run_problem(first, p, a, b, out0);
+  EXPECT_EQ(second.widened_operands(p), first.widened_operands(p));
+  DnnlMatmul widened(2, MatmulLayout::kWidened);
+  if (first.widened_operands(p)) {
+    EXPECT_EQ(got, run_problem(widened, p, a, b, out0));
+    EXPECT_THAT(first.implementation(p), HasSubstr("bf16 widened to f32"));
+  } else {
+    EXPECT_THAT(first.implementation(p), Not(HasSubstr("widened")));
+  }
+}
+
 TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
   ::unsetenv("PORTER_MATMUL_LAYOUT");
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kMeasure);
@@ -334,6 +402,8 @@ TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kPlain);
   ::setenv("PORTER_MATMUL_LAYOUT", "blocked", 1);
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kBlocked);
+  ::setenv("PORTER_MATMUL_LAYOUT", "widened", 1);
+  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kWidened);
   ::setenv("PORTER_MATMUL_LAYOUT", "fastest", 1);
   try {
     matmul_layout_from_env();
