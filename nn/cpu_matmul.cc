@@ -30,22 +30,27 @@
 // Note [Matmul weight layout]
 // oneDNN's brgemm matmul reads B (its "weights") either where the caller keeps it, in the
 // plain row-major or transposed layout, or from the blocked layout its kernel prefers
-// (format_tag::any), which a reorder writes first. Which is faster depends on the shape and
-// on the cpu. On a 2-core Intel Xeon with AMX, a plain f32 B with rows of 3072 floats (12 KiB,
-// a multiple of the 4 KiB page) runs at 100-115 GFLOP/s, and the same product with B blocked,
-// reorder included, at 210-220 (the MLP's fc2 dgrad and wgrad); on most other GPT shapes plain
-// is as fast or faster, and the fc2 forward loses 15% blocked. So the choice is measured, not
-// assumed: the first time a problem (every MatmulProblem field, and the thread count) is seen,
-// both ways are timed on scratch operands of its shape (the best of three runs each,
-// interleaved), and blocked is kept when it is at least 10% faster. Problems under kMinMeasuredFlops are not worth the timing and stay plain.
-// The choice is made once per process (a shared table), so every Kernels in it, every policy
-// and every thread rank, computes a given problem the same way.
+// (format_tag::any), which a reorder writes first; and a 2-D f32 problem can also go through
+// oneDNN's sgemm (its gemm:jit kernel, which packs both operands itself). Which is fastest
+// depends on the shape and on the cpu. On a 2-core Intel Xeon with AMX, a plain f32 B with
+// rows of 3072 floats (12 KiB, a multiple of the 4 KiB page) ran at 100-115 GFLOP/s, and the
+// same product with B blocked, reorder included, at 210-220 (the MLP's fc2 dgrad and wgrad);
+// on most other GPT shapes plain was as fast or faster, and the fc2 forward lost 15% blocked.
+// On a Xeon without AMX the same two products took 99 and 103 ms plain, 49 and 38 blocked and
+// 45 and 33 through sgemm. So the choice is measured, not assumed: the first time a problem
+// (every MatmulProblem field, and the thread count) is seen, each candidate is timed on
+// scratch operands of its shape (the best of three runs each, interleaved), and the fastest
+// is kept where it is at least 10% faster than plain. Problems under kMinMeasuredFlops are not
+// worth the timing and stay plain. The choice is made once per process (a shared table), so
+// every Kernels in it, every policy and every thread rank, computes a given problem the same
+// way.
 //
-// In f32 the two ways give identical bits: oneDNN runs the same brgemm kernel over the same K
-// blocks, only the panel copies of B differ (matmul_test checks this on the GPT's shapes). In
-// bf16 with long K (2048 and up) the blocked kernel can sum K in another order, so two
-// processes whose measurements disagree can differ in the last bit; PORTER_MATMUL_LAYOUT=plain
-// (or blocked) fixes the choice for bitwise run-to-run reproducibility.
+// In f32 plain and blocked give identical bits: oneDNN runs the same brgemm kernel over the
+// same K blocks, only the panel copies of B differ (matmul_test checks this on the GPT's
+// shapes). sgemm sums in its own order, and in bf16 with long K (2048 and up) the blocked
+// kernel can too, so two processes whose measurements disagree can differ in the last bit;
+// PORTER_MATMUL_LAYOUT=plain (or blocked, gemm, widened) fixes the choice for bitwise
+// run-to-run reproducibility across processes.
 //
 // Note [Widened bf16 matmul]
 // A bf16 x bf16 matmul runs on the cpu's bf16 units: AMX tiles (brg:avx512_core_amx_bf16) or
@@ -54,7 +59,7 @@
 // GEMM reached 167 GFLOP/s where its sgemm reached 314. So, measured like the weight layout
 // and in the same table, a bf16 problem can instead run widened: A and B (and out, when out is
 // 16-bit and beta != 0) are reordered into f32 copies with the same strides, the f32 problem
-// runs on them (itself with B plain or blocked, as measured for it), and a 16-bit out is
+// runs on them (itself plain, blocked or through sgemm, as measured for it), and a 16-bit out is
 // rounded once, to nearest even, from the f32 result. The products of bf16 values are exact
 // in f32 and accumulate in f32 either way, so the two differ only in summation order, as the
 // blocked and plain bf16 kernels do; widened is kept when it is at least 10% faster, reorders
@@ -151,7 +156,7 @@ int64_t extent(const MatmulProblem& p, int64_t rows, int64_t cols, const int64_t
 // one at a time, under the table's lock, so that two ranks' measurements do not share cores.
 struct LayoutTable {
   std::mutex mu;
-  std::map<std::pair<ProblemKey, int>, bool> blocked;
+  std::map<std::pair<ProblemKey, int>, int> choice;    // an Impl::Choice
   std::map<std::pair<ProblemKey, int>, bool> widened;  // Note [Widened bf16 matmul]
 };
 
@@ -183,9 +188,10 @@ MatmulLayout matmul_layout_from_env() {
   if (s == "measure") return MatmulLayout::kMeasure;
   if (s == "plain") return MatmulLayout::kPlain;
   if (s == "blocked") return MatmulLayout::kBlocked;
+  if (s == "gemm") return MatmulLayout::kGemm;
   if (s == "widened") return MatmulLayout::kWidened;
   throw InvalidArgument("PORTER_MATMUL_LAYOUT is \"" + std::string(s) +
-                        "\"; use measure (the default), plain, blocked or widened");
+                        "\"; use measure (the default), plain, blocked, gemm or widened");
 }
 
 struct DnnlMatmul::Impl {
@@ -207,6 +213,13 @@ struct DnnlMatmul::Impl {
     dnnl::memory a32, b32, out32;
     size_t a32_bytes = 0, b32_bytes = 0, out32_bytes = 0;
     bool widen_out_first = false;  // out is 16-bit and beta != 0
+    // Run through dnnl_sgemm (gemm_entry) rather than the primitive.
+    struct Sgemm {
+      bool on = false;
+      char ta = 'N', tb = 'N';
+      int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+      float alpha = 1.0f, beta = 0.0f;
+    } gemm;
   };
 
   Impl(int n, MatmulLayout l)
@@ -238,10 +251,15 @@ struct DnnlMatmul::Impl {
     plain.out = dnnl::memory(out_md, engine, nullptr);
     plain.impl_name = plain_pd.impl_info_str();
     Entry blocked = blocked_entry(p, a_md, b_md, out_md, attr);
-    const bool use_blocked = blocked.blocked && choose_blocked(p, key, plain, blocked);
-    Entry native = use_blocked ? std::move(blocked) : std::move(plain);
-    if (p.a_dtype == DType::kBF16 && p.b_dtype == DType::kBF16 && layout != MatmulLayout::kPlain &&
-        layout != MatmulLayout::kBlocked) {
+    Entry gemm = gemm_entry(p);
+    Entry native;
+    switch (choose_native(p, key, plain, blocked, gemm)) {
+      case Choice::kPlain: native = std::move(plain); break;
+      case Choice::kBlocked: native = std::move(blocked); break;
+      case Choice::kGemm: native = std::move(gemm); break;
+    }
+    if (p.a_dtype == DType::kBF16 && p.b_dtype == DType::kBF16 &&
+        (layout == MatmulLayout::kMeasure || layout == MatmulLayout::kWidened)) {
       Entry widened = widened_entry(p, a_md, b_md, out_md);
       if (choose_widened(p, key, native, widened)) {
         return cache.emplace(key, std::move(widened)).first->second;
@@ -293,7 +311,8 @@ struct DnnlMatmul::Impl {
     std::lock_guard lock(table.mu);
     auto [it, inserted] = table.widened.try_emplace({key, threads}, false);
     if (!inserted) return it->second;
-    const auto [native_s, widened_s] = time_both(p, native, widened);
+    const std::vector<double> seconds = time_all(p, {&native, &widened});
+    const double native_s = seconds[0], widened_s = seconds[1];
     it->second = widened_s < 0.9 * native_s;
     PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}) bf16: {:.2f} ms ({}), widened to f32 {:.2f} "
                      "ms: {}",
@@ -312,7 +331,7 @@ struct DnnlMatmul::Impl {
   Entry blocked_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
                       const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md,
                       const dnnl::primitive_attr& attr) {
-    if (layout == MatmulLayout::kPlain || layout == MatmulLayout::kWidened) return {};
+    if (layout != MatmulLayout::kMeasure && layout != MatmulLayout::kBlocked) return {};
     try {
       const dnnl::memory::desc any_md(b_md.dims(), dnnl_type(p.b_dtype),
                                       dnnl::memory::format_tag::any);
@@ -338,49 +357,119 @@ struct DnnlMatmul::Impl {
     }
   }
 
-  // Whether `problem` uses its blocked entry: as the policy says, or as measured once per
-  // process (Note [Matmul weight layout]).
-  bool choose_blocked(const MatmulProblem& p, const ProblemKey& key, Entry& plain, Entry& blocked) {
-    if (layout == MatmulLayout::kBlocked) return true;
-    if (flops_of(p) < kMinMeasuredFlops) return false;
+  // p through oneDNN's sgemm (the gemm:jit kernel) instead of its matmul primitive: f32, one
+  // batch, each operand with a unit stride; an entry with an empty impl_name otherwise, or
+  // where the policy does not measure.
+  Entry gemm_entry(const MatmulProblem& p) {
+    if (layout != MatmulLayout::kMeasure && layout != MatmulLayout::kGemm) return {};
+    if (p.a_dtype != DType::kF32 || p.b_dtype != DType::kF32 || p.out_dtype != DType::kF32) return {};
+    if (p.batch0 != 1 || p.batch1 != 1 || p.out_strides[3] != 1) return {};
+    Entry e;
+    auto form = [](const int64_t (&st)[4], char* trans, int64_t* ld) {
+      if (st[3] == 1) {
+        *trans = 'N';
+        *ld = st[2];
+      } else if (st[2] == 1) {
+        *trans = 'T';
+        *ld = st[3];
+      } else {
+        return false;
+      }
+      return true;
+    };
+    if (!form(p.a_strides, &e.gemm.ta, &e.gemm.lda) || !form(p.b_strides, &e.gemm.tb, &e.gemm.ldb)) {
+      return {};
+    }
+    // sgemm wants ld at least the stored row's length.
+    if (e.gemm.lda < (e.gemm.ta == 'N' ? p.k : p.m) || e.gemm.ldb < (e.gemm.tb == 'N' ? p.n : p.k) ||
+        p.out_strides[2] < p.n) {
+      return {};
+    }
+    e.gemm.on = true;
+    e.gemm.m = p.m;
+    e.gemm.n = p.n;
+    e.gemm.k = p.k;
+    e.gemm.ldc = p.out_strides[2];
+    e.gemm.alpha = p.alpha;
+    e.gemm.beta = p.beta;
+    e.impl_name = "sgemm";
+    return e;
+  }
+
+  enum class Choice { kPlain, kBlocked, kGemm };
+
+  // Which entry `problem` uses: as the policy says, or as measured once per process (Note
+  // [Matmul weight layout]): the fastest of the candidates, where it is at least 10% faster
+  // than plain.
+  Choice choose_native(const MatmulProblem& p, const ProblemKey& key, Entry& plain,
+                       Entry& blocked, Entry& gemm) {
+    const bool has_blocked = blocked.blocked, has_gemm = gemm.gemm.on;
+    if (layout == MatmulLayout::kBlocked) return has_blocked ? Choice::kBlocked : Choice::kPlain;
+    if (layout == MatmulLayout::kGemm) return has_gemm ? Choice::kGemm : Choice::kPlain;
+    if (layout != MatmulLayout::kMeasure || (!has_blocked && !has_gemm)) return Choice::kPlain;
+    if (flops_of(p) < kMinMeasuredFlops) return Choice::kPlain;
     LayoutTable& table = layout_table();
     std::lock_guard lock(table.mu);
-    auto [it, inserted] = table.blocked.try_emplace({key, threads}, false);
-    if (!inserted) return it->second;
-    const auto [plain_s, blocked_s] = time_both(p, plain, blocked);
-    it->second = blocked_s < 0.9 * plain_s;
-    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}): B plain {:.2f} ms ({}), blocked {:.2f} ms: {}",
-                     p.m, p.n, p.k, p.batch0, p.batch1, plain_s * 1e3, plain.impl_name,
-                     blocked_s * 1e3, it->second ? "blocked" : "plain");
-    return it->second;
+    auto [it, inserted] = table.choice.try_emplace({key, threads}, 0);
+    if (!inserted) return static_cast<Choice>(it->second);
+    std::vector<Entry*> candidates = {&plain};
+    std::vector<Choice> choices = {Choice::kPlain};
+    if (has_blocked) {
+      candidates.push_back(&blocked);
+      choices.push_back(Choice::kBlocked);
+    }
+    if (has_gemm) {
+      candidates.push_back(&gemm);
+      choices.push_back(Choice::kGemm);
+    }
+    const std::vector<double> seconds = time_all(p, candidates);
+    size_t best = 0;
+    for (size_t i = 1; i < seconds.size(); ++i) {
+      if (seconds[i] < 0.9 * seconds[0] && seconds[i] < seconds[best]) best = i;
+    }
+    it->second = static_cast<int>(choices[best]);
+    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}): B plain {:.2f} ms ({}), blocked {:.2f} ms, "
+                     "{} {:.2f} ms: {}",
+                     p.m, p.n, p.k, p.batch0, p.batch1, seconds[0] * 1e3, plain.impl_name,
+                     has_blocked ? seconds[1] * 1e3 : 0.0, has_gemm ? gemm.impl_name : "no gemm",
+                     has_gemm ? seconds.back() * 1e3 : 0.0, candidates[best]->impl_name);
+    return choices[best];
   }
 
   // The fastest of three runs of each entry, interleaved so that a busy moment on a shared
-  // machine slows both alike, after one untimed run of each; on scratch operands of p's shape
+  // machine slows all alike, after one untimed run of each; on scratch operands of p's shape
   // (bytes 0x3c: 0.0115 in f32 and in bf16, no denormals or infinities).
-  std::pair<double, double> time_both(const MatmulProblem& p, Entry& plain, Entry& blocked) {
+  std::vector<double> time_all(const MatmulProblem& p, const std::vector<Entry*>& entries) {
     auto scratch = [](int64_t elems, DType dtype) {
       return std::vector<char>(static_cast<size_t>(elems) * dtype_size(dtype), 0x3c);
     };
     std::vector<char> a = scratch(extent(p, p.m, p.k, p.a_strides), p.a_dtype);
     std::vector<char> b = scratch(extent(p, p.k, p.n, p.b_strides), p.b_dtype);
     std::vector<char> out = scratch(extent(p, p.m, p.n, p.out_strides), p.out_dtype);
-    double best[2] = {1e30, 1e30};
+    std::vector<double> best(entries.size(), 1e30);
     for (int run = 0; run < 4; ++run) {
-      for (int which = 0; which < 2; ++which) {
+      for (size_t which = 0; which < entries.size(); ++which) {
         const auto t0 = std::chrono::steady_clock::now();
-        execute(which == 0 ? plain : blocked, a.data(), b.data(), out.data());
+        execute(*entries[which], a.data(), b.data(), out.data());
         if (run > 0) best[which] = std::min(best[which], seconds_since(t0));
       }
     }
-    return {best[0], best[1]};
+    return best;
   }
 
   void execute(Entry& e, const void* a, const void* b, void* out) {
+    omp_set_num_threads(threads);
+    if (e.gemm.on) {
+      const Entry::Sgemm& g = e.gemm;
+      const dnnl_status_t status =
+          dnnl_sgemm(g.ta, g.tb, g.m, g.n, g.k, g.alpha, static_cast<const float*>(a), g.lda,
+                     static_cast<const float*>(b), g.ldb, g.beta, static_cast<float*>(out), g.ldc);
+      PORTER_ASSERT(status == dnnl_success, "dnnl_sgemm failed with status ", status);
+      return;
+    }
     e.a.set_data_handle(const_cast<void*>(a));
     e.b.set_data_handle(const_cast<void*>(b));
     e.out.set_data_handle(out);
-    omp_set_num_threads(threads);
     if (e.widened) {
       execute_widened(e);
       return;

@@ -39,10 +39,11 @@ enum class MatmulLayout {
   kMeasure,  // per problem, whichever of the two is faster on this cpu, measured at first use
   kPlain,
   kBlocked,  // wherever oneDNN prefers a blocked layout
+  kGemm,     // oneDNN's gemm-based kernel (gemm:jit) wherever it has one, B plain
   kWidened,  // B plain, and bf16 x bf16 problems widened to f32 (Note [Widened bf16 matmul])
 };
 
-// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain, blocked or widened;
+// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain, blocked, gemm or widened;
 // measure when unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
 MatmulLayout matmul_layout_from_env();
 

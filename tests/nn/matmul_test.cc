@@ -321,11 +321,39 @@ TEST(MatmulLayoutTest, MeasuredChoiceIsSharedWithinAProcess) {
   const std::vector<float> a = random_values(512 * 768, 7), b = random_values(768 * 3072, 8);
   const std::vector<float> out0(512 * 3072, 0.0f);
   const std::vector<float> got = run_problem(first, big, a, b, out0);
-  EXPECT_EQ(second.blocked_weights(big), first.blocked_weights(big));
-  DnnlMatmul plain(2, MatmulLayout::kPlain);
-  EXPECT_EQ(got, run_problem(plain, big, a, b, out0));
+  EXPECT_EQ(second.implementation(big), first.implementation(big));
+  // In f32 plain and blocked give the same bits; sgemm sums in its own order.
+  DnnlMatmul plain(2, MatmulLayout::kPlain), gemm(2, MatmulLayout::kGemm);
+  if (first.implementation(big) == "sgemm") {
+    EXPECT_EQ(got, run_problem(gemm, big, a, b, out0));
+  } else {
+    EXPECT_EQ(got, run_problem(plain, big, a, b, out0));
+  }
   const MatmulProblem small = problem_2d(64, 64, 64, false, false, DType::kF32, 0.0f);
   EXPECT_FALSE(first.blocked_weights(small));
+}
+
+// kGemm runs 2-D f32 problems through oneDNN's sgemm, in every transpose form, with alpha and
+// beta; what sgemm cannot take (batches, bf16) runs as plain.
+TEST(MatmulLayoutTest, GemmRunsTwoDimensionalF32ThroughSgemm) {
+  DnnlMatmul gemm(2, MatmulLayout::kGemm);
+  for (const LayoutCase& c : kLayoutCases) {
+    MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kF32, c.beta);
+    p.alpha = 0.5f;
+    const std::vector<float> a = random_values(static_cast<size_t>(c.m * c.k), 14);
+    const std::vector<float> b = random_values(static_cast<size_t>(c.k * c.n), 15);
+    const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 16);
+    const std::vector<double> want =
+        reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
+    EXPECT_LT(max_rel_error(run_problem(gemm, p, a, b, out0), want), 1e-5)
+        << c.m << "x" << c.n << "x" << c.k;
+    EXPECT_EQ(gemm.implementation(p), "sgemm");
+  }
+  MatmulProblem batched = problem_2d(8, 8, 8, false, false, DType::kF32, 0.0f);
+  batched.batch1 = 2;
+  batched.a_strides[1] = batched.b_strides[1] = batched.out_strides[1] = 64;
+  EXPECT_NE(gemm.implementation(batched), "sgemm");
+  EXPECT_NE(gemm.implementation(problem_2d(8, 8, 8, false, false, DType::kBF16, 0.0f)), "sgemm");
 }
 
 // Note [Widened bf16 matmul]: a widened bf16 problem gives the bits of the f32 problem on the
@@ -402,6 +430,8 @@ TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kPlain);
   ::setenv("PORTER_MATMUL_LAYOUT", "blocked", 1);
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kBlocked);
+  ::setenv("PORTER_MATMUL_LAYOUT", "gemm", 1);
+  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kGemm);
   ::setenv("PORTER_MATMUL_LAYOUT", "widened", 1);
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kWidened);
   ::setenv("PORTER_MATMUL_LAYOUT", "fastest", 1);
