@@ -345,8 +345,9 @@ TEST(MatmulLayoutTest, GemmRunsTwoDimensionalF32ThroughSgemm) {
     const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 16);
     const std::vector<double> want =
         reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
-    EXPECT_LT(max_rel_error(run_problem(gemm, p, a, b, out0), want), 1e-5)
-        << c.m << "x" << c.n << "x" << c.k;
+    const std::vector<float> got = run_problem(gemm, p, a, b, out0);
+    EXPECT_LT(max_rel_error(got, want), 1e-5) << c.m << "x" << c.n << "x" << c.k;
+    EXPECT_EQ(got, run_problem(gemm, p, a, b, out0)) << "run to run";
     EXPECT_EQ(gemm.implementation(p), "sgemm");
   }
   MatmulProblem batched = problem_2d(8, 8, 8, false, false, DType::kF32, 0.0f);
