@@ -52,12 +52,105 @@
 #include <cstdint>
 #include <cstring>
 
+#include "nn/cpu_attention_heads.h"
 #include "nn/cpu_kernels.h"
 #include "nn/cpu_matmul.h"
 #include "nn/kernel_workspace.h"
 
 namespace porter::nn {
+namespace cpu {
 namespace {
+
+// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
+// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
+// reduction without -ffast-math.
+PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (float& m : lane) m = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
+  }
+  float mx = -INFINITY;
+  for (float m : lane) mx = std::max(mx, m);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+}  // namespace
+
+PORTER_CPU_CLONES void softmax_causal_row(float* row, int64_t i, int64_t width) {
+  const float mx = row_max(row, i + 1);
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) {
+    float e = cpu::fast_exp(row[j] - mx);
+    row[j] = e;
+    s += e;
+  }
+  const float inv = 1.0f / s;
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
+}
+
+PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i, int64_t width,
+                                            float scale) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) s += p[j] * ds[j];
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) ds[j] = scale * p[j] * (ds[j] - s);
+  for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
+}
+
+PORTER_CPU_CLONES void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16,
+                                               int64_t i, int64_t width) {
+  const float mx = row_max(s, i + 1);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j <= i; ++j) {
+    float e = cpu::fast_exp(s[j] - mx);
+    row[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) cpu::store(p16 + j, row[j]);
+}
+
+PORTER_CPU_CLONES void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16,
+                                                 int64_t i, int64_t width, float scale) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) s += p[j] * dp[j];
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) cpu::store(ds16 + j, scale * p[j] * (dp[j] - s));
+  for (int64_t j = i + 1; j < width; ++j) ds16[j] = 0;
+}
+
+// The zeros after i are written, not read from probs (which hold zeros there too).
+PORTER_CPU_CLONES void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i,
+                                            int64_t width) {
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) cpu::store(dst + j, p[j]);
+  for (int64_t j = i + 1; j < width; ++j) dst[j] = 0;
+}
+
+}  // namespace cpu
+
+namespace {
+
+using cpu::round_probs_row_bf16;
+using cpu::softmax_backward_row;
+using cpu::softmax_backward_row_bf16;
+using cpu::softmax_causal_row;
+using cpu::softmax_causal_row_bf16;
 
 constexpr int64_t kRowBlock = workspace_layout::kCpuAttentionRowBlock;
 
@@ -108,90 +201,6 @@ void run_batched(DnnlMatmul& mm, const Dims& d, int64_t m, int64_t n, int64_t k,
   mm.run(p, a.data, b.data, out);
 }
 
-// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
-// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
-// reduction without -ffast-math.
-PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float lane[kLanes];
-  for (float& m : lane) m = -INFINITY;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
-  }
-  float mx = -INFINITY;
-  for (float m : lane) mx = std::max(mx, m);
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
-  return mx;
-}
-
-// Row i of the causal scores: softmax over [0, i], zeros after (up to `width`).
-PORTER_CPU_CLONES void softmax_causal_row(float* row, int64_t i, int64_t width) {
-  const float mx = row_max(row, i + 1);
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j <= i; ++j) {
-    float e = cpu::fast_exp(row[j] - mx);
-    row[j] = e;
-    s += e;
-  }
-  const float inv = 1.0f / s;
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
-}
-
-// dS = scale * P * (dP - sum_j P dP) over [0, i]; zeros in (i, width).
-PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i, int64_t width,
-                                            float scale) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j <= i; ++j) s += p[j] * ds[j];
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) ds[j] = scale * p[j] * (ds[j] - s);
-  for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
-}
-
-// Row i of the causal probabilities in the bf16 path: softmax_causal_row of the f32 scores
-// `s` into `row`, and `row` rounded to bf16 into `p16`, both zero after i (up to `width`).
-PORTER_CPU_CLONES void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16,
-                                               int64_t i, int64_t width) {
-  const float mx = row_max(s, i + 1);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j <= i; ++j) {
-    float e = cpu::fast_exp(s[j] - mx);
-    row[j] = e;
-    sum += e;
-  }
-  const float inv = 1.0f / sum;
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
-#pragma omp simd
-  for (int64_t j = 0; j < width; ++j) cpu::store(p16 + j, row[j]);
-}
-
-// softmax_backward_row of the f32 P and dP rows, rounded to bf16 into `ds16`.
-PORTER_CPU_CLONES void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16,
-                                                 int64_t i, int64_t width, float scale) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j <= i; ++j) s += p[j] * dp[j];
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) cpu::store(ds16 + j, scale * p[j] * (dp[j] - s));
-  for (int64_t j = i + 1; j < width; ++j) ds16[j] = 0;
-}
-
-// Row i of the probabilities rounded to bf16: P[0, i], then the zeros after it up to `width`
-// (not read from probs, which hold zeros there too).
-PORTER_CPU_CLONES void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i,
-                                            int64_t width) {
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) cpu::store(dst + j, p[j]);
-  for (int64_t j = i + 1; j < width; ++j) dst[j] = 0;
-}
 
 template <typename T>
 PORTER_CPU_CLONES void store_row(const float* src, T* dst, int64_t n) {
@@ -358,6 +367,15 @@ void backward_bf16(DnnlMatmul& mm, int threads, const Dims& d,
 
 }  // namespace
 
+bool CpuKernels::tiles_f32() const {
+  return attention_impl_ == cpu::AttentionImpl::kAuto && cpu::attention_tiles_f32_supported();
+}
+
+bool CpuKernels::tiles_bf16(int64_t head_dim) const {
+  return attention_impl_ == cpu::AttentionImpl::kAuto &&
+         cpu::attention_tiles_bf16_supported(head_dim);
+}
+
 void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
   const Dims d = dims_of(qkv, heads);
   if (d.b == 0 || d.t == 0 || d.c == 0) return;
@@ -365,14 +383,25 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
       workspace_layout::cpu_attention_forward(call_of(d, qkv.dtype(), out.dtype(), DType::kF32));
   const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_forward");
   float* pr = probs.data_as<float>();
+  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
   if (layout.bf16) {
-    forward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), qkv, out, pr);
+    if (tiles_bf16(d.hd)) {
+      cpu::attention_forward_tiles_bf16(threads_, hdims, static_cast<const uint16_t*>(qkv.data()),
+                                        out, pr, tile_scratch_);
+    } else {
+      forward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), qkv, out, pr);
+    }
     return;
   }
   // f32 scratch (Note [Attention scratch]): f32 qkv, then f32 out, each when needed.
   float* scratch = buffer.as<float>();
   const float* x = as_f32(threads_, qkv, scratch);
   float* o = layout.out_bytes ? scratch + layout.qkv_bytes / sizeof(float) : out.data_as<float>();
+  if (tiles_f32()) {
+    cpu::attention_forward_tiles_f32(threads_, hdims, x, o, pr, tile_scratch_);
+    if (layout.out_bytes) cpu::narrow_from_f32(threads_, o, out);
+    return;
+  }
 
   const int64_t c3 = 3 * d.c, t = d.t;
   const int64_t qkv_str[4] = {t * c3, d.hd, c3, 1};
@@ -408,8 +437,15 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
                 "attention_backward scratch layout disagrees with the row blocks");
   const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_backward");
   const float* pr = probs.data_as<float>();
+  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
   if (layout.bf16) {
-    backward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), dout, qkv, pr, dqkv);
+    if (tiles_bf16(d.hd)) {
+      cpu::attention_backward_tiles_bf16(
+          threads_, hdims, static_cast<const uint16_t*>(qkv.data()),
+          static_cast<const uint16_t*>(dout.data()), pr, buffer.as<float>(), dqkv, tile_scratch_);
+    } else {
+      backward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), dout, qkv, pr, dqkv);
+    }
     return;
   }
   // f32 scratch: the dS block, then the f32 copies of the arguments that are not f32
@@ -428,6 +464,11 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
   const int64_t out_str[4] = {t * d.c, d.hd, d.c, 1};
   const int64_t ds_str[4] = {d.heads * block_rows * t, block_rows * t, t, 1};
   const int64_t ds_t_str[4] = {d.heads * block_rows * t, block_rows * t, 1, t};
+  if (tiles_f32()) {
+    cpu::attention_backward_tiles_f32(threads_, hdims, x, dy, pr, ds, dx, tile_scratch_);
+    if (dqkv_elems) cpu::narrow_from_f32(threads_, dx, dqkv);
+    return;
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.hd));
 
   // Last block first: it covers every key row, so it initialises dK and dV (beta = 0) and

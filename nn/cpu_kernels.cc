@@ -10,7 +10,8 @@ CpuKernels::CpuKernels(memory::CachingAllocator& allocator)
     : Kernels(allocator),
       device_(allocator.device()),
       threads_(device_.threads()),
-      dnnl_(std::make_unique<DnnlMatmul>(threads_)) {
+      dnnl_(std::make_unique<DnnlMatmul>(threads_)),
+      attention_impl_(cpu::attention_impl_from_env()) {
   PORTER_CHECK(device_.kind() == memory::DeviceKind::kCpu, "CpuKernels need a cpu device, got ",
                device_.description());
   PORTER_CHECK_GE(threads_, 1, "cpu kernels need at least one thread");

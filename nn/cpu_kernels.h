@@ -29,6 +29,7 @@
 
 #include "base/check.h"
 #include "memory/device.h"
+#include "nn/cpu_attention_heads.h"
 #include "nn/kernels.h"
 
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
@@ -110,9 +111,15 @@ class CpuKernels final : public Kernels {
   void do_scale(Tensor& x, float s) override;
 
  private:
+  // Whether attention runs on the head tiles (Note [Attention head tiles]).
+  bool tiles_f32() const;
+  bool tiles_bf16(int64_t head_dim) const;
+
   memory::Device& device_;  // not owned; outlives the kernels
   int threads_;
   std::unique_ptr<DnnlMatmul> dnnl_;
+  cpu::AttentionImpl attention_impl_;
+  cpu::TileScratch tile_scratch_;  // the head tiles' packed copies
 };
 
 namespace cpu {

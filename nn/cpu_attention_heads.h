@@ -1,0 +1,82 @@
+// Causal attention one (batch, head) at a time on porter's own AVX-512 tiles, and the softmax
+// row helpers it shares with the oneDNN path (Note [Attention head tiles] in
+// cpu_attention_heads.cc). Internal to the cpu kernels.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "nn/tensor.h"
+
+namespace porter::nn::cpu {
+
+// Sizes of one attention call: qkv (b, t, 3c), c = heads * hd.
+struct HeadDims {
+  int64_t b, t, c, heads, hd;
+};
+
+// Which implementation a cpu attention call runs (PORTER_CPU_ATTENTION).
+enum class AttentionImpl {
+  kAuto,    // the head tiles where the cpu has their instructions, oneDNN otherwise
+  kOneDnn,  // always oneDNN's batched matmuls over row blocks
+};
+
+// $PORTER_CPU_ATTENTION: auto (the default) or onednn. Throws InvalidArgument, naming the
+// variable and the accepted values, on another value.
+AttentionImpl attention_impl_from_env();
+
+// Whether this cpu runs the f32 head tiles (AVX-512F) and the bf16 ones (AVX512-BF16, and an
+// even head_dim, since they multiply pairs of bf16 values along it).
+bool attention_tiles_f32_supported();
+bool attention_tiles_bf16_supported(int64_t head_dim);
+
+// Host scratch for the tiles' packed per-head copies: one slice per thread, grown to the
+// largest call so far. Owned by the kernels object, outside the device's capacity like
+// oneDNN's own scratchpad (Note [Attention head tiles]).
+class TileScratch {
+ public:
+  // `threads` slices of at least `bytes` each, 64-byte aligned; slice(tid) after this.
+  void reserve(int threads, size_t bytes);
+  char* slice(int tid) { return base_ + static_cast<size_t>(tid) * slice_bytes_; }
+  size_t bytes() const { return storage_.size(); }
+
+ private:
+  std::vector<std::byte> storage_;
+  char* base_ = nullptr;
+  size_t slice_bytes_ = 0;
+};
+
+// f32 forward. x: (b, t, 3c) qkv; o: (b, t, c) out; pr: (b, heads, t, t) probabilities, written
+// whole (zeros above the diagonal).
+void attention_forward_tiles_f32(int threads, const HeadDims& d, const float* x, float* o,
+                                 float* pr, TileScratch& scratch);
+// f32 backward. dy: (b, t, c); ds: (b, heads, R, t) f32 scratch, R = min(64, t) (the device
+// workspace's dP block); dx: (b, t, 3c), written whole.
+void attention_backward_tiles_f32(int threads, const HeadDims& d, const float* x, const float* dy,
+                                  const float* pr, float* ds, float* dx, TileScratch& scratch);
+// bf16 forward: qkv bf16; out any float dtype, rounded once from f32.
+void attention_forward_tiles_bf16(int threads, const HeadDims& d, const uint16_t* x, Tensor& out,
+                                  float* pr, TileScratch& scratch);
+// bf16 backward: qkv and dout bf16; dp as ds above; dqkv any float dtype, rounded once.
+void attention_backward_tiles_bf16(int threads, const HeadDims& d, const uint16_t* x,
+                                   const uint16_t* dy, const float* pr, float* dp, Tensor& dqkv,
+                                   TileScratch& scratch);
+
+// ---- softmax rows, defined in cpu_attention.cc ----
+
+// Row i of the causal scores, in place: softmax over [0, i], zeros after (up to `width`).
+void softmax_causal_row(float* row, int64_t i, int64_t width);
+// dS = scale * P * (dP - sum_j P dP) over [0, i], in place over dP (`ds`); zeros in (i, width).
+void softmax_backward_row(const float* p, float* ds, int64_t i, int64_t width, float scale);
+// softmax_causal_row of the f32 scores `s` into `row` (s may be row), and `row` rounded to
+// bf16 into `p16`, both zero after i (up to `width`).
+void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16, int64_t i,
+                             int64_t width);
+// softmax_backward_row of the f32 P and dP rows, rounded to bf16 into `ds16`.
+void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16, int64_t i,
+                               int64_t width, float scale);
+// Row i of the probabilities rounded to bf16, zeros after i up to `width`.
+void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i, int64_t width);
+
+}  // namespace porter::nn::cpu
