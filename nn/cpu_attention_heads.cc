@@ -314,6 +314,136 @@ void run_gemm(const Gemm& g) {
   }
 }
 
+
+// dst[e * dst_ld + j] = src[j * src_ld + e] for rows j < n and columns e < cols of 32-bit
+// elements (f32, or pairs of bf16): 16 rows at a time, one gather per output vector.
+PORTER_TILE_F32 void transpose32(const void* src, int64_t src_ld, int64_t n, int64_t cols,
+                                 void* dst, int64_t dst_ld) {
+  const auto* in = static_cast<const int*>(src);
+  auto* out = static_cast<int*>(dst);
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(src_ld)));
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t w = std::min<int64_t>(16, n - j0);
+    const __mmask16 m = w == 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << w) - 1);
+    const int* base = in + j0 * src_ld;
+    for (int64_t e = 0; e < cols; ++e) {
+      const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + e, 4);
+      _mm512_mask_storeu_epi32(out + e * dst_ld + j0, m, v);
+    }
+  }
+}
+
+// rows x cols f32 (row stride src_ld) into a dense (rows, cols) copy.
+void copy_rows(const float* src, int64_t src_ld, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * cols, src + r * src_ld, static_cast<size_t>(cols) * 4);
+  }
+}
+
+PORTER_TILE_F32 inline __m512 exp16(__m512 x) {
+  // fast_exp (cpu_kernels.h), 16 lanes.
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n =
+      _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// 16 f32 rounded to bf16 as f32_to_bf16 (nn/dtype.h) does: to nearest even, NaN kept quiet.
+PORTER_TILE_F32 inline __m256i to_bf16x16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Row i of a block's scores `s` (valid in [0, i]) to probabilities: written to pr_row [0, t)
+// with zeros after i, by streaming stores where pr_row is 64-byte aligned (the saved
+// probabilities are written once and not read again in forward); and to the block's operand
+// for P V: in bf16 into p16 [0, width) when p16 is given, else in f32 back into s [0, width),
+// zeros after i.
+PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, uint16_t* p16,
+                                 int64_t width) {
+  const int64_t n = i + 1;
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(n - j), s + j));
+  }
+  const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
+    _mm512_mask_storeu_ps(s + j, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  const bool stream = reinterpret_cast<uintptr_t>(pr_row) % 64 == 0;
+  const int64_t end = std::max(t, width);
+  for (int64_t j = 0; j < end; j += 16) {
+    const __m512 p = j < n ? _mm512_maskz_mul_ps(first_lanes(n - j), _mm512_maskz_loadu_ps(first_lanes(n - j), s + j), inv)
+                           : _mm512_setzero_ps();
+    if (j < t) {
+      if (stream && j + 16 <= t) {
+        _mm512_stream_ps(pr_row + j, p);
+      } else {
+        _mm512_mask_storeu_ps(pr_row + j, first_lanes(t - j), p);
+      }
+    }
+    if (j < width) {
+      if (p16 != nullptr) {
+        _mm256_mask_storeu_epi16(p16 + j, first_lanes(width - j), to_bf16x16(p));
+      } else {
+        _mm512_mask_storeu_ps(s + j, first_lanes(width - j), p);
+      }
+    }
+  }
+}
+
+// Row i of a block in the bf16 backward: dS = scale * P * (dP - sum_j P dP) over [0, i] and P,
+// both rounded to bf16 into ds16 and p16 [0, width), zeros after i.
+PORTER_TILE_F32 void softmax_backward_row_tiles(const float* p, const float* dp, uint16_t* ds16,
+                                                uint16_t* p16, int64_t i, int64_t width,
+                                                float scale) {
+  const int64_t n = i + 1;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + j), _mm512_maskz_loadu_ps(m, dp + j), acc);
+  }
+  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 m = j < n ? first_lanes(n - j) : __mmask16{0};
+    const __m512 pv = _mm512_maskz_loadu_ps(m, p + j);
+    const __m512 ds = _mm512_maskz_mul_ps(m, _mm512_mul_ps(vscale, pv),
+                                          _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + j), sum));
+    const __mmask16 w = first_lanes(width - j);
+    _mm256_mask_storeu_epi16(ds16 + j, w, to_bf16x16(ds));
+    _mm256_mask_storeu_epi16(p16 + j, w, to_bf16x16(pv));
+  }
+}
+
 #endif  // PORTER_TILES_X86
 
 }  // namespace
@@ -334,30 +464,35 @@ bool attention_tiles_bf16_supported(int64_t head_dim) {
 void attention_forward_tiles_f32(int threads, const HeadDims& d, const float* x, float* o,
                                  float* pr, TileScratch& scratch) {
   const int64_t t = d.t, hd = d.hd, c3 = 3 * d.c;
-  scratch.reserve(threads, round64(static_cast<size_t>(hd * t) * 4));
+  const int64_t block_rows = std::min(kRowBlock, t);
+  scratch.reserve(threads, 2 * round64(static_cast<size_t>(hd * t) * 4) +   // K^T, V
+                               round64(static_cast<size_t>(block_rows * t) * 4));  // S, P
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t bh = 0; bh < d.b * d.heads; ++bh) {
     const int64_t b = bh / d.heads, h = bh % d.heads;
-    auto* kt = reinterpret_cast<float*>(scratch.slice(omp_get_thread_num()));  // (hd, t)
+    Carver carve{scratch.slice(omp_get_thread_num())};
+    auto* kt = carve.take<float>(hd * t);  // (hd, t)
+    auto* vh = carve.take<float>(t * hd);  // (t, hd)
+    auto* sb = carve.take<float>(block_rows * t);
     const float* q = x + b * t * c3 + h * hd;
-    const float* k = q + d.c;
-    const float* v = q + 2 * d.c;
-    for (int64_t j = 0; j < t; ++j) {
-      for (int64_t e = 0; e < hd; ++e) kt[e * t + j] = k[j * c3 + e];
-    }
+    transpose32(q + d.c, c3, t, hd, kt, t);
+    copy_rows(q + 2 * d.c, c3, t, hd, vh);
     float* p = pr + bh * t * t;
     for (int64_t i0 = 0; i0 < t; i0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, t - i0), i1 = i0 + rows;
-      Gemm s{rows, i1, hd, q + i0 * c3, c3, 1, kt, t, p + i0 * t, t};
-      s.alpha = scale;
-      s.col_causal = i0;
-      run_gemm<false>(s);
-      for (int64_t r = 0; r < rows; ++r) softmax_causal_row(p + (i0 + r) * t, i0 + r, t);
-      Gemm pv{rows, hd, i1, p + i0 * t, t, 1, v, c3, o + (b * t + i0) * d.c + h * hd, d.c};
+      Gemm gs{rows, i1, hd, q + i0 * c3, c3, 1, kt, t, sb, t};
+      gs.alpha = scale;
+      gs.col_causal = i0;
+      run_gemm<false>(gs);
+      for (int64_t r = 0; r < rows; ++r) {
+        softmax_row(sb + r * t, i0 + r, p + (i0 + r) * t, t, nullptr, i1);
+      }
+      Gemm pv{rows, hd, i1, sb, t, 1, vh, hd, o + (b * t + i0) * d.c + h * hd, d.c};
       pv.step_causal = i0;
       run_gemm<false>(pv);
     }
+    _mm_sfence();  // the streamed probabilities, before another thread may read them
   }
 }
 
@@ -365,48 +500,54 @@ void attention_backward_tiles_f32(int threads, const HeadDims& d, const float* x
                                   const float* pr, float* ds, float* dx, TileScratch& scratch) {
   const int64_t t = d.t, hd = d.hd, c3 = 3 * d.c;
   const int64_t block_rows = std::min(kRowBlock, t);
-  scratch.reserve(threads, round64(static_cast<size_t>(hd * t) * 4));
+  scratch.reserve(threads, 6 * round64(static_cast<size_t>(hd * t) * 4));
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t n_blocks = (t + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t bh = 0; bh < d.b * d.heads; ++bh) {
     const int64_t b = bh / d.heads, h = bh % d.heads;
-    auto* vt = reinterpret_cast<float*>(scratch.slice(omp_get_thread_num()));  // (hd, t)
+    Carver carve{scratch.slice(omp_get_thread_num())};
+    auto* vt = carve.take<float>(hd * t);  // (hd, t)
+    auto* kh = carve.take<float>(t * hd);  // (t, hd), and Q, dout, dK, dV alike
+    auto* qh = carve.take<float>(t * hd);
+    auto* dyh = carve.take<float>(t * hd);
+    auto* dk = carve.take<float>(t * hd);
+    auto* dv = carve.take<float>(t * hd);
     const float* q = x + b * t * c3 + h * hd;
-    const float* k = q + d.c;
-    const float* v = q + 2 * d.c;
-    const float* dyh = dy + b * t * d.c + h * hd;
+    transpose32(q + 2 * d.c, c3, t, hd, vt, t);
+    copy_rows(q + d.c, c3, t, hd, kh);
+    copy_rows(q, c3, t, hd, qh);
+    copy_rows(dy + b * t * d.c + h * hd, d.c, t, hd, dyh);
     float* dq = dx + b * t * c3 + h * hd;
-    float* dk = dq + d.c;
-    float* dv = dq + 2 * d.c;
     float* dsb = ds + bh * block_rows * t;  // (R, t)
     const float* p = pr + bh * t * t;
-    for (int64_t j = 0; j < t; ++j) {
-      for (int64_t e = 0; e < hd; ++e) vt[e * t + j] = v[j * c3 + e];
-    }
     // Last block first: it covers every key, so it initialises dK and dV, and earlier blocks
     // add to a prefix of them in a fixed order.
     for (int64_t blk = n_blocks - 1; blk >= 0; --blk) {
       const int64_t i0 = blk * kRowBlock, rows = std::min(kRowBlock, t - i0), i1 = i0 + rows;
       const bool first = blk == n_blocks - 1;
       // dP = dout[i0:i1] V[0:i1]^T, then dS in place.
-      Gemm dp{rows, i1, hd, dyh + i0 * d.c, d.c, 1, vt, t, dsb, t};
-      dp.col_causal = i0;
-      run_gemm<false>(dp);
+      Gemm gp{rows, i1, hd, dyh + i0 * hd, hd, 1, vt, t, dsb, t};
+      gp.col_causal = i0;
+      run_gemm<false>(gp);
       for (int64_t r = 0; r < rows; ++r) {
         softmax_backward_row(p + (i0 + r) * t, dsb + r * t, i0 + r, i1, scale);
       }
       // dQ[i0:i1] = dS K[0:i1].
-      Gemm gq{rows, hd, i1, dsb, t, 1, k, c3, dq + i0 * c3, c3};
+      Gemm gq{rows, hd, i1, dsb, t, 1, kh, hd, dq + i0 * c3, c3};
       gq.step_causal = i0;
       run_gemm<false>(gq);
       // dK[0:i1] (+)= dS^T Q[i0:i1];  dV[0:i1] (+)= P[i0:i1, 0:i1]^T dout[i0:i1].
-      Gemm gk{i1, hd, rows, dsb, 1, t, q + i0 * c3, c3, dk, c3};
+      Gemm gk{i1, hd, rows, dsb, 1, t, qh + i0 * hd, hd, dk, hd};
       gk.accumulate = !first;
       run_gemm<false>(gk);
-      Gemm gv{i1, hd, rows, p + i0 * t, 1, t, dyh + i0 * d.c, d.c, dv, c3};
+      Gemm gv{i1, hd, rows, p + i0 * t, 1, t, dyh + i0 * hd, hd, dv, hd};
       gv.accumulate = !first;
       run_gemm<false>(gv);
+    }
+    for (int64_t j = 0; j < t; ++j) {
+      std::memcpy(dq + j * c3 + d.c, dk + j * hd, static_cast<size_t>(hd) * 4);
+      std::memcpy(dq + j * c3 + 2 * d.c, dv + j * hd, static_cast<size_t>(hd) * 4);
     }
   }
 }
@@ -415,8 +556,9 @@ void attention_forward_tiles_bf16(int threads, const HeadDims& d, const uint16_t
                                   float* pr, TileScratch& scratch) {
   const int64_t t = d.t, hd = d.hd, c3 = 3 * d.c, tp = t + (t & 1);
   const int64_t block_rows = std::min(kRowBlock, t);
-  const size_t bytes = round64(static_cast<size_t>(hd / 2 * tp) * 4) +   // K^T pairs
-                       round64(static_cast<size_t>(tp / 2 * hd) * 4) +   // V pairs
+  const size_t bytes = round64(static_cast<size_t>(hd / 2 * tp) * 4) +     // K^T pairs
+                       round64(static_cast<size_t>(tp / 2 * hd) * 4) +     // V pairs
+                       round64(static_cast<size_t>(block_rows * t) * 4) +  // S, f32
                        round64(static_cast<size_t>(block_rows * tp) * 2) +  // P, bf16
                        round64(static_cast<size_t>(block_rows * hd) * 4);   // out, f32
   scratch.reserve(threads, bytes);
@@ -427,33 +569,32 @@ void attention_forward_tiles_bf16(int threads, const HeadDims& d, const uint16_t
     Carver carve{scratch.slice(omp_get_thread_num())};
     auto* kt = carve.take<uint32_t>(hd / 2 * tp);
     auto* vv = carve.take<uint32_t>(tp / 2 * hd);
+    auto* sb = carve.take<float>(block_rows * t);
     auto* p16 = carve.take<uint16_t>(block_rows * tp);
     auto* ob = carve.take<float>(block_rows * hd);
     const uint16_t* q = x + b * t * c3 + h * hd;
-    pack_pairs_transposed(q + d.c, c3, t, hd, kt, tp);
+    transpose32(q + d.c, c3 / 2, t, hd / 2, kt, tp);
     pack_row_pairs(q + 2 * d.c, c3, t, hd, vv);
-    if (t & 1) {
-      for (int64_t r = 0; r < block_rows; ++r) p16[r * tp + t] = 0;  // the odd key's pair
-    }
     float* p = pr + bh * t * t;
     for (int64_t i0 = 0; i0 < t; i0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, t - i0), i1 = i0 + rows;
-      // Scores into the probabilities' rows, then softmax in place, and P in bf16.
-      Gemm s{rows, i1, hd / 2, q + i0 * c3, c3 / 2, 1, kt, tp, p + i0 * t, t};
-      s.alpha = scale;
-      s.col_causal = i0;
-      run_gemm<true>(s);
+      const int64_t width = i1 + (i1 & 1);
+      // Scores, then the probabilities: f32 into probs, bf16 for P V (zero to an even width).
+      Gemm gs{rows, i1, hd / 2, q + i0 * c3, c3 / 2, 1, kt, tp, sb, t};
+      gs.alpha = scale;
+      gs.col_causal = i0;
+      run_gemm<true>(gs);
       for (int64_t r = 0; r < rows; ++r) {
-        float* row = p + (i0 + r) * t;
-        softmax_causal_row_bf16(row, row, p16 + r * tp, i0 + r, t);
+        softmax_row(sb + r * t, i0 + r, p + (i0 + r) * t, t, p16 + r * tp, width);
       }
       // out[i0:i1] = P V, over the key pairs up to the diagonal.
-      Gemm pv{rows, hd, (i1 + 1) / 2, p16, tp / 2, 1, vv, hd, ob, hd};
+      Gemm pv{rows, hd, width / 2, p16, tp / 2, 1, vv, hd, ob, hd};
       pv.step_causal = i0;
       pv.step_elems = 2;
       run_gemm<true>(pv);
       store_rows(ob, hd, rows, hd, out, (b * t + i0) * d.c + h * hd, d.c);
     }
+    _mm_sfence();  // the streamed probabilities, before another thread may read them
   }
 }
 
@@ -489,7 +630,7 @@ void attention_backward_tiles_bf16(int threads, const HeadDims& d, const uint16_
     const uint16_t* dyh = dy + b * t * d.c + h * hd;
     const float* p = pr + bh * t * t;
     float* dpb = dp + bh * block_rows * t;  // (R, t)
-    pack_pairs_transposed(q + 2 * d.c, c3, t, hd, vt, tp);
+    transpose32(q + 2 * d.c, c3 / 2, t, hd / 2, vt, tp);
     pack_row_pairs(q + d.c, c3, t, hd, kv);
     std::memset(dk, 0, static_cast<size_t>(t * hd) * 4);
     std::memset(dv, 0, static_cast<size_t>(t * hd) * 4);
@@ -502,9 +643,8 @@ void attention_backward_tiles_bf16(int threads, const HeadDims& d, const uint16_
       run_gemm<true>(gp);
       // dS and P in bf16, zero to an even width; a zero row pads an odd row count.
       for (int64_t r = 0; r < rows; ++r) {
-        softmax_backward_row_bf16(p + (i0 + r) * t, dpb + r * t, ds16 + r * tp, i0 + r, width,
-                                  scale);
-        round_probs_row_bf16(p + (i0 + r) * t, p16 + r * tp, i0 + r, width);
+        softmax_backward_row_tiles(p + (i0 + r) * t, dpb + r * t, ds16 + r * tp, p16 + r * tp,
+                                   i0 + r, width, scale);
       }
       if (rows & 1) {
         std::memset(ds16 + rows * tp, 0, static_cast<size_t>(width) * 2);
