@@ -41,6 +41,7 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
+#include "nn/cpu_attention_heads.h"
 #include "nn/cpu_matmul.h"
 #include "nn/kernels.h"
 
@@ -627,8 +628,55 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DTy
     }
   }
   const double flops = 2.0 * p.batch0 * p.batch1 * p.m * p.n * p.k;
-  time_row(state, name, true, ab, flops, e.probe->implementation(p), err,
+  // porter runs these calls only where its head tiles do not apply (attention_tile_rows).
+  const bool tiles = ab == DType::kF32 ? cpu::attention_tiles_f32_supported()
+                                       : cpu::attention_tiles_bf16_supported(kHeadDim);
+  const bool porter = !tiles || cpu::attention_impl_from_env() == cpu::AttentionImpl::kOneDnn;
+  time_row(state, name, porter, ab, flops, e.probe->implementation(p), err,
            [&] { e.probe->run(p, s.a.data(), s.b.data(), s.out.data()); });
+}
+
+// The whole attention call as porter runs it where its head tiles apply (Note [Attention head
+// tiles] in nn/cpu_attention_heads.cc): the tiles do not expose their products one by one, so
+// one row times the forward (two products of the causal triangle, softmax and the write of
+// the saved probabilities included) and one the backward (four products, the softmax backward
+// and the read of the probabilities), at the GPT step's shapes. The FLOPs are the triangle's
+// products only, so the ratio to the matmul peak is what the softmax and memory traffic leave.
+void BM_AttentionCall(benchmark::State& state, std::string name, bool backward, DType ab) {
+  Env& e = env();
+  Tensor qkv = e.random({kBatch, kSeq, 3 * kHidden}, 4, ab);
+  Tensor out = e.random({kBatch, kSeq, kHidden}, 5, ab);
+  Tensor probs = e.random({kBatch, kHeads, kSeq, kSeq}, 6, DType::kF32);
+  Tensor dout = e.random({kBatch, kSeq, kHidden}, 7, ab);
+  Tensor dqkv = e.random({kBatch, kSeq, 3 * kHidden}, 8, ab);
+  e.kernels->attention_forward(qkv, out, probs, static_cast<int>(kHeads));
+  // Check: every probability row sums to 1 and is zero above the diagonal.
+  {
+    const std::vector<float> p = e.host(probs);
+    for (int64_t r = 0; r < kBatch * kHeads * kSeq; r += 37) {
+      const int64_t i = r % kSeq;
+      double sum = 0, above = 0;
+      for (int64_t j = 0; j < kSeq; ++j) (j <= i ? sum : above) += std::abs(p[r * kSeq + j]);
+      if (std::abs(sum - 1.0) > 1e-4 || above != 0) {
+        state.SkipWithError("attention probabilities are not a causal softmax");
+        return;
+      }
+    }
+  }
+  const bool tiles = ab == DType::kF32 ? cpu::attention_tiles_f32_supported()
+                                       : cpu::attention_tiles_bf16_supported(kHeadDim);
+  const bool porter = tiles && cpu::attention_impl_from_env() == cpu::AttentionImpl::kAuto;
+  const double flops = (backward ? 4.0 : 2.0) * kBatch * kHidden * kSeq * (kSeq + 1);
+  const std::string impl = !porter ? "oneDNN batched calls (PORTER_CPU_ATTENTION or cpu)"
+                           : ab == DType::kF32 ? "porter tiles, avx512f"
+                                               : "porter tiles, avx512_bf16";
+  time_row(state, name, porter, ab, flops, impl, 0.0, [&] {
+    if (backward) {
+      e.kernels->attention_backward(dout, qkv, probs, dqkv, static_cast<int>(kHeads));
+    } else {
+      e.kernels->attention_forward(qkv, out, probs, static_cast<int>(kHeads));
+    }
+  });
 }
 
 // ---- registration and summary ----
@@ -653,6 +701,11 @@ void register_rows() {
       const std::string name =
           std::string("attn/") + kAttentionNames[op] + "/" + std::string(dtype_name(ab));
       row(benchmark::RegisterBenchmark(name.c_str(), BM_Attention, name, op, ab));
+    }
+    for (bool backward : {false, true}) {
+      const std::string name = std::string("attn/call/") + (backward ? "bwd" : "fwd") + "/" +
+                               std::string(dtype_name(ab));
+      row(benchmark::RegisterBenchmark(name.c_str(), BM_AttentionCall, name, backward, ab));
     }
   }
   benchmark::RegisterBenchmark("peaks/after", BM_Peaks)->Unit(benchmark::kMillisecond)->Iterations(1);

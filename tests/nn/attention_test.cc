@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -278,6 +279,71 @@ TEST(AttentionTest, BitIdenticalAcrossThreadCounts) {
     EXPECT_EQ(a.out, b.out);
     EXPECT_EQ(a.probs, b.probs);
     EXPECT_EQ(a.dqkv, b.dqkv);
+  }
+}
+
+// Sets an environment variable for one scope (the kernels read PORTER_CPU_ATTENTION when they
+// are made).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// porter's head tiles (Note [Attention head tiles]) and oneDNN's batched calls both meet the
+// reference, and agree with each other: f32 within 1e-5, bf16 within its two roundings. On a
+// cpu without AVX-512F (f32) or AVX512-BF16 (bf16) both runs take the oneDNN path. An odd head
+// size (3) takes it in bf16 on every cpu.
+TEST(AttentionTest, HeadTilesAndOneDnnAgree) {
+  std::optional<Env> tiles, onednn;
+  tiles.emplace();
+  {
+    ScopedEnv force("PORTER_CPU_ATTENTION", "onednn");
+    onednn.emplace();
+  }
+  const Dims dims[] = {{2, 17, 12, 3}, {2, 63, 32, 2}, {1, 65, 64, 4}, {2, 70, 32, 2},
+                       {1, 129, 16, 1}, {2, 130, 48, 3}, {1, 33, 6, 2}};
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const double bound = dtype == DType::kF32 ? 2e-5 : 8e-3;
+    for (const Dims& d : dims) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " B " + std::to_string(d.b) + " T " +
+                   std::to_string(d.t) + " C " + std::to_string(d.c) + " heads " +
+                   std::to_string(d.heads));
+      auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, 21, -2.0f, 2.0f));
+      auto dout = round_bf16(random_values(d.b * d.t * d.c, 22));
+      Result a = run(*tiles, d, qkv, dout, dtype), b = run(*onednn, d, qkv, dout, dtype);
+      std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
+      std::vector<double> want_out, want_probs;
+      attention_ref(qd, d, &want_out, &want_probs);
+      const std::vector<double> want_dqkv = attention_backward_ref(qd, dd, d);
+      for (const Result* r : {&a, &b}) {
+        EXPECT_LT(max_rel_error(r->out, want_out), bound);
+        EXPECT_LT(max_rel_error(r->probs, want_probs), 1e-6);
+        for (int64_t part = 0; part < 3; ++part) {
+          EXPECT_LT(max_rel_error(part_of(r->dqkv, d, part), part_of(want_dqkv, d, part)), bound)
+              << "d" << "QKV"[part] << (r == &a ? " (auto)" : " (onednn)");
+        }
+      }
+      std::vector<double> b_out(b.out.begin(), b.out.end());
+      EXPECT_LT(max_rel_error(a.out, b_out), bound);
+    }
+  }
+}
+
+TEST(AttentionTest, UnknownImplementationIsRefusedNamingTheVariable) {
+  ScopedEnv bad("PORTER_CPU_ATTENTION", "flash");
+  try {
+    Env env;
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("PORTER_CPU_ATTENTION"));
+    EXPECT_THAT(e.what(), HasSubstr("\"flash\""));
+    EXPECT_THAT(e.what(), HasSubstr("onednn"));
   }
 }
 
