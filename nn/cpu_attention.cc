@@ -1,5 +1,8 @@
 // Causal softmax attention on cpu: oneDNN batched matmuls over (batch, head) on row blocks,
-// skipping the masked upper triangle in f32, with vectorised softmax loops in between.
+// skipping the masked upper triangle in f32, with vectorised softmax loops in between. Where
+// the cpu has AVX-512 (AVX512-BF16 for bf16), the calls run on porter's own head tiles instead
+// (Note [Attention head tiles] in cpu_attention_heads.cc); this path serves the other cpus,
+// odd bf16 head sizes and PORTER_CPU_ATTENTION=onednn.
 //
 // Note [Causal row blocks]
 // Rows are processed in blocks of kRowBlock queries. Block [i0, i1) attends to keys [0, i1),
