@@ -113,23 +113,6 @@ void store_rows(const float* src, int64_t src_ld, int64_t rows, int64_t cols, Te
   });
 }
 
-// The 32-bit word at u16 element `i` of `p` (two bf16 values, the first in the low half).
-inline uint32_t pair_at(const uint16_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  return w;
-}
-
-// dst (cols/2 pairs, n) = the pairs of src's columns: dst[e2 * ld + j] holds src[j][2 e2] and
-// src[j][2 e2 + 1], for rows j < n of src (row stride src_ld). cols is even.
-void pack_pairs_transposed(const uint16_t* src, int64_t src_ld, int64_t n, int64_t cols,
-                           uint32_t* dst, int64_t ld) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* row = src + j * src_ld;
-    for (int64_t e2 = 0; e2 < cols / 2; ++e2) dst[e2 * ld + j] = pair_at(row + 2 * e2);
-  }
-}
-
 // dst (ceil(n/2), cols) = rows of src in pairs: dst[j2 * cols + e] holds src[2 j2][e] and
 // src[2 j2 + 1][e] (zero past row n - 1).
 void pack_row_pairs(const uint16_t* src, int64_t src_ld, int64_t n, int64_t cols,
