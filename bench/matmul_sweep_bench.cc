@@ -628,7 +628,8 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DTy
     }
   }
   const double flops = 2.0 * p.batch0 * p.batch1 * p.m * p.n * p.k;
-  // porter runs these calls only where its head tiles do not apply (attention_tile_rows).
+  // porter runs these calls where its head tiles do not apply, or measure slower; the
+  // attn/call rows time what it runs, so these count as porter's only in the first case.
   const bool tiles = ab == DType::kF32 ? cpu::attention_tiles_f32_supported()
                                        : cpu::attention_tiles_bf16_supported(kHeadDim);
   const bool porter = !tiles || cpu::attention_impl_from_env() == cpu::AttentionImpl::kOneDnn;
@@ -636,9 +637,10 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DTy
            [&] { e.probe->run(p, s.a.data(), s.b.data(), s.out.data()); });
 }
 
-// The whole attention call as porter runs it where its head tiles apply (Note [Attention head
-// tiles] in nn/cpu_attention_heads.cc): the tiles do not expose their products one by one, so
-// one row times the forward (two products of the causal triangle, softmax and the write of
+// The whole attention call as porter runs it: on its head tiles or oneDNN's batched calls,
+// whichever it measured faster at the first call (Note [Attention head tiles] in
+// nn/cpu_attention_heads.cc; the label names which). The tiles do not expose their products one
+// by one, so one row times the forward (two products of the causal triangle, softmax and the write of
 // the saved probabilities included) and one the backward (four products, the softmax backward
 // and the read of the probabilities), at the GPT step's shapes. The FLOPs are the triangle's
 // products only, so the ratio to the matmul peak is what the softmax and memory traffic leave.
@@ -663,14 +665,21 @@ void BM_AttentionCall(benchmark::State& state, std::string name, bool backward, 
       }
     }
   }
-  const bool tiles = ab == DType::kF32 ? cpu::attention_tiles_f32_supported()
-                                       : cpu::attention_tiles_bf16_supported(kHeadDim);
-  const bool porter = tiles && cpu::attention_impl_from_env() == cpu::AttentionImpl::kAuto;
+  if (backward) e.kernels->attention_backward(dout, qkv, probs, dqkv, static_cast<int>(kHeads));
+  // What porter runs for this call: the measured choice (Note [Attention head tiles]).
+  const AttentionCall call{kBatch, kSeq, kHidden, static_cast<int>(kHeads), ab, ab,
+                           backward ? ab : DType::kF32};
+  const std::optional<bool> on_tiles =
+      cpu::measured_attention_choice(call, backward, bench_threads());
+  const bool tiles = on_tiles.value_or(ab == DType::kF32
+                                           ? cpu::attention_tiles_f32_supported()
+                                           : cpu::attention_tiles_bf16_supported(kHeadDim)) &&
+                     cpu::attention_impl_from_env() != cpu::AttentionImpl::kOneDnn;
   const double flops = (backward ? 4.0 : 2.0) * kBatch * kHidden * kSeq * (kSeq + 1);
-  const std::string impl = !porter ? "oneDNN batched calls (PORTER_CPU_ATTENTION or cpu)"
+  const std::string impl = !tiles ? "oneDNN batched calls"
                            : ab == DType::kF32 ? "porter tiles, avx512f"
                                                : "porter tiles, avx512_bf16";
-  time_row(state, name, porter, ab, flops, impl, 0.0, [&] {
+  time_row(state, name, true, ab, flops, impl, 0.0, [&] {
     if (backward) {
       e.kernels->attention_backward(dout, qkv, probs, dqkv, static_cast<int>(kHeads));
     } else {

@@ -51,10 +51,17 @@
 //   With head_dim 64 that is 12·N·C + B·R·C·4 forward and 22·N·C + B·R·C·4 backward (the
 //   f32 path's widening took 16·N·C and 32·N·C).
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
 
+#include "base/log.h"
 #include "nn/cpu_attention_heads.h"
 #include "nn/cpu_kernels.h"
 #include "nn/cpu_matmul.h"
@@ -368,44 +375,8 @@ void backward_bf16(DnnlMatmul& mm, int threads, const Dims& d,
   unpack_heads(threads, d, dv, 0, t, dqkv, 2 * d.c);
 }
 
-}  // namespace
-
-bool CpuKernels::tiles_f32() const {
-  return attention_impl_ == cpu::AttentionImpl::kAuto && cpu::attention_tiles_f32_supported();
-}
-
-bool CpuKernels::tiles_bf16(int64_t head_dim) const {
-  return attention_impl_ == cpu::AttentionImpl::kAuto &&
-         cpu::attention_tiles_bf16_supported(head_dim);
-}
-
-void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
-  const Dims d = dims_of(qkv, heads);
-  if (d.b == 0 || d.t == 0 || d.c == 0) return;
-  const workspace_layout::CpuAttentionForward layout =
-      workspace_layout::cpu_attention_forward(call_of(d, qkv.dtype(), out.dtype(), DType::kF32));
-  const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_forward");
-  float* pr = probs.data_as<float>();
-  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
-  if (layout.bf16) {
-    if (tiles_bf16(d.hd)) {
-      cpu::attention_forward_tiles_bf16(threads_, hdims, static_cast<const uint16_t*>(qkv.data()),
-                                        out, pr, tile_scratch_);
-    } else {
-      forward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), qkv, out, pr);
-    }
-    return;
-  }
-  // f32 scratch (Note [Attention scratch]): f32 qkv, then f32 out, each when needed.
-  float* scratch = buffer.as<float>();
-  const float* x = as_f32(threads_, qkv, scratch);
-  float* o = layout.out_bytes ? scratch + layout.qkv_bytes / sizeof(float) : out.data_as<float>();
-  if (tiles_f32()) {
-    cpu::attention_forward_tiles_f32(threads_, hdims, x, o, pr, tile_scratch_);
-    if (layout.out_bytes) cpu::narrow_from_f32(threads_, o, out);
-    return;
-  }
-
+// f32 forward through oneDNN's batched calls (Note [Causal row blocks]).
+void forward_f32(DnnlMatmul& mm, int threads, const Dims& d, const float* x, float* o, float* pr) {
   const int64_t c3 = 3 * d.c, t = d.t;
   const int64_t qkv_str[4] = {t * c3, d.hd, c3, 1};
   const int64_t qkv_t_str[4] = {t * c3, d.hd, 1, c3};  // K^T: (hd, keys)
@@ -415,65 +386,30 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
   for (int64_t i0 = 0; i0 < t; i0 += kRowBlock) {
     const int64_t i1 = std::min(t, i0 + kRowBlock), rows = i1 - i0;
     // Scores S = scale * Q[i0:i1] K[0:i1]^T (Note [Causal row blocks]).
-    run_batched(*dnnl_, d, rows, i1, d.hd, op(x + i0 * c3, qkv_str), op(x + d.c, qkv_t_str),
+    run_batched(mm, d, rows, i1, d.hd, op(x + i0 * c3, qkv_str), op(x + d.c, qkv_t_str),
                 pr + i0 * t, probs_str, scale, 0.0f);
-    cpu::parallel_rows(threads_, d.b * d.heads * rows, [&](int64_t r) {
+    cpu::parallel_rows(threads, d.b * d.heads * rows, [&](int64_t r) {
       const int64_t bh = r / rows, i = i0 + r % rows;
       softmax_causal_row(pr + bh * t * t + i * t, i, t);
     });
     // out[i0:i1] = P[i0:i1, 0:i1] V[0:i1].
-    run_batched(*dnnl_, d, rows, d.hd, i1, op(pr + i0 * t, probs_str), op(x + 2 * d.c, qkv_str),
+    run_batched(mm, d, rows, d.hd, i1, op(pr + i0 * t, probs_str), op(x + 2 * d.c, qkv_str),
                 o + i0 * d.c, out_str, 1.0f, 0.0f);
   }
-  if (layout.out_bytes) cpu::narrow_from_f32(threads_, o, out);
 }
 
-void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
-                                       Tensor& dqkv, int heads) {
-  const Dims d = dims_of(qkv, heads);
-  if (d.b == 0 || d.t == 0 || d.c == 0) return;
+// f32 backward through oneDNN's batched calls; ds is the (B, heads, R, T) dS block.
+void backward_f32(DnnlMatmul& mm, int threads, const Dims& d, const float* x, const float* dy,
+                  const float* pr, float* ds, float* dx) {
   const int64_t c3 = 3 * d.c, t = d.t;
   const int64_t block_rows = std::min(kRowBlock, t);
-  const workspace_layout::CpuAttentionBackward layout =
-      workspace_layout::cpu_attention_backward(call_of(d, qkv.dtype(), dout.dtype(), dqkv.dtype()));
-  PORTER_ASSERT(layout.dp_bytes == static_cast<size_t>(d.b * d.heads * block_rows * t) * 4,
-                "attention_backward scratch layout disagrees with the row blocks");
-  const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_backward");
-  const float* pr = probs.data_as<float>();
-  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
-  if (layout.bf16) {
-    if (tiles_bf16(d.hd)) {
-      cpu::attention_backward_tiles_bf16(
-          threads_, hdims, static_cast<const uint16_t*>(qkv.data()),
-          static_cast<const uint16_t*>(dout.data()), pr, buffer.as<float>(), dqkv, tile_scratch_);
-    } else {
-      backward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), dout, qkv, pr, dqkv);
-    }
-    return;
-  }
-  // f32 scratch: the dS block, then the f32 copies of the arguments that are not f32
-  // (Note [Attention scratch]).
-  float* scratch = buffer.as<float>();
-  const size_t ds_elems = layout.dp_bytes / 4, qkv_elems = layout.qkv_bytes / 4;
-  const size_t dout_elems = layout.dout_bytes / 4, dqkv_elems = layout.dqkv_bytes / 4;
-  float* ds = scratch;
-  const float* x = as_f32(threads_, qkv, scratch + ds_elems);
-  const float* dy = as_f32(threads_, dout, scratch + ds_elems + qkv_elems);
-  float* dx = dqkv_elems ? scratch + ds_elems + qkv_elems + dout_elems : dqkv.data_as<float>();
-
   const int64_t qkv_str[4] = {t * c3, d.hd, c3, 1};
   const int64_t qkv_t_str[4] = {t * c3, d.hd, 1, c3};
   const int64_t probs_t_str[4] = {d.heads * t * t, t * t, 1, t};  // P^T: (keys, queries)
   const int64_t out_str[4] = {t * d.c, d.hd, d.c, 1};
   const int64_t ds_str[4] = {d.heads * block_rows * t, block_rows * t, t, 1};
   const int64_t ds_t_str[4] = {d.heads * block_rows * t, block_rows * t, 1, t};
-  if (tiles_f32()) {
-    cpu::attention_backward_tiles_f32(threads_, hdims, x, dy, pr, ds, dx, tile_scratch_);
-    if (dqkv_elems) cpu::narrow_from_f32(threads_, dx, dqkv);
-    return;
-  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.hd));
-
   // Last block first: it covers every key row, so it initialises dK and dV (beta = 0) and
   // earlier blocks accumulate into a prefix of them in a fixed order.
   const int64_t n_blocks = (t + kRowBlock - 1) / kRowBlock;
@@ -481,23 +417,188 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
     const int64_t i0 = blk * kRowBlock, i1 = std::min(t, i0 + kRowBlock), rows = i1 - i0;
     const float beta = blk == n_blocks - 1 ? 0.0f : 1.0f;
     // dP = dout[i0:i1] V[0:i1]^T.
-    run_batched(*dnnl_, d, rows, i1, d.hd, op(dy + i0 * d.c, out_str), op(x + 2 * d.c, qkv_t_str),
+    run_batched(mm, d, rows, i1, d.hd, op(dy + i0 * d.c, out_str), op(x + 2 * d.c, qkv_t_str),
                 ds, ds_str, 1.0f, 0.0f);
-    cpu::parallel_rows(threads_, d.b * d.heads * rows, [&](int64_t r) {
+    cpu::parallel_rows(threads, d.b * d.heads * rows, [&](int64_t r) {
       const int64_t bh = r / rows, ri = r % rows;
       softmax_backward_row(pr + bh * t * t + (i0 + ri) * t, ds + bh * block_rows * t + ri * t,
                            i0 + ri, i1, scale);
     });
     // dQ[i0:i1] = dS K[0:i1]; every row block of dQ is written once.
-    run_batched(*dnnl_, d, rows, d.hd, i1, op(ds, ds_str), op(x + d.c, qkv_str), dx + i0 * c3,
+    run_batched(mm, d, rows, d.hd, i1, op(ds, ds_str), op(x + d.c, qkv_str), dx + i0 * c3,
                 qkv_str, 1.0f, 0.0f);
     // dK[0:i1] (+)= dS^T Q[i0:i1];  dV[0:i1] (+)= P[i0:i1, 0:i1]^T dout[i0:i1].
-    run_batched(*dnnl_, d, i1, d.hd, rows, op(ds, ds_t_str), op(x + i0 * c3, qkv_str),
+    run_batched(mm, d, i1, d.hd, rows, op(ds, ds_t_str), op(x + i0 * c3, qkv_str),
                 dx + d.c, qkv_str, 1.0f, beta);
-    run_batched(*dnnl_, d, i1, d.hd, rows, op(pr + i0 * t, probs_t_str), op(dy + i0 * d.c, out_str),
+    run_batched(mm, d, i1, d.hd, rows, op(pr + i0 * t, probs_t_str), op(dy + i0 * d.c, out_str),
                 dx + 2 * d.c, qkv_str, 1.0f, beta);
   }
-  if (dqkv_elems) cpu::narrow_from_f32(threads_, dx, dqkv);
+}
+
+// The process-wide table of measured attention choices (Note [Attention head tiles] in
+// cpu_attention_heads.cc): whether a call of this shape, these dtypes, direction and thread
+// count runs on the head tiles. Measurements run one at a time under the lock, so that two
+// ranks' measurements do not share cores.
+struct AttentionChoices {
+  std::mutex mu;
+  std::map<std::array<int64_t, 9>, bool> tiles;
+};
+
+AttentionChoices& attention_choices() {
+  static AttentionChoices table;
+  return table;
+}
+
+// Calls smaller than this many FLOPs (of the causal triangle's products) run on the tiles
+// unmeasured: timing them would cost more than a choice could win back, and it keeps small
+// problems (every test's) deterministic across processes.
+constexpr double kMinMeasuredAttentionFlops = double{1 << 27};
+
+std::array<int64_t, 9> choice_key(const AttentionCall& call, bool backward, int threads) {
+  return {call.batch,
+          call.seq,
+          call.channels,
+          call.heads,
+          static_cast<int64_t>(call.qkv),
+          static_cast<int64_t>(call.out),
+          static_cast<int64_t>(call.dqkv),
+          backward ? 1 : 0,
+          threads};
+}
+
+double seconds_of(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+namespace cpu {
+
+std::optional<bool> measured_attention_choice(const AttentionCall& call, bool backward,
+                                              int threads) {
+  AttentionChoices& table = attention_choices();
+  const std::lock_guard<std::mutex> lock(table.mu);
+  const auto it = table.tiles.find(choice_key(call, backward, threads));
+  if (it == table.tiles.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace cpu
+
+bool CpuKernels::attention_on_tiles(const AttentionCall& call, bool backward, bool supported,
+                                    const std::function<void(bool)>& run) {
+  if (!supported || attention_impl_ == cpu::AttentionImpl::kOneDnn) return false;
+  const double flops = (backward ? 4.0 : 2.0) * static_cast<double>(call.batch) *
+                       static_cast<double>(call.channels) * static_cast<double>(call.seq) *
+                       static_cast<double>(call.seq + 1);
+  if (attention_impl_ == cpu::AttentionImpl::kTiles || flops < kMinMeasuredAttentionFlops) {
+    return true;
+  }
+  const std::array<int64_t, 9> key = choice_key(call, backward, threads_);
+  AttentionChoices& table = attention_choices();
+  const std::lock_guard<std::mutex> lock(table.mu);
+  if (auto it = table.tiles.find(key); it != table.tiles.end()) return it->second;
+  // Both on the call's own tensors (the caller runs the chosen one again last): a warm-up
+  // each, then the best of two, interleaved. The tiles are kept unless oneDNN is at least
+  // 10% faster.
+  run(true);
+  run(false);
+  double tiles_s = 1e30, onednn_s = 1e30;
+  for (int r = 0; r < 2; ++r) {
+    tiles_s = std::min(tiles_s, seconds_of([&] { run(true); }));
+    onednn_s = std::min(onednn_s, seconds_of([&] { run(false); }));
+  }
+  const bool tiles = onednn_s * 1.1 > tiles_s;
+  table.tiles.emplace(key, tiles);
+  PORTER_LOG_DEBUG("cpu attention {} B {} T {} C {} heads {}: head tiles {:.2f} ms, oneDNN {:.2f} "
+                   "ms; runs on {}",
+                   backward ? "backward" : "forward", call.batch, call.seq, call.channels,
+                   call.heads, tiles_s * 1e3, onednn_s * 1e3, tiles ? "the tiles" : "oneDNN");
+  return tiles;
+}
+
+void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) {
+  const Dims d = dims_of(qkv, heads);
+  if (d.b == 0 || d.t == 0 || d.c == 0) return;
+  const AttentionCall call = call_of(d, qkv.dtype(), out.dtype(), DType::kF32);
+  const workspace_layout::CpuAttentionForward layout = workspace_layout::cpu_attention_forward(call);
+  const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_forward");
+  float* pr = probs.data_as<float>();
+  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
+  const auto run = [&](bool tiles) {
+    if (layout.bf16) {
+      if (tiles) {
+        cpu::attention_forward_tiles_bf16(threads_, hdims,
+                                          static_cast<const uint16_t*>(qkv.data()), out, pr,
+                                          tile_scratch_);
+      } else {
+        forward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), qkv, out, pr);
+      }
+      return;
+    }
+    // f32 scratch (Note [Attention scratch]): f32 qkv, then f32 out, each when needed.
+    float* scratch = buffer.as<float>();
+    const float* x = as_f32(threads_, qkv, scratch);
+    float* o =
+        layout.out_bytes ? scratch + layout.qkv_bytes / sizeof(float) : out.data_as<float>();
+    if (tiles) {
+      cpu::attention_forward_tiles_f32(threads_, hdims, x, o, pr, tile_scratch_);
+    } else {
+      forward_f32(*dnnl_, threads_, d, x, o, pr);
+    }
+    if (layout.out_bytes) cpu::narrow_from_f32(threads_, o, out);
+  };
+  const bool supported = layout.bf16 ? cpu::attention_tiles_bf16_supported(d.hd)
+                                     : cpu::attention_tiles_f32_supported();
+  run(attention_on_tiles(call, false, supported, run));
+}
+
+void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                                       Tensor& dqkv, int heads) {
+  const Dims d = dims_of(qkv, heads);
+  if (d.b == 0 || d.t == 0 || d.c == 0) return;
+  const int64_t block_rows = std::min(kRowBlock, d.t);
+  const AttentionCall call = call_of(d, qkv.dtype(), dout.dtype(), dqkv.dtype());
+  const workspace_layout::CpuAttentionBackward layout =
+      workspace_layout::cpu_attention_backward(call);
+  PORTER_ASSERT(layout.dp_bytes == static_cast<size_t>(d.b * d.heads * block_rows * d.t) * 4,
+                "attention_backward scratch layout disagrees with the row blocks");
+  const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_backward");
+  const float* pr = probs.data_as<float>();
+  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
+  const auto run = [&](bool tiles) {
+    if (layout.bf16) {
+      if (tiles) {
+        cpu::attention_backward_tiles_bf16(
+            threads_, hdims, static_cast<const uint16_t*>(qkv.data()),
+            static_cast<const uint16_t*>(dout.data()), pr, buffer.as<float>(), dqkv,
+            tile_scratch_);
+      } else {
+        backward_bf16(*dnnl_, threads_, d, layout, buffer.as<char>(), dout, qkv, pr, dqkv);
+      }
+      return;
+    }
+    // f32 scratch: the dS block, then the f32 copies of the arguments that are not f32
+    // (Note [Attention scratch]).
+    float* scratch = buffer.as<float>();
+    const size_t ds_elems = layout.dp_bytes / 4, qkv_elems = layout.qkv_bytes / 4;
+    const size_t dout_elems = layout.dout_bytes / 4, dqkv_elems = layout.dqkv_bytes / 4;
+    float* ds = scratch;
+    const float* x = as_f32(threads_, qkv, scratch + ds_elems);
+    const float* dy = as_f32(threads_, dout, scratch + ds_elems + qkv_elems);
+    float* dx = dqkv_elems ? scratch + ds_elems + qkv_elems + dout_elems : dqkv.data_as<float>();
+    if (tiles) {
+      cpu::attention_backward_tiles_f32(threads_, hdims, x, dy, pr, ds, dx, tile_scratch_);
+    } else {
+      backward_f32(*dnnl_, threads_, d, x, dy, pr, ds, dx);
+    }
+    if (dqkv_elems) cpu::narrow_from_f32(threads_, dx, dqkv);
+  };
+  const bool supported = layout.bf16 ? cpu::attention_tiles_bf16_supported(d.hd)
+                                     : cpu::attention_tiles_f32_supported();
+  run(attention_on_tiles(call, true, supported, run));
 }
 
 }  // namespace porter::nn

@@ -5,8 +5,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "nn/kernels.h"
 #include "nn/tensor.h"
 
 namespace porter::nn::cpu {
@@ -18,13 +20,20 @@ struct HeadDims {
 
 // Which implementation a cpu attention call runs (PORTER_CPU_ATTENTION).
 enum class AttentionImpl {
-  kAuto,    // the head tiles where the cpu has their instructions, oneDNN otherwise
+  kAuto,    // where the cpu has the head tiles' instructions, whichever of the two measures
+            // faster per call shape (small calls: the tiles); oneDNN otherwise
+  kTiles,   // the head tiles wherever the cpu has their instructions
   kOneDnn,  // always oneDNN's batched matmuls over row blocks
 };
 
-// $PORTER_CPU_ATTENTION: auto (the default) or onednn. Throws InvalidArgument, naming the
-// variable and the accepted values, on another value.
+// $PORTER_CPU_ATTENTION: auto (the default), tiles or onednn. Throws InvalidArgument, naming
+// the variable and the accepted values, on another value.
 AttentionImpl attention_impl_from_env();
+
+// The measured choice for calls like `call` on `threads` threads: true for the tiles, false for
+// oneDNN, nullopt where none was measured (yet, or because the call is too small to measure).
+std::optional<bool> measured_attention_choice(const AttentionCall& call, bool backward,
+                                              int threads);
 
 // Whether this cpu runs the f32 head tiles (AVX-512F) and the bf16 ones (AVX512-BF16, and an
 // even head_dim, since they multiply pairs of bf16 values along it).

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <type_traits>
@@ -111,9 +112,11 @@ class CpuKernels final : public Kernels {
   void do_scale(Tensor& x, float s) override;
 
  private:
-  // Whether attention runs on the head tiles (Note [Attention head tiles]).
-  bool tiles_f32() const;
-  bool tiles_bf16(int64_t head_dim) const;
+  // Whether an attention call runs on the head tiles (Note [Attention head tiles]):
+  // `supported` when the cpu has their instructions, then as PORTER_CPU_ATTENTION says, or as
+  // measured once per shape with run(true) against run(false).
+  bool attention_on_tiles(const AttentionCall& call, bool backward, bool supported,
+                          const std::function<void(bool)>& run);
 
   memory::Device& device_;  // not owned; outlives the kernels
   int threads_;

@@ -301,7 +301,10 @@ class ScopedEnv {
 // size (3) takes it in bf16 on every cpu.
 TEST(AttentionTest, HeadTilesAndOneDnnAgree) {
   std::optional<Env> tiles, onednn;
-  tiles.emplace();
+  {
+    ScopedEnv force("PORTER_CPU_ATTENTION", "tiles");
+    tiles.emplace();
+  }
   {
     ScopedEnv force("PORTER_CPU_ATTENTION", "onednn");
     onednn.emplace();
@@ -344,6 +347,44 @@ TEST(AttentionTest, UnknownImplementationIsRefusedNamingTheVariable) {
     EXPECT_THAT(e.what(), HasSubstr("PORTER_CPU_ATTENTION"));
     EXPECT_THAT(e.what(), HasSubstr("\"flash\""));
     EXPECT_THAT(e.what(), HasSubstr("onednn"));
+  }
+}
+
+// A call above the measuring threshold (2^28 FLOPs forward) runs whichever implementation
+// measured faster, and its results are that implementation's bits: not a mix of the runs the
+// measurement made on the same tensors. A second call reuses the choice.
+TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
+  std::optional<Env> tiles, onednn, measured;
+  {
+    ScopedEnv force("PORTER_CPU_ATTENTION", "tiles");
+    tiles.emplace();
+  }
+  {
+    ScopedEnv force("PORTER_CPU_ATTENTION", "onednn");
+    onednn.emplace();
+  }
+  measured.emplace();
+  const Dims d{4, 512, 128, 2};
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, 31, -2.0f, 2.0f));
+    auto dout = round_bf16(random_values(d.b * d.t * d.c, 32));
+    Result a = run(*tiles, d, qkv, dout, dtype), b = run(*onednn, d, qkv, dout, dtype);
+    // Backward of each implementation on given probabilities (forward and backward are chosen
+    // apart, so the measured backward may run on the other implementation's probabilities).
+    const auto backward = [&](Env& env, const std::vector<float>& probs) {
+      Tensor tq = env.from(qkv, {d.b, d.t, 3 * d.c}, dtype);
+      Tensor tp = env.from(probs, {d.b, d.heads, d.t, d.t});
+      Tensor tdo = env.from(dout, {d.b, d.t, d.c}, dtype), dq = env.empty({d.b, d.t, 3 * d.c}, dtype);
+      env.kernels->attention_backward(tdo, tq, tp, dq, static_cast<int>(d.heads));
+      return env.host(dq);
+    };
+    for (int call = 0; call < 2; ++call) {
+      SCOPED_TRACE("call " + std::to_string(call));
+      Result m = run(*measured, d, qkv, dout, dtype);
+      EXPECT_TRUE((m.probs == a.probs && m.out == a.out) || (m.probs == b.probs && m.out == b.out));
+      EXPECT_TRUE(m.dqkv == backward(*tiles, m.probs) || m.dqkv == backward(*onednn, m.probs));
+    }
   }
 }
 
