@@ -374,41 +374,58 @@ inline __mmask16 first_lanes(int64_t n) {
 // with zeros after i, by streaming stores where pr_row is 64-byte aligned (the saved
 // probabilities are written once and not read again in forward); and to the block's operand
 // for P V: in bf16 into p16 [0, width) when p16 is given, else in f32 back into s [0, width),
-// zeros after i.
+// zeros after i. Each range is its own loop, so the zeros cost a store per vector.
 PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, uint16_t* p16,
                                  int64_t width) {
-  const int64_t n = i + 1;
+  const int64_t n = i + 1, full = n / 16 * 16;
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) {
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(n - j), s + j));
+  for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  if (full < n) {
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, first_lanes(n - full), s + full));
   }
   const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = first_lanes(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
-    _mm512_mask_storeu_ps(s + j, m, e);
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (full < n) {
+    const __mmask16 m = first_lanes(n - full);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + full), vmx)));
+    _mm512_mask_storeu_ps(s + full, m, e);
     sum = _mm512_add_ps(sum, e);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
   const bool stream = reinterpret_cast<uintptr_t>(pr_row) % 64 == 0;
-  const int64_t end = std::max(t, width);
-  for (int64_t j = 0; j < end; j += 16) {
-    const __m512 p = j < n ? _mm512_maskz_mul_ps(first_lanes(n - j), _mm512_maskz_loadu_ps(first_lanes(n - j), s + j), inv)
-                           : _mm512_setzero_ps();
-    if (j < t) {
-      if (stream && j + 16 <= t) {
-        _mm512_stream_ps(pr_row + j, p);
-      } else {
-        _mm512_mask_storeu_ps(pr_row + j, first_lanes(t - j), p);
-      }
+  // [0, n) rounded up to whole vectors: the probabilities, then zeros (masked loads past n).
+  int64_t j = 0;
+  for (; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    const __m512 p = _mm512_maskz_mul_ps(m, _mm512_maskz_loadu_ps(m, s + j), inv);
+    if (stream && j + 16 <= t) {
+      _mm512_stream_ps(pr_row + j, p);
+    } else {
+      _mm512_mask_storeu_ps(pr_row + j, first_lanes(t - j), p);
     }
-    if (j < width) {
-      if (p16 != nullptr) {
-        _mm256_mask_storeu_epi16(p16 + j, first_lanes(width - j), to_bf16x16(p));
-      } else {
-        _mm512_mask_storeu_ps(s + j, first_lanes(width - j), p);
-      }
+    if (p16 != nullptr) {
+      if (j < width) _mm256_mask_storeu_epi16(p16 + j, first_lanes(width - j), to_bf16x16(p));
+    } else if (j < width) {
+      _mm512_mask_storeu_ps(s + j, first_lanes(width - j), p);
+    }
+  }
+  // The zeros after them: in probs up to t, in the operand up to width.
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t k = j;
+  if (stream) {
+    for (; k + 16 <= t; k += 16) _mm512_stream_ps(pr_row + k, zero);
+  }
+  for (; k < t; k += 16) _mm512_mask_storeu_ps(pr_row + k, first_lanes(t - k), zero);
+  for (k = j; k < width; k += 16) {
+    if (p16 != nullptr) {
+      _mm256_mask_storeu_epi16(p16 + k, first_lanes(width - k), _mm256_setzero_si256());
+    } else {
+      _mm512_mask_storeu_ps(s + k, first_lanes(width - k), zero);
     }
   }
 }
