@@ -24,11 +24,13 @@
 //   and in backward dS^T, P^T, Q and dout of a row block as (rows/2, ·) pairs. Odd lengths are
 //   padded with zeros. Q and dout rows already hold pairs along hd and are read in place.
 // - The packed copies are per-thread host scratch (TileScratch, owned by CpuKernels), like
-//   oneDNN's own scratchpad: kernel-internal packing, at most a few hundred KiB per thread
-//   for GPT-2 sizes, not a tensor. The dP block goes in the device workspace's dP region (one
+//   oneDNN's own scratchpad: kernel-internal packing, under 1 MiB per thread at GPT-2's
+//   T = 512 and head_dim 64 (0.75 MiB in f32 backward), not a tensor. The dP block goes in the device workspace's dP region (one
 //   (R, T) slice per head), as in the oneDNN path; the bf16 path leaves the rest of its
 //   workspace, which the oneDNN path needs, unused, so the workspace (and the analytic memory
 //   model) stays a function of the call alone, the same on every cpu.
+// - f32 operands that are strided views of qkv or dout (V, K, Q, dout) are copied per head into
+//   dense (T, hd) arrays first, so that a product's B rows are contiguous.
 // - Precision is that of Note [Bf16 attention]: scores and dP exact products summed in f32;
 //   P and dS rounded once to bf16 for the products that take them; dQ, dK, dV and out summed
 //   in f32 and rounded once into their tensors.
