@@ -64,7 +64,12 @@
 #include "nn/kernel_workspace.h"
 
 #if defined(__x86_64__)
+// GCC 12's AVX-512 headers initialise their "undefined" vectors from themselves, which
+// -Wmaybe-uninitialized reports at every use (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define PORTER_TILES_X86 1
 #else
 #define PORTER_TILES_X86 0
@@ -372,6 +377,24 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// The sum and the largest of 16 lanes, in lane order (GCC 12's own reduce intrinsics warn
+// about an uninitialised temporary in its headers).
+PORTER_TILE_F32 inline float lane_sum(__m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float s = 0.0f;
+  for (float x : lanes) s += x;
+  return s;
+}
+
+PORTER_TILE_F32 inline float lane_max(__m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float m = lanes[0];
+  for (float x : lanes) m = std::max(m, x);
+  return m;
+}
+
 // Row i of a block's scores `s` (valid in [0, i]) to probabilities: written to pr_row [0, t)
 // with zeros after i, by streaming stores where pr_row is 64-byte aligned (the saved
 // probabilities are written once and not read again in forward); and to the block's operand
@@ -385,7 +408,7 @@ PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, 
   if (full < n) {
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, first_lanes(n - full), s + full));
   }
-  const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  const __m512 vmx = _mm512_set1_ps(lane_max(mx));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < full; j += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
@@ -398,7 +421,7 @@ PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, 
     _mm512_mask_storeu_ps(s + full, m, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  const __m512 inv = _mm512_set1_ps(1.0f / lane_sum(sum));
   const bool stream = reinterpret_cast<uintptr_t>(pr_row) % 64 == 0;
   // [0, n) rounded up to whole vectors: the probabilities, then zeros (masked loads past n).
   int64_t j = 0;
@@ -443,7 +466,7 @@ PORTER_TILE_F32 void softmax_backward_row_tiles(const float* p, const float* dp,
     const __mmask16 m = first_lanes(n - j);
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + j), _mm512_maskz_loadu_ps(m, dp + j), acc);
   }
-  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+  const __m512 sum = _mm512_set1_ps(lane_sum(acc));
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j = 0; j < width; j += 16) {
     const __mmask16 m = j < n ? first_lanes(n - j) : __mmask16{0};
