@@ -12,7 +12,10 @@
 // activations are bf16, so forward and dgrad write bf16 and wgrad accumulates into the f32
 // gradients; the bf16 rows do the same. The attention rows are the calls of one row block:
 // f32 on strided views of qkv (Note [Causal row blocks] in nn/cpu_attention.cc), bf16 on the
-// packed per-head copies (Note [Bf16 attention]).
+// packed per-head copies (Note [Bf16 attention]). Where porter runs its own attention head tiles
+// instead (Note [Attention head tiles] in nn/cpu_attention_heads.cc), the attn/call rows time
+// whole forward and backward calls, softmax included, since the tiles' products are not
+// separate calls.
 //
 // Note [Sweep peaks]
 // f32: oneDNN's sgemm at 2048^3, best of 5. bf16: porter's bf16 matmul (bf16 operands, f32
