@@ -68,7 +68,6 @@
 #include "nn/kernel_workspace.h"
 
 namespace porter::nn {
-namespace cpu {
 namespace {
 
 // The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
@@ -88,8 +87,6 @@ PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
   for (; j < n; ++j) mx = std::max(mx, x[j]);
   return mx;
 }
-
-}  // namespace
 
 PORTER_CPU_CLONES void softmax_causal_row(float* row, int64_t i, int64_t width) {
   const float mx = row_max(row, i + 1);
@@ -152,15 +149,6 @@ PORTER_CPU_CLONES void round_probs_row_bf16(const float* p, uint16_t* dst, int64
   for (int64_t j = i + 1; j < width; ++j) dst[j] = 0;
 }
 
-}  // namespace cpu
-
-namespace {
-
-using cpu::round_probs_row_bf16;
-using cpu::softmax_backward_row;
-using cpu::softmax_backward_row_bf16;
-using cpu::softmax_causal_row;
-using cpu::softmax_causal_row_bf16;
 
 constexpr int64_t kRowBlock = workspace_layout::kCpuAttentionRowBlock;
 

@@ -455,6 +455,26 @@ PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, 
   }
 }
 
+// Row i of a block in the f32 backward: dS = scale * P * (dP - sum_j P dP) over [0, i], in
+// place over dP (`ds`), zeros in (i, width).
+PORTER_TILE_F32 void softmax_backward_row_f32(const float* p, float* ds, int64_t i, int64_t width,
+                                              float scale) {
+  const int64_t n = i + 1;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + j), _mm512_maskz_loadu_ps(m, ds + j), acc);
+  }
+  const __m512 sum = _mm512_set1_ps(lane_sum(acc));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 m = j < n ? first_lanes(n - j) : __mmask16{0};
+    const __m512 v = _mm512_maskz_mul_ps(m, _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(m, p + j)),
+                                         _mm512_sub_ps(_mm512_maskz_loadu_ps(m, ds + j), sum));
+    _mm512_mask_storeu_ps(ds + j, first_lanes(width - j), v);
+  }
+}
+
 // Row i of a block in the bf16 backward: dS = scale * P * (dP - sum_j P dP) over [0, i] and P,
 // both rounded to bf16 into ds16 and p16 [0, width), zeros after i.
 PORTER_TILE_F32 void softmax_backward_row_tiles(const float* p, const float* dp, uint16_t* ds16,
@@ -566,7 +586,7 @@ void attention_backward_tiles_f32(int threads, const HeadDims& d, const float* x
       gp.col_causal = i0;
       run_gemm<false>(gp);
       for (int64_t r = 0; r < rows; ++r) {
-        softmax_backward_row(p + (i0 + r) * t, dsb + r * t, i0 + r, i1, scale);
+        softmax_backward_row_f32(p + (i0 + r) * t, dsb + r * t, i0 + r, i1, scale);
       }
       // dQ[i0:i1] = dS K[0:i1].
       Gemm gq{rows, hd, i1, dsb, t, 1, kh, hd, dq + i0 * c3, c3};

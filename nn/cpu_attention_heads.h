@@ -1,6 +1,5 @@
-// Causal attention one (batch, head) at a time on porter's own AVX-512 tiles, and the softmax
-// row helpers it shares with the oneDNN path (Note [Attention head tiles] in
-// cpu_attention_heads.cc). Internal to the cpu kernels.
+// Causal attention one (batch, head) at a time on porter's own AVX-512 tiles (Note [Attention
+// head tiles] in cpu_attention_heads.cc). Internal to the cpu kernels.
 #pragma once
 
 #include <cstddef>
@@ -71,21 +70,5 @@ void attention_forward_tiles_bf16(int threads, const HeadDims& d, const uint16_t
 void attention_backward_tiles_bf16(int threads, const HeadDims& d, const uint16_t* x,
                                    const uint16_t* dy, const float* pr, float* dp, Tensor& dqkv,
                                    TileScratch& scratch);
-
-// ---- softmax rows, defined in cpu_attention.cc ----
-
-// Row i of the causal scores, in place: softmax over [0, i], zeros after (up to `width`).
-void softmax_causal_row(float* row, int64_t i, int64_t width);
-// dS = scale * P * (dP - sum_j P dP) over [0, i], in place over dP (`ds`); zeros in (i, width).
-void softmax_backward_row(const float* p, float* ds, int64_t i, int64_t width, float scale);
-// softmax_causal_row of the f32 scores `s` into `row` (s may be row), and `row` rounded to
-// bf16 into `p16`, both zero after i (up to `width`).
-void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16, int64_t i,
-                             int64_t width);
-// softmax_backward_row of the f32 P and dP rows, rounded to bf16 into `ds16`.
-void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16, int64_t i,
-                               int64_t width, float scale);
-// Row i of the probabilities rounded to bf16, zeros after i up to `width`.
-void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i, int64_t width);
 
 }  // namespace porter::nn::cpu
