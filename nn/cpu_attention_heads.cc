@@ -90,12 +90,8 @@ AttentionImpl attention_impl_from_env() {
 }
 
 void TileScratch::reserve(int threads, size_t bytes) {
-  const size_t slice = (bytes + 63) / 64 * 64;
-  const size_t need = slice * static_cast<size_t>(threads) + 64;
-  if (storage_.size() < need) storage_.assign(need, std::byte{0});
-  base_ = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage_.data()) + 63) &
-                                  ~uintptr_t{63});
-  slice_bytes_ = slice;
+  slice_bytes_ = (bytes + 63) / 64 * 64;
+  base_ = aligned_bytes(storage_, slice_bytes_ * static_cast<size_t>(threads));
 }
 
 namespace {

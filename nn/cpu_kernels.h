@@ -222,6 +222,14 @@ void with_typed(Fn&& fn, Ts&... ts) {
       ts.dtype()...);
 }
 
+// A 64-byte aligned start of a host buffer grown to hold `bytes` (oneDNN's kernels and the
+// attention tiles load whole cache lines). Growing discards the contents.
+inline char* aligned_bytes(std::vector<std::byte>& buffer, size_t bytes) {
+  if (buffer.size() < bytes + 64) buffer.assign(bytes + 64, std::byte{0});
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                                 ~uintptr_t{63});
+}
+
 // dst (x.numel() f32) = x widened; x is any float dtype (cpu_elementwise.cc).
 void widen_to_f32(int threads, const Tensor& x, float* dst);
 // y = src (y.numel() f32) rounded to y's dtype (cpu_elementwise.cc).

@@ -160,14 +160,6 @@ struct LayoutTable {
   std::map<std::pair<ProblemKey, int>, bool> widened;  // Note [Widened bf16 matmul]
 };
 
-// 64-byte aligned views into a host buffer grown to `bytes` (oneDNN's kernels load whole
-// cache lines).
-char* aligned_bytes(std::vector<std::byte>& buffer, size_t bytes) {
-  if (buffer.size() < bytes + 64) buffer.assign(bytes + 64, std::byte{0});
-  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
-                                 ~uintptr_t{63});
-}
-
 size_t round_up_64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 LayoutTable& layout_table() {
@@ -475,7 +467,7 @@ struct DnnlMatmul::Impl {
       return;
     }
     if (e.blocked) {
-      e.b_blocked.set_data_handle(aligned_bytes(blocked_buffer, e.blocked_bytes));
+      e.b_blocked.set_data_handle(cpu::aligned_bytes(blocked_buffer, e.blocked_bytes));
       e.to_blocked.execute(stream, e.b, e.b_blocked);
     }
     e.primitive.execute(stream, {{DNNL_ARG_SRC, e.a},
@@ -487,7 +479,7 @@ struct DnnlMatmul::Impl {
   // Note [Widened bf16 matmul]: e's operands are bound; widen them, run the f32 problem and
   // round a 16-bit out.
   void execute_widened(Entry& e) {
-    char* base = aligned_bytes(widened_buffer, e.a32_bytes + e.b32_bytes + e.out32_bytes);
+    char* base = cpu::aligned_bytes(widened_buffer, e.a32_bytes + e.b32_bytes + e.out32_bytes);
     e.a32.set_data_handle(base);
     e.b32.set_data_handle(base + e.a32_bytes);
     e.a_to_f32.execute(stream, e.a, e.a32);
