@@ -70,92 +70,10 @@
 namespace porter::nn {
 namespace {
 
-// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
-// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
-// reduction without -ffast-math.
-PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float lane[kLanes];
-  for (float& m : lane) m = -INFINITY;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
-  }
-  float mx = -INFINITY;
-  for (float m : lane) mx = std::max(mx, m);
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
-  return mx;
-}
-
-PORTER_CPU_CLONES void softmax_causal_row(float* row, int64_t i, int64_t width) {
-  const float mx = row_max(row, i + 1);
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j <= i; ++j) {
-    float e = cpu::fast_exp(row[j] - mx);
-    row[j] = e;
-    s += e;
-  }
-  const float inv = 1.0f / s;
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
-}
-
-PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i, int64_t width,
-                                            float scale) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j <= i; ++j) s += p[j] * ds[j];
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) ds[j] = scale * p[j] * (ds[j] - s);
-  for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
-}
-
-PORTER_CPU_CLONES void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16,
-                                               int64_t i, int64_t width) {
-  const float mx = row_max(s, i + 1);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j <= i; ++j) {
-    float e = cpu::fast_exp(s[j] - mx);
-    row[j] = e;
-    sum += e;
-  }
-  const float inv = 1.0f / sum;
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
-#pragma omp simd
-  for (int64_t j = 0; j < width; ++j) cpu::store(p16 + j, row[j]);
-}
-
-PORTER_CPU_CLONES void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16,
-                                                 int64_t i, int64_t width, float scale) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j <= i; ++j) s += p[j] * dp[j];
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) cpu::store(ds16 + j, scale * p[j] * (dp[j] - s));
-  for (int64_t j = i + 1; j < width; ++j) ds16[j] = 0;
-}
-
-// The zeros after i are written, not read from probs (which hold zeros there too).
-PORTER_CPU_CLONES void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i,
-                                            int64_t width) {
-#pragma omp simd
-  for (int64_t j = 0; j <= i; ++j) cpu::store(dst + j, p[j]);
-  for (int64_t j = i + 1; j < width; ++j) dst[j] = 0;
-}
-
-
 constexpr int64_t kRowBlock = workspace_layout::kCpuAttentionRowBlock;
 
 // Sizes of one attention call.
-struct Dims {
-  int64_t b, t, c, heads, hd;
-};
+using Dims = cpu::HeadDims;
 
 Dims dims_of(const Tensor& qkv, int heads) {
   Dims d{qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3, heads, 0};
@@ -199,6 +117,90 @@ void run_batched(DnnlMatmul& mm, const Dims& d, int64_t m, int64_t n, int64_t k,
   mm.run(p, a.data, b.data, out);
 }
 
+// The largest of x[0, n), as the sequential loop `mx = std::max(mx, x[j])` finds it (max is
+// exact and skips NaNs in any order), in 16 lanes, since GCC does not vectorise that loop's
+// reduction without -ffast-math.
+PORTER_CPU_CLONES float row_max(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (float& m : lane) m = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
+  }
+  float mx = -INFINITY;
+  for (float m : lane) mx = std::max(mx, m);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+// Row i of the causal scores: softmax over [0, i], zeros after (up to `width`).
+PORTER_CPU_CLONES void softmax_causal_row(float* row, int64_t i, int64_t width) {
+  const float mx = row_max(row, i + 1);
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) {
+    float e = cpu::fast_exp(row[j] - mx);
+    row[j] = e;
+    s += e;
+  }
+  const float inv = 1.0f / s;
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
+}
+
+// dS = scale * P * (dP - sum_j P dP) over [0, i]; zeros in (i, width).
+PORTER_CPU_CLONES void softmax_backward_row(const float* p, float* ds, int64_t i, int64_t width,
+                                            float scale) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) s += p[j] * ds[j];
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) ds[j] = scale * p[j] * (ds[j] - s);
+  for (int64_t j = i + 1; j < width; ++j) ds[j] = 0.0f;
+}
+
+// Row i of the causal probabilities in the bf16 path: softmax_causal_row of the f32 scores
+// `s` into `row`, and `row` rounded to bf16 into `p16`, both zero after i (up to `width`).
+PORTER_CPU_CLONES void softmax_causal_row_bf16(const float* s, float* row, uint16_t* p16,
+                                               int64_t i, int64_t width) {
+  const float mx = row_max(s, i + 1);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j <= i; ++j) {
+    float e = cpu::fast_exp(s[j] - mx);
+    row[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+  for (int64_t j = i + 1; j < width; ++j) row[j] = 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) cpu::store(p16 + j, row[j]);
+}
+
+// softmax_backward_row of the f32 P and dP rows, rounded to bf16 into `ds16`.
+PORTER_CPU_CLONES void softmax_backward_row_bf16(const float* p, const float* dp, uint16_t* ds16,
+                                                 int64_t i, int64_t width, float scale) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j <= i; ++j) s += p[j] * dp[j];
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) cpu::store(ds16 + j, scale * p[j] * (dp[j] - s));
+  for (int64_t j = i + 1; j < width; ++j) ds16[j] = 0;
+}
+
+// Row i of the probabilities rounded to bf16: P[0, i], then the zeros after it up to `width`
+// (not read from probs, which hold zeros there too).
+PORTER_CPU_CLONES void round_probs_row_bf16(const float* p, uint16_t* dst, int64_t i,
+                                            int64_t width) {
+#pragma omp simd
+  for (int64_t j = 0; j <= i; ++j) cpu::store(dst + j, p[j]);
+  for (int64_t j = i + 1; j < width; ++j) dst[j] = 0;
+}
 
 template <typename T>
 PORTER_CPU_CLONES void store_row(const float* src, T* dst, int64_t n) {
@@ -514,11 +516,10 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
   const workspace_layout::CpuAttentionForward layout = workspace_layout::cpu_attention_forward(call);
   const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_forward");
   float* pr = probs.data_as<float>();
-  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
   const auto run = [&](bool tiles) {
     if (layout.bf16) {
       if (tiles) {
-        cpu::attention_forward_tiles_bf16(threads_, hdims,
+        cpu::attention_forward_tiles_bf16(threads_, d,
                                           static_cast<const uint16_t*>(qkv.data()), out, pr,
                                           tile_scratch_);
       } else {
@@ -532,7 +533,7 @@ void CpuKernels::do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& pr
     float* o =
         layout.out_bytes ? scratch + layout.qkv_bytes / sizeof(float) : out.data_as<float>();
     if (tiles) {
-      cpu::attention_forward_tiles_f32(threads_, hdims, x, o, pr, tile_scratch_);
+      cpu::attention_forward_tiles_f32(threads_, d, x, o, pr, tile_scratch_);
     } else {
       forward_f32(*dnnl_, threads_, d, x, o, pr);
     }
@@ -555,12 +556,11 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
                 "attention_backward scratch layout disagrees with the row blocks");
   const memory::DeviceBuffer buffer = workspace(layout.total_bytes(), "attention_backward");
   const float* pr = probs.data_as<float>();
-  const cpu::HeadDims hdims{d.b, d.t, d.c, d.heads, d.hd};
   const auto run = [&](bool tiles) {
     if (layout.bf16) {
       if (tiles) {
         cpu::attention_backward_tiles_bf16(
-            threads_, hdims, static_cast<const uint16_t*>(qkv.data()),
+            threads_, d, static_cast<const uint16_t*>(qkv.data()),
             static_cast<const uint16_t*>(dout.data()), pr, buffer.as<float>(), dqkv,
             tile_scratch_);
       } else {
@@ -578,7 +578,7 @@ void CpuKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, co
     const float* dy = as_f32(threads_, dout, scratch + ds_elems + qkv_elems);
     float* dx = dqkv_elems ? scratch + ds_elems + qkv_elems + dout_elems : dqkv.data_as<float>();
     if (tiles) {
-      cpu::attention_backward_tiles_f32(threads_, hdims, x, dy, pr, ds, dx, tile_scratch_);
+      cpu::attention_backward_tiles_f32(threads_, d, x, dy, pr, ds, dx, tile_scratch_);
     } else {
       backward_f32(*dnnl_, threads_, d, x, dy, pr, ds, dx);
     }
