@@ -37,19 +37,22 @@
 // same product with B blocked, reorder included, at 210-220 (the MLP's fc2 dgrad and wgrad);
 // on most other GPT shapes plain was as fast or faster, and the fc2 forward lost 15% blocked.
 // On a Xeon without AMX the same two products took 99 and 103 ms plain, 49 and 38 blocked and
-// 45 and 33 through sgemm. So the choice is measured, not assumed: the first time a problem
-// (every MatmulProblem field, and the thread count) is seen, each candidate is timed on
-// scratch operands of its shape (the best of three runs each, interleaved), and the fastest
-// is kept where it is at least 10% faster than plain. Problems under kMinMeasuredFlops are not
-// worth the timing and stay plain. The choice is made once per process (a shared table), so
-// every Kernels in it, every policy and every thread rank, computes a given problem the same
-// way.
+// 45 and 33 through sgemm. A weight gradient (dW = dY^T X) reads its A transposed; a row-major
+// copy of it first (a reorder of the token rows, a few MB) is a fourth candidate, with B then
+// read as oneDNN prefers: on a 2-core AMD EPYC (Zen 5) the MLP's fc2 weight gradient in bf16
+// ran at 0.66-0.81 of the bf16 peak with A transposed and 0.85-0.90 in the row-major form.
+// So the choice is measured, not assumed: the first time a problem (every MatmulProblem field,
+// and the thread count) is seen, each candidate is timed on scratch operands of its shape (the
+// best of three runs each, interleaved), and the fastest is kept where it is at least 10%
+// faster than plain. Problems under kMinMeasuredFlops are not worth the timing and stay plain.
+// The choice is made once per process (a shared table), so every Kernels in it, every policy
+// and every thread rank, computes a given problem the same way.
 //
-// In f32 plain and blocked give identical bits: oneDNN runs the same brgemm kernel over the
-// same K blocks, only the panel copies of B differ (matmul_test checks this on the GPT's
-// shapes). sgemm sums in its own order, and in bf16 with long K (2048 and up) the blocked
+// In f32 plain, blocked and the row-major copy of A give identical bits: oneDNN runs the same
+// brgemm kernel over the same K blocks, only the panel copies of A and B differ (matmul_test
+// checks this on the GPT's shapes). sgemm sums in its own order, and in bf16 with long K (2048 and up) the blocked
 // kernel can too, so two processes whose measurements disagree can differ in the last bit;
-// PORTER_MATMUL_LAYOUT=plain (or blocked, gemm, widened) fixes the choice for bitwise
+// PORTER_MATMUL_LAYOUT=plain (or blocked, gemm, widened, rows) fixes the choice for bitwise
 // run-to-run reproducibility across processes.
 //
 // Note [Widened bf16 matmul]
@@ -81,6 +84,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <spdlog/fmt/fmt.h>
 #include <string>
 #include <string_view>
 
@@ -182,8 +186,9 @@ MatmulLayout matmul_layout_from_env() {
   if (s == "blocked") return MatmulLayout::kBlocked;
   if (s == "gemm") return MatmulLayout::kGemm;
   if (s == "widened") return MatmulLayout::kWidened;
+  if (s == "rows") return MatmulLayout::kRows;
   throw InvalidArgument("PORTER_MATMUL_LAYOUT is \"" + std::string(s) +
-                        "\"; use measure (the default), plain, blocked, gemm or widened");
+                        "\"; use measure (the default), plain, blocked, gemm, widened or rows");
 }
 
 struct DnnlMatmul::Impl {
@@ -196,6 +201,13 @@ struct DnnlMatmul::Impl {
     dnnl::reorder to_blocked;
     dnnl::memory b_blocked;
     size_t blocked_bytes = 0;
+    // With A copied (Note [Matmul weight layout]): A, stored transposed, is reordered into the
+    // row-major a_rows, which the primitive reads; a_rows_bytes is a multiple of 64, and the
+    // copy comes first in the buffer it shares with b_blocked.
+    bool a_copied = false;
+    dnnl::reorder to_rows;
+    dnnl::memory a_rows;
+    size_t a_rows_bytes = 0;
     // With widened operands (Note [Widened bf16 matmul]): a, b and out are the caller's bf16
     // tensors, reordered into and out of the f32 copies a32, b32 and out32 (out32 only when
     // out is not f32), and the f32 problem f32_key runs on the copies.
@@ -244,11 +256,13 @@ struct DnnlMatmul::Impl {
     plain.impl_name = plain_pd.impl_info_str();
     Entry blocked = blocked_entry(p, a_md, b_md, out_md, attr);
     Entry gemm = gemm_entry(p);
+    Entry rows = rows_entry(p, a_md, b_md, out_md, attr);
     Entry native;
-    switch (choose_native(p, key, plain, blocked, gemm)) {
+    switch (choose_native(p, key, plain, blocked, gemm, rows)) {
       case Choice::kPlain: native = std::move(plain); break;
       case Choice::kBlocked: native = std::move(blocked); break;
       case Choice::kGemm: native = std::move(gemm); break;
+      case Choice::kRows: native = std::move(rows); break;
     }
     if (p.a_dtype == DType::kBF16 && p.b_dtype == DType::kBF16 &&
         (layout == MatmulLayout::kMeasure || layout == MatmulLayout::kWidened)) {
@@ -349,6 +363,52 @@ struct DnnlMatmul::Impl {
     }
   }
 
+  // The primitive that reads a row-major copy of A, where p stores A transposed (the weight
+  // gradient's form, dW = dY^T X), and B in oneDNN's preferred layout, reordered as in
+  // blocked_entry where that is not B's own; an entry with a_copied = false otherwise, or
+  // where the policy does not measure.
+  Entry rows_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
+                   const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md,
+                   const dnnl::primitive_attr& attr) {
+    if (layout != MatmulLayout::kMeasure && layout != MatmulLayout::kRows) return {};
+    if (p.a_strides[3] == 1 || p.a_strides[2] != 1) return {};  // A is not stored transposed
+    try {
+      const dnnl::memory::dims dims = a_md.dims();
+      dnnl::memory::dims st(dims.size());
+      int64_t stride = 1;
+      for (size_t d = dims.size(); d-- > 0;) {
+        st[d] = stride;
+        stride *= dims[d];
+      }
+      const dnnl::memory::desc rows_md(dims, dnnl_type(p.a_dtype), st);
+      const dnnl::memory::desc any_md(b_md.dims(), dnnl_type(p.b_dtype),
+                                      dnnl::memory::format_tag::any);
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(rows_md, any_md, out_md), attr,
+                                            engine);
+      Entry e;
+      e.primitive = dnnl::matmul(pd);
+      e.a = dnnl::memory(a_md, engine, nullptr);
+      e.b = dnnl::memory(b_md, engine, nullptr);
+      e.out = dnnl::memory(out_md, engine, nullptr);
+      e.a_copied = true;
+      e.a_rows = dnnl::memory(rows_md, engine, nullptr);
+      e.to_rows = dnnl::reorder(e.a, e.a_rows);
+      e.a_rows_bytes = round_up_64(rows_md.get_size());
+      e.impl_name = std::string(pd.impl_info_str()) + ", A copied row-major";
+      const dnnl::memory::desc blocked_md = pd.weights_desc();
+      if (blocked_md != b_md) {
+        e.blocked = true;
+        e.b_blocked = dnnl::memory(blocked_md, engine, nullptr);
+        e.to_blocked = dnnl::reorder(e.b, e.b_blocked);
+        e.blocked_bytes = blocked_md.get_size();
+        e.impl_name += ", blocked weights";
+      }
+      return e;
+    } catch (const dnnl::error&) {
+      return {};  // oneDNN cannot copy or multiply this form: it is not a candidate
+    }
+  }
+
   // p through oneDNN's sgemm (the gemm:jit kernel) instead of its matmul primitive: f32, one
   // batch, each operand with a unit stride; an entry with an empty impl_name otherwise, or
   // where the policy does not measure.
@@ -388,17 +448,20 @@ struct DnnlMatmul::Impl {
     return e;
   }
 
-  enum class Choice { kPlain, kBlocked, kGemm };
+  enum class Choice { kPlain, kBlocked, kGemm, kRows };
 
   // Which entry `problem` uses: as the policy says, or as measured once per process (Note
   // [Matmul weight layout]): the fastest of the candidates, where it is at least 10% faster
   // than plain.
   Choice choose_native(const MatmulProblem& p, const ProblemKey& key, Entry& plain,
-                       Entry& blocked, Entry& gemm) {
-    const bool has_blocked = blocked.blocked, has_gemm = gemm.gemm.on;
+                       Entry& blocked, Entry& gemm, Entry& rows) {
+    const bool has_blocked = blocked.blocked, has_gemm = gemm.gemm.on, has_rows = rows.a_copied;
     if (layout == MatmulLayout::kBlocked) return has_blocked ? Choice::kBlocked : Choice::kPlain;
     if (layout == MatmulLayout::kGemm) return has_gemm ? Choice::kGemm : Choice::kPlain;
-    if (layout != MatmulLayout::kMeasure || (!has_blocked && !has_gemm)) return Choice::kPlain;
+    if (layout == MatmulLayout::kRows) return has_rows ? Choice::kRows : Choice::kPlain;
+    if (layout != MatmulLayout::kMeasure || (!has_blocked && !has_gemm && !has_rows)) {
+      return Choice::kPlain;
+    }
     if (flops_of(p) < kMinMeasuredFlops) return Choice::kPlain;
     LayoutTable& table = layout_table();
     std::lock_guard lock(table.mu);
@@ -414,17 +477,21 @@ struct DnnlMatmul::Impl {
       candidates.push_back(&gemm);
       choices.push_back(Choice::kGemm);
     }
+    if (has_rows) {
+      candidates.push_back(&rows);
+      choices.push_back(Choice::kRows);
+    }
     const std::vector<double> seconds = time_all(p, candidates);
     size_t best = 0;
-    for (size_t i = 1; i < seconds.size(); ++i) {
-      if (seconds[i] < 0.9 * seconds[0] && seconds[i] < seconds[best]) best = i;
+    std::string timings;
+    for (size_t i = 0; i < seconds.size(); ++i) {
+      if (i > 0 && seconds[i] < 0.9 * seconds[0] && seconds[i] < seconds[best]) best = i;
+      timings += fmt::format("{}{} {:.2f} ms", i > 0 ? ", " : "", candidates[i]->impl_name,
+                             seconds[i] * 1e3);
     }
     it->second = static_cast<int>(choices[best]);
-    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}): B plain {:.2f} ms ({}), blocked {:.2f} ms, "
-                     "{} {:.2f} ms: {}",
-                     p.m, p.n, p.k, p.batch0, p.batch1, seconds[0] * 1e3, plain.impl_name,
-                     has_blocked ? seconds[1] * 1e3 : 0.0, has_gemm ? gemm.impl_name : "no gemm",
-                     has_gemm ? seconds.back() * 1e3 : 0.0, candidates[best]->impl_name);
+    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}): {}: {}", p.m, p.n, p.k, p.batch0, p.batch1,
+                     timings, candidates[best]->impl_name);
     return choices[best];
   }
 
@@ -466,11 +533,18 @@ struct DnnlMatmul::Impl {
       execute_widened(e);
       return;
     }
-    if (e.blocked) {
-      e.b_blocked.set_data_handle(cpu::aligned_bytes(blocked_buffer, e.blocked_bytes));
-      e.to_blocked.execute(stream, e.b, e.b_blocked);
+    if (e.a_copied || e.blocked) {
+      char* base = cpu::aligned_bytes(blocked_buffer, e.a_rows_bytes + e.blocked_bytes);
+      if (e.a_copied) {
+        e.a_rows.set_data_handle(base);
+        e.to_rows.execute(stream, e.a, e.a_rows);
+      }
+      if (e.blocked) {
+        e.b_blocked.set_data_handle(base + e.a_rows_bytes);
+        e.to_blocked.execute(stream, e.b, e.b_blocked);
+      }
     }
-    e.primitive.execute(stream, {{DNNL_ARG_SRC, e.a},
+    e.primitive.execute(stream, {{DNNL_ARG_SRC, e.a_copied ? e.a_rows : e.a},
                                  {DNNL_ARG_WEIGHTS, e.blocked ? e.b_blocked : e.b},
                                  {DNNL_ARG_DST, e.out}});
     stream.wait();

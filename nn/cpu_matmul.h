@@ -33,18 +33,20 @@ struct MatmulProblem {
 MatmulProblem matmul_problem(const Tensor& a, const Tensor& b, const Tensor& out,
                              const MatmulSpec& spec);
 
-// How a matmul reads its B operand (oneDNN's "weights"): as the caller stores it, or reordered
-// first into the blocked layout oneDNN's kernel prefers (Note [Matmul weight layout]).
+// How a matmul reads its operands: as the caller stores them, B reordered first into the
+// blocked layout oneDNN's kernel prefers, through oneDNN's sgemm, bf16 widened to f32, or A
+// copied row-major (Note [Matmul weight layout]).
 enum class MatmulLayout {
-  kMeasure,  // per problem, whichever of the two is faster on this cpu, measured at first use
+  kMeasure,  // per problem, whichever of these is fastest on this cpu, measured at first use
   kPlain,
   kBlocked,  // wherever oneDNN prefers a blocked layout
   kGemm,     // oneDNN's gemm-based kernel (gemm:jit) wherever it has one, B plain
   kWidened,  // B plain, and bf16 x bf16 problems widened to f32 (Note [Widened bf16 matmul])
+  kRows,     // an A stored transposed is copied row-major first, B read as oneDNN prefers
 };
 
-// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain, blocked, gemm or widened;
-// measure when unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
+// The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain, blocked, gemm, widened or
+// rows; measure when unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
 MatmulLayout matmul_layout_from_env();
 
 class DnnlMatmul {
@@ -62,7 +64,8 @@ class DnnlMatmul {
   std::string implementation(const MatmulProblem& problem);
   // Whether `problem` reads B through the blocked layout.
   bool blocked_weights(const MatmulProblem& problem);
-  // Host bytes held for blocked copies of B (the largest one needed so far).
+  // Host bytes held for blocked copies of B and row-major copies of A (the largest pair
+  // needed so far).
   size_t blocked_buffer_bytes() const;
   // Whether `problem` (bf16 x bf16) runs on f32 copies of its operands through f32 kernels.
   bool widened_operands(const MatmulProblem& problem);

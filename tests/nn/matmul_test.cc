@@ -428,6 +428,58 @@ TEST(MatmulLayoutTest, MeasuredBf16ChoiceIsSharedAndGivesOneOfTheTwoResults) {
   }
 }
 
+// Note [Matmul weight layout]: a transposed A (the weight gradient's form) copied row-major
+// first gives the product within the reference's tolerance, in f32 and bf16, with alpha, beta
+// and a batch; an A stored row-major has nothing to copy and runs as plain.
+TEST(MatmulLayoutTest, RowMajorCopyOfATransposedAMatchesTheReference) {
+  const LayoutCase cases[] = {{768, 3072, 256, true, false, 1.0f},
+                              {3072, 768, 256, true, false, 1.0f},
+                              {96, 200, 64, true, true, 0.0f},
+                              {37, 70, 33, true, false, 1.0f}};
+  DnnlMatmul rows(2, MatmulLayout::kRows), plain(2, MatmulLayout::kPlain);
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const LayoutCase& c : cases) {
+      MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, dtype, c.beta);
+      p.alpha = 0.5f;
+      std::vector<float> a = random_values(static_cast<size_t>(c.m * c.k), 17);
+      std::vector<float> b = random_values(static_cast<size_t>(c.k * c.n), 18);
+      if (dtype == DType::kBF16) {
+        a = round_bf16(a);
+        b = round_bf16(b);
+      }
+      const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 19);
+      const std::vector<double> want =
+          reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
+      const std::vector<float> got = run_problem(rows, p, a, b, out0);
+      EXPECT_LT(max_rel_error(got, want), 1e-5) << c.m << "x" << c.n << "x" << c.k;
+      EXPECT_EQ(got, run_problem(rows, p, a, b, out0)) << "run to run";
+      EXPECT_THAT(rows.implementation(p), HasSubstr("A copied row-major"));
+      // In f32, where plain runs oneDNN's brgemm too, the copy gives plain's bits: the same
+      // kernel over the same K blocks (that brgemm copies a transposed A into row-major panels
+      // itself).
+      if (dtype == DType::kF32 && plain.implementation(p).rfind("brg", 0) == 0) {
+        EXPECT_EQ(got, run_problem(plain, p, a, b, out0)) << c.m << "x" << c.n << "x" << c.k;
+      }
+    }
+  }
+  // The copy sits before any blocked B in the shared buffer: 768 x 256 floats at least.
+  EXPECT_GE(rows.blocked_buffer_bytes(), size_t{768 * 256 * 4});
+  // A batched transposed A (the attention's form) is copied too.
+  MatmulProblem batched = problem_2d(64, 48, 32, true, false, DType::kF32, 0.0f);
+  batched.batch1 = 3;
+  batched.a_strides[1] = 64 * 32;
+  batched.b_strides[1] = 32 * 48;
+  batched.out_strides[1] = 64 * 48;
+  const std::vector<float> a = random_values(3 * 64 * 32, 20), b = random_values(3 * 32 * 48, 21);
+  const std::vector<float> out0(3 * 64 * 48, 0.0f);
+  const std::vector<double> want = reference(a, b, out0, 3, 64, 48, 32, MatmulSpec{true, false});
+  EXPECT_LT(max_rel_error(run_problem(rows, batched, a, b, out0), want), 1e-5);
+  EXPECT_THAT(rows.implementation(batched), HasSubstr("A copied row-major"));
+  // A row-major A has nothing to copy.
+  const MatmulProblem plain_a = problem_2d(64, 48, 32, false, false, DType::kF32, 0.0f);
+  EXPECT_THAT(rows.implementation(plain_a), Not(HasSubstr("A copied")));
+}
+
 TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
   ::unsetenv("PORTER_MATMUL_LAYOUT");
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kMeasure);
@@ -439,6 +491,8 @@ TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kGemm);
   ::setenv("PORTER_MATMUL_LAYOUT", "widened", 1);
   EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kWidened);
+  ::setenv("PORTER_MATMUL_LAYOUT", "rows", 1);
+  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kRows);
   ::setenv("PORTER_MATMUL_LAYOUT", "fastest", 1);
   try {
     matmul_layout_from_env();
