@@ -246,14 +246,9 @@ struct DnnlMatmul::Impl {
     // oneDNN sizes its blocking from the thread count at creation (Note [Matmul determinism],
     // Note [Matmul threads]).
     omp_set_num_threads(threads);
-    const dnnl::matmul::primitive_desc plain_pd(dnnl::matmul::desc(a_md, b_md, out_md), attr,
-                                                engine);
-    Entry plain;
-    plain.primitive = dnnl::matmul(plain_pd);
-    plain.a = dnnl::memory(a_md, engine, nullptr);
-    plain.b = dnnl::memory(b_md, engine, nullptr);
-    plain.out = dnnl::memory(out_md, engine, nullptr);
-    plain.impl_name = plain_pd.impl_info_str();
+    Entry plain = primitive_entry(
+        dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, out_md), attr, engine), a_md,
+        b_md, out_md);
     Entry blocked = blocked_entry(p, a_md, b_md, out_md, attr);
     Entry gemm = gemm_entry(p);
     Entry rows = rows_entry(p, a_md, b_md, out_md, attr);
@@ -332,6 +327,28 @@ struct DnnlMatmul::Impl {
            static_cast<double>(p.n) * static_cast<double>(p.k);
   }
 
+  // The entry that runs primitive pd on the caller's operands, as a_md, b_md and out_md lay
+  // them out (pd may read A or B from copies: see read_b_blocked and rows_entry).
+  Entry primitive_entry(const dnnl::matmul::primitive_desc& pd, const dnnl::memory::desc& a_md,
+                        const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md) {
+    Entry e;
+    e.primitive = dnnl::matmul(pd);
+    e.a = dnnl::memory(a_md, engine, nullptr);
+    e.b = dnnl::memory(b_md, engine, nullptr);
+    e.out = dnnl::memory(out_md, engine, nullptr);
+    e.impl_name = pd.impl_info_str();
+    return e;
+  }
+
+  // Makes e reorder the caller's B into blocked_md (the layout e's primitive reads) first.
+  void read_b_blocked(Entry& e, const dnnl::memory::desc& blocked_md) {
+    e.blocked = true;
+    e.b_blocked = dnnl::memory(blocked_md, engine, nullptr);
+    e.to_blocked = dnnl::reorder(e.b, e.b_blocked);
+    e.blocked_bytes = blocked_md.get_size();
+    e.impl_name += ", blocked weights";
+  }
+
   // The primitive that reads B in oneDNN's preferred layout, and the reorder into it; an
   // entry with blocked = false when that layout is B's own or oneDNN cannot reorder into it.
   Entry blocked_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
@@ -342,21 +359,9 @@ struct DnnlMatmul::Impl {
       const dnnl::memory::desc any_md(b_md.dims(), dnnl_type(p.b_dtype),
                                       dnnl::memory::format_tag::any);
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, any_md, out_md), attr, engine);
-      const dnnl::memory::desc blocked_md = pd.weights_desc();
-      if (blocked_md == b_md) return {};
-      const dnnl::memory b_plain(b_md, engine, nullptr);
-      const dnnl::memory b_blocked(blocked_md, engine, nullptr);
-      const dnnl::reorder::primitive_desc reorder_pd(b_plain, b_blocked);
-      Entry e;
-      e.primitive = dnnl::matmul(pd);
-      e.a = dnnl::memory(a_md, engine, nullptr);
-      e.b = b_plain;
-      e.out = dnnl::memory(out_md, engine, nullptr);
-      e.impl_name = std::string(pd.impl_info_str()) + ", blocked weights";
-      e.blocked = true;
-      e.to_blocked = dnnl::reorder(reorder_pd);
-      e.b_blocked = b_blocked;
-      e.blocked_bytes = blocked_md.get_size();
+      if (pd.weights_desc() == b_md) return {};
+      Entry e = primitive_entry(pd, a_md, b_md, out_md);
+      read_b_blocked(e, pd.weights_desc());
       return e;
     } catch (const dnnl::error&) {
       return {};  // no blocked form for this problem: it stays plain
@@ -385,24 +390,13 @@ struct DnnlMatmul::Impl {
                                       dnnl::memory::format_tag::any);
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(rows_md, any_md, out_md), attr,
                                             engine);
-      Entry e;
-      e.primitive = dnnl::matmul(pd);
-      e.a = dnnl::memory(a_md, engine, nullptr);
-      e.b = dnnl::memory(b_md, engine, nullptr);
-      e.out = dnnl::memory(out_md, engine, nullptr);
+      Entry e = primitive_entry(pd, a_md, b_md, out_md);
       e.a_copied = true;
       e.a_rows = dnnl::memory(rows_md, engine, nullptr);
       e.to_rows = dnnl::reorder(e.a, e.a_rows);
       e.a_rows_bytes = round_up_64(rows_md.get_size());
-      e.impl_name = std::string(pd.impl_info_str()) + ", A copied row-major";
-      const dnnl::memory::desc blocked_md = pd.weights_desc();
-      if (blocked_md != b_md) {
-        e.blocked = true;
-        e.b_blocked = dnnl::memory(blocked_md, engine, nullptr);
-        e.to_blocked = dnnl::reorder(e.b, e.b_blocked);
-        e.blocked_bytes = blocked_md.get_size();
-        e.impl_name += ", blocked weights";
-      }
+      e.impl_name += ", A copied row-major";
+      if (pd.weights_desc() != b_md) read_b_blocked(e, pd.weights_desc());
       return e;
     } catch (const dnnl::error&) {
       return {};  // oneDNN cannot copy or multiply this form: it is not a candidate
