@@ -45,6 +45,7 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/cpu_attention_heads.h"
+#include "nn/kernel_table.h"
 #include "nn/cpu_matmul.h"
 #include "nn/kernels.h"
 
@@ -669,11 +670,11 @@ void BM_AttentionCall(benchmark::State& state, std::string name, bool backward, 
     }
   }
   if (backward) e.kernels->attention_backward(dout, qkv, probs, dqkv, static_cast<int>(kHeads));
-  // What porter runs for this call: the measured choice (Note [Attention head tiles]).
+  // What porter runs for this call: the kernel table's choice (Note [Kernel table]).
   const AttentionCall call{kBatch, kSeq, kHidden, static_cast<int>(kHeads), ab, ab,
                            backward ? ab : DType::kF32};
   const std::optional<bool> on_tiles =
-      cpu::measured_attention_choice(call, backward, bench_threads());
+      cpu::attention_choice(e.kernels->kernel_table(), call, backward, bench_threads());
   const bool tiles = on_tiles.value_or(ab == DType::kF32
                                            ? cpu::attention_tiles_f32_supported()
                                            : cpu::attention_tiles_bf16_supported(kHeadDim)) &&

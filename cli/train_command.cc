@@ -31,11 +31,25 @@
 #include "engine/hf_checkpoint.h"
 #include "engine/model.h"
 #include "engine/trace.h"
+#include "nn/kernel_table.h"
 
 namespace porter::cli {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Where the run's kernel choices come from (Note [Kernel table] in nn/kernel_table.cc).
+std::string describe_kernel_table(const nn::KernelTable& table) {
+  const std::string origin = table.origin();
+  if (origin != "measured in this run") {
+    return origin + " (" + std::to_string(table.size()) + " choices)";
+  }
+  return table.mode() == nn::KernelChoice::kExact
+             ? std::string("exact: measured in this run among candidates that give the same "
+                           "bits (porter.device.kernel_choice)")
+             : std::string("fastest: measured in this run among every candidate; pin the "
+                           "report's kernel_table to repeat its bits (porter.device.kernel_table)");
+}
 
 struct TrainOptions {
   ConfigArgs config_args;  // --config files and --set overrides
@@ -379,6 +393,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   }
   out << weights_line
       << "  device: " << run.device << "\n"
+      << "  kernel choices: " << describe_kernel_table(eng.kernel_table()) << "\n"
       << "  checkpointing: " << eng.plan().description << "\n";
   if (w.distributed() || cfg.zero_optimization.stage > 0) {
     out << "  ranks: " << w.env.world_size << " (" << eng.dp_size() << " data-parallel"

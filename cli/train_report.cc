@@ -180,6 +180,8 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["device"] = run.device;
   j["data"] = run.data;
   j["compute_dtype"] = nn::dtype_name(engine.compute_dtype());
+  // Note [Kernel table]: porter.device.kernel_table can pin this report's choices.
+  j["kernel_table"] = ordered_json::parse(engine.kernel_table().to_json().dump());
   j["num_params"] = engine.model().layout().num_params();
   j["start_step"] = run.start_step;
   j["steps"] = run.steps.size();

@@ -175,6 +175,10 @@ struct DataConfig {
 
 enum class DeviceType { kAuto, kCpu, kCuda };
 
+// Which candidates a kernel choice made by timing may pick (Note [Kernel table] in
+// nn/kernel_table.cc): only those that give the default's bits, or every one.
+enum class KernelChoice { kExact, kFastest };
+
 struct DeviceConfig {
   DeviceType type = DeviceType::kAuto;
   std::optional<uint64_t> memory_limit_bytes;  // none: the device's (or host's) capacity
@@ -182,6 +186,10 @@ struct DeviceConfig {
   std::optional<double> sim_link_gbps;         // none: copies are not throttled (cpu)
   int64_t threads = 0;                         // 0: one per core
   bool poison_freed = false;                   // debug: NaN-fill released device memory (cpu)
+  KernelChoice kernel_choice = KernelChoice::kExact;
+  // A kernel table to pin (a table, a report, or a training checkpoint directory); relative
+  // paths resolve against the working directory.
+  std::optional<std::string> kernel_table;
   bool operator==(const DeviceConfig&) const = default;
 };
 
@@ -290,6 +298,7 @@ std::string_view to_string(DataType v);
 std::string_view to_string(DeviceType v);
 std::string_view to_string(CheckpointPolicy v);
 std::string_view to_string(CommBackend v);
+std::string_view to_string(KernelChoice v);
 
 // The op kinds `porter.checkpointing.selective_ops` may name.
 const std::vector<std::string>& selective_op_kinds();

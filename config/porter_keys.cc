@@ -168,6 +168,8 @@ constexpr Key<DeviceConfig> kDeviceKeys[] = {
     {"sim_link_gbps", &DeviceConfig::sim_link_gbps, RealRange{0.0, 1e6, true, false}},
     {"threads", &DeviceConfig::threads, IntRange{0, 4096}},
     {"poison_freed", &DeviceConfig::poison_freed},
+    {"kernel_choice", enum_key<&DeviceConfig::kernel_choice, kKernelChoices>()},
+    {"kernel_table", &DeviceConfig::kernel_table, kOmitNone},
 };
 
 void read_device(ObjectReader& r, Config& c) {

@@ -31,6 +31,8 @@ inline constexpr EnumName<CommBackend> kCommBackends[] = {
     {"auto", CommBackend::kAuto}, {"gloo", CommBackend::kGloo}, {"nccl", CommBackend::kNccl}};
 inline constexpr EnumName<DeviceType> kDeviceTypes[] = {
     {"auto", DeviceType::kAuto}, {"cpu", DeviceType::kCpu}, {"cuda", DeviceType::kCuda}};
+inline constexpr EnumName<KernelChoice> kKernelChoices[] = {{"exact", KernelChoice::kExact},
+                                                            {"fastest", KernelChoice::kFastest}};
 inline constexpr EnumName<CheckpointPolicy> kCheckpointPolicies[] = {
     {"none", CheckpointPolicy::kNone},       {"full", CheckpointPolicy::kFull},
     {"uniform", CheckpointPolicy::kUniform}, {"block", CheckpointPolicy::kBlock},

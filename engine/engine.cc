@@ -103,6 +103,14 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   model->check_config(config);  // Note [Model capabilities]
   allocator_ = std::make_unique<memory::CachingAllocator>(device, run_.allocator);
   kernels_ = nn::make_kernels(*allocator_);
+  // Before anything runs a kernel (the profile below does): Note [Kernel table].
+  kernels_->kernel_table().set_mode(run_.kernel_choice);
+  if (run_.kernel_table_path) {
+    const int world_rank = (dp != nullptr ? dp->rank() : 0) * (tp != nullptr ? tp->size() : 1) +
+                           (tp != nullptr ? tp->rank() : 0);
+    kernels_->kernel_table().pin(read_kernel_table(*run_.kernel_table_path, world_rank),
+                                 "pinned from " + *run_.kernel_table_path);
+  }
   model_ = std::move(model);
   impl_ = std::make_unique<Impl>();
   Impl& im = *impl_;
@@ -326,6 +334,34 @@ void Engine::set_plan(const checkpoint::Plan& plan) {
 const checkpoint::Plan& Engine::plan() const { return impl_->plan; }
 const checkpoint::ChainCosts& Engine::costs() const { return impl_->costs; }
 
+nn::KernelTable& Engine::kernel_table() const { return kernels_->kernel_table(); }
+
+// Note [Kernel table agreement]
+// Each rank records its own kernel choices as its kernels first meet each problem (Note
+// [Kernel table] in nn/kernel_table.cc). After the first step, world rank 0's table replaces
+// every other rank's: broadcast over the tensor-parallel group, then over the data-parallel
+// group, so every rank ends with world rank 0's. Under kernel_choice "exact" this changes no
+// bits (any recorded candidate gives the same ones) but makes every rank's checkpoint and
+// report hold one table; under "fastest" it makes every later step compute the same way on
+// every rank. A collective: every rank's first train_step calls it.
+void Engine::agree_kernel_table() {
+  Impl& im = *impl_;
+  nn::KernelTable& table = kernels_->kernel_table();
+  for (comm::Communicator* c : {im.tp_comm(), im.comm()}) {
+    if (c == nullptr) continue;
+    const comm::CommLabel l(c, "kernel table");
+    std::string text = c->rank() == 0 ? table.to_json().dump() : std::string();
+    int64_t n = static_cast<int64_t>(text.size());
+    c->broadcast(&n, 1, comm::ElemType::kI64, 0).wait();
+    text.resize(static_cast<size_t>(n));
+    c->broadcast(text.data(), text.size(), comm::ElemType::kU8, 0).wait();
+    if (c->rank() != 0) {
+      const nlohmann::json agreed = nlohmann::json::parse(text);
+      table.pin(agreed, "rank 0's table (" + agreed.value("origin", std::string("measured")) + ")");
+    }
+  }
+}
+
 StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   Impl& im = *impl_;
   check_batches(config_, *model_, micro_batches,
@@ -365,6 +401,10 @@ StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
   collect_comm();
   record(micro_batches, comm0, reduced, r);
   r.time_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!im.kernel_table_agreed) {
+    agree_kernel_table();
+    im.kernel_table_agreed = true;
+  }
   return r;
 }
 

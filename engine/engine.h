@@ -53,6 +53,7 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "memory/pinned_pool.h"
+#include "nn/kernel_table.h"
 #include "nn/kernels.h"
 #include "offload/stash.h"
 #include "zero/partition.h"
@@ -163,6 +164,12 @@ struct MemoryReport {
   std::string format() const;                 // a table for the terminal
 };
 
+// The kernel table held by `path`: a table (as KernelTable::to_json writes it), a report
+// written by `porter train --report` (its "kernel_table"), or a training checkpoint directory
+// (its meta.json, or rank<world_rank>/meta.json). Throws IoError when it cannot be read and
+// InvalidArgument when it holds no table.
+nlohmann::json read_kernel_table(const std::filesystem::path& path, int world_rank = 0);
+
 class Engine {
  public:
   // Translates the config once (make_run_options), builds the flat buffers (params, grads,
@@ -223,8 +230,14 @@ class Engine {
   // load_checkpoint checks that the model layout and dtypes (and the world size and stage)
   // match this engine's and throws IoError / InvalidArgument otherwise; after it, training
   // continues bit-identically.
+  // The checkpoint also holds the kernel table (Note [Kernel table] in nn/kernel_table.cc);
+  // load_checkpoint pins it unless porter.device.kernel_table pins another.
   void save_checkpoint(const std::filesystem::path& dir) const;
   void load_checkpoint(const std::filesystem::path& dir);
+
+  // The kernel choices of this run (Note [Kernel table]): measured, pinned from
+  // porter.device.kernel_table, or resumed from a checkpoint.
+  nn::KernelTable& kernel_table() const;
 
   int64_t step() const { return step_; }
   int dp_rank() const;
@@ -287,6 +300,7 @@ class Engine {
   void build_model_states();
   void plan_from_costs();
   void agree_on_costs();
+  void agree_kernel_table();
   // Note [Agreed costs]: `values` <- their maximum over the world; a bandwidth's minimum.
   void agree_max(std::vector<double>& values, const char* label);
   double agree_bandwidth(double bytes_per_s, const char* label);

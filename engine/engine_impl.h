@@ -34,6 +34,7 @@ struct Engine::Impl {
   // Tensor parallel: null or a size-1 communicator without it.
   std::shared_ptr<comm::Communicator> tp;
   TensorParallelStats tp_total;  // cumulative since construction or reset_peaks()
+  bool kernel_table_agreed = false;  // Note [Kernel table agreement] in engine.cc
   comm::CommStats tp_comm0;      // the tp communicator's statistics when the step began
   double tp_bytes_per_s = 0.0;   // what the planner charged gathers to (0: no partitioning)
   zero::Partition part;  // Note [Flat partition]

@@ -50,6 +50,10 @@ RunOptions make_run_options(const config::Config& config) {
   }
   r.allocator.poison_freed = p.device.poison_freed;
   r.pinned_limit_bytes = static_cast<size_t>(p.device.pinned_limit_bytes.value_or(0));
+  r.kernel_choice = p.device.kernel_choice == config::KernelChoice::kFastest
+                        ? nn::KernelChoice::kFastest
+                        : nn::KernelChoice::kExact;
+  r.kernel_table_path = p.device.kernel_table;
   r.compute_dtype = config.fp16.enabled   ? nn::DType::kF16
                     : config.bf16.enabled ? nn::DType::kBF16
                                           : nn::DType::kF32;
@@ -177,6 +181,8 @@ nlohmann::ordered_json RunOptions::to_json() const {
                     {"poison_freed", allocator.poison_freed},
                     {"timeline_capacity", allocator.timeline_capacity}};
   j["pinned_limit_bytes"] = pinned_limit_bytes;
+  j["kernel_choice"] = std::string(nn::kernel_choice_name(kernel_choice));
+  j["kernel_table"] = kernel_table_path ? J(*kernel_table_path) : J();
   j["compute_dtype"] = nn::dtype_name(compute_dtype);
   const config::ModelConfig& m = shape.model;
   j["shape"] = {{"model",

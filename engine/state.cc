@@ -9,6 +9,8 @@
 //   master      the f32 master copy (bf16 compute only)
 //   exp_avg     AdamW m (f32)
 //   exp_avg_sq  AdamW v (f32)
+// meta.json also holds "kernel_table", the run's kernel choices (Note [Kernel table] in
+// nn/kernel_table.cc), which a resume pins so that it computes as the run it continues.
 // Gradients are not saved: every step starts by zeroing them. Loading restores all of these
 // and the step, so the next train_step computes exactly what it would have without the
 // save (the LR schedule and the data are pure functions of the step).
@@ -25,6 +27,7 @@
 // rank's layout is its part of the model, which the layout check compares), and load_checkpoint reads `dir`/rank<r> and refuses a checkpoint written by
 // another number of ranks or another stage (porter does not reshard; the error names both).
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
 #include "base/error.h"
@@ -97,6 +100,39 @@ std::filesystem::path rank_dir(const std::filesystem::path& dir, int rank, int s
 
 }  // namespace
 
+nlohmann::json read_kernel_table(const std::filesystem::path& path, int world_rank) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path file = path;
+  if (fs::is_directory(path, ec)) {
+    file = path / "meta.json";
+    for (const fs::path& candidate : {path / ("rank" + std::to_string(world_rank)) / "meta.json",
+                                      path / "meta.json", path / "rank0" / "meta.json"}) {
+      if (fs::exists(candidate, ec)) {
+        file = candidate;
+        break;
+      }
+    }
+  }
+  std::ifstream in(file);
+  if (!in) {
+    throw IoError(file.string() + ": cannot read the kernel table (porter.device.kernel_table "
+                  "names a table, a report written by --report, or a checkpoint directory "
+                  "written by --save)");
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw InvalidArgument(file.string() + ": not JSON: " + e.what());
+  }
+  if (j.is_object() && j.contains("kernel_table")) return j.at("kernel_table");
+  if (j.is_object() && j.contains("entries")) return j;
+  throw InvalidArgument(file.string() + ": holds no kernel table (a report or checkpoint "
+                        "written before porter recorded its kernel choices?); porter.device."
+                        "kernel_table names a table, a report or a checkpoint directory");
+}
+
 void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   const Impl& im = *impl_;
   const std::filesystem::path dir = rank_dir(dir_in, world_rank(), dp_size() * tp_size());
@@ -122,6 +158,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
     sections_config["optimizer"] = nlohmann::json::parse(cfg.at("optimizer").dump());
   }
   meta["config"] = sections_config;
+  meta["kernel_table"] = kernels_->kernel_table().to_json();  // Note [Kernel table]
   // Stage 3 holds only the rank's shard of the working parameters (Note [Stage 3 gather]).
   if (im.gatherer) meta["params_range"] = {im.optimizer->begin(), im.optimizer->end()};
   std::vector<StateSection> sections;
@@ -221,6 +258,10 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   }
   im.optimizer->state_loaded();
   if (im.gatherer) im.gatherer->refresh_persistent();  // a collective at stage 3
+  // The choices the checkpointed run computed with, unless the config pins a table itself.
+  if (meta.contains("kernel_table") && !run_.kernel_table_path) {
+    kernels_->kernel_table().pin(meta.at("kernel_table"), "resumed from " + dir_in.string());
+  }
   step_ = step;
   im.optimizer->set_steps(optimizer_steps);
   im.optimizer->loss_scaler().set_state(ls);

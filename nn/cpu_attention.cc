@@ -60,11 +60,14 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <spdlog/fmt/fmt.h>
+#include <string>
 
 #include "base/log.h"
 #include "nn/cpu_attention_heads.h"
 #include "nn/cpu_kernels.h"
 #include "nn/cpu_matmul.h"
+#include "nn/kernel_table.h"
 #include "nn/kernel_workspace.h"
 
 namespace porter::nn {
@@ -425,36 +428,20 @@ void backward_f32(DnnlMatmul& mm, int threads, const Dims& d, const float* x, co
   }
 }
 
-// The process-wide table of measured attention choices (Note [Attention head tiles] in
-// cpu_attention_heads.cc): whether a call of this shape, these dtypes, direction and thread
-// count runs on the head tiles. Measurements run one at a time under the lock, so that two
-// ranks' measurements do not share cores.
-struct AttentionChoices {
-  std::mutex mu;
-  std::map<std::array<int64_t, 9>, bool> tiles;
-};
-
-AttentionChoices& attention_choices() {
-  static AttentionChoices table;
-  return table;
-}
-
 // Calls smaller than this many FLOPs (of the causal triangle's products) run on the tiles
 // unmeasured: timing them would cost more than a choice could win back, and it keeps small
 // problems (every test's) deterministic across processes.
 constexpr double kMinMeasuredAttentionFlops = double{1 << 27};
 
-std::array<int64_t, 9> choice_key(const AttentionCall& call, bool backward, int threads) {
-  return {call.batch,
-          call.seq,
-          call.channels,
-          call.heads,
-          static_cast<int64_t>(call.qkv),
-          static_cast<int64_t>(call.out),
-          static_cast<int64_t>(call.dqkv),
-          backward ? 1 : 0,
-          threads};
+// The call as the kernel table keys it (Note [Kernel table]), readable.
+std::string choice_key(const AttentionCall& call, bool backward, int threads) {
+  return fmt::format("{} B {} T {} C {} heads {} qkv {} out {} dqkv {} threads {}",
+                     backward ? "backward" : "forward", call.batch, call.seq, call.channels,
+                     call.heads, dtype_name(call.qkv), dtype_name(call.out),
+                     backward ? dtype_name(call.dqkv) : std::string_view("-"), threads);
 }
+
+constexpr std::string_view kAttentionKind = "attention";
 
 double seconds_of(const std::function<void()>& fn) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -466,30 +453,47 @@ double seconds_of(const std::function<void()>& fn) {
 
 namespace cpu {
 
-std::optional<bool> measured_attention_choice(const AttentionCall& call, bool backward,
-                                              int threads) {
-  AttentionChoices& table = attention_choices();
-  const std::lock_guard<std::mutex> lock(table.mu);
-  const auto it = table.tiles.find(choice_key(call, backward, threads));
-  if (it == table.tiles.end()) return std::nullopt;
-  return it->second;
+std::optional<bool> attention_choice(const KernelTable& table, const AttentionCall& call,
+                                     bool backward, int threads) {
+  const std::optional<KernelTable::Entry> e =
+      table.find(kAttentionKind, choice_key(call, backward, threads));
+  if (!e) return std::nullopt;
+  return e->choice != "onednn";
 }
 
 }  // namespace cpu
 
 bool CpuKernels::attention_on_tiles(const AttentionCall& call, bool backward, bool supported,
                                     const std::function<void(bool)>& run) {
-  if (!supported || attention_impl_ == cpu::AttentionImpl::kOneDnn) return false;
+  if (!supported) return false;
+  KernelTable& table = kernel_table();
+  const std::string key = choice_key(call, backward, threads_);
+  if (attention_impl_ != cpu::AttentionImpl::kAuto) {
+    const bool tiles = attention_impl_ == cpu::AttentionImpl::kTiles;
+    table.replace(kAttentionKind, key,
+                  {tiles ? "tiles" : "onednn", KernelTable::Source::kEnv,
+                   tiles ? "PORTER_CPU_ATTENTION=tiles" : "PORTER_CPU_ATTENTION=onednn"});
+    return tiles;
+  }
+  if (std::optional<KernelTable::Entry> known = table.find(kAttentionKind, key)) {
+    return known->choice != "onednn";
+  }
   const double flops = (backward ? 4.0 : 2.0) * static_cast<double>(call.batch) *
                        static_cast<double>(call.channels) * static_cast<double>(call.seq) *
                        static_cast<double>(call.seq + 1);
-  if (attention_impl_ == cpu::AttentionImpl::kTiles || flops < kMinMeasuredAttentionFlops) {
+  // Note [Kernel table]: the tiles and oneDNN sum in different orders, so only kernel_choice
+  // "fastest" times them against each other.
+  if (flops < kMinMeasuredAttentionFlops || table.mode() != KernelChoice::kFastest) {
+    table.record(kAttentionKind, key,
+                 {"tiles", KernelTable::Source::kFixed,
+                  flops < kMinMeasuredAttentionFlops ? "under 2^27 flops"
+                                                     : "kernel_choice exact: no other candidate"});
     return true;
   }
-  const std::array<int64_t, 9> key = choice_key(call, backward, threads_);
-  AttentionChoices& table = attention_choices();
-  const std::lock_guard<std::mutex> lock(table.mu);
-  if (auto it = table.tiles.find(key); it != table.tiles.end()) return it->second;
+  const std::lock_guard<std::mutex> lock(KernelTable::measurement_mutex());
+  if (std::optional<KernelTable::Entry> known = table.find(kAttentionKind, key)) {
+    return known->choice != "onednn";
+  }
   // Both on the call's own tensors (the caller runs the chosen one again last): a warm-up
   // each, then the best of two, interleaved. The tiles are kept unless oneDNN is at least
   // 10% faster.
@@ -501,11 +505,12 @@ bool CpuKernels::attention_on_tiles(const AttentionCall& call, bool backward, bo
     onednn_s = std::min(onednn_s, seconds_of([&] { run(false); }));
   }
   const bool tiles = onednn_s * 1.1 > tiles_s;
-  table.tiles.emplace(key, tiles);
-  PORTER_LOG_DEBUG("cpu attention {} B {} T {} C {} heads {}: head tiles {:.2f} ms, oneDNN {:.2f} "
-                   "ms; runs on {}",
-                   backward ? "backward" : "forward", call.batch, call.seq, call.channels,
-                   call.heads, tiles_s * 1e3, onednn_s * 1e3, tiles ? "the tiles" : "oneDNN");
+  const std::string timings =
+      fmt::format("tiles {:.3f} ms, onednn {:.3f} ms", tiles_s * 1e3, onednn_s * 1e3);
+  table.record(kAttentionKind, key,
+               {tiles ? "tiles" : "onednn", KernelTable::Source::kMeasured, timings});
+  PORTER_LOG_DEBUG("cpu attention {}: {}; runs on {}", key, timings,
+                   tiles ? "the tiles" : "oneDNN");
   return tiles;
 }
 

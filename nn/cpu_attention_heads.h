@@ -19,8 +19,9 @@ struct HeadDims {
 
 // Which implementation a cpu attention call runs (PORTER_CPU_ATTENTION).
 enum class AttentionImpl {
-  kAuto,    // where the cpu has the head tiles' instructions, whichever of the two measures
-            // faster per call shape (small calls: the tiles); oneDNN otherwise
+  kAuto,    // as the kernel table says (Note [Kernel table]): where the cpu has the head
+            // tiles' instructions, the tiles, or under kernel_choice "fastest" whichever of the
+            // two measures faster per call shape; oneDNN otherwise
   kTiles,   // the head tiles wherever the cpu has their instructions
   kOneDnn,  // always oneDNN's batched matmuls over row blocks
 };
@@ -29,10 +30,10 @@ enum class AttentionImpl {
 // the variable and the accepted values, on another value.
 AttentionImpl attention_impl_from_env();
 
-// The measured choice for calls like `call` on `threads` threads: true for the tiles, false for
-// oneDNN, nullopt where none was measured (yet, or because the call is too small to measure).
-std::optional<bool> measured_attention_choice(const AttentionCall& call, bool backward,
-                                              int threads);
+// The kernel table's choice for calls like `call` on `threads` threads: true for the tiles,
+// false for oneDNN, nullopt where none is recorded (Note [Kernel table]).
+std::optional<bool> attention_choice(const KernelTable& table, const AttentionCall& call,
+                                     bool backward, int threads);
 
 // Whether this cpu runs the f32 head tiles (AVX-512F) and the bf16 ones (AVX512-BF16, and an
 // even head_dim, since they multiply pairs of bf16 values along it).

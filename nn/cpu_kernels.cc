@@ -3,6 +3,7 @@
 
 #include "base/check.h"
 #include "nn/cpu_matmul.h"
+#include "nn/kernel_table.h"
 
 namespace porter::nn {
 
@@ -10,7 +11,7 @@ CpuKernels::CpuKernels(memory::CachingAllocator& allocator)
     : Kernels(allocator),
       device_(allocator.device()),
       threads_(device_.threads()),
-      dnnl_(std::make_unique<DnnlMatmul>(threads_)),
+      dnnl_(std::make_unique<DnnlMatmul>(threads_, matmul_layout_from_env(), &kernel_table())),
       attention_impl_(cpu::attention_impl_from_env()) {
   PORTER_CHECK(device_.kind() == memory::DeviceKind::kCpu, "CpuKernels need a cpu device, got ",
                device_.description());

@@ -45,15 +45,15 @@
 // and the thread count) is seen, each candidate is timed on scratch operands of its shape (the
 // best of three runs each, interleaved), and the fastest is kept where it is at least 10%
 // faster than plain. Problems under kMinMeasuredFlops are not worth the timing and stay plain.
-// The choice is made once per process (a shared table), so every Kernels in it, every policy
-// and every thread rank, computes a given problem the same way.
+// Which candidates are timed, and how the choice is recorded, pinned and kept for the run, is
+// Note [Kernel table] (kernel_table.cc): by default only those that give plain's bits.
 //
 // In f32 plain, blocked and the row-major copy of A give identical bits: oneDNN runs the same
 // brgemm kernel over the same K blocks, only the panel copies of A and B differ (matmul_test
-// checks this on the GPT's shapes). sgemm sums in its own order, and in bf16 with long K (2048 and up) the blocked
-// kernel can too, so two processes whose measurements disagree can differ in the last bit;
-// PORTER_MATMUL_LAYOUT=plain (or blocked, gemm, widened, rows) fixes the choice for bitwise
-// run-to-run reproducibility across processes.
+// checks this on the transformer's shapes, hidden 768 included). sgemm sums in its own order,
+// and in bf16 with long K (2048 and up) the blocked kernel can too, so those are candidates
+// only under porter.device.kernel_choice "fastest". PORTER_MATMUL_LAYOUT=plain (or blocked,
+// gemm, widened, rows) forces the choice for every problem, and the table records it.
 //
 // Note [Widened bf16 matmul]
 // A bf16 x bf16 matmul runs on the cpu's bf16 units: AMX tiles (brg:avx512_core_amx_bf16) or
@@ -62,11 +62,11 @@
 // GEMM reached 167 GFLOP/s where its sgemm reached 314. So, measured like the weight layout
 // and in the same table, a bf16 problem can instead run widened: A and B (and out, when out is
 // 16-bit and beta != 0) are reordered into f32 copies with the same strides, the f32 problem
-// runs on them (itself plain, blocked or through sgemm, as measured for it), and a 16-bit out is
+// runs on them (itself plain, blocked or through sgemm, as chosen for it), and a 16-bit out is
 // rounded once, to nearest even, from the f32 result. The products of bf16 values are exact
 // in f32 and accumulate in f32 either way, so the two differ only in summation order, as the
-// blocked and plain bf16 kernels do; widened is kept when it is at least 10% faster, reorders
-// included. The copies live in a second host buffer (widened_buffer_bytes), like the blocked
+// blocked and plain bf16 kernels do; under kernel_choice "fastest" widened is kept when it is
+// at least 10% faster, reorders included. The copies live in a second host buffer (widened_buffer_bytes), like the blocked
 // copy of B below. PORTER_MATMUL_LAYOUT=widened always widens; plain and blocked never do.
 //
 // The blocked copy of B lives in one host buffer per DnnlMatmul, grown to the largest copy
@@ -92,6 +92,7 @@
 #include "base/error.h"
 #include "base/log.h"
 #include "nn/cpu_kernels.h"
+#include "nn/kernel_table.h"
 #include "nn/kernel_workspace.h"
 
 namespace porter::nn {
@@ -156,20 +157,7 @@ int64_t extent(const MatmulProblem& p, int64_t rows, int64_t cols, const int64_t
          (cols - 1) * strides[3];
 }
 
-// The process-wide table of measured choices (Note [Matmul weight layout]). Measurements run
-// one at a time, under the table's lock, so that two ranks' measurements do not share cores.
-struct LayoutTable {
-  std::mutex mu;
-  std::map<std::pair<ProblemKey, int>, int> choice;    // an Impl::Choice
-  std::map<std::pair<ProblemKey, int>, bool> widened;  // Note [Widened bf16 matmul]
-};
-
 size_t round_up_64(size_t bytes) { return (bytes + 63) / 64 * 64; }
-
-LayoutTable& layout_table() {
-  static LayoutTable table;
-  return table;
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -189,6 +177,18 @@ MatmulLayout matmul_layout_from_env() {
   if (s == "rows") return MatmulLayout::kRows;
   throw InvalidArgument("PORTER_MATMUL_LAYOUT is \"" + std::string(s) +
                         "\"; use measure (the default), plain, blocked, gemm, widened or rows");
+}
+
+std::string_view layout_name(MatmulLayout layout) {
+  switch (layout) {
+    case MatmulLayout::kMeasure: return "measure";
+    case MatmulLayout::kPlain: return "plain";
+    case MatmulLayout::kBlocked: return "blocked";
+    case MatmulLayout::kGemm: return "gemm";
+    case MatmulLayout::kWidened: return "widened";
+    case MatmulLayout::kRows: return "rows";
+  }
+  return "plain";
 }
 
 struct DnnlMatmul::Impl {
@@ -226,10 +226,22 @@ struct DnnlMatmul::Impl {
     } gemm;
   };
 
-  Impl(int n, MatmulLayout l)
-      : threads(n), layout(l), engine(dnnl::engine::kind::cpu, 0), stream(engine) {}
+  Impl(int n, MatmulLayout l, KernelTable* t)
+      : threads(n),
+        layout(l),
+        own_table(t == nullptr ? std::make_unique<KernelTable>() : nullptr),
+        table(t == nullptr ? own_table.get() : t),
+        engine(dnnl::engine::kind::cpu, 0),
+        stream(engine) {}
+
+  static constexpr std::string_view kKind = "matmul";
 
   Entry& entry(const MatmulProblem& p) {
+    // A pinned table replaces the choices: look every problem up again (Note [Kernel table]).
+    if (const uint64_t g = table->generation(); g != table_generation) {
+      cache.clear();
+      table_generation = g;
+    }
     ProblemKey key = key_of(p);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
@@ -246,27 +258,138 @@ struct DnnlMatmul::Impl {
     // oneDNN sizes its blocking from the thread count at creation (Note [Matmul determinism],
     // Note [Matmul threads]).
     omp_set_num_threads(threads);
-    Entry plain = primitive_entry(
-        dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, out_md), attr, engine), a_md,
-        b_md, out_md);
-    Entry blocked = blocked_entry(p, a_md, b_md, out_md, attr);
-    Entry gemm = gemm_entry(p);
-    Entry rows = rows_entry(p, a_md, b_md, out_md, attr);
-    Entry native;
-    switch (choose_native(p, key, plain, blocked, gemm, rows)) {
-      case Choice::kPlain: native = std::move(plain); break;
-      case Choice::kBlocked: native = std::move(blocked); break;
-      case Choice::kGemm: native = std::move(gemm); break;
-      case Choice::kRows: native = std::move(rows); break;
-    }
-    if (p.a_dtype == DType::kBF16 && p.b_dtype == DType::kBF16 &&
-        (layout == MatmulLayout::kMeasure || layout == MatmulLayout::kWidened)) {
-      Entry widened = widened_entry(p, a_md, b_md, out_md);
-      if (choose_widened(p, key, native, widened)) {
-        return cache.emplace(key, std::move(widened)).first->second;
+    // The candidate named `name`, or nullopt where it has no form for p.
+    auto build = [&](std::string_view name) -> std::optional<Entry> {
+      if (name == "plain") {
+        return primitive_entry(
+            dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, out_md), attr, engine),
+            a_md, b_md, out_md);
       }
+      if (name == "blocked") {
+        Entry e = blocked_entry(p, a_md, b_md, out_md, attr);
+        return e.blocked ? std::optional<Entry>(std::move(e)) : std::nullopt;
+      }
+      if (name == "gemm") {
+        Entry e = gemm_entry(p);
+        return e.gemm.on ? std::optional<Entry>(std::move(e)) : std::nullopt;
+      }
+      if (name == "rows") {
+        Entry e = rows_entry(p, a_md, b_md, out_md, attr);
+        return e.a_copied ? std::optional<Entry>(std::move(e)) : std::nullopt;
+      }
+      if (name == "widened" && p.a_dtype == DType::kBF16 && p.b_dtype == DType::kBF16) {
+        return widened_entry(p, a_md, b_md, out_md);
+      }
+      return std::nullopt;
+    };
+    Entry chosen = choose(p, build);
+    return cache.emplace(key, std::move(chosen)).first->second;
+  }
+
+  // The entry p runs with, and its record in the kernel table (Note [Kernel table]): forced by
+  // the layout policy, as the table already says (pinned, or recorded by another user of the
+  // table), plain under kMinMeasuredFlops, or the fastest of the candidates kernel_choice
+  // allows, kept where it is at least 10% faster than plain (Note [Matmul weight layout]).
+  template <typename Build>
+  Entry choose(const MatmulProblem& p, Build& build) {
+    const std::string tkey = table_key(p);
+    auto plain_or = [&](std::string_view name) {
+      if (name != "plain") {
+        if (std::optional<Entry> e = build(name)) return std::move(*e);
+      }
+      return std::move(*build("plain"));
+    };
+    if (layout != MatmulLayout::kMeasure) {
+      std::string name(layout_name(layout));
+      Entry e = plain_or(name);
+      table->replace(kKind, tkey, {std::string(chosen_name(e)), KernelTable::Source::kEnv,
+                                   "PORTER_MATMUL_LAYOUT=" + name});
+      return e;
     }
-    return cache.emplace(key, std::move(native)).first->second;
+    if (std::optional<KernelTable::Entry> known = table->find(kKind, tkey)) {
+      Entry e = plain_or(known->choice);
+      if (chosen_name(e) != known->choice) {
+        PORTER_LOG_WARN("the kernel table ({}) runs matmul {} as '{}', which this cpu cannot; "
+                        "it runs plain",
+                        table->origin(), tkey, known->choice);
+      }
+      return e;
+    }
+    if (flops_of(p) < kMinMeasuredFlops) {
+      Entry e = std::move(*build("plain"));
+      table->record(kKind, tkey, {"plain", KernelTable::Source::kFixed, "under 2^27 flops"});
+      return e;
+    }
+    const bool all_f32 =
+        p.a_dtype == DType::kF32 && p.b_dtype == DType::kF32 && p.out_dtype == DType::kF32;
+    std::vector<std::string_view> allowed = {"plain"};
+    if (table->mode() == KernelChoice::kFastest) {
+      allowed.insert(allowed.end(), {"blocked", "rows", "gemm", "widened"});
+    } else if (all_f32) {
+      allowed.insert(allowed.end(), {"blocked", "rows"});  // plain's bits in f32
+    }
+    std::vector<Entry> candidates;
+    std::vector<std::string_view> names;
+    for (std::string_view name : allowed) {
+      std::optional<Entry> e = build(name);
+      if (!e) continue;
+      // Under exact, the blocked B and the copied A give plain's bits only where both run
+      // oneDNN's brgemm (Note [Matmul weight layout]); another kernel is no candidate.
+      if (table->mode() == KernelChoice::kExact && !candidates.empty() &&
+          (!candidates[0].impl_name.starts_with("brg") || !e->impl_name.starts_with("brg"))) {
+        continue;
+      }
+      candidates.push_back(std::move(*e));
+      names.push_back(name);
+    }
+    if (candidates.size() == 1) {
+      table->record(kKind, tkey,
+                    {"plain", KernelTable::Source::kFixed,
+                     std::string("kernel_choice ") +
+                         std::string(kernel_choice_name(table->mode())) + ": no other candidate"});
+      return std::move(candidates[0]);
+    }
+    // One measurement at a time in the process, and never twice for one problem of a table.
+    std::lock_guard measuring(KernelTable::measurement_mutex());
+    if (std::optional<KernelTable::Entry> known = table->find(kKind, tkey)) {
+      for (size_t i = 0; i < names.size(); ++i) {
+        if (names[i] == known->choice) return std::move(candidates[i]);
+      }
+      return std::move(candidates[0]);
+    }
+    std::vector<Entry*> timed;
+    for (Entry& e : candidates) timed.push_back(&e);
+    const std::vector<double> seconds = time_all(p, timed);
+    size_t best = 0;
+    std::string timings;
+    for (size_t i = 0; i < seconds.size(); ++i) {
+      if (i > 0 && seconds[i] < 0.9 * seconds[0] && seconds[i] < seconds[best]) best = i;
+      timings += fmt::format("{}{} {:.3f} ms", i > 0 ? ", " : "", names[i], seconds[i] * 1e3);
+    }
+    PORTER_LOG_DEBUG("matmul {}: {}: {}", tkey, timings, candidates[best].impl_name);
+    table->record(kKind, tkey,
+                  {std::string(names[best]), KernelTable::Source::kMeasured, timings});
+    return std::move(candidates[best]);
+  }
+
+  // The table's name for the candidate e is.
+  static std::string_view chosen_name(const Entry& e) {
+    if (e.widened) return "widened";
+    if (e.gemm.on) return "gemm";
+    if (e.a_copied) return "rows";
+    if (e.blocked) return "blocked";
+    return "plain";
+  }
+
+  // The problem as the kernel table keys it: every MatmulProblem field and the thread count,
+  // readable.
+  std::string table_key(const MatmulProblem& p) const {
+    auto st = [](const int64_t (&s)[4]) { return fmt::format("{},{},{},{}", s[0], s[1], s[2], s[3]); };
+    return fmt::format("{}x{}->{} m {} n {} k {} batch {}x{} a ({}) b ({}) out ({}) alpha {} beta {} "
+                       "threads {}",
+                       dtype_name(p.a_dtype), dtype_name(p.b_dtype), dtype_name(p.out_dtype), p.m,
+                       p.n, p.k, p.batch0, p.batch1, st(p.a_strides), st(p.b_strides),
+                       st(p.out_strides), p.alpha, p.beta, threads);
   }
 
   // The entry that runs bf16 problem p on f32 copies of its operands (Note [Widened bf16
@@ -302,26 +425,6 @@ struct DnnlMatmul::Impl {
     return e;
   }
 
-  // Whether bf16 problem p runs widened: as the policy says, or as measured once per process
-  // against its native entry.
-  bool choose_widened(const MatmulProblem& p, const ProblemKey& key, Entry& native,
-                      Entry& widened) {
-    if (layout == MatmulLayout::kWidened) return true;
-    if (flops_of(p) < kMinMeasuredFlops) return false;
-    LayoutTable& table = layout_table();
-    std::lock_guard lock(table.mu);
-    auto [it, inserted] = table.widened.try_emplace({key, threads}, false);
-    if (!inserted) return it->second;
-    const std::vector<double> seconds = time_all(p, {&native, &widened});
-    const double native_s = seconds[0], widened_s = seconds[1];
-    it->second = widened_s < 0.9 * native_s;
-    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}) bf16: {:.2f} ms ({}), widened to f32 {:.2f} "
-                     "ms: {}",
-                     p.m, p.n, p.k, p.batch0, p.batch1, native_s * 1e3, native.impl_name,
-                     widened_s * 1e3, it->second ? "widened" : "bf16");
-    return it->second;
-  }
-
   static double flops_of(const MatmulProblem& p) {
     return 2.0 * static_cast<double>(p.batch0 * p.batch1) * static_cast<double>(p.m) *
            static_cast<double>(p.n) * static_cast<double>(p.k);
@@ -354,7 +457,6 @@ struct DnnlMatmul::Impl {
   Entry blocked_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
                       const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md,
                       const dnnl::primitive_attr& attr) {
-    if (layout != MatmulLayout::kMeasure && layout != MatmulLayout::kBlocked) return {};
     try {
       const dnnl::memory::desc any_md(b_md.dims(), dnnl_type(p.b_dtype),
                                       dnnl::memory::format_tag::any);
@@ -370,12 +472,10 @@ struct DnnlMatmul::Impl {
 
   // The primitive that reads a row-major copy of A, where p stores A transposed (the weight
   // gradient's form, dW = dY^T X), and B in oneDNN's preferred layout, reordered as in
-  // blocked_entry where that is not B's own; an entry with a_copied = false otherwise, or
-  // where the policy does not measure.
+  // blocked_entry where that is not B's own; an entry with a_copied = false otherwise.
   Entry rows_entry(const MatmulProblem& p, const dnnl::memory::desc& a_md,
                    const dnnl::memory::desc& b_md, const dnnl::memory::desc& out_md,
                    const dnnl::primitive_attr& attr) {
-    if (layout != MatmulLayout::kMeasure && layout != MatmulLayout::kRows) return {};
     if (p.a_strides[3] == 1 || p.a_strides[2] != 1) return {};  // A is not stored transposed
     try {
       const dnnl::memory::dims dims = a_md.dims();
@@ -404,10 +504,8 @@ struct DnnlMatmul::Impl {
   }
 
   // p through oneDNN's sgemm (the gemm:jit kernel) instead of its matmul primitive: f32, one
-  // batch, each operand with a unit stride; an entry with an empty impl_name otherwise, or
-  // where the policy does not measure.
+  // batch, each operand with a unit stride; an entry with gemm.on = false otherwise.
   Entry gemm_entry(const MatmulProblem& p) {
-    if (layout != MatmulLayout::kMeasure && layout != MatmulLayout::kGemm) return {};
     if (p.a_dtype != DType::kF32 || p.b_dtype != DType::kF32 || p.out_dtype != DType::kF32) return {};
     if (p.batch0 != 1 || p.batch1 != 1 || p.out_strides[3] != 1) return {};
     Entry e;
@@ -440,53 +538,6 @@ struct DnnlMatmul::Impl {
     e.gemm.beta = p.beta;
     e.impl_name = "sgemm";
     return e;
-  }
-
-  enum class Choice { kPlain, kBlocked, kGemm, kRows };
-
-  // Which entry `problem` uses: as the policy says, or as measured once per process (Note
-  // [Matmul weight layout]): the fastest of the candidates, where it is at least 10% faster
-  // than plain.
-  Choice choose_native(const MatmulProblem& p, const ProblemKey& key, Entry& plain,
-                       Entry& blocked, Entry& gemm, Entry& rows) {
-    const bool has_blocked = blocked.blocked, has_gemm = gemm.gemm.on, has_rows = rows.a_copied;
-    if (layout == MatmulLayout::kBlocked) return has_blocked ? Choice::kBlocked : Choice::kPlain;
-    if (layout == MatmulLayout::kGemm) return has_gemm ? Choice::kGemm : Choice::kPlain;
-    if (layout == MatmulLayout::kRows) return has_rows ? Choice::kRows : Choice::kPlain;
-    if (layout != MatmulLayout::kMeasure || (!has_blocked && !has_gemm && !has_rows)) {
-      return Choice::kPlain;
-    }
-    if (flops_of(p) < kMinMeasuredFlops) return Choice::kPlain;
-    LayoutTable& table = layout_table();
-    std::lock_guard lock(table.mu);
-    auto [it, inserted] = table.choice.try_emplace({key, threads}, 0);
-    if (!inserted) return static_cast<Choice>(it->second);
-    std::vector<Entry*> candidates = {&plain};
-    std::vector<Choice> choices = {Choice::kPlain};
-    if (has_blocked) {
-      candidates.push_back(&blocked);
-      choices.push_back(Choice::kBlocked);
-    }
-    if (has_gemm) {
-      candidates.push_back(&gemm);
-      choices.push_back(Choice::kGemm);
-    }
-    if (has_rows) {
-      candidates.push_back(&rows);
-      choices.push_back(Choice::kRows);
-    }
-    const std::vector<double> seconds = time_all(p, candidates);
-    size_t best = 0;
-    std::string timings;
-    for (size_t i = 0; i < seconds.size(); ++i) {
-      if (i > 0 && seconds[i] < 0.9 * seconds[0] && seconds[i] < seconds[best]) best = i;
-      timings += fmt::format("{}{} {:.2f} ms", i > 0 ? ", " : "", candidates[i]->impl_name,
-                             seconds[i] * 1e3);
-    }
-    it->second = static_cast<int>(choices[best]);
-    PORTER_LOG_DEBUG("matmul {}x{}x{} (batch {}x{}): {}: {}", p.m, p.n, p.k, p.batch0, p.batch1,
-                     timings, candidates[best]->impl_name);
-    return choices[best];
   }
 
   // The fastest of three runs of each entry, interleaved so that a busy moment on a shared
@@ -568,6 +619,9 @@ struct DnnlMatmul::Impl {
 
   int threads;
   MatmulLayout layout;
+  std::unique_ptr<KernelTable> own_table;  // when the caller gave none
+  KernelTable* table;                      // own_table or the caller's; outlives this
+  uint64_t table_generation = 0;           // the table's generation the cache was chosen at
   dnnl::engine engine;
   dnnl::stream stream;
   mutable std::mutex mu;  // guards cache and blocked_buffer, and serialises runs (one stream)
@@ -576,8 +630,8 @@ struct DnnlMatmul::Impl {
   std::vector<std::byte> widened_buffer;  // Note [Widened bf16 matmul]
 };
 
-DnnlMatmul::DnnlMatmul(int threads, MatmulLayout layout)
-    : impl_(std::make_unique<Impl>(threads, layout)) {}
+DnnlMatmul::DnnlMatmul(int threads, MatmulLayout layout, KernelTable* table)
+    : impl_(std::make_unique<Impl>(threads, layout, table)) {}
 DnnlMatmul::~DnnlMatmul() = default;
 
 void DnnlMatmul::run(const MatmulProblem& p, const void* a, const void* b, void* out) {

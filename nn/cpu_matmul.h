@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "nn/dtype.h"
@@ -48,10 +49,17 @@ enum class MatmulLayout {
 // The layout policy named by $PORTER_MATMUL_LAYOUT (measure, plain, blocked, gemm, widened or
 // rows; measure when unset). Throws InvalidArgument, naming the variable and the accepted values, on another value.
 MatmulLayout matmul_layout_from_env();
+// "measure", "plain", "blocked", "gemm", "widened" or "rows": the kernel table's names.
+std::string_view layout_name(MatmulLayout layout);
+
+class KernelTable;
 
 class DnnlMatmul {
  public:
-  explicit DnnlMatmul(int threads, MatmulLayout layout = matmul_layout_from_env());
+  // Choices under kMeasure are looked up in and recorded to `table` (not owned; it must
+  // outlive this), or a table of its own when null (Note [Kernel table]).
+  explicit DnnlMatmul(int threads, MatmulLayout layout = matmul_layout_from_env(),
+                      KernelTable* table = nullptr);
   ~DnnlMatmul();
   DnnlMatmul(const DnnlMatmul&) = delete;
   DnnlMatmul& operator=(const DnnlMatmul&) = delete;

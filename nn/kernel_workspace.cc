@@ -6,8 +6,12 @@
 #include "base/error.h"
 #include "memory/category.h"
 #include "nn/cpu_kernels.h"
+#include "nn/kernel_table.h"
 
 namespace porter::nn {
+
+Kernels::Kernels(memory::CachingAllocator& allocator)
+    : allocator_(&allocator), kernel_table_(std::make_unique<KernelTable>()) {}
 
 Kernels::~Kernels() = default;
 

@@ -59,6 +59,10 @@
 #include "nn/tensor.h"
 
 namespace porter::nn {
+class KernelTable;
+}
+
+namespace porter::nn {
 
 struct MatmulSpec {
   bool trans_a = false;  // use a^T
@@ -85,6 +89,9 @@ class Kernels {
   virtual memory::DeviceKind kind() const = 0;
   // Where kernel workspace comes from (Note [Kernel workspace]).
   memory::CachingAllocator& workspace_allocator() const { return *allocator_; }
+  // The choices these kernels made by measurement, or were pinned to (Note [Kernel table] in
+  // kernel_table.cc); empty on devices that measure nothing.
+  KernelTable& kernel_table() const { return *kernel_table_; }
 
   // out (M, N) = alpha * op(a) @ op(b) + beta * out, with op(a) (M, K) and op(b) (K, N).
   // Rank 3 (batch, rows, cols) for a, b and out multiplies batch by batch. a and b share a
@@ -203,7 +210,7 @@ class Kernels {
   void scale(Tensor& x, float s);
 
  protected:
-  explicit Kernels(memory::CachingAllocator& allocator) : allocator_(&allocator) {}
+  explicit Kernels(memory::CachingAllocator& allocator);
 
   // `bytes` of device memory for one call's temporaries, category workspace, freed when the
   // buffer dies (Note [Kernel workspace]). Zero bytes gives an empty buffer. Throws
@@ -273,6 +280,7 @@ class Kernels {
 
   memory::CachingAllocator* allocator_;  // not owned (or owned_allocator_); outlives this
   std::unique_ptr<memory::CachingAllocator> owned_allocator_;  // make_kernels(device) only
+  std::unique_ptr<KernelTable> kernel_table_;
 };
 
 // The kernels for the allocator's device (cpu or cuda), taking their workspace from

@@ -9,6 +9,8 @@
 #include <string>
 
 #include "base/error.h"
+#include "nn/cpu_attention_heads.h"
+#include "nn/kernel_table.h"
 #include "nn_test_util.h"
 
 namespace porter::nn {
@@ -350,9 +352,10 @@ TEST(AttentionTest, UnknownImplementationIsRefusedNamingTheVariable) {
   }
 }
 
-// A call above the measuring threshold (2^28 FLOPs forward) runs whichever implementation
-// measured faster, and its results are that implementation's bits: not a mix of the runs the
-// measurement made on the same tensors. A second call reuses the choice.
+// Under kernel_choice fastest, a call above the measuring threshold (2^28 FLOPs forward) runs
+// whichever implementation measured faster, and its results are that implementation's bits:
+// not a mix of the runs the measurement made on the same tensors. A second call reuses the
+// choice. Under exact (the default) the same call runs the tiles, unmeasured.
 TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
   std::optional<Env> tiles, onednn, measured;
   {
@@ -364,6 +367,8 @@ TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
     onednn.emplace();
   }
   measured.emplace();
+  measured->kernels->kernel_table().set_mode(KernelChoice::kFastest);
+  Env exact;
   const Dims d{4, 512, 128, 2};
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     SCOPED_TRACE(std::string(dtype_name(dtype)));
@@ -384,6 +389,23 @@ TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
       Result m = run(*measured, d, qkv, dout, dtype);
       EXPECT_TRUE((m.probs == a.probs && m.out == a.out) || (m.probs == b.probs && m.out == b.out));
       EXPECT_TRUE(m.dqkv == backward(*tiles, m.probs) || m.dqkv == backward(*onednn, m.probs));
+    }
+    const Result e = run(exact, d, qkv, dout, dtype);
+    if (dtype == DType::kF32 ? cpu::attention_tiles_f32_supported()
+                             : cpu::attention_tiles_bf16_supported(d.c / d.heads)) {
+      EXPECT_EQ(e.probs, a.probs);
+      EXPECT_EQ(e.out, a.out);
+      EXPECT_EQ(e.dqkv, a.dqkv);
+    }
+  }
+  for (const nlohmann::json& entry : exact.kernels->kernel_table().to_json().at("entries")) {
+    EXPECT_EQ(entry.at("kind"), "attention");
+    EXPECT_EQ(entry.at("choice"), "tiles");
+    EXPECT_EQ(entry.at("source"), "fixed");
+  }
+  for (const nlohmann::json& entry : measured->kernels->kernel_table().to_json().at("entries")) {
+    if (entry.at("kind") == "attention") {
+      EXPECT_EQ(entry.at("source"), "measured");
     }
   }
 }

@@ -1,12 +1,14 @@
 // matmul on cpu (oneDNN): transposes, alpha/beta, batches, bf16, odd sizes, the primitive
 // cache, determinism across thread counts, the weight layout choice, and shape validation.
 #include <cstdlib>
+#include <map>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "base/error.h"
 #include "nn/cpu_matmul.h"
+#include "nn/kernel_table.h"
 #include "nn_test_util.h"
 
 namespace porter::nn {
@@ -317,24 +319,138 @@ TEST(MatmulLayoutTest, BlockedWeightsInBf16MatchTheReference) {
   }
 }
 
-// A measured choice is made once per process: another DnnlMatmul with the same threads makes
-// the same one, and small problems are not measured.
-TEST(MatmulLayoutTest, MeasuredChoiceIsSharedWithinAProcess) {
-  DnnlMatmul first(2, MatmulLayout::kMeasure), second(2, MatmulLayout::kMeasure);
+// Note [Kernel table]: under kernel_choice exact (the default) a measured f32 choice gives
+// plain's bits whichever candidate wins, it is recorded once, and a second user of the table
+// takes it without measuring; small problems are recorded plain, unmeasured.
+TEST(KernelTableTest, ExactChoiceGivesPlainBitsAndIsRecordedOnce) {
+  KernelTable table;
+  DnnlMatmul first(2, MatmulLayout::kMeasure, &table), second(2, MatmulLayout::kMeasure, &table);
   const MatmulProblem big = problem_2d(512, 3072, 768, false, false, DType::kF32, 0.0f);
   const std::vector<float> a = random_values(512 * 768, 7), b = random_values(768 * 3072, 8);
   const std::vector<float> out0(512 * 3072, 0.0f);
   const std::vector<float> got = run_problem(first, big, a, b, out0);
+  DnnlMatmul plain(2, MatmulLayout::kPlain);
+  EXPECT_EQ(got, run_problem(plain, big, a, b, out0));
+  EXPECT_THAT(first.implementation(big), Not(HasSubstr("sgemm")));
   EXPECT_EQ(second.implementation(big), first.implementation(big));
-  // In f32 plain and blocked give the same bits; sgemm sums in its own order.
-  DnnlMatmul plain(2, MatmulLayout::kPlain), gemm(2, MatmulLayout::kGemm);
-  if (first.implementation(big) == "sgemm") {
-    EXPECT_EQ(got, run_problem(gemm, big, a, b, out0));
-  } else {
-    EXPECT_EQ(got, run_problem(plain, big, a, b, out0));
-  }
+  ASSERT_EQ(table.size(), 1u);
+  const nlohmann::json entry = table.to_json().at("entries").at(0);
+  EXPECT_EQ(entry.at("kind"), "matmul");
+  EXPECT_THAT(entry.at("key").get<std::string>(), HasSubstr("m 512 n 3072 k 768"));
+  EXPECT_THAT((std::vector<std::string>{"plain", "blocked", "rows"}),
+              ::testing::Contains(entry.at("choice").get<std::string>()));
   const MatmulProblem small = problem_2d(64, 64, 64, false, false, DType::kF32, 0.0f);
   EXPECT_FALSE(first.blocked_weights(small));
+  EXPECT_EQ(table.size(), 2u);
+  EXPECT_EQ(table.count(KernelTable::Source::kFixed) + table.count(KernelTable::Source::kMeasured),
+            2u);
+}
+
+// Under exact a bf16 problem has one candidate: plain, unmeasured, whatever is faster.
+TEST(KernelTableTest, ExactBf16RunsPlain) {
+  KernelTable table;
+  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table), plain(2, MatmulLayout::kPlain);
+  const MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
+  const std::vector<float> a = round_bf16(random_values(512 * 768, 12));
+  const std::vector<float> b = round_bf16(random_values(768 * 3072, 13));
+  const std::vector<float> out0(512 * 3072, 0.0f);
+  EXPECT_EQ(run_problem(mm, p, a, b, out0), run_problem(plain, p, a, b, out0));
+  EXPECT_FALSE(mm.widened_operands(p));
+  EXPECT_FALSE(mm.blocked_weights(p));
+  const nlohmann::json entry = table.to_json().at("entries").at(0);
+  EXPECT_EQ(entry.at("choice"), "plain");
+  EXPECT_EQ(entry.at("source"), "fixed");
+}
+
+// Under fastest every candidate is timed, and the result is the bits of the one the table
+// names.
+TEST(KernelTableTest, FastestGivesTheBitsOfTheRecordedChoice) {
+  KernelTable table(KernelChoice::kFastest);
+  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table);
+  const MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
+  const std::vector<float> a = round_bf16(random_values(512 * 768, 12));
+  const std::vector<float> b = round_bf16(random_values(768 * 3072, 13));
+  const std::vector<float> out0(512 * 3072, 0.0f);
+  const std::vector<float> got = run_problem(mm, p, a, b, out0);
+  const nlohmann::json entry = table.to_json().at("entries").back();
+  const std::string choice = entry.at("choice").get<std::string>();
+  EXPECT_EQ(entry.at("source"), "measured");
+  const std::map<std::string, MatmulLayout> layouts = {{"plain", MatmulLayout::kPlain},
+                                                       {"blocked", MatmulLayout::kBlocked},
+                                                       {"rows", MatmulLayout::kRows},
+                                                       {"widened", MatmulLayout::kWidened}};
+  ASSERT_TRUE(layouts.contains(choice)) << choice;
+  DnnlMatmul forced(2, layouts.at(choice));
+  EXPECT_EQ(got, run_problem(forced, p, a, b, out0)) << choice;
+}
+
+// A pinned table decides, even a choice exact would not make (sgemm), and pinning after use
+// makes the next call look the problem up again.
+TEST(KernelTableTest, PinnedChoiceDecidesAndReplacesAnEarlierOne) {
+  KernelTable table;
+  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table);
+  const MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
+  const std::vector<float> a = random_values(256 * 768, 21), b = random_values(768 * 3072, 22);
+  const std::vector<float> out0(256 * 3072, 0.0f);
+  (void)run_problem(mm, p, a, b, out0);
+  nlohmann::json pinned = table.to_json();
+  ASSERT_EQ(pinned.at("entries").size(), 1u);
+  pinned["entries"][0]["choice"] = "gemm";
+  table.pin(pinned, "pinned from test");
+  DnnlMatmul gemm(2, MatmulLayout::kGemm);
+  EXPECT_EQ(run_problem(mm, p, a, b, out0), run_problem(gemm, p, a, b, out0));
+  EXPECT_EQ(mm.implementation(p), "sgemm");
+  EXPECT_EQ(table.origin(), "pinned from test");
+  EXPECT_EQ(table.to_json().at("entries").at(0).at("source"), "pinned");
+  // A choice this problem has no form for (sgemm takes no bf16) runs plain.
+  const MatmulProblem bf = problem_2d(256, 3072, 768, false, false, DType::kBF16, 0.0f);
+  KernelTable other;
+  DnnlMatmul probe(2, MatmulLayout::kMeasure, &other);
+  (void)probe.implementation(bf);
+  nlohmann::json odd = other.to_json();
+  odd["entries"][0]["choice"] = "gemm";
+  other.pin(odd, "pinned from another cpu");
+  EXPECT_THAT(probe.implementation(bf), Not(HasSubstr("sgemm")));
+}
+
+// A layout forced by PORTER_MATMUL_LAYOUT (here given directly) is recorded with source env.
+TEST(KernelTableTest, ForcedLayoutIsRecorded) {
+  KernelTable table;
+  DnnlMatmul mm(2, MatmulLayout::kBlocked, &table);
+  const MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
+  (void)mm.implementation(p);
+  const nlohmann::json entry = table.to_json().at("entries").at(0);
+  EXPECT_EQ(entry.at("source"), "env");
+  EXPECT_EQ(entry.at("detail"), "PORTER_MATMUL_LAYOUT=blocked");
+  EXPECT_EQ(entry.at("choice").get<std::string>(), mm.blocked_weights(p) ? "blocked" : "plain");
+}
+
+// The table's JSON round-trips through pin(), and a malformed one is refused naming its origin.
+TEST(KernelTableTest, JsonRoundTripAndMalformedTables) {
+  KernelTable table(KernelChoice::kFastest);
+  table.record("matmul", "k1", {"rows", KernelTable::Source::kMeasured, "plain 2 ms, rows 1 ms"});
+  table.record("attention", "k2", {"tiles", KernelTable::Source::kFixed, ""});
+  EXPECT_EQ(table.record("matmul", "k1", {"plain", KernelTable::Source::kFixed, ""}).choice, "rows");
+  const nlohmann::json j = table.to_json();
+  EXPECT_EQ(j.at("kernel_choice"), "fastest");
+  EXPECT_EQ(j.at("origin"), "measured in this run");
+  KernelTable copy;
+  copy.pin(j, "resumed from ckpt");
+  EXPECT_EQ(copy.find("matmul", "k1")->choice, "rows");
+  EXPECT_EQ(copy.find("matmul", "k1")->source, KernelTable::Source::kPinned);
+  EXPECT_EQ(copy.find("attention", "k2")->choice, "tiles");
+  EXPECT_FALSE(copy.find("matmul", "k2").has_value());
+  EXPECT_EQ(copy.generation(), 1u);
+  try {
+    copy.pin(nlohmann::json::parse(R"({"entries": [{"kind": "matmul", "choice": 3}]})"), "t.json");
+    FAIL() << "a malformed table was pinned";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("t.json: kernel table entry"));
+  }
+  EXPECT_THROW(copy.pin(nlohmann::json::parse("[1, 2]"), "t.json"), InvalidArgument);
+  EXPECT_EQ(copy.find("matmul", "k1")->choice, "rows");  // unchanged by a refused pin
+  EXPECT_EQ(kernel_choice_from_name("fastest", "x"), KernelChoice::kFastest);
+  EXPECT_THROW(kernel_choice_from_name("quick", "porter.device.kernel_choice"), InvalidArgument);
 }
 
 // kGemm runs 2-D f32 problems through oneDNN's sgemm, in every transpose form, with alpha and
@@ -407,25 +523,6 @@ TEST(MatmulLayoutTest, WidenedBf16IsTheF32ProductOfTheBf16Values) {
   }
   EXPECT_GE(widened.widened_buffer_bytes(), size_t{(256 * 768 + 768 * 3072 + 256 * 3072) * 4});
   EXPECT_EQ(plain.widened_buffer_bytes(), 0u);
-}
-
-// Measured, the bf16 choice is shared within a process like the layout, and the result is one
-// of the two ways' bits.
-TEST(MatmulLayoutTest, MeasuredBf16ChoiceIsSharedAndGivesOneOfTheTwoResults) {
-  const MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
-  const std::vector<float> a = round_bf16(random_values(512 * 768, 12));
-  const std::vector<float> b = round_bf16(random_values(768 * 3072, 13));
-  const std::vector<float> out0(512 * 3072, 0.0f);
-  DnnlMatmul first(2, MatmulLayout::kMeasure), second(2, MatmulLayout::kMeasure);
-  const std::vector<float> got = run_problem(first, p, a, b, out0);
-  EXPECT_EQ(second.widened_operands(p), first.widened_operands(p));
-  DnnlMatmul widened(2, MatmulLayout::kWidened);
-  if (first.widened_operands(p)) {
-    EXPECT_EQ(got, run_problem(widened, p, a, b, out0));
-    EXPECT_THAT(first.implementation(p), HasSubstr("bf16 widened to f32"));
-  } else {
-    EXPECT_THAT(first.implementation(p), Not(HasSubstr("widened")));
-  }
 }
 
 // Note [Matmul weight layout]: a transposed A (the weight gradient's form) copied row-major

@@ -1,0 +1,223 @@
+// porter's first promise where users meet it: memory settings, resume and repetition never
+// change the training state, at a real size (hidden 768, seq 256, every product above the
+// kernels' measurement threshold of 2^27 flops), in separate `porter train` processes, on one
+// and two ranks, with default settings and no environment variables. Each pair of runs is
+// compared by the whole state `--save` writes (working parameters, f32 master, both AdamW
+// moments, loss scaler and step), bit for bit.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/state_file.h"
+
+namespace porter::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+// A 2-layer transformer at hidden 768 and seq 256 with micro-batch 4: its smallest product
+// (the head's, 1024 x 256 x 768) is 0.4 GFLOP and the attention call 0.4 GFLOP, both above
+// 2^27; dropout 0.1 so the Philox masks are exercised too. 2 kernel threads on one rank, 1
+// on each of two (a 2-core machine).
+nlohmann::json real_size_config(const std::string& arch, bool bf16) {
+  nlohmann::json model = {{"arch", arch}, {"layers", 2},    {"hidden", 768},
+                          {"heads", 12},  {"seq_len", 256}, {"vocab", 256},
+                          {"dropout", arch == "gpt" ? 0.1 : 0.0}};
+  if (arch == "llama") model["kv_heads"] = 4;
+  nlohmann::json c = {
+      {"train_micro_batch_size_per_gpu", 4},
+      {"gradient_accumulation_steps", 1},
+      {"gradient_clipping", 1.0},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}, {"weight_decay", 0.01}}}}},
+      {"porter",
+       {{"model", model},
+        {"data", {{"type", "synthetic"}, {"seed", 1}}},
+        {"device", {{"type", "cpu"}, {"threads", 2}}},
+        {"checkpointing", {{"policy", "full"}}},
+        {"train", {{"steps", 4}, {"seed", 42}, {"log_every", 1}}}}}};
+  if (bf16) c["bf16"] = {{"enabled", true}};
+  return c;
+}
+
+class ExactTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("porter_exact_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  fs::path write_config(const std::string& name, const nlohmann::json& c) {
+    const fs::path p = dir_ / (name + ".json");
+    std::ofstream(p) << c.dump(2);
+    return p;
+  }
+
+  // `porter train --config <config> <args>` as its own process, with no PORTER_* variable
+  // that forces a kernel; returns its output (and fails the test on a nonzero exit).
+  std::string train(const fs::path& config, const std::string& args, const std::string& tag) {
+    const fs::path log = dir_ / (tag + ".log");
+    const std::string cmd = "env -u PORTER_MATMUL_LAYOUT -u PORTER_CPU_ATTENTION " +
+                            std::string(PORTER_EXE) + " train --config " + config.string() + " " +
+                            args + " > " + log.string() + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream in(log);
+    std::stringstream out;
+    out << in.rdbuf();
+    EXPECT_EQ(rc, 0) << cmd << "\n" << out.str();
+    return out.str();
+  }
+
+  fs::path dir_;
+};
+
+// Every section and the optimizer's counters of two checkpoints (one rank's directory each),
+// bit for bit; `a_range`, when given, is the element range of b's params that a's params (a
+// ZeRO-3 shard) hold.
+void expect_same_state(const fs::path& a_dir, const fs::path& b_dir, bool a_is_shard = false) {
+  SCOPED_TRACE(a_dir.string() + " against " + b_dir.string());
+  const engine::LoadedState a = engine::read_state(a_dir);
+  const engine::LoadedState b = engine::read_state(b_dir);
+  for (const char* key : {"step", "optimizer_steps", "loss_scaler", "compute_dtype", "layout"}) {
+    EXPECT_EQ(a.meta.at(key), b.meta.at(key)) << key;
+  }
+  ASSERT_EQ(a.sections.size(), b.sections.size());
+  for (const engine::StateSection& sa : a.sections) {
+    const engine::StateSection& sb = b.section(sa.name);
+    if (sa.name == "params" && a_is_shard) {
+      const int64_t begin = a.meta.at("params_range").at(0).get<int64_t>();
+      const size_t elem = sb.bytes.size() / b.meta.at("layout").at("total_elems").get<size_t>();
+      ASSERT_GE(sb.bytes.size(), (static_cast<size_t>(begin) * elem) + sa.bytes.size());
+      EXPECT_TRUE(std::equal(sa.bytes.begin(), sa.bytes.end(),
+                             sb.bytes.begin() + static_cast<std::ptrdiff_t>(begin * elem)))
+          << "params shard differs";
+      continue;
+    }
+    ASSERT_EQ(sa.bytes.size(), sb.bytes.size()) << sa.name;
+    size_t differ = 0;
+    for (size_t i = 0; i < sa.bytes.size(); ++i) differ += sa.bytes[i] != sb.bytes[i] ? 1 : 0;
+    EXPECT_EQ(differ, 0u) << "section " << sa.name << ": " << differ << " of " << sa.bytes.size()
+                          << " bytes differ";
+  }
+}
+
+// The sections a whole training state has: the moments always, the master in bf16.
+void expect_whole_state(const fs::path& dir, bool bf16) {
+  const engine::LoadedState s = engine::read_state(dir);
+  std::vector<std::string> names;
+  for (const engine::StateSection& sec : s.sections) names.push_back(sec.name);
+  EXPECT_THAT(names, ::testing::IsSupersetOf({"params", "exp_avg", "exp_avg_sq"}));
+  if (bf16) {
+    EXPECT_THAT(names, ::testing::Contains("master"));
+  }
+  EXPECT_EQ(s.meta.at("optimizer_steps"), s.meta.at("step"));  // every step was applied
+  ASSERT_TRUE(s.meta.contains("kernel_table"));
+  EXPECT_FALSE(s.meta.at("kernel_table").at("entries").empty());
+}
+
+// Two runs of one config, then 2 steps saved and resumed for 2 more in a new process: one
+// state, bit for bit, with nothing pinned.
+TEST_F(ExactTest, GptRepeatAndResumeGiveOneState) {
+  const fs::path cfg = write_config("gpt", real_size_config("gpt", false));
+  const std::string out = train(cfg, "--save " + (dir_ / "a").string(), "a");
+  EXPECT_THAT(out, HasSubstr("kernel choices: exact"));
+  train(cfg, "--save " + (dir_ / "b").string(), "b");
+  train(cfg, "--steps 2 --save " + (dir_ / "half").string(), "half");
+  const std::string resumed =
+      train(cfg, "--resume " + (dir_ / "half").string() + " --save " + (dir_ / "resumed").string(),
+            "resumed");
+  EXPECT_THAT(resumed, HasSubstr("kernel choices: resumed from"));
+  expect_whole_state(dir_ / "a", false);
+  expect_same_state(dir_ / "a", dir_ / "b");
+  expect_same_state(dir_ / "a", dir_ / "resumed");
+}
+
+// The same for a Llama (grouped-query attention, RMSNorm, SwiGLU) in bf16: the master copy is
+// compared too.
+TEST_F(ExactTest, LlamaBf16RepeatAndResumeGiveOneState) {
+  const fs::path cfg = write_config("llama", real_size_config("llama", true));
+  train(cfg, "--save " + (dir_ / "a").string(), "a");
+  train(cfg, "--save " + (dir_ / "b").string(), "b");
+  train(cfg, "--steps 2 --save " + (dir_ / "half").string(), "half");
+  train(cfg, "--resume " + (dir_ / "half").string() + " --save " + (dir_ / "resumed").string(),
+        "resumed");
+  expect_whole_state(dir_ / "a", true);
+  expect_same_state(dir_ / "a", dir_ / "b");
+  expect_same_state(dir_ / "a", dir_ / "resumed");
+}
+
+// ZeRO stage 2 against stage 3 on two ranks (separate processes, Gloo): every rank's master
+// and moments, and its params (stage 3 holds a shard of them), bit for bit. The two ranks
+// end with one kernel table (Note [Kernel table agreement]).
+TEST_F(ExactTest, ZeroStage2And3OnTwoRanksGiveOneState) {
+  nlohmann::json c = real_size_config("gpt", false);
+  c["porter"]["device"]["threads"] = 1;
+  c["zero_optimization"] = {{"stage", 2}};
+  const fs::path two = write_config("stage2", c);
+  c["zero_optimization"] = {{"stage", 3}};
+  const fs::path three = write_config("stage3", c);
+  train(two, "--nproc 2 --save " + (dir_ / "s2").string(), "s2");
+  train(three, "--nproc 2 --save " + (dir_ / "s3").string(), "s3");
+  for (const char* rank : {"rank0", "rank1"}) {
+    expect_whole_state(dir_ / "s2" / rank, false);
+    expect_same_state(dir_ / "s3" / rank, dir_ / "s2" / rank, /*a_is_shard=*/true);
+  }
+  const nlohmann::json t0 = engine::read_state(dir_ / "s2" / "rank0").meta.at("kernel_table");
+  const nlohmann::json t1 = engine::read_state(dir_ / "s2" / "rank1").meta.at("kernel_table");
+  ASSERT_EQ(t0.at("entries").size(), t1.at("entries").size());
+  for (size_t i = 0; i < t0.at("entries").size(); ++i) {
+    EXPECT_EQ(t0.at("entries")[i].at("key"), t1.at("entries")[i].at("key"));
+    EXPECT_EQ(t0.at("entries")[i].at("choice"), t1.at("entries")[i].at("choice"));
+  }
+}
+
+// Optimizer offload (host AdamW on pinned memory) against the device's update.
+TEST_F(ExactTest, OptimizerOffloadGivesTheDevicesState) {
+  nlohmann::json c = real_size_config("gpt", false);
+  c["zero_optimization"] = {{"stage", 2}};
+  const fs::path device = write_config("device", c);
+  c["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}};
+  const fs::path offload = write_config("offload", c);
+  train(device, "--save " + (dir_ / "device").string(), "device");
+  train(offload, "--save " + (dir_ / "offload").string(), "offload");
+  expect_same_state(dir_ / "offload", dir_ / "device");
+}
+
+// kernel_choice fastest times every candidate, whose choices change bits; a second run that
+// pins the first one's table (from its report) computes the same state.
+TEST_F(ExactTest, PinnedTableRepeatsAFastestRun) {
+  nlohmann::json c = real_size_config("gpt", true);
+  c["porter"]["device"]["kernel_choice"] = "fastest";
+  c["porter"]["train"]["steps"] = 2;
+  const fs::path cfg = write_config("fastest", c);
+  train(cfg, "--save " + (dir_ / "a").string() + " --report " + (dir_ / "a.json").string(), "a");
+  const std::string out =
+      train(cfg, "--set porter.device.kernel_table=" + (dir_ / "a.json").string() + " --save " +
+                     (dir_ / "b").string(),
+            "b");
+  EXPECT_THAT(out, HasSubstr("kernel choices: pinned from " + (dir_ / "a.json").string()));
+  expect_same_state(dir_ / "a", dir_ / "b");
+  std::ifstream report(dir_ / "a.json");
+  const nlohmann::json r = nlohmann::json::parse(report);
+  size_t measured = 0;
+  for (const nlohmann::json& e : r.at("kernel_table").at("entries")) {
+    measured += e.at("source") == "measured" ? 1 : 0;
+  }
+  EXPECT_GT(measured, 0u);
+}
+
+}  // namespace
+}  // namespace porter::cli
