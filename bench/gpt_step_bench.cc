@@ -15,6 +15,7 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
+#include "nn/kernel_table.h"
 #include "nn/ctx.h"
 #include "nn/gpt.h"
 #include "nn/kernels.h"
@@ -51,6 +52,11 @@ struct Env {
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device, memory::AllocatorOptions{false});
     kernels = make_kernels(*alloc);
+    // porter.device.kernel_choice (Note [Kernel table]): exact unless
+    // PORTER_BENCH_KERNEL_CHOICE says fastest.
+    const char* choice = std::getenv("PORTER_BENCH_KERNEL_CHOICE");
+    kernels->kernel_table().set_mode(
+        kernel_choice_from_name(choice != nullptr ? choice : "exact", "PORTER_BENCH_KERNEL_CHOICE"));
   }
 };
 
