@@ -1,8 +1,10 @@
 // porter against the PyTorch reference of Hugging Face's GPT-2 and Llama
 // (scripts/hf_reference.py): each fixture of tests/nn/fixtures/hf is a checkpoint in Hugging
 // Face's layout with the reference's logits, loss and gradients on a fixed batch (float64).
-// porter imports it, and its f32 logits, loss and every gradient must match; the import,
-// export and import again is bitwise; ten steps of fine-tuning lower the loss.
+// porter imports it, and its f32 logits and loss must match within 2e-6 and every gradient
+// within 1e-5 (relative to the tensor's largest value; porter achieves 2e-7 to 7e-7 here, the f32
+// rounding of a different summation order); the import, export and import again is bitwise;
+// ten steps of fine-tuning lower the loss.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -86,19 +88,20 @@ TEST_P(HfReference, LogitsLossAndGradientsMatchTheReference) {
   nn::Ctx ctx(*kernels, alloc);
   ctx.set_run({1, 0, 0});
 
-  // Logits within 1e-5 of the reference (relative to the tensor's largest).
+  // Logits within 2e-6 of the reference (relative to the tensor's largest).
   const std::vector<float> logits = nn::to_host_f32(*device, model.forward_logits(ctx, upload(l.tokens)));
   const std::vector<float> want_logits = nn::npy_to_f32(nn::read_npy((dir / "logits.npy").string()));
   const double logits_error = rel_error(logits, want_logits);
-  EXPECT_LT(logits_error, 1e-5) << "logits";
+  EXPECT_LE(logits_error, 2e-6) << "logits";
 
-  // One forward and backward: the loss within 1e-5, every gradient within 1e-4.
+  // One forward and backward: the loss within 2e-6, each gradient tensor within 1e-5 of its
+  // own largest value.
   ctx.set_run({1, 0, 0});
   nn::Tensor g = flat.grads();
   kernels->fill(g, 0.0f);
   const float loss = model.forward_backward(ctx, upload(l.tokens), upload(l.targets));
   const float want_loss = nn::npy_to_f32(nn::read_npy((dir / "loss.npy").string())).at(0);
-  EXPECT_NEAR(loss, want_loss, 1e-5 * std::fabs(want_loss));
+  EXPECT_LE(std::fabs(double(loss) - want_loss), 2e-6 * std::fabs(want_loss)) << loss << " vs " << want_loss;
   const std::vector<float> grads = nn::to_host_f32(*device, flat.grads());
   int compared = 0;
   double worst = 0;
@@ -123,7 +126,7 @@ TEST_P(HfReference, LogitsLossAndGradientsMatchTheReference) {
     const std::vector<float> got(grads.begin() + e.offset_elems,
                                  grads.begin() + e.offset_elems + e.shape.numel());
     const double err = rel_error(got, want);
-    EXPECT_LT(err, 1e-4) << hp.porter_name;
+    EXPECT_LE(err, 1e-5) << hp.porter_name;
     if (err > worst) {
       worst = err;
       worst_name = hp.porter_name;
@@ -184,7 +187,7 @@ TEST(HfFineTune, TenStepsLowerTheLoss) {
   mb.targets = ids(l.targets);
   const double first = e.evaluate({mb});
   const float want_loss = nn::npy_to_f32(nn::read_npy((dir / "loss.npy").string())).at(0);
-  EXPECT_NEAR(first, want_loss, 1e-5 * want_loss);
+  EXPECT_LE(std::fabs(first - want_loss), 2e-6 * want_loss) << first << " vs " << want_loss;
   double last = first;
   for (int s = 0; s < 10; ++s) last = e.train_step({mb}).loss;
   EXPECT_LT(e.evaluate({mb}), first - 0.5) << "last step's loss " << last;
