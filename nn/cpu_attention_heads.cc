@@ -34,17 +34,16 @@
 // - Precision is that of Note [Bf16 attention]: scores and dP exact products summed in f32;
 //   P and dS rounded once to bf16 for the products that take them; dQ, dK, dV and out summed
 //   in f32 and rounded once into their tensors.
-// Which of the two runs is measured, not assumed (CpuKernels::attention_on_tiles in
-// cpu_attention.cc): the tiles run on AVX-512F / AVX512-BF16 dot products, while oneDNN's
-// packed bf16 calls use AMX where the cpu has it, over the full T x T, and the relative cost of
-// the two differs by cpu. So the first call of each shape (dtypes, direction and thread count
-// included) times both on its own tensors and keeps the tiles unless oneDNN is at least 10%
-// faster; the table is shared by the process, so every policy and rank runs a given shape the
-// same way. Calls under 2^27 FLOPs are not measured and take the tiles, which keeps small
-// problems deterministic across processes; for larger ones, two processes whose measurements
-// disagree can differ in the last bits, and PORTER_CPU_ATTENTION=tiles (or onednn) fixes the
-// choice. Without AVX-512F (f32) or AVX512-BF16 (bf16), or with an odd bf16 head size, the
-// oneDNN path runs.
+// Which of the two runs is recorded in the kernel table (CpuKernels::attention_on_tiles in
+// cpu_attention.cc, Note [Kernel table] in kernel_table.cc): the tiles run on AVX-512F /
+// AVX512-BF16 dot products, while oneDNN's packed bf16 calls use AMX where the cpu has it, over
+// the full T x T, and the relative cost of the two differs by cpu. The two sum in different
+// orders, so by default (kernel_choice "exact") the tiles run wherever the cpu has them,
+// unmeasured, and every process computes the same bits; under kernel_choice "fastest" the
+// first call of each shape (dtypes, direction and thread count included) above 2^27 FLOPs
+// times both on its own tensors and keeps the tiles unless oneDNN is at least 10% faster.
+// PORTER_CPU_ATTENTION=tiles (or onednn) forces the choice. Without AVX-512F (f32) or
+// AVX512-BF16 (bf16), or with an odd bf16 head size, the oneDNN path runs.
 #include "nn/cpu_attention_heads.h"
 
 #include <omp.h>
@@ -85,8 +84,8 @@ AttentionImpl attention_impl_from_env() {
   if (s == "tiles") return AttentionImpl::kTiles;
   if (s == "onednn") return AttentionImpl::kOneDnn;
   throw InvalidArgument("PORTER_CPU_ATTENTION is \"" + std::string(s) +
-                        "\"; use auto (the default: porter's AVX-512 head tiles or oneDNN, "
-                        "whichever measures faster), tiles or onednn");
+                        "\"; use auto (the default: as porter.device.kernel_choice says), "
+                        "tiles or onednn");
 }
 
 void TileScratch::reserve(int threads, size_t bytes) {

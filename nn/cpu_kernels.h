@@ -117,7 +117,8 @@ class CpuKernels final : public Kernels {
  private:
   // Whether an attention call runs on the head tiles (Note [Attention head tiles]):
   // `supported` when the cpu has their instructions, then as PORTER_CPU_ATTENTION says, or as
-  // measured once per shape with run(true) against run(false).
+  // the kernel table says or decides (Note [Kernel table]), timing run(true) against
+  // run(false) under kernel_choice "fastest".
   bool attention_on_tiles(const AttentionCall& call, bool backward, bool supported,
                           const std::function<void(bool)>& run);
 

@@ -31,9 +31,9 @@
 // ranks (or two concurrent runs) measuring at once could disagree; the cache would also make a
 // run's bits depend on a file outside its config. A pinned table is that file, named.
 //
-// The cost: on a 2-core AMD EPYC (Zen 5) the fastest candidates it leaves out were sgemm for
-// no GPT f32 product and the row-major copy for the bf16 fc2 weight gradient (about 10% on
-// that product); docs/benchmarks.md, "Kernel choice", has compare_step's figures for both.
+// The cost of exact against fastest is what the left-out candidates win where they are
+// fastest; bench/compare_step.sh measures the GPT step under both (docs/benchmarks.md,
+// "Kernel choice").
 //
 // The environment overrides (PORTER_MATMUL_LAYOUT, PORTER_CPU_ATTENTION) still force a
 // choice, recorded with source "env"; a choice pinned for a problem the cpu cannot run that
