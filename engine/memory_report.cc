@@ -33,6 +33,9 @@ MemoryReport Engine::memory_report() const {
   r.predicted_pinned_bytes = im.plan.offload.pinned_bytes;
   r.offloaded_bytes = im.plan.offload.offloaded_bytes;
   r.offload = im.offload_total;
+  // Note [Host-state bytes per rank]: measured is what the optimizer's host arrays hold, the
+  // pinned pool's blocks (PinnedPool::block_bytes: a reused cached block can exceed the
+  // rounded request the prediction counts) and pageable arrays at their size.
   r.host_state = im.optimizer->host_state();
   const zero::OptimizerOptions& o = run_.optimizer;
   if (o.offload.enabled || o.param_offload.enabled) {

@@ -128,6 +128,14 @@ void PinnedPool::empty_cache() {
   drop_cache_locked();
 }
 
+size_t PinnedPool::block_bytes(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(const_cast<void*>(ptr));
+  PORTER_CHECK_T(UsageError, it != live_.end(), "block_bytes of pinned buffer ", ptr,
+                 ", which is not live in this pool");
+  return it->second.capacity;
+}
+
 PinnedStats PinnedPool::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;

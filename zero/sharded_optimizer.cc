@@ -35,7 +35,7 @@ struct ShardedOptimizer::Host {
     std::unique_ptr<std::byte[]> pageable;    // otherwise
     void* data = nullptr;
     size_t bytes = 0;
-    size_t held = 0;  // what it takes: the pinned pool's capacity (Note [Host-state bytes per rank])
+    size_t held = 0;  // what it takes: the pinned pool's block (Note [Host-state bytes per rank])
   };
   bool optimizer = false;  // master, exp_avg, exp_avg_sq, grad live here
   bool params = false;     // `out` is the parameter shard itself
@@ -62,8 +62,7 @@ struct ShardedOptimizer::Host {
                                e.requested_bytes());
       }
       a.data = a.pinned.data();
-      constexpr size_t g = memory::PinnedPool::kGranularity;
-      a.held = (bytes + g - 1) / g * g;
+      a.held = pinned->block_bytes(a.data);  // a reused cached block can be larger
     } else {
       a.pageable = std::make_unique<std::byte[]>(bytes);
       a.data = a.pageable.get();

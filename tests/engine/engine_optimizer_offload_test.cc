@@ -10,7 +10,10 @@
 #include "base/error.h"
 #include "comm/communicator.h"
 #include "engine_test_util.h"
+#include "memory/pinned_pool.h"
+#include "nn/kernels.h"
 #include "zero/partition.h"
+#include "zero/sharded_optimizer.h"
 
 namespace porter::engine {
 namespace {
@@ -80,9 +83,43 @@ TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemo
   const std::vector<RankRun> pageable = run_dp_ranks(c, 1);
   EXPECT_EQ(pageable[0].total.offload_host_bytes,
             static_cast<size_t>(pinned[0].total.shard_elems) * (4 + 4 + 4 + 4 + 2));
+  // The report's measured figure is what the pool holds (nothing else is pinned here).
+  EXPECT_EQ(pinned[0].memory.host_state.total(), pinned[0].pinned_bytes);
+  EXPECT_EQ(pinned[0].memory.host_state.total(), pinned[0].memory.predicted_host_state.total());
   EXPECT_GE(pinned[0].total.offload_host_bytes, pageable[0].total.offload_host_bytes);
   EXPECT_LT(pageable[0].pinned_bytes, pinned[0].total.offload_host_bytes);
   expect_bitwise_runs(pageable, pinned, "pageable vs pinned");
+}
+
+// Note [Host-state bytes per rank]: what is measured is the pinned pool's blocks, not the
+// prediction's rounding. A pool that caches a block three granules larger than an f32 array
+// hands it to the first array (the master), and the optimizer reports that block.
+TEST(EngineOptimizerOffload, MeasuredHostBytesAreThePinnedPoolsBlocks) {
+  auto device = cpu_device();
+  memory::CachingAllocator alloc(*device);
+  auto kernels = nn::make_kernels(alloc);
+  nn::ParamLayout layout;
+  layout.add("", {{"w", nn::Shape{5000}}, {"b", nn::Shape{30}}});
+  const zero::Partition part = zero::make_partition(layout.total_elems(), 1);
+  nn::FlatParams flat(alloc, layout, nn::DType::kF32, nn::DType::kF32, part.padded_elems,
+                      /*allocate_grads=*/false);
+  zero::OptimizerOptions o;
+  o.zero_stage = 1;
+  o.offload.enabled = true;
+  o.offload.threads = 1;
+  const zero::HostStateBytes predicted = zero::host_state_bytes(
+      part, 1, zero::StateDTypes{nn::DType::kF32}, true, false, true, true);
+  constexpr size_t g = memory::PinnedPool::kGranularity;
+  const size_t array = (static_cast<size_t>(part.padded_elems) * 4 + g - 1) / g * g;
+  memory::PinnedPool pool(*device);
+  pool.allocate(array + 3 * g).reset();
+  zero::ShardedOptimizer opt(flat, *kernels, alloc, nullptr, part, o, &pool);
+  EXPECT_EQ(pool.stats().num_reused, 1u);
+  const zero::HostStateBytes measured = opt.host_state();
+  EXPECT_EQ(measured.optimizer, predicted.optimizer + 3 * g);
+  EXPECT_EQ(measured.grads, predicted.grads);
+  EXPECT_EQ(measured.params, predicted.params);
+  EXPECT_EQ(measured.total(), pool.stats().in_use_bytes);
 }
 
 TEST(EngineOptimizerOffload, TheHostUpdateHasItsOwnTraceLane) {

@@ -38,6 +38,27 @@ TEST(PinnedPoolTest, DoesNotHandOutBuffersMuchLargerThanAsked) {
   EXPECT_EQ(pool.stats().cached_bytes, 1 * kMiB);
 }
 
+// block_bytes is what the pool holds for a buffer: the rounded request for a new block, the
+// whole cached block when a larger one is reused.
+TEST(PinnedPoolTest, BlockBytesAreTheBlocksCapacity) {
+  auto dev = make_cpu(16 * kMiB);
+  PinnedPool pool(*dev);
+  PinnedBuffer fresh = pool.allocate(10000);
+  EXPECT_EQ(pool.block_bytes(fresh.data()), 12288u);
+  EXPECT_EQ(fresh.size_bytes(), 10000u);
+  PinnedBuffer larger = pool.allocate(7 * 4096);
+  larger.reset();
+  PinnedBuffer reused = pool.allocate(4 * 4096);  // the cached 28 KiB block, within twice
+  EXPECT_EQ(pool.stats().num_reused, 1u);
+  EXPECT_EQ(pool.block_bytes(reused.data()), 7u * 4096);
+  EXPECT_EQ(pool.stats().in_use_bytes, pool.block_bytes(fresh.data()) + pool.block_bytes(reused.data()));
+  void* gone = reused.data();
+  reused.reset();
+  EXPECT_THROW(pool.block_bytes(gone), UsageError);
+  int not_pinned = 0;
+  EXPECT_THROW(pool.block_bytes(&not_pinned), UsageError);
+}
+
 TEST(PinnedPoolTest, ExhaustionIsAClearError) {
   auto dev = make_cpu(16 * kMiB);
   PinnedPool pool(*dev, /*limit_bytes=*/1 * kMiB);
