@@ -83,6 +83,7 @@ RunOptions make_run_options(const config::Config& config) {
   r.reducer.prescale_gradients = config.prescale_gradients;
   r.reducer.predivide_factor = config.gradient_predivide_factor;
   r.optimizer.zero_stage = z.stage;
+  r.optimizer.allgather_bucket_elems = z.allgather_bucket_size_elems;
   r.optimizer.adamw = config.optimizer.value_or(config::OptimizerConfig{});
   r.optimizer.gradient_clipping = config.gradient_clipping;
   r.optimizer.fp16 = config.fp16;
@@ -232,6 +233,7 @@ nlohmann::ordered_json RunOptions::to_json() const {
   const config::OptimizerConfig& a = optimizer.adamw;
   const config::Fp16Config& f = optimizer.fp16;
   j["optimizer"] = {{"zero_stage", optimizer.zero_stage},
+                    {"allgather_bucket_elems", optimizer.allgather_bucket_elems},
                     {"adamw",
                      {{"type", static_cast<int>(a.type)}, {"lr", a.lr}, {"beta1", a.beta1},
                       {"beta2", a.beta2}, {"eps", a.eps}, {"weight_decay", a.weight_decay},

@@ -152,8 +152,9 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
   const comm::CommLabel label(dp_, "bucket " + std::to_string(b));  // Note [Comm records]
   Pending p;
   p.bucket = b;
-  const bool scatter = options_.zero_stage >= 2 || (options_.zero_stage == 1 && options_.reduce_scatter);
-  if (!scatter) {
+  // Stages 1-3 keep a shard; reduce_scatter false only changes the packed bucket's collective
+  // (Note [Reduce-scatter off]).
+  if (options_.zero_stage == 0) {
     p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
                              comm::ElemType::kF32, comm::ReduceOp::kSum);
   } else if (blocks_[b].use_all_reduce(bk.elems())) {
@@ -181,8 +182,14 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
     local = nn::Tensor();
     contiguous = nn::Tensor();  // stage 2: freed in compute-stream order, after the pack
     auto* base = static_cast<float*>(p.packed.data());
-    p.work = dp_->reduce_scatter(base, base + rank_ * bb.block, static_cast<size_t>(bb.block),
-                                 comm::ElemType::kF32, comm::ReduceOp::kSum);
+    if (options_.reduce_scatter) {
+      p.work = dp_->reduce_scatter(base, base + rank_ * bb.block, static_cast<size_t>(bb.block),
+                                   comm::ElemType::kF32, comm::ReduceOp::kSum);
+    } else {
+      // Every block reduced on every rank; complete() keeps this rank's, as above.
+      p.work = dp_->all_reduce(base, static_cast<size_t>(bb.block * n_), comm::ElemType::kF32,
+                               comm::ReduceOp::kSum);
+    }
     p.packed.record_stream(dp_->stream());
   }
   ++stats_.buckets;

@@ -4,10 +4,9 @@
 // Note [Gradient reduction]
 // Per step, with N data-parallel ranks (for N = 1 nothing is communicated or scaled; stage 2
 // still moves each bucket into the shard, which is then the whole buffer):
-// - stage 0 (and stage 1 with zero_optimization.reduce_scatter false): gradients accumulate
-//   in the full flat buffer; in the last micro-batch each bucket of it (Note [Gradient
-//   buckets]) is all-reduced in place, as soon as backward completed it (overlap_comm) or
-//   after backward.
+// - stage 0: gradients accumulate in the full flat buffer; in the last micro-batch each
+//   bucket of it (Note [Gradient buckets]) is all-reduced in place, as soon as backward
+//   completed it (overlap_comm) or after backward.
 // - stage 1: as stage 0, but each bucket is reduce-scattered (Note [Bucketed
 //   reduce-scatter]) and rank r's result overwrites its shard's part of the flat buffer.
 // - stage 2: there is no full gradient buffer. In every micro-batch, before the first
@@ -27,6 +26,21 @@
 // whole buffer at stage 0) once per element, in the step's last micro-batch: each bucket's
 // part of the shard as soon as its reduction is complete (Note [Ready gradients]), and what
 // no bucket reduced (one rank at stages 0 and 1) at the end.
+//
+// Note [Reduce-scatter off]
+// zero_optimization.reduce_scatter false (DeepSpeed: all-reduce the gradients, then each rank
+// keeps its partition) applies at stages 1, 2 and 3, as in DeepSpeed (its stage 3 all-reduces a
+// contiguous bucket and narrows it to the partition in __avg_scatter_contiguous_grads). Each
+// packed bucket (Note [Bucketed reduce-scatter]) is all-reduced instead of reduce-scattered,
+// count N*B, and rank r keeps block r. The ring splits an all-reduce of N*B elements into the
+// same N chunks of B that the reduce-scatter reduces (Note [Gloo ring]: chunk c is [c*B,
+// (c+1)*B) either way) and adds each chunk's contributions in the same order, so on Gloo the
+// gradients, and so the whole training state, are bitwise those of reduce_scatter true at every
+// world size. Memory is the same too (the packed buffer, category comm). What differs is the
+// traffic: the op is all_reduce, whose payload (CommStats) is the same N*B elements, but a ring
+// all-reduce sends 2(N-1)*B per rank, twice the reduce-scatter's. A bucket all-reduced anyway
+// (use_all_reduce) is unchanged. On NCCL, which may pick another algorithm (a tree) for
+// all_reduce than for reduce_scatter, the sums agree only to rounding beyond two ranks.
 //
 // Note [Ready gradients]
 // A part of the shard is final once the last micro-batch's reduction of its bucket is complete
@@ -54,7 +68,7 @@ namespace porter::zero {
 struct ReducerOptions {
   int zero_stage = 0;             // 0..3 (3 reduces as 2)
   bool overlap_comm = false;
-  bool reduce_scatter = true;     // stage 1 only: reduce_scatter (true) or all_reduce
+  bool reduce_scatter = true;     // stages 1-3: false all-reduces (Note [Reduce-scatter off])
   bool prescale_gradients = false;
   double predivide_factor = 1.0;
 };
@@ -106,7 +120,7 @@ class GradReducer {
   struct Pending {  // a reduction in flight
     size_t bucket = 0;
     comm::Work work;
-    nn::Tensor packed;  // reduce_scatter's packed buckets; undefined for all_reduce
+    nn::Tensor packed;  // the packed bucket (Note [Bucketed reduce-scatter]); else undefined
     // A scattering stage's bucket all-reduced in place (BucketBlocks::use_all_reduce): the
     // reduced bucket, of which this rank keeps its intersection.
     nn::Tensor reduced;

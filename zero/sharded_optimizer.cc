@@ -392,11 +392,45 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
     }
   }
   // Stage 3 gathers each stage's parameters when they are next needed (zero/param_gatherer.h).
-  if (dp_ != nullptr && options_.zero_stage >= 1 && options_.zero_stage <= 2) {
-    const nn::Tensor& all = flat_->params();
-    const comm::CommLabel label(dp_, "params");
-    wait(dp_->all_gather(params.data(), all.data(), static_cast<size_t>(part_.shard_elems),
-                         nn::comm_type(all.dtype())));
+  if (dp_ != nullptr && options_.zero_stage >= 1 && options_.zero_stage <= 2) gather_params();
+}
+
+int64_t allgather_chunk_elems(int64_t bucket_elems, int world_size) {
+  PORTER_CHECK(bucket_elems >= 1, "zero_optimization.allgather_bucket_size: expected >= 1, got ",
+               bucket_elems);
+  return std::max<int64_t>(1, bucket_elems / world_size);
+}
+
+// Note [Bucketed parameter all-gather].
+void ShardedOptimizer::gather_params() {
+  const nn::Tensor& all = flat_->params();
+  const int n = part_.world_size;
+  const int64_t s = part_.shard_elems;
+  const int64_t c = allgather_chunk_elems(options_.allgather_bucket_elems, n);
+  const comm::ElemType type = nn::comm_type(all.dtype());
+  const comm::CommLabel label(dp_, "params");
+  if (c >= s) {  // one all-gather, in place
+    wait(dp_->all_gather(working_.data(), all.data(), static_cast<size_t>(s), type));
+    return;
+  }
+  const size_t es = nn::dtype_size(all.dtype());
+  nn::Tensor staging = nn::Tensor::empty(*allocator_, nn::Shape{c * n}, all.dtype(),
+                                         memory::Category::kComm);
+  memory::Stream& compute = allocator_->device().compute_stream();
+  auto* flat = static_cast<char*>(all.data());
+  auto* mine = static_cast<const char*>(working_.data());
+  auto* out = static_cast<char*>(staging.data());
+  for (int64_t off = 0; off < s; off += c) {
+    const int64_t len = std::min(c, s - off);
+    // The comm stream waits for the compute stream at the call (Note [Comm stream]), so the
+    // previous chunk's copies out of `staging` are done before this one overwrites it.
+    wait(dp_->all_gather(mine + off * es, out, static_cast<size_t>(len), type));
+    for (int r = 0; r < n; ++r) {
+      const int64_t rank_begin = part_.begin(r);
+      if (rank_begin == begin_) continue;  // this rank's own chunk is in place already
+      compute.copy_async(flat + (rank_begin + off) * es, out + r * len * static_cast<int64_t>(es),
+                         static_cast<size_t>(len) * es);
+    }
   }
 }
 

@@ -125,8 +125,28 @@ struct OptimizerOptions {
   config::Fp16Config fp16;             // loss scaling when enabled
   OptimizerOffloadOptions offload;     // Note [Optimizer offload]
   ParamOffloadOptions param_offload;   // Note [Parameter offload]; stage 3 only
+  // zero_optimization.allgather_bucket_size: Note [Bucketed parameter all-gather].
+  int64_t allgather_bucket_elems = 500'000'000;
   bool operator==(const OptimizerOptions&) const = default;
 };
+
+// Note [Bucketed parameter all-gather]
+// At stages 1 and 2 the updated shards (S elements per rank) are all-gathered into every
+// rank's working flat buffer after the update, in all-gathers that each move at most
+// zero_optimization.allgather_bucket_size elements in all, as DeepSpeed's bucketed
+// all_gather_dp_groups does: a chunk of c = max(1, floor(bucket / N)) elements of every shard
+// per op (so a bucket below N elements still moves N), ceil(S / c) ops. When c >= S this is one
+// all-gather in place, into the flat buffer itself, with no extra memory (the default bucket,
+// 5e8 elements, covers any model of up to 5e8 padded elements). Otherwise the ranks' chunks
+// arrive in a staging buffer of N*c elements in the compute dtype (category comm; at most
+// allgather_bucket_size elements), from which N - 1 copies on the compute stream put them at
+// r*S + offset; the one buffer serves every chunk in turn. It lives for the all-gather only,
+// after backward, like stage 2's reduce buckets, which are transient in `comm` too (neither
+// is part of the model-state prediction). An all-gather copies bytes, so any bucket gives the
+// parameters bit for bit.
+// The chunk c of every shard per all-gather (Note [Bucketed parameter all-gather]); throws
+// InvalidArgument for a bucket below 1.
+int64_t allgather_chunk_elems(int64_t bucket_elems, int world_size);
 
 // What global_norm found, for the step's report and for update().
 struct GradNorm {
@@ -219,6 +239,7 @@ class ShardedOptimizer {
 
  private:
   void wait(comm::Work work);
+  void gather_params();  // Note [Bucketed parameter all-gather]
   void finish_gradient_copies(const nn::Tensor& grads);
 
   nn::FlatParams* flat_;                 // not owned; outlives this

@@ -15,8 +15,12 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <mutex>
+
 #include "base/error.h"
 #include "comm/communicator.h"
+#include "engine/state_file.h"
 #include "engine_test_util.h"
 #include "zero/partition.h"
 
@@ -131,6 +135,215 @@ TEST(EngineZeroTest, ScalingVariantsAndStageOneAllReduceAgree) {
   ar.zero_optimization.reduce_scatter = false;
   const std::vector<double> all_reduce = global_losses(run_ranks(ar, 6));
   for (size_t s = 0; s < ref.size(); ++s) EXPECT_EQ(all_reduce[s], ref[s]) << s;
+}
+
+// A communicator that counts the collectives issued through it ("all_reduce", ...; and the
+// all-gathers labelled "params", the optimizer's parameter all-gather), then forwards them.
+class CountingComm : public comm::Communicator {
+ public:
+  explicit CountingComm(std::shared_ptr<comm::Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string_view backend() const override { return inner_->backend(); }
+  const std::string& group_name() const override { return inner_->group_name(); }
+  comm::Work all_reduce(void* buf, size_t count, comm::ElemType type, comm::ReduceOp op) override {
+    count_op("all_reduce");
+    return inner_->all_reduce(buf, count, type, op);
+  }
+  comm::Work reduce_scatter(const void* in, void* out, size_t count, comm::ElemType type,
+                            comm::ReduceOp op) override {
+    count_op("reduce_scatter");
+    return inner_->reduce_scatter(in, out, count, type, op);
+  }
+  comm::Work all_gather(const void* in, void* out, size_t count, comm::ElemType type) override {
+    count_op(inner_->label() == "params" ? "param all_gather" : "all_gather");
+    if (inner_->label() == "params") max_param_gather_elems_ = std::max(max_param_gather_elems_, count * size());
+    return inner_->all_gather(in, out, count, type);
+  }
+  comm::Work broadcast(void* buf, size_t count, comm::ElemType type, int root) override {
+    count_op("broadcast");
+    return inner_->broadcast(buf, count, type, root);
+  }
+  comm::Work barrier() override { return inner_->barrier(); }
+  std::unique_ptr<comm::Communicator> split(const std::vector<int>& ranks,
+                                            const std::string& name) override {
+    return inner_->split(ranks, name);
+  }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+  memory::Stream& stream() override { return inner_->stream(); }
+  comm::CommStats stats() const override { return inner_->stats(); }
+  void reset_stats() override { inner_->reset_stats(); }
+  void record_ops(bool on) override { inner_->record_ops(on); }
+  std::vector<comm::CommRecord> take_records() override { return inner_->take_records(); }
+  uint64_t dropped_records() const override { return inner_->dropped_records(); }
+  void set_label(std::string label) override { inner_->set_label(std::move(label)); }
+  const std::string& label() const override { return inner_->label(); }
+
+  std::map<std::string, int64_t> ops() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ops_;
+  }
+  size_t max_param_gather_elems() const { return max_param_gather_elems_; }
+
+ private:
+  void count_op(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ops_[name];
+  }
+  std::shared_ptr<comm::Communicator> inner_;
+  mutable std::mutex mu_;
+  std::map<std::string, int64_t> ops_;
+  size_t max_param_gather_elems_ = 0;
+};
+
+// One rank of run_counted: its step results, the collectives it issued during the steps and
+// its training checkpoint as save_checkpoint wrote it.
+struct CountedRun {
+  std::vector<StepResult> steps;
+  std::map<std::string, int64_t> ops;
+  size_t max_param_gather_elems = 0;
+  size_t peak_comm_bytes = 0;
+  LoadedState state;
+};
+
+// `steps` steps on c.world_size thread ranks, each through a CountingComm; every rank saves
+// its state under `dir` (removed afterwards).
+std::vector<CountedRun> run_counted(const config::Config& c, int steps, const std::string& tag) {
+  const int ws = static_cast<int>(c.world_size);
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("porter_zero_" + tag + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<CountedRun> runs(static_cast<size_t>(ws));
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    auto device = cpu_device();
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    auto counting = std::make_shared<CountingComm>(
+        std::shared_ptr<comm::Communicator>(comm::make_communicator(*device, store, rank, ws, o)));
+    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, counting);
+    e.reset_peaks();
+    CountedRun& run = runs[static_cast<size_t>(rank)];
+    const std::map<std::string, int64_t> before = counting->ops();  // construction's
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < steps; ++s) {
+      run.steps.push_back(
+          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, ws)));
+    }
+    run.ops = counting->ops();
+    for (const auto& [name, n] : before) run.ops[name] -= n;
+    run.max_param_gather_elems = counting->max_param_gather_elems();
+    run.peak_comm_bytes =
+        e.memory_report().peak_by_category[memory::index_of(memory::Category::kComm)];
+    e.save_checkpoint(dir);
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+  for (int r = 0; r < ws; ++r) {
+    runs[static_cast<size_t>(r)].state = read_state(dir / ("rank" + std::to_string(r)));
+  }
+  std::filesystem::remove_all(dir);
+  return runs;
+}
+
+// The whole saved training state of every rank, bit for bit: every section (parameters, f32
+// master, both moments), the step, the optimizer's steps and the loss scaler; and the losses.
+void expect_same_state(const std::vector<CountedRun>& a, const std::vector<CountedRun>& b,
+                       const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t r = 0; r < a.size(); ++r) {
+    ASSERT_EQ(a[r].steps.size(), b[r].steps.size()) << what;
+    for (size_t s = 0; s < a[r].steps.size(); ++s) {
+      EXPECT_EQ(a[r].steps[s].loss, b[r].steps[s].loss) << what << ": rank " << r << " step " << s;
+    }
+    const LoadedState& x = a[r].state;
+    const LoadedState& y = b[r].state;
+    ASSERT_EQ(x.sections.size(), y.sections.size()) << what;
+    ASSERT_GE(x.sections.size(), 3u) << what;  // params, exp_avg, exp_avg_sq
+    for (size_t i = 0; i < x.sections.size(); ++i) {
+      EXPECT_EQ(x.sections[i].name, y.sections[i].name) << what;
+      EXPECT_TRUE(x.sections[i].bytes == y.sections[i].bytes)
+          << what << ": rank " << r << " section " << x.sections[i].name << " differs";
+    }
+    for (const char* key : {"step", "optimizer_steps", "loss_scaler"}) {
+      EXPECT_EQ(x.meta.value(key, nlohmann::json()), y.meta.value(key, nlohmann::json()))
+          << what << ": rank " << r << " meta " << key;
+    }
+  }
+}
+
+int64_t op_count(const CountedRun& run, const std::string& op) {
+  auto it = run.ops.find(op);
+  return it == run.ops.end() ? 0 : it->second;
+}
+
+// Note [Reduce-scatter off] in zero/reducer.h: stages 1-3 with reduce_scatter false all-reduce
+// every bucket they would reduce-scatter, with the same payload, and on Gloo give the same
+// bits at 2 and 3 ranks (at 3 the sums have three terms, whose order the ring fixes by chunk).
+TEST(EngineZeroTest, ReduceScatterOffAllReducesWithTheSameState) {
+  for (int ws : {2, 3}) {
+    for (int stage = 1; stage <= 3; ++stage) {
+      const std::string what = std::to_string(ws) + " ranks, stage " + std::to_string(stage);
+      config::Config c = zero_config(ws, stage);
+      c.gradient_clipping = 0.05;  // the norm, from the reduced shards, is in the state too
+      const std::vector<CountedRun> scatter = run_counted(c, 4, "rs_on");
+      c.zero_optimization.reduce_scatter = false;
+      const std::vector<CountedRun> reduce = run_counted(c, 4, "rs_off");
+      expect_same_state(scatter, reduce, what);
+      for (size_t r = 0; r < scatter.size(); ++r) {
+        // The packed buckets were reduce-scattered, and are all-reduced now: nothing else changed.
+        const int64_t rs = op_count(scatter[r], "reduce_scatter");
+        EXPECT_GT(rs, 0) << what;
+        EXPECT_EQ(op_count(reduce[r], "reduce_scatter"), 0) << what;
+        EXPECT_EQ(op_count(reduce[r], "all_reduce"), op_count(scatter[r], "all_reduce") + rs)
+            << what;
+        for (size_t s = 0; s < scatter[r].steps.size(); ++s) {
+          EXPECT_EQ(reduce[r].steps[s].zero.comm_bytes, scatter[r].steps[s].zero.comm_bytes)
+              << what << " step " << s;
+        }
+      }
+    }
+  }
+}
+
+// Note [Bucketed parameter all-gather] in zero/sharded_optimizer.h.
+TEST(EngineZeroTest, AllgatherBucketSizeSplitsTheParameterGather) {
+  for (int ws : {2, 3}) {
+    for (int stage = 1; stage <= 2; ++stage) {
+      const std::string what = std::to_string(ws) + " ranks, stage " + std::to_string(stage);
+      config::Config c = zero_config(ws, stage);
+      c.porter.model.hidden = 16;  // a small model: a 2-element bucket is one all-gather per element
+      c.porter.model.vocab = 32;
+      c.porter.model.layers = 1;
+      const int steps = 2;
+      const std::vector<CountedRun> whole = run_counted(c, steps, "ag_whole");
+      const int64_t s_elems = whole[0].steps[0].zero.shard_elems;
+      EXPECT_EQ(op_count(whole[0], "param all_gather"), steps) << what;  // 5e8: one per step
+      for (int64_t bucket : {int64_t{2}, int64_t{1000}, 2 * ws * s_elems + 2}) {
+        const std::string w = what + ", allgather_bucket_size " + std::to_string(bucket);
+        const int64_t chunk = std::max<int64_t>(1, bucket / ws);
+        if (bucket == 1000) {
+          ASSERT_NE(s_elems % chunk, 0) << w << ": meant not to divide S";
+        }
+        config::Config b = c;
+        b.zero_optimization.allgather_bucket_size_elems = bucket;
+        const std::vector<CountedRun> runs = run_counted(b, steps, "ag_" + std::to_string(bucket));
+        expect_same_state(whole, runs, w);
+        const int64_t per_step = chunk >= s_elems ? 1 : (s_elems + chunk - 1) / chunk;
+        for (const CountedRun& r : runs) {
+          EXPECT_EQ(op_count(r, "param all_gather"), per_step * steps) << w;
+          // Each all-gather moves at most the bucket (a 2-element bucket at 3 ranks: 1 each).
+          EXPECT_LE(r.max_param_gather_elems,
+                    static_cast<size_t>(std::max<int64_t>(bucket, ws))) << w;
+          // The staging buffer, in comm, while the chunks are gathered.
+          if (per_step > 1) {
+            EXPECT_GE(r.peak_comm_bytes, static_cast<size_t>(ws * chunk * 4)) << w;
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(EngineZeroTest, StagesAgreeAtFourRanks) {
