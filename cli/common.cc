@@ -85,11 +85,12 @@ ConfigInputs read_inputs(const ConfigArgs& args) {
   return in;
 }
 
-void print_warnings(const config::SourcedParseResult& result, std::ostream& err) {
-  for (const config::SourcedWarning& w : result.warnings) err << "warning: " << w.text() << "\n";
-}
-
 }  // namespace
+
+void print_diagnostics(const config::SourcedParseResult& result, std::ostream& err) {
+  for (const config::SourcedWarning& w : result.warnings) err << "warning: " << w.text() << "\n";
+  for (const config::SourcedWarning& n : result.notes) err << "note: " << n.text() << "\n";
+}
 
 std::string ConfigArgs::display() const {
   std::string s;
@@ -147,7 +148,7 @@ config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& er
                            int64_t world_size) {
   const config::SourcedParseResult result =
       parse_config_args(args, config::ParseOptions{world_size, strict});
-  print_warnings(result, err);
+  print_diagnostics(result, err);
   return result.config;
 }
 
@@ -194,7 +195,7 @@ config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& er
     }
     throw InvalidArgument(what + ": " + message + hint);
   }
-  print_warnings(result, err);
+  print_diagnostics(result, err);
   return result.config;
 }
 

@@ -40,7 +40,11 @@ void add_set_option(CLI::App* cmd, std::vector<std::string>& sets);
 config::SourcedParseResult parse_config_args(const ConfigArgs& args,
                                              const config::ParseOptions& options);
 
-// parse_config_args, printing the warnings to `err`.
+// The warnings ("warning: <source>: ...") and then the notes ("note: <source>: ...", Note
+// [Fixed behaviour] in config/parse.h) of a parsed config, one line each.
+void print_diagnostics(const config::SourcedParseResult& result, std::ostream& err);
+
+// parse_config_args, printing the warnings and notes to `err`.
 config::Config load_config(const ConfigArgs& args, bool strict, std::ostream& err,
                            int64_t world_size = 1);
 // The same with porter.model.tensor_parallel replaced by `tensor_parallel` (below).

@@ -44,7 +44,7 @@ int check(const CheckOptions& o, std::ostream& out, std::ostream& err) {
     err << shown << ": invalid\n";
     return kExitInvalid;
   }
-  for (const config::SourcedWarning& w : result.warnings) err << "warning: " << w.text() << "\n";
+  print_diagnostics(result, err);
   if (o.json) {
     out << config::to_json_string(result.config) << "\n";
   } else {

@@ -359,6 +359,43 @@ void check_even(const int64_t& n, const std::string& path) {
   }
 }
 
+// Note [Fixed behaviour] in config/parse.h: the zero_optimization keys whose choice porter
+// makes one way, said once each when the config gives them (any value, "auto" included).
+// - contiguous_gradients: the gradients live in one flat buffer at stages 0 and 1, and at
+//   stages 2 and 3 each bucket is reduced into the rank's flat f32 gradient shard
+//   (Note [Gradient reduction] in zero/reducer.h); nothing is fragmented to defragment.
+// - sub_group_size: ShardedOptimizer::update steps the rank's whole range in one AdamW call,
+//   on the device or (offloaded) in one CpuAdam::update over the host threads; its state is
+//   allocated for the whole run, so there is nothing to bound by sub-group.
+// - nvme_path: NVMe offload does not exist in porter ("nvme" devices read as "cpu").
+void note_fixed_zero_behaviour(ObjectReader& r) {
+  if (r.has("contiguous_gradients")) {
+    r.diag().note(r.path_of("contiguous_gradients"),
+                  "porter always keeps gradients contiguous: they accumulate in one flat buffer "
+                  "(at ZeRO stages 2 and 3, the rank's gradient shard), whatever the value (the "
+                  "key has no effect)");
+  }
+  if (r.has("sub_group_size")) {
+    r.diag().note(r.path_of("sub_group_size"),
+                  "porter's AdamW steps the rank's whole optimizer shard at once (offloaded, the "
+                  "host AdamW updates it in one pass over its threads), with all of its state "
+                  "allocated for the run; there are no sub-groups (the key has no effect)");
+  }
+  std::vector<std::string> nvme_paths;
+  for (const char* section : {"offload_optimizer", "offload_param"}) {
+    const Json* s = r.get(section);
+    if (s != nullptr && s->is_object() && s->contains("nvme_path")) {
+      nvme_paths.push_back(r.path_of(section) + ".nvme_path");
+    }
+  }
+  if (!nvme_paths.empty()) {
+    r.diag().note(nvme_paths[0],
+                  std::string("porter has no NVMe offload, so the path is not used") +
+                      (nvme_paths.size() > 1 ? " (nor " + nvme_paths[1] + ")" : "") +
+                      "; offload to host memory instead, with \"device\": \"cpu\"");
+  }
+}
+
 using Zero = ZeroConfig;
 constexpr Key<Zero> kZeroKeys[] = {
     {"stage", &Zero::stage, IntRange{0, 3}},
@@ -468,6 +505,8 @@ void read_zero(ObjectReader& root, Config& c) {
              " < 1 (partial offload) needs ZeRO stage 3, but zero_optimization.stage is " +
              std::to_string(z.stage) + "; use ratio 1 or stage 3");
   }
+
+  note_fixed_zero_behaviour(*r);
 
   // DeepSpeed keys porter reads but does not implement; harmless at these values.
   r->not_implemented("load_from_fp32_weights", true, "loading from 16-bit weights");

@@ -270,6 +270,14 @@ void Diagnostics::warn(std::string path, std::string message) {
   warnings_.push_back(Warning{std::move(path), std::move(message)});
 }
 
+void Diagnostics::warn_unknown(std::string path, std::string message) {
+  warnings_.push_back(Warning{std::move(path), std::move(message), /*unknown_key=*/true});
+}
+
+void Diagnostics::note(std::string path, std::string message) {
+  notes_.push_back(Warning{std::move(path), std::move(message)});
+}
+
 bool is_auto(const Json& value) {
   return value.is_string() && value.get_ref<const std::string&>() == "auto";
 }
@@ -475,7 +483,7 @@ void ObjectReader::finish() {
     if (std::optional<std::string> near = suggest(key, known_)) {
       message += " (did you mean \"" + *near + "\"?)";
     }
-    diag_->warn(path_of(key), message);
+    diag_->warn_unknown(path_of(key), message);
   }
 }
 

@@ -35,10 +35,16 @@ std::string child_path(std::string_view parent, std::string_view key);
 class Diagnostics {
  public:
   void warn(std::string path, std::string message);
+  // ObjectReader::finish's warning about a key no getter asked for.
+  void warn_unknown(std::string path, std::string message);
+  // Note [Fixed behaviour] in config/parse.h.
+  void note(std::string path, std::string message);
   const std::vector<Warning>& warnings() const { return warnings_; }
+  const std::vector<Warning>& notes() const { return notes_; }
 
  private:
   std::vector<Warning> warnings_;
+  std::vector<Warning> notes_;
 };
 
 struct IntRange {

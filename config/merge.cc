@@ -293,6 +293,59 @@ MergedConfig merge_config_sources(const std::vector<ConfigSource>& sources,
 
 // --- Parsing --------------------------------------------------------------------------------
 
+namespace {
+
+// Note [Set keys]: the unknown keys an override gave are one error.
+void refuse_unknown_set_keys(const std::vector<Warning>& warnings,
+                             const std::vector<ConfigOverride>& overrides,
+                             const Provenance& provenance) {
+  struct Refused {
+    std::string source;
+    const Warning* warning;
+  };
+  std::vector<Refused> refused;
+  for (const Warning& w : warnings) {
+    if (!w.unknown_key) continue;
+    for (const std::string& s : provenance.sources_of(w.path)) {
+      const bool is_override =
+          std::any_of(overrides.begin(), overrides.end(),
+                      [&](const ConfigOverride& o) { return o.name == s; });
+      if (is_override) {
+        refused.push_back(Refused{s, &w});
+        break;
+      }
+    }
+  }
+  if (refused.empty()) return;
+  // "unknown key, ignored (did you mean ...)": nothing is ignored here.
+  auto message_of = [](const Warning& w) {
+    constexpr std::string_view kIgnored = "unknown key, ignored";
+    std::string message = w.message;
+    if (message.rfind(kIgnored, 0) == 0) message = "unknown key" + message.substr(kIgnored.size());
+    return message;
+  };
+  constexpr const char* kRule =
+      "a key given with --set must be one porter reads (a key in a config file is only warned "
+      "about)";
+  if (refused.size() == 1) {
+    const Warning& w = *refused[0].warning;
+    throw SourcedConfigError(refused[0].source,
+                             ConfigError(w.path, message_of(w) + "; " + kRule));
+  }
+  std::vector<std::string> sources;
+  std::string message =
+      std::to_string(refused.size()) + " keys given with --set are unknown; " + kRule + ":";
+  for (const Refused& r : refused) {
+    sources.push_back(r.source);
+    message += "\n  " + r.source + ": " + Warning{r.warning->path, message_of(*r.warning)}.text();
+  }
+  throw SourcedConfigError(join_sources(provenance.in_merge_order(sources)),
+                           ConfigError(refused[0].warning->path, message,
+                                       ConfigError::Verbatim{}));
+}
+
+}  // namespace
+
 SourcedParseResult parse_config_sources(const std::vector<ConfigSource>& sources,
                                         const std::vector<ConfigOverride>& overrides,
                                         const ParseOptions& options) {
@@ -309,8 +362,12 @@ SourcedParseResult parse_config_sources(const std::vector<ConfigSource>& sources
   } catch (const ConfigError& e) {
     throw SourcedConfigError(provenance.label(e.path(), e.what()), e);
   }
+  refuse_unknown_set_keys(parsed.warnings, overrides, provenance);
   SourcedParseResult result;
   result.config = std::move(parsed.config);
+  for (Warning& n : parsed.notes) {
+    result.notes.push_back(SourcedWarning{provenance.label(n.path, n.message), std::move(n)});
+  }
   std::vector<std::string> sources_of_warnings;  // in merge order
   for (Warning& w : parsed.warnings) {
     const std::vector<std::string> from = provenance.sources_of(w.path, w.message);

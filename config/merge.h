@@ -132,11 +132,22 @@ struct SourcedWarning {
 struct SourcedParseResult {
   Config config;
   std::vector<SourcedWarning> warnings;  // in the order the keys were read
+  std::vector<SourcedWarning> notes;     // ParseResult::notes, with their sources
 };
 
+// Note [Set keys]
+// A key in a file that porter does not read is a warning (with a did-you-mean): published
+// configs carry keys of other DeepSpeed versions, and they must still load. A key given with
+// --set is typed by the user for this run, so a key porter does not read is an error: a typo
+// ("--set zero_optimisation.stage=3") would otherwise run with the setting it meant unchanged.
+// The error names the --set, the key, the rule and the closest known key. A --set that puts
+// something under an unknown key a file gave is refused the same way. A value of the wrong type
+// is an error wherever it comes from.
+
 // Merges, then parses the result as parse_config_string would. Throws SourcedConfigError for
-// any invalid input, attributed to its source(s); under options.strict, the warnings become one
-// error that lists each with its source (just the text when all have the same one).
+// any invalid input, attributed to its source(s), and for a key given by an override that porter
+// does not read (Note [Set keys]); under options.strict, the warnings become one error that
+// lists each with its source (just the text when all have the same one).
 SourcedParseResult parse_config_sources(const std::vector<ConfigSource>& sources,
                                         const std::vector<ConfigOverride>& overrides,
                                         const ParseOptions& options = {});

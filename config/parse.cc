@@ -65,6 +65,7 @@ ParseResult parse_config_document(const Json& document, const ParseOptions& opti
   root.finish();
 
   result.warnings = diag.warnings();
+  result.notes = diag.notes();
   if (options.strict && !result.warnings.empty()) {
     std::string message = std::to_string(result.warnings.size()) +
                           " warning(s), which strict mode makes errors:";

@@ -38,10 +38,14 @@ struct ParseOptions {
 };
 
 // Something porter accepted but the user should know: an unknown key (with a did-you-mean), a
-// deprecated alias, a DeepSpeed feature porter does not implement yet.
+// deprecated alias, a DeepSpeed feature porter does not implement yet. Also the form of a note
+// (ParseResult::notes).
 struct Warning {
   std::string path;
   std::string message;
+  // The key is not one porter reads (ObjectReader::finish); given with --set it is an error
+  // (Note [Set keys] in config/merge.h).
+  bool unknown_key = false;
   std::string text() const { return path.empty() ? message : path + ": " + message; }
   bool operator==(const Warning&) const = default;
 };
@@ -49,6 +53,10 @@ struct Warning {
 struct ParseResult {
   Config config;
   std::vector<Warning> warnings;  // in the order the keys were read
+  // Note [Fixed behaviour]: what porter does in place of a key the config gives, where porter's
+  // behaviour is fixed (zero_optimization.contiguous_gradients, sub_group_size, nvme_path), and
+  // which model a config without porter.model trains. Never errors, not even under strict.
+  std::vector<Warning> notes;
 };
 
 // Throws ConfigError for any invalid input, including malformed JSON (with line and column)

@@ -275,14 +275,20 @@ PorterReadState read_porter_section(ObjectReader& root, Config& c) {
   PorterReadState state;
   PorterSection& p = c.porter;
   if (std::optional<ObjectReader> r = root.object("porter")) {
-    if (std::optional<ObjectReader> s = r->object("model")) read_plain(*s, p.model, c);
+    if (std::optional<ObjectReader> s = r->object("model")) {
+      state.model_given = true;
+      read_plain(*s, p.model, c);
+    }
     if (std::optional<ObjectReader> s = r->object("data")) read_data(*s, c);
     if (std::optional<ObjectReader> s = r->object("device")) read_device(*s, c);
     if (std::optional<ObjectReader> s = r->object("checkpointing")) {
       state.policy_given = s->has("policy");
       read_plain(*s, p.checkpointing, c);
     }
-    if (std::optional<ObjectReader> s = r->object("train")) read_plain(*s, p.train, c);
+    if (std::optional<ObjectReader> s = r->object("train")) {
+      state.log_every_given = s->has("log_every");
+      read_plain(*s, p.train, c);
+    }
     if (std::optional<ObjectReader> s = r->object("trace")) read_plain(*s, p.trace, c);
     if (std::optional<ObjectReader> s = r->object("comm")) read_plain(*s, p.comm, c);
     r->finish();
@@ -349,7 +355,34 @@ void check_tensor_parallel(const Config& c, Diagnostics& diag) {
 // porter.checkpointing's `segments` here (used by the uniform policy, and by `porter
 // estimate`'s uniform row under any policy), so nothing past the parser reads the DeepSpeed
 // key.
+// Note [Progress cadence]
+// DeepSpeed prints its progress every steps_per_print steps; porter train prints a progress
+// line every porter.train.log_every steps (off a terminal). A published DeepSpeed config has
+// steps_per_print and no porter section, so when log_every is not given, steps_per_print is
+// its value (and the resolved config prints both); when neither is, it is 1.
+void resolve_log_every(const PorterReadState& state, Config& c) {
+  if (!state.log_every_given && c.steps_per_print) c.porter.train.log_every = *c.steps_per_print;
+}
+
+// Note [Fixed behaviour] in config/parse.h: a DeepSpeed config has no model (the training
+// script builds it), so a config without porter.model trains the default one, which is said.
+void note_default_model(const PorterReadState& state, const Config& c, Diagnostics& diag) {
+  if (state.model_given) return;
+  const ModelConfig& m = c.porter.model;
+  diag.note("porter.model",
+            "not given, so porter trains its default model, a " +
+                std::string(m.type == ModelType::kLlama ? "Llama" : "GPT") + " of " +
+                std::to_string(m.layers) + " layers, hidden " + std::to_string(m.hidden) + ", " +
+                std::to_string(m.heads) + " heads, seq_len " + std::to_string(m.seq_len) +
+                ", vocab " + std::to_string(m.vocab) +
+                "; give the model in the config's \"porter\": {\"model\": {...}} (or key by key "
+                "with --set, e.g. --set porter.model.layers=4), or load one with "
+                "porter.model.from, a Hugging Face model directory");
+}
+
 void check_across_sections(const PorterReadState& state, Config& c, Diagnostics& diag) {
+  resolve_log_every(state, c);
+  note_default_model(state, c, diag);
   CheckpointingConfig& k = c.porter.checkpointing;
   const std::optional<ActivationCheckpointingConfig>& ac = c.activation_checkpointing;
   // 0: not given (a plain integer: GCC 12 misreads an optional here as maybe-uninitialized).

@@ -69,7 +69,9 @@ KeyTable<S> keys_of() {
 
 // What the porter section's reading leaves for the checks that need the DeepSpeed keys too.
 struct PorterReadState {
-  bool policy_given = false;  // porter.checkpointing.policy was in the file
+  bool policy_given = false;     // porter.checkpointing.policy was in the file
+  bool log_every_given = false;  // porter.train.log_every was (Note [Progress cadence])
+  bool model_given = false;      // porter.model was, and not null
 };
 
 // porter's own section. Read first: "auto" values in the DeepSpeed sections depend on the model.

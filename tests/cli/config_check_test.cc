@@ -48,6 +48,65 @@ TEST(ConfigCheck, WarningsGoToStderr) {
   EXPECT_FALSE(contains(r.out, "warning: ")) << r.out;
 }
 
+size_t count(const std::string& haystack, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = haystack.find(needle); at != std::string::npos;
+       at = haystack.find(needle, at + needle.size())) {
+    ++n;
+  }
+  return n;
+}
+
+// Note [Fixed behaviour] in config/parse.h: each fixed key is noted once, on stderr, after the
+// warnings; both nvme_path keys in one note.
+TEST(ConfigCheck, FixedKeysAreNotedOnceEach) {
+  const std::string file =
+      (kRealWorld /
+       "deepspeedexamples__megatron-lm-v1.1.5-zero3__examples__ds_zero_stage_infinity_config.json")
+          .string();
+  CliRun r = porter({"config", "check", file});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_EQ(count(r.err, "note: "), 4u) << r.err;
+  EXPECT_TRUE(contains(r.err, "\nnote: " + file +
+                                  ": zero_optimization.contiguous_gradients: porter always keeps "
+                                  "gradients contiguous: they accumulate in one flat buffer (at "
+                                  "ZeRO stages 2 and 3, the rank's gradient shard), whatever the "
+                                  "value (the key has no effect)\n"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "\nnote: " + file +
+                                  ": zero_optimization.sub_group_size: porter's AdamW steps the "
+                                  "rank's whole optimizer shard at once"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "\nnote: " + file +
+                                  ": zero_optimization.offload_optimizer.nvme_path: porter has no "
+                                  "NVMe offload, so the path is not used (nor "
+                                  "zero_optimization.offload_param.nvme_path); offload to host "
+                                  "memory instead, with \"device\": \"cpu\"\n"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "\nnote: " + file + ": porter.model: not given, so porter trains its "
+                                  "default model, a GPT of 12 layers, hidden 768"))
+      << r.err;
+  EXPECT_EQ(count(r.err, "nvme_path"), 2u) << r.err;  // one note names both
+  EXPECT_FALSE(contains(r.out, "note: ")) << r.out;
+
+  // Notes are not warnings: --strict accepts a config that has only notes.
+  const std::string quiet = write_temp("notes_only.json", R"({"train_batch_size": 2,
+      "zero_optimization": {"stage": 2, "contiguous_gradients": false, "sub_group_size": 1e9},
+      "porter": {"model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64}}})");
+  CliRun strict = porter({"config", "check", quiet, "--strict"});
+  EXPECT_EQ(strict.rc, kExitOk) << strict.err;
+  EXPECT_TRUE(contains(strict.out, "(0 warnings)")) << strict.out;
+  EXPECT_EQ(count(strict.err, "note: "), 2u) << strict.err;
+  EXPECT_FALSE(contains(strict.err, "warning: ")) << strict.err;
+  // Without the keys, nothing is noted.
+  const std::string plain = write_temp("no_notes.json", R"({"train_batch_size": 2,
+      "zero_optimization": {"stage": 2},
+      "porter": {"model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64}}})");
+  CliRun none = porter({"config", "check", plain});
+  EXPECT_EQ(none.rc, kExitOk) << none.err;
+  EXPECT_EQ(none.err, "");
+}
+
 TEST(ConfigCheck, JsonOutputIsTheResolvedConfig) {
   const std::string file = (kRealWorld / "transformers__tests__deepspeed__ds_config_zero3.json").string();
   CliRun r = porter({"config", "check", file, "--json", "--world-size", "4"});

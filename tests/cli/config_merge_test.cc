@@ -155,16 +155,58 @@ TEST_F(ConfigMerge, SetOverridesAKeyAndIsNamedInMessages) {
   EXPECT_TRUE(contains(bad.err, "error: --set zero_optimization.stage: zero_optimization.stage: "
                                 "expected an integer in 0..3, got \"two\"\n"))
       << bad.err;
+  // Note [Set keys]: a typo given with --set is an error, not a warning.
   CliRun typo = porter({"config", "check", ds_, model_, "--set", "porter.model.layer=8"});
-  EXPECT_EQ(typo.rc, kExitOk);
-  EXPECT_TRUE(contains(typo.err, "warning: --set porter.model.layer: porter.model.layer: unknown "
-                                 "key, ignored (did you mean \"layers\"?)"))
+  EXPECT_EQ(typo.rc, kExitInvalid);
+  EXPECT_TRUE(contains(typo.err, "error: --set porter.model.layer: porter.model.layer: unknown "
+                                 "key (did you mean \"layers\"?); a key given with --set must be "
+                                 "one porter reads (a key in a config file is only warned "
+                                 "about)\n"))
       << typo.err;
+  EXPECT_EQ(typo.out, "");
   CliRun through = porter({"config", "check", ds_, model_, "--set", "porter.model.layers.x=1"});
   EXPECT_EQ(through.rc, kExitInvalid);
   EXPECT_TRUE(contains(through.err, "error: --set porter.model.layers.x: porter.model.layers: 3 "
                                     "(from " + model_ + ") is not a JSON object"))
       << through.err;
+}
+
+// Every command that takes --set refuses an unknown, misspelt or wrongly typed key with exit
+// code 2, naming the flag, the key, the rule and the closest known key.
+TEST_F(ConfigMerge, ASetTypoIsAnErrorInEveryCommand) {
+  const std::string typo_error =
+      "error: --set zero_optimisation.stage: zero_optimisation: unknown key (did you mean "
+      "\"zero_optimization\"?); a key given with --set must be one porter reads";
+  const std::string type_error =
+      "error: --set porter.model.layers: porter.model.layers: expected an integer in 1..100000, "
+      "got \"eight\"";
+  const std::vector<std::vector<std::string>> commands = {
+      {"config", "check", ds_, model_},
+      {"train", "--config", ds_, "--config", model_, "--steps", "1"},
+      {"estimate", "--config", ds_, "--config", model_},
+      {"plan", "--config", ds_, "--config", model_},
+      {"stress", "--config", ds_, "--config", model_, "--runs", "1"},
+  };
+  for (const std::vector<std::string>& command : commands) {
+    SCOPED_TRACE(command[0]);
+    std::vector<std::string> typo = command;
+    typo.insert(typo.end(), {"--set", "zero_optimisation.stage=3"});
+    CliRun r = porter(typo);
+    EXPECT_EQ(r.rc, kExitInvalid) << r.err;
+    EXPECT_TRUE(contains(r.err, typo_error)) << r.err;
+    std::vector<std::string> wrong = command;
+    wrong.insert(wrong.end(), {"--set", "porter.model.layers=eight"});
+    CliRun w = porter(wrong);
+    EXPECT_EQ(w.rc, kExitInvalid) << w.err;
+    EXPECT_TRUE(contains(w.err, type_error)) << w.err;
+  }
+  // The same key in a file is a warning, and the run goes on.
+  const std::string file_typo = write("typo.json", R"({"zero_optimisation": {"stage": 3}})");
+  CliRun f = porter({"config", "check", ds_, model_, file_typo});
+  EXPECT_EQ(f.rc, kExitOk) << f.err;
+  EXPECT_TRUE(contains(f.err, "warning: " + file_typo + ": zero_optimisation: unknown key, "
+                              "ignored (did you mean \"zero_optimization\"?)\n"))
+      << f.err;
 }
 
 TEST_F(ConfigMerge, AMalformedSetIsAUsageError) {

@@ -209,13 +209,81 @@ TEST(Attribution, SetIsNamedAsTheFlagAndItsPath) {
   EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"zero_optimization.stage=two"})); }),
             "--set zero_optimization.stage: zero_optimization.stage: expected an integer in 0..3, "
             "got \"two\"");
-  SourcedParseResult r = parse_config_sources(files, sets({"porter.model.layer=8"}));
-  EXPECT_EQ(texts(r), std::vector<std::string>{"--set porter.model.layer: porter.model.layer: "
-                                               "unknown key, ignored (did you mean \"layers\"?)"});
   // A key given by a file and then by --set is the flag's.
   EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"porter.model.layers=0"})); }),
             "--set porter.model.layers: porter.model.layers: expected an integer in 1..100000, "
             "got 0");
+}
+
+// Note [Set keys]: an unknown key given with --set is an error naming the flag, the key, the
+// rule and the closest known key; the same key in a file is a warning.
+TEST(SetKeys, AnUnknownKeyIsAnErrorWithADidYouMean) {
+  const std::vector<ConfigSource> files = {source("ds.json", R"({"train_batch_size": 8})"),
+                                           source("model.json", R"({"porter": {"model": {"layers": 2}}})")};
+  constexpr const char* kRule =
+      "; a key given with --set must be one porter reads (a key in a config file is only warned "
+      "about)";
+  EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"zero_optimisation.stage=3"})); }),
+            std::string("--set zero_optimisation.stage: zero_optimisation: unknown key (did you "
+                        "mean \"zero_optimization\"?)") + kRule);
+  EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"zero_optimization.stge=3"})); }),
+            std::string("--set zero_optimization.stge: zero_optimization.stge: unknown key (did "
+                        "you mean \"stage\"?)") + kRule);
+  EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"porter.model.layer=8"})); }),
+            std::string("--set porter.model.layer: porter.model.layer: unknown key (did you mean "
+                        "\"layers\"?)") + kRule);
+  // Nothing close: no suggestion, still an error.
+  EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"completely_unrelated=1"})); }),
+            std::string("--set completely_unrelated: completely_unrelated: unknown key") + kRule);
+  // The error is the source's, typed as such.
+  try {
+    parse_config_sources(files, sets({"porter.model.layers=3", "fp16.enabeld=true"}));
+    FAIL() << "no error";
+  } catch (const SourcedConfigError& e) {
+    EXPECT_EQ(e.source(), "--set fp16.enabeld");
+    EXPECT_EQ(e.path(), "fp16.enabeld");
+  }
+  // Several: one error listing each.
+  EXPECT_EQ(error_of([&] {
+              parse_config_sources(files, sets({"porter.model.layer=8", "gradient_cliping=1"}));
+            }),
+            std::string("--set porter.model.layer + --set gradient_cliping: 2 keys given with --set "
+                        "are unknown") + kRule + ":\n"
+            "  --set porter.model.layer: porter.model.layer: unknown key (did you mean "
+            "\"layers\"?)\n"
+            "  --set gradient_cliping: gradient_cliping: unknown key (did you mean "
+            "\"gradient_clipping\"?)");
+}
+
+TEST(SetKeys, AFilesUnknownKeyStaysAWarningUnlessASetAddsToIt) {
+  const std::vector<ConfigSource> files = {
+      source("ds.json", R"({"train_batch_size": 8, "gradient_cliping": 1, "extra": {"a": 1}})")};
+  // Strict or not, a --set of known keys leaves the file's unknown keys warnings.
+  SourcedParseResult r = parse_config_sources(files, sets({"gradient_clipping=0.5"}));
+  EXPECT_EQ(texts(r), (std::vector<std::string>{
+                          "ds.json: extra: unknown key, ignored",
+                          "ds.json: gradient_cliping: unknown key, ignored (did you mean "
+                          "\"gradient_clipping\"?)"}));
+  EXPECT_DOUBLE_EQ(r.config.gradient_clipping, 0.5);
+  // A --set that adds to the file's unknown section is refused: it would do nothing.
+  EXPECT_EQ(error_of([&] { parse_config_sources(files, sets({"extra.b=2"})); }),
+            "--set extra.b: extra: unknown key; a key given with --set must be one porter reads "
+            "(a key in a config file is only warned about)");
+}
+
+TEST(Notes, CarryTheSourceOfTheirKeyAndAreNotStrictErrors) {
+  const std::vector<ConfigSource> files = {
+      source("ds.json", R"({"train_batch_size": 8, "zero_optimization": {"stage": 2}})"),
+      source("model.json", R"({"porter": {"model": {"layers": 2}}})")};
+  const SourcedParseResult r = parse_config_sources(
+      files, sets({"zero_optimization.contiguous_gradients=false"}), ParseOptions{1, true});
+  EXPECT_TRUE(r.warnings.empty());
+  ASSERT_EQ(r.notes.size(), 1u);
+  EXPECT_EQ(r.notes[0].text(),
+            "--set zero_optimization.contiguous_gradients: zero_optimization.contiguous_gradients: "
+            "porter always keeps gradients contiguous: they accumulate in one flat buffer (at "
+            "ZeRO stages 2 and 3, the rank's gradient shard), whatever the value (the key has no "
+            "effect)");
 }
 
 TEST(Attribution, RulesAcrossKeysListEveryFileInvolved) {

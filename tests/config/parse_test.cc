@@ -342,5 +342,69 @@ TEST(Files, MissingFileIsAnIoError) {
   EXPECT_THROW(parse_config_file("/nonexistent/porter.json"), IoError);
 }
 
+std::vector<std::string> notes_of(const std::string& json) {
+  std::vector<std::string> out;
+  for (const Warning& n : parse(json).notes) out.push_back(n.text());
+  return out;
+}
+
+// Note [Fixed behaviour]: each key whose choice porter makes one way is noted once, only when
+// given, whatever its value; never as a warning.
+TEST(Notes, FixedZeroKeysAreNotedOnceWhenGiven) {
+  const std::string model = R"("porter": {"model": {"layers": 2}})";
+  EXPECT_TRUE(notes_of(R"({"train_batch_size": 1, "zero_optimization": {"stage": 3}, )" + model +
+                       "}")
+                  .empty());
+  ParseResult r = parse(R"({"train_batch_size": 1, "zero_optimization": {"stage": 3,
+      "contiguous_gradients": false, "sub_group_size": "auto",
+      "offload_param": {"device": "cpu", "nvme_path": "/nvme"}}, )" + model + "}");
+  EXPECT_TRUE(r.warnings.empty());
+  ASSERT_EQ(r.notes.size(), 3u);
+  EXPECT_EQ(r.notes[0].path, "zero_optimization.contiguous_gradients");
+  EXPECT_THAT(r.notes[0].message,
+              ::testing::StartsWith("porter always keeps gradients contiguous"));
+  EXPECT_EQ(r.notes[1].path, "zero_optimization.sub_group_size");
+  EXPECT_THAT(r.notes[1].message,
+              ::testing::StartsWith("porter's AdamW steps the rank's whole optimizer shard at once"));
+  EXPECT_EQ(r.notes[2].text(),
+            "zero_optimization.offload_param.nvme_path: porter has no NVMe offload, so the path "
+            "is not used; offload to host memory instead, with \"device\": \"cpu\"");
+  // Strict mode refuses warnings, not notes.
+  EXPECT_EQ(parse_config_string(R"({"train_batch_size": 1, "zero_optimization":
+      {"stage": 2, "contiguous_gradients": true}, )" + model + "}",
+                                ParseOptions{1, true})
+                .notes.size(),
+            1u);
+}
+
+TEST(Notes, AConfigWithoutAModelSaysWhichOneItTrains) {
+  EXPECT_EQ(notes_of(R"({"train_batch_size": 1})"),
+            std::vector<std::string>{
+                "porter.model: not given, so porter trains its default model, a GPT of 12 "
+                "layers, hidden 768, 12 heads, seq_len 1024, vocab 50257; give the model in the "
+                "config's \"porter\": {\"model\": {...}} (or key by key with --set, e.g. --set "
+                "porter.model.layers=4), or load one with porter.model.from, a Hugging Face model "
+                "directory"});
+  // A porter section without a model, or a null model, is no model either.
+  EXPECT_EQ(notes_of(R"({"train_batch_size": 1, "porter": {"train": {"steps": 2}}})").size(), 1u);
+  EXPECT_EQ(notes_of(R"({"train_batch_size": 1, "porter": {"model": null}})").size(), 1u);
+  // Any model section, even one that keeps every default, is the user's choice.
+  EXPECT_TRUE(notes_of(R"({"train_batch_size": 1, "porter": {"model": {}}})").empty());
+}
+
+// Note [Progress cadence].
+TEST(ProgressCadence, StepsPerPrintIsLogEveryUnlessLogEveryIsGiven) {
+  EXPECT_EQ(parse(R"({"train_batch_size": 1})").config.porter.train.log_every, 1);
+  EXPECT_EQ(parse(R"({"train_batch_size": 1, "steps_per_print": 5})").config.porter.train.log_every,
+            5);
+  const Config both = parse(R"({"train_batch_size": 1, "steps_per_print": 5,
+      "porter": {"train": {"log_every": 2}}})").config;
+  EXPECT_EQ(both.porter.train.log_every, 2);
+  EXPECT_EQ(both.steps_per_print, std::optional<int64_t>(5));
+  // The resolved config prints both and reads back equal.
+  const Config c = parse(R"({"train_batch_size": 1, "steps_per_print": 5})").config;
+  EXPECT_EQ(parse(to_json_string(c)).config, c);
+}
+
 }  // namespace
 }  // namespace porter::config

@@ -1,5 +1,5 @@
 // Every real-world DeepSpeed config in tests/config/realworld is accepted, at the world sizes
-// its batch numbers allow, with exactly the warnings expected.
+// its batch numbers allow, with exactly the warnings and notes expected.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -23,7 +23,23 @@ struct RealWorldCase {
   std::string file;
   std::vector<int64_t> world_sizes;  // each one the batch numbers allow
   std::vector<std::string> warnings;
+  std::vector<std::string> notes;    // Note [Fixed behaviour] in config/parse.h
 };
+
+// No published config has a model: each says which one porter trains.
+const std::string kModelNote =
+    "porter.model: not given, so porter trains its default model, a GPT of 12 layers, hidden "
+    "768, 12 heads, seq_len 1024, vocab 50257; give the model in the config's \"porter\": "
+    "{\"model\": {...}} (or key by key with --set, e.g. --set porter.model.layers=4), or load "
+    "one with porter.model.from, a Hugging Face model directory";
+const std::string kContiguousNote =
+    "zero_optimization.contiguous_gradients: porter always keeps gradients contiguous: they "
+    "accumulate in one flat buffer (at ZeRO stages 2 and 3, the rank's gradient shard), "
+    "whatever the value (the key has no effect)";
+const std::string kSubGroupNote =
+    "zero_optimization.sub_group_size: porter's AdamW steps the rank's whole optimizer shard "
+    "at once (offloaded, the host AdamW updates it in one pass over its threads), with all of "
+    "its state allocated for the run; there are no sub-groups (the key has no effect)";
 
 const std::vector<RealWorldCase>& cases() {
   static const std::vector<RealWorldCase> kCases = {
@@ -33,7 +49,8 @@ const std::vector<RealWorldCase>& cases() {
         "\"cpu\"} instead",
         "activation_checkpointing.partition_activations: true has no effect with "
         "porter.model.tensor_parallel 1: a tensor-parallel group of one rank holds whole "
-        "checkpoints"}},
+        "checkpoints"},
+       {kModelNote}},
       {"deepspeedexamples__megatron-lm-v1.1.5-zero3__examples__ds_zero_stage_infinity_config.json",
        {1, 2, 16},
        {"zero_optimization.offload_optimizer.device: \"nvme\": porter does not offload to "
@@ -48,7 +65,12 @@ const std::vector<RealWorldCase>& cases() {
         "zero_optimization.stage3_param_persitance_threshold: unknown key, ignored (did you mean "
         "\"stage3_param_persistence_threshold\"?)",
         "aio: porter does not implement this section (asynchronous I/O for NVMe offload); "
-        "ignored"}},
+        "ignored"},
+       {kContiguousNote, kSubGroupNote,
+        "zero_optimization.offload_optimizer.nvme_path: porter has no NVMe offload, so the path "
+        "is not used (nor zero_optimization.offload_param.nvme_path); offload to host memory "
+        "instead, with \"device\": \"cpu\"",
+        kModelNote}},
       {"deepspeedexamples__megatron-lm__scripts__ds_zero-offload_10b_config.json",
        {1, 2, 5, 10},
        {"zero_optimization.cpu_offload: deprecated; use \"offload_optimizer\": {\"device\": "
@@ -56,21 +78,25 @@ const std::vector<RealWorldCase>& cases() {
         "zero_optimization.comm_overlap: unknown key, ignored (did you mean \"overlap_comm\"?)",
         "activation_checkpointing.partition_activations: true has no effect with "
         "porter.model.tensor_parallel 1: a tensor-parallel group of one rank holds whole "
-        "checkpoints"}},
+        "checkpoints"},
+       {kContiguousNote, kModelNote}},
       {"deepspeedexamples__megatron-lm__scripts__ds_zero2_config.json",
        {1, 2, 4, 8, 16},
        {"activation_checkpointing.partition_activations: true has no effect with "
         "porter.model.tensor_parallel 1: a tensor-parallel group of one rank holds whole "
-        "checkpoints"}},
+        "checkpoints"},
+       {kModelNote}},
       {"deepspeedexamples__megatron-lm__scripts__ds_zero3_config.json",
        {1, 4, 16},
        {"activation_checkpointing.partition_activations: true has no effect with "
         "porter.model.tensor_parallel 1: a tensor-parallel group of one rank holds whole "
-        "checkpoints"}},
+        "checkpoints"},
+       {kModelNote}},
       {"transformers__tests__deepspeed__ds_config_zero3.json",
        {1, 8},
        {"zero_optimization.stage3_gather_fp16_weights_on_model_save: deprecated; use "
-        "\"stage3_gather_16bit_weights_on_model_save\" instead"}},
+        "\"stage3_gather_16bit_weights_on_model_save\" instead"},
+       {kContiguousNote, kSubGroupNote, kModelNote}},
   };
   return kCases;
 }
@@ -93,6 +119,7 @@ TEST(RealWorldConfigs, AcceptedWithExactlyTheExpectedWarnings) {
       SCOPED_TRACE(c.file + " at world size " + std::to_string(world_size));
       ParseResult r = parse_config_file(kDir / c.file, ParseOptions{world_size, false});
       EXPECT_EQ(texts(r.warnings), c.warnings);
+      EXPECT_EQ(texts(r.notes), c.notes);
       // The printed config reads back equal. Of the warnings, only those about what the
       // settings mean ("has no effect") come back: the printed spelling is canonical.
       ParseResult again = parse_config_string(to_json_string(r.config), ParseOptions{world_size, false});
@@ -119,6 +146,11 @@ TEST(RealWorldConfigs, StrictRejectsExactlyThoseWithWarnings) {
         for (const std::string& w : c.warnings) {
           EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
         }
+        // Notes are never errors.
+        EXPECT_EQ(std::string(e.what()).find("porter.model: not given"), std::string::npos)
+            << e.what();
+        EXPECT_EQ(std::string(e.what()).find("(the key has no effect)"), std::string::npos)
+            << e.what();
       }
     }
   }
@@ -191,6 +223,8 @@ TEST(RealWorldConfigs, TransformersAutoValuesResolve) {
   EXPECT_TRUE(c.zero_optimization.stage3_gather_16bit_weights_on_model_save);
   EXPECT_EQ(c.zero_optimization.offload_param.device, OffloadDevice::kCpu);
   EXPECT_EQ(c.steps_per_print, 2000);
+  // Note [Progress cadence]: steps_per_print paces porter train's progress lines.
+  EXPECT_EQ(c.porter.train.log_every, 2000);
 }
 
 TEST(RealWorldConfigs, BatchNumbersThatDoNotDivideTheWorldSizeAreRejected) {
