@@ -100,6 +100,13 @@ class Progress {
     err_ << line << std::flush;
   }
 
+  // wall_clock_breakdown: DeepSpeed's timing line under each step's progress line (Note
+  // [Wall-clock breakdown] in engine/engine.h).
+  void wall_clock(const engine::StepResult& r, int rank) {
+    if (!r.wall_clock.enabled || (!tty_ && r.step % log_every_ != 0 && r.step != last_)) return;
+    note(r.wall_clock.format(rank));
+  }
+
   // A line of its own between steps; on a terminal the next step redraws the bar below it.
   void note(const std::string& line) {
     err_ << (tty_ ? "\r\033[K" : "") << line << "\n" << std::flush;
@@ -439,6 +446,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
             << "; lower the learning rate or enable gradient_clipping\n";
       }
       progress.step(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      progress.wall_clock(r, eng.world_rank());
       const int64_t every = cfg.porter.train.eval_every;
       if (val && (r.step == last || (every > 0 && r.step % every == 0))) {
         const double loss = validation_loss(w, eng, *val, r.step, cfg.porter.comm.timeout_s);

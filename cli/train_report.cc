@@ -212,6 +212,25 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   const StepTimes st = step_times(run.steps);
   j["step_time_s"] = {{"median", st.median_s}, {"min", st.min_s}, {"max", st.max_s}};
   j["wall_s"] = run.wall_s;
+  // wall_clock_breakdown (Note [Wall-clock breakdown] in engine/engine.h): each step's phases
+  // in milliseconds, rank 0's; null when the key is off.
+  ordered_json wall_clock;
+  if (!run.steps.empty() && run.steps.front().wall_clock.enabled) {
+    wall_clock = ordered_json::array();
+    for (const engine::StepResult& s : run.steps) {
+      const engine::WallClockBreakdown& w = s.wall_clock;
+      wall_clock.push_back({{"step", s.step},
+                            {"forward_ms", w.forward_ms},
+                            {"backward_ms", w.backward_ms()},
+                            {"backward_inner_ms", w.backward_inner_ms},
+                            {"reduce_ms", w.reduce_ms},
+                            {"optimizer_ms", w.optimizer_ms},
+                            {"recompute_ms", w.recompute_ms},
+                            {"offload_wait_ms", w.offload_wait_ms},
+                            {"step_ms", 1e3 * s.time_s}});
+    }
+  }
+  j["wall_clock"] = std::move(wall_clock);
 
   j["memory"] = memory_json(mem);
   const bool timed = plan.prediction.offload.timed;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "base/check.h"
 #include "base/error.h"
@@ -59,6 +60,16 @@ void set_host_state(ZeroStats& z, const zero::ShardedOptimizer& optimizer) {
   const zero::HostStateBytes h = optimizer.host_state();
   z.param_offload_host_bytes = optimizer.params_offloaded() ? h.params : 0;
   z.offload_host_bytes = h.total() - z.param_offload_host_bytes;
+}
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// The stash's waits so far this step (Note [Wall-clock breakdown]: offload waits).
+double stash_wait_ms(const offload::CheckpointStash& stash) {
+  const offload::StashStats s = stash.stats();
+  return 1e3 * (s.exposed_wait_s + s.gather_exposed_s);
 }
 
 void check_batches(const config::Config& c, Model& model,
@@ -438,6 +449,21 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
   model_->set_loss_scale(
       static_cast<float>(loss_scale / static_cast<double>(run_.gradient_accumulation_steps)));
   double loss_sum = 0.0;
+  // Note [Wall-clock breakdown]: each op is timed from its before_op to its after_op, less
+  // the stash's waits and (Backward) the reducer's work within it.
+  WallClockBreakdown& wc = r.wall_clock;
+  wc.enabled = config_.wall_clock_breakdown;
+  memory::Stream& compute = device_->compute_stream();
+  const auto now = [&compute] {
+    compute.synchronize();
+    return Clock::now();
+  };
+  struct OpClock {
+    Clock::time_point start;
+    double stash_wait_ms = 0.0;
+    double reduce_ms = 0.0;    // the reducer's, within this op
+    std::vector<int> forwards;  // per stage, this micro-batch
+  } clock;
   for (size_t i = 0; i < micro_batches.size(); ++i) {
     const HostBatch& mb = micro_batches[i];
     nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
@@ -468,9 +494,45 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
         for (int u : gp->release[k]) g->release(u);
       };
     }
+    if (wc.enabled) {
+      offload::CheckpointStash* stash = im.stash.get();
+      const checkpoint::Schedule* schedule = &im.plan.schedule;
+      clock.forwards.assign(static_cast<size_t>(model_->num_stages()), 0);
+      env.after_backward = [reducer, &clock, &now](int stage) {
+        const auto t0 = now();
+        reducer->after_backward(stage);
+        clock.reduce_ms += ms_between(t0, now());
+      };
+      env.before_op = [inner = std::move(env.before_op), stash, &clock, &now](size_t k) {
+        clock.start = now();
+        clock.stash_wait_ms = stash_wait_ms(*stash);
+        clock.reduce_ms = 0.0;
+        if (inner) inner(k);
+      };
+      env.after_op = [inner = std::move(env.after_op), stash, schedule, &clock, &wc,
+                      &now](size_t k) {
+        if (inner) inner(k);
+        const double op_ms = ms_between(clock.start, now());
+        const double wait_ms = stash_wait_ms(*stash) - clock.stash_wait_ms;
+        const checkpoint::ScheduleOp& op = schedule->ops[k];
+        const double work_ms = std::max(0.0, op_ms - wait_ms - clock.reduce_ms);
+        wc.offload_wait_ms += wait_ms;
+        wc.reduce_ms += clock.reduce_ms;
+        if (op.kind == checkpoint::ScheduleOp::Kind::kBackward) {
+          wc.backward_inner_ms += work_ms;
+        } else if (op.kind == checkpoint::ScheduleOp::Kind::kForward &&
+                   clock.forwards[static_cast<size_t>(op.stage)]++ == 0) {
+          wc.forward_ms += work_ms;
+        } else {  // Recompute, or a repeated forward (as the executor counts recompute_s)
+          wc.recompute_ms += work_ms;
+        }
+      };
+    }
     reducer->begin_micro_batch(i + 1 == micro_batches.size());
     const MicroBatchResult mr = run_schedule(env, tokens, targets);
+    const auto reduce_t0 = wc.enabled ? now() : Clock::time_point{};
     reducer->end_micro_batch();
+    if (wc.enabled) wc.reduce_ms += ms_between(reduce_t0, now());
     loss_sum += mr.loss;
     r.recompute_s += mr.recompute_s;
   }
@@ -482,6 +544,11 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
 // AdamW on the optimizer's range and the all-gather of the parameters.
 zero::GradNorm Engine::update(StepResult& r) {
   Impl& im = *impl_;
+  // Note [Wall-clock breakdown]: the compute stream is synchronised first, so the phase
+  // starts with backward's work done.
+  const bool timed = r.wall_clock.enabled;
+  if (timed) device_->compute_stream().synchronize();
+  const auto update_t0 = Clock::now();
   const int64_t start_us = trace_ != nullptr ? trace_->now_us() : 0;
   const int64_t start_ns = im.step_memory ? im.step_memory->now_ns() : 0;
   const nn::Tensor& grads = im.reducer->shard();
@@ -508,6 +575,12 @@ zero::GradNorm Engine::update(StepResult& r) {
   r.grad_norm = norm.norm;
   r.clip_coef = norm.clip_coef;
   r.skipped = norm.overflow;
+  if (timed) {
+    device_->compute_stream().synchronize();
+    const double wait_ms = 1e3 * im.optimizer->offload_stats().d2h_wait_s;
+    r.wall_clock.offload_wait_ms += wait_ms;
+    r.wall_clock.optimizer_ms += std::max(0.0, ms_between(update_t0, Clock::now()) - wait_ms);
+  }
   if (im.step_memory) im.step_memory->optimizer(start_ns, im.step_memory->now_ns());
   if (trace_ != nullptr) {
     TraceSpan span;
@@ -527,7 +600,9 @@ zero::GradNorm Engine::update(StepResult& r) {
 // and records are complete (docs/engine.md, Offload).
 void Engine::collect_offload(StepResult& r) {
   Impl& im = *impl_;
+  const auto sync_t0 = Clock::now();
   im.stash->synchronize();
+  if (r.wall_clock.enabled) r.wall_clock.offload_wait_ms += ms_between(sync_t0, Clock::now());
   r.offload = im.stash->stats();
   im.offload_total.add(r.offload);
   std::vector<offload::CopyRecord> copies = im.stash->take_copies();
@@ -827,6 +902,16 @@ checkpoint::ChainCosts Engine::profile() {
     }
   }
   return costs;
+}
+
+std::string WallClockBreakdown::format(int rank) const {
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "[Rank %d] time (ms) | fwd: %.2f | bwd: %.2f | bwd_inner: %.2f | "
+                "bwd_allreduce: %.2f | step: %.2f | recompute: %.2f | offload_wait: %.2f",
+                rank, forward_ms, backward_ms(), backward_inner_ms, reduce_ms, optimizer_ms,
+                recompute_ms, offload_wait_ms);
+  return line;
 }
 
 int Engine::dp_rank() const { return impl_->dp != nullptr ? impl_->dp->rank() : 0; }

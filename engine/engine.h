@@ -121,6 +121,42 @@ struct TensorParallelStats {
   size_t predicted_partitioned_bytes = 0;
 };
 
+// Note [Wall-clock breakdown]
+// With wall_clock_breakdown true, train_step times its phases on the host clock (steady_clock)
+// into StepResult::wall_clock; off, nothing is timed and every field stays 0. The phases are
+// disjoint intervals of the step, so they add up to at most time_s (the rest: uploading the
+// batches, zeroing the gradients, records):
+//   forward_ms        each stage's first forward (the loss included), its stage-3 gathers too
+//   recompute_ms      Recompute ops and repeated forwards (checkpointed stages)
+//   backward_inner_ms the Backward ops' compute (DeepSpeed's bwd_inner)
+//   reduce_ms         the gradient reduction's host time: issuing the buckets and waiting for
+//                     them in backward and at the micro-batch's end (bwd_allreduce)
+//   optimizer_ms      norm, clipping, AdamW and the parameter all-gather (step), less the
+//                     optimizer offload's wait for its gradient copies
+//   offload_wait_ms   waits for copies: the checkpoint stash's fetches and end-of-step
+//                     synchronisation, and the offloaded optimizer's gradient copies
+// backward_ms() is DeepSpeed's bwd (inner + reduce). On cpu the compute stream is the calling
+// thread, so host time is the work's time. On cuda the kernels run asynchronously; with the
+// breakdown on, the engine synchronises the compute stream at every phase boundary (as
+// DeepSpeed's timers do), which makes the figures honest and the step slower; off, it never
+// does.
+struct WallClockBreakdown {
+  bool enabled = false;
+  double forward_ms = 0.0;
+  double recompute_ms = 0.0;
+  double backward_inner_ms = 0.0;
+  double reduce_ms = 0.0;
+  double optimizer_ms = 0.0;
+  double offload_wait_ms = 0.0;
+  double backward_ms() const { return backward_inner_ms + reduce_ms; }
+  double total_ms() const {
+    return forward_ms + recompute_ms + backward_ms() + optimizer_ms + offload_wait_ms;
+  }
+  // DeepSpeed's line, then porter's two phases: "[Rank 0] time (ms) | fwd: 1.23 | bwd: ... |
+  // bwd_inner: ... | bwd_allreduce: ... | step: ... | recompute: ... | offload_wait: ...".
+  std::string format(int rank) const;
+};
+
 struct StepResult {
   int64_t step = 0;             // the step just completed (1-based count of steps done)
   double loss = 0.0;            // mean over micro-batches
@@ -136,6 +172,7 @@ struct StepResult {
   ZeroStats zero;                    // this step's communication (stage 0, ws 1: all zero)
   TensorParallelStats tensor_parallel;  // this step's (tp 1: all zero)
   bool skipped = false;              // fp16 overflow on some rank: no update this step
+  WallClockBreakdown wall_clock;     // wall_clock_breakdown (Note [Wall-clock breakdown])
 };
 
 struct MemoryReport {

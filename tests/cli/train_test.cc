@@ -819,3 +819,48 @@ TEST(CliOptimizerOffload, EstimateEqualsWhatTrainingMeasures) {
 
 }  // namespace
 }  // namespace porter::cli
+
+namespace porter::cli {
+namespace {
+
+// wall_clock_breakdown (Note [Wall-clock breakdown] in engine/engine.h): DeepSpeed's timing line
+// under every printed progress line, and each step's phases in the report; neither when off.
+TEST_F(CliTrain, WallClockBreakdownPrintsDeepSpeedsLineAndReportsThePhases) {
+  const std::string report = (dir_ / "report.json").string();
+  CliRun on = porter({"train", "--config",
+                      tiny("\"gradient_accumulation_steps\": 2,",
+                           "\"gradient_accumulation_steps\": 2, \"wall_clock_breakdown\": true,"),
+                      "--report", report});
+  ASSERT_EQ(on.rc, kExitOk) << on.err;
+  const std::regex line(
+      "\\[Rank 0\\] time \\(ms\\) \\| fwd: [0-9]+\\.[0-9]{2} \\| bwd: [0-9]+\\.[0-9]{2} \\| "
+      "bwd_inner: [0-9]+\\.[0-9]{2} \\| bwd_allreduce: [0-9]+\\.[0-9]{2} \\| step: "
+      "[0-9]+\\.[0-9]{2} \\| recompute: [0-9]+\\.[0-9]{2} \\| offload_wait: [0-9]+\\.[0-9]{2}\n");
+  const auto lines = std::distance(std::sregex_iterator(on.err.begin(), on.err.end(), line),
+                                   std::sregex_iterator());
+  EXPECT_EQ(lines, 2) << on.err;  // log_every 2 of 3 steps: steps 2 and 3, as the progress lines
+  EXPECT_TRUE(contains(on.err, "step 2/3  loss ")) << on.err;
+  const json j = read_json(report);
+  ASSERT_TRUE(j["wall_clock"].is_array()) << j["wall_clock"];
+  ASSERT_EQ(j["wall_clock"].size(), 3u);
+  for (const json& s : j["wall_clock"]) {
+    double sum = 0.0;
+    for (const char* k : {"forward_ms", "backward_inner_ms", "reduce_ms", "optimizer_ms",
+                          "recompute_ms"}) {
+      EXPECT_GT(s[k].get<double>(), 0.0) << k << " " << s;  // uniform checkpoints recompute
+      sum += s[k].get<double>();
+    }
+    sum += s["offload_wait_ms"].get<double>();
+    EXPECT_DOUBLE_EQ(s["backward_ms"].get<double>(),
+                     s["backward_inner_ms"].get<double>() + s["reduce_ms"].get<double>());
+    EXPECT_LE(sum, s["step_ms"].get<double>()) << s;
+  }
+
+  CliRun off = porter({"train", "--config", tiny(), "--report", report});
+  ASSERT_EQ(off.rc, kExitOk) << off.err;
+  EXPECT_FALSE(contains(off.err, "time (ms)")) << off.err;
+  EXPECT_TRUE(read_json(report)["wall_clock"].is_null());
+}
+
+}  // namespace
+}  // namespace porter::cli

@@ -40,6 +40,76 @@ TEST(EngineStepTest, LossFallsAndFieldsAreFilled) {
   EXPECT_NEAR(first, std::log(64.0), 0.3);  // init near uniform over the vocabulary
 }
 
+// Note [Wall-clock breakdown]: positive phases whose sum is within the step, and nothing
+// timed (nor bits changed) with the key off.
+void expect_breakdown(const StepResult& r, bool recomputes, const std::string& what) {
+  const WallClockBreakdown& w = r.wall_clock;
+  EXPECT_TRUE(w.enabled) << what;
+  EXPECT_GT(w.forward_ms, 0.0) << what;
+  EXPECT_GT(w.backward_inner_ms, 0.0) << what;
+  EXPECT_GT(w.reduce_ms, 0.0) << what;
+  EXPECT_GT(w.optimizer_ms, 0.0) << what;
+  EXPECT_GT(w.offload_wait_ms, 0.0) << what;  // at least the end-of-step synchronisation
+  if (recomputes) {
+    EXPECT_GT(w.recompute_ms, 0.0) << what;
+  } else {
+    EXPECT_EQ(w.recompute_ms, 0.0) << what;
+  }
+  EXPECT_DOUBLE_EQ(w.backward_ms(), w.backward_inner_ms + w.reduce_ms) << what;
+  EXPECT_LE(w.total_ms(), 1e3 * r.time_s) << what;
+  // Most of a step is these phases (the rest: batches to the device, zeroing, records).
+  EXPECT_GT(w.total_ms(), 0.5 * 1e3 * r.time_s) << what;
+}
+
+TEST(EngineStepTest, WallClockBreakdownTimesThePhasesWithinTheStep) {
+  for (const config::CheckpointPolicy policy :
+       {config::CheckpointPolicy::kNone, config::CheckpointPolicy::kFull}) {
+    const bool recomputes = policy != config::CheckpointPolicy::kNone;
+    config::Config c = tiny_config(policy, 0.1);
+    if (recomputes) {
+      config::ActivationCheckpointingConfig ac;
+      ac.cpu_checkpointing = true;  // the checkpoints go through the stash
+      c.activation_checkpointing = ac;
+    }
+    auto off_device = cpu_device();
+    auto off = gpt_engine(*off_device, c);
+    c.wall_clock_breakdown = true;
+    auto device = cpu_device();
+    auto on = gpt_engine(*device, c);
+    for (int s = 0; s < 3; ++s) {
+      const StepResult a = off->train_step(batches(c, s));
+      const StepResult b = on->train_step(batches(c, s));
+      EXPECT_FALSE(a.wall_clock.enabled);
+      EXPECT_EQ(a.wall_clock.total_ms(), 0.0);
+      EXPECT_EQ(a.loss, b.loss) << "step " << s;
+      expect_breakdown(b, recomputes, "policy " + std::string(config::to_string(policy)));
+      EXPECT_THAT(b.wall_clock.format(0),
+                  ::testing::MatchesRegex("\\[Rank 0\\] time \\(ms\\) \\| fwd: [0-9]+\\.[0-9]{2} "
+                                          "\\| bwd: [0-9.]+ \\| bwd_inner: [0-9.]+ \\| "
+                                          "bwd_allreduce: [0-9.]+ \\| step: [0-9.]+ \\| "
+                                          "recompute: [0-9.]+ \\| offload_wait: [0-9.]+"));
+    }
+    EXPECT_TRUE(bitwise_equal(off->params_host(), on->params_host()));
+  }
+}
+
+// With two ranks at stage 2 the reduction's waits are in bwd_allreduce.
+TEST(EngineStepTest, WallClockBreakdownCountsTheGradientReduction) {
+  config::Config c = zero_config(2, 2);
+  c.wall_clock_breakdown = true;
+  for_each_dp_rank(c, [&](int rank, memory::Device& device,
+                          std::shared_ptr<comm::Communicator> dp) {
+    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                          c.porter.model.seq_len);
+    for (int s = 0; s < 2; ++s) {
+      const StepResult r = e.train_step(data.rank_batches(s, 1, rank, 2));
+      expect_breakdown(r, false, "rank " + std::to_string(rank));
+      EXPECT_GT(r.zero.comm_bytes, 0u);
+    }
+  });
+}
+
 TEST(EngineStepTest, ClippingUsesDeepSpeedsRule) {
   auto device = cpu_device();
   config::Config c = tiny_config(config::CheckpointPolicy::kNone, 0.0);
