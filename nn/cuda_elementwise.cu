@@ -70,18 +70,33 @@ __global__ void scale_kernel(DevPtr x, float s, int64_t n) {
   PORTER_GRID_STRIDE(i, n) { st(x, i, ld(x, i) * s); }
 }
 
-// PyTorch's AdamW (single-tensor form):
-//   p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
-//   p -= step_size * m / (sqrt(v) / sqrt(1 - b2^t) + eps),  step_size = lr / (1 - b1^t).
+// Note [Device AdamW bit identity]
+// The host's AdamW (nn/cpu_optimizer.cc, and zero/cpu_adam.cc for an offloaded optimizer,
+// Note [CpuAdam bit identity]) rounds every operation to f32 in this order, with no fused
+// multiply-add:
+//   grad  = g * grad_scale;  param = p * decay
+//   m     = m * beta1 + one_minus_beta1 * grad
+//   v     = v * beta2 + (one_minus_beta2 * grad) * grad
+//   denom = sqrt(v) / bc2_sqrt + eps;  param = param - step_size * (m / denom)
+// with the constants computed once on the host (AdamWStep, from the same double bias
+// corrections). nvcc contracts a multiply followed by an add into an FMA by default (-fmad=true),
+// which rounds once instead of twice, so the same source gave other bits on a GPU. The kernel
+// therefore spells each operation as a round-to-nearest intrinsic: __fmul_rn and __fadd_rn are
+// never merged into an FMA, and __fdiv_rn and __fsqrt_rn are IEEE-correct whatever -prec-div,
+// -prec-sqrt or --use_fast_math say. Intrinsics rather than -fmad=false for this file: the
+// other kernels here (GELU, dropout, ...) keep nvcc's contraction and speed, and the guarantee
+// sits in the code it protects, not in a build flag that a later edit could drop. The bf16
+// and f16 stores round to nearest-even like the host's (cuda_common.cuh).
 __global__ void adamw_kernel(float* params, DevPtr grad, float* m, float* v, DevPtr params_out,
                              int64_t n, AdamWStep s) {
   PORTER_GRID_STRIDE(i, n) {
-    float g = ld(grad, i) * s.grad_scale;
-    float p = params[i] * (1.0f - s.lr * s.weight_decay);
-    float mi = s.beta1 * m[i] + (1.0f - s.beta1) * g;
-    float vi = s.beta2 * v[i] + (1.0f - s.beta2) * g * g;
-    float denom = sqrtf(vi) / s.bias_correction2_sqrt + s.eps;
-    p -= s.step_size * (mi / denom);
+    const float g = __fmul_rn(ld(grad, i), s.grad_scale);
+    float p = __fmul_rn(params[i], s.decay);
+    const float mi = __fadd_rn(__fmul_rn(m[i], s.beta1), __fmul_rn(s.one_minus_beta1, g));
+    const float vi =
+        __fadd_rn(__fmul_rn(v[i], s.beta2), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bc2_sqrt), s.eps);
+    p = __fsub_rn(p, __fmul_rn(s.step_size, __fdiv_rn(mi, denom)));
     m[i] = mi;
     v[i] = vi;
     params[i] = p;

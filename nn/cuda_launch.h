@@ -48,16 +48,19 @@ void cast(const Launch& l, DevPtr x, DevPtr y, int64_t n);
 void fill(const Launch& l, DevPtr x, float value, int64_t n);
 void scale(const Launch& l, DevPtr x, float s, int64_t n);
 
-// AdamW with the bias corrections computed on the host in double (as PyTorch does).
+// AdamW's per-step constants, computed on the host exactly as the host AdamW computes them
+// (Note [Device AdamW bit identity] in cuda_elementwise.cu): bias corrections in double (as
+// PyTorch does), then each constant rounded to float.
 struct AdamWStep {
-  float lr;
+  float decay;            // 1 - lr * weight_decay (the product rounded first)
   float beta1;
+  float one_minus_beta1;  // 1 - beta1
   float beta2;
+  float one_minus_beta2;  // 1 - beta2
+  float step_size;        // lr / (1 - beta1^step)
+  float bc2_sqrt;         // sqrt(1 - beta2^step)
   float eps;
-  float weight_decay;
   float grad_scale;
-  float step_size;             // lr / (1 - beta1^step)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
 };
 // params, m, v f32; grad f32/bf16/f16; params_out optional (data == nullptr when absent).
 void adamw(const Launch& l, float* params, DevPtr grad, float* m, float* v, DevPtr params_out,

@@ -20,7 +20,7 @@ BUILD=${BUILD:-$ROOT/build/release}
 WORK=${WORK:-$BUILD/cuda_emu}
 mkdir -p "$WORK"
 CUDA_INC=${CUDA_INC:-/usr/local/cuda/include}
-FLAGS=(-std=c++20 -O1 -g -w -I"$HERE/fake" -I"$ROOT" -I"$BUILD/generated" -isystem "$CUDA_INC"
+FLAGS=(-std=c++20 -O1 -g -w -ffp-contract=off -I"$HERE/fake" -I"$ROOT" -I"$BUILD/generated" -isystem "$CUDA_INC"
        -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -DSPDLOG_SHARED_LIB -DFMT_SHARED)
 
 python3 - "$ROOT" "$WORK" <<'PY'

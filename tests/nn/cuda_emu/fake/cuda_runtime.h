@@ -51,6 +51,13 @@ inline unsigned __ballot_sync(unsigned, bool p) {
   return r;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// The round-to-nearest intrinsics: one f32 operation each. run.sh builds with
+// -ffp-contract=off, so the host compiler does not fuse them either.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 
 template <typename K, typename... A>
 void emu_launch(K kernel, dim3 grid, dim3 block, A... args) {
