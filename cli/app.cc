@@ -17,7 +17,8 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   app.set_version_flag("--version", std::string("porter ") + PORTER_VERSION);
   app.require_subcommand(1);
   app.footer("Exit codes: 0 success, 1 usage error, 2 invalid input (e.g. an invalid config), "
-             "3 out of memory.");
+             "3 out of memory; porter launch and train --nproc: the code of the first rank that "
+             "failed.");
 
   CommandContext context;
   context.out = &out;
@@ -37,13 +38,16 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   } catch (const CLI::ParseError& e) {
     // --help and --version arrive here too, with exit code 0.
     int code = app.exit(e, out, err);
-    if (code == 0) return kExitOk;
-    // launch keeps 1 for "a rank failed", so its usage errors are 2.
-    return app.get_subcommand("launch")->parsed() ? kExitInvalid : kExitUsage;
+    return code == 0 ? kExitOk : kExitUsage;
   } catch (const porter::OutOfMemoryError& e) {
     // The allocator's message accounts for every byte and ends with a hint.
     err << "error: " << context.error_prefix << e.what() << "\n";
     return kExitOom;
+  } catch (const porter::UsageError& e) {
+    // Flags that parse but do not go together (--trace-rank without a trace, launch with no
+    // command): usage, as CLI11's own errors.
+    err << "error: " << context.error_prefix << e.what() << "\n";
+    return kExitUsage;
   } catch (const porter::Error& e) {
     err << "error: " << context.error_prefix << e.what() << "\n";
     return kExitInvalid;

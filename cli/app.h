@@ -5,13 +5,13 @@
 
 namespace porter::cli {
 
-// Exit codes shared by every subcommand.
+// Exit codes shared by every subcommand. `porter launch` (and `train --nproc`, which is
+// launch) exits with the code of the first rank that failed (LaunchResult::exit_code), so an
+// out-of-memory rank makes the launch exit 3 as one process would.
 inline constexpr int kExitOk = 0;
-inline constexpr int kExitUsage = 1;    // bad flags or arguments (CLI11 prints why)
+inline constexpr int kExitUsage = 1;    // bad flags or arguments (CLI11 prints why), UsageError
 inline constexpr int kExitInvalid = 2;  // the input (a config, a file) is invalid
 inline constexpr int kExitOom = 3;      // the device ran out of memory
-// `porter launch` (and `train --nproc`): a rank failed. Its own usage errors are 2.
-inline constexpr int kExitRankFailed = 1;
 
 // Runs `porter` with these arguments, writing to `out` and `err` instead of the process's
 // streams (tests pass string streams). `err_is_tty` turns on the progress bar of `train`.

@@ -199,6 +199,12 @@ pid_t spawn_child(const LaunchOptions& o, int rank, uint16_t port,
 
 }  // namespace
 
+int LaunchResult::exit_code() const {
+  if (ok()) return 0;
+  const RankExit& first = ranks.at(static_cast<size_t>(first_failed_rank));
+  return first.signaled ? 128 + first.code : first.code;
+}
+
 std::string RankExit::describe() const {
   return signaled ? describe_signal(code) : "exit code " + std::to_string(code);
 }

@@ -17,7 +17,10 @@
 // - The first child to fail (non-zero exit or a signal) is reported at once. The others get
 //   `timeout_s` to exit on their own (they normally fail on their next collective, whose peer
 //   is gone, or finish); then they get SIGTERM, and SIGKILL kKillGraceS seconds later.
-// - The launch succeeds only when every child exits 0.
+// - The launch succeeds only when every child exits 0. Otherwise it exits with the code of the
+//   first child that failed (LaunchResult::exit_code): porter's ranks exit with porter's codes
+//   (2 invalid input, 3 out of memory), so a launched run fails with the code one process
+//   would have given; a child killed by signal s gives 128 + s, as a shell reports it.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +54,8 @@ struct LaunchResult {
   int first_failed_rank = -1;   // -1: none failed
   int forwarded_signal = 0;     // the last SIGINT/SIGTERM forwarded to the children (0: none)
   bool ok() const { return first_failed_rank < 0; }
+  // 0 when ok(); else the first failed rank's exit code, or 128 + its signal (Note [Launcher]).
+  int exit_code() const;
 };
 
 // Seconds between the SIGTERM and the SIGKILL of a child that outlived the timeout.

@@ -11,8 +11,7 @@
 namespace porter::cli {
 
 int run_launch(const LaunchOptions& options, const CommandContext& context) {
-  const LaunchResult r = launch(options, *context.out, *context.err);
-  return r.ok() ? kExitOk : kExitRankFailed;
+  return launch(options, *context.out, *context.err).exit_code();
 }
 
 void add_launch_command(CLI::App& app, CommandContext& context) {
@@ -34,9 +33,11 @@ void add_launch_command(CLI::App& app, CommandContext& context) {
   cmd->add_option("command", o->command, "The command every rank runs, after --");
   cmd->footer(
       "Each rank's output lines are prefixed with \"[rank r] \"; SIGINT and SIGTERM are "
-      "forwarded to every rank.\nExit codes: 0 every rank exited 0, 1 a rank failed (the "
-      "launcher names it and how), 2 a usage error (bad flags, no command after --, a command "
-      "that cannot start).");
+      "forwarded to every rank.\nExit codes: 0 every rank exited 0; when a rank failed, the "
+      "exit code of the first rank that failed (porter's: 1 usage, 2 invalid input, 3 out of "
+      "memory), or 128 + the signal that killed it (the launcher names the rank and how); 1 a "
+      "usage error of launch itself (bad flags, no command after --, a command that cannot "
+      "start).");
   cmd->callback([o, &context] { context.exit_code = run_launch(*o, context); });
 }
 

@@ -179,7 +179,7 @@ int train_nproc(const TrainOptions& o, const CommandContext& ctx) {
   lo.nproc = *o.nproc;
   lo.command = {self_executable()};
   for (std::string& a : without_nproc(ctx.args)) lo.command.push_back(std::move(a));
-  return launch(lo, *ctx.out, *ctx.err).ok() ? kExitOk : kExitRankFailed;
+  return launch(lo, *ctx.out, *ctx.err).exit_code();  // the first failed rank's code
 }
 
 // This process's place in the world and what connects it to the others.
@@ -560,8 +560,8 @@ void add_train_command(CLI::App& app, CommandContext& context) {
                   "(config.json and model.safetensors, in the compute dtype)")
       ->type_name("DIR");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
-  cmd->footer("Exit codes: 0 success, 1 usage error (with --nproc: a rank failed), 2 invalid "
-              "config or input, 3 out of memory.");
+  cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config or input, 3 out of "
+              "memory; with --nproc, the code of the first rank that failed.");
   cmd->callback([o, &context] { context.exit_code = train(*o, context); });
 }
 

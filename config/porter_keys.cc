@@ -366,11 +366,13 @@ void resolve_log_every(const PorterReadState& state, Config& c) {
 
 // Note [Fixed behaviour] in config/parse.h: a DeepSpeed config has no model (the training
 // script builds it), so a config without porter.model trains the default one, which is said.
+// The note is about the whole config (its path is empty, so that it names every file, not a
+// --set that gave another porter key).
 void note_default_model(const PorterReadState& state, const Config& c, Diagnostics& diag) {
   if (state.model_given) return;
   const ModelConfig& m = c.porter.model;
-  diag.note("porter.model",
-            "not given, so porter trains its default model, a " +
+  diag.note("",
+            "porter.model: not given, so porter trains its default model, a " +
                 std::string(m.type == ModelType::kLlama ? "Llama" : "GPT") + " of " +
                 std::to_string(m.layers) + " layers, hidden " + std::to_string(m.hidden) + ", " +
                 std::to_string(m.heads) + " heads, seq_len " + std::to_string(m.seq_len) +

@@ -26,14 +26,25 @@ std::string_view category_hint(Category c) {
       return "checkpoint activations (porter.checkpointing.policy \"full\", or \"optimal\" with a "
              "lower memory_budget), or lower train_micro_batch_size_per_gpu";
     case Category::kCheckpoints:
-      return "offload checkpoints with activation_checkpointing.cpu_checkpointing=true, or "
-             "partition them with activation_checkpointing.partition_activations=true";
+      // partition_activations splits checkpoints over the tensor-parallel ranks only (a
+      // warning says it has no effect at porter.model.tensor_parallel 1).
+      return "offload checkpoints with activation_checkpointing.cpu_checkpointing=true, or, "
+             "with porter.model.tensor_parallel > 1, partition them over the tensor-parallel "
+             "ranks with activation_checkpointing.partition_activations=true";
     case Category::kStaging:
       return "lower porter.checkpointing.prefetch_depth";
     case Category::kWorkspace:
       return "lower train_micro_batch_size_per_gpu or porter.model.seq_len";
     case Category::kComm:
-      return "lower zero_optimization.reduce_bucket_size and allgather_bucket_size";
+      // comm holds the gradient buckets of ZeRO stages 2 and 3, the packed copies the
+      // reductions send (Note [Gradient reduction] in zero/reducer.h), and at stages 1 and 2 the
+      // staging buffer of the parameter all-gather when allgather_bucket_size is below the
+      // rank's shard (Note [Bucketed parameter all-gather] in zero/sharded_optimizer.h). A hint
+      // names only keys that change what it counts.
+      return "lower zero_optimization.reduce_bucket_size (the gradient buckets and the copies "
+             "their reductions send); an allgather_bucket_size below the rank's shard stages the "
+             "stage 1-2 parameter all-gather here too (up to that many elements): lower it, or "
+             "raise it past the shard to gather in place";
   }
   return "";
 }

@@ -3,6 +3,7 @@
 // training run through it and through `porter train --nproc`.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -94,7 +95,7 @@ TEST(Launch, AFailedRankIsNamedAndTheOthersAreKilledAfterTheTimeout) {
   // Rank 1 fails at once; rank 0 would run for a minute, so the launcher must kill it.
   CliRun r = porter({"launch", "-n", "2", "--timeout", "0.5", "--", "sh", "-c",
                      "if [ \"$RANK\" = 1 ]; then echo dying >&2; exit 7; fi; exec sleep 60"});
-  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_EQ(r.rc, 7) << r.err;  // the failed rank's code
   EXPECT_TRUE(contains(r.err, "[rank 1] dying")) << r.err;
   EXPECT_TRUE(contains(r.err, "launch: rank 1 failed (exit code 7)")) << r.err;
   EXPECT_TRUE(contains(r.err, "terminating: 0")) << r.err;
@@ -105,7 +106,7 @@ TEST(Launch, AFailedRankIsNamedAndTheOthersAreKilledAfterTheTimeout) {
 TEST(Launch, OtherRanksMayFinishOnTheirOwnWithinTheTimeout) {
   CliRun r = porter({"launch", "-n", "3", "--timeout", "60", "--", "sh", "-c",
                      "if [ \"$RANK\" = 2 ]; then exit 3; fi; sleep 0.2; echo done-$RANK"});
-  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_EQ(r.rc, 3) << r.err;
   EXPECT_TRUE(contains(r.out, "[rank 0] done-0")) << r.out;
   EXPECT_TRUE(contains(r.out, "[rank 1] done-1")) << r.out;
   EXPECT_TRUE(contains(r.err, "launch: failed: rank 0 ok; rank 1 ok; rank 2 exit code 3;"))
@@ -116,26 +117,27 @@ TEST(Launch, OtherRanksMayFinishOnTheirOwnWithinTheTimeout) {
 TEST(Launch, ARankKilledByASignalIsReportedWithTheSignal) {
   CliRun r = porter({"launch", "-n", "2", "--timeout", "5", "--", "sh", "-c",
                      "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exit 0"});
-  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_EQ(r.rc, 128 + 9) << r.err;  // as a shell reports a killed command
   EXPECT_TRUE(contains(r.err, "launch: rank 0 failed (signal 9 (Killed))")) << r.err;
 }
 
-TEST(Launch, UsageErrorsExit2) {
+// Exit codes mean one thing everywhere: launch's own usage errors are 1, as every other
+// subcommand's (a failed rank's code is passed on instead, above).
+TEST(Launch, UsageErrorsExit1) {
   CliRun none = porter({"launch", "-n", "2"});
-  EXPECT_EQ(none.rc, kExitInvalid);
+  EXPECT_EQ(none.rc, kExitUsage);
   EXPECT_TRUE(contains(none.err, "no command: give it after --")) << none.err;
   CliRun zero = porter({"launch", "-n", "0", "--", "true"});
-  EXPECT_EQ(zero.rc, kExitInvalid) << zero.err;
+  EXPECT_EQ(zero.rc, kExitUsage) << zero.err;
   CliRun missing_n = porter({"launch", "--", "true"});
-  EXPECT_EQ(missing_n.rc, kExitInvalid) << missing_n.err;
+  EXPECT_EQ(missing_n.rc, kExitUsage) << missing_n.err;
   CliRun bad_flag = porter({"launch", "-n", "2", "--bogus", "--", "true"});
-  EXPECT_EQ(bad_flag.rc, kExitInvalid) << bad_flag.err;
+  EXPECT_EQ(bad_flag.rc, kExitUsage) << bad_flag.err;
   CliRun bad_port = porter({"launch", "-n", "2", "--master-port", "70000", "--", "true"});
-  EXPECT_EQ(bad_port.rc, kExitInvalid) << bad_port.err;
+  EXPECT_EQ(bad_port.rc, kExitUsage) << bad_port.err;
   CliRun no_such = porter({"launch", "-n", "2", "--", "/no/such/program", "x"});
-  EXPECT_EQ(no_such.rc, kExitInvalid);
+  EXPECT_EQ(no_such.rc, kExitUsage);
   EXPECT_TRUE(contains(no_such.err, "cannot start rank 0: \"/no/such/program\"")) << no_such.err;
-  // Other subcommands keep 1 for usage errors.
   EXPECT_EQ(porter({"estimate", "--bogus"}).rc, kExitUsage);
 }
 
@@ -197,7 +199,7 @@ TEST(LaunchBinary, SigtermIsForwardedToEveryRank) {
       });
   ASSERT_TRUE(sent) << run.output;
   ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
-  EXPECT_EQ(WEXITSTATUS(run.status), kExitRankFailed) << run.output;
+  EXPECT_EQ(WEXITSTATUS(run.status), 5) << run.output;  // the ranks' own code
   EXPECT_TRUE(contains(run.output, "forwarding it to the 2 running ranks")) << run.output;
   EXPECT_TRUE(contains(run.output, "[rank 0] got-term-0")) << run.output;
   EXPECT_TRUE(contains(run.output, "[rank 1] got-term-1")) << run.output;
@@ -289,6 +291,38 @@ TEST_F(LaunchTrain, NprocIsTheLaunchShorthand) {
   EXPECT_TRUE(contains(run.output, "[rank 0] step 1/1")) << run.output;
 }
 
+// Out of memory is exit code 3 on one rank and under --nproc: the launcher passes the first
+// failed rank's code on (Note [Launcher]); an invalid config is 2 the same way.
+TEST_F(LaunchTrain, OutOfMemoryUnderNprocExitsThree) {
+  // 256 KiB holds neither the model states nor the activations of the 2-layer GPT.
+  const std::vector<std::string> oom = {"train", "--config", config_, "--steps", "2", "--set",
+                                        "porter.device.memory_limit=\"256KiB\""};
+  CliRun one = porter(oom);
+  EXPECT_EQ(one.rc, kExitOom) << one.err;
+  EXPECT_TRUE(contains(one.err, "error: out of memory on cpu:0")) << one.err;
+  std::vector<std::string> two = oom;
+  two.insert(two.begin() + 1, {"--nproc", "2"});
+  BinaryRun run = run_binary(two);
+  ASSERT_TRUE(WIFEXITED(run.status)) << run.output;
+  EXPECT_EQ(WEXITSTATUS(run.status), kExitOom) << run.output;
+  EXPECT_TRUE(std::regex_search(run.output,
+                                std::regex(R"(\[rank [01]\] error: rank [01] of 2: out of memory)")))
+      << run.output;
+  EXPECT_TRUE(std::regex_search(run.output, std::regex(R"(launch: rank [01] failed \(exit code 3\))")))
+      << run.output;
+  // The same through porter launch.
+  std::vector<std::string> launched = {"launch", "-n", "2", "--", PORTER_EXE};
+  launched.insert(launched.end(), oom.begin(), oom.end());
+  BinaryRun via_launch = run_binary(launched);
+  ASSERT_TRUE(WIFEXITED(via_launch.status)) << via_launch.output;
+  EXPECT_EQ(WEXITSTATUS(via_launch.status), kExitOom) << via_launch.output;
+  // Invalid input on every rank: 2.
+  BinaryRun invalid = run_binary({"train", "--nproc", "2", "--config", config_, "--set",
+                                  "zero_optimization.stage=two"});
+  ASSERT_TRUE(WIFEXITED(invalid.status)) << invalid.output;
+  EXPECT_EQ(WEXITSTATUS(invalid.status), kExitInvalid) << invalid.output;
+}
+
 // Every rank gets every --config file and --set, in order: the ranks merge the same config.
 TEST_F(LaunchTrain, NprocPassesEveryConfigFileAndSet) {
   const std::string overlay = (dir_ / "overlay.json").string();
@@ -318,7 +352,7 @@ TEST_F(LaunchTrain, ARankThatFailsMakesTheOthersFailWithinTheTimeout) {
                              (dir_ / "missing.json").string() + "; fi; exec \"$0\" train --config " +
                              config_;
   CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c", script, PORTER_EXE});
-  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_EQ(r.rc, kExitInvalid) << r.err;  // rank 1's: its config cannot be read
   EXPECT_TRUE(contains(r.err, "[rank 1] error: rank 1 of 2: ")) << r.err;
   EXPECT_TRUE(contains(r.err, "cannot read config file")) << r.err;
   EXPECT_TRUE(contains(r.err, "launch: rank 1 failed (exit code 2)")) << r.err;
@@ -335,7 +369,7 @@ TEST_F(LaunchTrain, ARankThatLeavesMidRunFailsItsPeerAtTheNextCollective) {
       "if [ \"$RANK\" = 1 ]; then exec \"$0\" train --config \"$1\" --steps 2; fi; "
       "exec \"$0\" train --config \"$1\" --steps 1000";
   CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c", script, PORTER_EXE, config_});
-  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_EQ(r.rc, kExitInvalid) << r.err;
   EXPECT_TRUE(contains(r.err, "[rank 0] step 2/1000")) << r.err;
   EXPECT_FALSE(contains(r.err, "[rank 0] step 4/1000")) << r.err;
   EXPECT_TRUE(contains(r.err, "[rank 0] error: rank 0 of 2: rank 0 of world: ")) << r.err;
@@ -351,7 +385,7 @@ TEST_F(LaunchTrain, ARankThatLeavesMidRunFailsItsPeerAtTheNextCollective) {
 TEST_F(LaunchTrain, NprocInsideALaunchedRankIsRefused) {
   CliRun r = porter({"launch", "-n", "1", "--", PORTER_EXE, "train", "--nproc", "2", "--config",
                      config_});
-  EXPECT_EQ(r.rc, kExitRankFailed) << r.err;
+  EXPECT_EQ(r.rc, kExitUsage) << r.err;  // the rank's usage error, passed on
   EXPECT_TRUE(contains(r.err, "--nproc 2: this process is already rank 0 of 1")) << r.err;
 }
 
@@ -579,16 +613,33 @@ namespace porter::cli {
 namespace {
 
 // Every published DeepSpeed config in tests/config/realworld (copies of
-// ../shared/realworld-configs and SOURCES.md's others) trains 3 steps unchanged, with only a
-// model file beside it (--config ds.json --config model.json), through porter launch at the
-// world size its batch numbers imply (2: the model file sets the micro-batch to half of
-// train_batch_size / gradient_accumulation_steps). Optimizer offload trains with the host
-// AdamW, parameter offload with the stage-3 shards in host memory.
-TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
+// ../shared/realworld-configs and SOURCES.md's others) trains unchanged, with only a model file
+// beside it (--config ds.json --config model.json), through porter launch at the world size its
+// batch numbers imply (2: the model file sets the micro-batch to half of train_batch_size /
+// gradient_accumulation_steps). It really trains: the report's losses are finite and fall (the
+// data repeat a period-8 pattern the model learns within a few steps; five steps, since Hugging
+// Face's WarmupLR starts from a learning rate of 0), an fp16 run applies at least one step (the
+// report's zero.skipped_steps counts those an overflow skipped), and every stage-3 config runs
+// at stage 3. Optimizer offload trains with the host AdamW, parameter offload with the stage-3
+// shards in host memory.
+TEST(PublishedConfigs, EachTrainsWithAFallingLossThroughLaunch) {
+  constexpr int64_t kSteps = 5;
   const fs::path dir = fs::temp_directory_path() / "porter_cli_published_configs";
   fs::remove_all(dir);
   fs::create_directories(dir);
-  int trained = 0, stage3 = 0, offloading = 0, param_offloading = 0;
+  const fs::path tokens = dir / "train.bin";
+  write_tokens(tokens, 20000, [](size_t i) { return i % 8; });
+  // The stage-3 configs, counted from the files alone, to compare with the runs.
+  int stage3_configs = 0;
+  for (const fs::directory_entry& f : fs::directory_iterator(PORTER_REALWORLD_CONFIG_DIR)) {
+    if (f.path().extension() != ".json") continue;
+    std::ifstream in(f.path());
+    const nlohmann::json ds = nlohmann::json::parse(in, nullptr, true, /*ignore_comments=*/true);
+    if (ds.value("zero_optimization", nlohmann::json::object()).value("stage", 0) == 3) {
+      ++stage3_configs;
+    }
+  }
+  int trained = 0, stage3 = 0, offloading = 0, param_offloading = 0, fp16 = 0;
   for (const fs::directory_entry& f : fs::directory_iterator(PORTER_REALWORLD_CONFIG_DIR)) {
     if (f.path().extension() != ".json") continue;
     std::ifstream in(f.path());
@@ -599,15 +650,18 @@ TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
     };
     const bool offload = offloaded("offload_param");
     const bool optimizer_offload = z.value("cpu_offload", false) || offloaded("offload_optimizer");
+    const nlohmann::json fp16_section = ds.value("fp16", nlohmann::json::object());
+    const bool half = fp16_section.contains("enabled") && fp16_section["enabled"] == true;
     const std::string name = f.path().filename().string();
     const fs::path model = dir / ("model-" + name);
+    const fs::path report = dir / ("report-" + name);
     nlohmann::json m = {
         {"porter",
          {{"model", {{"layers", 2}, {"hidden", 64}, {"heads", 2}, {"seq_len", 16}, {"vocab", 128}}},
-          {"data", {{"type", "synthetic"}, {"seed", 1}}},
+          {"data", {{"type", "tokens"}, {"paths", tokens.string()}, {"seed", 1}}},
           {"device", {{"type", "cpu"}, {"memory_limit", "128MiB"}, {"threads", 1}}},
           {"comm", {{"timeout_s", 30}}},
-          {"train", {{"steps", 3}, {"log_every", 1}}}}}};
+          {"train", {{"steps", kSteps}, {"log_every", 1}}}}}};
     if (ds.contains("train_batch_size") && ds["train_batch_size"].is_number_integer()) {
       const int64_t gas = ds.value("gradient_accumulation_steps", int64_t{1});
       m["train_micro_batch_size_per_gpu"] = ds["train_batch_size"].get<int64_t>() / gas / 2;
@@ -618,11 +672,31 @@ TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
     }
     std::ofstream(model) << m.dump();
     BinaryRun run = run_binary({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config",
-                                f.path().string(), "--config", model.string()});
+                                f.path().string(), "--config", model.string(), "--report",
+                                report.string()});
     ASSERT_TRUE(WIFEXITED(run.status)) << name << "\n" << run.output;
     EXPECT_EQ(WEXITSTATUS(run.status), 0) << name << "\n" << run.output;
-    EXPECT_TRUE(contains(run.output, "[rank 0] step 3/3")) << name << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, "[rank 0] step 5/5")) << name << "\n" << run.output;
+    ASSERT_TRUE(fs::exists(report)) << name << "\n" << run.output;
+    const nlohmann::json r = read_json(report);
     ++trained;
+
+    // A finite loss that falls.
+    const nlohmann::json& losses = r["losses"];
+    ASSERT_EQ(losses.size(), static_cast<size_t>(kSteps)) << name << "\n" << r.dump();
+    for (const nlohmann::json& l : losses) {
+      ASSERT_TRUE(l.is_number() && std::isfinite(l.get<double>())) << name << "\n" << losses;
+    }
+    EXPECT_LT(losses.back().get<double>(), losses.front().get<double>() - 0.05)
+        << name << "\n" << losses;
+
+    // fp16: the run is in f16, and an overflow did not skip every step.
+    EXPECT_EQ(r["compute_dtype"], half ? "f16" : "f32") << name;
+    if (half) {
+      ++fp16;
+      const int64_t skipped = r["zero"]["skipped_steps"].get<int64_t>();
+      EXPECT_GE(r["steps"].get<int64_t>() - skipped, 1) << name << ": every step skipped";
+    }
     if (optimizer_offload) {
       ++offloading;
       EXPECT_TRUE(contains(run.output, "optimizer offload: ")) << name << "\n" << run.output;
@@ -631,7 +705,7 @@ TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
       ++param_offloading;
       EXPECT_TRUE(contains(run.output, "parameter offload: ")) << name << "\n" << run.output;
     }
-    if (z.value("stage", 0) == 3) {
+    if (r["zero"]["stage"] == 3) {
       ++stage3;
       EXPECT_TRUE(contains(run.output, "[rank 0] zero: stage 3 over 2 ranks")) << run.output;
       EXPECT_TRUE(contains(run.output, "parameter gathers: ")) << run.output;
@@ -642,7 +716,11 @@ TEST(PublishedConfigs, EachTrainsThreeStepsWithAModelFileThroughLaunch) {
   EXPECT_GE(trained, 6);
   EXPECT_GE(offloading, 4);
   EXPECT_GE(param_offloading, 2);
+  EXPECT_GE(fp16, 5);  // all but Hugging Face's ("auto": fp32 without the Trainer)
+  // Every stage-3 config ran at stage 3: Megatron's ZeRO-3 and ZeRO-Infinity, Hugging Face's.
   EXPECT_GE(stage3, 1);
+  EXPECT_EQ(stage3, stage3_configs);
+  EXPECT_GE(stage3_configs, 3);
   fs::remove_all(dir);
 }
 

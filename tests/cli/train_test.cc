@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -20,6 +21,7 @@
 #include "checkpoint/planner.h"
 #include "checkpoint/simulate.h"
 #include "cli/app.h"
+#include "memory/category.h"
 #include "tests/cli/cli_test_util.h"
 #include "nn/gpt.h"
 #include "nn/npy.h"
@@ -717,6 +719,90 @@ TEST_F(CliTrain, OutOfMemoryExitsThree) {
   EXPECT_TRUE(contains(oom.err, "warning: the plan's predicted peak")) << oom.err;
   // The trace up to the error is written.
   EXPECT_TRUE(read_json(trace)["traceEvents"].is_array());
+}
+
+// Note [Progress cadence] in config/porter_keys.cc: DeepSpeed's steps_per_print paces the
+// progress lines when porter.train.log_every is not given; log_every wins when it is.
+TEST_F(CliTrain, StepsPerPrintIsTheProgressCadenceWithoutLogEvery) {
+  std::string text = kTinyConfig;
+  const std::string from = "\"train\": {\"steps\": 3, \"log_every\": 2}";
+  text.replace(text.find(from), from.size(), "\"train\": {\"steps\": 7}");
+  text.replace(text.find("{"), 1, "{\"steps_per_print\": 3, ");
+  CliRun r = porter({"train", "--config", config(text, "spp.json")});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  for (int step = 1; step <= 7; ++step) {
+    const bool printed = step == 3 || step == 6 || step == 7;  // every 3rd, and the last
+    EXPECT_EQ(contains(r.err, "step " + std::to_string(step) + "/7  loss "), printed)
+        << step << "\n" << r.err;
+  }
+  // log_every, when given, is the cadence.
+  CliRun both = porter({"train", "--config", config(text, "spp.json"), "--set",
+                        "porter.train.log_every=2"});
+  ASSERT_EQ(both.rc, kExitOk) << both.err;
+  for (int step = 1; step <= 7; ++step) {
+    const bool printed = step % 2 == 0 || step == 7;
+    EXPECT_EQ(contains(both.err, "step " + std::to_string(step) + "/7  loss "), printed)
+        << step << "\n" << both.err;
+  }
+}
+
+// A published DeepSpeed config alone trains porter's default model, and train says so once,
+// with how to give one (a note, not an error).
+TEST_F(CliTrain, AConfigWithoutAModelSaysWhichModelItTrains) {
+  const std::string published =
+      std::string(PORTER_REALWORLD_CONFIG_DIR) +
+      "/deepspeedexamples__megatron-lm__scripts__ds_zero2_config.json";
+  // The default GPT (124M parameters) does not fit 1 MiB: the run stops before step 1, after
+  // the note.
+  CliRun r = porter({"train", "--config", published, "--steps", "1", "--set",
+                     "porter.device={\"type\": \"cpu\", \"memory_limit\": \"1MiB\", \"threads\": 1}"});
+  EXPECT_EQ(r.rc, kExitOom) << r.err;
+  const std::string note =
+      "note: " + published + ": porter.model: not given, so porter trains its default model, a "
+      "GPT of 12 layers, hidden 768, 12 heads, seq_len 1024, vocab 50257; give the model in the "
+      "config's \"porter\": {\"model\": {...}} (or key by key with --set, e.g. --set "
+      "porter.model.layers=4), or load one with porter.model.from, a Hugging Face model "
+      "directory\n";
+  EXPECT_TRUE(contains(r.err, note)) << r.err;
+  EXPECT_EQ(r.err.find("note: "), r.err.rfind("note: ")) << r.err;  // once
+  // With a model, no note.
+  CliRun tiny_run = porter({"train", "--config", tiny(), "--steps", "1"});
+  ASSERT_EQ(tiny_run.rc, kExitOk) << tiny_run.err;
+  EXPECT_FALSE(contains(tiny_run.err, "note: ")) << tiny_run.err;
+}
+
+// Exit code 1 is usage everywhere: flags that parse but do not go together (a UsageError) too.
+TEST_F(CliTrain, FlagsThatDoNotGoTogetherExitOne) {
+  CliRun r = porter({"train", "--config", tiny(), "--steps", "1", "--trace-rank", "0"});
+  EXPECT_EQ(r.rc, kExitUsage) << r.err;
+  EXPECT_TRUE(contains(r.err, "error: --trace-rank: there is no trace to write")) << r.err;
+}
+
+// An out-of-memory hint names only keys porter reads: each dotted key in every category's hint
+// given with --set is a known key (a value of the wrong type is fine, an unknown key is not),
+// and the comm hint names the bucket that fills that category.
+TEST_F(CliTrain, OutOfMemoryHintsNameOnlyKeysPorterReads) {
+  const std::regex key(R"([a-z_0-9]+(\.[a-z_0-9]+)+)");
+  const std::string cfg = tiny();
+  int checked = 0;
+  for (memory::Category c : memory::kAllCategories) {
+    const std::string hint(memory::category_hint(c));
+    SCOPED_TRACE(hint);
+    for (auto it = std::sregex_iterator(hint.begin(), hint.end(), key); it != std::sregex_iterator();
+         ++it) {
+      const std::string k = it->str();
+      CliRun r = porter({"config", "check", cfg, "--set", k + "=[]"});
+      EXPECT_FALSE(contains(r.err, "unknown key")) << k << ": " << r.err;
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 10);
+  const std::string comm(memory::category_hint(memory::Category::kComm));
+  EXPECT_TRUE(contains(comm, "lower zero_optimization.reduce_bucket_size")) << comm;
+  // partition_activations only partitions over tensor-parallel ranks.
+  const std::string checkpoints(memory::category_hint(memory::Category::kCheckpoints));
+  EXPECT_TRUE(contains(checkpoints, "with porter.model.tensor_parallel > 1, partition them"))
+      << checkpoints;
 }
 
 }  // namespace
