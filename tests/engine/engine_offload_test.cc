@@ -61,6 +61,7 @@ struct RunResult {
   std::vector<double> losses;
   std::vector<float> first_grads;
   std::vector<float> params;
+  SavedState state;  // the whole training state after the steps
 };
 
 // Runs `steps` steps and checks, after each, that everything the step took went back.
@@ -77,6 +78,7 @@ RunResult run_steps(Engine& e, const config::Config& c, int steps) {
     EXPECT_EQ(e.pinned_pool().stats().in_use_bytes, pinned) << "step " << s;
   }
   r.params = e.params_host();
+  r.state = saved_state(e);
   return r;
 }
 
@@ -91,6 +93,7 @@ void expect_same(const RunResult& got, const RunResult& want) {
   EXPECT_EQ(got.losses, want.losses);
   EXPECT_TRUE(bitwise_equal(got.first_grads, want.first_grads));
   EXPECT_TRUE(bitwise_equal(got.params, want.params));
+  expect_same_state(got.state, want.state, "against the run without offload");
 }
 
 size_t read_back_bytes(const checkpoint::OffloadLayout& layout) {
@@ -433,6 +436,7 @@ TEST(EngineOffloadTest, OutOfMemoryMidStepLeavesBaselinesAndTheNextStepSucceeds)
     size_t uniform_peak = 0, full_peak = 0;
     double ref_loss = 0;
     std::vector<float> ref_params;
+    SavedState ref_state;
     {
       auto device = cpu_device();
       auto e = gpt_engine(*device, uc);
@@ -446,6 +450,7 @@ TEST(EngineOffloadTest, OutOfMemoryMidStepLeavesBaselinesAndTheNextStepSucceeds)
       full_peak = r.peak_bytes;
       ref_loss = r.loss;
       ref_params = e->params_host();
+      ref_state = saved_state(*e);
     }
     ASSERT_LT(full_peak, uniform_peak);
     auto device = cpu_device((uniform_peak + full_peak) / 2);
@@ -474,6 +479,7 @@ TEST(EngineOffloadTest, OutOfMemoryMidStepLeavesBaselinesAndTheNextStepSucceeds)
     expect_step_counters(*e, r, uc.gradient_accumulation_steps);
     EXPECT_EQ(r.loss, ref_loss);
     EXPECT_TRUE(bitwise_equal(e->params_host(), ref_params));
+    expect_same_state(saved_state(*e), ref_state, "after the failed steps");
     EXPECT_EQ(e->step(), 1);
     EXPECT_EQ(e->allocator().stats().requested_bytes, replanned);
     EXPECT_EQ(e->pinned_pool().stats().in_use_bytes, e->plan().offload.pinned_bytes * contiguous);
@@ -508,6 +514,7 @@ TEST(EngineOffloadTest, ResumeAcrossOffloadSettings) {
     for (int s = 2; s < 4; ++s) losses.push_back(e->train_step(batches(loader, s)).loss);
     EXPECT_EQ(losses, ref.losses);
     EXPECT_TRUE(bitwise_equal(e->params_host(), ref.params));
+    expect_same_state(saved_state(*e), ref.state, "resumed");
     std::filesystem::remove_all(dir);
   }
 }
@@ -527,6 +534,7 @@ TEST(EngineOffloadTest, PartitionActivationsAtOneRankHasNoEffect) {
     EXPECT_EQ(a->train_step(batches(c, s)).loss, b->train_step(batches(p, s)).loss);
   }
   EXPECT_TRUE(bitwise_equal(a->params_host(), b->params_host()));
+  expect_same_state(saved_state(*b), saved_state(*a), "partition_activations");
 }
 
 }  // namespace

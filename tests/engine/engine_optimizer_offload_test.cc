@@ -156,7 +156,7 @@ TEST(EngineOptimizerOffload, SaveAndResumeAreBitIdenticalAndCheckpointsMatchWith
     std::filesystem::remove_all(dir);
     config::Config c = off_config(1, 1, true);
     c.bf16.enabled = bf16;
-    const std::vector<double> straight = straight_and_checkpoint(c, dir);
+    const StraightRun straight = straight_and_checkpoint(c, dir);
     // Resumed with offload, and without: both continue bit-identically.
     for (bool offload : {true, false}) {
       config::Config r = c;

@@ -119,7 +119,7 @@ TEST(EngineParamOffload, SaveAndResumeAreBitIdenticalWithAndWithoutOffload) {
   config::Config c = s3_config(1);
   c.bf16.enabled = true;
   set_offload(c, true, true);
-  const std::vector<double> straight = straight_and_checkpoint(c, dir);
+  const StraightRun straight = straight_and_checkpoint(c, dir);
   for (bool offload : {true, false}) {
     config::Config r = c;
     set_offload(r, offload, offload);
@@ -137,25 +137,31 @@ TEST(EngineParamOffload, ACopyErrorMidStepLeavesTheStateUnchanged) {
     set_offload(c, optimizer, true);
     std::vector<double> straight;
     std::vector<float> straight_params;
+    SavedState straight_state;
     {
       auto device = cpu_device();
       auto e = gpt_engine(*device, c);
       for (int s = 0; s < 3; ++s) straight.push_back(e->train_step(batches(c, s)).loss);
       straight_params = e->params_host();
+      straight_state = saved_state(*e);
     }
     FaultyDevice device(cpu_device());
     auto e = gpt_engine(device, c);
     EXPECT_EQ(e->train_step(batches(c, 0)).loss, straight[0]);
     const std::vector<float> before = e->params_host();
+    const SavedState before_state = saved_state(*e);
     device.fail_copy("param h2d", 3);  // the third upload of the next step
     const std::string msg = error_of<std::exception>([&] { e->train_step(batches(c, 1)); });
     EXPECT_NE(msg.find("injected copy failure"), std::string::npos) << msg;
     EXPECT_EQ(device.failures(), 1);
     EXPECT_EQ(e->step(), 1);
     EXPECT_TRUE(bitwise_equal(e->params_host(), before)) << "optimizer " << optimizer;
-    EXPECT_EQ(e->train_step(batches(c, 1)).loss, straight[1]) << "optimizer " << optimizer;
-    EXPECT_EQ(e->train_step(batches(c, 2)).loss, straight[2]) << "optimizer " << optimizer;
-    EXPECT_TRUE(bitwise_equal(e->params_host(), straight_params)) << "optimizer " << optimizer;
+    const std::string what = std::string("optimizer ") + (optimizer ? "offloaded" : "on the device");
+    expect_same_state(saved_state(*e), before_state, what + ", after the failed step");
+    EXPECT_EQ(e->train_step(batches(c, 1)).loss, straight[1]) << what;
+    EXPECT_EQ(e->train_step(batches(c, 2)).loss, straight[2]) << what;
+    EXPECT_TRUE(bitwise_equal(e->params_host(), straight_params)) << what;
+    expect_same_state(saved_state(*e), straight_state, what);
   }
 }
 
@@ -201,7 +207,7 @@ TEST(EnginePartialOffload, CheckpointsResumeUnderAnyOtherRatio) {
   c.bf16.enabled = true;
   set_offload(c, true, false);
   c.zero_optimization.offload_optimizer.ratio = 0.4;
-  const std::vector<double> straight = straight_and_checkpoint(c, dir);
+  const StraightRun straight = straight_and_checkpoint(c, dir);
   for (double ratio : {0.4, 0.9, 1.0, -1.0}) {  // -1: no offload at all
     config::Config r = c;
     if (ratio < 0) {

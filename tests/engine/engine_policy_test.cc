@@ -1,5 +1,5 @@
-// Every checkpoint policy through make_plan and the executor: bit-identical gradients and
-// losses, measured peaks against the formulas and the planner's predictions, profiled costs
+// Every checkpoint policy through make_plan and the executor: bit-identical gradients,
+// losses and whole training states, measured peaks against the formulas and the planner's predictions, profiled costs
 // against the analytic model, no leak.
 #include <algorithm>
 
@@ -33,6 +33,7 @@ TEST(EnginePolicyTest, EveryPolicyGivesBitIdenticalGradientsAndLosses) {
   for (bool bf16 : {false, true}) {
     std::vector<float> ref_grads, ref_params;
     std::vector<double> ref_losses;
+    SavedState ref_state;
     for (CheckpointPolicy p : kPolicies) {
       SCOPED_TRACE(name_of(p) + (bf16 ? " bf16" : " f32"));
       const config::Config c = policy_config(p, bf16);
@@ -49,11 +50,13 @@ TEST(EnginePolicyTest, EveryPolicyGivesBitIdenticalGradientsAndLosses) {
         ref_grads = grads;
         ref_losses = losses;
         ref_params = e->params_host();
+        ref_state = saved_state(*e);
         continue;
       }
       EXPECT_TRUE(bitwise_equal(grads, ref_grads));
       EXPECT_EQ(losses, ref_losses);
       EXPECT_TRUE(bitwise_equal(e->params_host(), ref_params));
+      expect_same_state(saved_state(*e), ref_state, name_of(p));
     }
   }
 }

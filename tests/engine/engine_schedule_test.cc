@@ -1,7 +1,7 @@
 // The schedule executor against Note [Schedule semantics]: hand-written schedules (keep
 // everything, every stage checkpointed, a re-forwarded segment, selective blocks, nested
-// re-forwards from held token ids) give bit-identical gradients and losses with dropout on,
-// and release everything they hold.
+// re-forwards from held token ids) give bit-identical gradients, losses and whole training
+// states with dropout on, and release everything they hold.
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
@@ -55,6 +55,7 @@ TEST(EngineScheduleTest, GradientsAndLossesAreBitIdenticalUnderEverySchedule) {
     const config::Config c = tiny_config(config::CheckpointPolicy::kNone, 0.1, 2, bf16);
     std::vector<float> ref_grads, ref_params;
     std::vector<double> ref_losses;
+    SavedState ref_state;
     for (const auto& [name, ops] : schedules()) {
       SCOPED_TRACE(name + (bf16 ? " bf16" : " f32"));
       auto device = cpu_device();
@@ -79,11 +80,13 @@ TEST(EngineScheduleTest, GradientsAndLossesAreBitIdenticalUnderEverySchedule) {
         ref_grads = first_grads;
         ref_losses = losses;
         ref_params = e->params_host();
+        ref_state = saved_state(*e);
         continue;
       }
       EXPECT_TRUE(bitwise_equal(first_grads, ref_grads));
       EXPECT_EQ(losses, ref_losses);
       EXPECT_TRUE(bitwise_equal(e->params_host(), ref_params));
+      expect_same_state(saved_state(*e), ref_state, name + (bf16 ? " bf16" : " f32"));
     }
   }
 }

@@ -2,8 +2,9 @@
 // own cpu device and Gloo communicator.
 //
 // Exactness: stage 3 reduces gradients exactly as stage 2 and gathers the same working copies
-// that stage 2 all-gathers after AdamW, so losses and final parameters are bitwise those of
-// stage 2, at any world size, under every schedule. Memory: the params category holds the
+// that stage 2 all-gathers after AdamW, so losses and the whole training state (each rank's
+// parameter shard, master, moments, step and loss scaler) are bitwise those of stage 2, at
+// any world size, under every schedule. Memory: the params category holds the
 // rank's shard, the persistent stages and, during a step, the gathered buffers the gather
 // plan has alive (Note [Gather plan]); the measured peak of those equals the plan's.
 #include <algorithm>
@@ -232,6 +233,7 @@ TEST(EngineZero3Test, AMaxLiveBelowOneStageIsRefusedNamingTheKey) {
 TEST(EngineZero3Test, OneRankStageThreeEqualsStageZero) {
   std::vector<double> ref;
   std::vector<float> ref_params;
+  SavedState ref_state;
   for (int stage : {0, 3}) {
     config::Config c = z3_config(1, stage);
     c.world_size = 1;
@@ -247,9 +249,11 @@ TEST(EngineZero3Test, OneRankStageThreeEqualsStageZero) {
     if (stage == 0) {
       ref = losses;
       ref_params = e->params_host();
+      ref_state = saved_state(*e);
     } else {
       EXPECT_EQ(losses, ref);
       EXPECT_TRUE(bitwise_equal(e->params_host(), ref_params));
+      expect_same_state(saved_state(*e), ref_state, "stage 3 vs 0");
       EXPECT_EQ(e->zero_stats().peak_live_elems, e->plan().prediction.params.peak_live_elems);
     }
   }
@@ -262,6 +266,7 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
                    ("porter_zero3_ckpt_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::vector<std::vector<double>> straight(2), resumed(2);
+  std::vector<SavedState> straight_state(2), resumed_state(2);
   for (int phase = 0; phase < 3; ++phase) {
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
       Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
@@ -277,8 +282,11 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
         if (phase == 2) resumed[static_cast<size_t>(rank)].push_back(loss);
       }
       if (phase == 1) e.save_checkpoint(dir);
+      if (phase == 0) straight_state[static_cast<size_t>(rank)] = saved_state(e);
+      if (phase == 2) resumed_state[static_cast<size_t>(rank)] = saved_state(e);
     });
   }
+  expect_same_state(resumed_state, straight_state, "resumed at step 3");
   for (size_t r = 0; r < 2; ++r) {
     ASSERT_EQ(resumed[r].size(), 3u);
     for (size_t s = 0; s < 3; ++s) EXPECT_EQ(resumed[r][s], straight[r][s + 3]) << r << " " << s;

@@ -142,7 +142,9 @@ void expect_close(const ParamLayout& layout, const std::vector<float>& a,
                                   << " against its scale " << scale;
   }
   for (size_t k = 0; k < a.size(); ++k) {
-    if (!in_tensor[k]) EXPECT_EQ(a[k], b[k]) << what << ": padding element " << k;
+    if (!in_tensor[k]) {
+      EXPECT_EQ(a[k], b[k]) << what << ": padding element " << k;
+    }
   }
 }
 
