@@ -367,7 +367,13 @@ void check_even(const int64_t& n, const std::string& path) {
 // - sub_group_size: ShardedOptimizer::update steps the rank's whole range in one AdamW call,
 //   on the device or (offloaded) in one CpuAdam::update over the host threads; its state is
 //   allocated for the whole run, so there is nothing to bound by sub-group.
-// - nvme_path: NVMe offload does not exist in porter ("nvme" devices read as "cpu").
+// - nvme_path and offload_optimizer.fast_init: NVMe offload does not exist in porter ("nvme"
+//   devices read as "cpu").
+// - round_robin_gradients: with optimizer offload each bucket's part of the shard goes to the
+//   host as soon as it is final (Note [Optimizer offload] in zero/sharded_optimizer.h).
+// - allgather_partitions: stages 1 and 2 all-gather the updated shards (Note [Bucketed
+//   parameter all-gather]); stage 3 gathers as Note [Stage 3 gather] says, which DeepSpeed's
+//   key does not govern either.
 void note_fixed_zero_behaviour(ObjectReader& r) {
   if (r.has("contiguous_gradients")) {
     r.diag().note(r.path_of("contiguous_gradients"),
@@ -380,6 +386,23 @@ void note_fixed_zero_behaviour(ObjectReader& r) {
                   "porter's AdamW steps the rank's whole optimizer shard at once (offloaded, the "
                   "host AdamW updates it in one pass over its threads), with all of its state "
                   "allocated for the run; there are no sub-groups (the key has no effect)");
+  }
+  if (r.has("round_robin_gradients")) {
+    r.diag().note(r.path_of("round_robin_gradients"),
+                  "porter's optimizer offload copies each bucket's part of the rank's gradient "
+                  "shard to the host as soon as it is reduced, whatever the value (the key has no "
+                  "effect)");
+  }
+  if (r.has("allgather_partitions")) {
+    r.diag().note(r.path_of("allgather_partitions"),
+                  "porter always all-gathers the updated parameters at stages 1 and 2, never a "
+                  "series of broadcasts, whatever the value (the key has no effect)");
+  }
+  if (const Json* o = r.get("offload_optimizer");
+      o != nullptr && o->is_object() && o->contains("fast_init")) {
+    r.diag().note(r.path_of("offload_optimizer") + ".fast_init",
+                  "speeds up NVMe offload's set-up, and porter has no NVMe offload (the key has "
+                  "no effect)");
   }
   std::vector<std::string> nvme_paths;
   for (const char* section : {"offload_optimizer", "offload_param"}) {

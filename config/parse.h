@@ -54,8 +54,10 @@ struct ParseResult {
   Config config;
   std::vector<Warning> warnings;  // in the order the keys were read
   // Note [Fixed behaviour]: what porter does in place of a key the config gives, where porter's
-  // behaviour is fixed (zero_optimization.contiguous_gradients, sub_group_size, nvme_path), and
-  // which model a config without porter.model trains. Never errors, not even under strict.
+  // behaviour is fixed (zero_optimization.contiguous_gradients, sub_group_size, nvme_path and
+  // the others note_fixed_zero_behaviour in deepspeed_keys.cc lists), once per key and only
+  // when given; and which model a config without porter.model trains. Never errors, not even
+  // under strict.
   std::vector<Warning> notes;
 };
 

@@ -369,6 +369,19 @@ TEST(Notes, FixedZeroKeysAreNotedOnceWhenGiven) {
   EXPECT_EQ(r.notes[2].text(),
             "zero_optimization.offload_param.nvme_path: porter has no NVMe offload, so the path "
             "is not used; offload to host memory instead, with \"device\": \"cpu\"");
+  // The other keys whose choice porter makes one way.
+  EXPECT_EQ(notes_of(R"({"train_batch_size": 1, "zero_optimization": {"stage": 2,
+      "round_robin_gradients": true, "allgather_partitions": false,
+      "offload_optimizer": {"device": "cpu", "fast_init": true}}, )" + model + "}"),
+            (std::vector<std::string>{
+                "zero_optimization.round_robin_gradients: porter's optimizer offload copies each "
+                "bucket's part of the rank's gradient shard to the host as soon as it is "
+                "reduced, whatever the value (the key has no effect)",
+                "zero_optimization.allgather_partitions: porter always all-gathers the updated "
+                "parameters at stages 1 and 2, never a series of broadcasts, whatever the value "
+                "(the key has no effect)",
+                "zero_optimization.offload_optimizer.fast_init: speeds up NVMe offload's set-up, "
+                "and porter has no NVMe offload (the key has no effect)"}));
   // Strict mode refuses warnings, not notes.
   EXPECT_EQ(parse_config_string(R"({"train_batch_size": 1, "zero_optimization":
       {"stage": 2, "contiguous_gradients": true}, )" + model + "}",
