@@ -1,6 +1,6 @@
 // A chain of user layers (examples/consumer/user_layers.h, the docs/engine.md example) through the
 // Engine: it trains, its gradients pass a finite-difference check, and checkpointing it
-// gives the same gradients bit for bit.
+// gives the same gradients and training state bit for bit.
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -77,6 +77,7 @@ TEST(EngineUserLayerTest, GradientsMatchFiniteDifferences) {
 TEST(EngineUserLayerTest, CheckpointedChainHasBitIdenticalGradients) {
   const config::Config c = chain_config();
   std::vector<float> ref;
+  SavedState ref_state;
   for (int full = 0; full < 2; ++full) {
     auto device = cpu_device();
     auto e = chain_engine(*device, c);
@@ -93,8 +94,13 @@ TEST(EngineUserLayerTest, CheckpointedChainHasBitIdenticalGradients) {
       e->set_plan(p);
     }
     e->train_step(batches(c, 0));
-    if (!full) ref = e->grads_host();
-    else EXPECT_TRUE(bitwise_equal(e->grads_host(), ref));
+    if (!full) {
+      ref = e->grads_host();
+      ref_state = saved_state(*e);
+    } else {
+      EXPECT_TRUE(bitwise_equal(e->grads_host(), ref));
+      expect_same_state(saved_state(*e), ref_state, "every stage checkpointed");
+    }
   }
 }
 
