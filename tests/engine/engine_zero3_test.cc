@@ -14,6 +14,8 @@
 #include <stdexcept>
 #include <unistd.h>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include "base/error.h"
@@ -29,6 +31,7 @@ namespace porter::engine {
 namespace {
 
 using namespace porter::engine::testing;
+using ::testing::HasSubstr;
 
 config::Config z3_config(int world_size, int stage, int64_t gas = 1) {
   config::Config c = zero_config(world_size, stage, gas);
@@ -103,6 +106,54 @@ TEST(EngineZero3Test, BitwiseEqualToStageTwoAtTwoRanksUnderEveryVariant) {
     expect_bitwise_runs(three, two, "stage 3 vs 2, " + v.name);
     EXPECT_GT(three[0].total.gathers, 0) << v.name;
   }
+}
+
+// What expect_same_state(a, b) reports, one message a line.
+std::string state_failures(const std::vector<SavedState>& a, const std::vector<SavedState>& b) {
+  ::testing::TestPartResultArray results;
+  {
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &results);
+    expect_same_state(a, b, "flipped");
+  }
+  std::string out;
+  for (int i = 0; i < results.size(); ++i) {
+    out += std::string(results.GetTestPartResult(i).message()) + "\n";
+  }
+  return out;
+}
+
+// The comparison behind the tests above puts stage 3's shards together against stage 2's
+// whole parameters: one flipped bit in either run, on either rank, is found and named.
+TEST(EngineZero3Test, TheStateComparisonFindsOneBitInAnyShard) {
+  config::Config c = z3_config(2, 2);
+  const std::vector<RankRun> two = run_dp_ranks(c, 1);
+  c.zero_optimization.stage = 3;
+  const std::vector<RankRun> three = run_dp_ranks(c, 1);
+  std::vector<SavedState> s2 = {two[0].state, two[1].state};
+  std::vector<SavedState> s3 = {three[0].state, three[1].state};
+  expect_same_state(s3, s2, "unchanged");
+  ASSERT_EQ(s3[1].sections[0].name, "params");
+  EXPECT_EQ(s3[1].sections[0].begin, s3[1].sections[0].elems);  // rank 1's shard: [S, 2S)
+  EXPECT_EQ(s2[1].sections[0].begin, 0);                        // stage 2: the whole buffer
+  for (int r = 0; r < 2; ++r) {
+    std::vector<SavedState> flipped = s3;
+    std::vector<std::byte>& m = flipped[static_cast<size_t>(r)].sections.back().bytes;  // exp_avg_sq
+    m[m.size() / 2] ^= std::byte{0x10};
+    EXPECT_THAT(state_failures(flipped, s2),
+                HasSubstr("rank " + std::to_string(r) + "'s exp_avg_sq differs in 1 of"));
+  }
+  // Both stage-2 ranks' copies of an element of rank 1's shard, flipped alike: stage 3's
+  // rank 1 differs from them, and they from stage 3's assembled shards.
+  std::vector<SavedState> flipped = s2;
+  const size_t at = static_cast<size_t>(s3[1].sections[0].begin + 5);
+  for (SavedState& st : flipped) st.sections[0].bytes[at * 4] ^= std::byte{1};
+  const std::string got = state_failures(s3, flipped);
+  const std::string shard = std::to_string(s3[1].sections[0].elems);
+  const std::string whole = std::to_string(s2[0].sections[0].elems);
+  EXPECT_THAT(got, HasSubstr("rank 1's params differs in 1 of " + shard + " elements"));
+  EXPECT_THAT(got, HasSubstr("rank 0's params differs in 1 of " + whole + " elements"));
+  EXPECT_THAT(got, ::testing::Not(HasSubstr("rank 0's params differs in 1 of " + shard)));
 }
 
 TEST(EngineZero3Test, BitwiseEqualToStageTwoAtFourRanks) {
