@@ -10,18 +10,9 @@
 namespace porter::nn {
 namespace {
 
-struct AdamConsts {
-  float decay;       // 1 - lr * wd
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float step_size;   // lr / bias_correction1
-  float bc2_sqrt;    // sqrt(bias_correction2)
-  float eps;
-  float grad_scale;
-};
-
 template <typename TG, typename TO>
 PORTER_CPU_CLONES void adamw_range(float* p, const TG* g, float* m, float* v, TO* out,
-                                   int64_t n, AdamConsts k) {
+                                   int64_t n, AdamWConstants k) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float grad = cpu::load(g + i) * k.grad_scale;
@@ -39,13 +30,12 @@ PORTER_CPU_CLONES void adamw_range(float* p, const TG* g, float* m, float* v, TO
 
 }  // namespace
 
-void CpuKernels::do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,
-                          const AdamWArgs& args, Tensor* params_out) {
+AdamWConstants adamw_constants(const AdamWArgs& args) {
   // Bias corrections in double, as PyTorch computes them in Python floats.
   const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), static_cast<double>(args.step));
-  AdamConsts k{};
-  k.decay = 1.0f - args.lr * args.weight_decay;
+  AdamWConstants k;
+  k.decay = 1.0f - args.lr * args.weight_decay;  // no contraction: nn/CMakeLists.txt
   k.beta1 = args.beta1;
   k.one_minus_beta1 = 1.0f - args.beta1;
   k.beta2 = args.beta2;
@@ -54,6 +44,12 @@ void CpuKernels::do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor&
   k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   k.eps = args.eps;
   k.grad_scale = args.grad_scale;
+  return k;
+}
+
+void CpuKernels::do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,
+                          const AdamWArgs& args, Tensor* params_out) {
+  const AdamWConstants k = adamw_constants(args);
   float* pp = params.data_as<float>();
   float* mp = m.data_as<float>();
   float* vp = v.data_as<float>();

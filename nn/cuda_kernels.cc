@@ -187,23 +187,10 @@ class CudaKernels final : public Kernels {
   }
   void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& args,
                 Tensor* params_out) override {
-    // Note [Device AdamW bit identity]: the constants as nn/cpu_optimizer.cc computes them.
-    const double step = static_cast<double>(args.step);
-    const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), step);
-    const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), step);
-    cuda::AdamWStep s{};
-    // The host rounds lr * weight_decay before the subtraction (cpu_optimizer.cc is built with
-    // -ffp-contract=off); the volatile keeps a compiler targeting FMA hardware from fusing them.
-    const volatile float lr_wd = args.lr * args.weight_decay;
-    s.decay = 1.0f - lr_wd;
-    s.beta1 = args.beta1;
-    s.one_minus_beta1 = 1.0f - args.beta1;
-    s.beta2 = args.beta2;
-    s.one_minus_beta2 = 1.0f - args.beta2;
-    s.step_size = static_cast<float>(args.lr / bc1);
-    s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    s.eps = args.eps;
-    s.grad_scale = args.grad_scale;
+    // Note [Device AdamW bit identity]: the host's constants (nn::adamw_constants).
+    const AdamWConstants k = adamw_constants(args);
+    const cuda::AdamWStep s{k.decay,     k.beta1,    k.one_minus_beta1, k.beta2,     k.one_minus_beta2,
+                            k.step_size, k.bc2_sqrt, k.eps,             k.grad_scale};
     DevPtr out = params_out != nullptr && params_out->defined() ? dev(*params_out) : DevPtr{};
     cuda::adamw(launch(), params.data_as<float>(), dev(grad), m.data_as<float>(),
                 v.data_as<float>(), out, params.numel(), s);

@@ -81,6 +81,23 @@ struct AdamWArgs {
   float grad_scale = 1.0f;    // grads are multiplied by this first (clipping, loss scale)
 };
 
+// AdamW's per-step constants, the same for every implementation (the cpu kernels, the cuda
+// kernel and zero::CpuAdam; Note [CpuAdam bit identity] in zero/cpu_adam.h): bias corrections
+// in double (PyTorch's Python floats), then each constant rounded to float, lr * weight_decay
+// rounded before the subtraction (cpu_optimizer.cc, built without contraction, computes them).
+struct AdamWConstants {
+  float decay = 1.0f;  // 1 - lr * weight_decay
+  float beta1 = 0.9f;
+  float one_minus_beta1 = 0.1f;
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float step_size = 1e-3f;  // lr / (1 - beta1^step)
+  float bc2_sqrt = 1.0f;    // sqrt(1 - beta2^step)
+  float eps = 1e-8f;
+  float grad_scale = 1.0f;
+};
+AdamWConstants adamw_constants(const AdamWArgs& args);
+
 class Kernels {
  public:
   virtual ~Kernels();

@@ -468,25 +468,6 @@ std::vector<CpuIsa> supported_cpu_isas() {
   return isas;
 }
 
-AdamWConstants adamw_constants(const nn::AdamWArgs& args) {
-  // As nn/cpu_optimizer.cc: bias corrections in double (PyTorch's Python floats).
-  const double bc1 =
-      1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
-  const double bc2 =
-      1.0 - std::pow(static_cast<double>(args.beta2), static_cast<double>(args.step));
-  AdamWConstants k;
-  k.decay = 1.0f - args.lr * args.weight_decay;
-  k.beta1 = args.beta1;
-  k.one_minus_beta1 = 1.0f - args.beta1;
-  k.beta2 = args.beta2;
-  k.one_minus_beta2 = 1.0f - args.beta2;
-  k.step_size = static_cast<float>(args.lr / bc1);
-  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  k.eps = args.eps;
-  k.grad_scale = args.grad_scale;
-  return k;
-}
-
 int64_t cpu_adam_bytes(const CpuAdamArrays& a) {
   const auto grad = static_cast<int64_t>(nn::dtype_size(a.grad_dtype));
   const int64_t out = a.out != nullptr ? static_cast<int64_t>(nn::dtype_size(a.out_dtype)) : 0;

@@ -75,20 +75,10 @@ CpuIsa best_cpu_isa();
 // Every ISA this CPU runs, lowest first; always starts with kScalar.
 std::vector<CpuIsa> supported_cpu_isas();
 
-// The per-step constants of Note [CpuAdam bit identity], computed as nn/cpu_optimizer.cc
-// does: bias corrections in double, then each constant rounded to float.
-struct AdamWConstants {
-  float decay = 1.0f;  // 1 - lr * weight_decay
-  float beta1 = 0.9f;
-  float one_minus_beta1 = 0.1f;
-  float beta2 = 0.999f;
-  float one_minus_beta2 = 0.001f;
-  float step_size = 1e-3f;  // lr / (1 - beta1^step)
-  float bc2_sqrt = 1.0f;    // sqrt(1 - beta2^step)
-  float eps = 1e-8f;
-  float grad_scale = 1.0f;
-};
-AdamWConstants adamw_constants(const nn::AdamWArgs& args);
+// The per-step constants of Note [CpuAdam bit identity]: nn::adamw_constants, which every
+// AdamW implementation takes its constants from.
+using nn::AdamWConstants;
+using nn::adamw_constants;
 
 // The arrays of one update, each of `elems` elements, on the host. None may overlap another.
 struct CpuAdamArrays {
