@@ -12,6 +12,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 1;    // bad flags or arguments (CLI11 prints why), UsageError
 inline constexpr int kExitInvalid = 2;  // the input (a config, a file) is invalid
 inline constexpr int kExitOom = 3;      // the device ran out of memory
+inline constexpr int kExitChecksFailed = 4;  // porter stress: a run failed its checks
 
 // Runs `porter` with these arguments, writing to `out` and `err` instead of the process's
 // streams (tests pass string streams). `err_is_tty` turns on the progress bar of `train`.

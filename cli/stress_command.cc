@@ -118,7 +118,7 @@ int stress(const StressCommandOptions& o, std::ostream& out, std::ostream& err) 
     if (r.below_limit_bytes) ++below;
     if (!r.below_outcome.empty()) ++below_oom;
   }
-  const int rc = summary.failed() == 0 ? kExitOk : kExitUsage;  // 1: a run failed
+  const int rc = summary.failed() == 0 ? kExitOk : kExitChecksFailed;
 
   if (o.json) {
     ordered_json j;

@@ -151,7 +151,7 @@ TEST_F(CliStress, AFailingRunIsReportedWithItsReproduction) {
   text.replace(text.find(device), device.size(), device + ", \"pinned_limit\": 4096");
   const std::string cfg = config(text);
   CliRun r = porter({"stress", "--config", cfg, "--runs", "12", "--seed", "7", "--json"});
-  ASSERT_EQ(r.rc, 1) << r.out << r.err;
+  ASSERT_EQ(r.rc, kExitChecksFailed) << r.out << r.err;
   json j = json::parse(r.out);
   ASSERT_GT(j["failed"].get<int>(), 0);
   const json& f = j["failures"][0];
@@ -162,7 +162,7 @@ TEST_F(CliStress, AFailingRunIsReportedWithItsReproduction) {
                             " --runs 1 --steps 3");
   // The reproduction fails the same way, alone.
   CliRun again = porter({"stress", "--config", cfg, "--seed", "7", "--first", run, "--runs", "1"});
-  EXPECT_EQ(again.rc, 1);
+  EXPECT_EQ(again.rc, kExitChecksFailed);
   EXPECT_TRUE(contains(again.out, "reproduce: porter stress")) << again.out;
   EXPECT_TRUE(contains(again.out, "pinned_limit")) << again.out;
 }
