@@ -490,7 +490,7 @@ bool CpuKernels::attention_on_tiles(const AttentionCall& call, bool backward, bo
                                                      : "kernel_choice exact: no other candidate"});
     return true;
   }
-  const std::lock_guard<std::mutex> lock(KernelTable::measurement_mutex());
+  const std::lock_guard lock(KernelTable::measurement_mutex());
   if (std::optional<KernelTable::Entry> known = table.find(kAttentionKind, key)) {
     return known->choice != "onednn";
   }

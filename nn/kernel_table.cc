@@ -154,8 +154,8 @@ uint64_t KernelTable::generation() const {
   return generation_;
 }
 
-std::mutex& KernelTable::measurement_mutex() {
-  static std::mutex mu;
+std::recursive_mutex& KernelTable::measurement_mutex() {
+  static std::recursive_mutex mu;
   return mu;
 }
 

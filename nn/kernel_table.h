@@ -73,8 +73,9 @@ class KernelTable {
   uint64_t generation() const;
 
   // Serialises measurements across every table of the process, so that two ranks run as
-  // threads do not time their candidates on shared cores at once. Not held while recording.
-  static std::mutex& measurement_mutex();
+  // threads do not time their candidates on shared cores at once. Recursive: timing oneDNN's
+  // attention runs its batched matmuls, whose first call measures their own candidates.
+  static std::recursive_mutex& measurement_mutex();
 
  private:
   mutable std::mutex mu_;  // guards everything below

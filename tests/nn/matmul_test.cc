@@ -419,6 +419,18 @@ TEST(KernelTableTest, PinnedChoiceDecidesAndReplacesAnEarlierOne) {
   EXPECT_THAT(probe.implementation(bf), Not(HasSubstr("sgemm")));
 }
 
+// Timing oneDNN's attention (under kernel_choice fastest) runs its batched matmuls, whose first
+// call above the threshold measures their own candidates, inside the outer measurement.
+TEST(KernelTableTest, AMeasurementInsideAMeasurementCompletes) {
+  const std::lock_guard outer(KernelTable::measurement_mutex());
+  KernelTable table(KernelChoice::kFastest);
+  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table);
+  const MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
+  (void)run_problem(mm, p, random_values(256 * 768, 23), random_values(768 * 3072, 24),
+                    std::vector<float>(256 * 3072, 0.0f));
+  EXPECT_EQ(table.count(KernelTable::Source::kMeasured), 1u);
+}
+
 // A layout forced by PORTER_MATMUL_LAYOUT (here given directly) is recorded with source env.
 TEST(KernelTableTest, ForcedLayoutIsRecorded) {
   KernelTable table;
