@@ -362,11 +362,18 @@ void Engine::agree_kernel_table() {
     if (c == nullptr) continue;
     const comm::CommLabel l(c, "kernel table");
     std::string text = c->rank() == 0 ? table.to_json().dump() : std::string();
+    // Through device buffers: NCCL reads device memory only.
+    auto broadcast = [&](void* host, size_t bytes, comm::ElemType type, size_t count) {
+      memory::DeviceBuffer buf = allocator_->allocate(bytes, memory::Category::kWorkspace);
+      device_->copy_sync(buf.data(), host, bytes);
+      c->broadcast(buf.data(), count, type, 0).wait();
+      device_->copy_sync(host, buf.data(), bytes);
+    };
     int64_t n = static_cast<int64_t>(text.size());
-    c->broadcast(&n, 1, comm::ElemType::kI64, 0).wait();
+    broadcast(&n, sizeof n, comm::ElemType::kI64, 1);
     text.resize(static_cast<size_t>(n));
-    c->broadcast(text.data(), text.size(), comm::ElemType::kU8, 0).wait();
-    if (c->rank() != 0) {
+    if (n > 0) broadcast(text.data(), text.size(), comm::ElemType::kU8, text.size());
+    if (c->rank() != 0 && n > 0) {
       const nlohmann::json agreed = nlohmann::json::parse(text);
       table.pin(agreed, "rank 0's table (" + agreed.value("origin", std::string("measured")) + ")");
     }
