@@ -9,7 +9,7 @@
 // Note [GPU status traits]
 // The macros work for any status type S with a specialisation of porter::GpuStatus<S>. Each
 // library's specialisation lives in a header that only that library's callers include
-// (memory/cuda_check.h, nn/cublas_check.h, comm/nccl_check.h), so this header includes no
+// (memory/cuda_check.h, kernels/cuda/cublas_check.h, comm/nccl_check.h), so this header includes no
 // GPU header at all, a cuBLAS user never sees nccl.h, and a build without CUDA compiles it
 // (and tests the messages) like any other header.
 #pragma once

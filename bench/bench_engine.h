@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "config/config.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "memory/device.h"
@@ -17,7 +17,7 @@ namespace porter::bench {
 struct EngineRun {
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<engine::Engine> engine;
-  std::unique_ptr<engine::DataSource> data;
+  std::unique_ptr<io::DataSource> data;
 };
 
 // A cpu device with the config's memory and pinned limits, simulated link and threads, and
@@ -32,7 +32,7 @@ inline EngineRun make_engine_run(const config::Config& cfg) {
   r.device = memory::make_device(o);
   r.engine = std::make_unique<engine::Engine>(
       *r.device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
-  r.data = std::make_unique<engine::DataSource>(cfg.porter.data, cfg.porter.model.vocab,
+  r.data = std::make_unique<io::DataSource>(cfg.porter.data, cfg.porter.model.vocab,
                                                 cfg.train_micro_batch_size_per_gpu,
                                                 cfg.porter.model.seq_len);
   return r;

@@ -22,7 +22,7 @@
 #include "bench/bench_engine.h"
 #include "checkpoint/planner.h"
 #include "config/parse.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "memory/device.h"

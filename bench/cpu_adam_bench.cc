@@ -1,7 +1,7 @@
 // zero::CpuAdam at memory speed: parameters per second over 16M parameters (f32 gradients,
 // with a bf16 working copy and without) on 1 and 2 threads, as bytes per second against a
 // STREAM triad measured in this process (Note [Bench roofline]), beside the cpu device's
-// AdamW (nn::Kernels::adamw) on the same arrays. Each benchmark first checks its kernel
+// AdamW (kernels::Kernels::adamw) on the same arrays. Each benchmark first checks its kernel
 // against the cpu device's, bit for bit.
 //
 //   ./build/release/bench/cpu_adam_bench --benchmark_repetitions=3
@@ -24,8 +24,8 @@
 #include "base/check.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernels.h"
-#include "nn/tensor.h"
+#include "kernels/kernels.h"
+#include "tensor/tensor.h"
 #include "zero/cpu_adam.h"
 
 namespace porter::zero {
@@ -82,9 +82,9 @@ struct Arrays {
     a.exp_avg = m.get();
     a.exp_avg_sq = v.get();
     a.grad = grad.get();
-    a.grad_dtype = nn::DType::kF32;
+    a.grad_dtype = tensor::DType::kF32;
     a.out = with_out ? out.get() : nullptr;
-    a.out_dtype = nn::DType::kBF16;
+    a.out_dtype = tensor::DType::kBF16;
     a.elems = n;
     return a;
   }
@@ -101,7 +101,7 @@ Arrays& arrays(int64_t n) {
 }
 
 // The cpu device's kernels with `threads` OpenMP threads.
-nn::Kernels& device_kernels(int threads) {
+kernels::Kernels& device_kernels(int threads) {
   struct Device {
     explicit Device(int t) {
       memory::DeviceOptions o;
@@ -110,29 +110,29 @@ nn::Kernels& device_kernels(int threads) {
       o.threads = t;
       device = memory::make_device(o);
       allocator = std::make_unique<memory::CachingAllocator>(*device);
-      kernels = nn::make_kernels(*allocator);
+      kernels = kernels::make_kernels(*allocator);
     }
     std::unique_ptr<memory::Device> device;
     std::unique_ptr<memory::CachingAllocator> allocator;
-    std::unique_ptr<nn::Kernels> kernels;
+    std::unique_ptr<kernels::Kernels> kernels;
   };
   static Device one(1), two(2);
   return threads == 1 ? *one.kernels : *two.kernels;
 }
 
-void device_adamw(nn::Kernels& k, const CpuAdamArrays& a, const nn::AdamWArgs& args) {
-  const nn::Shape shape{a.elems};
-  nn::Tensor p = nn::Tensor::from_blob(a.params, shape, nn::DType::kF32);
-  nn::Tensor m = nn::Tensor::from_blob(a.exp_avg, shape, nn::DType::kF32);
-  nn::Tensor v = nn::Tensor::from_blob(a.exp_avg_sq, shape, nn::DType::kF32);
-  nn::Tensor g = nn::Tensor::from_blob(const_cast<void*>(a.grad), shape, a.grad_dtype);
-  nn::Tensor out;
-  if (a.out != nullptr) out = nn::Tensor::from_blob(a.out, shape, a.out_dtype);
+void device_adamw(kernels::Kernels& k, const CpuAdamArrays& a, const kernels::AdamWArgs& args) {
+  const tensor::Shape shape{a.elems};
+  tensor::Tensor p = tensor::Tensor::from_blob(a.params, shape, tensor::DType::kF32);
+  tensor::Tensor m = tensor::Tensor::from_blob(a.exp_avg, shape, tensor::DType::kF32);
+  tensor::Tensor v = tensor::Tensor::from_blob(a.exp_avg_sq, shape, tensor::DType::kF32);
+  tensor::Tensor g = tensor::Tensor::from_blob(const_cast<void*>(a.grad), shape, a.grad_dtype);
+  tensor::Tensor out;
+  if (a.out != nullptr) out = tensor::Tensor::from_blob(a.out, shape, a.out_dtype);
   k.adamw(p, g, m, v, args, a.out != nullptr ? &out : nullptr);
 }
 
-nn::AdamWArgs args_at(int64_t step) {
-  nn::AdamWArgs args;
+kernels::AdamWArgs args_at(int64_t step) {
+  kernels::AdamWArgs args;
   args.lr = 1e-3f;
   args.weight_decay = 0.01f;
   args.step = step;
@@ -154,7 +154,7 @@ struct Copy {
     a.exp_avg_sq = v.data();
     a.grad = g.data();
     a.out = with_out ? out.data() : nullptr;
-    a.out_dtype = nn::DType::kBF16;
+    a.out_dtype = tensor::DType::kBF16;
     a.elems = static_cast<int64_t>(p.size());
     return a;
   }
@@ -404,7 +404,7 @@ void BM_DeviceAdamW(benchmark::State& state) {
     state.SkipWithError("CpuAdam differs from the cpu device's AdamW");
     return;
   }
-  nn::Kernels& k = device_kernels(threads);
+  kernels::Kernels& k = device_kernels(threads);
   const CpuAdamArrays a = arr.view(with_out);
   time_updates(state, a, [&](int64_t it) { device_adamw(k, a, args_at(it)); });
 }

@@ -20,22 +20,24 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/cuda_kernels.h"
-#include "nn/kernels.h"
-#include "nn/tensor.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/kernels.h"
+#include "tensor/tensor.h"
 
-namespace porter::nn {
+namespace porter::kernels {
+
+using namespace porter::tensor;
 namespace {
 
 // The device, its allocator and kernels, shared by the benchmarks of this binary.
 struct Gpu {
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> allocator;
-  std::unique_ptr<Kernels> kernels;
+  std::unique_ptr<kernels::Kernels> kernels;
   double copy_gbps = 0;  // device-to-device copy, read + write bytes per second / 1e9
 
-  Tensor random(Shape shape, DType dtype, float lo = -1.0f, float hi = 1.0f) {
-    Tensor t = Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
+  tensor::Tensor random(tensor::Shape shape, DType dtype, float lo = -1.0f, float hi = 1.0f) {
+    tensor::Tensor t = tensor::Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> dist(lo, hi);
     std::vector<float> v(static_cast<size_t>(shape.numel()));
@@ -43,8 +45,8 @@ struct Gpu {
     from_host_f32(*device, v, t);
     return t;
   }
-  Tensor empty(Shape shape, DType dtype) {
-    return Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
+  tensor::Tensor empty(tensor::Shape shape, DType dtype) {
+    return tensor::Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
   }
 };
 
@@ -57,7 +59,7 @@ Gpu& gpu() {
     options.kind = memory::DeviceKind::kCuda;
     env->device = memory::make_device(options);
     env->allocator = std::make_unique<memory::CachingAllocator>(*env->device);
-    env->kernels = make_cuda_kernels(*env->allocator);
+    env->kernels = kernels::make_cuda_kernels(*env->allocator);
     return env;
   }();
   return *g;
@@ -86,8 +88,8 @@ void run_timed(benchmark::State& state, Fn&& fn) {
 void measure_copy_peak() {
   Gpu& g = gpu();
   const size_t bytes = size_t{256} << 20;
-  Tensor a = g.empty(Shape{static_cast<int64_t>(bytes / 4)}, DType::kF32);
-  Tensor b = g.empty(Shape{static_cast<int64_t>(bytes / 4)}, DType::kF32);
+  tensor::Tensor a = g.empty(tensor::Shape{static_cast<int64_t>(bytes / 4)}, DType::kF32);
+  tensor::Tensor b = g.empty(tensor::Shape{static_cast<int64_t>(bytes / 4)}, DType::kF32);
   auto copy = [&] { g.device->compute_stream().copy_async(b.data(), a.data(), bytes); };
   copy();
   double best = 1e30;
@@ -111,13 +113,13 @@ void BM_Matmul(benchmark::State& state) {
   Gpu& g = gpu();
   const int64_t n = state.range(0);
   const DType dt = state.range(1) == 0 ? DType::kF32 : DType::kBF16;
-  Tensor a = g.random(Shape{n, n}, dt), b = g.random(Shape{n, n}, dt);
-  Tensor out = g.empty(Shape{n, n}, DType::kF32);
+  tensor::Tensor a = g.random(tensor::Shape{n, n}, dt), b = g.random(tensor::Shape{n, n}, dt);
+  tensor::Tensor out = g.empty(tensor::Shape{n, n}, DType::kF32);
   g.kernels->matmul(a, b, out);
   {
     // out[0, 0] and out[n-1, n-1] against a host dot product of the (rounded) inputs.
-    std::vector<float> ha = to_host_f32(*g.device, a), hb = to_host_f32(*g.device, b);
-    std::vector<float> ho = to_host_f32(*g.device, out);
+    std::vector<float> ha = tensor::to_host_f32(*g.device, a), hb = tensor::to_host_f32(*g.device, b);
+    std::vector<float> ho = tensor::to_host_f32(*g.device, out);
     for (int64_t idx : {int64_t{0}, n - 1}) {
       double ref = 0, mag = 0;
       for (int64_t k = 0; k < n; ++k) {
@@ -139,7 +141,7 @@ BENCHMARK(BM_Matmul)->ArgsProduct({{1024, 4096}, {0, 1}})->UseManualTime()->Unit
 void BM_Copy(benchmark::State& state) {
   Gpu& g = gpu();
   const int64_t n = state.range(0);
-  Tensor a = g.random(Shape{n}, DType::kF32), b = g.empty(Shape{n}, DType::kF32);
+  tensor::Tensor a = g.random(tensor::Shape{n}, DType::kF32), b = g.empty(tensor::Shape{n}, DType::kF32);
   run_timed(state, [&] { g.device->compute_stream().copy_async(b.data(), a.data(), a.nbytes()); });
   report_bytes(state, 2.0 * static_cast<double>(a.nbytes()));
 }
@@ -149,10 +151,10 @@ void BM_Gelu(benchmark::State& state) {
   Gpu& g = gpu();
   const int64_t n = state.range(0);
   const DType dt = state.range(1) == 0 ? DType::kF32 : DType::kBF16;
-  Tensor x = g.random(Shape{n}, dt, -4.0f, 4.0f), y = g.empty(Shape{n}, dt);
+  tensor::Tensor x = g.random(tensor::Shape{n}, dt, -4.0f, 4.0f), y = g.empty(tensor::Shape{n}, dt);
   g.kernels->gelu_forward(x, y);
   {
-    std::vector<float> hx = to_host_f32(*g.device, x), hy = to_host_f32(*g.device, y);
+    std::vector<float> hx = tensor::to_host_f32(*g.device, x), hy = tensor::to_host_f32(*g.device, y);
     for (size_t i : {size_t{0}, hx.size() / 2, hx.size() - 1}) {
       double v = hx[i];
       double ref = 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
@@ -168,12 +170,12 @@ BENCHMARK(BM_Gelu)->ArgsProduct({{int64_t{64} << 20}, {0, 1}})->UseManualTime()-
 void BM_LayerNorm(benchmark::State& state) {
   Gpu& g = gpu();
   const int64_t rows = 8192, cols = state.range(0);
-  Tensor x = g.random(Shape{rows, cols}, DType::kF32), y = g.empty(Shape{rows, cols}, DType::kF32);
-  Tensor gamma = g.random(Shape{cols}, DType::kF32), beta = g.random(Shape{cols}, DType::kF32);
-  Tensor mean = g.empty(Shape{rows}, DType::kF32), rstd = g.empty(Shape{rows}, DType::kF32);
+  tensor::Tensor x = g.random(tensor::Shape{rows, cols}, DType::kF32), y = g.empty(tensor::Shape{rows, cols}, DType::kF32);
+  tensor::Tensor gamma = g.random(tensor::Shape{cols}, DType::kF32), beta = g.random(tensor::Shape{cols}, DType::kF32);
+  tensor::Tensor mean = g.empty(tensor::Shape{rows}, DType::kF32), rstd = g.empty(tensor::Shape{rows}, DType::kF32);
   g.kernels->layernorm_forward(x, gamma, beta, y, mean, rstd);
   {
-    std::vector<float> hx = to_host_f32(*g.device, x), hm = to_host_f32(*g.device, mean);
+    std::vector<float> hx = tensor::to_host_f32(*g.device, x), hm = tensor::to_host_f32(*g.device, mean);
     double m = 0;
     for (int64_t c = 0; c < cols; ++c) m += hx[c];
     m /= static_cast<double>(cols);
@@ -189,13 +191,13 @@ void BM_AttentionForward(benchmark::State& state) {
   Gpu& g = gpu();
   const int64_t batch = 4, seq = 512, channels = 768;
   const int heads = 12;
-  Tensor qkv = g.random(Shape{batch, seq, 3 * channels}, DType::kF32);
-  Tensor out = g.empty(Shape{batch, seq, channels}, DType::kF32);
-  Tensor probs = g.empty(Shape{batch, heads, seq, seq}, DType::kF32);
+  tensor::Tensor qkv = g.random(tensor::Shape{batch, seq, 3 * channels}, DType::kF32);
+  tensor::Tensor out = g.empty(tensor::Shape{batch, seq, channels}, DType::kF32);
+  tensor::Tensor probs = g.empty(tensor::Shape{batch, heads, seq, seq}, DType::kF32);
   g.kernels->attention_forward(qkv, out, probs, heads);
   {
     // Row 0 of every head attends only to itself: probability exactly 1.
-    std::vector<float> hp = to_host_f32(*g.device, probs);
+    std::vector<float> hp = tensor::to_host_f32(*g.device, probs);
     check(hp[0] == 1.0f && hp[1] == 0.0f, "attention probs row 0");
   }
   run_timed(state, [&] { g.kernels->attention_forward(qkv, out, probs, heads); });
@@ -207,7 +209,7 @@ void BM_AttentionForward(benchmark::State& state) {
 BENCHMARK(BM_AttentionForward)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
-}  // namespace porter::nn
+}  // namespace porter::kernels
 
 int main(int argc, char** argv) {
   if (!porter::memory::cuda_available()) {
@@ -215,8 +217,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   benchmark::Initialize(&argc, argv);
-  porter::nn::measure_copy_peak();
-  std::cout << "device-to-device copy peak: " << porter::nn::gpu().copy_gbps << " GB/s\n";
+  porter::kernels::measure_copy_peak();
+  std::cout << "device-to-device copy peak: " << porter::kernels::gpu().copy_gbps << " GB/s\n";
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

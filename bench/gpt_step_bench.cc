@@ -15,16 +15,16 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernel_table.h"
+#include "kernels/kernel_table.h"
 #include "nn/ctx.h"
-#include "nn/gpt.h"
-#include "nn/kernels.h"
+#include "models/transformer.h"
+#include "kernels/kernels.h"
 #include "bench/timing_kernels.h"
 
 namespace {
 
 using namespace porter;
-using namespace porter::nn;
+using namespace porter::models;
 
 constexpr int64_t kLayers = 6, kHidden = 768, kHeads = 12, kSeq = 512, kBatch = 4, kVocab = 8192;
 

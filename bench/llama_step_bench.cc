@@ -24,13 +24,13 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/ctx.h"
-#include "nn/gpt.h"
-#include "nn/kernels.h"
+#include "models/transformer.h"
+#include "kernels/kernels.h"
 
 namespace {
 
 using namespace porter;
-using namespace porter::nn;
+using namespace porter::models;
 
 constexpr int64_t kLayers = 4, kHidden = 768, kHeads = 12, kKvHeads = 4, kInter = 2048,
                   kSeq = 1024, kBatch = 2, kVocab = 8192;

@@ -11,9 +11,9 @@
 // same M, N, K), so a slow form shows whether a relayout would pay. In a bf16 run the
 // activations are bf16, so forward and dgrad write bf16 and wgrad accumulates into the f32
 // gradients; the bf16 rows do the same. The attention rows are the calls of one row block:
-// f32 on strided views of qkv (Note [Causal row blocks] in nn/cpu_attention.cc), bf16 on the
+// f32 on strided views of qkv (Note [Causal row blocks] in kernels/cpu/attention.cc), bf16 on the
 // packed per-head copies (Note [Bf16 attention]). Where porter runs its own attention head tiles
-// instead (Note [Attention head tiles] in nn/cpu_attention_heads.cc), the attn/call rows time
+// instead (Note [Attention head tiles] in kernels/cpu/attention_heads.cc), the attn/call rows time
 // whole forward and backward calls, softmax included, since the tiles' products are not
 // separate calls.
 //
@@ -44,12 +44,14 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/cpu_attention_heads.h"
-#include "nn/kernel_table.h"
-#include "nn/cpu_matmul.h"
-#include "nn/kernels.h"
+#include "kernels/cpu/attention_heads.h"
+#include "kernels/kernel_table.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/kernels.h"
 
-namespace porter::nn {
+namespace porter::kernels {
+
+using namespace porter::tensor;
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -57,7 +59,7 @@ using Clock = std::chrono::steady_clock;
 // The GPT step's shapes (bench/gpt_step_bench.cc).
 constexpr int64_t kBatch = 4, kSeq = 512, kTokens = kBatch * kSeq, kHidden = 768, kHeads = 12;
 constexpr int64_t kHeadDim = kHidden / kHeads, kVocab = 8192;
-// Attention's query row block (Note [Causal row blocks] in nn/cpu_attention.cc); the rows
+// Attention's query row block (Note [Causal row blocks] in kernels/cpu/attention.cc); the rows
 // time the last one, which attends to all T keys.
 constexpr int64_t kRowBlock = 64;
 // Each row repeats until about this much time is spent, at least 5 and at most 41 runs.
@@ -74,9 +76,9 @@ int bench_threads() {
   return env != nullptr ? std::max(1, std::atoi(env)) : 2;
 }
 
-// One cpu device, allocator and kernels for the whole run, plus a DnnlMatmul of the same
+// One cpu device, allocator and kernels for the whole run, plus a kernels::DnnlMatmul of the same
 // thread count: it names the implementation of a problem and runs the attention's strided
-// ones, which Kernels::matmul cannot express.
+// ones, which kernels::Kernels::matmul cannot express.
 struct Env {
   Env() {
     memory::DeviceOptions o;
@@ -85,32 +87,32 @@ struct Env {
     o.threads = bench_threads();
     device = memory::make_device(o);
     allocator = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = make_kernels(*allocator);
-    probe = std::make_unique<DnnlMatmul>(device->threads());
+    kernels = kernels::make_kernels(*allocator);
+    probe = std::make_unique<kernels::DnnlMatmul>(device->threads());
   }
   // Uniform in [-1, 1), from a hash of the index: quick enough to refill 16M elements per row.
-  Tensor random(Shape shape, uint64_t seed, DType dtype) {
+  tensor::Tensor random(tensor::Shape shape, uint64_t seed, tensor::DType dtype) {
     std::vector<float> v(static_cast<size_t>(shape.numel()));
     for (size_t i = 0; i < v.size(); ++i) {
       uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed * 0xBF58476D1CE4E5B9ull;
       z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
       v[i] = static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
     }
-    Tensor t = Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
+    tensor::Tensor t = tensor::Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
     from_host_f32(*device, v, t);
     return t;
   }
-  Tensor copy(const Tensor& t) {
-    Tensor c = Tensor::empty(*allocator, t.shape(), t.dtype(), memory::Category::kWorkspace);
+  tensor::Tensor copy(const tensor::Tensor& t) {
+    tensor::Tensor c = tensor::Tensor::empty(*allocator, t.shape(), t.dtype(), memory::Category::kWorkspace);
     std::memcpy(c.data(), t.data(), t.nbytes());
     return c;
   }
-  std::vector<float> host(const Tensor& t) { return to_host_f32(*device, t); }
+  std::vector<float> host(const tensor::Tensor& t) { return tensor::to_host_f32(*device, t); }
 
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> allocator;
-  std::unique_ptr<Kernels> kernels;
-  std::unique_ptr<DnnlMatmul> probe;
+  std::unique_ptr<kernels::Kernels> kernels;
+  std::unique_ptr<kernels::DnnlMatmul> probe;
 };
 
 Env& env() {
@@ -222,9 +224,9 @@ PeakSample bf16_peak() {
   PeakSample best;
   double cpu_s = 0, wall_s = 0;
   for (int64_t n : {1024, 2048, 3072, 4096}) {
-    Tensor a = e.random({n, n}, 11, DType::kBF16), b = e.random({n, n}, 12, DType::kBF16);
-    Tensor out =
-        Tensor::empty(*e.allocator, Shape{n, n}, DType::kF32, memory::Category::kWorkspace);
+    tensor::Tensor a = e.random({n, n}, 11, tensor::DType::kBF16), b = e.random({n, n}, 12, tensor::DType::kBF16);
+    tensor::Tensor out =
+        tensor::Tensor::empty(*e.allocator, tensor::Shape{n, n}, tensor::DType::kF32, memory::Category::kWorkspace);
     const Best t = best_seconds(3, [&] { e.kernels->matmul(a, b, out); });
     cpu_s += t.cpu_s;
     wall_s += t.wall_s;
@@ -264,8 +266,8 @@ void ensure_peaks() {
   measure_peaks(&f, &b);
 }
 
-double peak_of(DType ab) {
-  return ab == DType::kF32 ? peaks().f32.gflops : peaks().bf16.gflops;
+double peak_of(tensor::DType ab) {
+  return ab == tensor::DType::kF32 ? peaks().f32.gflops : peaks().bf16.gflops;
 }
 
 void BM_Peaks(benchmark::State& state) {
@@ -285,7 +287,7 @@ void BM_Peaks(benchmark::State& state) {
 struct RowResult {
   std::string name;
   bool porter;  // the form porter runs
-  DType ab;     // the operands' dtype, which picks the peak
+  tensor::DType ab;     // the operands' dtype, which picks the peak
   double ms, gflops, cpu_util;
   std::string impl;
 };
@@ -306,11 +308,11 @@ double max_rel_error(const std::vector<float>& got, const std::vector<float>& wa
   return err / mag;
 }
 
-double tolerance(DType ab) { return ab == DType::kF32 ? 1e-4 : 2e-2; }
+double tolerance(tensor::DType ab) { return ab == tensor::DType::kF32 ? 1e-4 : 2e-2; }
 
 // Times fn, then sets the row's time, counters and label and records it.
 template <typename Fn>
-void time_row(benchmark::State& state, const std::string& name, bool porter, DType ab,
+void time_row(benchmark::State& state, const std::string& name, bool porter, tensor::DType ab,
               double flops, const std::string& impl, double rel_error, Fn&& fn) {
   ensure_peaks();
   Timing t;
@@ -375,15 +377,15 @@ LinearMatmul linear_matmul(const LinearShape& l, Pass pass) {
 std::string form_name(bool ta, bool tb) { return std::string(ta ? "T" : "N") + (tb ? "T" : "N"); }
 
 void BM_Linear(benchmark::State& state, std::string name, LinearShape layer, Pass pass, bool ta,
-               bool tb, DType ab) {
+               bool tb, tensor::DType ab) {
   Env& e = env();
   const LinearMatmul mm = linear_matmul(layer, pass);
   const int64_t m = mm.m, n = mm.n, k = mm.k;
   // Activations are ab; the gradients that wgrad accumulates into are f32.
-  const DType out_dtype = pass == kWgrad ? DType::kF32 : ab;
-  Tensor a = e.random(ta ? Shape{k, m} : Shape{m, k}, 1, ab);
-  Tensor b = e.random(tb ? Shape{n, k} : Shape{k, n}, 2, ab);
-  Tensor out = e.random({m, n}, 3, out_dtype);  // wgrad adds to it
+  const tensor::DType out_dtype = pass == kWgrad ? tensor::DType::kF32 : ab;
+  tensor::Tensor a = e.random(ta ? tensor::Shape{k, m} : tensor::Shape{m, k}, 1, ab);
+  tensor::Tensor b = e.random(tb ? tensor::Shape{n, k} : tensor::Shape{k, n}, 2, ab);
+  tensor::Tensor out = e.random({m, n}, 3, out_dtype);  // wgrad adds to it
   const MatmulSpec spec{ta, tb, 1.0f, mm.beta};
   const MatmulProblem problem = matmul_problem(a, b, out, spec);
   double err = 0;
@@ -392,7 +394,7 @@ void BM_Linear(benchmark::State& state, std::string name, LinearShape layer, Pas
     // sgemm on f32 copies of the same operands and initial out.
     std::vector<float> ref = e.host(out);
     sgemm(ta, tb, m, n, k, 1.0f, e.host(a).data(), e.host(b).data(), mm.beta, ref.data());
-    Tensor probe_out = e.copy(out);
+    tensor::Tensor probe_out = e.copy(out);
     e.kernels->matmul(a, b, out, spec);
     e.probe->run(problem, a.data(), b.data(), probe_out.data());
     err = max_rel_error(e.host(out), ref);
@@ -412,7 +414,7 @@ void BM_Linear(benchmark::State& state, std::string name, LinearShape layer, Pas
 
 // ---- the attention's rows ----
 //
-// f32: the strided calls of Note [Causal row blocks] in nn/cpu_attention.cc, for the last row
+// f32: the strided calls of Note [Causal row blocks] in kernels/cpu/attention.cc, for the last row
 // block (it attends to all T keys). bf16: the packed calls of Note [Bf16 attention], which
 // every row block makes at the same shape, multiplying bf16 by bf16 into f32.
 
@@ -425,13 +427,13 @@ constexpr const char* kAttentionNames[] = {"fwd/S=QK^T", "fwd/O=PV",    "bwd/dP=
 // dS scratch and the (B, T, 3C) dqkv.
 struct F32AttentionTensors {
   explicit F32AttentionTensors(Env& e)
-      : qkv(e.random({kBatch, kSeq, 3 * kHidden}, 4, DType::kF32)),
-        probs(e.random({kBatch, kHeads, kSeq, kSeq}, 5, DType::kF32)),
-        out(e.random({kBatch, kSeq, kHidden}, 6, DType::kF32)),
-        dout(e.random({kBatch, kSeq, kHidden}, 7, DType::kF32)),
-        ds(e.random({kBatch, kHeads, kRowBlock, kSeq}, 8, DType::kF32)),
-        dqkv(e.random({kBatch, kSeq, 3 * kHidden}, 9, DType::kF32)) {}
-  Tensor qkv, probs, out, dout, ds, dqkv;
+      : qkv(e.random({kBatch, kSeq, 3 * kHidden}, 4, tensor::DType::kF32)),
+        probs(e.random({kBatch, kHeads, kSeq, kSeq}, 5, tensor::DType::kF32)),
+        out(e.random({kBatch, kSeq, kHidden}, 6, tensor::DType::kF32)),
+        dout(e.random({kBatch, kSeq, kHidden}, 7, tensor::DType::kF32)),
+        ds(e.random({kBatch, kHeads, kRowBlock, kSeq}, 8, tensor::DType::kF32)),
+        dqkv(e.random({kBatch, kSeq, 3 * kHidden}, 9, tensor::DType::kF32)) {}
+  tensor::Tensor qkv, probs, out, dout, ds, dqkv;
 };
 
 // The bf16 path's packed tensors: a row block of Q and dout and all of K and V as bf16
@@ -439,26 +441,26 @@ struct F32AttentionTensors {
 // scores (or dP) for a row block, its out (or dQ), and dK, dV.
 struct Bf16AttentionTensors {
   explicit Bf16AttentionTensors(Env& e)
-      : q(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 4, DType::kBF16)),
-        k(e.random({kBatch, kHeads, kSeq, kHeadDim}, 5, DType::kBF16)),
-        v(e.random({kBatch, kHeads, kSeq, kHeadDim}, 6, DType::kBF16)),
-        dy(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 7, DType::kBF16)),
-        p16(e.random({kBatch, kHeads, kRowBlock, kSeq}, 8, DType::kBF16)),
-        scores(e.random({kBatch, kHeads, kRowBlock, kSeq}, 9, DType::kF32)),
-        o(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 10, DType::kF32)),
-        dkv(e.random({kBatch, kHeads, kSeq, kHeadDim}, 11, DType::kF32)) {}
-  Tensor q, k, v, dy, p16, scores, o, dkv;
+      : q(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 4, tensor::DType::kBF16)),
+        k(e.random({kBatch, kHeads, kSeq, kHeadDim}, 5, tensor::DType::kBF16)),
+        v(e.random({kBatch, kHeads, kSeq, kHeadDim}, 6, tensor::DType::kBF16)),
+        dy(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 7, tensor::DType::kBF16)),
+        p16(e.random({kBatch, kHeads, kRowBlock, kSeq}, 8, tensor::DType::kBF16)),
+        scores(e.random({kBatch, kHeads, kRowBlock, kSeq}, 9, tensor::DType::kF32)),
+        o(e.random({kBatch, kHeads, kRowBlock, kHeadDim}, 10, tensor::DType::kF32)),
+        dkv(e.random({kBatch, kHeads, kSeq, kHeadDim}, 11, tensor::DType::kF32)) {}
+  tensor::Tensor q, k, v, dy, p16, scores, o, dkv;
 };
 
 // An operand of a strided call: a tensor, the element where the view starts, and the view's
 // (batch0, batch1, row, column) strides.
 struct View {
-  const Tensor* t = nullptr;
+  const tensor::Tensor* t = nullptr;
   int64_t offset = 0;
   int64_t strides[4] = {0, 0, 0, 1};
   void* data() const {
     return static_cast<char*>(const_cast<void*>(t->data())) +
-           offset * static_cast<int64_t>(dtype_size(t->dtype()));
+           offset * static_cast<int64_t>(tensor::dtype_size(t->dtype()));
   }
 };
 
@@ -467,7 +469,7 @@ struct StridedCall {
   View a, b, out;
 };
 
-View view(const Tensor& t, int64_t offset, const int64_t (&st)[4]) {
+View view(const tensor::Tensor& t, int64_t offset, const int64_t (&st)[4]) {
   View v{&t, offset, {st[0], st[1], st[2], st[3]}};
   return v;
 }
@@ -510,7 +512,7 @@ StridedCall f32_attention_call(AttentionOp op, const F32AttentionTensors& t) {
   const int64_t ds_str[4] = {kHeads * kRowBlock * T, kRowBlock * T, T, 1};
   const int64_t ds_t_str[4] = {kHeads * kRowBlock * T, kRowBlock * T, 1, T};
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // Each as in nn/cpu_attention.cc: m, n, k, then a, b and out at their offsets and strides.
+  // Each as in kernels/cpu/attention.cc: m, n, k, then a, b and out at their offsets and strides.
   switch (op) {
     case kScores:  // S = scale Q[i0:i1] K[0:i1]^T
       return strided_call(rows, i1, hd, view(t.qkv, i0 * c3, qkv_str), view(t.qkv, c, qkv_t_str),
@@ -544,7 +546,7 @@ Dense dense(int64_t rows, int64_t cols) {
   return {{kHeads * head, head, cols, 1}, {kHeads * head, head, 1, cols}};
 }
 
-// The call forward_bf16 / backward_bf16 in nn/cpu_attention.cc makes for a row block.
+// The call forward_bf16 / backward_bf16 in kernels/cpu/attention.cc makes for a row block.
 StridedCall bf16_attention_call(AttentionOp op, const Bf16AttentionTensors& t) {
   const int64_t T = kSeq, hd = kHeadDim, rows = kRowBlock;
   const Dense kv = dense(T, hd), qb = dense(rows, hd), sb = dense(rows, T);
@@ -583,13 +585,13 @@ std::vector<float> gather(const std::vector<float>& host, const View& v, int64_t
   return m;
 }
 
-void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DType ab) {
+void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, tensor::DType ab) {
   Env& e = env();
   // Both kinds live for the row; only one is used.
   std::unique_ptr<F32AttentionTensors> f32;
   std::unique_ptr<Bf16AttentionTensors> bf16;
   StridedCall s;
-  if (ab == DType::kF32) {
+  if (ab == tensor::DType::kF32) {
     f32 = std::make_unique<F32AttentionTensors>(e);
     s = f32_attention_call(op, *f32);
   } else {
@@ -625,7 +627,7 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DTy
     }
     // The products of bf16 values are exact in f32, so bf16 operands meet the f32 bound.
     err = max_rel_error(got, want);
-    if (!(err <= tolerance(DType::kF32))) {
+    if (!(err <= tolerance(tensor::DType::kF32))) {
       const std::string msg = "disagrees with oneDNN sgemm: rel err " + std::to_string(err);
       state.SkipWithError(msg.c_str());
       return;
@@ -634,7 +636,7 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DTy
   const double flops = 2.0 * p.batch0 * p.batch1 * p.m * p.n * p.k;
   // porter runs these calls where its head tiles do not apply, or measure slower; the
   // attn/call rows time what it runs, so these count as porter's only in the first case.
-  const bool tiles = ab == DType::kF32 ? cpu::attention_tiles_f32_supported()
+  const bool tiles = ab == tensor::DType::kF32 ? cpu::attention_tiles_f32_supported()
                                        : cpu::attention_tiles_bf16_supported(kHeadDim);
   const bool porter = !tiles || cpu::attention_impl_from_env() == cpu::AttentionImpl::kOneDnn;
   time_row(state, name, porter, ab, flops, e.probe->implementation(p), err,
@@ -643,18 +645,18 @@ void BM_Attention(benchmark::State& state, std::string name, AttentionOp op, DTy
 
 // The whole attention call as porter runs it: on its head tiles or oneDNN's batched calls,
 // whichever it measured faster at the first call (Note [Attention head tiles] in
-// nn/cpu_attention_heads.cc; the label names which). The tiles do not expose their products one
+// kernels/cpu/attention_heads.cc; the label names which). The tiles do not expose their products one
 // by one, so one row times the forward (two products of the causal triangle, softmax and the write of
 // the saved probabilities included) and one the backward (four products, the softmax backward
 // and the read of the probabilities), at the GPT step's shapes. The FLOPs are the triangle's
 // products only, so the ratio to the matmul peak is what the softmax and memory traffic leave.
-void BM_AttentionCall(benchmark::State& state, std::string name, bool backward, DType ab) {
+void BM_AttentionCall(benchmark::State& state, std::string name, bool backward, tensor::DType ab) {
   Env& e = env();
-  Tensor qkv = e.random({kBatch, kSeq, 3 * kHidden}, 4, ab);
-  Tensor out = e.random({kBatch, kSeq, kHidden}, 5, ab);
-  Tensor probs = e.random({kBatch, kHeads, kSeq, kSeq}, 6, DType::kF32);
-  Tensor dout = e.random({kBatch, kSeq, kHidden}, 7, ab);
-  Tensor dqkv = e.random({kBatch, kSeq, 3 * kHidden}, 8, ab);
+  tensor::Tensor qkv = e.random({kBatch, kSeq, 3 * kHidden}, 4, ab);
+  tensor::Tensor out = e.random({kBatch, kSeq, kHidden}, 5, ab);
+  tensor::Tensor probs = e.random({kBatch, kHeads, kSeq, kSeq}, 6, tensor::DType::kF32);
+  tensor::Tensor dout = e.random({kBatch, kSeq, kHidden}, 7, ab);
+  tensor::Tensor dqkv = e.random({kBatch, kSeq, 3 * kHidden}, 8, ab);
   e.kernels->attention_forward(qkv, out, probs, static_cast<int>(kHeads));
   // Check: every probability row sums to 1 and is zero above the diagonal.
   {
@@ -672,16 +674,16 @@ void BM_AttentionCall(benchmark::State& state, std::string name, bool backward, 
   if (backward) e.kernels->attention_backward(dout, qkv, probs, dqkv, static_cast<int>(kHeads));
   // What porter runs for this call: the kernel table's choice (Note [Kernel table]).
   const AttentionCall call{kBatch, kSeq, kHidden, static_cast<int>(kHeads), ab, ab,
-                           backward ? ab : DType::kF32};
+                           backward ? ab : tensor::DType::kF32};
   const std::optional<bool> on_tiles =
       cpu::attention_choice(e.kernels->kernel_table(), call, backward, bench_threads());
-  const bool tiles = on_tiles.value_or(ab == DType::kF32
+  const bool tiles = on_tiles.value_or(ab == tensor::DType::kF32
                                            ? cpu::attention_tiles_f32_supported()
                                            : cpu::attention_tiles_bf16_supported(kHeadDim)) &&
                      cpu::attention_impl_from_env() != cpu::AttentionImpl::kOneDnn;
   const double flops = (backward ? 4.0 : 2.0) * kBatch * kHidden * kSeq * (kSeq + 1);
   const std::string impl = !tiles ? "oneDNN batched calls"
-                           : ab == DType::kF32 ? "porter tiles, avx512f"
+                           : ab == tensor::DType::kF32 ? "porter tiles, avx512f"
                                                : "porter tiles, avx512_bf16";
   time_row(state, name, true, ab, flops, impl, 0.0, [&] {
     if (backward) {
@@ -699,25 +701,25 @@ void register_rows() {
     b->Unit(benchmark::kMillisecond)->UseManualTime()->Iterations(1);
   };
   benchmark::RegisterBenchmark("peaks/before", BM_Peaks)->Unit(benchmark::kMillisecond)->Iterations(1);
-  for (DType ab : {DType::kF32, DType::kBF16}) {
+  for (tensor::DType ab : {tensor::DType::kF32, tensor::DType::kBF16}) {
     for (const LinearShape& l : kLinears) {
       for (Pass pass : {kForward, kDgrad, kWgrad}) {
         for (int form = 0; form < 4; ++form) {
           const bool ta = form >= 2, tb = form % 2 == 1;
           const std::string name = std::string(l.name) + "/" + kPassNames[pass] + "/" +
-                                   form_name(ta, tb) + "/" + std::string(dtype_name(ab));
+                                   form_name(ta, tb) + "/" + std::string(tensor::dtype_name(ab));
           row(benchmark::RegisterBenchmark(name.c_str(), BM_Linear, name, l, pass, ta, tb, ab));
         }
       }
     }
     for (AttentionOp op : {kScores, kPV, kDP, kDQ, kDK, kDV}) {
       const std::string name =
-          std::string("attn/") + kAttentionNames[op] + "/" + std::string(dtype_name(ab));
+          std::string("attn/") + kAttentionNames[op] + "/" + std::string(tensor::dtype_name(ab));
       row(benchmark::RegisterBenchmark(name.c_str(), BM_Attention, name, op, ab));
     }
     for (bool backward : {false, true}) {
       const std::string name = std::string("attn/call/") + (backward ? "bwd" : "fwd") + "/" +
-                               std::string(dtype_name(ab));
+                               std::string(tensor::dtype_name(ab));
       row(benchmark::RegisterBenchmark(name.c_str(), BM_AttentionCall, name, backward, ab));
     }
   }
@@ -747,7 +749,7 @@ void print_summary(const double (&load_before)[3]) {
                  r.impl.c_str());
   }
   // Minimum ratio to peak over the rows of each dtype, and where it is.
-  for (DType ab : {DType::kF32, DType::kBF16}) {
+  for (tensor::DType ab : {tensor::DType::kF32, tensor::DType::kBF16}) {
     for (bool porter_only : {true, false}) {
       const RowResult* worst = nullptr;
       for (const RowResult& r : rows) {
@@ -756,7 +758,7 @@ void print_summary(const double (&load_before)[3]) {
       }
       if (worst == nullptr) continue;
       std::fprintf(stderr, "min of_peak, %s, %-13s %.3f (%s)\n",
-                   std::string(dtype_name(ab)).c_str(),
+                   std::string(tensor::dtype_name(ab)).c_str(),
                    porter_only ? "porter's rows:" : "all rows:", worst->gflops / peak_of(ab),
                    worst->name.c_str());
     }
@@ -764,16 +766,16 @@ void print_summary(const double (&load_before)[3]) {
 }
 
 }  // namespace
-}  // namespace porter::nn
+}  // namespace porter::kernels
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   double load_before[3] = {0, 0, 0};
   getloadavg(load_before, 3);
-  porter::nn::register_rows();
+  porter::kernels::register_rows();
   benchmark::RunSpecifiedBenchmarks();
-  porter::nn::print_summary(load_before);
+  porter::kernels::print_summary(load_before);
   benchmark::Shutdown();
   return 0;
 }

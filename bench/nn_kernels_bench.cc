@@ -18,10 +18,12 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernels.h"
-#include "nn/philox.h"
+#include "kernels/kernels.h"
+#include "tensor/philox.h"
 
-namespace porter::nn {
+namespace porter::kernels {
+
+using namespace porter::tensor;
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -40,24 +42,24 @@ struct Env {
     o.threads = bench_threads();
     device = memory::make_device(o);
     allocator = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = make_kernels(*allocator);
+    kernels = kernels::make_kernels(*allocator);
   }
-  Tensor random(Shape shape, uint32_t seed, DType dtype = DType::kF32, float lo = -1.0f,
+  tensor::Tensor random(tensor::Shape shape, uint32_t seed, DType dtype = DType::kF32, float lo = -1.0f,
                 float hi = 1.0f) {
     std::mt19937 gen(seed);
     std::uniform_real_distribution<float> dist(lo, hi);
     std::vector<float> v(static_cast<size_t>(shape.numel()));
     for (float& x : v) x = dist(gen);
-    Tensor t = Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
+    tensor::Tensor t = tensor::Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
     from_host_f32(*device, v, t);
     return t;
   }
-  Tensor empty(Shape shape, DType dtype = DType::kF32) {
-    return Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
+  tensor::Tensor empty(tensor::Shape shape, DType dtype = DType::kF32) {
+    return tensor::Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
   }
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> allocator;
-  std::unique_ptr<Kernels> kernels;
+  std::unique_ptr<kernels::Kernels> kernels;
 };
 
 Env& env() {
@@ -117,12 +119,12 @@ void BM_Matmul(benchmark::State& state) {
   const bool ta = state.range(3) != 0, tb = state.range(4) != 0, bf16 = state.range(5) != 0;
   Env& e = env();
   const DType dt = bf16 ? DType::kBF16 : DType::kF32;
-  Tensor a = e.random(ta ? Shape{k, m} : Shape{m, k}, 1, dt);
-  Tensor b = e.random(tb ? Shape{n, k} : Shape{k, n}, 2, dt);
-  Tensor out = e.empty({m, n});
+  tensor::Tensor a = e.random(ta ? tensor::Shape{k, m} : tensor::Shape{m, k}, 1, dt);
+  tensor::Tensor b = e.random(tb ? tensor::Shape{n, k} : tensor::Shape{k, n}, 2, dt);
+  tensor::Tensor out = e.empty({m, n});
   const MatmulSpec spec{ta, tb, 1.0f, 0.0f};
   // The same problem through oneDNN's sgemm, on f32 copies: the check and the baseline.
-  Tensor a32 = e.empty(a.shape()), b32 = e.empty(b.shape()), ref = e.empty({m, n});
+  tensor::Tensor a32 = e.empty(a.shape()), b32 = e.empty(b.shape()), ref = e.empty({m, n});
   e.kernels->cast(a, a32);
   e.kernels->cast(b, b32);
   sgemm(ta, tb, m, n, k, a32.data_as<float>(), b32.data_as<float>(), ref.data_as<float>());
@@ -184,10 +186,10 @@ void BM_Elementwise(benchmark::State& state) {
   const Op op = static_cast<Op>(state.range(0));
   const int64_t rows = state.range(1), cols = state.range(2), n = rows * cols;
   Env& e = env();
-  Tensor x = e.random({rows, cols}, 3, DType::kF32, -3.0f, 3.0f), y = e.empty({rows, cols});
-  Tensor dy = e.random({rows, cols}, 4), g = e.random({cols}, 5), b = e.random({cols}, 6);
-  Tensor mean = e.empty({rows}), rstd = e.empty({rows});
-  Tensor dg = e.empty({cols}), db = e.empty({cols});
+  tensor::Tensor x = e.random({rows, cols}, 3, DType::kF32, -3.0f, 3.0f), y = e.empty({rows, cols});
+  tensor::Tensor dy = e.random({rows, cols}, 4), g = e.random({cols}, 5), b = e.random({cols}, 6);
+  tensor::Tensor mean = e.empty({rows}), rstd = e.empty({rows});
+  tensor::Tensor dg = e.empty({cols}), db = e.empty({cols});
   const PhiloxKey key = dropout_key(1, 0, 0, 0, 0);
   double bytes = 0;
   std::function<void()> run;
@@ -222,7 +224,7 @@ void BM_Elementwise(benchmark::State& state) {
       }
       case kAdd: want = xp[i] + dy.data_as<float>()[i]; break;
       case kDropout:
-        want = philox_uniform(key, i) >= 0.1f ? xp[i] * (1.0f / 0.9f) : 0.0f;
+        want = tensor::philox_uniform(key, i) >= 0.1f ? xp[i] * (1.0f / 0.9f) : 0.0f;
         break;
       default: check = false;
     }
@@ -257,8 +259,8 @@ double bf16_matmul_peak_gflops() {
   static const double peak = [] {
     const int64_t n = 2048;
     Env& e = env();
-    Tensor a = e.random({n, n}, 11, DType::kBF16), b = e.random({n, n}, 12, DType::kBF16);
-    Tensor c = e.empty({n, n});
+    tensor::Tensor a = e.random({n, n}, 11, DType::kBF16), b = e.random({n, n}, 12, DType::kBF16);
+    tensor::Tensor c = e.empty({n, n});
     double s = median_seconds(5, [&] { e.kernels->matmul(a, b, c, {false, false, 1.0f, 0.0f}); });
     return 2.0 * n * n * n / s / 1e9;
   }();
@@ -274,9 +276,9 @@ void BM_Attention(benchmark::State& state) {
   const bool backward = state.range(4) != 0, bf16 = state.range(5) != 0;
   const DType dt = bf16 ? DType::kBF16 : DType::kF32;
   Env& e = env();
-  Tensor qkv = e.random({bsz, t, 3 * c}, 7, dt), out = e.empty({bsz, t, c}, dt);
-  Tensor probs = e.empty({bsz, heads, t, t}), dout = e.random({bsz, t, c}, 8, dt);
-  Tensor dqkv = e.empty({bsz, t, 3 * c}, dt);
+  tensor::Tensor qkv = e.random({bsz, t, 3 * c}, 7, dt), out = e.empty({bsz, t, c}, dt);
+  tensor::Tensor probs = e.empty({bsz, heads, t, t}), dout = e.random({bsz, t, c}, 8, dt);
+  tensor::Tensor dqkv = e.empty({bsz, t, 3 * c}, dt);
   e.kernels->attention_forward(qkv, out, probs, heads);
   // Check once: every probability row sums to 1.
   for (int64_t r = 0; r < bsz * heads * t; r += 37) {
@@ -313,6 +315,6 @@ BENCHMARK(BM_Attention)
     ->UseRealTime();
 
 }  // namespace
-}  // namespace porter::nn
+}  // namespace porter::kernels
 
 BENCHMARK_MAIN();

@@ -25,7 +25,7 @@
 
 #include "bench/bench_engine.h"
 #include "config/parse.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "memory/device.h"

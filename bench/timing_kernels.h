@@ -12,7 +12,7 @@
 #include <utility>
 
 #include "nn/ctx.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 
 namespace porter::bench {
 
@@ -22,10 +22,10 @@ struct OpTime {
   int64_t calls = 0;
 };
 
-class TimingKernels : public nn::Kernels {
+class TimingKernels : public kernels::Kernels {
  public:
   // `inner` is not owned and outlives this; its workspace allocator is this one's.
-  explicit TimingKernels(nn::Kernels& inner)
+  explicit TimingKernels(kernels::Kernels& inner)
       : Kernels(inner.workspace_allocator()), inner_(&inner) {}
   memory::DeviceKind kind() const override { return inner_->kind(); }
 
@@ -35,7 +35,7 @@ class TimingKernels : public nn::Kernels {
   void reset() { times_.clear(); }
 
  protected:
-  using Tensor = nn::Tensor;
+  using Tensor = tensor::Tensor;
 
   template <typename F>
   void timed(const std::string& name, F&& f, double flops = 0.0) {
@@ -47,7 +47,7 @@ class TimingKernels : public nn::Kernels {
     ++t.calls;
   }
 
-  void do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const nn::MatmulSpec& s) override {
+  void do_matmul(const Tensor& a, const Tensor& b, Tensor& out, const kernels::MatmulSpec& s) override {
     const int64_t m = out.dim(-2), n = out.dim(-1);
     const int64_t k = s.trans_a ? a.dim(-2) : a.dim(-1);
     const int64_t batch = out.rank() == 3 ? out.dim(0) : 1;
@@ -112,11 +112,11 @@ class TimingKernels : public nn::Kernels {
                              Tensor& dqkv, int heads) override {
     timed("attention_backward", [&] { inner_->attention_backward(dout, qkv, probs, dqkv, heads); });
   }
-  void do_dropout_forward(const Tensor& x, Tensor& y, float p, const nn::PhiloxKey& key) override {
+  void do_dropout_forward(const Tensor& x, Tensor& y, float p, const tensor::PhiloxKey& key) override {
     timed("dropout_forward", [&] { inner_->dropout_forward(x, y, p, key); });
   }
   void do_dropout_backward(const Tensor& dy, Tensor& dx, float p,
-                           const nn::PhiloxKey& key) override {
+                           const tensor::PhiloxKey& key) override {
     timed("dropout_backward", [&] { inner_->dropout_backward(dy, dx, p, key); });
   }
   void do_add(const Tensor& a, const Tensor& b, Tensor& out) override {
@@ -171,7 +171,7 @@ class TimingKernels : public nn::Kernels {
     });
   }
   void do_adamw(Tensor& params, const Tensor& grad, Tensor& m, Tensor& v,
-                const nn::AdamWArgs& args, Tensor* params_out) override {
+                const kernels::AdamWArgs& args, Tensor* params_out) override {
     timed("adamw", [&] { inner_->adamw(params, grad, m, v, args, params_out); });
   }
   void do_sum(const Tensor& x, Tensor& out) override {
@@ -194,7 +194,7 @@ class TimingKernels : public nn::Kernels {
   }
 
  private:
-  nn::Kernels* inner_;  // not owned; outlives this
+  kernels::Kernels* inner_;  // not owned; outlives this
   std::map<std::string, OpTime> times_;
 };
 
@@ -239,7 +239,7 @@ inline double print_op_split(const TimingKernels& timing, const std::string& lab
 // and not timed; then the table (print_op_split) and the counters outside_kernels_ms and
 // step_ms, ms per step.
 template <typename Run, typename LossOk>
-void op_split_benchmark(benchmark::State& state, Run& run, nn::DType dtype, nn::Kernels& kernels,
+void op_split_benchmark(benchmark::State& state, Run& run, tensor::DType dtype, kernels::Kernels& kernels,
                         memory::CachingAllocator& allocator, LossOk loss_ok) {
   TimingKernels timing(kernels);
   nn::Ctx ctx(timing, allocator, dtype);
@@ -253,7 +253,7 @@ void op_split_benchmark(benchmark::State& state, Run& run, nn::DType dtype, nn::
     step_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++steps;
   }
-  const std::string label(nn::dtype_name(dtype));
+  const std::string label(tensor::dtype_name(dtype));
   const double kernels_s = print_op_split(timing, label, steps, step_s, state);
   state.counters["outside_kernels_ms"] = (step_s - kernels_s) * 1e3 / steps;
   state.counters["step_ms"] = step_s * 1e3 / steps;

@@ -73,7 +73,7 @@ void BM_TpStep(benchmark::State& state) {
       comm::ProcessGroups g = comm::make_process_groups(world, t);
       engine::Engine e(*device, std::make_unique<engine::GptModel>(c.porter.model, g.tp_rank), c,
                        g.dp, t > 1 ? g.tp : nullptr);
-      const engine::DataSource data(c.porter.data, c.porter.model.vocab,
+      const io::DataSource data(c.porter.data, c.porter.model.vocab,
                                     c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
       std::vector<double> mine;
       for (int s = 0; s < kWarmup + kSteps; ++s) {

@@ -147,7 +147,7 @@ Session run_session() {
           *rigs[i].device, std::make_unique<engine::GptModel>(c.porter.model), c, rigs[i].dp);
     }
     const config::Config c = base_config();
-    const engine::DataSource data(c.porter.data, c.porter.model.vocab,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab,
                                   c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
     auto& my_losses = losses[static_cast<size_t>(rank)];
     for (int s = 0; s < kWarmup; ++s) {

@@ -57,7 +57,7 @@ void BM_ZeroStep(benchmark::State& state) {
       std::shared_ptr<comm::Communicator> dp =
           comm::make_communicator(*device, store, rank, kWorld, co);
       engine::Engine e(*device, std::make_unique<engine::GptModel>(c.porter.model), c, dp);
-      const engine::DataSource data(c.porter.data, c.porter.model.vocab,
+      const io::DataSource data(c.porter.data, c.porter.model.vocab,
                                     c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
       std::vector<double> mine;
       for (int s = 0; s < kWarmup + kSteps; ++s) {

@@ -1,5 +1,5 @@
 // The analytic activation model of the built-in GPT: each stage's forward is written down as
-// the op graph nn/gpt_blocks.cc runs on one tensor-parallel rank (outputs, inputs, lifetimes,
+// the op graph models/blocks.cc runs on one tensor-parallel rank (outputs, inputs, lifetimes,
 // saves), and the byte figures of every save option follow from replaying that graph the way
 // nn/ctx.cc does; backward's workspace follows from its allocations in order.
 #include "checkpoint/analytic.h"
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "base/check.h"
-#include "nn/gpt.h"
-#include "nn/kernels.h"
+#include "models/transformer.h"
+#include "kernels/kernels.h"
 
 namespace porter::checkpoint {
 
@@ -31,7 +31,7 @@ namespace {
 // Replaying this graph gives every figure of Note [Activation bytes] to the byte.
 //
 // At tensor_parallel t > 1 the graph is one rank's (Note [GPT tensor parallelism] in
-// nn/gpt.h): the same ops with this rank's shapes, and the collectives' buffers as workspace
+// models/transformer.h): the same ops with this rank's shapes, and the collectives' buffers as workspace
 // inside the op that runs them (a sequence-parallel matmul's gathered input or partial
 // output, the sequence-parallel embedding's whole output, the loss's gathered statistics).
 // The collectives themselves allocate nothing from the caching allocator. Backward, which
@@ -220,7 +220,7 @@ StageCost stage_cost(std::string name, bool is_block, size_t input_bytes, StageG
 }
 
 // The sizes of one tensor-parallel rank's tensors (Note [GPT tensor parallelism] in
-// nn/gpt.h). At tp 1 every per-rank size is the whole one.
+// models/transformer.h). At tp 1 every per-rank size is the whole one.
 struct Dims {
   size_t b, t, c, h, v, dt, n;  // n = b * t rows
   size_t tp;                    // ranks of the tensor-parallel group
@@ -229,9 +229,9 @@ struct Dims {
   size_t cs, hs;                // this rank's channels C / tp and heads H / tp
   size_t vs;                    // this rank's logit columns: V, or ceil(V / tp) at tp > 1
   bool drop;
-  nn::DType dtype;
+  tensor::DType dtype;
   memory::DeviceKind device;
-  bool llama = false;           // Note [Llama] in nn/gpt.h
+  bool llama = false;           // Note [Llama] in models/transformer.h
   size_t kvs = 0;               // Llama: this rank's key/value channels Hkv * D / tp
   size_t fs = 0;                // Llama: this rank's MLP width F / tp
   size_t kv_col() const { return n * kvs * dt; }  // (B, T, Hkv D / tp)
@@ -248,8 +248,8 @@ struct Dims {
 
 // The attention call of a block: this rank's heads, qkv, out, dout and dqkv all in the
 // compute dtype.
-nn::AttentionCall attention_call(const Dims& d) {
-  return nn::AttentionCall{static_cast<int64_t>(d.b), static_cast<int64_t>(d.t),
+kernels::AttentionCall attention_call(const Dims& d) {
+  return kernels::AttentionCall{static_cast<int64_t>(d.b), static_cast<int64_t>(d.t),
                            static_cast<int64_t>(d.cs), static_cast<int>(d.hs), d.dtype, d.dtype,
                            d.dtype};
 }
@@ -270,7 +270,7 @@ Dims dims_of(const GptShape& shape) {
   d.c = static_cast<size_t>(m.hidden);
   d.h = static_cast<size_t>(m.heads);
   d.v = static_cast<size_t>(m.vocab);
-  d.dt = nn::dtype_size(shape.compute_dtype);
+  d.dt = tensor::dtype_size(shape.compute_dtype);
   d.n = d.b * d.t;
   d.tp = static_cast<size_t>(m.tensor_parallel);
   d.sp = m.sequence_parallel && d.tp > 1;
@@ -287,14 +287,14 @@ Dims dims_of(const GptShape& shape) {
   if (d.llama) {
     const size_t kv = static_cast<size_t>(m.kv_heads == 0 ? m.heads : m.kv_heads);
     d.kvs = kv * (d.c / d.h) / d.tp;
-    d.fs = static_cast<size_t>(nn::llama_intermediate(m)) / d.tp;
+    d.fs = static_cast<size_t>(models::llama_intermediate(m)) / d.tp;
   }
   return d;
 }
 
 // The workspace a layer's backward allocates, in its order: alloc returns a handle that free
 // (and the handle's end of scope in the layer) releases; peak is the most alive at once. The
-// backward models below mirror nn/gpt_blocks.cc line by line.
+// backward models below mirror models/blocks.cc line by line.
 class WorkspaceTrace {
  public:
   static constexpr int kNone = -1;
@@ -317,7 +317,7 @@ class WorkspaceTrace {
   size_t cur_ = 0, peak_ = 0;
 };
 
-// gpt_blocks.cc's backward helpers: each returns its result, dx, whose input x has x_bytes;
+// models/blocks.cc's backward helpers: each returns its result, dx, whose input x has x_bytes;
 // the gathered tensors of sequence parallelism are freed when the helper returns.
 int column_linear_backward(WorkspaceTrace& w, const Dims& d, size_t x_bytes) {
   if (!d.sp) return w.alloc(x_bytes);
@@ -369,7 +369,7 @@ StageGraph block_graph(const Dims& d) {
   // The kernel's scratch is workspace inside the op (Note [Kernel workspace]).
   Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
                   4.0 * ncs * static_cast<double>(d.t),
-                  nn::attention_forward_workspace_bytes(d.device, attention_call(d)));
+                  kernels::attention_forward_workspace_bytes(d.device, attention_call(d)));
   Ref proj = gb.op(nn::OpKind::kMatmul, {r}, {att, kExt, kExt}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kIn, gb.dropout(proj, r, d.drop, true)});
   Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {x2, kExt, kExt});
@@ -401,7 +401,7 @@ StageGraph block_graph(const Dims& d) {
   const int datt = row_linear_backward(w, d, u);
   w.free(dproj);
   const int dqkv = w.alloc(3 * u);
-  w.transient(nn::attention_backward_workspace_bytes(d.device, attention_call(d)));
+  w.transient(kernels::attention_backward_workspace_bytes(d.device, attention_call(d)));
   w.free(datt);
   column_linear_backward(w, d, r);  // dln1
   w.free(dqkv);
@@ -410,7 +410,7 @@ StageGraph block_graph(const Dims& d) {
   return g;
 }
 
-// LlamaBlock (Note [Llama] in nn/gpt.h), op by op as nn/gpt_blocks.cc runs it.
+// LlamaBlock (Note [Llama] in models/transformer.h), op by op as models/blocks.cc runs it.
 StageGraph llama_block_graph(const Dims& d) {
   GraphBuilder gb;
   const size_t r = d.res(), u = d.col(), kvb = d.kv_col(), fb = d.mlp(), st = d.stat();
@@ -427,7 +427,7 @@ StageGraph llama_block_graph(const Dims& d) {
   for (Ref t : {q, k, v}) gb.graph().ops[t.op].dies_after = qkv.op;
   Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
                   4.0 * ncs * static_cast<double>(d.t),
-                  nn::attention_forward_workspace_bytes(d.device, attention_call(d)));
+                  kernels::attention_forward_workspace_bytes(d.device, attention_call(d)));
   Ref o = gb.op(nn::OpKind::kMatmul, {r}, {att, kExt}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kIn, gb.dropout(o, r, d.drop, true)});
   Ref n2 = gb.op(nn::OpKind::kLayerNorm, {r, st}, {x2, kExt});
@@ -460,7 +460,7 @@ StageGraph llama_block_graph(const Dims& d) {
   const int datt = row_linear_backward(w, d, u);
   w.free(dproj);
   const int dqkv = w.alloc(3 * u);
-  w.transient(nn::attention_backward_workspace_bytes(d.device, attention_call(d)));
+  w.transient(kernels::attention_backward_workspace_bytes(d.device, attention_call(d)));
   w.free(datt);
   const int dq = w.alloc(u);
   const int dk = w.alloc(kvb);
@@ -490,7 +490,7 @@ StageGraph head_graph(const Dims& d) {
   Ref logits = gb.op(nn::OpKind::kMatmul, {logits_bytes}, {lnf, kExt},
                      2.0 * nc * static_cast<double>(d.vs), d.sp_gather());
   // The per-row losses are workspace inside the op, and so are the partials of their sum.
-  const size_t sum_ws = nn::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n));
+  const size_t sum_ws = kernels::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n));
   Ref loss;
   StageGraph& g = gb.graph();
   std::vector<Ref> norm_saves = {lnf, GraphBuilder::slot(lnf, 1)};
@@ -588,13 +588,13 @@ size_t gpt_layer_bytes(const GptShape& shape) {
          d.res();
 }
 
-ModelStateBytes gpt_model_state_bytes(const config::ModelConfig& model, nn::DType compute_dtype) {
-  const nn::Gpt gpt(model);  // rank 0's layout (every rank's has its size); allocates nothing
+ModelStateBytes gpt_model_state_bytes(const config::ModelConfig& model, tensor::DType compute_dtype) {
+  const models::Gpt gpt(model);  // rank 0's layout (every rank's has its size); allocates nothing
   const size_t p = static_cast<size_t>(gpt.layout().total_elems());
   ModelStateBytes m;
-  m.params = p * nn::dtype_size(compute_dtype);
+  m.params = p * tensor::dtype_size(compute_dtype);
   m.grads = p * 4;
-  m.optimizer = p * 4 * 2 + (compute_dtype == nn::DType::kF32 ? 0 : p * 4);
+  m.optimizer = p * 4 * 2 + (compute_dtype == tensor::DType::kF32 ? 0 : p * 4);
   return m;
 }
 

@@ -10,19 +10,19 @@
 #include "config/config.h"
 #include "memory/device.h"
 #include "nn/ctx.h"
-#include "nn/dtype.h"
+#include "tensor/dtype.h"
 
 namespace porter::checkpoint {
 
 struct GptShape {
   // Its tensor_parallel t and sequence_parallel say which rank's share the figures are of
-  // (Note [GPT tensor parallelism] in nn/gpt.h); every rank of the group has the same.
+  // (Note [GPT tensor parallelism] in models/transformer.h); every rank of the group has the same.
   config::ModelConfig model;
   int64_t micro_batch = 1;  // B
   int64_t seq = 0;          // T; 0 = model.seq_len
-  nn::DType compute_dtype = nn::DType::kF32;
+  tensor::DType compute_dtype = tensor::DType::kF32;
   // The device the kernels run on: their workspace differs (Note [Kernel workspace] in
-  // nn/kernels.h), and with it the *_total_peak_bytes figures; the activation figures do not.
+  // kernels/kernels.h), and with it the *_total_peak_bytes figures; the activation figures do not.
   memory::DeviceKind device = memory::DeviceKind::kCpu;
 };
 
@@ -52,12 +52,12 @@ double korthikanti_layer_bytes(const GptShape& shape);
 // Model-state bytes: parameters, gradients, optimizer state (master copy when the compute
 // dtype is not f32, and two AdamW moments), for one rank without ZeRO. At tensor_parallel
 // t > 1 a rank holds its 1/t of the split parameters and all of the replicated ones (its
-// nn::Gpt layout, padding included).
+// models::Gpt layout, padding included).
 struct ModelStateBytes {
   size_t params = 0;
   size_t grads = 0;
   size_t optimizer = 0;
 };
-ModelStateBytes gpt_model_state_bytes(const config::ModelConfig& model, nn::DType compute_dtype);
+ModelStateBytes gpt_model_state_bytes(const config::ModelConfig& model, tensor::DType compute_dtype);
 
 }  // namespace porter::checkpoint

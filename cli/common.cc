@@ -11,7 +11,7 @@
 #include "base/error.h"
 #include "base/units.h"
 #include "config/parse.h"
-#include "engine/hf_checkpoint.h"
+#include "io/hf_checkpoint.h"
 
 namespace porter::cli {
 
@@ -34,7 +34,7 @@ struct ConfigInputs {
 
 // Note [Config from a Hugging Face model]
 // porter.model.from names a Hugging Face model directory: its config.json's keys
-// (engine::hf_model_overrides) become overrides after every file and --set, each named after
+// (io::hf_model_overrides) become overrides after every file and --set, each named after
 // that config.json. Every command reads its config through read_inputs, so train, estimate,
 // plan, config check and every launched rank parse the same model, and the parser checks the
 // keys like any other (an error about porter.model.hidden then names the config.json). A key
@@ -50,15 +50,15 @@ void apply_model_from(ConfigInputs& in) {
   const auto from = model->find("from");
   // Anything but a string is the parser's to refuse.
   if (from == model->end() || !from->is_string()) return;
-  engine::HfConfig hf;
+  io::HfConfig hf;
   try {
-    hf = engine::read_hf_config(from->get<std::string>());
+    hf = io::read_hf_config(from->get<std::string>());
   } catch (const IoError& e) {
     throw IoError(merged.provenance.label("porter.model.from") + ": porter.model.from: " + e.what());
   }
   nlohmann::ordered_json overrides;
   try {
-    overrides = engine::hf_model_overrides(hf, *model);
+    overrides = io::hf_model_overrides(hf, *model);
   } catch (const config::ConfigError& e) {
     throw config::SourcedConfigError(merged.provenance.label(e.path()), e);
   }

@@ -1,6 +1,6 @@
 // `porter consolidate --checkpoint DIR --out FILE [--dtype working|f32] [--tp-rank K]`: the
 // full model's weights from a training checkpoint's per-rank files, as one safetensors file
-// (engine/consolidate.h, Note [Consolidating a checkpoint]; docs/engine.md).
+// (io/consolidate.h, Note [Consolidating a checkpoint]; docs/engine.md).
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,8 +11,8 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
-#include "engine/consolidate.h"
-#include "engine/weights_file.h"
+#include "io/consolidate.h"
+#include "io/weights_file.h"
 
 namespace porter::cli {
 namespace {
@@ -25,29 +25,29 @@ struct ConsolidateCommandOptions {
 };
 
 int consolidate(const ConsolidateCommandOptions& o, std::ostream& out, std::ostream& err) {
-  engine::ConsolidateOptions co;
-  co.dtype = o.dtype == "f32" ? engine::WeightsDType::kF32 : engine::WeightsDType::kWorking;
+  io::ConsolidateOptions co;
+  co.dtype = o.dtype == "f32" ? io::WeightsDType::kF32 : io::WeightsDType::kWorking;
   co.tp_rank = o.tp_rank;
   // Reading a rank means reading and checksumming its whole state: name each as it is done.
   co.on_rank_read = [&err](int done, int count, const std::filesystem::path& dir) {
     if (count > 1) err << "read " << dir.string() << " (" << done << "/" << count << ")\n";
   };
-  const engine::ConsolidateResult r = engine::consolidate_checkpoint(o.checkpoint, co);
+  const io::ConsolidateResult r = io::consolidate_checkpoint(o.checkpoint, co);
 
-  engine::WeightMetadata metadata = {{"format", "pt"},
+  io::WeightMetadata metadata = {{"format", "pt"},
                                      {"porter.step", std::to_string(r.step)},
                                      {"porter.source", o.checkpoint}};
   if (r.tp_size > 1) metadata["porter.tp_rank"] = std::to_string(r.tp_rank);
-  engine::write_safetensors(o.out, r.tensors, metadata);
+  io::write_safetensors(o.out, r.tensors, metadata);
 
-  const std::string dtype(nn::dtype_name(r.dtype));
+  const std::string dtype(tensor::dtype_name(r.dtype));
   std::string origin;
   if (r.section == "master") {
-    origin = "the f32 master weights; trained in " + std::string(nn::dtype_name(r.compute_dtype));
+    origin = "the f32 master weights; trained in " + std::string(tensor::dtype_name(r.compute_dtype));
   } else if (r.dtype == r.compute_dtype) {
     origin = "the working parameters";
   } else {
-    origin = "the " + std::string(nn::dtype_name(r.compute_dtype)) + " working parameters, widened";
+    origin = "the " + std::string(tensor::dtype_name(r.compute_dtype)) + " working parameters, widened";
   }
   std::string ranks = std::to_string(r.rank_dirs.size());
   if (r.tp_size > 1) {

@@ -23,7 +23,7 @@
 #include "cli/common.h"
 #include "engine/run_options.h"
 #include "engine/stage3.h"
-#include "nn/gpt.h"
+#include "models/transformer.h"
 #include "zero/partition.h"
 
 namespace porter::cli {
@@ -89,7 +89,7 @@ nlohmann::ordered_json bytes_json(const zero::StateBytes& b) {
 
 void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
                 const zero::Partition& part, int64_t num_params, const zero::StateDTypes& d,
-                nn::DType dtype, int64_t world_size, int dp, int64_t tp) {
+                tensor::DType dtype, int64_t world_size, int dp, int64_t tp) {
   out << "  ZeRO model states per rank at world size " << world_size;
   if (dp != world_size) {
     out << " (" << dp << " data-parallel rank" << (dp == 1 ? "" : "s");
@@ -101,7 +101,7 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
       << part.total_elems
       << " elements (tensors aligned to " << nn::kParamAlignElems << "), padded to "
       << part.padded_elems << " = " << dp << " shard" << (dp == 1 ? "" : "s") << " of "
-      << part.shard_elems << ";\n  p = " << d.param_bytes() << " (" << nn::dtype_name(dtype)
+      << part.shard_elems << ";\n  p = " << d.param_bytes() << " (" << tensor::dtype_name(dtype)
       << " params), g = " << d.grad_bytes() << " (f32 grads), k = " << d.optimizer_bytes()
       << " (AdamW moments" << (d.optimizer_bytes() == 12 ? " + f32 master" : "") << ")\n";
   Table t({"stage", "params", "grads", "optimizer", "total", "paper formula", "paper", "padding"});
@@ -121,7 +121,7 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
 
 // Note [Estimate tensor parallelism]
 // Every figure of porter estimate is one rank's. At porter.model.tensor_parallel t (or
-// --tensor-parallel) a rank holds its part of the layout (nn::Gpt at tp rank 0: 1/t of the
+// --tensor-parallel) a rank holds its part of the layout (models::Gpt at tp rank 0: 1/t of the
 // split parameters, all of the replicated ones; every rank's part has the same size), which
 // ZeRO partitions over the data-parallel ranks, and its activations are the analytic model's
 // for one tensor-parallel rank. Without the flag a table also compares t = 1, 2, 4, 8 (those
@@ -179,7 +179,7 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
           po.checkpointing.policy = policy;
           *into = checkpoint::make_plan(po, costs).prediction.peak_activation_bytes;
         }
-        const nn::Gpt gpt(c.porter.model);  // tp rank 0's layout only; allocates nothing
+        const models::Gpt gpt(c.porter.model);  // tp rank 0's layout only; allocates nothing
         e.model_states = zero::exact_bytes(
             zero::make_partition(gpt.layout().total_elems(), static_cast<int>(dp)),
             cfg.zero_optimization.stage, zero::StateDTypes{run.compute_dtype});
@@ -193,7 +193,7 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
 }
 
 void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const config::Config& cfg,
-              nn::DType dtype) {
+              tensor::DType dtype) {
   const config::ModelConfig& m = cfg.porter.model;
   const int64_t dp = cfg.data_parallel_size();
   out << "  tensor parallelism, per rank (" << dp << " data-parallel rank" << (dp == 1 ? "" : "s")
@@ -221,7 +221,7 @@ void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const conf
   }
   out << "  * the config's. layer = one block's activations kept for backward, its input "
          "included\n  (porter's exact bytes, "
-      << nn::dtype_name(dtype)
+      << tensor::dtype_name(dtype)
       << "). Korthikanti = Korthikanti et al. 2022's sbh(34 + 5as/h), with t\n"
          "  sbh(10 + 24/t + 5as/(ht)), with sp sbh(34 + 5as/h)/t, in their 16-bit units\n"
          "  (docs/memory-model.md says why they differ). none/full peak = activation peak per\n"
@@ -235,7 +235,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
           ? load_config(o.config_args, o.strict, err, world_size, *o.tensor_parallel, "--tensor-parallel")
           : load_config(o.config_args, o.strict, err, world_size);
   const engine::RunOptions run = engine::make_run_options(cfg);
-  const nn::DType dtype = run.compute_dtype;
+  const tensor::DType dtype = run.compute_dtype;
   checkpoint::ChainCosts costs = run.analytic_costs();
   engine::add_stage3_params(costs, cfg, dtype);  // ZeRO stage 3's gathered parameters
   const config::ModelConfig& model = cfg.porter.model;
@@ -247,7 +247,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   // ZeRO partitions this tensor-parallel rank's flat buffers over the data-parallel ranks
   // (Note [Model-state bytes per rank] in zero/partition.h; Note [Estimate tensor
   // parallelism]).
-  const nn::Gpt gpt(model);  // tp rank 0's layout only; allocates nothing
+  const models::Gpt gpt(model);  // tp rank 0's layout only; allocates nothing
   const int dp = static_cast<int>(cfg.data_parallel_size());
   const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), dp);
   const int64_t num_params = gpt.layout().num_params();
@@ -374,7 +374,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     j["config"] = o.config_args.display();
     j["model"] = {{"layers", layers}, {"hidden", cfg.porter.model.hidden},
                   {"heads", cfg.porter.model.heads}, {"seq_len", cfg.porter.model.seq_len},
-                  {"vocab", cfg.porter.model.vocab}, {"compute_dtype", nn::dtype_name(dtype)},
+                  {"vocab", cfg.porter.model.vocab}, {"compute_dtype", tensor::dtype_name(dtype)},
                   {"micro_batch", cfg.train_micro_batch_size_per_gpu},
                   {"gradient_accumulation_steps", cfg.gradient_accumulation_steps},
                   {"tensor_parallel", tp}, {"sequence_parallel", sp}};
@@ -394,7 +394,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     zj["flat_elems"] = part.total_elems;
     zj["padded_elems"] = part.padded_elems;
     zj["shard_elems"] = part.shard_elems;
-    zj["param_dtype"] = nn::dtype_name(dtype);
+    zj["param_dtype"] = tensor::dtype_name(dtype);
     zj["p"] = state_dtypes.param_bytes();
     zj["g"] = state_dtypes.grad_bytes();
     zj["k"] = state_dtypes.optimizer_bytes();
@@ -457,7 +457,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   }
 
   out << "porter estimate: " << o.config_args.display() << "\n";
-  out << "  model: " << describe_model(cfg.porter.model) << ", " << nn::dtype_name(dtype)
+  out << "  model: " << describe_model(cfg.porter.model) << ", " << tensor::dtype_name(dtype)
       << "\n";
   if (tp > 1) {
     out << "  tensor parallel " << tp << (sp ? " with sequence parallelism" : "")

@@ -27,7 +27,7 @@
 #include "engine/engine.h"
 #include "engine/stage3.h"
 #include "engine/model.h"
-#include "nn/gpt.h"
+#include "models/transformer.h"
 #include "zero/partition.h"
 
 namespace porter::cli {
@@ -51,7 +51,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
 void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
                      const engine::RunOptions& run, const checkpoint::Plan& plan,
                      const checkpoint::ChainCosts& costs) {
-  const nn::Gpt gpt(cfg.porter.model);  // the layout and names only; allocates nothing
+  const models::Gpt gpt(cfg.porter.model);  // the layout and names only; allocates nothing
   PlanPageInput in;
   in.config_file = o.config_args.display();
   in.plan = &plan;

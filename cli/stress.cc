@@ -18,7 +18,7 @@
 #include "cli/common.h"
 #include "engine/run_options.h"
 #include "config/parse.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "memory/device.h"
@@ -320,7 +320,7 @@ RunResult run_variation(const Variation& v, int64_t steps) {
     res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return res;
   };
-  const engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
+  const io::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                                 cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
 
   // Reference.

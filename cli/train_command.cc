@@ -26,25 +26,26 @@
 #include "comm/communicator.h"
 #include "comm/env.h"
 #include "comm/store.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
-#include "engine/hf_checkpoint.h"
+#include "engine/whole_params.h"
+#include "io/hf_checkpoint.h"
 #include "engine/model.h"
 #include "engine/trace.h"
-#include "nn/kernel_table.h"
+#include "kernels/kernel_table.h"
 
 namespace porter::cli {
 namespace {
 
 namespace fs = std::filesystem;
 
-// Where the run's kernel choices come from (Note [Kernel table] in nn/kernel_table.cc).
-std::string describe_kernel_table(const nn::KernelTable& table) {
+// Where the run's kernel choices come from (Note [Kernel table] in kernels/kernel_table.cc).
+std::string describe_kernel_table(const kernels::KernelTable& table) {
   const std::string origin = table.origin();
   if (origin != "measured in this run") {
     return origin + " (" + std::to_string(table.size()) + " choices)";
   }
-  return table.mode() == nn::KernelChoice::kExact
+  return table.mode() == kernels::KernelChoice::kExact
              ? std::string("exact: measured in this run among candidates that give the same "
                            "bits (porter.device.kernel_choice)")
              : std::string("fastest: measured in this run among every candidate; pin the "
@@ -147,7 +148,7 @@ class Progress {
 //   only its gradient shard);
 // - with porter.model.from every rank reads the Hugging Face weights itself and keeps its
 //   tensor-parallel part (load_hf_weights); --save-hf gathers the whole model (Note [Whole
-//   parameters] in engine/hf_checkpoint.h) and rank 0 writes it;
+//   parameters] in io/hf_checkpoint.h) and rank 0 writes it;
 // - after the last step every rank hands its memory report to rank 0 (Note [Per-rank
 //   report] in cli/train_report.h);
 // - a rank that fails aborts its communicator (so its peers fail at once rather than at the
@@ -239,7 +240,7 @@ std::vector<nlohmann::ordered_json> gather_rank_reports(const World& w, engine::
 
 // Note [Validation loss]
 // With porter.data.val_paths every rank evaluates its dp rank's share of the validation set
-// (engine::ValidationSet, Note [Validation set] in engine/data.h) after every
+// (io::ValidationSet, Note [Validation set] in io/data.h) after every
 // porter.train.eval_every-th step and after the last one; every rank calls Engine::evaluate,
 // since its forward may communicate (tensor-parallel layers, stage-3 gathers). The dp ranks'
 // shares are equally large, so the set's loss is the mean of their means. The tp ranks of a
@@ -247,7 +248,7 @@ std::vector<nlohmann::ordered_json> gather_rank_reports(const World& w, engine::
 // it: it set()s its mean in the run's store under "porter/train/val/<step>/<dp rank>" and rank
 // 0 get()s them (within porter.comm.timeout_s). The store, not the dp communicator, carries
 // the means: they are host values, and an NCCL collective reads device memory.
-double validation_loss(const World& w, engine::Engine& eng, const engine::ValidationSet& val,
+double validation_loss(const World& w, engine::Engine& eng, const io::ValidationSet& val,
                        int64_t step, double timeout_s) {
   const double mine = eng.evaluate(val.rank_batches(eng.dp_rank()));
   if (!w.distributed() || eng.dp_size() == 1) return mine;
@@ -276,8 +277,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
 // header line that says so.
 std::string load_hf_weights(const config::Config& cfg, engine::Engine& eng, int tp_rank) {
   const std::string& dir = *cfg.porter.model.from;
-  const engine::HfWeights hf = engine::read_hf_weights(dir, cfg.porter.model);
-  eng.set_params_host(nn::Gpt(cfg.porter.model, tp_rank).shard_values(hf.values));
+  const io::HfWeights hf = io::read_hf_weights(dir, cfg.porter.model);
+  eng.set_params_host(models::Gpt(cfg.porter.model, tp_rank).shard_values(hf.values));
   std::string dtypes;
   for (const std::string& d : hf.dtypes) dtypes += (dtypes.empty() ? "" : "+") + d;
   return "  weights: " + dir + " (Hugging Face, " + std::to_string(hf.tensors) + " tensors in " +
@@ -320,9 +321,9 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                           "each rank holds only its shard of the gradients); dump a one-rank run "
                           "of the same global batch instead");
   }
-  engine::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
+  io::DataSource data(cfg.porter.data, cfg.porter.model.vocab,
                           cfg.train_micro_batch_size_per_gpu, cfg.porter.model.seq_len);
-  std::optional<engine::ValidationSet> val;
+  std::optional<io::ValidationSet> val;
   if (!cfg.porter.data.val_paths.empty()) {
     val.emplace(cfg.porter.data, cfg.porter.model.vocab, cfg.train_micro_batch_size_per_gpu,
                 cfg.porter.model.seq_len, cfg.porter.train.eval_micro_batches,
@@ -358,7 +359,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       weights_line = "  weights: from --resume " + o.resume + " (" + *cfg.porter.model.from +
                      " gave the model's shape)\n";
     }
-    if (!o.save_hf.empty()) hf_source = engine::read_hf_config(*cfg.porter.model.from).json;
+    if (!o.save_hf.empty()) hf_source = io::read_hf_config(*cfg.porter.model.from).json;
   }
   if (!o.resume.empty()) eng.load_checkpoint(o.resume);
   if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
@@ -384,7 +385,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                                   " tensor-parallel ranks" +
                                   (cfg.porter.model.sequence_parallel ? " (sequence-parallel)" : "")
                             : std::string(" parameters"))
-      << ", " << nn::dtype_name(eng.compute_dtype()) << "\n"
+      << ", " << tensor::dtype_name(eng.compute_dtype()) << "\n"
       << "  data: " << run.data << "; " << micro_batches << " x " << cfg.train_micro_batch_size_per_gpu
       << " x " << cfg.porter.model.seq_len << " tokens per step"
       << (eng.dp_size() > 1 ? " on each of " + std::to_string(eng.dp_size()) + " data-parallel ranks"
@@ -434,7 +435,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   try {
     while (eng.step() < last) {
       const int64_t step = eng.step();
-      std::vector<engine::HostBatch> batches =
+      std::vector<io::HostBatch> batches =
           w.distributed() ? data.rank_batches(step, micro_batches, eng.dp_rank(), eng.dp_size())
                           : data.step_batches(step, micro_batches);
       if (!o.dump_dir.empty() && step == last - 1) dump_params = eng.params_host();
@@ -471,7 +472,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
 
   // Every rank saves its own state (engine/state.cc: `dir`/rank<r> with several ranks).
   if (!o.save.empty()) eng.save_checkpoint(o.save);
-  std::optional<engine::HfExport> hf_export;
+  std::optional<io::HfExport> hf_export;
   if (!o.save_hf.empty()) {
     // Every rank takes part in the gather; rank 0 writes.
     const std::vector<float> whole = engine::whole_params_host(eng, w.tp.get());
@@ -479,7 +480,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       config::ModelConfig model = cfg.porter.model;
       model.tensor_parallel = 1;
       model.sequence_parallel = false;
-      hf_export = engine::write_hf_checkpoint(o.save_hf, model, nn::Gpt(model).layout(), whole,
+      hf_export = io::write_hf_checkpoint(o.save_hf, model, models::Gpt(model).layout(), whole,
                                               eng.compute_dtype(), hf_source);
     }
   }
@@ -525,7 +526,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
         << hf_export->config_file.filename().string() << ", "
         << hf_export->weights_file.filename().string() << ": " << hf_export->tensors
         << " tensors, " << format_count(static_cast<double>(hf_export->num_params))
-        << " parameters, " << nn::dtype_name(eng.compute_dtype()) << ", "
+        << " parameters, " << tensor::dtype_name(eng.compute_dtype()) << ", "
         << format_bytes(hf_export->bytes) << ")\n";
   }
   return kExitOk;

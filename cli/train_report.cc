@@ -13,7 +13,7 @@
 #include "cli/common.h"
 #include "config/parse.h"
 #include "memory/category.h"
-#include "nn/npy.h"
+#include "io/npy.h"
 #include "zero/partition.h"
 
 namespace porter::cli {
@@ -179,7 +179,7 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["config"] = run.config_file;
   j["device"] = run.device;
   j["data"] = run.data;
-  j["compute_dtype"] = nn::dtype_name(engine.compute_dtype());
+  j["compute_dtype"] = tensor::dtype_name(engine.compute_dtype());
   // Note [Kernel table]: porter.device.kernel_table can pin this report's choices.
   j["kernel_table"] = ordered_json::parse(engine.kernel_table().to_json().dump());
   j["num_params"] = engine.model().layout().num_params();
@@ -555,22 +555,22 @@ void write_dump(const fs::path& dir, engine::Engine& engine, const std::vector<f
     if (end > params.size() || end > grads.size()) {
       throw InternalError("--dump-dir: parameter " + e.name + " lies outside the flat buffers");
     }
-    nn::write_npy((dir / "params" / (e.name + ".npy")).string(), params.data() + e.offset_elems,
-                  nn::DType::kF32, shape);
-    nn::write_npy((dir / "grads" / (e.name + ".npy")).string(), grads.data() + e.offset_elems,
-                  nn::DType::kF32, shape);
+    io::write_npy((dir / "params" / (e.name + ".npy")).string(), params.data() + e.offset_elems,
+                  tensor::DType::kF32, shape);
+    io::write_npy((dir / "grads" / (e.name + ".npy")).string(), grads.data() + e.offset_elems,
+                  tensor::DType::kF32, shape);
     tensors.push_back({{"name", e.name}, {"shape", shape},
                        {"param", "params/" + e.name + ".npy"}, {"grad", "grads/" + e.name + ".npy"}});
   }
   ordered_json batches = ordered_json::array();
   const auto& mbs = engine.last_batches();
   for (size_t m = 0; m < mbs.size(); ++m) {
-    const engine::HostBatch& b = mbs[m];
+    const io::HostBatch& b = mbs[m];
     const std::vector<int64_t> shape = {b.batch, b.seq};
     const std::string tok = "batch/tokens_" + std::to_string(m) + ".npy";
     const std::string tgt = "batch/targets_" + std::to_string(m) + ".npy";
-    nn::write_npy((dir / tok).string(), b.tokens.data(), nn::DType::kI32, shape);
-    nn::write_npy((dir / tgt).string(), b.targets.data(), nn::DType::kI32, shape);
+    io::write_npy((dir / tok).string(), b.tokens.data(), tensor::DType::kI32, shape);
+    io::write_npy((dir / tgt).string(), b.targets.data(), tensor::DType::kI32, shape);
     batches.push_back({{"tokens", tok}, {"targets", tgt}, {"shape", shape}});
   }
   const config::Config& cfg = engine.config();
@@ -579,7 +579,7 @@ void write_dump(const fs::path& dir, engine::Engine& engine, const std::vector<f
   manifest["step"] = step.step - 1;  // 0-based index of the dumped step
   manifest["steps_done_after"] = step.step;
   manifest["dtype"] = "float32";
-  manifest["compute_dtype"] = nn::dtype_name(engine.compute_dtype());
+  manifest["compute_dtype"] = tensor::dtype_name(engine.compute_dtype());
   manifest["loss"] = step.loss;
   manifest["grad_norm"] = step.grad_norm;
   manifest["clip_coef"] = step.clip_coef;

@@ -25,10 +25,10 @@ struct ValidationLoss {
 struct TrainRun {
   std::string config_file;
   std::string device;        // the device's description
-  std::string data;          // DataSource::describe()
+  std::string data;          // io::DataSource::describe()
   int64_t start_step = 0;    // the engine's step before the first train_step (resume)
   std::vector<engine::StepResult> steps;
-  std::string validation_data;            // ValidationSet::describe(); empty without val_paths
+  std::string validation_data;            // io::ValidationSet::describe(); empty without val_paths
   int64_t validation_micro_batches = 0;   // per data-parallel rank
   std::vector<ValidationLoss> validation;
   double wall_s = 0.0;       // of the training loop

@@ -127,7 +127,7 @@ enum class ModelType { kGpt, kLlama };
 // porter.model: the built-in decoder. `type` is the architecture (the key porter.model.arch;
 // "type" is its older spelling): the pre-LN GPT (GPT-2's layout) or the Llama family
 // (docs/layers.md). With `from` set, the shape comes from a Hugging Face model directory's
-// config.json (engine/hf_checkpoint.h), before the engine is built.
+// config.json (io/hf_checkpoint.h), before the engine is built.
 struct ModelConfig {
   ModelType type = ModelType::kGpt;
   int64_t layers = 12;
@@ -176,7 +176,7 @@ struct DataConfig {
 enum class DeviceType { kAuto, kCpu, kCuda };
 
 // Which candidates a kernel choice made by timing may pick (Note [Kernel table] in
-// nn/kernel_table.cc): only those that give the default's bits, or every one.
+// kernels/kernel_table.cc): only those that give the default's bits, or every one.
 enum class KernelChoice { kExact, kFastest };
 
 struct DeviceConfig {

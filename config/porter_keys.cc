@@ -91,7 +91,7 @@ void check_model(const std::string& path, const Config& c) {
                                         std::to_string(c.world_size) +
                                         "; ranks = data-parallel x tensor-parallel");
   }
-  // Text data is read byte by byte (engine/data.cc): each of the 256 byte values is a token.
+  // Text data is read byte by byte (io/data.cc): each of the 256 byte values is a token.
   if (c.porter.data.type == DataType::kText && m.vocab < 256) {
     fail(path + ".vocab", "text data is byte-level and needs a vocab of at least 256, got " +
                               std::to_string(m.vocab) + " (porter.data.type is \"text\"); set " +

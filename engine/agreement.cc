@@ -63,8 +63,8 @@ double Engine::measure_tp_bytes_per_s(size_t bytes) {
   comm::Communicator* tp = impl_->tp_comm();
   if (tp == nullptr || bytes == 0) return 0.0;
   const size_t slice = (bytes + static_cast<size_t>(tp->size()) - 1) / static_cast<size_t>(tp->size());
-  nn::Tensor buf = nn::Tensor::empty(*allocator_, nn::Shape{static_cast<int64_t>(slice) * tp->size()},
-                                     nn::DType::kI32 /* bytes / 4 */, memory::Category::kWorkspace);
+  tensor::Tensor buf = tensor::Tensor::empty(*allocator_, tensor::Shape{static_cast<int64_t>(slice) * tp->size()},
+                                     tensor::DType::kI32 /* bytes / 4 */, memory::Category::kWorkspace);
   const size_t count = slice / 4;
   const comm::CommLabel label(tp, "link probe");
   char* base = static_cast<char*>(buf.data());
@@ -81,7 +81,7 @@ double Engine::measure_tp_bytes_per_s(size_t bytes) {
 
 // Note [Kernel table agreement]
 // Each rank records its own kernel choices as its kernels first meet each problem (Note
-// [Kernel table] in nn/kernel_table.cc). After the first step, world rank 0's table replaces
+// [Kernel table] in kernels/kernel_table.cc). After the first step, world rank 0's table replaces
 // every other rank's: broadcast over the tensor-parallel group, then over the data-parallel
 // group, so every rank ends with world rank 0's. Under kernel_choice "exact" this changes no
 // bits (any recorded candidate gives the same ones) but makes every rank's checkpoint and
@@ -89,7 +89,7 @@ double Engine::measure_tp_bytes_per_s(size_t bytes) {
 // every rank. A collective: every rank's first train_step calls it.
 void Engine::agree_kernel_table() {
   Impl& im = *impl_;
-  nn::KernelTable& table = kernels_->kernel_table();
+  kernels::KernelTable& table = kernels_->kernel_table();
   for (comm::Communicator* c : {im.tp_comm(), im.comm()}) {
     if (c == nullptr) continue;
     const comm::CommLabel l(c, "kernel table");

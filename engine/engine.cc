@@ -25,9 +25,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-nn::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t>& ids,
+tensor::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t>& ids,
                       int64_t batch, int64_t seq) {
-  nn::Tensor t = nn::Tensor::empty(alloc, nn::Shape{batch, seq}, nn::DType::kI32,
+  tensor::Tensor t = tensor::Tensor::empty(alloc, tensor::Shape{batch, seq}, tensor::DType::kI32,
                                    memory::Category::kWorkspace);
   if (!ids.empty()) alloc.device().copy_sync(t.data(), ids.data(), t.nbytes());
   return t;
@@ -73,7 +73,7 @@ double stash_wait_ms(const offload::CheckpointStash& stash) {
 }
 
 void check_batches(const config::Config& c, Model& model,
-                   const std::vector<HostBatch>& micro_batches, size_t expected_count) {
+                   const std::vector<io::HostBatch>& micro_batches, size_t expected_count) {
   const int64_t b = c.train_micro_batch_size_per_gpu;
   const int64_t t = c.porter.model.seq_len;
   if (expected_count > 0) {
@@ -86,7 +86,7 @@ void check_batches(const config::Config& c, Model& model,
   // Note [Model capabilities]: only a model with a vocabulary bounds the ids.
   const std::optional<int64_t> vocab = model.vocab_size();
   for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const HostBatch& mb = micro_batches[i];
+    const io::HostBatch& mb = micro_batches[i];
     PORTER_CHECK(mb.batch == b && mb.seq == t, "micro-batch ", i, " is (", mb.batch, ", ",
                  mb.seq, "), the engine was planned for (train_micro_batch_size_per_gpu, "
                  "porter.model.seq_len) = (", b, ", ", t, ")");
@@ -113,7 +113,7 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   check_supported(config, dp != nullptr ? dp->size() : 1, tp != nullptr ? tp->size() : 1);
   model->check_config(config);  // Note [Model capabilities]
   allocator_ = std::make_unique<memory::CachingAllocator>(device, run_.allocator);
-  kernels_ = nn::make_kernels(*allocator_);
+  kernels_ = kernels::make_kernels(*allocator_);
   // Before anything runs a kernel (the profile below does): Note [Kernel table].
   kernels_->kernel_table().set_mode(run_.kernel_choice);
   if (run_.kernel_table_path) {
@@ -154,7 +154,7 @@ void Engine::build_model_states() {
   // Stage 3 keeps no full parameter buffer: the optimizer owns the working shard and the
   // gatherer binds each stage to its gathered buffer (Note [Stage 3 gather]).
   im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, run_.compute_dtype,
-                                             nn::DType::kF32, im.part.padded_elems,
+                                             tensor::DType::kF32, im.part.padded_elems,
                                              zero_stage < 2, zero_stage < 3);
   im.optimizer = std::make_unique<zero::ShardedOptimizer>(
       *im.flat, *kernels_, *allocator_, im.comm(), im.part, run_.optimizer, im.pinned.get());
@@ -213,7 +213,7 @@ void Engine::build_model_states() {
         im.optimizer->params_offloaded());
   }
   if (im.flat->grads().defined()) {
-    nn::Tensor grads = im.flat->grads();
+    tensor::Tensor grads = im.flat->grads();
     kernels_->fill(grads, 0.0f);
   }
   im.reducer->zero_grads();
@@ -278,9 +278,9 @@ void Engine::set_plan(const checkpoint::Plan& plan) {
 const checkpoint::Plan& Engine::plan() const { return impl_->plan; }
 const checkpoint::ChainCosts& Engine::costs() const { return impl_->costs; }
 
-nn::KernelTable& Engine::kernel_table() const { return kernels_->kernel_table(); }
+kernels::KernelTable& Engine::kernel_table() const { return kernels_->kernel_table(); }
 
-StepResult Engine::train_step(const std::vector<HostBatch>& micro_batches) {
+StepResult Engine::train_step(const std::vector<io::HostBatch>& micro_batches) {
   Impl& im = *impl_;
   check_batches(config_, *model_, micro_batches,
                 static_cast<size_t>(run_.gradient_accumulation_steps));
@@ -349,7 +349,7 @@ void Engine::begin_step() {
 // Phase 2: every micro-batch through the schedule, its gradient buckets reduced as Note
 // [Gradient reduction] says.
 zero::ReducerStats Engine::forward_backward_and_reduce(
-    const std::vector<HostBatch>& micro_batches, StepResult& r) {
+    const std::vector<io::HostBatch>& micro_batches, StepResult& r) {
   Impl& im = *impl_;
   const double loss_scale = im.optimizer->loss_scale();
   im.reducer->zero_grads();
@@ -372,9 +372,9 @@ zero::ReducerStats Engine::forward_backward_and_reduce(
     std::vector<int> forwards;  // per stage, this micro-batch
   } clock;
   for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const HostBatch& mb = micro_batches[i];
-    nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
-    nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
+    const io::HostBatch& mb = micro_batches[i];
+    tensor::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
+    tensor::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
     zero::GradReducer* reducer = im.reducer.get();
     ExecEnv env;
     env.model = model_.get();
@@ -458,7 +458,7 @@ zero::GradNorm Engine::update(StepResult& r) {
   const auto update_t0 = Clock::now();
   const int64_t start_us = trace_ != nullptr ? trace_->now_us() : 0;
   const int64_t start_ns = im.step_memory ? im.step_memory->now_ns() : 0;
-  const nn::Tensor& grads = im.reducer->shard();
+  const tensor::Tensor& grads = im.reducer->shard();
   if (im.gatherer) im.gatherer->check();  // a failed upload fails the step here, state untouched
   const zero::GradNorm norm = im.optimizer->global_norm(grads);
   r.lr = im.lr->lr(im.optimizer->steps());
@@ -547,7 +547,7 @@ void Engine::set_trace(TraceRecorder* trace) {
 }
 
 // Phase 5c: the step's figures, and the running totals.
-void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::CommStats& comm0,
+void Engine::record(const std::vector<io::HostBatch>& micro_batches, const comm::CommStats& comm0,
                     const zero::ReducerStats& reduced, StepResult& r) {
   Impl& im = *impl_;
   ++step_;
@@ -643,14 +643,14 @@ void Engine::record(const std::vector<HostBatch>& micro_batches, const comm::Com
   im.recompute_s_per_step.push_back(r.recompute_s);
 }
 
-double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
+double Engine::evaluate(const std::vector<io::HostBatch>& micro_batches) {
   Impl& im = *impl_;
   check_batches(config_, *model_, micro_batches, 0);
   const int n = model_->num_stages();
   double sum = 0.0;
   struct TargetsGuard {
     Model& m;
-    ~TargetsGuard() { m.set_targets(nn::Tensor()); }
+    ~TargetsGuard() { m.set_targets(tensor::Tensor()); }
   } guard{*model_};
   // Stage 3: each stage's units are gathered before its forward and released once the next
   // stage does not read them; nothing stays gathered however evaluate ends.
@@ -663,9 +663,9 @@ double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
   } gather_guard{g};
   auto reads = [&](int s) -> const std::vector<int>& { return im.param_costs.reads[static_cast<size_t>(s)]; };
   for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const HostBatch& mb = micro_batches[i];
-    nn::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
-    nn::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
+    const io::HostBatch& mb = micro_batches[i];
+    tensor::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
+    tensor::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
     im.ctx->set_run({run_.seed, static_cast<uint64_t>(step_), static_cast<uint32_t>(i),
                      static_cast<int64_t>(mb.batch), static_cast<int64_t>(mb.seq),
                      /*eval=*/true});
@@ -689,7 +689,7 @@ double Engine::evaluate(const std::vector<HostBatch>& micro_batches) {
         }
       }
     }
-    sum += static_cast<double>(nn::to_host_f32(*device_, x).at(0));
+    sum += static_cast<double>(tensor::to_host_f32(*device_, x).at(0));
   }
   return sum / static_cast<double>(micro_batches.size());
 }
@@ -713,7 +713,7 @@ checkpoint::ChainCosts Engine::profile() {
   const int64_t t = run_.shape.seq;
   const int64_t vocab =
       std::max<int64_t>(1, model_->vocab_size().value_or(run_.shape.model.vocab));
-  HostBatch mb;
+  io::HostBatch mb;
   mb.batch = b;
   mb.seq = t;
   for (int64_t i = 0; i < b * t; ++i) {
@@ -726,20 +726,20 @@ checkpoint::ChainCosts Engine::profile() {
   // scratch buffer (comm) per written stage, so the pass holds one stage's gradients at a
   // time, not the whole model's.
   const bool scratch = !im.flat->grads().defined();
-  nn::Tensor grads = scratch ? nn::Tensor() : im.flat->grads();
+  tensor::Tensor grads = scratch ? tensor::Tensor() : im.flat->grads();
   const std::vector<float> saved_grads = scratch ? std::vector<float>{}
-                                                 : nn::to_host_f32(*device_, grads);
+                                                 : tensor::to_host_f32(*device_, grads);
   const nn::ParamLayout& layout = model_->layout();
   const int num_stages = model_->num_stages();
   const std::vector<std::vector<int>>& writes = im.writes;
   const zero::StageLayout& sl = im.stage_layout;
-  std::vector<nn::Tensor> scratch_of(static_cast<size_t>(num_stages));  // per written stage
+  std::vector<tensor::Tensor> scratch_of(static_cast<size_t>(num_stages));  // per written stage
   auto bind_scratch = [&](int i, bool on) {
     for (int j : writes[static_cast<size_t>(i)]) {
       const zero::StageRange& r = sl.ranges[static_cast<size_t>(j)];
-      nn::Tensor& buf = scratch_of[static_cast<size_t>(j)];
+      tensor::Tensor& buf = scratch_of[static_cast<size_t>(j)];
       if (on && r.hi > r.lo) {
-        buf = nn::Tensor::empty(*allocator_, nn::Shape{r.hi - r.lo}, nn::DType::kF32,
+        buf = tensor::Tensor::empty(*allocator_, tensor::Shape{r.hi - r.lo}, tensor::DType::kF32,
                                 memory::Category::kComm);
         kernels_->fill(buf, 0.0f);
       }
@@ -748,9 +748,9 @@ checkpoint::ChainCosts Engine::profile() {
         const nn::ParamEntry& pe = layout.entries()[e];
         const int64_t off = pe.offset_elems - r.lo;
         im.flat->set_grad_view(
-            e, on ? buf.slice(off, off + pe.shape.numel()).reshape(pe.shape) : nn::Tensor());
+            e, on ? buf.slice(off, off + pe.shape.numel()).reshape(pe.shape) : tensor::Tensor());
       }
-      if (!on) buf = nn::Tensor();
+      if (!on) buf = tensor::Tensor();
     }
     model_->bind(*im.flat);
   };
@@ -782,13 +782,13 @@ checkpoint::ChainCosts Engine::profile() {
         if (!writes[static_cast<size_t>(s)].empty()) bind_scratch(s, false);
       }
     } else {
-      nn::from_host_f32(*device_, saved_grads, grads);
+      tensor::from_host_f32(*device_, saved_grads, grads);
     }
   };
   checkpoint::ChainCosts costs;
   try {
-    nn::Tensor tokens = upload_ids(*allocator_, mb.tokens, b, t);
-    nn::Tensor targets = upload_ids(*allocator_, mb.targets, b, t);
+    tensor::Tensor tokens = upload_ids(*allocator_, mb.tokens, b, t);
+    tensor::Tensor targets = upload_ids(*allocator_, mb.targets, b, t);
     im.ctx->set_run({run_.seed, 0, 0, static_cast<int64_t>(b), static_cast<int64_t>(t)});
     model_->set_loss_scale(1.0f / static_cast<float>(run_.gradient_accumulation_steps));
     costs = profile_chain(*model_, *im.ctx, tokens, targets, run_.selective_policy,
@@ -799,7 +799,7 @@ checkpoint::ChainCosts Engine::profile() {
     throw;
   }
   restore();
-  grads = nn::Tensor();
+  grads = tensor::Tensor();
   allocator_->reset_peak();
   // FLOPs are not measured: a model with analytic costs gives them (Note [Model
   // capabilities]).
@@ -844,10 +844,10 @@ ZeroStats Engine::zero_stats() const {
 std::vector<float> Engine::params_host() const {
   const Impl& im = *impl_;
   const int64_t p = model_->layout().total_elems();
-  if (!im.gatherer) return nn::to_host_f32(*device_, im.flat->params().slice(0, p));
+  if (!im.gatherer) return tensor::to_host_f32(*device_, im.flat->params().slice(0, p));
   // Stage 3: the shards, all-gathered (every rank calls this).
-  const nn::Tensor& shard = im.optimizer->working();
-  nn::Tensor all = nn::Tensor::empty(*allocator_, nn::Shape{im.part.padded_elems}, shard.dtype(),
+  const tensor::Tensor& shard = im.optimizer->working();
+  tensor::Tensor all = tensor::Tensor::empty(*allocator_, tensor::Shape{im.part.padded_elems}, shard.dtype(),
                                      memory::Category::kWorkspace);
   if (comm::Communicator* dp = im.comm()) {
     const comm::CommLabel label(dp, "params");
@@ -856,7 +856,7 @@ std::vector<float> Engine::params_host() const {
   } else {
     device_->copy_sync(all.data(), shard.data(), shard.nbytes());
   }
-  return nn::to_host_f32(*device_, all.slice(0, p));
+  return tensor::to_host_f32(*device_, all.slice(0, p));
 }
 
 // Stage 0: the whole (reduced) buffer. Stages 1 and 2: the rank's shard, zero elsewhere (with
@@ -864,9 +864,9 @@ std::vector<float> Engine::params_host() const {
 std::vector<float> Engine::grads_host() const {
   const Impl& im = *impl_;
   const int64_t p = model_->layout().total_elems();
-  if (run_.zero_stage() == 0) return nn::to_host_f32(*device_, im.flat->grads().slice(0, p));
+  if (run_.zero_stage() == 0) return tensor::to_host_f32(*device_, im.flat->grads().slice(0, p));
   std::vector<float> out(static_cast<size_t>(p), 0.0f);
-  const std::vector<float> shard = nn::to_host_f32(*device_, im.reducer->shard());
+  const std::vector<float> shard = tensor::to_host_f32(*device_, im.reducer->shard());
   const int64_t lo = im.optimizer->begin();
   for (int64_t i = 0; i < static_cast<int64_t>(shard.size()) && lo + i < p; ++i) {
     out[static_cast<size_t>(lo + i)] = shard[static_cast<size_t>(i)];

@@ -44,7 +44,7 @@
 #include "checkpoint/planner.h"
 #include "comm/communicator.h"
 #include "config/config.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/lr_schedule.h"
 #include "engine/model.h"
 #include "engine/run_options.h"
@@ -53,8 +53,8 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "memory/pinned_pool.h"
-#include "nn/kernel_table.h"
-#include "nn/kernels.h"
+#include "kernels/kernel_table.h"
+#include "kernels/kernels.h"
 #include "offload/stash.h"
 #include "zero/partition.h"
 
@@ -243,7 +243,7 @@ class Engine {
   // (micro_batch, seq)): this rank's share of the global batch. Throws InvalidArgument for a
   // wrong count or shape; on one rank, on any error the engine's state is unchanged (the
   // step can be retried). StepResult::loss is this rank's mean loss.
-  StepResult train_step(const std::vector<HostBatch>& micro_batches);
+  StepResult train_step(const std::vector<io::HostBatch>& micro_batches);
 
   // Measures every stage's costs (checkpoint/costs.h) on a synthetic micro-batch of the
   // configured shape; leaves gradients and parameters unchanged.
@@ -261,20 +261,20 @@ class Engine {
   void record_step_memory(bool on);
   const StepMemory* last_step_memory() const;
 
-  // Training checkpoints (engine/state_file.h): parameters, master weights, AdamW moments,
+  // Training checkpoints (io/state_file.h): parameters, master weights, AdamW moments,
   // the step, and the config they belong to. With N > 1 ranks every rank calls both with
   // the same dir and uses dir/rank<r> (Note [Data-parallel checkpoints] in state.cc).
   // load_checkpoint checks that the model layout and dtypes (and the world size and stage)
   // match this engine's and throws IoError / InvalidArgument otherwise; after it, training
   // continues bit-identically.
-  // The checkpoint also holds the kernel table (Note [Kernel table] in nn/kernel_table.cc);
+  // The checkpoint also holds the kernel table (Note [Kernel table] in kernels/kernel_table.cc);
   // load_checkpoint pins it unless porter.device.kernel_table pins another.
   void save_checkpoint(const std::filesystem::path& dir) const;
   void load_checkpoint(const std::filesystem::path& dir);
 
   // The kernel choices of this run (Note [Kernel table]): measured, pinned from
   // porter.device.kernel_table, or resumed from a checkpoint.
-  nn::KernelTable& kernel_table() const;
+  kernels::KernelTable& kernel_table() const;
 
   int64_t step() const { return step_; }
   int dp_rank() const;
@@ -292,9 +292,9 @@ class Engine {
   const RunOptions& run_options() const { return run_; }
   Model& model() { return *model_; }
   memory::CachingAllocator& allocator() { return *allocator_; }
-  nn::Kernels& kernels() { return *kernels_; }
+  kernels::Kernels& kernels() { return *kernels_; }
   memory::Device& device() { return *device_; }
-  nn::DType compute_dtype() const { return run_.compute_dtype; }
+  tensor::DType compute_dtype() const { return run_.compute_dtype; }
 
   // Host copies (f32) of the working parameters and of the gradient buffer as the last
   // step left it (accumulated and averaged over ranks, before clipping; with fp16 still
@@ -305,7 +305,7 @@ class Engine {
   std::vector<float> params_host() const;
   std::vector<float> grads_host() const;
   // The micro-batches of the last step (for --dump-dir).
-  const std::vector<HostBatch>& last_batches() const { return last_batches_; }
+  const std::vector<io::HostBatch>& last_batches() const { return last_batches_; }
 
   // Offload (Note [Offload semantics] in checkpoint/offload_plan.h): cumulative copy and wait
   // statistics since construction or reset_peaks(), and the per-checkpoint records of the
@@ -326,7 +326,7 @@ class Engine {
   // The mean loss of `micro_batches` at the current parameters, forward only: no gradient,
   // no update, nothing kept, and no dropout (RunInfo::eval, as PyTorch's eval mode). Same
   // shape checks as train_step.
-  double evaluate(const std::vector<HostBatch>& micro_batches);
+  double evaluate(const std::vector<io::HostBatch>& micro_batches);
   // Overwrites the parameters (and the f32 master copy for bf16) with `values` in layout
   // order, e.g. pretrained weights or a finite-difference probe. Moments and step stay.
   void set_params_host(const std::vector<float>& values);
@@ -344,22 +344,22 @@ class Engine {
   double measure_tp_bytes_per_s(size_t bytes);
   // The phases of train_step (Note [One engine step]).
   void begin_step();
-  zero::ReducerStats forward_backward_and_reduce(const std::vector<HostBatch>& micro_batches,
+  zero::ReducerStats forward_backward_and_reduce(const std::vector<io::HostBatch>& micro_batches,
                                                  StepResult& r);
   zero::GradNorm update(StepResult& r);
   void collect_offload(StepResult& r);
   void collect_comm();
-  void record(const std::vector<HostBatch>& micro_batches, const comm::CommStats& comm0,
+  void record(const std::vector<io::HostBatch>& micro_batches, const comm::CommStats& comm0,
               const zero::ReducerStats& reduced, StepResult& r);
 
   memory::Device* device_;
   config::Config config_;
   RunOptions run_;
   std::unique_ptr<memory::CachingAllocator> allocator_;
-  std::unique_ptr<nn::Kernels> kernels_;
+  std::unique_ptr<kernels::Kernels> kernels_;
   std::unique_ptr<Model> model_;
   int64_t step_ = 0;
-  std::vector<HostBatch> last_batches_;
+  std::vector<io::HostBatch> last_batches_;
   TraceRecorder* trace_ = nullptr;  // not owned; may be null
   // Last: destroyed first, while the allocator its buffers came from is still alive.
   std::unique_ptr<Impl> impl_;

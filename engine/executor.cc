@@ -123,8 +123,8 @@ StashCalls stash_calls(const checkpoint::OffloadLayout& layout,
 
 }  // namespace
 
-MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
-                              const nn::Tensor& targets) {
+MicroBatchResult run_schedule(const ExecEnv& env, const tensor::Tensor& tokens,
+                              const tensor::Tensor& targets) {
   Model& model = *env.model;
   nn::Ctx& ctx = *env.ctx;
   const checkpoint::Schedule& schedule = *env.schedule;
@@ -137,15 +137,15 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
   // Note [Schedule semantics]. Cleared on unwind (before the stash aborts), releasing every
   // tape, held input and gradient of the micro-batch.
   std::vector<nn::Tape> tapes(static_cast<size_t>(n));
-  std::vector<nn::Tensor> held(static_cast<size_t>(n));
+  std::vector<tensor::Tensor> held(static_cast<size_t>(n));
   std::vector<bool> is_held(static_cast<size_t>(n), false);
   // Held on the host and not fetched yet: held[i] is empty until its use_op.
   std::vector<bool> on_host(static_cast<size_t>(n), false);
   std::vector<int> forwards(static_cast<size_t>(n), 0);
-  nn::Tensor cur = tokens;  // a_{cur_stage}
+  tensor::Tensor cur = tokens;  // a_{cur_stage}
   int cur_stage = 0;
   bool has_cur = true;
-  nn::Tensor grad;  // of a_g; the loss stage ignores its dy
+  tensor::Tensor grad;  // of a_g; the loss stage ignores its dy
   int g = n;
   std::optional<double> loss;
   MicroBatchResult result;
@@ -160,10 +160,10 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
   // reference is dropped however the micro-batch ends.
   struct TargetsGuard {
     Model& m;
-    ~TargetsGuard() { m.set_targets(nn::Tensor()); }
+    ~TargetsGuard() { m.set_targets(tensor::Tensor()); }
   } targets_guard{model};
 
-  auto input_of = [&](size_t index, const ScheduleOp& op) -> nn::Tensor {
+  auto input_of = [&](size_t index, const ScheduleOp& op) -> tensor::Tensor {
     if (has_cur && cur_stage == op.stage) return cur;
     const auto s = static_cast<size_t>(op.stage);
     if (is_held[s] && on_host[s]) {
@@ -207,7 +207,7 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
       auto t0 = Clock::now();
       switch (op.kind) {
         case ScheduleOp::Kind::kForward: {
-          nn::Tensor input = input_of(k, op);
+          tensor::Tensor input = input_of(k, op);
           const int hold_entry = offloading ? calls.hold[k] : -1;
           if (op.hold_input && !is_held[s]) {
             if (op.stashed()) {
@@ -230,7 +230,7 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           }
           if (op.stage == n - 1) model.set_targets(targets);
           const bool repeat = forwards[s]++ > 0;
-          nn::Tensor out;
+          tensor::Tensor out;
           switch (op.save) {
             case SaveOption::kKeep:
               out = nn::forward_stage(ctx, layer, op.stage, tapes[s], nn::SaveMode::kSaveAll,
@@ -245,29 +245,29 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
                                       input, env.selective_policy);
               break;
           }
-          input = nn::Tensor();
+          input = tensor::Tensor();
           if (op.stage == n - 1 && !loss) {
-            loss = static_cast<double>(nn::to_host_f32(ctx.allocator().device(), out).at(0));
+            loss = static_cast<double>(tensor::to_host_f32(ctx.allocator().device(), out).at(0));
           }
           if (op.stage == n - 1) {
             // The loss is consumed at once (Note [Schedule semantics]); only a tape that
             // references it keeps it. This matters where a prefetch precedes the head's
             // backward: the simulator does not count a loss nothing holds there.
-            cur = nn::Tensor();
+            cur = tensor::Tensor();
             has_cur = false;
           } else {
             cur = std::move(out);
             cur_stage = op.stage + 1;
             has_cur = true;
           }
-          out = nn::Tensor();
+          out = tensor::Tensor();
           if (repeat) result.recompute_s += seconds_since(t0);
           record(trace, env, repeat ? "recompute" : "forward", op.stage, start_us);
           break;
         }
         case ScheduleOp::Kind::kRecompute: {
           if (!tapes[s].has_plan()) invalid_op(k, op, "recompute without a partial tape");
-          nn::Tensor input = input_of(k, op);
+          tensor::Tensor input = input_of(k, op);
           if (op.stage == n - 1) model.set_targets(targets);
           nn::recompute_stage(ctx, layer, op.stage, tapes[s], input);
           result.recompute_s += seconds_since(t0);
@@ -278,15 +278,15 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
           if (g != op.stage + 1) invalid_op(k, op, "backward out of order");
           if (tapes[s].has_plan()) invalid_op(k, op, "backward on a partial tape");
           if (has_cur && cur_stage == op.stage + 1) {  // an output nothing reads any more
-            cur = nn::Tensor();
+            cur = tensor::Tensor();
             has_cur = false;
           }
-          nn::Tensor dy = std::move(grad);
+          tensor::Tensor dy = std::move(grad);
           if (env.before_backward) env.before_backward(op.stage);
           grad = nn::backward_stage(ctx, layer, op.stage, tapes[s], dy);
-          dy = nn::Tensor();
+          dy = tensor::Tensor();
           if (env.after_backward) env.after_backward(op.stage);
-          held[s] = nn::Tensor();
+          held[s] = tensor::Tensor();
           is_held[s] = false;
           on_host[s] = false;
           g = op.stage;
@@ -308,8 +308,8 @@ MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
     // Drop every reference into staging slots before the stash frees them.
     tapes.clear();
     held.clear();
-    cur = nn::Tensor();
-    grad = nn::Tensor();
+    cur = tensor::Tensor();
+    grad = tensor::Tensor();
     if (offloading) stash->abort();
     throw;
   }

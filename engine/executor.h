@@ -14,7 +14,7 @@
 #include "engine/trace.h"
 #include "memory/caching_allocator.h"
 #include "nn/ctx.h"
-#include "nn/tensor.h"
+#include "tensor/tensor.h"
 #include "offload/stash.h"
 
 namespace porter::engine {
@@ -54,15 +54,15 @@ struct MicroBatchResult {
 // On an exception every tape, held input and gradient of this micro-batch is released and
 // the stash is aborted before it propagates, so the allocator and the pinned pool are back
 // where they were.
-MicroBatchResult run_schedule(const ExecEnv& env, const nn::Tensor& tokens,
-                              const nn::Tensor& targets);
+MicroBatchResult run_schedule(const ExecEnv& env, const tensor::Tensor& tokens,
+                              const tensor::Tensor& targets);
 
 // Profiles every stage of `model` under every save option on (tokens, targets). Gradients
 // accumulate into the bound gradient buffer: the caller saves and restores it. `stage_hook`
 // (when set) runs before a stage's measurements (begin true) and after them, outside every
 // measured window: ZeRO stage 3 gathers the stage's parameters there.
-checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tensor& tokens,
-                                     const nn::Tensor& targets,
+checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const tensor::Tensor& tokens,
+                                     const tensor::Tensor& targets,
                                      const nn::OpPolicy& selective_policy,
                                      const std::string& selective_ops,
                                      const std::function<void(int stage, bool begin)>& stage_hook = {});

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "base/check.h"
-#include "nn/philox.h"
+#include "tensor/philox.h"
 
 namespace porter::engine {
 
@@ -42,7 +42,7 @@ std::optional<checkpoint::ChainCosts> GptModel::analytic_costs(const RunOptions&
 std::vector<bool> GptModel::tp_replicated() const {
   if (gpt_.tp().size == 1) return {};
   std::vector<bool> out;
-  for (const nn::ParamEntry& e : gpt_.layout().entries()) out.push_back(nn::Gpt::replicated(e.name));
+  for (const nn::ParamEntry& e : gpt_.layout().entries()) out.push_back(models::Gpt::replicated(e.name));
   return out;
 }
 
@@ -88,14 +88,14 @@ std::vector<float> ChainModel::default_init(int stage, const nn::ParamSpec& spec
   }
   if (spec.shape.rank() < 2 || !ends_with(spec.name, "weight")) return out;
   const uint64_t h = fnv1a(spec.name, fnv1a(std::to_string(stage)));
-  nn::PhiloxKey key;
+  tensor::PhiloxKey key;
   key.seed = seed;
   key.stream[0] = static_cast<uint32_t>(h);
   key.stream[1] = static_cast<uint32_t>(h >> 32);
   key.stream[2] = 0x43484e49u;  // "CHNI": disjoint from dropout and GPT init streams
   for (int64_t i = 0; i < n; i += 4) {
     float u[4];
-    nn::philox_uniform4(key, static_cast<uint64_t>(i / 4), u);
+    tensor::philox_uniform4(key, static_cast<uint64_t>(i / 4), u);
     for (int j = 0; j < 4; j += 2) {  // Box-Muller, as the GPT init (Note [GPT init])
       const double r = std::sqrt(-2.0 * std::log(1.0 - static_cast<double>(u[j])));
       const double theta = 2.0 * M_PI * static_cast<double>(u[j + 1]);

@@ -24,7 +24,7 @@
 #include "checkpoint/costs.h"
 #include "config/config.h"
 #include "engine/run_options.h"
-#include "nn/gpt.h"
+#include "models/transformer.h"
 #include "nn/layer.h"
 
 namespace porter::engine {
@@ -43,7 +43,7 @@ class Model {
   // Initial parameter values in layout order (padding zero).
   virtual std::vector<float> init_values(uint64_t seed) const = 0;
   // The micro-batch's targets, for the loss stage; called before every forward of it.
-  virtual void set_targets(const nn::Tensor& targets) = 0;
+  virtual void set_targets(const tensor::Tensor& targets) = 0;
   // The gradient scale of the loss stage (1 / gradient_accumulation_steps, times the fp16
   // loss scale).
   virtual void set_loss_scale(float scale) = 0;
@@ -58,7 +58,7 @@ class Model {
     return std::nullopt;
   }
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
-  // Under tensor parallelism (Note [GPT tensor parallelism] in nn/gpt.h): per layout entry,
+  // Under tensor parallelism (Note [GPT tensor parallelism] in models/transformer.h): per layout entry,
   // whether the parameter is the same on every rank of the tp group (the global gradient
   // norm counts those once). Empty: the model is not split.
   virtual std::vector<bool> tp_replicated() const { return {}; }
@@ -75,7 +75,7 @@ class GptModel : public Model {
   const nn::ParamLayout& layout() const override { return gpt_.layout(); }
   void bind(const nn::FlatParams& flat) override { gpt_.bind(flat); }
   std::vector<float> init_values(uint64_t seed) const override { return gpt_.init_values(seed); }
-  void set_targets(const nn::Tensor& targets) override { gpt_.head().set_targets(targets); }
+  void set_targets(const tensor::Tensor& targets) override { gpt_.head().set_targets(targets); }
   void set_loss_scale(float scale) override { gpt_.head().set_loss_scale(scale); }
   std::vector<int> grad_writers(int i) const override {
     if (i == 0 && gpt_.config().tie_embeddings) return {0, gpt_.num_stages() - 1};
@@ -85,25 +85,25 @@ class GptModel : public Model {
   std::optional<checkpoint::ChainCosts> analytic_costs(const RunOptions& run) const override;
   std::optional<int64_t> vocab_size() const override { return gpt_.config().vocab; }
   std::vector<bool> tp_replicated() const override;
-  nn::Gpt& gpt() { return gpt_; }
+  models::Gpt& gpt() { return gpt_; }
 
  private:
-  nn::Gpt gpt_;
+  models::Gpt gpt_;
 };
 
 // The last layer of a user chain: its forward returns the loss (1) f32, and its backward
 // ignores dy and scales the gradient of the loss by loss_scale().
 class LossLayer : public nn::Layer {
  public:
-  void set_targets(const nn::Tensor& targets) { targets_ = targets; }
+  void set_targets(const tensor::Tensor& targets) { targets_ = targets; }
   void set_loss_scale(float s) { loss_scale_ = s; }
 
  protected:
-  const nn::Tensor& targets() const { return targets_; }
+  const tensor::Tensor& targets() const { return targets_; }
   float loss_scale() const { return loss_scale_; }
 
  private:
-  nn::Tensor targets_;  // the current micro-batch's input, not saved state
+  tensor::Tensor targets_;  // the current micro-batch's input, not saved state
   float loss_scale_ = 1.0f;
 };
 
@@ -127,7 +127,7 @@ class ChainModel : public Model {
   const nn::ParamLayout& layout() const override { return layout_; }
   void bind(const nn::FlatParams& flat) override;
   std::vector<float> init_values(uint64_t seed) const override;
-  void set_targets(const nn::Tensor& targets) override { loss_->set_targets(targets); }
+  void set_targets(const tensor::Tensor& targets) override { loss_->set_targets(targets); }
   void set_loss_scale(float scale) override { loss_->set_loss_scale(scale); }
 
  private:

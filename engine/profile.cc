@@ -40,20 +40,20 @@ double seconds_since(Clock::time_point t0) {
 }
 
 struct HostTensor {
-  nn::Shape shape;
-  nn::DType dtype = nn::DType::kF32;
+  tensor::Shape shape;
+  tensor::DType dtype = tensor::DType::kF32;
   memory::Category category = memory::Category::kActivations;
   std::vector<std::byte> bytes;
 };
 
-HostTensor download(memory::Device& device, const nn::Tensor& t) {
+HostTensor download(memory::Device& device, const tensor::Tensor& t) {
   HostTensor h{t.shape(), t.dtype(), t.category(), std::vector<std::byte>(t.nbytes())};
   if (!h.bytes.empty()) device.copy_sync(h.bytes.data(), t.data(), h.bytes.size());
   return h;
 }
 
-nn::Tensor upload(memory::CachingAllocator& alloc, const HostTensor& h) {
-  nn::Tensor t = nn::Tensor::empty(alloc, h.shape, h.dtype, h.category);
+tensor::Tensor upload(memory::CachingAllocator& alloc, const HostTensor& h) {
+  tensor::Tensor t = tensor::Tensor::empty(alloc, h.shape, h.dtype, h.category);
   if (!h.bytes.empty()) alloc.device().copy_sync(t.data(), h.bytes.data(), h.bytes.size());
   return t;
 }
@@ -62,8 +62,8 @@ size_t footprint(const memory::CachingAllocator& a) { return a.stats().activatio
 
 }  // namespace
 
-checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tensor& tokens,
-                                     const nn::Tensor& targets,
+checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const tensor::Tensor& tokens,
+                                     const tensor::Tensor& targets,
                                      const nn::OpPolicy& selective_policy,
                                      const std::string& selective_ops,
                                      const std::function<void(int stage, bool begin)>& stage_hook) {
@@ -77,7 +77,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
 
   struct TargetsGuard {
     Model& m;
-    ~TargetsGuard() { m.set_targets(nn::Tensor()); }
+    ~TargetsGuard() { m.set_targets(tensor::Tensor()); }
   } targets_guard{model};
 
   HostTensor input = download(device, tokens);
@@ -95,7 +95,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
 
     {  // Warm-up, so that first-touch costs do not land on one option's time.
       nn::Tape tape;
-      nn::Tensor x = upload(alloc, input);
+      tensor::Tensor x = upload(alloc, input);
       if (last) model.set_targets(targets);
       nn::forward_stage(ctx, layer, i, tape, nn::SaveMode::kCheckpoint, x);
     }
@@ -103,7 +103,7 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
     for (SaveOption o : {SaveOption::kKeep, SaveOption::kSelective, SaveOption::kCheckpoint}) {
       OptionCost& oc = sc.option(o);
       nn::Tape tape;
-      nn::Tensor x = upload(alloc, input);
+      tensor::Tensor x = upload(alloc, input);
       if (last) model.set_targets(targets);
       const nn::SaveMode mode =
           o == SaveOption::kKeep ? nn::SaveMode::kSaveAll : nn::SaveMode::kCheckpoint;
@@ -113,21 +113,21 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       alloc.reset_peak();
       memory::MemoryStats s0 = alloc.stats();
       auto t0 = Clock::now();
-      nn::Tensor y = nn::forward_stage(ctx, layer, i, tape, mode, x, policy);
+      tensor::Tensor y = nn::forward_stage(ctx, layer, i, tape, mode, x, policy);
       oc.forward_s = seconds_since(t0);
       memory::MemoryStats s1 = alloc.stats();
       oc.forward_peak_bytes = s1.peak_activation_bytes - s0.activation_bytes;
       oc.forward_total_peak_bytes = s1.peak_requested_bytes - s0.requested_bytes;
       const size_t out_bytes = y.nbytes();
-      const nn::Shape out_shape = y.shape();
-      const nn::DType out_dtype = y.dtype();
+      const tensor::Shape out_shape = y.shape();
+      const tensor::DType out_dtype = y.dtype();
       sc.output_bytes = out_bytes;
       PORTER_ASSERT(s1.activation_bytes >= s0.activation_bytes + out_bytes,
                     "stage ", sc.name, ": the footprint grew less than its output");
       oc.saved_bytes = s1.activation_bytes - s0.activation_bytes - out_bytes;
       if (o == SaveOption::kCheckpoint && !last) next = download(device, y);
       const size_t before_drop = footprint(alloc);
-      y = nn::Tensor();
+      y = tensor::Tensor();
       oc.tape_refs_output = before_drop - footprint(alloc) < out_bytes;
 
       if (o == SaveOption::kKeep) {
@@ -135,11 +135,11 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
         // All categories: stage 0's input (token ids) is workspace, outside the footprint.
         const size_t before = alloc.stats().requested_bytes;
         const size_t in_bytes = x.nbytes();
-        x = nn::Tensor();
+        x = tensor::Tensor();
         oc.tape_refs_input = before - alloc.stats().requested_bytes < in_bytes;
         // Backward with the incoming gradient (workspace, the activation's dtype) alive, as
         // in a step; the loss stage ignores its dy.
-        nn::Tensor dy;
+        tensor::Tensor dy;
         if (!last) {
           dy = ctx.workspace(out_shape, out_dtype);
           ctx.kernels().fill(dy, 0.0f);
@@ -178,20 +178,20 @@ checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const nn::Tenso
       for (SaveOption o : {SaveOption::kKeep, SaveOption::kSelective, SaveOption::kCheckpoint}) {
         OptionCost& oc = sc.option(o);
         nn::Tape tape;
-        nn::Tensor x = upload(alloc, input);
+        tensor::Tensor x = upload(alloc, input);
         if (last) model.set_targets(targets);
         const bool keep = o == SaveOption::kKeep;
         auto t0 = Clock::now();
-        nn::Tensor y = nn::forward_stage(
+        tensor::Tensor y = nn::forward_stage(
             ctx, layer, i, tape, keep ? nn::SaveMode::kSaveAll : nn::SaveMode::kCheckpoint, x,
             o == SaveOption::kSelective ? selective_policy : nn::OpPolicy::keep_none());
         oc.forward_s = std::min(oc.forward_s, seconds_since(t0));
-        nn::Tensor dy;
+        tensor::Tensor dy;
         if (keep && !last) {
           dy = ctx.workspace(y.shape(), y.dtype());
           ctx.kernels().fill(dy, 0.0f);
         }
-        y = nn::Tensor();
+        y = tensor::Tensor();
         t0 = Clock::now();
         if (keep) {
           nn::backward_stage(ctx, layer, i, tape, dy);

@@ -51,12 +51,12 @@ RunOptions make_run_options(const config::Config& config) {
   r.allocator.poison_freed = p.device.poison_freed;
   r.pinned_limit_bytes = static_cast<size_t>(p.device.pinned_limit_bytes.value_or(0));
   r.kernel_choice = p.device.kernel_choice == config::KernelChoice::kFastest
-                        ? nn::KernelChoice::kFastest
-                        : nn::KernelChoice::kExact;
+                        ? kernels::KernelChoice::kFastest
+                        : kernels::KernelChoice::kExact;
   r.kernel_table_path = p.device.kernel_table;
-  r.compute_dtype = config.fp16.enabled   ? nn::DType::kF16
-                    : config.bf16.enabled ? nn::DType::kBF16
-                                          : nn::DType::kF32;
+  r.compute_dtype = config.fp16.enabled   ? tensor::DType::kF16
+                    : config.bf16.enabled ? tensor::DType::kBF16
+                                          : tensor::DType::kF32;
   r.shape.model = p.model;
   r.shape.micro_batch = config.train_micro_batch_size_per_gpu;
   r.shape.seq = p.model.seq_len;
@@ -182,9 +182,9 @@ nlohmann::ordered_json RunOptions::to_json() const {
                     {"poison_freed", allocator.poison_freed},
                     {"timeline_capacity", allocator.timeline_capacity}};
   j["pinned_limit_bytes"] = pinned_limit_bytes;
-  j["kernel_choice"] = std::string(nn::kernel_choice_name(kernel_choice));
+  j["kernel_choice"] = std::string(kernels::kernel_choice_name(kernel_choice));
   j["kernel_table"] = kernel_table_path ? J(*kernel_table_path) : J();
-  j["compute_dtype"] = nn::dtype_name(compute_dtype);
+  j["compute_dtype"] = tensor::dtype_name(compute_dtype);
   const config::ModelConfig& m = shape.model;
   j["shape"] = {{"model",
                  {{"layers", m.layers}, {"hidden", m.hidden}, {"heads", m.heads},
@@ -193,7 +193,7 @@ nlohmann::ordered_json RunOptions::to_json() const {
                   {"sequence_parallel", m.sequence_parallel}}},
                 {"micro_batch", shape.micro_batch},
                 {"seq", shape.seq},
-                {"compute_dtype", nn::dtype_name(shape.compute_dtype)},
+                {"compute_dtype", tensor::dtype_name(shape.compute_dtype)},
                 {"device", shape.device == memory::DeviceKind::kCpu ? "cpu" : "cuda"}};
   j["gradient_accumulation_steps"] = gradient_accumulation_steps;
   j["selective_policy"] = selective_policy.to_string();

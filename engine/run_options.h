@@ -25,8 +25,8 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/ctx.h"
-#include "nn/dtype.h"
-#include "nn/kernel_table.h"
+#include "tensor/dtype.h"
+#include "kernels/kernel_table.h"
 #include "offload/stash.h"
 #include "zero/reducer.h"
 #include "zero/sharded_optimizer.h"
@@ -57,11 +57,11 @@ struct RunOptions {
   std::optional<size_t> capacity_bytes;
   memory::AllocatorOptions allocator;   // porter.device.poison_freed
   size_t pinned_limit_bytes = 0;        // porter.device.pinned_limit; 0: the device's
-  // porter.device.kernel_choice and kernel_table (Note [Kernel table] in nn/kernel_table.cc).
-  nn::KernelChoice kernel_choice = nn::KernelChoice::kExact;
+  // porter.device.kernel_choice and kernel_table (Note [Kernel table] in kernels/kernel_table.cc).
+  kernels::KernelChoice kernel_choice = kernels::KernelChoice::kExact;
   std::optional<std::string> kernel_table_path;
   // fp16.enabled: f16, else bf16.enabled: bf16, else f32 (the parser refuses both).
-  nn::DType compute_dtype = nn::DType::kF32;
+  tensor::DType compute_dtype = tensor::DType::kF32;
   // One micro-batch of the built-in GPT for the analytic model (porter.model, the micro-batch
   // size, the sequence length, the dtype and the device kind).
   checkpoint::GptShape shape;

@@ -7,7 +7,7 @@
 
 namespace porter::engine {
 
-Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, nn::DType dtype) {
+Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, tensor::DType dtype) {
   const int n = model.num_stages();
   std::vector<zero::StageParams> stages;
   for (int s = 0; s < n; ++s) stages.push_back({model.stage_name(s), model.stage(s).params()});
@@ -28,7 +28,7 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, nn::DTy
     for (size_t i = 0; i < sl.entry_stage.size(); ++i)
       if (sl.entry_stage[i] == s) u.entries.push_back(i);
     u.persistent = u.elems() > 0 && u.elems() < zero.stage3_param_persistence_threshold_elems;
-    c.units.push_back({u.name, u.elems(), static_cast<size_t>(u.elems()) * nn::dtype_size(dtype),
+    c.units.push_back({u.name, u.elems(), static_cast<size_t>(u.elems()) * tensor::dtype_size(dtype),
                        u.persistent});
     out.units.push_back(std::move(u));
     c.reads[static_cast<size_t>(s)].push_back(s);
@@ -44,7 +44,7 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, nn::DTy
 }
 
 void add_stage3_params(checkpoint::ChainCosts& costs, const config::Config& config,
-                       nn::DType dtype) {
+                       tensor::DType dtype) {
   if (config.zero_optimization.stage != 3) return;
   GptModel gpt(config.porter.model);  // layers and layout only; allocates nothing
   costs.params = stage3_layout(gpt, config.zero_optimization, dtype).costs;

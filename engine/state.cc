@@ -1,4 +1,4 @@
-// Training checkpoints of the Engine: what goes into the state file (engine/state_file.h)
+// Training checkpoints of the Engine: what goes into the state file (io/state_file.h)
 // and the checks on the way back. docs/engine.md, "Training checkpoints".
 //
 // Note [Engine state]
@@ -10,7 +10,7 @@
 //   exp_avg     AdamW m (f32)
 //   exp_avg_sq  AdamW v (f32)
 // meta.json also holds "kernel_table", the run's kernel choices (Note [Kernel table] in
-// nn/kernel_table.cc), which a resume pins so that it computes as the run it continues.
+// kernels/kernel_table.cc), which a resume pins so that it computes as the run it continues.
 // Gradients are not saved: every step starts by zeroing them. Loading restores all of these
 // and the step, so the next train_step computes exactly what it would have without the
 // save (the LR schedule and the data are pure functions of the step).
@@ -34,14 +34,14 @@
 #include "config/parse.h"
 #include "engine/engine.h"
 #include "engine/engine_impl.h"
-#include "engine/state_file.h"
-#include "engine/weights_file.h"
+#include "io/state_file.h"
+#include "io/weights_file.h"
 
 namespace porter::engine {
 
 namespace {
 
-std::vector<std::byte> download(memory::Device& device, const nn::Tensor& t) {
+std::vector<std::byte> download(memory::Device& device, const tensor::Tensor& t) {
   std::vector<std::byte> bytes(t.nbytes());
   if (!bytes.empty()) device.copy_sync(bytes.data(), t.data(), bytes.size());
   return bytes;
@@ -140,7 +140,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   nlohmann::json meta;
   meta["kind"] = "porter.engine";
   meta["step"] = step_;
-  meta["compute_dtype"] = std::string(nn::dtype_name(compute_dtype()));
+  meta["compute_dtype"] = std::string(tensor::dtype_name(compute_dtype()));
   meta["seed"] = config_.porter.train.seed;
   meta["layout"] = layout_json(model_->layout());
   meta["dp_size"] = dp_size();
@@ -161,7 +161,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   meta["kernel_table"] = kernels_->kernel_table().to_json();  // Note [Kernel table]
   // Stage 3 holds only the rank's shard of the working parameters (Note [Stage 3 gather]).
   if (im.gatherer) meta["params_range"] = {im.optimizer->begin(), im.optimizer->end()};
-  std::vector<StateSection> sections;
+  std::vector<io::StateSection> sections;
   sections.push_back({"params", download(*device_, im.gatherer ? im.optimizer->working()
                                                                 : im.flat->params())});
   for (const zero::ShardedOptimizer::StateTensor& t : im.optimizer->state_tensors()) {
@@ -172,20 +172,20 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
     }
     sections.push_back({t.name, std::move(bytes)});
   }
-  write_state(dir, std::move(meta), sections);
+  io::write_state(dir, std::move(meta), sections);
   // zero_optimization.stage3_gather_16bit_weights_on_model_save: the working weights of the
   // whole model (this tp rank's part), gathered from the shards, in one safetensors file that
   // dp rank 0 writes beside the rank directories. A collective: every rank gathers.
   if (im.gatherer && config_.zero_optimization.stage3_gather_16bit_weights_on_model_save) {
     const std::vector<float> full = params_host();
     if (dp_rank() == 0) {
-      nn::Tensor host = nn::Tensor::empty(*allocator_, nn::Shape{static_cast<int64_t>(full.size())},
+      tensor::Tensor host = tensor::Tensor::empty(*allocator_, tensor::Shape{static_cast<int64_t>(full.size())},
                                           compute_dtype(), memory::Category::kWorkspace);
-      nn::from_host_f32(*device_, full, host);
+      tensor::from_host_f32(*device_, full, host);
       const std::vector<std::byte> bytes = download(*device_, host);
       const std::string name = tp_size() > 1 ? "model-tp" + std::to_string(tp_rank()) + ".safetensors"
                                              : std::string("model.safetensors");
-      write_safetensors(dir_in / name, layout_tensors(model_->layout(), compute_dtype(), bytes),
+      io::write_safetensors(dir_in / name, io::layout_tensors(model_->layout(), compute_dtype(), bytes),
                         {{"format", "pt"}, {"porter.step", std::to_string(step_)}});
     }
   }
@@ -194,7 +194,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
 void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   Impl& im = *impl_;
   const std::filesystem::path dir = rank_dir(dir_in, world_rank(), dp_size() * tp_size());
-  const LoadedState state = read_state(dir);
+  const io::LoadedState state = io::read_state(dir);
   const nlohmann::json& meta = state.meta;
   const std::string where = dir.string() + ": ";
   // Check everything before changing anything.
@@ -204,7 +204,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
                           "\"porter.engine\", step, compute_dtype and layout)");
   }
   const std::string dtype = meta.at("compute_dtype").get<std::string>();
-  const std::string mine(nn::dtype_name(compute_dtype()));
+  const std::string mine(tensor::dtype_name(compute_dtype()));
   if (dtype != mine) {
     throw InvalidArgument(where + "compute dtype differs: the checkpoint was trained in " + dtype +
                           ", this engine computes in " + mine + " (bf16.enabled must match)");
@@ -241,7 +241,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
            (t.rest.defined() ? static_cast<size_t>(t.rest.nbytes()) : 0);
   };
   for (const Target& t : targets) {
-    const StateSection& s = state.section(t.name);
+    const io::StateSection& s = state.section(t.name);
     if (s.bytes.size() != bytes_of(t)) {
       throw InvalidArgument(where + "section '" + t.name + "' has " +
                             std::to_string(s.bytes.size()) + " bytes, this engine needs " +
@@ -249,7 +249,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
     }
   }
   for (const Target& t : targets) {
-    const StateSection& s = state.section(t.name);
+    const io::StateSection& s = state.section(t.name);
     const size_t first = static_cast<size_t>(t.tensor.nbytes());
     if (first > 0) device_->copy_sync(t.tensor.data(), s.bytes.data(), first);
     if (t.rest.defined() && s.bytes.size() > first) {  // Note [Partial offload]

@@ -54,10 +54,14 @@
 
 #include "comm/communicator.h"
 #include "memory/caching_allocator.h"
-#include "nn/kernels.h"
-#include "nn/tensor.h"
+#include "kernels/kernels.h"
+#include "tensor/tensor.h"
 
 namespace porter::nn {
+
+// Layers speak in tensors and the kernels' ops: their names are nn's vocabulary too.
+using namespace porter::tensor;
+using namespace porter::kernels;
 
 // What an op computes, for checkpoint policies. kAttention is the core attention only
 // (softmax(QK^T)V), the part Korthikanti et al. recompute selectively.

@@ -22,7 +22,7 @@
 
 #include "memory/caching_allocator.h"
 #include "nn/ctx.h"
-#include "nn/tensor.h"
+#include "tensor/tensor.h"
 
 namespace porter::nn {
 

@@ -75,19 +75,19 @@ struct CheckpointStash::Impl {
     bool prefetched = false;
     bool fetched = false;
     bool released = false;
-    nn::Shape shape;
-    nn::DType dtype = nn::DType::kF32;
+    tensor::Shape shape;
+    tensor::DType dtype = tensor::DType::kF32;
     size_t nbytes = 0;
     memory::PinnedBuffer pinned;  // not contiguous: this entry's pinned slot
     void* host = nullptr;         // the pinned slot (own buffer or arena)
-    nn::Tensor staged;            // the device copy, once prefetched
+    tensor::Tensor staged;            // the device copy, once prefetched
     std::unique_ptr<memory::Event> d2h_done;
     std::unique_ptr<memory::Event> h2d_done;
     std::shared_ptr<CopyTiming> h2d_timing;
     // Partitioned entries.
     memory::DeviceBuffer slice;   // not contiguous: the device slice
     void* slice_ptr = nullptr;    // the device slice (own buffer or arena), until fetched
-    nn::Tensor gathered;          // not contiguous: the gathered copy, t x slice_bytes
+    tensor::Tensor gathered;          // not contiguous: the gathered copy, t x slice_bytes
     void* gathered_ptr = nullptr;
     comm::Work gather;            // issued by prefetch()
     bool gather_waited = false;   // the compute stream waited for it
@@ -210,12 +210,12 @@ struct CheckpointStash::Impl {
   // work irrelevant).
   void drop_entries() {
     for (Entry& e : entries) {
-      e.staged = nn::Tensor();
+      e.staged = tensor::Tensor();
       e.pinned.reset();
       e.host = nullptr;
       e.slice.reset();
       e.slice_ptr = nullptr;
-      e.gathered = nn::Tensor();
+      e.gathered = tensor::Tensor();
       e.gathered_ptr = nullptr;
       e.gather = comm::Work();
       e.gather_waited = false;
@@ -404,7 +404,7 @@ void check_entry(const checkpoint::OffloadLayout& layout, int entry, const char*
 
 }  // namespace
 
-void CheckpointStash::offload(int entry, const nn::Tensor& t) {
+void CheckpointStash::offload(int entry, const tensor::Tensor& t) {
   check_entry(layout_, entry, "offload");
   PORTER_CHECK_T(UsageError, impl_->active, "CheckpointStash::offload outside a micro-batch");
   const checkpoint::StashEntry& le = layout_.entries[static_cast<size_t>(entry)];
@@ -497,15 +497,15 @@ void CheckpointStash::prefetch(int entry) {
     if (slot != nullptr) {
       e.gathered_ptr = slot;
     } else {
-      e.gathered = nn::Tensor::empty(*allocator_, nn::Shape{static_cast<int64_t>(staged_bytes / 4)},
-                                     nn::DType::kI32, memory::Category::kStaging);
+      e.gathered = tensor::Tensor::empty(*allocator_, tensor::Shape{static_cast<int64_t>(staged_bytes / 4)},
+                                     tensor::DType::kI32, memory::Category::kStaging);
       e.gathered_ptr = e.gathered.data();
       impl_->note_staging(staged_bytes, 0);
     }
   } else if (slot != nullptr) {
-    e.staged = nn::Tensor::from_blob(slot, e.shape, e.dtype, memory::Category::kStaging);
+    e.staged = tensor::Tensor::from_blob(slot, e.shape, e.dtype, memory::Category::kStaging);
   } else {
-    e.staged = nn::Tensor::empty(*allocator_, e.shape, e.dtype, memory::Category::kStaging);
+    e.staged = tensor::Tensor::empty(*allocator_, e.shape, e.dtype, memory::Category::kStaging);
     impl_->note_staging(e.nbytes, 0);
   }
   memory::Stream& compute = impl_->device->compute_stream();
@@ -577,7 +577,7 @@ void CheckpointStash::issue_gather(int entry) {
   impl_->stats.gathered_bytes += timing->record.bytes;
 }
 
-nn::Tensor CheckpointStash::fetch(int entry) {
+tensor::Tensor CheckpointStash::fetch(int entry) {
   check_entry(layout_, entry, "fetch");
   const checkpoint::StashEntry& le = layout_.entries[static_cast<size_t>(entry)];
   Impl::Entry& e = impl_->entries[static_cast<size_t>(entry)];
@@ -622,7 +622,7 @@ nn::Tensor CheckpointStash::fetch(int entry) {
     e.slice_ptr = nullptr;
   }
   e.staged = options_.contiguous
-                 ? nn::Tensor::from_blob(e.gathered_ptr, e.shape, e.dtype, memory::Category::kStaging)
+                 ? tensor::Tensor::from_blob(e.gathered_ptr, e.shape, e.dtype, memory::Category::kStaging)
                  : e.gathered.reinterpret(e.shape, e.dtype);
   return e.staged;
 }
@@ -645,8 +645,8 @@ void CheckpointStash::release(int entry) {
   if (e.prefetched && !options_.contiguous) {
     impl_->note_staging(0, le.partitioned ? layout_.staged_bytes(le) : e.nbytes);
   }
-  e.staged = nn::Tensor();
-  e.gathered = nn::Tensor();
+  e.staged = tensor::Tensor();
+  e.gathered = tensor::Tensor();
   e.gathered_ptr = nullptr;
   if (!e.slice.empty()) {  // never read back (or never fetched)
     if (e.prefetched) e.slice.record_stream(options_.tp->stream());

@@ -80,7 +80,7 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "memory/pinned_pool.h"
-#include "nn/tensor.h"
+#include "tensor/tensor.h"
 
 namespace porter::offload {
 
@@ -188,9 +188,9 @@ class CheckpointStash {
   const checkpoint::OffloadLayout& layout() const { return layout_; }
 
   void begin(int micro_batch);
-  void offload(int entry, const nn::Tensor& t);
+  void offload(int entry, const tensor::Tensor& t);
   void prefetch(int entry);
-  nn::Tensor fetch(int entry);
+  tensor::Tensor fetch(int entry);
   void release(int entry);
   void end();
   void abort() noexcept;

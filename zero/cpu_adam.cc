@@ -30,7 +30,7 @@
 namespace porter::zero {
 namespace {
 
-using nn::DType;
+using tensor::DType;
 
 using RangeFn = void (*)(const CpuAdamArrays&, const AdamWConstants&, int64_t, int64_t);
 
@@ -43,9 +43,9 @@ inline float load_grad(const void* g, int64_t i) {
   if constexpr (G == DType::kF32) {
     return static_cast<const float*>(g)[i];
   } else if constexpr (G == DType::kBF16) {
-    return nn::bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    return tensor::bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
   } else {
-    return nn::f16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    return tensor::f16_to_f32(static_cast<const uint16_t*>(g)[i]);
   }
 }
 
@@ -54,13 +54,13 @@ inline void store_out(void* out, int64_t i, float x) {
   if constexpr (O == DType::kF32) {
     static_cast<float*>(out)[i] = x;
   } else if constexpr (O == DType::kBF16) {
-    static_cast<uint16_t*>(out)[i] = nn::f32_to_bf16(x);
+    static_cast<uint16_t*>(out)[i] = tensor::f32_to_bf16(x);
   } else {
-    static_cast<uint16_t*>(out)[i] = nn::f32_to_f16(x);
+    static_cast<uint16_t*>(out)[i] = tensor::f32_to_f16(x);
   }
 }
 
-// The update of Note [CpuAdam bit identity], as nn/cpu_optimizer.cc writes it.
+// The update of Note [CpuAdam bit identity], as kernels/cpu/adamw.cc writes it.
 template <DType G, DType O, bool kOut>
 void adamw_scalar(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin, int64_t end) {
   float* p = a.params;
@@ -86,13 +86,13 @@ void adamw_scalar(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin
 // store). Every vector of a range is then aligned, as ranges step by whole vectors.
 inline bool out_aligned(const CpuAdamArrays& a, int64_t i, size_t bytes) {
   const auto addr =
-      reinterpret_cast<uintptr_t>(a.out) + static_cast<uintptr_t>(i) * nn::dtype_size(a.out_dtype);
+      reinterpret_cast<uintptr_t>(a.out) + static_cast<uintptr_t>(i) * tensor::dtype_size(a.out_dtype);
   return addr % bytes == 0;
 }
 
 // ---- AVX-512: 16 lanes; the tail is one masked vector ------------------------------------
 
-// g[i, i + 16) under mask `k`, widened to f32 as nn::bf16_to_f32 / nn::f16_to_f32 do.
+// g[i, i + 16) under mask `k`, widened to f32 as tensor::bf16_to_f32 / tensor::f16_to_f32 do.
 template <DType G>
 PORTER_TARGET_AVX512 inline __m512 load_grad16(const void* g, int64_t i, __mmask16 k) {
   if constexpr (G == DType::kF32) {
@@ -119,7 +119,7 @@ PORTER_TARGET_AVX512 inline __m512 load_grad16(const void* g, int64_t i, __mmask
   }
 }
 
-// nn::f32_to_bf16 per lane, in the low 16 bits of each 32-bit lane.
+// tensor::f32_to_bf16 per lane, in the low 16 bits of each 32-bit lane.
 PORTER_TARGET_AVX512 inline __m512i to_bf16_16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -131,7 +131,7 @@ PORTER_TARGET_AVX512 inline __m512i to_bf16_16(__m512 x) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
 }
 
-// nn::f32_to_f16 per lane (Note [f16 conversion]): all three cases, then a select.
+// tensor::f32_to_f16 per lane (Note [f16 conversion]): all three cases, then a select.
 PORTER_TARGET_AVX512 inline __m512i to_f16_16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
@@ -210,7 +210,7 @@ PORTER_TARGET_AVX512 void adamw_avx512(const CpuAdamArrays& a, const AdamWConsta
       _mm512_set1_ps(k.bc2_sqrt),        _mm512_set1_ps(k.eps),   _mm512_set1_ps(k.step_size)};
   constexpr auto kAll = static_cast<__mmask16>(0xffff);
   int64_t i = begin;
-  if (kOut && out_aligned(a, begin, 16 * nn::dtype_size(O))) {
+  if (kOut && out_aligned(a, begin, 16 * tensor::dtype_size(O))) {
     for (; i + 16 <= end; i += 16) adamw16<G, O, kOut, true>(a, c, i, kAll);
     _mm_sfence();  // order the streamed stores before the pool's hand-back
   } else {
@@ -338,7 +338,7 @@ PORTER_TARGET_AVX2 void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants&
       _mm256_set1_ps(k.one_minus_beta1), _mm256_set1_ps(k.beta2), _mm256_set1_ps(k.one_minus_beta2),
       _mm256_set1_ps(k.bc2_sqrt),        _mm256_set1_ps(k.eps),   _mm256_set1_ps(k.step_size)};
   int64_t i = begin;
-  if (kOut && out_aligned(a, begin, 8 * nn::dtype_size(O))) {
+  if (kOut && out_aligned(a, begin, 8 * tensor::dtype_size(O))) {
     for (; i + 8 <= end; i += 8) adamw8<G, O, kOut, true>(a, c, i);
     _mm_sfence();  // order the streamed stores before the pool's hand-back
   } else {
@@ -406,10 +406,10 @@ struct ByteRange {
 void check_arrays(const CpuAdamArrays& a) {
   const char* op = "CpuAdam::update";
   PORTER_CHECK_GE(a.elems, 0, op, ": elems must not be negative");
-  PORTER_CHECK(is_float(a.grad_dtype), op, ": grad_dtype ", nn::dtype_name(a.grad_dtype),
+  PORTER_CHECK(is_float(a.grad_dtype), op, ": grad_dtype ", tensor::dtype_name(a.grad_dtype),
                ": gradients are f32, bf16 or f16");
   PORTER_CHECK(a.out == nullptr || is_float(a.out_dtype), op, ": out_dtype ",
-               nn::dtype_name(a.out_dtype), ": the working copy is f32, bf16 or f16");
+               tensor::dtype_name(a.out_dtype), ": the working copy is f32, bf16 or f16");
   if (a.elems == 0) return;
   const void* required[] = {a.params, a.exp_avg, a.exp_avg_sq, a.grad};
   const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad"};
@@ -419,7 +419,7 @@ void check_arrays(const CpuAdamArrays& a) {
   }
   const auto range = [&](const char* name, const void* p, DType t) {
     const auto b = reinterpret_cast<uintptr_t>(p);
-    return ByteRange{name, b, b + static_cast<uintptr_t>(a.elems) * nn::dtype_size(t)};
+    return ByteRange{name, b, b + static_cast<uintptr_t>(a.elems) * tensor::dtype_size(t)};
   };
   std::vector<ByteRange> ranges = {
       range("params", a.params, DType::kF32), range("exp_avg", a.exp_avg, DType::kF32),
@@ -434,7 +434,7 @@ void check_arrays(const CpuAdamArrays& a) {
   }
 }
 
-void check_args(const nn::AdamWArgs& args) {
+void check_args(const kernels::AdamWArgs& args) {
   const char* op = "CpuAdam::update";
   PORTER_CHECK(args.step >= 1, op, ": step ", args.step, " must be >= 1 (bias correction)");
   PORTER_CHECK(args.lr >= 0.0f && args.eps > 0.0f && args.beta1 >= 0.0f && args.beta1 < 1.0f &&
@@ -469,8 +469,8 @@ std::vector<CpuIsa> supported_cpu_isas() {
 }
 
 int64_t cpu_adam_bytes(const CpuAdamArrays& a) {
-  const auto grad = static_cast<int64_t>(nn::dtype_size(a.grad_dtype));
-  const int64_t out = a.out != nullptr ? static_cast<int64_t>(nn::dtype_size(a.out_dtype)) : 0;
+  const auto grad = static_cast<int64_t>(tensor::dtype_size(a.grad_dtype));
+  const int64_t out = a.out != nullptr ? static_cast<int64_t>(tensor::dtype_size(a.out_dtype)) : 0;
   return a.elems * (grad + 3 * 4 + 3 * 4 + out);
 }
 
@@ -568,7 +568,7 @@ CpuAdam::CpuAdam(const CpuAdamOptions& options) {
 
 CpuAdam::~CpuAdam() = default;
 
-void CpuAdam::update(const CpuAdamArrays& a, const nn::AdamWArgs& args) {
+void CpuAdam::update(const CpuAdamArrays& a, const kernels::AdamWArgs& args) {
   check_arrays(a);
   check_args(args);
   if (a.elems == 0) return;

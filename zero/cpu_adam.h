@@ -1,9 +1,9 @@
 // porter::zero::CpuAdam: AdamW over plain host arrays at memory speed, for ZeRO-Offload's
 // host-side update: AVX-512, AVX2 or scalar code picked at run time, on its own std::thread
-// pool, bit-identical to the cpu device's AdamW (nn::Kernels::adamw).
+// pool, bit-identical to the cpu device's AdamW (kernels::Kernels::adamw).
 //
 // Note [CpuAdam bit identity]
-// Every element is computed exactly as nn/cpu_optimizer.cc computes it, with each operation
+// Every element is computed exactly as kernels/cpu/adamw.cc computes it, with each operation
 // rounded to f32 in this order (the constants come from adamw_constants below):
 //   grad  = load(g) * grad_scale                      load: exact widening of bf16 / f16
 //   param = p * decay                                 decay = 1 - lr * wd
@@ -11,12 +11,12 @@
 //   v     = v * beta2 + ((1 - beta2) * grad) * grad
 //   denom = sqrt(v) / bc2_sqrt + eps                  bc2_sqrt = sqrt(1 - beta2^t)
 //   param = param - step_size * (m / denom)           step_size = lr / (1 - beta1^t)
-//   p, m, v = param, m, v;  out = round(param)        round: nearest-even (nn/dtype.h)
+//   p, m, v = param, m, v;  out = round(param)        round: nearest-even (tensor/dtype.h)
 // The vector code uses separate multiply, add, sqrt and divide instructions in that order and
-// never an FMA: cpu_adam.cc (like nn/cpu_optimizer.cc) is compiled with -ffp-contract=off,
+// never an FMA: cpu_adam.cc (like kernels/cpu/adamw.cc) is compiled with -ffp-contract=off,
 // since GCC's C++ default would fuse a multiply into the add that follows it. IEEE sqrt and
 // division round correctly, so a lane gives the scalar bits. The bf16 and f16 conversions are
-// the integer/float sequences of nn/dtype.h, lane by lane (bf16 rounds to nearest-even and
+// the integer/float sequences of tensor/dtype.h, lane by lane (bf16 rounds to nearest-even and
 // keeps NaN a NaN by setting bit 6; f16 keeps the top payload bits of a NaN, overflows to inf
 // from 65520, rounds subnormals on the 2^-24 grid) rather than vcvtneps2bf16 (which flushes
 // subnormals) or F16C, so they equal the reference for every input by construction. The
@@ -56,8 +56,8 @@
 #include <string_view>
 #include <vector>
 
-#include "nn/dtype.h"
-#include "nn/kernels.h"
+#include "tensor/dtype.h"
+#include "kernels/kernels.h"
 
 namespace porter::zero {
 
@@ -75,10 +75,10 @@ CpuIsa best_cpu_isa();
 // Every ISA this CPU runs, lowest first; always starts with kScalar.
 std::vector<CpuIsa> supported_cpu_isas();
 
-// The per-step constants of Note [CpuAdam bit identity]: nn::adamw_constants, which every
+// The per-step constants of Note [CpuAdam bit identity]: kernels::adamw_constants, which every
 // AdamW implementation takes its constants from.
-using nn::AdamWConstants;
-using nn::adamw_constants;
+using kernels::AdamWConstants;
+using kernels::adamw_constants;
 
 // The arrays of one update, each of `elems` elements, on the host. None may overlap another.
 struct CpuAdamArrays {
@@ -86,9 +86,9 @@ struct CpuAdamArrays {
   float* exp_avg = nullptr;     // AdamW m, f32, updated in place
   float* exp_avg_sq = nullptr;  // AdamW v, f32, updated in place
   const void* grad = nullptr;   // grad_dtype (f32, bf16 or f16), read only
-  nn::DType grad_dtype = nn::DType::kF32;
+  tensor::DType grad_dtype = tensor::DType::kF32;
   void* out = nullptr;  // optional working copy (out_dtype); null: none
-  nn::DType out_dtype = nn::DType::kBF16;
+  tensor::DType out_dtype = tensor::DType::kBF16;
   int64_t elems = 0;
 };
 
@@ -130,8 +130,8 @@ class CpuAdam {
   // One AdamW step over `a` with `args` (Note [CpuAdam bit identity]). Throws InvalidArgument,
   // before touching any array, for a negative size, a null array (out excepted), a dtype
   // other than f32/bf16/f16, overlapping arrays, step < 1, lr < 0, eps <= 0 or a beta outside
-  // [0, 1) -- the checks of nn::Kernels::adamw.
-  void update(const CpuAdamArrays& a, const nn::AdamWArgs& args);
+  // [0, 1) -- the checks of kernels::Kernels::adamw.
+  void update(const CpuAdamArrays& a, const kernels::AdamWArgs& args);
 
  private:
   class Pool;

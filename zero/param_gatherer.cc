@@ -7,7 +7,7 @@
 #include "base/check.h"
 #include "base/error.h"
 #include "nn/ctx.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 
 namespace porter::zero {
 
@@ -18,7 +18,7 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator,
-                             comm::Communicator* dp, const Partition& part, nn::Tensor shard,
+                             comm::Communicator* dp, const Partition& part, tensor::Tensor shard,
                              std::vector<ParamUnit> units, int64_t max_live_elems,
                              std::function<void()> rebind, bool shard_on_host)
     : flat_(&flat),
@@ -64,10 +64,10 @@ void ParamGatherer::wait_upload(UnitState& st) {
   st.uploading = false;
 }
 
-void ParamGatherer::issue(int u, nn::Tensor buffer) {
+void ParamGatherer::issue(int u, tensor::Tensor buffer) {
   const ParamUnit& un = units_[static_cast<size_t>(u)];
   UnitState& st = state_[static_cast<size_t>(u)];
-  const size_t esize = nn::dtype_size(buffer.dtype());
+  const size_t esize = tensor::dtype_size(buffer.dtype());
   char* base = static_cast<char*>(buffer.data());
   // This rank's part, from its shard: on the compute stream, or from the host on the upload
   // stream, which the comm stream then waits for (Note [Stage 3 gather]).
@@ -124,7 +124,7 @@ void ParamGatherer::gather(int u) {
                         " live parameter elements, over zero_optimization.stage3_max_live_parameters = " +
                         std::to_string(max_live_elems_));
   }
-  nn::Tensor buffer = nn::Tensor::empty(*allocator_, nn::Shape{un.elems()}, flat_->param_dtype(),
+  tensor::Tensor buffer = tensor::Tensor::empty(*allocator_, tensor::Shape{un.elems()}, flat_->param_dtype(),
                                         memory::Category::kParams);
   if (!un.persistent) {
     live_elems_ += un.elems();
@@ -197,7 +197,7 @@ void ParamGatherer::release(int u) {
     live_elems_ -= un.elems();
     live_bytes_ -= st.buffer.nbytes();
   }
-  st.buffer = nn::Tensor();
+  st.buffer = tensor::Tensor();
 }
 
 void ParamGatherer::refresh_persistent() {
@@ -206,7 +206,7 @@ void ParamGatherer::refresh_persistent() {
     if (!un.persistent || un.elems() == 0) continue;
     UnitState& st = state_[static_cast<size_t>(u)];
     if (st.buffer.defined()) {
-      nn::Tensor buffer = std::move(st.buffer);  // refilled in place
+      tensor::Tensor buffer = std::move(st.buffer);  // refilled in place
       issue(u, std::move(buffer));
     } else {
       gather(u);
@@ -246,7 +246,7 @@ void ParamGatherer::abort() {
     if (st.bound) unbind(u);
     live_elems_ -= units_[static_cast<size_t>(u)].elems();
     live_bytes_ -= st.buffer.nbytes();
-    st.buffer = nn::Tensor();
+    st.buffer = tensor::Tensor();
   }
 }
 

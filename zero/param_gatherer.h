@@ -66,7 +66,7 @@ class ParamGatherer {
   // device memory, or in host memory when `shard_on_host`; `dp` may be null (one rank).
   // `rebind` binds the model to `flat` again after views change.
   ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator, comm::Communicator* dp,
-                const Partition& part, nn::Tensor shard, std::vector<ParamUnit> units,
+                const Partition& part, tensor::Tensor shard, std::vector<ParamUnit> units,
                 int64_t max_live_elems, std::function<void()> rebind, bool shard_on_host = false);
   ParamGatherer(const ParamGatherer&) = delete;
   ParamGatherer& operator=(const ParamGatherer&) = delete;
@@ -101,14 +101,14 @@ class ParamGatherer {
 
  private:
   struct UnitState {
-    nn::Tensor buffer;
+    tensor::Tensor buffer;
     std::vector<comm::Work> works;
     std::unique_ptr<memory::Event> uploaded;  // shard on the host: this rank's part is in
     bool uploading = false;                   // the buffer once `uploaded` completes
     bool bound = false;
   };
   void wait_upload(UnitState& st);
-  void issue(int u, nn::Tensor buffer);
+  void issue(int u, tensor::Tensor buffer);
   void bind(int u);
   void unbind(int u);
 
@@ -117,7 +117,7 @@ class ParamGatherer {
   comm::Communicator* dp_;               // not owned; null with one rank
   Partition part_;
   int rank_ = 0;
-  nn::Tensor shard_;
+  tensor::Tensor shard_;
   std::vector<ParamUnit> units_;
   std::vector<UnitState> state_;
   int64_t max_live_elems_;

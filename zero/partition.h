@@ -29,7 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "nn/dtype.h"
+#include "tensor/dtype.h"
 
 namespace porter::zero {
 
@@ -46,10 +46,10 @@ Partition make_partition(int64_t total_elems, int world_size);
 
 // The dtypes that set p, g, k (Note [Model-state bytes per rank]).
 struct StateDTypes {
-  nn::DType param = nn::DType::kF32;
-  size_t param_bytes() const { return nn::dtype_size(param); }
+  tensor::DType param = tensor::DType::kF32;
+  size_t param_bytes() const { return tensor::dtype_size(param); }
   size_t grad_bytes() const { return 4; }
-  size_t optimizer_bytes() const { return param == nn::DType::kF32 ? 8 : 12; }
+  size_t optimizer_bytes() const { return param == tensor::DType::kF32 ? 8 : 12; }
 };
 
 struct StateBytes {

@@ -21,7 +21,7 @@ double seconds_since(Clock::time_point t0) {
 
 }  // namespace
 
-GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
+GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
                          memory::CachingAllocator& allocator, comm::Communicator* dp,
                          const Partition& part, std::vector<Bucket> buckets,
                          std::vector<int> entry_stage, const ReducerOptions& options,
@@ -60,10 +60,10 @@ GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
   issued_.assign(buckets_.size(), false);
   if (options_.zero_stage >= 2) {
     shard_begin_ = part_.begin(rank_);
-    shard_ = nn::Tensor::empty(allocator, nn::Shape{part_.shard_elems}, nn::DType::kF32,
+    shard_ = tensor::Tensor::empty(allocator, tensor::Shape{part_.shard_elems}, tensor::DType::kF32,
                                memory::Category::kGrads);
     // Every entry starts unbound: a gradient written outside a live bucket fails loudly.
-    for (size_t i = 0; i < entries.size(); ++i) flat_->set_grad_view(i, nn::Tensor());
+    for (size_t i = 0; i < entries.size(); ++i) flat_->set_grad_view(i, tensor::Tensor());
   } else {
     PORTER_CHECK(flat.grads().defined(), "stages 0 and 1 need the flat gradient buffer");
     shard_begin_ = options_.zero_stage == 1 ? part_.begin(rank_) : 0;
@@ -76,7 +76,7 @@ GradReducer::GradReducer(nn::FlatParams& flat, nn::Kernels& kernels,
 GradReducer::~GradReducer() { abort(); }
 
 void GradReducer::zero_grads() {
-  nn::Tensor all = options_.zero_stage >= 2 ? shard_ : flat_->grads();
+  tensor::Tensor all = options_.zero_stage >= 2 ? shard_ : flat_->grads();
   kernels_->fill(all, 0.0f);
 }
 
@@ -87,11 +87,11 @@ void GradReducer::begin_micro_batch(bool last) {
   std::fill(issued_.begin(), issued_.end(), false);
 }
 
-void GradReducer::bind_bucket(size_t b, const nn::Tensor& buffer) {
+void GradReducer::bind_bucket(size_t b, const tensor::Tensor& buffer) {
   const auto& entries = flat_->layout().entries();
   for (size_t i : bucket_entries_[b]) {
     if (!buffer.defined()) {
-      flat_->set_grad_view(i, nn::Tensor());
+      flat_->set_grad_view(i, tensor::Tensor());
       continue;
     }
     const nn::ParamEntry& e = entries[i];
@@ -105,8 +105,8 @@ void GradReducer::before_backward(int chain_stage) {
   bool changed = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].alloc_before != chain_stage || live_[b].defined()) continue;
-    nn::Tensor buf = nn::Tensor::empty(*allocator_, nn::Shape{buckets_[b].elems()},
-                                       nn::DType::kF32, memory::Category::kComm);
+    tensor::Tensor buf = tensor::Tensor::empty(*allocator_, tensor::Shape{buckets_[b].elems()},
+                                       tensor::DType::kF32, memory::Category::kComm);
     kernels_->fill(buf, 0.0f);
     bind_bucket(b, buf);
     live_[b] = std::move(buf);
@@ -120,30 +120,30 @@ void GradReducer::after_backward(int chain_stage) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].ready_after != chain_stage) continue;
     if (options_.zero_stage >= 2) {
-      bind_bucket(b, nn::Tensor());
+      bind_bucket(b, tensor::Tensor());
       changed = true;
     }
     if (!reducing_ || (!options_.overlap_comm && n_ > 1)) continue;
-    nn::Tensor contiguous = std::move(live_[b]);
-    live_[b] = nn::Tensor();
+    tensor::Tensor contiguous = std::move(live_[b]);
+    live_[b] = tensor::Tensor();
     issue(b, std::move(contiguous));
   }
   if (changed) rebind_();
 }
 
-void GradReducer::prescale(nn::Tensor& t) {
+void GradReducer::prescale(tensor::Tensor& t) {
   const double f = options_.predivide_factor;
   const double s = options_.prescale_gradients ? 1.0 / n_ : (f != 1.0 ? 1.0 / f : 1.0);
   if (s != 1.0) kernels_->scale(t, static_cast<float>(s));
 }
 
-void GradReducer::issue(size_t b, nn::Tensor contiguous) {
+void GradReducer::issue(size_t b, tensor::Tensor contiguous) {
   const Bucket& bk = buckets_[b];
   issued_[b] = true;
   // The local gradients of the bucket: stage 2's contiguous buffer, else the flat buffer.
-  nn::Tensor local = options_.zero_stage >= 2 ? contiguous : flat_->grads().slice(bk.lo, bk.hi);
+  tensor::Tensor local = options_.zero_stage >= 2 ? contiguous : flat_->grads().slice(bk.lo, bk.hi);
   if (n_ == 1) {  // stage 2 on one rank: the bucket is the shard's [lo, hi)
-    nn::Tensor dst = shard_.slice(bk.lo, bk.hi);
+    tensor::Tensor dst = shard_.slice(bk.lo, bk.hi);
     kernels_->accumulate(dst, local);
     finished(b);
     return;
@@ -164,23 +164,23 @@ void GradReducer::issue(size_t b, nn::Tensor contiguous) {
                              comm::ElemType::kF32, comm::ReduceOp::kSum);
     if (options_.zero_stage >= 2) local.record_stream(dp_->stream());  // a bucket buffer
     p.reduced = std::move(local);
-    contiguous = nn::Tensor();
+    contiguous = tensor::Tensor();
   } else {
     while (pending_.size() >= kMaxInFlight) complete_oldest();
     const BucketBlocks& bb = blocks_[b];
-    p.packed = nn::Tensor::empty(*allocator_, nn::Shape{bb.block * n_}, nn::DType::kF32,
+    p.packed = tensor::Tensor::empty(*allocator_, tensor::Shape{bb.block * n_}, tensor::DType::kF32,
                                  memory::Category::kComm);
     kernels_->fill(p.packed, 0.0f);
     memory::Stream& compute = allocator_->device().compute_stream();
     for (int r = 0; r < n_; ++r) {
       if (bb.size(r) == 0) continue;
-      nn::Tensor src = local.slice(bb.lo[static_cast<size_t>(r)] - bk.lo,
+      tensor::Tensor src = local.slice(bb.lo[static_cast<size_t>(r)] - bk.lo,
                                    bb.hi[static_cast<size_t>(r)] - bk.lo);
-      nn::Tensor dst = p.packed.slice(r * bb.block, r * bb.block + bb.size(r));
+      tensor::Tensor dst = p.packed.slice(r * bb.block, r * bb.block + bb.size(r));
       compute.copy_async(dst.data(), src.data(), src.nbytes());
     }
-    local = nn::Tensor();
-    contiguous = nn::Tensor();  // stage 2: freed in compute-stream order, after the pack
+    local = tensor::Tensor();
+    contiguous = tensor::Tensor();  // stage 2: freed in compute-stream order, after the pack
     auto* base = static_cast<float*>(p.packed.data());
     if (options_.reduce_scatter) {
       p.work = dp_->reduce_scatter(base, base + rank_ * bb.block, static_cast<size_t>(bb.block),
@@ -205,7 +205,7 @@ void GradReducer::finished(size_t b) {
   if (n_ > 1) {
     const double f = options_.predivide_factor;
     if (!options_.prescale_gradients && f != static_cast<double>(n_)) {
-      nn::Tensor part = shard_.slice(lo, hi);
+      tensor::Tensor part = shard_.slice(lo, hi);
       kernels_->scale(part, static_cast<float>(f / n_));
     }
   }
@@ -231,11 +231,11 @@ void GradReducer::complete(Pending& p) {
   if (m == 0) return;
   if (p.reduced.defined() && options_.zero_stage < 2) return;  // in place in the flat buffer
   const int64_t from = bb.lo[static_cast<size_t>(rank_)] - buckets_[p.bucket].lo;
-  nn::Tensor mine = p.packed.defined()
+  tensor::Tensor mine = p.packed.defined()
                         ? p.packed.slice(rank_ * bb.block, rank_ * bb.block + m)
                         : p.reduced.slice(from, from + m);
   const int64_t at = bb.lo[static_cast<size_t>(rank_)] - shard_begin_;
-  nn::Tensor dst = shard_.slice(at, at + m);
+  tensor::Tensor dst = shard_.slice(at, at + m);
   if (options_.zero_stage >= 2) {
     kernels_->accumulate(dst, mine);  // contiguous_gradients: micro-batches sum here
   } else {
@@ -247,13 +247,13 @@ void GradReducer::end_micro_batch() {
   if (reducing_) {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       if (issued_[b]) continue;
-      nn::Tensor contiguous = std::move(live_[b]);
-      live_[b] = nn::Tensor();
+      tensor::Tensor contiguous = std::move(live_[b]);
+      live_[b] = tensor::Tensor();
       issue(b, std::move(contiguous));
     }
     while (!pending_.empty()) complete_oldest();
   }
-  for (nn::Tensor& t : live_) t = nn::Tensor();
+  for (tensor::Tensor& t : live_) t = tensor::Tensor();
   // The post-scale ran per bucket as each completed (finished()); with more than one rank
   // every bucket is reduced in the last micro-batch, so every part of the shard was scaled.
 }
@@ -269,9 +269,9 @@ void GradReducer::abort() noexcept {
   bool bound = false;
   for (size_t b = 0; b < live_.size(); ++b) {
     if (!live_[b].defined()) continue;
-    live_[b] = nn::Tensor();
+    live_[b] = tensor::Tensor();
     try {
-      bind_bucket(b, nn::Tensor());
+      bind_bucket(b, tensor::Tensor());
       bound = true;
     } catch (...) {
     }

@@ -58,7 +58,7 @@
 
 #include "comm/communicator.h"
 #include "memory/caching_allocator.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 #include "nn/layer.h"
 #include "zero/buckets.h"
 #include "zero/partition.h"
@@ -85,7 +85,7 @@ class GradReducer {
   // `flat` has the padded layout (and a gradient buffer unless ZeRO stage 2); entry_stage[i]
   // is the chain stage owning layout entry i; `rebind` binds the model to `flat` again. dp may
   // be null.
-  GradReducer(nn::FlatParams& flat, nn::Kernels& kernels, memory::CachingAllocator& allocator,
+  GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels, memory::CachingAllocator& allocator,
               comm::Communicator* dp, const Partition& part, std::vector<Bucket> buckets,
               std::vector<int> entry_stage, const ReducerOptions& options,
               std::function<void()> rebind);
@@ -93,7 +93,7 @@ class GradReducer {
 
   // The gradients the optimizer reads: stage 2's shard buffer; else the flat buffer's
   // [r*S, (r+1)*S) at stage 1, the whole flat buffer at stage 0.
-  const nn::Tensor& shard() const { return shard_; }
+  const tensor::Tensor& shard() const { return shard_; }
   int64_t shard_begin() const { return shard_begin_; }  // flat index of shard()[0]
   bool distributed() const { return n_ > 1; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
@@ -120,20 +120,20 @@ class GradReducer {
   struct Pending {  // a reduction in flight
     size_t bucket = 0;
     comm::Work work;
-    nn::Tensor packed;  // the packed bucket (Note [Bucketed reduce-scatter]); else undefined
+    tensor::Tensor packed;  // the packed bucket (Note [Bucketed reduce-scatter]); else undefined
     // A scattering stage's bucket all-reduced in place (BucketBlocks::use_all_reduce): the
     // reduced bucket, of which this rank keeps its intersection.
-    nn::Tensor reduced;
+    tensor::Tensor reduced;
   };
-  void issue(size_t b, nn::Tensor contiguous);
+  void issue(size_t b, tensor::Tensor contiguous);
   void finished(size_t b);  // Note [Ready gradients]
   void complete_oldest();
   void complete(Pending& p);
-  void prescale(nn::Tensor& t);
-  void bind_bucket(size_t b, const nn::Tensor& buffer);
+  void prescale(tensor::Tensor& t);
+  void bind_bucket(size_t b, const tensor::Tensor& buffer);
 
   nn::FlatParams* flat_;
-  nn::Kernels* kernels_;
+  kernels::Kernels* kernels_;
   memory::CachingAllocator* allocator_;
   comm::Communicator* dp_;
   Partition part_;
@@ -144,11 +144,11 @@ class GradReducer {
   ReducerOptions options_;
   std::function<void()> rebind_;
   std::function<void(int64_t, int64_t)> on_ready_;
-  nn::Tensor shard_;
+  tensor::Tensor shard_;
   int64_t shard_begin_ = 0;
   bool last_ = false;
   bool reducing_ = false;  // this micro-batch reduces (stage 2: always; else the last)
-  std::vector<nn::Tensor> live_;          // per bucket: stage 2's contiguous buffer
+  std::vector<tensor::Tensor> live_;          // per bucket: stage 2's contiguous buffer
   std::vector<bool> issued_;
   std::deque<Pending> pending_;
   ReducerStats stats_;

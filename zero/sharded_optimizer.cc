@@ -19,9 +19,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-nn::Tensor zeros_f32(nn::Kernels& kernels, memory::CachingAllocator& allocator, int64_t n) {
-  nn::Tensor t =
-      nn::Tensor::empty(allocator, nn::Shape{n}, nn::DType::kF32, memory::Category::kOptimizer);
+tensor::Tensor zeros_f32(kernels::Kernels& kernels, memory::CachingAllocator& allocator, int64_t n) {
+  tensor::Tensor t =
+      tensor::Tensor::empty(allocator, tensor::Shape{n}, tensor::DType::kF32, memory::Category::kOptimizer);
   kernels.fill(t, 0.0f);
   return t;
 }
@@ -74,7 +74,7 @@ struct ShardedOptimizer::Host {
 
 ShardedOptimizer::~ShardedOptimizer() = default;
 
-ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
+ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
                                    memory::CachingAllocator& allocator, comm::Communicator* dp,
                                    const Partition& part, const OptimizerOptions& options,
                                    memory::PinnedPool* pinned)
@@ -112,7 +112,7 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
     host_ = std::make_unique<Host>();
     host_->optimizer = options.offload.enabled;
     host_->params = offload_params;
-    const size_t pbytes = static_cast<size_t>(n) * nn::dtype_size(flat.param_dtype());
+    const size_t pbytes = static_cast<size_t>(n) * tensor::dtype_size(flat.param_dtype());
     if (offload_params) {
       host_->out = Host::make(pin_params ? pinned : nullptr, pbytes, "offload_param",
                               "parameter shard");
@@ -126,7 +126,7 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
       host_->exp_avg_sq = Host::make(pool, f32, key, "AdamW exp_avg_sq");
       host_->grad = Host::make(pool, f32, key, "gradient shard");
       if (!offload_params) {
-        host_->out = Host::make(pool, static_cast<size_t>(h) * nn::dtype_size(flat.param_dtype()),
+        host_->out = Host::make(pool, static_cast<size_t>(h) * tensor::dtype_size(flat.param_dtype()),
                                 key, "working copy");
       }
       if (f32 > 0) {
@@ -146,26 +146,26 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
   if (options.zero_stage != 3) {
     working_ = flat.params().slice(begin_, end_);
   } else if (offload_params) {
-    working_ = nn::Tensor::from_blob(host_->out.data, nn::Shape{n}, flat.param_dtype(),
+    working_ = tensor::Tensor::from_blob(host_->out.data, tensor::Shape{n}, flat.param_dtype(),
                                      memory::Category::kParams);
   } else {
-    working_ = nn::Tensor::empty(allocator, nn::Shape{n}, flat.param_dtype(),
+    working_ = tensor::Tensor::empty(allocator, tensor::Shape{n}, flat.param_dtype(),
                                  memory::Category::kParams);
   }
   if (options.offload.enabled && h > 0) {
     // Checkpoints see the host arrays as tensors (the device copies them like any buffer).
-    if (flat.param_dtype() != nn::DType::kF32) {
-      host_master_ = nn::Tensor::from_blob(host_->master.data, nn::Shape{h}, nn::DType::kF32,
+    if (flat.param_dtype() != tensor::DType::kF32) {
+      host_master_ = tensor::Tensor::from_blob(host_->master.data, tensor::Shape{h}, tensor::DType::kF32,
                                            memory::Category::kOptimizer);
     }
-    host_exp_avg_ = nn::Tensor::from_blob(host_->exp_avg.data, nn::Shape{h}, nn::DType::kF32,
+    host_exp_avg_ = tensor::Tensor::from_blob(host_->exp_avg.data, tensor::Shape{h}, tensor::DType::kF32,
                                           memory::Category::kOptimizer);
-    host_exp_avg_sq_ = nn::Tensor::from_blob(host_->exp_avg_sq.data, nn::Shape{h},
-                                             nn::DType::kF32, memory::Category::kOptimizer);
+    host_exp_avg_sq_ = tensor::Tensor::from_blob(host_->exp_avg_sq.data, tensor::Shape{h},
+                                             tensor::DType::kF32, memory::Category::kOptimizer);
   }
   if (h == n && options.offload.enabled) return;  // nothing of the optimizer on the device
-  if (flat.param_dtype() != nn::DType::kF32) {
-    master_ = nn::Tensor::empty(allocator, nn::Shape{n - h}, nn::DType::kF32,
+  if (flat.param_dtype() != tensor::DType::kF32) {
+    master_ = tensor::Tensor::empty(allocator, tensor::Shape{n - h}, tensor::DType::kF32,
                                 memory::Category::kOptimizer);
   }
   exp_avg_ = zeros_f32(kernels, allocator, n - h);
@@ -173,7 +173,7 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
 }
 
 bool ShardedOptimizer::offloaded() const { return host_ != nullptr && host_->optimizer; }
-bool ShardedOptimizer::has_master() const { return flat_->param_dtype() != nn::DType::kF32; }
+bool ShardedOptimizer::has_master() const { return flat_->param_dtype() != tensor::DType::kF32; }
 bool ShardedOptimizer::params_offloaded() const { return host_ != nullptr && host_->params; }
 
 HostStateBytes ShardedOptimizer::host_state() const {
@@ -207,8 +207,8 @@ void ShardedOptimizer::begin_step() {
   host_->sent_bytes = 0;
 }
 
-void ShardedOptimizer::gradients_ready(const nn::Tensor& grads, int64_t lo, int64_t hi) {
-  PORTER_CHECK(lo >= 0 && hi <= grads.numel() && grads.dtype() == nn::DType::kF32,
+void ShardedOptimizer::gradients_ready(const tensor::Tensor& grads, int64_t lo, int64_t hi) {
+  PORTER_CHECK(lo >= 0 && hi <= grads.numel() && grads.dtype() == tensor::DType::kF32,
                "ShardedOptimizer::gradients_ready: [", lo, ", ", hi, ") of a shard of ",
                grads.numel());
   hi = std::min(hi, host_elems_);  // Note [Partial offload]: the host's part only
@@ -225,7 +225,7 @@ void ShardedOptimizer::gradients_ready(const nn::Tensor& grads, int64_t lo, int6
 
 // The parts of the gradient shard no gradients_ready() queued go down now; then the host waits
 // for every copy (a copy error is thrown here, before any state changed).
-void ShardedOptimizer::finish_gradient_copies(const nn::Tensor& grads) {
+void ShardedOptimizer::finish_gradient_copies(const tensor::Tensor& grads) {
   std::vector<std::pair<int64_t, int64_t>> sent = host_->sent;
   std::sort(sent.begin(), sent.end());
   memory::Device& device = allocator_->device();
@@ -270,13 +270,13 @@ void ShardedOptimizer::set_tensor_parallel(comm::Communicator* tp,
   replicated_ = std::move(replicated);
 }
 
-GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
+GradNorm ShardedOptimizer::global_norm(const tensor::Tensor& grads) {
   memory::Device& device = allocator_->device();
   const double loss_scale = scaler_.scale();
-  nn::Tensor sq = nn::Tensor::empty(*allocator_, nn::Shape{1}, nn::DType::kF32,
+  tensor::Tensor sq = tensor::Tensor::empty(*allocator_, tensor::Shape{1}, tensor::DType::kF32,
                                     memory::Category::kWorkspace);
   kernels_->squared_norm(grads, sq);
-  double total_sq = nn::to_host_f32(device, sq).at(0);
+  double total_sq = tensor::to_host_f32(device, sq).at(0);
   if (tp_ != nullptr) {
     // Each tp rank counts 1/t of the replicated parameters, so the sum over the group
     // counts them once.
@@ -285,20 +285,20 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
       const int64_t b = std::max(first, begin_), e = std::min(second, end_);
       if (b >= e) continue;
       kernels_->squared_norm(grads.slice(b - begin_, e - begin_), sq);
-      replicated_sq += nn::to_host_f32(device, sq).at(0);
+      replicated_sq += tensor::to_host_f32(device, sq).at(0);
     }
     total_sq -= replicated_sq * (1.0 - 1.0 / static_cast<double>(tp_->size()));
-    nn::from_host_f32(device, std::vector<float>{static_cast<float>(total_sq)}, sq);
+    tensor::from_host_f32(device, std::vector<float>{static_cast<float>(total_sq)}, sq);
   }
   if (dp_ != nullptr && options_.zero_stage >= 1) {
     const comm::CommLabel label(dp_, "grad norm");  // Note [Comm records]
     wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
-    total_sq = nn::to_host_f32(device, sq).at(0);
+    total_sq = tensor::to_host_f32(device, sq).at(0);
   }
   if (tp_ != nullptr) {
     const comm::CommLabel label(tp_, "grad norm");
     wait(tp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kSum));
-    total_sq = nn::to_host_f32(device, sq).at(0);
+    total_sq = tensor::to_host_f32(device, sq).at(0);
   }
   GradNorm r;
   if (options_.fp16.enabled) {
@@ -312,7 +312,7 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
       const comm::CommLabel label(tp_, "overflow");
       wait(tp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
     }
-    r.overflow = nn::to_host_f32(device, sq).at(0) != 0.0f || !std::isfinite(total_sq);
+    r.overflow = tensor::to_host_f32(device, sq).at(0) != 0.0f || !std::isfinite(total_sq);
   }
   r.norm = std::sqrt(total_sq) / loss_scale;
   if (!r.overflow && options_.gradient_clipping > 0.0) {
@@ -321,16 +321,16 @@ GradNorm ShardedOptimizer::global_norm(const nn::Tensor& grads) {
   return r;
 }
 
-void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm& norm) {
+void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const GradNorm& norm) {
   const auto t0 = Clock::now();
   if (offloaded()) {
-    PORTER_CHECK(grads.dtype() == nn::DType::kF32 && grads.numel() == end_ - begin_,
+    PORTER_CHECK(grads.dtype() == tensor::DType::kF32 && grads.numel() == end_ - begin_,
                  "ShardedOptimizer: the gradient shard is not f32 over the range");
     finish_gradient_copies(grads);
   }
   if (norm.overflow) return;
   const config::OptimizerConfig& o = options_.adamw;
-  nn::AdamWArgs args;
+  kernels::AdamWArgs args;
   args.lr = static_cast<float>(lr);
   args.beta1 = static_cast<float>(o.beta1);
   args.beta2 = static_cast<float>(o.beta2);
@@ -338,7 +338,7 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   args.weight_decay = static_cast<float>(o.weight_decay);
   args.step = steps_ + 1;
   args.grad_scale = static_cast<float>(norm.clip_coef / scaler_.scale());
-  nn::Tensor params = working_;
+  tensor::Tensor params = working_;
   memory::Device& device = allocator_->device();
   const int64_t n = end_ - begin_, h = host_elems_;
   if (h > 0) {
@@ -350,13 +350,13 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
     a.exp_avg = static_cast<float*>(host_->exp_avg.data);
     a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data);
     a.grad = host_->grad.data;
-    a.grad_dtype = nn::DType::kF32;
+    a.grad_dtype = tensor::DType::kF32;
     a.out = host_->out.data;
     a.out_dtype = params.dtype();
     a.elems = h;
     host_->adam->update(a, args);
     const auto t2 = Clock::now();
-    const size_t out_bytes = static_cast<size_t>(h) * nn::dtype_size(params.dtype());
+    const size_t out_bytes = static_cast<size_t>(h) * tensor::dtype_size(params.dtype());
     if (!host_->params) {
       // Over the link, on the offload stream; compute (the all-gather below) waits for it.
       host_->stream->copy_async(params.data(), host_->out.data, out_bytes);
@@ -371,23 +371,23 @@ void ShardedOptimizer::update(const nn::Tensor& grads, double lr, const GradNorm
   if (h < n) {
     // The device's part [h, n): all of the range without optimizer offload (Note [Partial
     // offload]).
-    nn::Tensor g = h > 0 ? grads.slice(h, n) : grads;
+    tensor::Tensor g = h > 0 ? grads.slice(h, n) : grads;
     if (params_offloaded()) {
       // Note [Parameter offload]: AdamW on the device into a transient copy of the part, which
       // then goes to the host shard. f32 compute updates the parameters in place, so it starts
       // from the host shard.
-      nn::Tensor tmp = nn::Tensor::empty(*allocator_, nn::Shape{n - h}, params.dtype(),
+      tensor::Tensor tmp = tensor::Tensor::empty(*allocator_, tensor::Shape{n - h}, params.dtype(),
                                          memory::Category::kParams);
-      nn::Tensor host_part = params.slice(h, n);
+      tensor::Tensor host_part = params.slice(h, n);
       const size_t bytes = static_cast<size_t>(tmp.nbytes());
       if (!has_master()) device.copy_sync(tmp.data(), host_part.data(), bytes);
-      nn::Tensor target = has_master() ? master_ : tmp;
+      tensor::Tensor target = has_master() ? master_ : tmp;
       kernels_->adamw(target, g, exp_avg_, exp_avg_sq_, args, has_master() ? &tmp : nullptr);
       device.copy_sync(host_part.data(), tmp.data(), bytes);
       offload_stats_.param_d2h_bytes += bytes;
     } else {
-      nn::Tensor p = h > 0 ? params.slice(h, n) : params;
-      nn::Tensor target = has_master() ? master_ : p;
+      tensor::Tensor p = h > 0 ? params.slice(h, n) : params;
+      tensor::Tensor target = has_master() ? master_ : p;
       kernels_->adamw(target, g, exp_avg_, exp_avg_sq_, args, has_master() ? &p : nullptr);
     }
   }
@@ -403,7 +403,7 @@ int64_t allgather_chunk_elems(int64_t bucket_elems, int world_size) {
 
 // Note [Bucketed parameter all-gather].
 void ShardedOptimizer::gather_params() {
-  const nn::Tensor& all = flat_->params();
+  const tensor::Tensor& all = flat_->params();
   const int n = part_.world_size;
   const int64_t s = part_.shard_elems;
   const int64_t c = allgather_chunk_elems(options_.allgather_bucket_elems, n);
@@ -413,8 +413,8 @@ void ShardedOptimizer::gather_params() {
     wait(dp_->all_gather(working_.data(), all.data(), static_cast<size_t>(s), type));
     return;
   }
-  const size_t es = nn::dtype_size(all.dtype());
-  nn::Tensor staging = nn::Tensor::empty(*allocator_, nn::Shape{c * n}, all.dtype(),
+  const size_t es = tensor::dtype_size(all.dtype());
+  tensor::Tensor staging = tensor::Tensor::empty(*allocator_, tensor::Shape{c * n}, all.dtype(),
                                          memory::Category::kComm);
   memory::Stream& compute = allocator_->device().compute_stream();
   auto* flat = static_cast<char*>(all.data());
@@ -445,22 +445,22 @@ void ShardedOptimizer::set_params(const std::vector<float>& padded) {
   memory::Device& device = allocator_->device();
   const std::vector<float> mine(padded.begin() + begin_, padded.begin() + end_);
   if (options_.zero_stage == 3) {
-    nn::from_host_f32(device, mine, working_);
+    tensor::from_host_f32(device, mine, working_);
   } else {
-    nn::Tensor params = flat_->params();
-    nn::from_host_f32(device, padded, params);
+    tensor::Tensor params = flat_->params();
+    tensor::from_host_f32(device, padded, params);
   }
   const size_t h = static_cast<size_t>(host_elems_);
   if (h > 0) std::memcpy(host_->master.data, mine.data(), host_->master.bytes);
   if (has_master() && h < mine.size()) {
-    nn::from_host_f32(device, std::vector<float>(mine.begin() + static_cast<long>(h), mine.end()),
+    tensor::from_host_f32(device, std::vector<float>(mine.begin() + static_cast<long>(h), mine.end()),
                       master_);
   }
 }
 
 std::vector<ShardedOptimizer::StateTensor> ShardedOptimizer::state_tensors() const {
   // The host's part first, then the device's (Note [Partial offload]); either may be absent.
-  auto state = [](const char* name, const nn::Tensor& host, const nn::Tensor& device) {
+  auto state = [](const char* name, const tensor::Tensor& host, const tensor::Tensor& device) {
     return host.defined() ? StateTensor{name, host, device} : StateTensor{name, device, {}};
   };
   std::vector<StateTensor> out;

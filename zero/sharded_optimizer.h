@@ -38,7 +38,7 @@
 #include "config/config.h"
 #include "memory/caching_allocator.h"
 #include "memory/pinned_pool.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 #include "nn/layer.h"
 #include "zero/loss_scaler.h"
 #include "zero/partition.h"
@@ -162,7 +162,7 @@ class ShardedOptimizer {
   // With options.offload (or options.param_offload) enabled and pin_memory, `pinned` (not
   // owned) holds the host state; a shortfall there throws OutOfMemoryError naming the offload
   // key and porter.device.pinned_limit.
-  ShardedOptimizer(nn::FlatParams& flat, nn::Kernels& kernels,
+  ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
                    memory::CachingAllocator& allocator, comm::Communicator* dp,
                    const Partition& part, const OptimizerOptions& options,
                    memory::PinnedPool* pinned = nullptr);
@@ -189,7 +189,7 @@ class ShardedOptimizer {
   // The working parameters of the range: a view of the flat buffer at stages 0-2, the rank's
   // own shard (category params) at stage 3, from which zero/param_gatherer.h gathers; in host
   // memory with parameter offload (Note [Parameter offload]).
-  const nn::Tensor& working() const { return working_; }
+  const tensor::Tensor& working() const { return working_; }
 
   // The scale the loss stage multiplies the gradients by this step (1 without fp16).
   double loss_scale() const { return scaler_.scale(); }
@@ -198,12 +198,12 @@ class ShardedOptimizer {
   // final (Note [Ready gradients] in zero/reducer.h), copied to the host while backward goes
   // on. Both do nothing without offload.
   void begin_step();
-  void gradients_ready(const nn::Tensor& grads, int64_t lo, int64_t hi);
+  void gradients_ready(const tensor::Tensor& grads, int64_t lo, int64_t hi);
 
   // Phases 1-3 of Note [Sharded optimizer]. `grads` is the reducer's shard (the whole
   // buffer at stage 0).
-  GradNorm global_norm(const nn::Tensor& grads);
-  void update(const nn::Tensor& grads, double lr, const GradNorm& norm);
+  GradNorm global_norm(const tensor::Tensor& grads);
+  void update(const tensor::Tensor& grads, double lr, const GradNorm& norm);
   void finish_step(bool overflow);
   // Host seconds waited on this optimizer's collectives since the last call.
   double take_exposed_s();
@@ -228,8 +228,8 @@ class ShardedOptimizer {
   // host's part and the device's (Note [Partial offload]); checkpoints store the two as one.
   struct StateTensor {
     const char* name;
-    nn::Tensor tensor;
-    nn::Tensor rest = {};
+    tensor::Tensor tensor;
+    tensor::Tensor rest = {};
   };
   std::vector<StateTensor> state_tensors() const;
   int64_t steps() const { return steps_; }
@@ -240,10 +240,10 @@ class ShardedOptimizer {
  private:
   void wait(comm::Work work);
   void gather_params();  // Note [Bucketed parameter all-gather]
-  void finish_gradient_copies(const nn::Tensor& grads);
+  void finish_gradient_copies(const tensor::Tensor& grads);
 
   nn::FlatParams* flat_;                 // not owned; outlives this
-  nn::Kernels* kernels_;                 // not owned
+  kernels::Kernels* kernels_;                 // not owned
   memory::CachingAllocator* allocator_;  // not owned
   comm::Communicator* dp_;               // not owned; null with one rank
   comm::Communicator* tp_ = nullptr;     // not owned; null without tensor parallelism
@@ -254,13 +254,13 @@ class ShardedOptimizer {
   struct Host;                  // Note [Optimizer offload], Note [Parameter offload]
   std::unique_ptr<Host> host_;  // null without either offload
   OffloadStats offload_stats_;
-  nn::Tensor working_;     // (end - begin) in the compute dtype; see working()
+  tensor::Tensor working_;     // (end - begin) in the compute dtype; see working()
   // The device's part [h, end - begin) of the range (all of it without offload, none with a
   // full one; undefined then), and the host's [0, h) as views of the host arrays (Note
   // [Partial offload]). The masters are undefined for f32 compute.
   int64_t host_elems_ = 0;  // h
-  nn::Tensor master_, exp_avg_, exp_avg_sq_;                 // f32, device
-  nn::Tensor host_master_, host_exp_avg_, host_exp_avg_sq_;  // f32, host
+  tensor::Tensor master_, exp_avg_, exp_avg_sq_;                 // f32, device
+  tensor::Tensor host_master_, host_exp_avg_, host_exp_avg_sq_;  // f32, host
   LossScaler scaler_;
   int64_t steps_ = 0;      // steps that updated (fp16 overflow skips)
   double exposed_s_ = 0.0;

@@ -26,12 +26,12 @@ namespace {
 using namespace porter;
 
 // Learn target(token) = (3 * token + 1) mod vocab, scaled to [0, 1), from token ids.
-std::vector<engine::HostBatch> make_batches(const config::Config& c, int64_t step) {
-  std::vector<engine::HostBatch> out;
+std::vector<io::HostBatch> make_batches(const config::Config& c, int64_t step) {
+  std::vector<io::HostBatch> out;
   const int64_t b = c.train_micro_batch_size_per_gpu, t = c.porter.model.seq_len;
   const int64_t v = c.porter.model.vocab;
   for (int64_t m = 0; m < c.gradient_accumulation_steps; ++m) {
-    engine::HostBatch mb;
+    io::HostBatch mb;
     mb.batch = b;
     mb.seq = t;
     for (int64_t i = 0; i < b * t; ++i) {

@@ -17,7 +17,7 @@
 #else  // porter's own tree
 #include "engine/model.h"
 #include "nn/ctx.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 #include "nn/layer.h"
 #endif
 
@@ -28,12 +28,12 @@ namespace porter::engine::example {
 class Lookup : public nn::Layer {
  public:
   Lookup(int64_t vocab, int64_t channels) : v_(vocab), c_(channels) {}
-  std::vector<nn::ParamSpec> params() const override { return {{"table.weight", nn::Shape{v_, c_}}}; }
+  std::vector<nn::ParamSpec> params() const override { return {{"table.weight", tensor::Shape{v_, c_}}}; }
 
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& ids) override {
+  tensor::Tensor forward(nn::Ctx& ctx, const tensor::Tensor& ids) override {
     const int64_t n = ids.numel();
-    nn::Tensor y = ctx.op(nn::OpKind::kEmbedding, "lookup", {ids, param(0)},
-                          {{nn::Shape{n, c_}, nn::DType::kF32}}, [&](std::span<nn::Tensor> out) {
+    tensor::Tensor y = ctx.op(nn::OpKind::kEmbedding, "lookup", {ids, param(0)},
+                          {{tensor::Shape{n, c_}, tensor::DType::kF32}}, [&](std::span<tensor::Tensor> out) {
                             const int32_t* id = ids.data_as<int32_t>();
                             const float* w = param(0).data_as<float>();
                             float* o = out[0].data_as<float>();
@@ -44,14 +44,14 @@ class Lookup : public nn::Layer {
     return y;
   }
 
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
-    const nn::Tensor& ids = ctx.saved("ids");
+  tensor::Tensor backward(nn::Ctx& ctx, const tensor::Tensor& dy) override {
+    const tensor::Tensor& ids = ctx.saved("ids");
     const int32_t* id = ids.data_as<int32_t>();
     const float* d = dy.data_as<float>();
     float* dw = grad(0).data_as<float>();  // accumulate: micro-batches sum
     for (int64_t i = 0; i < ids.numel(); ++i)
       for (int64_t j = 0; j < c_; ++j) dw[id[i] * c_ + j] += d[i * c_ + j];
-    return nn::Tensor();  // token ids have no gradient
+    return tensor::Tensor();  // token ids have no gradient
   }
 
  private:
@@ -63,31 +63,31 @@ class ResidualMlp : public nn::Layer {
  public:
   ResidualMlp(int64_t channels, int64_t inner) : c_(channels), f_(inner) {}
   std::vector<nn::ParamSpec> params() const override {
-    return {{"fc1.weight", nn::Shape{f_, c_}}, {"fc1.bias", nn::Shape{f_}},
-            {"fc2.weight", nn::Shape{c_, f_}}, {"fc2.bias", nn::Shape{c_}}};
+    return {{"fc1.weight", tensor::Shape{f_, c_}}, {"fc1.bias", tensor::Shape{f_}},
+            {"fc2.weight", tensor::Shape{c_, f_}}, {"fc2.bias", tensor::Shape{c_}}};
   }
 
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
-    nn::Tensor h = ctx.linear("fc1", x, param(0), param(1));
-    nn::Tensor g = ctx.gelu("gelu", h);
-    nn::Tensor f = ctx.linear("fc2", g, param(2), param(3));
-    nn::Tensor y = ctx.add("residual", x, f);
+  tensor::Tensor forward(nn::Ctx& ctx, const tensor::Tensor& x) override {
+    tensor::Tensor h = ctx.linear("fc1", x, param(0), param(1));
+    tensor::Tensor g = ctx.gelu("gelu", h);
+    tensor::Tensor f = ctx.linear("fc2", g, param(2), param(3));
+    tensor::Tensor y = ctx.add("residual", x, f);
     ctx.save("x", x);
     ctx.save("h", h);
     ctx.save("g", g);
     return y;
   }
 
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
-    nn::Kernels& k = ctx.kernels();
-    const nn::MatmulSpec acc{true, false, 1.0f, 1.0f};  // dW += dy^T @ input
-    nn::Tensor dg = ctx.workspace(ctx.saved("g").shape(), nn::DType::kF32);
+  tensor::Tensor backward(nn::Ctx& ctx, const tensor::Tensor& dy) override {
+    kernels::Kernels& k = ctx.kernels();
+    const kernels::MatmulSpec acc{true, false, 1.0f, 1.0f};  // dW += dy^T @ input
+    tensor::Tensor dg = ctx.workspace(ctx.saved("g").shape(), tensor::DType::kF32);
     k.matmul(dy, param(2), dg);
     k.matmul(dy, ctx.saved("g"), grad(2), acc);
     k.bias_backward(dy, grad(3));
-    nn::Tensor dh = ctx.workspace(dg.shape(), nn::DType::kF32);
+    tensor::Tensor dh = ctx.workspace(dg.shape(), tensor::DType::kF32);
     k.gelu_backward(ctx.saved("h"), dg, dh);
-    nn::Tensor dx = ctx.grad_like(dy);
+    tensor::Tensor dx = ctx.grad_like(dy);
     k.matmul(dh, param(0), dx);
     k.matmul(dh, ctx.saved("x"), grad(0), acc);
     k.bias_backward(dh, grad(1));
@@ -106,10 +106,10 @@ class MseLoss : public LossLayer {
   explicit MseLoss(int64_t vocab) : v_(vocab) {}
   std::vector<nn::ParamSpec> params() const override { return {}; }
 
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
-    const nn::Tensor& t = targets();
-    nn::Tensor loss = ctx.op(nn::OpKind::kLoss, "mse", {x, t}, {{nn::Shape{1}, nn::DType::kF32}},
-                             [&](std::span<nn::Tensor> out) {
+  tensor::Tensor forward(nn::Ctx& ctx, const tensor::Tensor& x) override {
+    const tensor::Tensor& t = targets();
+    tensor::Tensor loss = ctx.op(nn::OpKind::kLoss, "mse", {x, t}, {{tensor::Shape{1}, tensor::DType::kF32}},
+                             [&](std::span<tensor::Tensor> out) {
                                double sum = 0;
                                for_each(x, t, [&](int64_t, float diff) { sum += double(diff) * diff; });
                                out[0].data_as<float>()[0] = static_cast<float>(sum / double(x.numel()));
@@ -118,9 +118,9 @@ class MseLoss : public LossLayer {
     return loss;
   }
 
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor&) override {  // dy ignored (LossLayer)
-    const nn::Tensor& x = ctx.saved("x");
-    nn::Tensor dx = ctx.grad_like(x);
+  tensor::Tensor backward(nn::Ctx& ctx, const tensor::Tensor&) override {  // dy ignored (LossLayer)
+    const tensor::Tensor& x = ctx.saved("x");
+    tensor::Tensor dx = ctx.grad_like(x);
     float* d = dx.data_as<float>();
     const float k = 2.0f * loss_scale() / static_cast<float>(x.numel());
     for_each(x, targets(), [&](int64_t i, float diff) { d[i] = k * diff; });
@@ -129,7 +129,7 @@ class MseLoss : public LossLayer {
 
  private:
   template <typename Fn>
-  void for_each(const nn::Tensor& x, const nn::Tensor& t, Fn fn) const {
+  void for_each(const tensor::Tensor& x, const tensor::Tensor& t, Fn fn) const {
     const float* xv = x.data_as<float>();
     const int32_t* tv = t.data_as<int32_t>();
     const int64_t c = x.dim(-1);

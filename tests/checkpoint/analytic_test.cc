@@ -11,34 +11,34 @@
 #include "checkpoint/schedule.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/gpt.h"
-#include "nn/kernels.h"
+#include "models/transformer.h"
+#include "kernels/kernels.h"
 
 namespace porter::checkpoint {
 namespace {
 
-using nn::DType;
+using tensor::DType;
 using nn::OpKind;
 using nn::OpPolicy;
 using nn::SaveMode;
-using nn::Tensor;
+using tensor::Tensor;
 
 struct Env {
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> alloc;
-  std::unique_ptr<nn::Kernels> kernels;
+  std::unique_ptr<kernels::Kernels> kernels;
   Env() {
     memory::DeviceOptions o;
     o.memory_limit_bytes = size_t{256} << 20;
     o.threads = 1;
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = nn::make_kernels(*alloc);
+    kernels = kernels::make_kernels(*alloc);
   }
   Tensor ids(int64_t b, int64_t t, int64_t vocab, int salt) {
     std::vector<int32_t> v(static_cast<size_t>(b * t));
     for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>((i * 7 + salt * 13 + i * i) % vocab);
-    Tensor x = Tensor::empty(*alloc, nn::Shape{b, t}, DType::kI32, memory::Category::kWorkspace);
+    Tensor x = Tensor::empty(*alloc, tensor::Shape{b, t}, DType::kI32, memory::Category::kWorkspace);
     device->copy_sync(x.data(), v.data(), x.nbytes());
     return x;
   }
@@ -72,7 +72,7 @@ struct Measured {
 };
 
 // Runs stage `s` of `gpt` on input `x` under `option` and reads the allocator's figures.
-Measured measure(Env& env, nn::Ctx& ctx, nn::Gpt& gpt, int s, const Tensor& x, SaveOption option,
+Measured measure(Env& env, nn::Ctx& ctx, models::Gpt& gpt, int s, const Tensor& x, SaveOption option,
                  const OpPolicy& selective) {
   Measured m;
   OptionCost& c = m.cost;
@@ -98,7 +98,7 @@ Measured measure(Env& env, nn::Ctx& ctx, nn::Gpt& gpt, int s, const Tensor& x, S
   }
   Tensor dy;
   if (s + 1 < gpt.num_stages()) dy = Tensor::empty(*env.alloc, x.shape(), x.dtype(), memory::Category::kWorkspace);
-  if (s == 0) dy = Tensor::empty(*env.alloc, nn::Shape{x.dim(0), x.dim(1), gpt.config().hidden}, ctx.compute_dtype(),
+  if (s == 0) dy = Tensor::empty(*env.alloc, tensor::Shape{x.dim(0), x.dim(1), gpt.config().hidden}, ctx.compute_dtype(),
                                  memory::Category::kWorkspace);
   if (dy.defined()) env.kernels->fill(dy, 0.01f);
   base_req = env.req();
@@ -122,10 +122,10 @@ TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
   const Case k = GetParam();
   Env env;
   const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq, k.llama);
-  nn::Gpt gpt(mc);
+  models::Gpt gpt(mc);
   nn::FlatParams flat(*env.alloc, gpt.layout(), k.dtype, DType::kF32);
   Tensor p = flat.params();
-  nn::from_host_f32(*env.device, gpt.init_values(5), p);
+  tensor::from_host_f32(*env.device, gpt.init_values(5), p);
   gpt.bind(flat);
   const int64_t B = 2, T = k.seq;
   Tensor tokens = env.ids(B, T, mc.vocab, 0);
@@ -174,7 +174,7 @@ TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
 }
 
 // vocab 50 < 3 * hidden: the last block's forward is the none peak; vocab 500: the head's.
-// The total peaks include the kernels' workspace (Note [Kernel workspace] in nn/kernels.h):
+// The total peaks include the kernels' workspace (Note [Kernel workspace] in kernels/kernels.h):
 // in bf16 the attention scratch sets the block's backward and selective-recompute totals,
 // and at T = 70 the f32 backward's dS block does.
 INSTANTIATE_TEST_SUITE_P(DtypesAndDropout, AnalyticVsMeasured,
@@ -204,10 +204,10 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
 
         // A whole step through Gpt::forward_backward, measured.
         Env env;
-        nn::Gpt gpt(mc);
+        models::Gpt gpt(mc);
         nn::FlatParams flat(*env.alloc, gpt.layout(), dt, DType::kF32);
         Tensor params = flat.params();
-        nn::from_host_f32(*env.device, gpt.init_values(5), params);
+        tensor::from_host_f32(*env.device, gpt.init_values(5), params);
         gpt.bind(flat);
         nn::Ctx ctx(*env.kernels, *env.alloc, dt);
         const size_t base = env.act();
@@ -231,17 +231,17 @@ TEST(AnalyticTest, SimulatedPeaksOfFullAndSelectiveEqualAMeasuredStep) {
       const GptShape shape{mc, 2, 12, dt};
       const ChainCosts costs = analytic_gpt_costs(shape);
       Env env;
-      nn::Gpt gpt(mc);
+      models::Gpt gpt(mc);
       nn::FlatParams flat(*env.alloc, gpt.layout(), dt, DType::kF32);
       Tensor params = flat.params();
-      nn::from_host_f32(*env.device, gpt.init_values(5), params);
+      tensor::from_host_f32(*env.device, gpt.init_values(5), params);
       gpt.bind(flat);
       nn::Ctx ctx(*env.kernels, *env.alloc, dt);
       const int n = gpt.num_stages();
-      std::vector<nn::StagePlan> full(static_cast<size_t>(n), {SaveMode::kCheckpoint, OpPolicy::keep_none()});
-      std::vector<nn::StagePlan> sel(static_cast<size_t>(n), {SaveMode::kSaveAll, OpPolicy::keep_none()});
+      std::vector<models::StagePlan> full(static_cast<size_t>(n), {SaveMode::kCheckpoint, OpPolicy::keep_none()});
+      std::vector<models::StagePlan> sel(static_cast<size_t>(n), {SaveMode::kSaveAll, OpPolicy::keep_none()});
       for (int s = 1; s + 1 < n; ++s) sel[s] = {SaveMode::kCheckpoint, OpPolicy::selective_attention()};
-      const std::pair<const std::vector<nn::StagePlan>*, Schedule> cases[] = {
+      const std::pair<const std::vector<models::StagePlan>*, Schedule> cases[] = {
           {&full, schedule_full(costs)}, {&sel, schedule_selective(costs)}};
       for (const auto& [plans, schedule] : cases) {
         const size_t base = env.act();
@@ -283,7 +283,7 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
   // GELU moment's 8A is as high).
   EXPECT_EQ(f.stages[1].backward_total_peak_bytes, 8'388'608u);
   EXPECT_EQ(b.stages[1].backward_total_peak_bytes, 10'747'904u);
-  EXPECT_EQ(nn::attention_forward_workspace_bytes(memory::DeviceKind::kCpu,
+  EXPECT_EQ(kernels::attention_forward_workspace_bytes(memory::DeviceKind::kCpu,
                                                   {4, 256, 256, 8, DType::kBF16, DType::kBF16}),
             4'980'736u);
   EXPECT_EQ(gpt_model_state_bytes(mc, DType::kF32).params, 33'925'120u);
@@ -291,7 +291,7 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
 
 // Kernel workspace is in the total figures only, and depends on the device the kernels run
 // on: the activation footprint is the same for cpu and cuda, the totals follow
-// nn::attention_*_workspace_bytes (Note [Kernel workspace] in nn/kernels.h).
+// nn::attention_*_workspace_bytes (Note [Kernel workspace] in kernels/kernels.h).
 TEST(AnalyticTest, KernelWorkspaceEntersTheTotalsOnlyPerDevice) {
   for (DType dt : {DType::kF32, DType::kBF16}) {
     const config::ModelConfig mc = small_model(0.0, 50, 70);
@@ -314,23 +314,23 @@ TEST(AnalyticTest, KernelWorkspaceEntersTheTotalsOnlyPerDevice) {
               simulate(schedule_none(cuda), cuda).peak_activation_bytes);
 
     // The block's backward: the GELU moment (8A) or the attention moment (6A + scratch).
-    const size_t a = 2 * 70 * 32 * nn::dtype_size(dt);
-    const nn::AttentionCall call{2, 70, 32, 4, dt, dt, dt};
+    const size_t a = 2 * 70 * 32 * tensor::dtype_size(dt);
+    const kernels::AttentionCall call{2, 70, 32, 4, dt, dt, dt};
     for (const auto& [costs, kind] : {std::pair{&cpu, memory::DeviceKind::kCpu},
                                       std::pair{&cuda, memory::DeviceKind::kCuda}}) {
       EXPECT_EQ(costs->stages[1].backward_total_peak_bytes,
-                std::max(8 * a, 6 * a + nn::attention_backward_workspace_bytes(kind, call)));
+                std::max(8 * a, 6 * a + kernels::attention_backward_workspace_bytes(kind, call)));
       // Selective recomputes only the attention: its outputs (A + P) and its scratch.
       const size_t p = 2 * 4 * 70 * 70 * 4;
       EXPECT_EQ(costs->stages[1].option(SaveOption::kSelective).recompute_total_peak_bytes,
-                a + p + nn::attention_forward_workspace_bytes(kind, call));
+                a + p + kernels::attention_forward_workspace_bytes(kind, call));
     }
   }
 }
 
 TEST(AnalyticTest, ModelStateBytesUseTheRealLayout) {
   const config::ModelConfig mc = small_model(0.0, 50);
-  const nn::Gpt gpt(mc);
+  const models::Gpt gpt(mc);
   const size_t n = static_cast<size_t>(gpt.layout().total_elems());
   const ModelStateBytes f = gpt_model_state_bytes(mc, DType::kF32);
   EXPECT_EQ(f.params, 4 * n);

@@ -21,17 +21,17 @@
 #include "comm/communicator.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/gpt.h"
-#include "nn/kernels.h"
+#include "models/transformer.h"
+#include "kernels/kernels.h"
 
 namespace porter::checkpoint {
 namespace {
 
-using nn::DType;
+using tensor::DType;
 using nn::OpKind;
 using nn::OpPolicy;
 using nn::SaveMode;
-using nn::Tensor;
+using tensor::Tensor;
 
 constexpr int64_t kBatch = 2, kSeq = 12;
 
@@ -54,21 +54,21 @@ config::ModelConfig tp_model(int64_t t, bool sp, bool tied, int64_t seq_len = kS
 struct Env {
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> alloc;
-  std::unique_ptr<nn::Kernels> kernels;
+  std::unique_ptr<kernels::Kernels> kernels;
   Env() {
     memory::DeviceOptions o;
     o.memory_limit_bytes = size_t{256} << 20;
     o.threads = 1;
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = nn::make_kernels(*alloc);
+    kernels = kernels::make_kernels(*alloc);
   }
   Tensor ids(int64_t b, int64_t t, int64_t vocab, int salt) {
     std::vector<int32_t> v(static_cast<size_t>(b * t));
     for (size_t i = 0; i < v.size(); ++i) {
       v[i] = static_cast<int32_t>((i * 7 + static_cast<size_t>(salt) * 13 + i * i) % vocab);
     }
-    Tensor x = Tensor::empty(*alloc, nn::Shape{b, t}, DType::kI32, memory::Category::kWorkspace);
+    Tensor x = Tensor::empty(*alloc, tensor::Shape{b, t}, DType::kI32, memory::Category::kWorkspace);
     device->copy_sync(x.data(), v.data(), x.nbytes());
     return x;
   }
@@ -81,7 +81,7 @@ struct Env {
 // One rank's part of the model, bound to initial values, with a Ctx on the group.
 struct RankModel {
   Env env;
-  nn::Gpt gpt;
+  models::Gpt gpt;
   nn::FlatParams flat;
   nn::Ctx ctx;
   RankModel(const config::ModelConfig& mc, DType dtype, int rank, comm::Communicator* tp)
@@ -89,7 +89,7 @@ struct RankModel {
         flat(*env.alloc, gpt.layout(), dtype, DType::kF32),
         ctx(*env.kernels, *env.alloc, dtype) {
     Tensor p = flat.params();
-    nn::from_host_f32(*env.device, gpt.init_values(5), p);
+    tensor::from_host_f32(*env.device, gpt.init_values(5), p);
     Tensor g = flat.grads();
     env.kernels->fill(g, 0.0f);
     gpt.bind(flat);
@@ -202,7 +202,7 @@ struct TpCase {
 
 std::string case_name(const TpCase& c) {
   return "t" + std::to_string(c.t) + (c.sp ? "_sp" : "") + (c.tied ? "_tied" : "_untied") +
-         "_" + std::string(nn::dtype_name(c.dtype)) +
+         "_" + std::string(tensor::dtype_name(c.dtype)) +
          (c.seq != kSeq ? "_seq" + std::to_string(c.seq) : "");
 }
 
@@ -280,14 +280,14 @@ TEST(AnalyticTpTest, SimulatedPeaksEqualAMeasuredStepOnEveryRank) {
     EXPECT_EQ(gpt_none_peak_bytes(shape),
               simulate(schedule_none(costs), costs).peak_activation_bytes);
     const int n = costs.num_stages();
-    const std::vector<nn::StagePlan> none(static_cast<size_t>(n));
-    const std::vector<nn::StagePlan> full(static_cast<size_t>(n),
+    const std::vector<models::StagePlan> none(static_cast<size_t>(n));
+    const std::vector<models::StagePlan> full(static_cast<size_t>(n),
                                           {SaveMode::kCheckpoint, OpPolicy::keep_none()});
-    std::vector<nn::StagePlan> sel(static_cast<size_t>(n));
+    std::vector<models::StagePlan> sel(static_cast<size_t>(n));
     for (int s = 1; s + 1 < n; ++s) {
       sel[static_cast<size_t>(s)] = {SaveMode::kCheckpoint, OpPolicy::selective_attention()};
     }
-    const std::pair<const std::vector<nn::StagePlan>*, Schedule> cases[] = {
+    const std::pair<const std::vector<models::StagePlan>*, Schedule> cases[] = {
         {&none, schedule_none(costs)},
         {&full, schedule_full(costs)},
         {&sel, schedule_selective(costs)}};
@@ -377,9 +377,9 @@ TEST(AnalyticTpTest, KorthikantiFormula) {
 TEST(AnalyticTpTest, ModelStatesAreTheRanksLayout) {
   for (int t : {1, 2, 4}) {
     const config::ModelConfig mc = tp_model(t, false, false);
-    const size_t elems = static_cast<size_t>(nn::Gpt(mc, 0).layout().total_elems());
+    const size_t elems = static_cast<size_t>(models::Gpt(mc, 0).layout().total_elems());
     EXPECT_EQ(gpt_model_state_bytes(mc, DType::kBF16).params, 2 * elems);
-    EXPECT_EQ(static_cast<size_t>(nn::Gpt(mc, t - 1).layout().total_elems()), elems);
+    EXPECT_EQ(static_cast<size_t>(models::Gpt(mc, t - 1).layout().total_elems()), elems);
   }
 }
 

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/app.h"
-#include "engine/state_file.h"
-#include "engine/weights_file.h"
+#include "io/state_file.h"
+#include "io/weights_file.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace porter::cli {
@@ -79,8 +79,8 @@ TEST_F(CliConsolidate, WritesTheLayoutsTensorsAndASummary) {
       const CliRun r = porter({"consolidate", "--checkpoint", ckpt.string(), "--out", out.string(),
                                "--dtype", dtype});
       ASSERT_EQ(r.rc, kExitOk) << r.err;
-      engine::WeightMetadata meta;
-      const std::vector<engine::WeightTensor> tensors = engine::read_safetensors(out, &meta);
+      io::WeightMetadata meta;
+      const std::vector<io::WeightTensor> tensors = io::read_safetensors(out, &meta);
       ASSERT_EQ(tensors.size(), layout["params"].size());
       int64_t params = 0;
       for (size_t i = 0; i < tensors.size(); ++i) {
@@ -88,9 +88,9 @@ TEST_F(CliConsolidate, WritesTheLayoutsTensorsAndASummary) {
         EXPECT_EQ(json(tensors[i].shape), layout["params"][i]["shape"]);
         params += tensors[i].numel();
       }
-      const nn::DType want = dtype == "f32" || !bf16 ? nn::DType::kF32 : nn::DType::kBF16;
-      for (const engine::WeightTensor& t : tensors) EXPECT_EQ(t.dtype, want) << t.name;
-      EXPECT_EQ(meta, (engine::WeightMetadata{{"format", "pt"},
+      const tensor::DType want = dtype == "f32" || !bf16 ? tensor::DType::kF32 : tensor::DType::kBF16;
+      for (const io::WeightTensor& t : tensors) EXPECT_EQ(t.dtype, want) << t.name;
+      EXPECT_EQ(meta, (io::WeightMetadata{{"format", "pt"},
                                               {"porter.step", "2"},
                                               {"porter.source", ckpt.string()}}));
       // The summary: tensors, parameters, bytes, dtype, step, ranks read.
@@ -100,7 +100,7 @@ TEST_F(CliConsolidate, WritesTheLayoutsTensorsAndASummary) {
       EXPECT_TRUE(contains(r.out, "  tensors     " + std::to_string(tensors.size()) + "\n")) << r.out;
       EXPECT_TRUE(contains(r.out, "  parameters  " + std::to_string(params) + " (")) << r.out;
       EXPECT_TRUE(contains(r.out, "  bytes       " +
-                                      std::to_string(params * static_cast<int64_t>(nn::dtype_size(want))) +
+                                      std::to_string(params * static_cast<int64_t>(tensor::dtype_size(want))) +
                                       " (")) << r.out;
       const std::string origin = dtype == "f32" && bf16 ? "f32 (the f32 master weights; trained in bf16)"
                                  : bf16                 ? "bf16 (the working parameters)"
@@ -116,9 +116,9 @@ TEST_F(CliConsolidate, TensorParallelCheckpointsNeedTpRank) {
   // Two tensor-parallel ranks of one data-parallel rank: rank1 a copy of rank0 here.
   const fs::path tp = dir_ / "tp";
   for (const char* r : {"rank0", "rank1"}) {
-    engine::LoadedState s = engine::read_state(ckpt);
+    io::LoadedState s = io::read_state(ckpt);
     s.meta["config"]["model"]["tensor_parallel"] = 2;
-    engine::write_state(tp / r, s.meta, s.sections);
+    io::write_state(tp / r, s.meta, s.sections);
   }
   const fs::path out = dir_ / "tp.safetensors";
   CliRun r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string()});
@@ -130,8 +130,8 @@ TEST_F(CliConsolidate, TensorParallelCheckpointsNeedTpRank) {
   r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "1"});
   ASSERT_EQ(r.rc, kExitOk) << r.err;
   EXPECT_TRUE(contains(r.out, "  ranks read  1 of 2 (dp 1 x tp 2: tp rank 1's, ZeRO stage 0)\n")) << r.out;
-  engine::WeightMetadata meta;
-  EXPECT_FALSE(engine::read_safetensors(out, &meta).empty());
+  io::WeightMetadata meta;
+  EXPECT_FALSE(io::read_safetensors(out, &meta).empty());
   EXPECT_EQ(meta["porter.tp_rank"], "1");
   r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "2"});
   EXPECT_EQ(r.rc, kExitInvalid);

@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/state_file.h"
+#include "io/state_file.h"
 
 namespace porter::cli {
 namespace {
@@ -89,14 +89,14 @@ class ExactTest : public ::testing::Test {
 // ZeRO-3 shard) hold.
 void expect_same_state(const fs::path& a_dir, const fs::path& b_dir, bool a_is_shard = false) {
   SCOPED_TRACE(a_dir.string() + " against " + b_dir.string());
-  const engine::LoadedState a = engine::read_state(a_dir);
-  const engine::LoadedState b = engine::read_state(b_dir);
+  const io::LoadedState a = io::read_state(a_dir);
+  const io::LoadedState b = io::read_state(b_dir);
   for (const char* key : {"step", "optimizer_steps", "loss_scaler", "compute_dtype", "layout"}) {
     EXPECT_EQ(a.meta.at(key), b.meta.at(key)) << key;
   }
   ASSERT_EQ(a.sections.size(), b.sections.size());
-  for (const engine::StateSection& sa : a.sections) {
-    const engine::StateSection& sb = b.section(sa.name);
+  for (const io::StateSection& sa : a.sections) {
+    const io::StateSection& sb = b.section(sa.name);
     if (sa.name == "params" && a_is_shard) {
       const int64_t begin = a.meta.at("params_range").at(0).get<int64_t>();
       const size_t elem = sb.bytes.size() / b.meta.at("layout").at("total_elems").get<size_t>();
@@ -116,9 +116,9 @@ void expect_same_state(const fs::path& a_dir, const fs::path& b_dir, bool a_is_s
 
 // The sections a whole training state has: the moments always, the master in bf16.
 void expect_whole_state(const fs::path& dir, bool bf16) {
-  const engine::LoadedState s = engine::read_state(dir);
+  const io::LoadedState s = io::read_state(dir);
   std::vector<std::string> names;
-  for (const engine::StateSection& sec : s.sections) names.push_back(sec.name);
+  for (const io::StateSection& sec : s.sections) names.push_back(sec.name);
   EXPECT_THAT(names, ::testing::IsSupersetOf({"params", "exp_avg", "exp_avg_sq"}));
   if (bf16) {
     EXPECT_THAT(names, ::testing::Contains("master"));
@@ -175,8 +175,8 @@ TEST_F(ExactTest, ZeroStage2And3OnTwoRanksGiveOneState) {
     expect_whole_state(dir_ / "s2" / rank, false);
     expect_same_state(dir_ / "s3" / rank, dir_ / "s2" / rank, /*a_is_shard=*/true);
   }
-  const nlohmann::json t0 = engine::read_state(dir_ / "s2" / "rank0").meta.at("kernel_table");
-  const nlohmann::json t1 = engine::read_state(dir_ / "s2" / "rank1").meta.at("kernel_table");
+  const nlohmann::json t0 = io::read_state(dir_ / "s2" / "rank0").meta.at("kernel_table");
+  const nlohmann::json t1 = io::read_state(dir_ / "s2" / "rank1").meta.at("kernel_table");
   ASSERT_EQ(t0.at("entries").size(), t1.at("entries").size());
   for (size_t i = 0; i < t0.at("entries").size(); ++i) {
     EXPECT_EQ(t0.at("entries")[i].at("key"), t1.at("entries")[i].at("key"));

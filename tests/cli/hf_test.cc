@@ -15,10 +15,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/app.h"
-#include "engine/hf_checkpoint.h"
-#include "engine/weights_file.h"
-#include "nn/gpt.h"
-#include "nn/npy.h"
+#include "io/hf_checkpoint.h"
+#include "io/weights_file.h"
+#include "models/transformer.h"
+#include "io/npy.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace porter::cli {
@@ -52,10 +52,10 @@ class CliHf : public ::testing::Test {
     fs::create_directories(dir_);
     // The model: porter's init at another seed, written as a Hugging Face directory.
     const config::ModelConfig m = tiny_model();
-    const nn::Gpt gpt(m);
+    const models::Gpt gpt(m);
     values_ = gpt.init_values(7);
     model_ = dir_ / "gpt2-tiny";
-    engine::write_hf_checkpoint(model_, m, gpt.layout(), values_, nn::DType::kF32);
+    io::write_hf_checkpoint(model_, m, gpt.layout(), values_, tensor::DType::kF32);
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -75,8 +75,8 @@ class CliHf : public ::testing::Test {
     return p.string();
   }
   // The tensors of a written directory as f32, in its order.
-  static std::vector<engine::WeightTensor> tensors(const fs::path& d) {
-    return engine::read_safetensors(d / "model.safetensors");
+  static std::vector<io::WeightTensor> tensors(const fs::path& d) {
+    return io::read_safetensors(d / "model.safetensors");
   }
 
   fs::path dir_, model_;
@@ -132,9 +132,9 @@ TEST_F(CliHf, TrainStartsFromTheWeightsAndSaveHfWritesThemBack) {
   EXPECT_THAT(r.out, HasSubstr("  weights: " + model_.string() + " (Hugging Face, 29 tensors in 1 "
                                "file, F32, "));
   // The first step started from the model's values, not from the init of porter.train.seed.
-  const nn::Gpt gpt(tiny_model());
+  const models::Gpt gpt(tiny_model());
   for (const nn::ParamEntry& e : gpt.layout().entries()) {
-    const nn::NpyArray a = nn::read_npy((dump / "params" / (e.name + ".npy")).string());
+    const io::NpyArray a = io::read_npy((dump / "params" / (e.name + ".npy")).string());
     ASSERT_EQ(a.data.size(), static_cast<size_t>(e.shape.numel()) * 4) << e.name;
     EXPECT_EQ(std::memcmp(a.data.data(), values_.data() + e.offset_elems, a.data.size()), 0) << e.name;
   }
@@ -144,13 +144,13 @@ TEST_F(CliHf, TrainStartsFromTheWeightsAndSaveHfWritesThemBack) {
   ASSERT_EQ(s.rc, kExitOk) << s.err;
   EXPECT_THAT(s.out, HasSubstr("saved Hugging Face model: " + out.string() + " (step 0; config.json, "
                                "model.safetensors: 29 tensors, "));
-  const std::vector<engine::WeightTensor> in = tensors(model_), back = tensors(out);
+  const std::vector<io::WeightTensor> in = tensors(model_), back = tensors(out);
   ASSERT_EQ(back.size(), in.size());
   for (size_t i = 0; i < in.size(); ++i) {
     EXPECT_EQ(back[i].name, in[i].name);
     EXPECT_EQ(back[i].bytes, in[i].bytes) << in[i].name;
   }
-  EXPECT_EQ(engine::read_hf_config(out).model_keys, engine::read_hf_config(model_).model_keys);
+  EXPECT_EQ(io::read_hf_config(out).model_keys, io::read_hf_config(model_).model_keys);
 }
 
 TEST_F(CliHf, Bf16RunsWriteBf16AndResumeKeepsTheCheckpointsWeights) {
@@ -160,11 +160,11 @@ TEST_F(CliHf, Bf16RunsWriteBf16AndResumeKeepsTheCheckpointsWeights) {
   CliRun r = porter({"train", "--config", cfg, "--save", ckpt.string(), "--save-hf", out.string()});
   ASSERT_EQ(r.rc, kExitOk) << r.err;
   EXPECT_THAT(r.out, HasSubstr("parameters, bf16, "));
-  const std::vector<engine::WeightTensor> back = tensors(out);
-  for (const engine::WeightTensor& t : back) EXPECT_EQ(t.dtype, nn::DType::kBF16) << t.name;
-  EXPECT_EQ(engine::read_hf_config(out).json["torch_dtype"], "bfloat16");
+  const std::vector<io::WeightTensor> back = tensors(out);
+  for (const io::WeightTensor& t : back) EXPECT_EQ(t.dtype, tensor::DType::kBF16) << t.name;
+  EXPECT_EQ(io::read_hf_config(out).json["torch_dtype"], "bfloat16");
   // Trained: not the values it started from.
-  EXPECT_NE(engine::read_hf_weights(out, tiny_model()).values, values_);
+  EXPECT_NE(io::read_hf_weights(out, tiny_model()).values, values_);
 
   CliRun s = porter({"train", "--config", cfg, "--resume", ckpt.string(), "--steps", "3"});
   ASSERT_EQ(s.rc, kExitOk) << s.err;
@@ -184,7 +184,7 @@ TEST_F(CliHf, TensorParallelZero3RanksLoadAndGatherTheWholeModel) {
                      "--save-hf", none.string()});
   ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("[rank 0] saved Hugging Face model: " + none.string()));
-  const std::vector<engine::WeightTensor> in = tensors(model_), back = tensors(none);
+  const std::vector<io::WeightTensor> in = tensors(model_), back = tensors(none);
   ASSERT_EQ(back.size(), in.size());
   for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(back[i].bytes, in[i].bytes) << in[i].name;
 
@@ -196,8 +196,8 @@ TEST_F(CliHf, TensorParallelZero3RanksLoadAndGatherTheWholeModel) {
   const fs::path single = dir_ / "single";
   CliRun t = porter({"train", "--config", one, "--steps", "2", "--save-hf", single.string()});
   ASSERT_EQ(t.rc, kExitOk) << t.err;
-  const std::vector<float> a = engine::read_hf_weights(trained, tiny_model()).values;
-  const std::vector<float> b = engine::read_hf_weights(single, tiny_model()).values;
+  const std::vector<float> a = io::read_hf_weights(trained, tiny_model()).values;
+  const std::vector<float> b = io::read_hf_weights(single, tiny_model()).values;
   ASSERT_EQ(a.size(), b.size());
   double max_diff = 0, max_step = 0;
   for (size_t i = 0; i < a.size(); ++i) {

@@ -18,7 +18,7 @@
 #include "checkpoint/simulate.h"
 #include "cli/memory_page.h"
 #include "config/parse.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "tests/cli/cli_test_util.h"
@@ -66,7 +66,7 @@ class MemoryPage : public ::testing::Test {
   }
   // Trains `steps` steps with the record on; returns the last StepResult.
   engine::StepResult train(int steps) {
-    engine::DataSource data(cfg_.porter.data, cfg_.porter.model.vocab,
+    io::DataSource data(cfg_.porter.data, cfg_.porter.model.vocab,
                             cfg_.train_micro_batch_size_per_gpu, cfg_.porter.model.seq_len);
     eng_->record_step_memory(true);
     eng_->reset_peaks();

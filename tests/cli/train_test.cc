@@ -23,8 +23,8 @@
 #include "cli/app.h"
 #include "memory/category.h"
 #include "tests/cli/cli_test_util.h"
-#include "nn/gpt.h"
-#include "nn/npy.h"
+#include "models/transformer.h"
+#include "io/npy.h"
 #include "zero/partition.h"
 
 namespace porter::cli {
@@ -299,19 +299,19 @@ TEST_F(CliTrain, DumpDirHasTheLastStepsTensors) {
   for (const json& t : m["tensors"]) {
     const std::string name = t["name"];
     for (const char* kind : {"params", "grads"}) {
-      nn::NpyArray a = nn::read_npy((dump / kind / (name + ".npy")).string());
-      EXPECT_EQ(a.dtype, nn::DType::kF32) << name;
+      io::NpyArray a = io::read_npy((dump / kind / (name + ".npy")).string());
+      EXPECT_EQ(a.dtype, tensor::DType::kF32) << name;
       EXPECT_EQ(a.shape, t["shape"].get<std::vector<int64_t>>()) << name;
     }
   }
-  nn::NpyArray qkv = nn::read_npy((dump / "params" / "h.0.qkv.weight.npy").string());
+  io::NpyArray qkv = io::read_npy((dump / "params" / "h.0.qkv.weight.npy").string());
   EXPECT_EQ(qkv.shape, (std::vector<int64_t>{96, 32}));
-  nn::NpyArray wte = nn::read_npy((dump / "grads" / "wte.npy").string());
+  io::NpyArray wte = io::read_npy((dump / "grads" / "wte.npy").string());
   EXPECT_EQ(wte.shape, (std::vector<int64_t>{64, 32}));
   for (int mb = 0; mb < 2; ++mb) {
     for (const char* kind : {"tokens", "targets"}) {
-      nn::NpyArray b = nn::read_npy((dump / "batch" / (std::string(kind) + "_" + std::to_string(mb) + ".npy")).string());
-      EXPECT_EQ(b.dtype, nn::DType::kI32);
+      io::NpyArray b = io::read_npy((dump / "batch" / (std::string(kind) + "_" + std::to_string(mb) + ".npy")).string());
+      EXPECT_EQ(b.dtype, tensor::DType::kI32);
       EXPECT_EQ(b.shape, (std::vector<int64_t>{2, 16}));
     }
   }
@@ -399,9 +399,9 @@ TEST_F(CliTrain, EstimateZeroStagesPerRank) {
     model.heads = 2;
     model.seq_len = 16;
     model.vocab = 64;
-    const nn::Gpt gpt(model);
+    const models::Gpt gpt(model);
     const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), 3);
-    const zero::StateDTypes dtypes{bf16 ? nn::DType::kBF16 : nn::DType::kF32};
+    const zero::StateDTypes dtypes{bf16 ? tensor::DType::kBF16 : tensor::DType::kF32};
     EXPECT_EQ(j["world_size"], 3);
     EXPECT_EQ(j["zero"]["num_params"], gpt.layout().num_params());
     EXPECT_EQ(j["zero"]["padded_elems"], part.padded_elems);
@@ -479,13 +479,13 @@ TEST_F(CliTrain, EstimateTensorParallelFlag) {
   EXPECT_EQ(j["tensor_parallel"]["t"], 2);
   EXPECT_EQ(j["tensor_parallel"]["source"], "--tensor-parallel");
   EXPECT_TRUE(j["tensor_parallel"]["table"].is_null());
-  const nn::Gpt rank0(tiny_model(2), 0);
+  const models::Gpt rank0(tiny_model(2), 0);
   EXPECT_EQ(j["zero"]["num_params"], rank0.layout().num_params());
   const zero::StateBytes states =
       zero::exact_bytes(zero::make_partition(rank0.layout().total_elems(), 1), 0,
-                        zero::StateDTypes{nn::DType::kF32});
+                        zero::StateDTypes{tensor::DType::kF32});
   EXPECT_EQ(j["model_state_bytes"]["total"], states.total());
-  const checkpoint::GptShape shape{tiny_model(2), 2, 16, nn::DType::kF32};
+  const checkpoint::GptShape shape{tiny_model(2), 2, 16, tensor::DType::kF32};
   EXPECT_EQ(j["policies"][0]["activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
 
   CliRun text = porter({"estimate", "--config", tiny(), "--tensor-parallel", "2"});
@@ -529,15 +529,15 @@ TEST_F(CliTrain, EstimateTensorParallelTable) {
     SCOPED_TRACE("t " + std::to_string(t) + (sp ? " sp" : ""));
     EXPECT_EQ(row["t"], t);
     EXPECT_EQ(row["sequence_parallel"], sp);
-    const checkpoint::GptShape shape{tiny_model(t, sp), 2, 16, nn::DType::kF32};
+    const checkpoint::GptShape shape{tiny_model(t, sp), 2, 16, tensor::DType::kF32};
     EXPECT_EQ(row["layer_bytes"], checkpoint::gpt_layer_bytes(shape));
     EXPECT_DOUBLE_EQ(row["korthikanti_layer_bytes"].get<double>(),
                      checkpoint::korthikanti_layer_bytes(shape));
     EXPECT_EQ(row["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
-    const nn::Gpt rank0(tiny_model(t, sp), 0);
+    const models::Gpt rank0(tiny_model(t, sp), 0);
     EXPECT_EQ(row["model_state_bytes"]["total"],
               zero::exact_bytes(zero::make_partition(rank0.layout().total_elems(), 1), 0,
-                                zero::StateDTypes{nn::DType::kF32})
+                                zero::StateDTypes{tensor::DType::kF32})
                   .total());
   }
   EXPECT_EQ(table[0]["none_activation_peak_bytes"], j["policies"][0]["activation_peak_bytes"]);
@@ -564,7 +564,7 @@ TEST_F(CliTrain, PlanTensorParallel) {
   EXPECT_EQ(j["costs"], "analytic");
   EXPECT_EQ(j["tensor_parallel"], 2);
   EXPECT_EQ(j["sequence_parallel"], true);
-  const checkpoint::GptShape shape{tiny_model(2, true), 2, 16, nn::DType::kF32};
+  const checkpoint::GptShape shape{tiny_model(2, true), 2, 16, tensor::DType::kF32};
   EXPECT_EQ(j["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
   const checkpoint::ChainCosts costs = checkpoint::analytic_gpt_costs(shape);
   const checkpoint::Schedule uniform = checkpoint::schedule_uniform(costs, 1);

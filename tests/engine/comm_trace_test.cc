@@ -45,7 +45,7 @@ std::vector<RankTrace> run_traced(const config::Config& c, int steps, int untrac
         comm::make_communicator(*device, store, rank, 2, o));
     Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
     TraceRecorder trace;
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     RankTrace& mine = out[static_cast<size_t>(rank)];
     for (int s = 0; s < steps; ++s) {

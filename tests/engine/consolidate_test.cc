@@ -1,4 +1,4 @@
-// Consolidated weights (engine/consolidate.h): checkpoints the Engine wrote at one and two
+// Consolidated weights (io/consolidate.h): checkpoints the Engine wrote at one and two
 // ranks (ZeRO stages 0, 1, 2; f32 and bf16) give back exactly the engine's parameters and
 // master weights, the same at every stage; synthetic stage-3 and tensor-parallel rank directories are assembled from
 // their shards; incomplete, mixed and foreign directories are refused with messages that
@@ -17,9 +17,9 @@
 
 #include "base/error.h"
 #include "comm/communicator.h"
-#include "engine/consolidate.h"
-#include "engine/state_file.h"
-#include "engine/weights_file.h"
+#include "io/consolidate.h"
+#include "io/state_file.h"
+#include "io/weights_file.h"
 #include "engine_test_util.h"
 #include "zero/partition.h"
 
@@ -45,15 +45,15 @@ std::vector<std::byte> f32_bytes(const std::vector<float>& v) {
 }
 
 // All tensors' bytes, concatenated in order.
-std::vector<std::byte> concat(const std::vector<WeightTensor>& tensors) {
+std::vector<std::byte> concat(const std::vector<io::WeightTensor>& tensors) {
   std::vector<std::byte> out;
-  for (const WeightTensor& t : tensors) out.insert(out.end(), t.bytes.begin(), t.bytes.end());
+  for (const io::WeightTensor& t : tensors) out.insert(out.end(), t.bytes.begin(), t.bytes.end());
   return out;
 }
 
 // params_host() (f32, the layout's total_elems with padding) as the layout's tensors in f32.
 std::vector<std::byte> host_tensors_f32(const Engine& e, const nn::ParamLayout& layout) {
-  return concat(layout_tensors(layout, nn::DType::kF32, f32_bytes(e.params_host())));
+  return concat(io::layout_tensors(layout, tensor::DType::kF32, f32_bytes(e.params_host())));
 }
 
 // Like tests/engine/engine_zero_test.cc's: no clipping and one micro-batch per rank, so that
@@ -111,7 +111,7 @@ Trained train_and_save(const config::Config& c, int steps, const fs::path& dir) 
     std::shared_ptr<comm::Communicator> dp =
         ws > 1 ? comm::make_communicator(*device, store, rank, ws, o) : nullptr;
     Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
-    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) e.train_step(data.rank_batches(s, 1, rank, ws));
     e.save_checkpoint(dir);
     if (rank == 0) out.working_f32 = host_tensors_f32(e, e.model().layout());
@@ -122,10 +122,10 @@ Trained train_and_save(const config::Config& c, int steps, const fs::path& dir) 
   return out;
 }
 
-ConsolidateResult consolidate(const fs::path& dir, WeightsDType dtype) {
-  ConsolidateOptions o;
+io::ConsolidateResult consolidate(const fs::path& dir, io::WeightsDType dtype) {
+  io::ConsolidateOptions o;
   o.dtype = dtype;
-  return consolidate_checkpoint(dir, o);
+  return io::consolidate_checkpoint(dir, o);
 }
 
 TEST(ConsolidateTest, OneRankGivesTheEnginesParametersAndMasterWeights) {
@@ -139,10 +139,10 @@ TEST(ConsolidateTest, OneRankGivesTheEnginesParametersAndMasterWeights) {
     e->save_checkpoint(dir);
     const nn::ParamLayout& layout = e->model().layout();
 
-    const ConsolidateResult w = consolidate(dir, WeightsDType::kWorking);
+    const io::ConsolidateResult w = consolidate(dir, io::WeightsDType::kWorking);
     EXPECT_EQ(w.step, 3);
     EXPECT_EQ(w.section, "params");
-    EXPECT_EQ(w.dtype, bf16 ? nn::DType::kBF16 : nn::DType::kF32);
+    EXPECT_EQ(w.dtype, bf16 ? tensor::DType::kBF16 : tensor::DType::kF32);
     EXPECT_EQ(w.rank_dirs, std::vector<fs::path>{dir});
     ASSERT_EQ(w.tensors.size(), layout.entries().size());
     for (size_t i = 0; i < w.tensors.size(); ++i) {
@@ -151,12 +151,12 @@ TEST(ConsolidateTest, OneRankGivesTheEnginesParametersAndMasterWeights) {
       EXPECT_EQ(w.tensors[i].dtype, w.dtype);
     }
     EXPECT_EQ(w.num_params, layout.num_params());
-    EXPECT_EQ(w.data_bytes, static_cast<uint64_t>(layout.num_params()) * nn::dtype_size(w.dtype));
+    EXPECT_EQ(w.data_bytes, static_cast<uint64_t>(layout.num_params()) * tensor::dtype_size(w.dtype));
     // Bitwise the engine's parameters (params_host widens bf16 exactly).
-    EXPECT_EQ(to_f32_bytes(w.dtype, concat(w.tensors)), host_tensors_f32(*e, layout));
+    EXPECT_EQ(io::to_f32_bytes(w.dtype, concat(w.tensors)), host_tensors_f32(*e, layout));
 
-    const ConsolidateResult f = consolidate(dir, WeightsDType::kF32);
-    EXPECT_EQ(f.dtype, nn::DType::kF32);
+    const io::ConsolidateResult f = consolidate(dir, io::WeightsDType::kF32);
+    EXPECT_EQ(f.dtype, tensor::DType::kF32);
     if (!bf16) {
       // f32 training has no master copy: the parameters are the f32 weights.
       EXPECT_EQ(f.section, "params");
@@ -164,9 +164,9 @@ TEST(ConsolidateTest, OneRankGivesTheEnginesParametersAndMasterWeights) {
     } else {
       // The exact f32 master copy, whose bf16 rounding is the working copy.
       EXPECT_EQ(f.section, "master");
-      const LoadedState state = read_state(dir);
+      const io::LoadedState state = io::read_state(dir);
       EXPECT_EQ(concat(f.tensors),
-                concat(layout_tensors(layout, nn::DType::kF32, state.section("master").bytes)));
+                concat(io::layout_tensors(layout, tensor::DType::kF32, state.section("master").bytes)));
       const std::vector<std::byte> master = concat(f.tensors);
       const std::vector<std::byte> working = concat(w.tensors);
       ASSERT_EQ(master.size(), 2 * working.size());
@@ -176,8 +176,8 @@ TEST(ConsolidateTest, OneRankGivesTheEnginesParametersAndMasterWeights) {
         uint16_t h;
         std::memcpy(&m, master.data() + 4 * k, 4);
         std::memcpy(&h, working.data() + 2 * k, 2);
-        rounded_equal += nn::f32_to_bf16(m) == h;
-        differs_from_working += nn::bf16_to_f32(h) != m;
+        rounded_equal += tensor::f32_to_bf16(m) == h;
+        differs_from_working += tensor::bf16_to_f32(h) != m;
       }
       EXPECT_EQ(rounded_equal, working.size() / 2);
       EXPECT_GT(differs_from_working, 0u);  // the master holds more than the bf16 bits
@@ -196,30 +196,30 @@ TEST(ConsolidateTest, TwoRanksAtEveryStageGiveTheSameWeights) {
       const Trained t = train_and_save(c, 3, dir);
       ASSERT_TRUE(fs::exists(dir / "rank1" / "meta.json"));
       std::vector<std::string> progress;
-      ConsolidateOptions o;
+      io::ConsolidateOptions o;
       o.on_rank_read = [&](int done, int count, const fs::path& rd) {
         progress.push_back(std::to_string(done) + "/" + std::to_string(count) + " " +
                            rd.filename().string());
       };
-      const ConsolidateResult w = consolidate_checkpoint(dir, o);
+      const io::ConsolidateResult w = io::consolidate_checkpoint(dir, o);
       EXPECT_EQ(progress, (std::vector<std::string>{"1/2 rank0", "2/2 rank1"}));
       EXPECT_EQ(w.dp_size, 2);
       EXPECT_EQ(w.zero_stage, stage);
       EXPECT_EQ(w.rank_dirs, (std::vector<fs::path>{dir / "rank0", dir / "rank1"}));
-      EXPECT_EQ(to_f32_bytes(w.dtype, concat(w.tensors)), t.working_f32);
-      const ConsolidateResult f = consolidate(dir, WeightsDType::kF32);
+      EXPECT_EQ(io::to_f32_bytes(w.dtype, concat(w.tensors)), t.working_f32);
+      const io::ConsolidateResult f = consolidate(dir, io::WeightsDType::kF32);
       EXPECT_EQ(f.section, bf16 ? "master" : "params");
       if (bf16 && stage >= 1) {
         // Each rank's master section is its shard: the result is their concatenation.
         std::vector<std::byte> shards;
         for (const char* r : {"rank0", "rank1"}) {
-          const LoadedState state = read_state(dir / r);
+          const io::LoadedState state = io::read_state(dir / r);
           const std::vector<std::byte>& m = state.section("master").bytes;
           shards.insert(shards.end(), m.begin(), m.end());
         }
-        const LoadedState r0 = read_state(dir / "rank0");
-        const std::vector<FlatTensorSpec> specs = layout_specs(r0.meta["layout"], "meta");
-        EXPECT_EQ(concat(f.tensors), concat(layout_tensors(specs, nn::DType::kF32, shards)));
+        const io::LoadedState r0 = io::read_state(dir / "rank0");
+        const std::vector<io::FlatTensorSpec> specs = io::layout_specs(r0.meta["layout"], "meta");
+        EXPECT_EQ(concat(f.tensors), concat(io::layout_tensors(specs, tensor::DType::kF32, shards)));
       }
       // The stages are bit-identical at two ranks (tests/engine/engine_zero_test.cc); one
       // rank with both micro-batches is the same training summed in another order, so close
@@ -232,11 +232,11 @@ TEST(ConsolidateTest, TwoRanksAtEveryStageGiveTheSameWeights) {
         {
           auto device = cpu_device();
           auto e = gpt_engine(*device, one);
-          const DataSource data(one.porter.data, one.porter.model.vocab, 2, one.porter.model.seq_len);
+          const io::DataSource data(one.porter.data, one.porter.model.vocab, 2, one.porter.model.seq_len);
           for (int s = 0; s < 3; ++s) e->train_step(data.step_batches(s, 2));
           e->save_checkpoint(one_dir);
         }
-        EXPECT_LT(max_abs_diff_f32(concat(consolidate(one_dir, WeightsDType::kF32).tensors),
+        EXPECT_LT(max_abs_diff_f32(concat(consolidate(one_dir, io::WeightsDType::kF32).tensors),
                                    concat(f.tensors)),
                   1e-5);
         fs::remove_all(one_dir);
@@ -283,7 +283,7 @@ std::vector<float> synthetic_master(int64_t padded, int tp_rank) {
 std::vector<std::byte> bf16_bytes(const std::vector<float>& v) {
   std::vector<std::byte> out(v.size() * 2);
   for (size_t i = 0; i < v.size(); ++i) {
-    const uint16_t h = nn::f32_to_bf16(v[i]);
+    const uint16_t h = tensor::f32_to_bf16(v[i]);
     std::memcpy(out.data() + 2 * i, &h, 2);
   }
   return out;
@@ -305,7 +305,7 @@ void write_synthetic(const fs::path& dir, const Synthetic& s) {
                    {"config", {{"model", {{"layers", 1}, {"tensor_parallel", s.tp}}}}}};
       const int64_t lo = s.stage >= 1 ? part.begin(d) : 0;
       const int64_t hi = s.stage >= 1 ? part.end(d) : part.padded_elems;
-      std::vector<StateSection> sections;
+      std::vector<io::StateSection> sections;
       if (s.stage == 3) {
         meta["params_range"] = {part.begin(d), part.end(d)};
         sections.push_back({"params", slice(p16, part.begin(d), part.end(d), 2)});
@@ -316,21 +316,21 @@ void write_synthetic(const fs::path& dir, const Synthetic& s) {
       sections.push_back({"exp_avg", std::vector<std::byte>(static_cast<size_t>(hi - lo) * 4)});
       sections.push_back({"exp_avg_sq", std::vector<std::byte>(static_cast<size_t>(hi - lo) * 4)});
       const int world = s.dp * s.tp;
-      write_state(world > 1 ? dir / ("rank" + std::to_string(d * s.tp + k)) : dir, meta, sections);
+      io::write_state(world > 1 ? dir / ("rank" + std::to_string(d * s.tp + k)) : dir, meta, sections);
     }
   }
 }
 
-std::vector<std::byte> expected(nn::DType dtype, int tp_rank = 0, int dp = 3) {
+std::vector<std::byte> expected(tensor::DType dtype, int tp_rank = 0, int dp = 3) {
   const std::vector<float> master = synthetic_master(zero::make_partition(320, dp).padded_elems, tp_rank);
-  const std::vector<std::byte> flat = dtype == nn::DType::kF32 ? f32_bytes(master) : bf16_bytes(master);
-  return concat(layout_tensors(layout_specs(kLayout, "layout"), dtype, flat));
+  const std::vector<std::byte> flat = dtype == tensor::DType::kF32 ? f32_bytes(master) : bf16_bytes(master);
+  return concat(io::layout_tensors(io::layout_specs(kLayout, "layout"), dtype, flat));
 }
 
 TEST(ConsolidateTest, StageThreeShardsAreAssembled) {
   const fs::path dir = temp_dir("stage3");
   write_synthetic(dir, {});
-  const ConsolidateResult w = consolidate(dir, WeightsDType::kWorking);
+  const io::ConsolidateResult w = consolidate(dir, io::WeightsDType::kWorking);
   EXPECT_EQ(w.zero_stage, 3);
   EXPECT_EQ(w.step, 5);
   EXPECT_EQ(w.rank_dirs.size(), 3u);
@@ -338,16 +338,16 @@ TEST(ConsolidateTest, StageThreeShardsAreAssembled) {
   EXPECT_EQ(w.tensors[0].shape, (std::vector<int64_t>{3, 50}));
   EXPECT_EQ(w.tensors[2].name, "c");
   EXPECT_EQ(w.num_params, 161);
-  EXPECT_EQ(concat(w.tensors), expected(nn::DType::kBF16));
-  const ConsolidateResult f = consolidate(dir, WeightsDType::kF32);
+  EXPECT_EQ(concat(w.tensors), expected(tensor::DType::kBF16));
+  const io::ConsolidateResult f = consolidate(dir, io::WeightsDType::kF32);
   EXPECT_EQ(f.section, "master");
-  EXPECT_EQ(concat(f.tensors), expected(nn::DType::kF32));
+  EXPECT_EQ(concat(f.tensors), expected(tensor::DType::kF32));
   // Stage 1 (whole params, sharded master) and stage 0 (whole everything) give the same.
   for (int stage : {0, 1}) {
     fs::remove_all(dir);
     write_synthetic(dir, {.stage = stage});
-    EXPECT_EQ(concat(consolidate(dir, WeightsDType::kWorking).tensors), expected(nn::DType::kBF16));
-    EXPECT_EQ(concat(consolidate(dir, WeightsDType::kF32).tensors), expected(nn::DType::kF32));
+    EXPECT_EQ(concat(consolidate(dir, io::WeightsDType::kWorking).tensors), expected(tensor::DType::kBF16));
+    EXPECT_EQ(concat(consolidate(dir, io::WeightsDType::kF32).tensors), expected(tensor::DType::kF32));
   }
   fs::remove_all(dir);
 }
@@ -355,26 +355,26 @@ TEST(ConsolidateTest, StageThreeShardsAreAssembled) {
 TEST(ConsolidateTest, TensorParallelNeedsATpRank) {
   const fs::path dir = temp_dir("tp");
   write_synthetic(dir, {.dp = 2, .tp = 2, .stage = 1});
-  const std::string msg = error_of<InvalidArgument>([&] { consolidate(dir, WeightsDType::kWorking); });
+  const std::string msg = error_of<InvalidArgument>([&] { consolidate(dir, io::WeightsDType::kWorking); });
   EXPECT_THAT(msg, HasSubstr("consolidating a tensor-parallel checkpoint is not supported: each tp "
                              "rank holds a different part of the model; pass --tp-rank K to write "
                              "that rank's part"));
   for (int k : {0, 1}) {
     SCOPED_TRACE(k);
-    ConsolidateOptions o;
+    io::ConsolidateOptions o;
     o.tp_rank = k;
-    o.dtype = WeightsDType::kF32;
-    const ConsolidateResult r = consolidate_checkpoint(dir, o);
+    o.dtype = io::WeightsDType::kF32;
+    const io::ConsolidateResult r = io::consolidate_checkpoint(dir, o);
     // The dp ranks of tp rank k: world ranks dp * tp + k.
     EXPECT_EQ(r.rank_dirs, (std::vector<fs::path>{dir / ("rank" + std::to_string(k)),
                                                   dir / ("rank" + std::to_string(2 + k))}));
     EXPECT_EQ(r.tp_size, 2);
     EXPECT_EQ(r.tp_rank, k);
-    EXPECT_EQ(concat(r.tensors), expected(nn::DType::kF32, k, 2));
+    EXPECT_EQ(concat(r.tensors), expected(tensor::DType::kF32, k, 2));
   }
-  ConsolidateOptions o;
+  io::ConsolidateOptions o;
   o.tp_rank = 2;
-  EXPECT_THAT(error_of<InvalidArgument>([&] { consolidate_checkpoint(dir, o); }),
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::consolidate_checkpoint(dir, o); }),
               HasSubstr("tp rank 2 is not in"));
   fs::remove_all(dir);
 }
@@ -382,7 +382,7 @@ TEST(ConsolidateTest, TensorParallelNeedsATpRank) {
 TEST(ConsolidateTest, IncompleteMixedAndForeignDirectoriesAreRefused) {
   const fs::path dir = temp_dir("errors");
   auto error = [&](const fs::path& d = {}) {
-    return error_of<IoError>([&] { consolidate(d.empty() ? dir : d, WeightsDType::kWorking); });
+    return error_of<IoError>([&] { consolidate(d.empty() ? dir : d, io::WeightsDType::kWorking); });
   };
   EXPECT_THAT(error(), HasSubstr("no such directory"));
   fs::create_directories(dir);
@@ -402,30 +402,30 @@ TEST(ConsolidateTest, IncompleteMixedAndForeignDirectoriesAreRefused) {
   fs::remove_all(dir);
   write_synthetic(dir, {});
   {
-    LoadedState s = read_state(dir / "rank2");
+    io::LoadedState s = io::read_state(dir / "rank2");
     s.meta["step"] = 6;
-    write_state(dir / "rank2", s.meta, s.sections);
+    io::write_state(dir / "rank2", s.meta, s.sections);
   }
   msg = error();
   EXPECT_THAT(msg, HasSubstr("checkpoint ranks disagree on step: \"" + (dir / "rank0").string() +
                              "\" has 5, \"" + (dir / "rank2").string() + "\" has 6"));
   {
-    LoadedState s = read_state(dir / "rank2");
+    io::LoadedState s = io::read_state(dir / "rank2");
     s.meta["step"] = 5;
     s.meta["layout"]["params"][1]["shape"] = {8};
-    write_state(dir / "rank2", s.meta, s.sections);
+    io::write_state(dir / "rank2", s.meta, s.sections);
   }
   EXPECT_THAT(error(), HasSubstr("disagree on the model layout at parameter 1: \"" +
                                  (dir / "rank0").string() + "\" has 'b' (7) at offset 192, \"" +
                                  (dir / "rank2").string() + "\" has 'b' (8) at offset 192"));
 
-  // A section of the wrong size, and a corrupt one (read_state's checksum).
+  // A section of the wrong size, and a corrupt one (io::read_state's checksum).
   fs::remove_all(dir);
   write_synthetic(dir, {});
   {
-    LoadedState s = read_state(dir / "rank1");
+    io::LoadedState s = io::read_state(dir / "rank1");
     s.sections[0].bytes.resize(10);
-    write_state(dir / "rank1", s.meta, s.sections);
+    io::write_state(dir / "rank1", s.meta, s.sections);
   }
   EXPECT_THAT(error(), HasSubstr("rank1\": section 'params' has 10 bytes, expected 256: "
                                  "elements [128, 256)"));
@@ -440,9 +440,9 @@ TEST(ConsolidateTest, IncompleteMixedAndForeignDirectoriesAreRefused) {
   fs::remove_all(dir);
   write_synthetic(dir, {.dp = 2, .stage = 0});
   {
-    LoadedState s = read_state(dir / "rank1");
+    io::LoadedState s = io::read_state(dir / "rank1");
     s.sections[0].bytes[2 * 195] ^= std::byte{1};  // 'b' element 3
-    write_state(dir / "rank1", s.meta, s.sections);
+    io::write_state(dir / "rank1", s.meta, s.sections);
   }
   EXPECT_THAT(error(), HasSubstr("rank1\": params element 195 (parameter 'b' element 3) differs "
                                  "from \"" + (dir / "rank0").string() + "\"'s"));
@@ -451,10 +451,10 @@ TEST(ConsolidateTest, IncompleteMixedAndForeignDirectoriesAreRefused) {
   fs::remove_all(dir);
   write_synthetic(dir, {});
   {
-    LoadedState s = read_state(dir / "rank1");
+    io::LoadedState s = io::read_state(dir / "rank1");
     s.meta["params_range"] = {128, 192};
     s.sections[0].bytes.resize(64 * 2);
-    write_state(dir / "rank1", s.meta, s.sections);
+    io::write_state(dir / "rank1", s.meta, s.sections);
   }
   EXPECT_THAT(error(), HasSubstr("elements [192, 199) of the flat buffer (parameter 'b') are in "
                                  "no rank's params section"));
@@ -464,7 +464,7 @@ TEST(ConsolidateTest, IncompleteMixedAndForeignDirectoriesAreRefused) {
                                               "ranks (dp 3 x tp 1): pass the directory that "
                                               "holds rank0 .. rank2"));
   fs::remove_all(dir);
-  write_state(dir, {{"kind", "something.else"}}, {});
+  io::write_state(dir, {{"kind", "something.else"}}, {});
   EXPECT_THAT(error(), HasSubstr("is not a porter training checkpoint: kind is \"something.else\", "
                                  "expected \"porter.engine\""));
   fs::remove_all(dir);

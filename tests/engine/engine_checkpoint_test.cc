@@ -57,7 +57,7 @@ TEST(EngineCheckpointTest, ResumeContinuesBitIdentically) {
       expected_state = saved_state(*e);
     }
     if (precision == "fp16") {
-      const nlohmann::json meta = read_state(dir).meta;
+      const nlohmann::json meta = io::read_state(dir).meta;
       const int64_t applied = meta.at("optimizer_steps").get<int64_t>();
       EXPECT_GT(meta.at("loss_scaler").at("skipped").get<int64_t>(), 0) << meta.dump();
       EXPECT_GT(applied, 0) << meta.dump();

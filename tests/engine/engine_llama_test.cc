@@ -1,4 +1,4 @@
-// The Llama model through the Engine (Note [Llama] in nn/gpt.h): every checkpoint policy,
+// The Llama model through the Engine (Note [Llama] in models/transformer.h): every checkpoint policy,
 // ZeRO stage, offload and tensor-parallel setting gives the losses and the whole training
 // state of the plain run bit for bit, as for the GPT, and the plan's predicted activation
 // peak is the measured one.

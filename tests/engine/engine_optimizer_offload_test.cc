@@ -11,7 +11,7 @@
 #include "comm/communicator.h"
 #include "engine_test_util.h"
 #include "memory/pinned_pool.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 #include "zero/partition.h"
 #include "zero/sharded_optimizer.h"
 
@@ -76,7 +76,7 @@ TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemo
   // each array at the pinned pool's granularity (Note [Host-state bytes per rank]).
   const zero::Partition part = zero::make_partition(pinned[0].total.padded_elems, 2);
   EXPECT_EQ(pinned[0].total.offload_host_bytes,
-            zero::host_state_bytes(part, 2, zero::StateDTypes{nn::DType::kBF16}, true, false,
+            zero::host_state_bytes(part, 2, zero::StateDTypes{tensor::DType::kBF16}, true, false,
                                    true, true)
                 .total());
   c.zero_optimization.offload_optimizer.pin_memory = false;
@@ -97,18 +97,18 @@ TEST(EngineOptimizerOffload, HostStateIsTheShardFormulaAndPageableWithoutPinMemo
 TEST(EngineOptimizerOffload, MeasuredHostBytesAreThePinnedPoolsBlocks) {
   auto device = cpu_device();
   memory::CachingAllocator alloc(*device);
-  auto kernels = nn::make_kernels(alloc);
+  auto kernels = kernels::make_kernels(alloc);
   nn::ParamLayout layout;
-  layout.add("", {{"w", nn::Shape{5000}}, {"b", nn::Shape{30}}});
+  layout.add("", {{"w", tensor::Shape{5000}}, {"b", tensor::Shape{30}}});
   const zero::Partition part = zero::make_partition(layout.total_elems(), 1);
-  nn::FlatParams flat(alloc, layout, nn::DType::kF32, nn::DType::kF32, part.padded_elems,
+  nn::FlatParams flat(alloc, layout, tensor::DType::kF32, tensor::DType::kF32, part.padded_elems,
                       /*allocate_grads=*/false);
   zero::OptimizerOptions o;
   o.zero_stage = 1;
   o.offload.enabled = true;
   o.offload.threads = 1;
   const zero::HostStateBytes predicted = zero::host_state_bytes(
-      part, 1, zero::StateDTypes{nn::DType::kF32}, true, false, true, true);
+      part, 1, zero::StateDTypes{tensor::DType::kF32}, true, false, true, true);
   constexpr size_t g = memory::PinnedPool::kGranularity;
   const size_t array = (static_cast<size_t>(part.padded_elems) * 4 + g - 1) / g * g;
   memory::PinnedPool pool(*device);

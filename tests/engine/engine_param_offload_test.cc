@@ -51,9 +51,9 @@ TEST(EngineParamOffload, BitwiseTheRunWithoutOffloadWithAndWithoutTheOptimizer) 
       c.fp16.initial_scale_power = 8;
     }
     const std::vector<RankRun> device = run_dp_ranks(c, 3);
-    const nn::DType dtype = c.bf16.enabled   ? nn::DType::kBF16
-                            : c.fp16.enabled ? nn::DType::kF16
-                                             : nn::DType::kF32;
+    const tensor::DType dtype = c.bf16.enabled   ? tensor::DType::kBF16
+                            : c.fp16.enabled ? tensor::DType::kF16
+                                             : tensor::DType::kF32;
     for (bool optimizer : {false, true}) {
       const std::string what = base + (optimizer ? ", optimizer and params" : ", params");
       config::Config o = c;
@@ -63,7 +63,7 @@ TEST(EngineParamOffload, BitwiseTheRunWithoutOffloadWithAndWithoutTheOptimizer) 
       for (size_t r = 0; r < host.size(); ++r) {
         const RankRun& h = host[r];
         const zero::Partition part = zero::make_partition(h.total.padded_elems, k.ws);
-        const size_t shard_bytes = static_cast<size_t>(part.shard_elems) * nn::dtype_size(dtype);
+        const size_t shard_bytes = static_cast<size_t>(part.shard_elems) * tensor::dtype_size(dtype);
         // The device lost exactly the shard: what is left is the persistent stages.
         EXPECT_EQ(h.current(memory::Category::kParams) + shard_bytes, device[r].current(memory::Category::kParams)) << what;
         EXPECT_EQ(h.current(memory::Category::kParams), h.total.persistent_bytes) << what;
@@ -188,7 +188,7 @@ TEST(EnginePartialOffload, AnyRatioIsBitwiseTheRunWithoutOffload) {
           // Master + two moments, f32, for the device's part.
           EXPECT_EQ(host[r].current(memory::Category::kOptimizer), static_cast<size_t>(part.shard_elems - h) * 12) << what;
           const zero::HostStateBytes predicted = zero::host_state_bytes(
-              part, 3, zero::StateDTypes{nn::DType::kBF16}, true, params, true, true, ratio);
+              part, 3, zero::StateDTypes{tensor::DType::kBF16}, true, params, true, true, ratio);
           EXPECT_EQ(host[r].total.offload_host_bytes + host[r].total.param_offload_host_bytes,
                     predicted.total())
               << what;

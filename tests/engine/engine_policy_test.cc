@@ -61,7 +61,7 @@ TEST(EnginePolicyTest, EveryPolicyGivesBitIdenticalGradientsAndLosses) {
   }
 }
 
-checkpoint::GptShape shape_of(const config::Config& c, nn::DType dtype) {
+checkpoint::GptShape shape_of(const config::Config& c, tensor::DType dtype) {
   return {c.porter.model, c.train_micro_batch_size_per_gpu, c.porter.model.seq_len, dtype};
 }
 

@@ -100,7 +100,7 @@ TEST(EngineStepTest, WallClockBreakdownCountsTheGradientReduction) {
   for_each_dp_rank(c, [&](int rank, memory::Device& device,
                           std::shared_ptr<comm::Communicator> dp) {
     Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < 2; ++s) {
       const StepResult r = e.train_step(data.rank_batches(s, 1, rank, 2));
@@ -129,7 +129,7 @@ TEST(EngineStepTest, WrongCountAndShapeAreRejected) {
   auto device = cpu_device();
   const config::Config c = tiny_config();
   auto e = gpt_engine(*device, c);
-  std::vector<HostBatch> one = batches(c, 0);
+  std::vector<io::HostBatch> one = batches(c, 0);
   one.pop_back();
   try {
     e->train_step(one);
@@ -137,7 +137,7 @@ TEST(EngineStepTest, WrongCountAndShapeAreRejected) {
   } catch (const InvalidArgument& err) {
     EXPECT_THAT(err.what(), HasSubstr("1 micro-batches, but gradient_accumulation_steps is 2"));
   }
-  std::vector<HostBatch> bad = batches(c, 0);
+  std::vector<io::HostBatch> bad = batches(c, 0);
   bad[1].seq = 8;
   try {
     e->train_step(bad);
@@ -265,7 +265,7 @@ TEST(EngineStepTest, Bf16TrainsWithMasterWeights) {
   auto device = cpu_device();
   const config::Config c = tiny_config(config::CheckpointPolicy::kNone, 0.0, 2, true);
   auto e = gpt_engine(*device, c);
-  EXPECT_EQ(e->compute_dtype(), nn::DType::kBF16);
+  EXPECT_EQ(e->compute_dtype(), tensor::DType::kBF16);
   const memory::MemoryStats s = e->allocator().stats();
   const size_t p = static_cast<size_t>(e->model().layout().total_elems());
   EXPECT_EQ(s[memory::Category::kParams].current_bytes, 2 * p);

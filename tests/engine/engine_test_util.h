@@ -23,9 +23,9 @@
 
 #include "comm/communicator.h"
 #include "config/config.h"
-#include "engine/data.h"
+#include "io/data.h"
 #include "engine/engine.h"
-#include "engine/state_file.h"
+#include "io/state_file.h"
 #include "memory/device.h"
 #include "zero/partition.h"
 
@@ -63,12 +63,12 @@ inline std::unique_ptr<memory::Device> cpu_device(size_t limit_bytes = size_t{25
 }
 
 // Step `step`'s micro-batches: a learnable pattern (the target is a function of the token).
-inline std::vector<HostBatch> batches(const config::Config& c, int64_t step) {
-  std::vector<HostBatch> out;
+inline std::vector<io::HostBatch> batches(const config::Config& c, int64_t step) {
+  std::vector<io::HostBatch> out;
   const int64_t b = c.train_micro_batch_size_per_gpu, t = c.porter.model.seq_len;
   const int64_t v = c.porter.model.vocab;
   for (int64_t m = 0; m < c.gradient_accumulation_steps; ++m) {
-    HostBatch mb;
+    io::HostBatch mb;
     mb.batch = b;
     mb.seq = t;
     for (int64_t i = 0; i < b * t; ++i) {
@@ -135,7 +135,7 @@ inline SavedState saved_state(const Engine& e) {
   fs::remove_all(dir);
   e.save_checkpoint(dir);
   const bool ranks = e.dp_size() * e.tp_size() > 1;
-  const LoadedState st = read_state(ranks ? dir / ("rank" + std::to_string(e.world_rank())) : dir);
+  const io::LoadedState st = io::read_state(ranks ? dir / ("rank" + std::to_string(e.world_rank())) : dir);
   fs::remove_all(dir);
   const nlohmann::json& m = st.meta;
   SavedState out;
@@ -154,7 +154,7 @@ inline SavedState saved_state(const Engine& e) {
   const zero::Partition part =
       zero::make_partition(m.at("layout").at("total_elems").get<int64_t>(), dp);
   out.padded_elems = part.padded_elems;
-  for (const StateSection& sec : st.sections) {
+  for (const io::StateSection& sec : st.sections) {
     SavedState::Section s{sec.name, 0, part.padded_elems, 0, sec.bytes};
     if (sec.name == "params") {
       if (m.contains("params_range")) {
@@ -407,7 +407,7 @@ inline std::vector<DpRankRun> run_dp_ranks(const config::Config& c, int steps) {
     Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
     e.reset_peaks();
     DpRankRun& run = runs[static_cast<size_t>(rank)];
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) {
       run.losses.push_back(
@@ -451,7 +451,7 @@ inline std::vector<TpRankRun> run_tp_ranks(const config::Config& c, int steps) {
     Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c,
              tp == 1 ? world : g.dp, tp == 1 ? nullptr : g.tp);
     TpRankRun& run = runs[static_cast<size_t>(rank)];
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) {
       run.steps.push_back(e.train_step(
@@ -550,18 +550,18 @@ class BombLayer : public nn::Layer {
   BombLayer(nn::Layer& inner, std::function<bool()> armed, Bomb how)
       : inner_(inner), armed_(std::move(armed)), how_(how) {}
   std::vector<nn::ParamSpec> params() const override { return inner_.params(); }
-  void bind(std::span<const nn::Tensor> p, std::span<const nn::Tensor> g) override {
+  void bind(std::span<const tensor::Tensor> p, std::span<const tensor::Tensor> g) override {
     inner_.bind(p, g);
   }
-  nn::Tensor forward(nn::Ctx& ctx, const nn::Tensor& x) override {
+  tensor::Tensor forward(nn::Ctx& ctx, const tensor::Tensor& x) override {
     if (how_ == Bomb::kForward && armed_()) throw std::runtime_error("bomb: injected failure in forward");
     return inner_.forward(ctx, x);
   }
-  nn::Tensor backward(nn::Ctx& ctx, const nn::Tensor& dy) override {
+  tensor::Tensor backward(nn::Ctx& ctx, const tensor::Tensor& dy) override {
     if (how_ == Bomb::kBackward && armed_()) {
       throw std::runtime_error("bomb: injected failure in backward");
     }
-    nn::Tensor dx = inner_.backward(ctx, dy);
+    tensor::Tensor dx = inner_.backward(ctx, dy);
     if (how_ == Bomb::kInfinities && armed_()) ctx.kernels().fill(dx, INFINITY);
     return dx;
   }
@@ -590,7 +590,7 @@ class BombModel : public Model {
   const nn::ParamLayout& layout() const override { return inner_.layout(); }
   void bind(const nn::FlatParams& flat) override { inner_.bind(flat); }
   std::vector<float> init_values(uint64_t seed) const override { return inner_.init_values(seed); }
-  void set_targets(const nn::Tensor& t) override { inner_.set_targets(t); }
+  void set_targets(const tensor::Tensor& t) override { inner_.set_targets(t); }
   void set_loss_scale(float s) override { inner_.set_loss_scale(s); }
   std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
 

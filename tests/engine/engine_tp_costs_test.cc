@@ -29,7 +29,7 @@ config::Config tp_config(CheckpointPolicy policy, bool sp) {
 
 checkpoint::GptShape shape_of(const config::Config& c) {
   return {c.porter.model, c.train_micro_batch_size_per_gpu, c.porter.model.seq_len,
-          nn::DType::kF32};
+          tensor::DType::kF32};
 }
 
 // fn(engine) on each of the 2 ranks' Engines; rethrows the first failure.

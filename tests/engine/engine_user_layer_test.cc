@@ -49,7 +49,7 @@ TEST(EngineUserLayerTest, GradientsMatchFiniteDifferences) {
   config::Config c = chain_config();
   c.optimizer->lr = 0.0;  // the step computes gradients and leaves the parameters alone
   auto e = chain_engine(*device, c);
-  const std::vector<HostBatch> mb = batches(c, 0);
+  const std::vector<io::HostBatch> mb = batches(c, 0);
   const std::vector<float> p0 = e->params_host();
   e->train_step(mb);
   ASSERT_TRUE(bitwise_equal(e->params_host(), p0));

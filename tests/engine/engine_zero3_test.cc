@@ -21,9 +21,9 @@
 #include "base/error.h"
 #include "checkpoint/param_gather.h"
 #include "comm/communicator.h"
-#include "engine/consolidate.h"
-#include "engine/state_file.h"
-#include "engine/weights_file.h"
+#include "io/consolidate.h"
+#include "io/state_file.h"
+#include "io/weights_file.h"
 #include "engine_test_util.h"
 #include "zero/partition.h"
 
@@ -321,7 +321,7 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
   for (int phase = 0; phase < 3; ++phase) {
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
       Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
-      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       int begin = 0, end = phase == 1 ? 3 : 6;
       if (phase == 2) {
         e.load_checkpoint(dir);
@@ -342,7 +342,7 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
     ASSERT_EQ(resumed[r].size(), 3u);
     for (size_t s = 0; s < 3; ++s) EXPECT_EQ(resumed[r][s], straight[r][s + 3]) << r << " " << s;
     // Each rank's file holds its shard of the working parameters only.
-    const LoadedState st = read_state(dir / ("rank" + std::to_string(r)));
+    const io::LoadedState st = io::read_state(dir / ("rank" + std::to_string(r)));
     ASSERT_TRUE(st.meta.contains("params_range"));
     const int64_t b = st.meta["params_range"][0], e = st.meta["params_range"][1];
     EXPECT_EQ(static_cast<int64_t>(st.section("params").bytes.size()), (e - b) * 4);
@@ -368,7 +368,7 @@ TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 1; };
     Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kForward), c, dp);
-    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     const auto t0 = std::chrono::steady_clock::now();
     try {
       for (step = 0; step < 3; ++step) e.train_step(data.rank_batches(step, 1, rank, 2));
@@ -417,7 +417,7 @@ TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
     c.zero_optimization.stage3_gather_16bit_weights_on_model_save = true;
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
       Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
-      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       for (int s = 0; s < 3; ++s) e.train_step(data.rank_batches(s, 1, rank, 2));
       const std::vector<float> p = e.params_host();
       if (stage == 0 && rank == 0) stage0 = p;
@@ -425,17 +425,17 @@ TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
     });
   }
   const GptModel model(z3_config(2, 3).porter.model);
-  const std::vector<WeightTensor> saved = read_safetensors(dir / "model.safetensors");
-  const ConsolidateResult offline = consolidate_checkpoint(dir);
+  const std::vector<io::WeightTensor> saved = io::read_safetensors(dir / "model.safetensors");
+  const io::ConsolidateResult offline = io::consolidate_checkpoint(dir);
   ASSERT_EQ(saved.size(), model.layout().entries().size());
   ASSERT_EQ(offline.tensors.size(), saved.size());
   for (size_t i = 0; i < saved.size(); ++i) {
     const nn::ParamEntry& e = model.layout().entries()[i];
     EXPECT_EQ(saved[i].name, e.name);
-    EXPECT_EQ(saved[i].dtype, nn::DType::kBF16);
+    EXPECT_EQ(saved[i].dtype, tensor::DType::kBF16);
     EXPECT_EQ(saved[i].bytes, offline.tensors[i].bytes) << e.name;
     // bf16 -> f32 is exact: compare with the stage-0 run's parameters.
-    const std::vector<std::byte> f32 = to_f32_bytes(nn::DType::kBF16, saved[i].bytes);
+    const std::vector<std::byte> f32 = io::to_f32_bytes(tensor::DType::kBF16, saved[i].bytes);
     ASSERT_EQ(f32.size(), static_cast<size_t>(e.shape.numel()) * 4);
     EXPECT_EQ(std::memcmp(f32.data(), stage0.data() + e.offset_elems, f32.size()), 0) << e.name;
   }

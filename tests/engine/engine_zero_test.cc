@@ -20,7 +20,7 @@
 
 #include "base/error.h"
 #include "comm/communicator.h"
-#include "engine/state_file.h"
+#include "io/state_file.h"
 #include "engine_test_util.h"
 #include "zero/partition.h"
 
@@ -58,7 +58,7 @@ std::vector<RankRun> run_ranks(const config::Config& c, int steps, ModelFactory 
     for (size_t k = 0; k < memory::kNumCategories; ++k) {
       run.bytes_after_init[k] = s0.by_category[k].current_bytes;
     }
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) {
       run.steps.push_back(
@@ -203,7 +203,7 @@ struct CountedRun {
   std::map<std::string, int64_t> ops;
   size_t max_param_gather_elems = 0;
   size_t peak_comm_bytes = 0;
-  LoadedState state;
+  io::LoadedState state;
 };
 
 // `steps` steps on c.world_size thread ranks, each through a CountingComm; every rank saves
@@ -224,7 +224,7 @@ std::vector<CountedRun> run_counted(const config::Config& c, int steps, const st
     e.reset_peaks();
     CountedRun& run = runs[static_cast<size_t>(rank)];
     const std::map<std::string, int64_t> before = counting->ops();  // construction's
-    const DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) {
       run.steps.push_back(
@@ -241,7 +241,7 @@ std::vector<CountedRun> run_counted(const config::Config& c, int steps, const st
     if (err) std::rethrow_exception(err);
   }
   for (int r = 0; r < ws; ++r) {
-    runs[static_cast<size_t>(r)].state = read_state(dir / ("rank" + std::to_string(r)));
+    runs[static_cast<size_t>(r)].state = io::read_state(dir / ("rank" + std::to_string(r)));
   }
   std::filesystem::remove_all(dir);
   return runs;
@@ -257,8 +257,8 @@ void expect_same_state(const std::vector<CountedRun>& a, const std::vector<Count
     for (size_t s = 0; s < a[r].steps.size(); ++s) {
       EXPECT_EQ(a[r].steps[s].loss, b[r].steps[s].loss) << what << ": rank " << r << " step " << s;
     }
-    const LoadedState& x = a[r].state;
-    const LoadedState& y = b[r].state;
+    const io::LoadedState& x = a[r].state;
+    const io::LoadedState& y = b[r].state;
     ASSERT_EQ(x.sections.size(), y.sections.size()) << what;
     ASSERT_GE(x.sections.size(), 3u) << what;  // params, exp_avg, exp_avg_sq
     for (size_t i = 0; i < x.sections.size(); ++i) {
@@ -365,7 +365,7 @@ TEST(EngineZeroTest, StageZeroMatchesOneRankAtTheSameGlobalBatch) {
   config::Config one = zero_config(1, 0, 2);  // 2 micro-batches = the two ranks' one each
   auto device = cpu_device();
   auto e = gpt_engine(*device, one);
-  const DataSource data(one.porter.data, one.porter.model.vocab, 2, one.porter.model.seq_len);
+  const io::DataSource data(one.porter.data, one.porter.model.vocab, 2, one.porter.model.seq_len);
   std::vector<double> single;
   for (int s = 0; s < 10; ++s) single.push_back(e->train_step(data.step_batches(s, 2)).loss);
   expect_close(dp, single, 1e-6, "stage 0 at 2 ranks vs 1 rank");
@@ -424,10 +424,10 @@ TEST(EngineZeroTest, ModelStateBytesEqualTheShardFormulas) {
       config::Config c = zero_config(2, stage);
       c.bf16.enabled = bf16;
       const std::vector<RankRun> runs = run_ranks(c, 2);
-      const nn::Gpt model(c.porter.model);
+      const models::Gpt model(c.porter.model);
       const zero::Partition part = zero::make_partition(model.layout().total_elems(), 2);
       zero::StateDTypes dt;
-      dt.param = bf16 ? nn::DType::kBF16 : nn::DType::kF32;
+      dt.param = bf16 ? tensor::DType::kBF16 : tensor::DType::kF32;
       const zero::StateBytes want = zero::exact_bytes(part, stage, dt);
       const std::string what =
           std::string(bf16 ? "bf16" : "f32") + " stage " + std::to_string(stage);
@@ -498,7 +498,7 @@ TEST(EngineZeroTest, ARankThatThrowsMidStepFailsThePeersWithinTheTimeout) {
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 2; };
     Engine e(*device, std::make_unique<BombModel>(c.porter.model, 1, armed), c, dp);
-    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     for (step = 0; step < 4; ++step) e.train_step(data.rank_batches(step, 1, rank, 2));
   });
   ASSERT_TRUE(errors[0] != nullptr);
@@ -534,7 +534,7 @@ TEST(EngineZeroTest, Fp16OverflowOnOneRankSkipsTheStepOnAll) {
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 3; };
     Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kInfinities), c, dp);
-    const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     std::vector<float> before;
     for (step = 0; step < 6; ++step) {
       if (step == 3) before = e.params_host();
@@ -576,7 +576,7 @@ TEST(EngineZeroTest, CheckpointSaveAndResumeAtTwoRanks) {
       o.timeout = comm::Seconds{c.porter.comm.timeout_s};
       std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
       Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
-      const DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
+      const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       // phase 0: 6 straight steps; 1: 3 steps then save; 2: load, 3 more steps.
       int begin = 0, end = phase == 1 ? 3 : 6;
       if (phase == 2) {

@@ -1,4 +1,4 @@
-// Hugging Face checkpoints (engine/hf_checkpoint.h): GPT-2 files written here in Hugging
+// Hugging Face checkpoints (io/hf_checkpoint.h): GPT-2 files written here in Hugging
 // Face's layout (bare and "transformer." names, with the attention buffers, tied and untied,
 // f32/bf16/f16, one file and shards) read into porter's layout with the Conv1D weights
 // transposed; import -> export -> import bitwise; every malformed file, index and config.json
@@ -22,10 +22,10 @@
 
 #include "base/error.h"
 #include "config/parse.h"
-#include "engine/hf_checkpoint.h"
-#include "engine/weights_file.h"
-#include "nn/dtype.h"
-#include "nn/gpt.h"
+#include "io/hf_checkpoint.h"
+#include "io/weights_file.h"
+#include "tensor/dtype.h"
+#include "models/transformer.h"
 
 namespace porter::engine {
 namespace {
@@ -61,7 +61,7 @@ config::ModelConfig tiny_gpt2(bool tied) {
   return m;
 }
 
-// The Hugging Face GPT-2 names and shapes, written out here (not taken from hf_param_map):
+// The Hugging Face GPT-2 names and shapes, written out here (not taken from io::hf_param_map):
 // porter name, bare Hugging Face name, porter's (out, in) shape, whether the file holds the
 // transpose.
 struct Expected {
@@ -114,14 +114,14 @@ std::vector<float> pattern(const std::string& name, int64_t n) {
   return v;
 }
 
-std::vector<std::byte> encode(const std::vector<float>& v, nn::DType dtype) {
-  const size_t size = nn::dtype_size(dtype);
+std::vector<std::byte> encode(const std::vector<float>& v, tensor::DType dtype) {
+  const size_t size = tensor::dtype_size(dtype);
   std::vector<std::byte> out(v.size() * size);
   for (size_t i = 0; i < v.size(); ++i) {
-    if (dtype == nn::DType::kF32) {
+    if (dtype == tensor::DType::kF32) {
       std::memcpy(out.data() + 4 * i, &v[i], 4);
     } else {
-      const uint16_t h = dtype == nn::DType::kBF16 ? nn::f32_to_bf16(v[i]) : nn::f32_to_f16(v[i]);
+      const uint16_t h = dtype == tensor::DType::kBF16 ? tensor::f32_to_bf16(v[i]) : tensor::f32_to_f16(v[i]);
       std::memcpy(out.data() + 2 * i, &h, 2);
     }
   }
@@ -138,13 +138,13 @@ std::vector<float> transpose(const std::vector<float>& v, int64_t rows, int64_t 
 }
 
 struct Gpt2Files {
-  std::vector<WeightTensor> tensors;
+  std::vector<io::WeightTensor> tensors;
   std::map<std::string, std::vector<float>> porter;  // expected values, porter orientation
 };
 
 // The Hugging Face tensors of `m`: `prefix` before every name but lm_head.weight; with
 // `buffers`, each layer's attn.bias and attn.masked_bias as GPT-2 checkpoints hold them.
-Gpt2Files gpt2_files(const config::ModelConfig& m, const std::string& prefix, nn::DType dtype,
+Gpt2Files gpt2_files(const config::ModelConfig& m, const std::string& prefix, tensor::DType dtype,
                      bool buffers = true) {
   Gpt2Files f;
   for (const Expected& e : gpt2_expected(m)) {
@@ -162,10 +162,10 @@ Gpt2Files gpt2_files(const config::ModelConfig& m, const std::string& prefix, nn
     const int64_t p = m.max_positions;
     for (int l = 0; l < m.layers; ++l) {
       const std::string h = prefix + "h." + std::to_string(l) + ".attn.";
-      f.tensors.push_back({h + "bias", {1, 1, p, p}, nn::DType::kF32,
-                           encode(std::vector<float>(static_cast<size_t>(p * p), 1.0f), nn::DType::kF32)});
-      f.tensors.push_back({h + "masked_bias", {}, nn::DType::kF32,
-                           encode(std::vector<float>{-1e4f}, nn::DType::kF32)});
+      f.tensors.push_back({h + "bias", {1, 1, p, p}, tensor::DType::kF32,
+                           encode(std::vector<float>(static_cast<size_t>(p * p), 1.0f), tensor::DType::kF32)});
+      f.tensors.push_back({h + "masked_bias", {}, tensor::DType::kF32,
+                           encode(std::vector<float>{-1e4f}, tensor::DType::kF32)});
     }
   }
   return f;
@@ -192,23 +192,23 @@ class HfCheckpoint : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   fs::path model_dir(const std::string& name, const Json& config,
-                     const std::vector<WeightTensor>& tensors) {
+                     const std::vector<io::WeightTensor>& tensors) {
     const fs::path d = dir_ / name;
     fs::create_directories(d);
     std::ofstream(d / "config.json") << config.dump(2);
-    if (!tensors.empty()) write_safetensors(d / "model.safetensors", tensors, {{"format", "pt"}});
+    if (!tensors.empty()) io::write_safetensors(d / "model.safetensors", tensors, {{"format", "pt"}});
     return d;
   }
   // A GPT-2 directory of `m` with one tensor replaced (by name) or removed (empty shape and
   // bytes with a name of "-" + the name).
   fs::path gpt2_dir(const std::string& name, const config::ModelConfig& m,
-                    const std::function<void(std::vector<WeightTensor>&)>& edit = {}) {
-    Gpt2Files f = gpt2_files(m, "transformer.", nn::DType::kF32);
+                    const std::function<void(std::vector<io::WeightTensor>&)>& edit = {}) {
+    Gpt2Files f = gpt2_files(m, "transformer.", tensor::DType::kF32);
     if (edit) edit(f.tensors);
     return model_dir(name, gpt2_config(m), f.tensors);
   }
   std::string weights_error(const fs::path& d, const config::ModelConfig& m) {
-    return error_of<IoError>([&] { read_hf_weights(d, m); });
+    return error_of<IoError>([&] { io::read_hf_weights(d, m); });
   }
 
   fs::path dir_;
@@ -230,16 +230,16 @@ void rewrite_header(const fs::path& p, const std::function<void(nlohmann::ordere
   out << text << bytes.substr(8 + n);
 }
 
-WeightTensor* find(std::vector<WeightTensor>& ts, const std::string& name) {
-  for (WeightTensor& t : ts) {
+io::WeightTensor* find(std::vector<io::WeightTensor>& ts, const std::string& name) {
+  for (io::WeightTensor& t : ts) {
     if (t.name == name) return &t;
   }
   ADD_FAILURE() << "no tensor " << name;
   return nullptr;
 }
 
-void erase_tensor(std::vector<WeightTensor>& ts, const std::string& name) {
-  std::erase_if(ts, [&](const WeightTensor& t) { return t.name == name; });
+void erase_tensor(std::vector<io::WeightTensor>& ts, const std::string& name) {
+  std::erase_if(ts, [&](const io::WeightTensor& t) { return t.name == name; });
 }
 
 // Every parameter's values at its layout offset are the expected ones, bitwise.
@@ -256,7 +256,7 @@ void expect_layout_values(const nn::ParamLayout& layout, const std::vector<float
 
 // ---- GPT-2 import ------------------------------------------------------------------------
 
-using ImportCase = std::tuple<std::string, bool, nn::DType>;  // prefix, tied, dtype
+using ImportCase = std::tuple<std::string, bool, tensor::DType>;  // prefix, tied, dtype
 
 class HfGpt2Import : public HfCheckpoint, public ::testing::WithParamInterface<ImportCase> {};
 
@@ -265,30 +265,30 @@ TEST_P(HfGpt2Import, GivesTheLayoutValuesWithConv1DTransposed) {
   const config::ModelConfig m = tiny_gpt2(tied);
   Gpt2Files f = gpt2_files(m, prefix, dtype);
   const fs::path d = model_dir("gpt2", gpt2_config(m), f.tensors);
-  const HfWeights w = read_hf_weights(d, m);
-  const nn::Gpt gpt(m);
+  const io::HfWeights w = io::read_hf_weights(d, m);
+  const models::Gpt gpt(m);
   expect_layout_values(gpt.layout(), w.values, f.porter);
   EXPECT_EQ(w.tensors, static_cast<int64_t>(gpt.layout().entries().size()));
   EXPECT_EQ(w.skipped, 2 * m.layers);  // attn.bias and attn.masked_bias
   EXPECT_EQ(w.files, std::vector<fs::path>{d / "model.safetensors"});
   // The buffers are F32 whatever the weights' dtype; only the weights' dtype is reported.
-  EXPECT_EQ(w.dtypes, std::vector<std::string>{std::string(safetensors_dtype_name(dtype))});
+  EXPECT_EQ(w.dtypes, std::vector<std::string>{std::string(io::safetensors_dtype_name(dtype))});
 
   // The Conv1D transposes, one element each: file (in, out) = porter (out, in).
-  const SafetensorsFile file(d / "model.safetensors");
+  const io::SafetensorsFile file(d / "model.safetensors");
   auto file_value = [&](const std::string& name, int64_t a, int64_t b) {
-    const SafetensorsEntry* e = file.find(prefix + name);
+    const io::SafetensorsEntry* e = file.find(prefix + name);
     EXPECT_NE(e, nullptr) << name;
     const int64_t i = a * e->shape[1] + b;
-    const std::byte* p = file.bytes(*e).data() + i * static_cast<int64_t>(nn::dtype_size(dtype));
-    if (dtype == nn::DType::kF32) {
+    const std::byte* p = file.bytes(*e).data() + i * static_cast<int64_t>(tensor::dtype_size(dtype));
+    if (dtype == tensor::DType::kF32) {
       float x;
       std::memcpy(&x, p, 4);
       return x;
     }
     uint16_t h;
     std::memcpy(&h, p, 2);
-    return dtype == nn::DType::kBF16 ? nn::bf16_to_f32(h) : nn::f16_to_f32(h);
+    return dtype == tensor::DType::kBF16 ? tensor::bf16_to_f32(h) : tensor::f16_to_f32(h);
   };
   auto porter_value = [&](const std::string& name, int64_t r, int64_t c) {
     const nn::ParamEntry& e = gpt.layout().find(name);
@@ -307,22 +307,22 @@ INSTANTIATE_TEST_SUITE_P(
     NamesTyingDtypes, HfGpt2Import,
     ::testing::Combine(::testing::Values(std::string(""), std::string("transformer.")),
                        ::testing::Bool(),
-                       ::testing::Values(nn::DType::kF32, nn::DType::kBF16, nn::DType::kF16)),
+                       ::testing::Values(tensor::DType::kF32, tensor::DType::kBF16, tensor::DType::kF16)),
     [](const ::testing::TestParamInfo<ImportCase>& p) {
       return std::string(std::get<0>(p.param).empty() ? "Bare" : "Prefixed") +
              (std::get<1>(p.param) ? "Tied" : "Untied") +
-             std::string(nn::dtype_name(std::get<2>(p.param)));
+             std::string(tensor::dtype_name(std::get<2>(p.param)));
     });
 
 TEST_F(HfCheckpoint, WithoutBuffersAndWithATiedHeadThatIsTheEmbedding) {
   const config::ModelConfig m = tiny_gpt2(true);
-  Gpt2Files f = gpt2_files(m, "", nn::DType::kF32, /*buffers=*/false);
-  WeightTensor head = *find(f.tensors, "wte.weight");
+  Gpt2Files f = gpt2_files(m, "", tensor::DType::kF32, /*buffers=*/false);
+  io::WeightTensor head = *find(f.tensors, "wte.weight");
   head.name = "lm_head.weight";
   f.tensors.push_back(head);
   const fs::path d = model_dir("tied", gpt2_config(m), f.tensors);
-  const HfWeights w = read_hf_weights(d, m);
-  expect_layout_values(nn::Gpt(m).layout(), w.values, f.porter);
+  const io::HfWeights w = io::read_hf_weights(d, m);
+  expect_layout_values(models::Gpt(m).layout(), w.values, f.porter);
   EXPECT_EQ(w.skipped, 1);  // lm_head.weight, equal to wte
 
   // One element off: refused, naming both tensors and the element.
@@ -335,26 +335,26 @@ TEST_F(HfCheckpoint, WithoutBuffersAndWithATiedHeadThatIsTheEmbedding) {
 
 TEST_F(HfCheckpoint, ShardedIndexGivesTheSameValues) {
   const config::ModelConfig m = tiny_gpt2(false);
-  Gpt2Files f = gpt2_files(m, "transformer.", nn::DType::kBF16);
+  Gpt2Files f = gpt2_files(m, "transformer.", tensor::DType::kBF16);
   const fs::path d = dir_ / "sharded";
   fs::create_directories(d);
   std::ofstream(d / "config.json") << gpt2_config(m).dump();
-  std::vector<WeightTensor> a(f.tensors.begin(), f.tensors.begin() + 10);
-  std::vector<WeightTensor> b(f.tensors.begin() + 10, f.tensors.end());
-  write_safetensors(d / "model-00001-of-00002.safetensors", a);
-  write_safetensors(d / "model-00002-of-00002.safetensors", b);
+  std::vector<io::WeightTensor> a(f.tensors.begin(), f.tensors.begin() + 10);
+  std::vector<io::WeightTensor> b(f.tensors.begin() + 10, f.tensors.end());
+  io::write_safetensors(d / "model-00001-of-00002.safetensors", a);
+  io::write_safetensors(d / "model-00002-of-00002.safetensors", b);
   Json map = Json::object();
-  for (const WeightTensor& t : a) map[t.name] = "model-00001-of-00002.safetensors";
-  for (const WeightTensor& t : b) map[t.name] = "model-00002-of-00002.safetensors";
+  for (const io::WeightTensor& t : a) map[t.name] = "model-00001-of-00002.safetensors";
+  for (const io::WeightTensor& t : b) map[t.name] = "model-00002-of-00002.safetensors";
   std::ofstream(d / "model.safetensors.index.json")
       << Json{{"metadata", {{"total_size", 1234}}}, {"weight_map", map}}.dump();
-  const HfWeights w = read_hf_weights(d, m);
-  expect_layout_values(nn::Gpt(m).layout(), w.values, f.porter);
+  const io::HfWeights w = io::read_hf_weights(d, m);
+  expect_layout_values(models::Gpt(m).layout(), w.values, f.porter);
   EXPECT_EQ(w.files.size(), 2u);
 
   // model.safetensors, when there is one too, is the one read (as transformers does).
-  write_safetensors(d / "model.safetensors", gpt2_files(m, "", nn::DType::kF32).tensors);
-  EXPECT_EQ(read_hf_weights(d, m).files, std::vector<fs::path>{d / "model.safetensors"});
+  io::write_safetensors(d / "model.safetensors", gpt2_files(m, "", tensor::DType::kF32).tensors);
+  EXPECT_EQ(io::read_hf_weights(d, m).files, std::vector<fs::path>{d / "model.safetensors"});
 }
 
 // ---- round trip --------------------------------------------------------------------------
@@ -364,26 +364,26 @@ TEST_F(HfCheckpoint, ImportExportImportIsBitwise) {
     SCOPED_TRACE(tied ? "tied" : "untied");
     const config::ModelConfig m = tiny_gpt2(tied);
     const fs::path src = model_dir(tied ? "src-tied" : "src", gpt2_config(m),
-                                   gpt2_files(m, "", nn::DType::kF32).tensors);
-    const nn::Gpt gpt(m);
-    const HfWeights first = read_hf_weights(src, m);
+                                   gpt2_files(m, "", tensor::DType::kF32).tensors);
+    const models::Gpt gpt(m);
+    const io::HfWeights first = io::read_hf_weights(src, m);
     const fs::path out = dir_ / (tied ? "out-tied" : "out");
-    const HfExport x = write_hf_checkpoint(out, m, gpt.layout(), first.values, nn::DType::kF32);
+    const io::HfExport x = io::write_hf_checkpoint(out, m, gpt.layout(), first.values, tensor::DType::kF32);
     EXPECT_EQ(x.tensors, static_cast<int64_t>(gpt.layout().entries().size()));
     EXPECT_EQ(x.num_params, gpt.layout().num_params());
     EXPECT_EQ(x.bytes, fs::file_size(out / "model.safetensors"));
-    const HfWeights second = read_hf_weights(out, m);
+    const io::HfWeights second = io::read_hf_weights(out, m);
     ASSERT_EQ(second.values.size(), first.values.size());
     EXPECT_EQ(std::memcmp(second.values.data(), first.values.data(), first.values.size() * 4), 0);
     EXPECT_EQ(second.skipped, 0);
 
     // The names save_pretrained writes: "transformer." before all but lm_head.weight, which
     // is there only untied; the metadata says PyTorch.
-    WeightMetadata meta;
-    const std::vector<WeightTensor> written = read_safetensors(out / "model.safetensors", &meta);
-    EXPECT_EQ(meta, (WeightMetadata{{"format", "pt"}}));
+    io::WeightMetadata meta;
+    const std::vector<io::WeightTensor> written = io::read_safetensors(out / "model.safetensors", &meta);
+    EXPECT_EQ(meta, (io::WeightMetadata{{"format", "pt"}}));
     std::vector<std::string> names;
-    for (const WeightTensor& t : written) names.push_back(t.name);
+    for (const io::WeightTensor& t : written) names.push_back(t.name);
     std::vector<std::string> want;
     for (const Expected& e : gpt2_expected(m)) {
       want.push_back(e.hf == "lm_head.weight" ? e.hf : "transformer." + e.hf);
@@ -395,8 +395,8 @@ TEST_F(HfCheckpoint, ImportExportImportIsBitwise) {
     EXPECT_EQ(written[12].shape, (std::vector<int64_t>{32, 8}));       // mlp.c_proj (4C, C)
 
     // config.json reads back as the same model.
-    const HfConfig c = read_hf_config(out);
-    EXPECT_EQ(c.model_keys, read_hf_config(src).model_keys);
+    const io::HfConfig c = io::read_hf_config(out);
+    EXPECT_EQ(c.model_keys, io::read_hf_config(src).model_keys);
     EXPECT_EQ(c.json["architectures"], Json::array({"GPT2LMHeadModel"}));
     EXPECT_EQ(c.json["torch_dtype"], "float32");
     EXPECT_EQ(c.json["tie_word_embeddings"], tied);
@@ -407,15 +407,15 @@ TEST_F(HfCheckpoint, ImportExportImportIsBitwise) {
 
 TEST_F(HfCheckpoint, ExportInBf16AndF16RoundsToNearestEven) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const nn::Gpt gpt(m);
+  const models::Gpt gpt(m);
   std::vector<float> values(static_cast<size_t>(gpt.layout().total_elems()), 0.0f);
   for (size_t i = 0; i < values.size(); ++i) values[i] = 1.0f + static_cast<float>(i) * 1e-4f;
-  for (const nn::DType dtype : {nn::DType::kBF16, nn::DType::kF16}) {
-    SCOPED_TRACE(std::string(nn::dtype_name(dtype)));
-    const fs::path out = dir_ / std::string(nn::dtype_name(dtype));
-    write_hf_checkpoint(out, m, gpt.layout(), values, dtype);
-    const std::vector<WeightTensor> written = read_safetensors(out / "model.safetensors");
-    const WeightTensor& ln = written[2];  // transformer.h.0.ln_1.weight
+  for (const tensor::DType dtype : {tensor::DType::kBF16, tensor::DType::kF16}) {
+    SCOPED_TRACE(std::string(tensor::dtype_name(dtype)));
+    const fs::path out = dir_ / std::string(tensor::dtype_name(dtype));
+    io::write_hf_checkpoint(out, m, gpt.layout(), values, dtype);
+    const std::vector<io::WeightTensor> written = io::read_safetensors(out / "model.safetensors");
+    const io::WeightTensor& ln = written[2];  // transformer.h.0.ln_1.weight
     ASSERT_EQ(ln.name, "transformer.h.0.ln_1.weight");
     EXPECT_EQ(ln.dtype, dtype);
     const nn::ParamEntry& e = gpt.layout().find("h.0.ln1.weight");
@@ -423,29 +423,29 @@ TEST_F(HfCheckpoint, ExportInBf16AndF16RoundsToNearestEven) {
       uint16_t h;
       std::memcpy(&h, ln.bytes.data() + 2 * i, 2);
       const float v = values[static_cast<size_t>(e.offset_elems + i)];
-      EXPECT_EQ(h, dtype == nn::DType::kBF16 ? nn::f32_to_bf16(v) : nn::f32_to_f16(v)) << i;
+      EXPECT_EQ(h, dtype == tensor::DType::kBF16 ? tensor::f32_to_bf16(v) : tensor::f32_to_f16(v)) << i;
     }
-    EXPECT_EQ(read_hf_config(out).json["torch_dtype"], dtype == nn::DType::kBF16 ? "bfloat16" : "float16");
+    EXPECT_EQ(io::read_hf_config(out).json["torch_dtype"], dtype == tensor::DType::kBF16 ? "bfloat16" : "float16");
     // And it imports as those rounded values.
-    const HfWeights back = read_hf_weights(out, m);
-    EXPECT_EQ(back.dtypes, std::vector<std::string>{std::string(safetensors_dtype_name(dtype))});
+    const io::HfWeights back = io::read_hf_weights(out, m);
+    EXPECT_EQ(back.dtypes, std::vector<std::string>{std::string(io::safetensors_dtype_name(dtype))});
   }
 }
 
 TEST_F(HfCheckpoint, ExportRefusesNonFiniteValuesAndAWrongCount) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const nn::Gpt gpt(m);
+  const models::Gpt gpt(m);
   std::vector<float> values(static_cast<size_t>(gpt.layout().total_elems()), 0.5f);
   values[static_cast<size_t>(gpt.layout().find("h.1.fc1.weight").offset_elems + 9)] =
       std::numeric_limits<float>::quiet_NaN();
   EXPECT_THAT(error_of<InvalidArgument>([&] {
-                write_hf_checkpoint(dir_ / "nan", m, gpt.layout(), values, nn::DType::kF32);
+                io::write_hf_checkpoint(dir_ / "nan", m, gpt.layout(), values, tensor::DType::kF32);
               }),
               HasSubstr("parameter 'h.1.fc1.weight' element 9 [1, 1] is nan"));
   EXPECT_FALSE(fs::exists(dir_ / "nan" / "model.safetensors"));
   values.pop_back();
   EXPECT_THAT(error_of<InvalidArgument>([&] {
-                write_hf_checkpoint(dir_ / "short", m, gpt.layout(), values, nn::DType::kF32);
+                io::write_hf_checkpoint(dir_ / "short", m, gpt.layout(), values, tensor::DType::kF32);
               }),
               HasSubstr("values for a layout of"));
 }
@@ -454,10 +454,10 @@ TEST_F(HfCheckpoint, ExportRefusesNonFiniteValuesAndAWrongCount) {
 
 TEST_F(HfCheckpoint, MissingAndUnexpectedTensorsAreListedInOneMessage) {
   const config::ModelConfig m = tiny_gpt2(false);
-  const fs::path d = gpt2_dir("missing", m, [](std::vector<WeightTensor>& ts) {
+  const fs::path d = gpt2_dir("missing", m, [](std::vector<io::WeightTensor>& ts) {
     erase_tensor(ts, "transformer.h.1.mlp.c_fc.bias");
     erase_tensor(ts, "lm_head.weight");
-    WeightTensor extra = ts[0];
+    io::WeightTensor extra = ts[0];
     extra.name = "transformer.h.2.ln_1.weight";
     ts.push_back(extra);
     extra.name = "score.weight";
@@ -470,7 +470,7 @@ TEST_F(HfCheckpoint, MissingAndUnexpectedTensorsAreListedInOneMessage) {
                              "score.weight"));
   EXPECT_THAT(msg, HasSubstr("model.safetensors"));
   // Untied, a file without lm_head.weight misses it.
-  const fs::path untied = gpt2_dir("untied-no-head", m, [](std::vector<WeightTensor>& ts) {
+  const fs::path untied = gpt2_dir("untied-no-head", m, [](std::vector<io::WeightTensor>& ts) {
     erase_tensor(ts, "lm_head.weight");
   });
   EXPECT_THAT(weights_error(untied, m), HasSubstr("1 tensor(s) of config.json's model missing: lm_head.weight"));
@@ -479,8 +479,8 @@ TEST_F(HfCheckpoint, MissingAndUnexpectedTensorsAreListedInOneMessage) {
 
 TEST_F(HfCheckpoint, ATensorUnderBothNamesIsRefused) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const fs::path d = gpt2_dir("twice", m, [](std::vector<WeightTensor>& ts) {
-    WeightTensor bare = *find(ts, "transformer.ln_f.bias");
+  const fs::path d = gpt2_dir("twice", m, [](std::vector<io::WeightTensor>& ts) {
+    io::WeightTensor bare = *find(ts, "transformer.ln_f.bias");
     bare.name = "ln_f.bias";
     ts.push_back(bare);
   });
@@ -491,7 +491,7 @@ TEST_F(HfCheckpoint, ATensorUnderBothNamesIsRefused) {
 TEST_F(HfCheckpoint, AWrongShapeNamesTheTensorAndBothShapes) {
   const config::ModelConfig m = tiny_gpt2(true);
   // c_attn written in porter's orientation (3C, C), not Conv1D's (C, 3C).
-  const fs::path d = gpt2_dir("shape", m, [](std::vector<WeightTensor>& ts) {
+  const fs::path d = gpt2_dir("shape", m, [](std::vector<io::WeightTensor>& ts) {
     find(ts, "transformer.h.1.attn.c_attn.weight")->shape = {24, 8};
   });
   const std::string msg = weights_error(d, m);
@@ -502,8 +502,8 @@ TEST_F(HfCheckpoint, AWrongShapeNamesTheTensorAndBothShapes) {
 
 TEST_F(HfCheckpoint, UnsupportedDtypesAreRefusedByName) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const fs::path i32 = gpt2_dir("i32", m, [](std::vector<WeightTensor>& ts) {
-    find(ts, "transformer.wpe.weight")->dtype = nn::DType::kI32;
+  const fs::path i32 = gpt2_dir("i32", m, [](std::vector<io::WeightTensor>& ts) {
+    find(ts, "transformer.wpe.weight")->dtype = tensor::DType::kI32;
   });
   EXPECT_THAT(weights_error(i32, m), HasSubstr("tensor 'transformer.wpe.weight': dtype I32: porter "
                                                "loads weights stored as F32, BF16 or F16"));
@@ -523,8 +523,8 @@ TEST_F(HfCheckpoint, NonFiniteWeightsNameTheTensorAndTheFirstBadIndex) {
   for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                           -std::numeric_limits<float>::infinity()}) {
     const std::string tag = std::isnan(bad) ? "nan" : bad > 0 ? "inf" : "-inf";
-    const fs::path d = gpt2_dir("nonfinite" + tag, m, [&](std::vector<WeightTensor>& ts) {
-      WeightTensor& t = *find(ts, "transformer.h.0.mlp.c_fc.weight");  // (8, 32)
+    const fs::path d = gpt2_dir("nonfinite" + tag, m, [&](std::vector<io::WeightTensor>& ts) {
+      io::WeightTensor& t = *find(ts, "transformer.h.0.mlp.c_fc.weight");  // (8, 32)
       std::memcpy(t.bytes.data() + 4 * 70, &bad, 4);
       std::memcpy(t.bytes.data() + 4 * 100, &bad, 4);
     });
@@ -533,8 +533,8 @@ TEST_F(HfCheckpoint, NonFiniteWeightsNameTheTensorAndTheFirstBadIndex) {
   }
   // In bf16 too.
   const fs::path d = dir_ / "bf16-nan";
-  Gpt2Files f = gpt2_files(m, "", nn::DType::kBF16);
-  const uint16_t nan = nn::f32_to_bf16(std::numeric_limits<float>::quiet_NaN());
+  Gpt2Files f = gpt2_files(m, "", tensor::DType::kBF16);
+  const uint16_t nan = tensor::f32_to_bf16(std::numeric_limits<float>::quiet_NaN());
   std::memcpy(find(f.tensors, "wte.weight")->bytes.data(), &nan, 2);
   model_dir("bf16-nan", gpt2_config(m), f.tensors);
   EXPECT_THAT(weights_error(d, m), HasSubstr("tensor 'wte.weight': element 0 [0, 0] is nan"));
@@ -585,17 +585,17 @@ TEST_F(HfCheckpoint, NoWeightsFileIsRefusedWithAHint) {
 
 TEST_F(HfCheckpoint, BadIndexesAreRefused) {
   const config::ModelConfig m = tiny_gpt2(true);
-  Gpt2Files f = gpt2_files(m, "", nn::DType::kF32);
+  Gpt2Files f = gpt2_files(m, "", tensor::DType::kF32);
   auto sharded = [&](const std::string& name, const std::string& index,
                      const std::function<void(const fs::path&)>& more = {}) {
     const fs::path d = model_dir(name, gpt2_config(m), {});
-    write_safetensors(d / "a.safetensors", f.tensors);
+    io::write_safetensors(d / "a.safetensors", f.tensors);
     std::ofstream(d / "model.safetensors.index.json") << index;
     if (more) more(d);
     return weights_error(d, m);
   };
   Json full = Json::object();
-  for (const WeightTensor& t : f.tensors) full[t.name] = "a.safetensors";
+  for (const io::WeightTensor& t : f.tensors) full[t.name] = "a.safetensors";
   EXPECT_THAT(sharded("json", "{\"weight_map\": "), HasSubstr("model.safetensors.index.json\": not valid JSON"));
   EXPECT_THAT(sharded("nomap", "{\"metadata\": {}}"), HasSubstr("needs \"weight_map\", an object"));
   EXPECT_THAT(sharded("emptymap", "{\"weight_map\": {}}"), HasSubstr("\"weight_map\" lists no tensor"));
@@ -616,7 +616,7 @@ TEST_F(HfCheckpoint, BadIndexesAreRefused) {
   Json moved = full;
   moved["wpe.weight"] = "b.safetensors";
   EXPECT_THAT(sharded("moved", Json{{"weight_map", moved}}.dump(), [&](const fs::path& d) {
-                write_safetensors(d / "b.safetensors", {*find(f.tensors, "wpe.weight")});
+                io::write_safetensors(d / "b.safetensors", {*find(f.tensors, "wpe.weight")});
               }),
               HasSubstr("holds 'wpe.weight', which the index maps to \"b.safetensors\""));
 }
@@ -625,15 +625,15 @@ TEST_F(HfCheckpoint, ALayoutOfAnotherModelIsABug) {
   const config::ModelConfig m = tiny_gpt2(true);
   const fs::path d = gpt2_dir("gpt2", m);
   config::ModelConfig longer = m;
-  longer.seq_len = 8;  // nn::Gpt's wpe then has 8 rows; config.json's 16
+  longer.seq_len = 8;  // models::Gpt's wpe then has 8 rows; config.json's 16
   longer.max_positions = 16;
   nn::ParamLayout layout;
-  layout.add("", {{"wte", nn::Shape{24, 8}}, {"wpe", nn::Shape{8, 8}}});
-  EXPECT_THAT(error_of<InvalidArgument>([&] { read_hf_weights(d, longer, layout); }),
+  layout.add("", {{"wte", tensor::Shape{24, 8}}, {"wpe", tensor::Shape{8, 8}}});
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::read_hf_weights(d, longer, layout); }),
               HasSubstr("porter's layout has 'wpe' (8, 8), config.json's model (16, 8)"));
   nn::ParamLayout other;
-  other.add("", {{"embed_tokens.weight", nn::Shape{24, 8}}});
-  EXPECT_THAT(error_of<InvalidArgument>([&] { read_hf_weights(d, m, other); }),
+  other.add("", {{"embed_tokens.weight", tensor::Shape{24, 8}}});
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::read_hf_weights(d, m, other); }),
               HasSubstr("parameter 'embed_tokens.weight' that the GPT-2 name map does not know"));
 }
 
@@ -641,8 +641,8 @@ TEST_F(HfCheckpoint, ALayoutOfAnotherModelIsABug) {
 
 TEST_F(HfCheckpoint, Gpt2ConfigGivesPorterModelKeysWithTransformersDefaults) {
   const fs::path d = model_dir("cfg", {{"model_type", "gpt2"}, {"n_layer", 3}}, {});
-  const HfConfig c = read_hf_config(d);
-  EXPECT_EQ(c.arch, HfArch::kGpt2);
+  const io::HfConfig c = io::read_hf_config(d);
+  EXPECT_EQ(c.arch, io::HfArch::kGpt2);
   EXPECT_EQ(c.max_positions, 1024);
   EXPECT_EQ(c.model_keys, (nlohmann::ordered_json{{"arch", "gpt"}, {"layers", 3}, {"hidden", 768},
                                                   {"heads", 12}, {"vocab", 50257},
@@ -660,8 +660,8 @@ TEST_F(HfCheckpoint, LlamaConfigGivesPorterModelKeys) {
                                          {"hidden_act", "silu"}, {"rope_scaling", nullptr},
                                          {"attention_bias", false}, {"head_dim", 16}},
                                {});
-  const HfConfig c = read_hf_config(d);
-  EXPECT_EQ(c.arch, HfArch::kLlama);
+  const io::HfConfig c = io::read_hf_config(d);
+  EXPECT_EQ(c.arch, io::HfArch::kLlama);
   EXPECT_EQ(c.max_positions, 256);
   EXPECT_EQ(c.model_keys, (nlohmann::ordered_json{{"arch", "llama"}, {"layers", 2}, {"hidden", 64},
                                                   {"heads", 4}, {"vocab", 100},
@@ -671,22 +671,22 @@ TEST_F(HfCheckpoint, LlamaConfigGivesPorterModelKeys) {
                                                   {"max_positions", 256}}));
   // num_key_value_heads defaults to the heads.
   const fs::path mha = model_dir("mha", {{"model_type", "llama"}, {"num_attention_heads", 8}}, {});
-  EXPECT_EQ(read_hf_config(mha).model_keys["kv_heads"], 8);
+  EXPECT_EQ(io::read_hf_config(mha).model_keys["kv_heads"], 8);
 }
 
 TEST_F(HfCheckpoint, ConfigJsonRefusalsNameTheFileKeyAndRule) {
   auto error = [&](const std::string& name, const Json& j) {
-    return error_of<IoError>([&] { read_hf_config(model_dir(name, j, {})); });
+    return error_of<IoError>([&] { io::read_hf_config(model_dir(name, j, {})); });
   };
-  EXPECT_THAT(error_of<IoError>([&] { read_hf_config(dir_ / "nothing"); }),
+  EXPECT_THAT(error_of<IoError>([&] { io::read_hf_config(dir_ / "nothing"); }),
               HasSubstr("nothing/config.json\": cannot read"));
   fs::create_directories(dir_ / "bare");
-  EXPECT_THAT(error_of<IoError>([&] { read_hf_config(dir_ / "bare"); }),
+  EXPECT_THAT(error_of<IoError>([&] { io::read_hf_config(dir_ / "bare"); }),
               HasSubstr("names a directory without a config.json"));
   {
     fs::create_directories(dir_ / "text");
     std::ofstream(dir_ / "text" / "config.json") << "{\"n_layer\": ";
-    EXPECT_THAT(error_of<IoError>([&] { read_hf_config(dir_ / "text"); }), HasSubstr("not valid JSON"));
+    EXPECT_THAT(error_of<IoError>([&] { io::read_hf_config(dir_ / "text"); }), HasSubstr("not valid JSON"));
   }
   EXPECT_THAT(error("notype", {{"n_layer", 2}}), HasSubstr("model_type: missing; porter reads \"gpt2\""));
   EXPECT_THAT(error("mistral", {{"model_type", "mistral"}}),
@@ -722,9 +722,9 @@ TEST_F(HfCheckpoint, ConfigJsonRefusalsNameTheFileKeyAndRule) {
 
 TEST_F(HfCheckpoint, UserKeysThatContradictConfigJsonAreErrorsNamingBoth) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const HfConfig hf = read_hf_config(model_dir("gpt2", gpt2_config(m), {}));
+  const io::HfConfig hf = io::read_hf_config(model_dir("gpt2", gpt2_config(m), {}));
   auto error = [&](const Json& user) {
-    return error_of<config::ConfigError>([&] { hf_model_overrides(hf, user); });
+    return error_of<config::ConfigError>([&] { io::hf_model_overrides(hf, user); });
   };
   EXPECT_THAT(error({{"layers", 12}}),
               HasSubstr("porter.model.layers: 12 contradicts the model porter.model.from names: \"" +
@@ -743,7 +743,7 @@ TEST_F(HfCheckpoint, UserKeysThatContradictConfigJsonAreErrorsNamingBoth) {
                         "names was made for: \"" + hf.path.string() + "\" has n_positions 16"));
 
   // Equal values, and the defaults that mean them, are fine; training keys stay the user's.
-  const nlohmann::ordered_json ok = hf_model_overrides(
+  const nlohmann::ordered_json ok = io::hf_model_overrides(
       hf, {{"type", "gpt"}, {"layers", 2}, {"hidden", 8}, {"norm_eps", 1e-5}, {"kv_heads", 0},
            {"intermediate", 0}, {"seq_len", 8}, {"dropout", 0.1}, {"tensor_parallel", 2}});
   EXPECT_EQ(ok["type"], "gpt");
@@ -753,17 +753,17 @@ TEST_F(HfCheckpoint, UserKeysThatContradictConfigJsonAreErrorsNamingBoth) {
   EXPECT_FALSE(ok.contains("dropout"));
   EXPECT_FALSE(ok.contains("tensor_parallel"));
   // No seq_len given, and porter's default 1024 is more than the 16 positions: 16.
-  EXPECT_EQ(hf_model_overrides(hf, nullptr)["seq_len"], 16);
-  EXPECT_EQ(hf_model_overrides(hf, nullptr)["arch"], "gpt");
+  EXPECT_EQ(io::hf_model_overrides(hf, nullptr)["seq_len"], 16);
+  EXPECT_EQ(io::hf_model_overrides(hf, nullptr)["arch"], "gpt");
 }
 
 TEST_F(HfCheckpoint, UserKeysApplyThroughTheConfigParser) {
   // The overrides give the same config as the keys written by hand.
   const config::ModelConfig m = tiny_gpt2(false);
-  const HfConfig hf = read_hf_config(model_dir("gpt2", gpt2_config(m), {}));
+  const io::HfConfig hf = io::read_hf_config(model_dir("gpt2", gpt2_config(m), {}));
   Json user = {{"from", (dir_ / "gpt2").string()}, {"seq_len", 12}};
   Json model = user;
-  const nlohmann::ordered_json overrides = hf_model_overrides(hf, user);
+  const nlohmann::ordered_json overrides = io::hf_model_overrides(hf, user);
   for (const auto& [k, v] : overrides.items()) model[k] = v;
   const config::Config c =
       config::parse_config_string(
@@ -777,16 +777,16 @@ TEST_F(HfCheckpoint, UserKeysApplyThroughTheConfigParser) {
   EXPECT_FALSE(c.porter.model.tie_embeddings);
   EXPECT_EQ(c.porter.model.from, (dir_ / "gpt2").string());
 
-  // hf_model_config gives the same model from a ModelConfig built in code.
+  // io::hf_model_config gives the same model from a ModelConfig built in code.
   config::ModelConfig base;
   base.seq_len = 12;
   base.dropout = 0.25;
-  config::ModelConfig direct = hf_model_config(hf, base);
+  config::ModelConfig direct = io::hf_model_config(hf, base);
   EXPECT_EQ(direct.dropout, 0.25);
   direct.dropout = c.porter.model.dropout;
   EXPECT_EQ(direct, c.porter.model);
   base.seq_len = 17;
-  EXPECT_THAT(error_of<InvalidArgument>([&] { hf_model_config(hf, base); }),
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::hf_model_config(hf, base); }),
               HasSubstr("porter.model.seq_len 17 is longer than the 16 positions of"));
 }
 
@@ -835,7 +835,7 @@ std::vector<Expected> llama_expected(const config::ModelConfig& m) {
 nn::ParamLayout layout_of(const std::vector<Expected>& expected) {
   nn::ParamLayout layout;
   std::vector<nn::ParamSpec> specs;
-  for (const Expected& e : expected) specs.push_back({e.porter, nn::Shape(e.shape)});
+  for (const Expected& e : expected) specs.push_back({e.porter, tensor::Shape(e.shape)});
   layout.add("", specs);
   return layout;
 }
@@ -843,7 +843,7 @@ nn::ParamLayout layout_of(const std::vector<Expected>& expected) {
 TEST(HfLlamaMap, NamesAndShapesAreHuggingFacesWithGroupedQueryAttention) {
   for (const bool tied : {false, true}) {
     const config::ModelConfig m = tiny_llama(tied);
-    const std::vector<HfParam> map = hf_param_map(m);
+    const std::vector<io::HfParam> map = io::hf_param_map(m);
     const std::vector<Expected> want = llama_expected(m);
     ASSERT_EQ(map.size(), want.size());
     for (size_t i = 0; i < map.size(); ++i) {
@@ -854,14 +854,14 @@ TEST(HfLlamaMap, NamesAndShapesAreHuggingFacesWithGroupedQueryAttention) {
     }
   }
   // k_proj and v_proj are Hkv * D = 2 * 4 rows; q_proj H * D = 16.
-  const std::vector<HfParam> map = hf_param_map(tiny_llama(false));
+  const std::vector<io::HfParam> map = io::hf_param_map(tiny_llama(false));
   EXPECT_EQ(map[3].hf_name, "model.layers.0.self_attn.k_proj.weight");
   EXPECT_EQ(map[3].shape, (std::vector<int64_t>{8, 16}));
   EXPECT_EQ(map[2].shape, (std::vector<int64_t>{16, 16}));
   // kv_heads 0 means the heads.
   config::ModelConfig mha = tiny_llama(false);
   mha.kv_heads = 0;
-  EXPECT_EQ(hf_param_map(mha)[3].shape, (std::vector<int64_t>{16, 16}));
+  EXPECT_EQ(io::hf_param_map(mha)[3].shape, (std::vector<int64_t>{16, 16}));
 }
 
 TEST_F(HfCheckpoint, LlamaImportsIntoItsLayoutAndRoundTrips) {
@@ -871,15 +871,15 @@ TEST_F(HfCheckpoint, LlamaImportsIntoItsLayoutAndRoundTrips) {
     const std::vector<Expected> expected = llama_expected(m);
     const nn::ParamLayout layout = layout_of(expected);
     std::map<std::string, std::vector<float>> values;
-    std::vector<WeightTensor> tensors;
+    std::vector<io::WeightTensor> tensors;
     for (const Expected& e : expected) {
       values[e.porter] = pattern(e.porter, numel(e.shape));
       const std::string name = e.hf == "lm_head.weight" ? e.hf : prefix + e.porter;
-      tensors.push_back({name, e.shape, nn::DType::kBF16, encode(values[e.porter], nn::DType::kBF16)});
+      tensors.push_back({name, e.shape, tensor::DType::kBF16, encode(values[e.porter], tensor::DType::kBF16)});
     }
     for (int l = 0; l < m.layers; ++l) {
       tensors.push_back({prefix + "layers." + std::to_string(l) + ".self_attn.rotary_emb.inv_freq",
-                         {2}, nn::DType::kF32, encode({1.0f, 0.5f}, nn::DType::kF32)});
+                         {2}, tensor::DType::kF32, encode({1.0f, 0.5f}, tensor::DType::kF32)});
     }
     const Json config = {{"model_type", "llama"}, {"hidden_size", 16}, {"intermediate_size", 40},
                          {"num_hidden_layers", 2}, {"num_attention_heads", 4},
@@ -887,20 +887,20 @@ TEST_F(HfCheckpoint, LlamaImportsIntoItsLayoutAndRoundTrips) {
                          {"rope_theta", 500000.0}, {"max_position_embeddings", 4096},
                          {"bos_token_id", 1}, {"eos_token_id", 2}};
     const fs::path src = model_dir("llama" + prefix, config, tensors);
-    const HfWeights w = read_hf_weights(src, m, layout);
+    const io::HfWeights w = io::read_hf_weights(src, m, layout);
     expect_layout_values(layout, w.values, values);
     EXPECT_EQ(w.skipped, 2);
 
-    const HfConfig read = read_hf_config(src);
+    const io::HfConfig read = io::read_hf_config(src);
     const fs::path out = dir_ / ("llama-out" + prefix);
-    write_hf_checkpoint(out, m, layout, w.values, nn::DType::kBF16, read.json);
-    const HfWeights back = read_hf_weights(out, m, layout);
+    io::write_hf_checkpoint(out, m, layout, w.values, tensor::DType::kBF16, read.json);
+    const io::HfWeights back = io::read_hf_weights(out, m, layout);
     EXPECT_EQ(std::memcmp(back.values.data(), w.values.data(), w.values.size() * 4), 0);
     std::vector<std::string> names;
-    for (const WeightTensor& t : read_safetensors(out / "model.safetensors")) names.push_back(t.name);
+    for (const io::WeightTensor& t : io::read_safetensors(out / "model.safetensors")) names.push_back(t.name);
     EXPECT_EQ(names.front(), "model.embed_tokens.weight");
     EXPECT_EQ(names.back(), "lm_head.weight");
-    const HfConfig again = read_hf_config(out);
+    const io::HfConfig again = io::read_hf_config(out);
     EXPECT_EQ(again.model_keys, read.model_keys);
     EXPECT_EQ(again.json["architectures"], Json::array({"LlamaForCausalLM"}));
     EXPECT_EQ(again.json["torch_dtype"], "bfloat16");
@@ -911,22 +911,22 @@ TEST_F(HfCheckpoint, LlamaImportsIntoItsLayoutAndRoundTrips) {
     EXPECT_TRUE(again.json["rope_scaling"].is_null());
   }
   // Without a source the positions are seq_len.
-  EXPECT_EQ(hf_config_json(tiny_llama(true), nn::DType::kF32)["max_position_embeddings"], 32);
-  EXPECT_EQ(hf_config_json(tiny_llama(true), nn::DType::kF32)["tie_word_embeddings"], true);
+  EXPECT_EQ(io::hf_config_json(tiny_llama(true), tensor::DType::kF32)["max_position_embeddings"], 32);
+  EXPECT_EQ(io::hf_config_json(tiny_llama(true), tensor::DType::kF32)["tie_word_embeddings"], true);
 }
 
 TEST_F(HfCheckpoint, LlamaBuffersAndTiedHead) {
   const config::ModelConfig m = tiny_llama(true);
   const std::vector<Expected> expected = llama_expected(m);
-  std::vector<WeightTensor> tensors;
+  std::vector<io::WeightTensor> tensors;
   for (const Expected& e : expected) {
-    tensors.push_back({e.hf, e.shape, nn::DType::kF32, encode(pattern(e.porter, numel(e.shape)), nn::DType::kF32)});
+    tensors.push_back({e.hf, e.shape, tensor::DType::kF32, encode(pattern(e.porter, numel(e.shape)), tensor::DType::kF32)});
   }
-  tensors.push_back({"model.rotary_emb.inv_freq", {2}, nn::DType::kF32, encode({1.0f, 0.5f}, nn::DType::kF32)});
-  tensors.push_back({"model.layers.0.mlp.gate_proj.bias", {40}, nn::DType::kF32,
-                     encode(std::vector<float>(40, 0.0f), nn::DType::kF32)});
+  tensors.push_back({"model.rotary_emb.inv_freq", {2}, tensor::DType::kF32, encode({1.0f, 0.5f}, tensor::DType::kF32)});
+  tensors.push_back({"model.layers.0.mlp.gate_proj.bias", {40}, tensor::DType::kF32,
+                     encode(std::vector<float>(40, 0.0f), tensor::DType::kF32)});
   const fs::path d = model_dir("llama-bias", {{"model_type", "llama"}}, tensors);
-  EXPECT_THAT(error_of<IoError>([&] { read_hf_weights(d, m, layout_of(expected)); }),
+  EXPECT_THAT(error_of<IoError>([&] { io::read_hf_weights(d, m, layout_of(expected)); }),
               HasSubstr("1 tensor(s) porter does not know: model.layers.0.mlp.gate_proj.bias"));
 }
 

@@ -13,10 +13,10 @@
 #include <filesystem>
 #include <string>
 
-#include "engine/hf_checkpoint.h"
+#include "io/hf_checkpoint.h"
 #include "engine_test_util.h"
-#include "nn/gpt.h"
-#include "nn/npy.h"
+#include "models/transformer.h"
+#include "io/npy.h"
 
 namespace porter::engine {
 namespace {
@@ -31,7 +31,7 @@ struct Fixture {
   bool bf16_weights = false;
 };
 
-std::vector<int32_t> ids(const nn::NpyArray& a) {
+std::vector<int32_t> ids(const io::NpyArray& a) {
   std::vector<int32_t> out(static_cast<size_t>(a.numel()));
   std::memcpy(out.data(), a.data.data(), out.size() * 4);
   return out;
@@ -49,19 +49,19 @@ double rel_error(const std::vector<float>& got, const std::vector<float>& want) 
 
 struct Loaded {
   config::ModelConfig model;
-  HfWeights weights;
-  nn::NpyArray tokens, targets;
+  io::HfWeights weights;
+  io::NpyArray tokens, targets;
 };
 
 Loaded load(const fs::path& dir) {
   Loaded l;
-  l.tokens = nn::read_npy((dir / "tokens.npy").string());
-  l.targets = nn::read_npy((dir / "targets.npy").string());
+  l.tokens = io::read_npy((dir / "tokens.npy").string());
+  l.targets = io::read_npy((dir / "targets.npy").string());
   config::ModelConfig base;
   base.seq_len = l.tokens.shape.at(1);
   base.dropout = 0.0;
-  l.model = hf_model_config(read_hf_config(dir), base);
-  l.weights = read_hf_weights(dir, l.model);
+  l.model = io::hf_model_config(io::read_hf_config(dir), base);
+  l.weights = io::read_hf_weights(dir, l.model);
   return l;
 }
 
@@ -72,15 +72,15 @@ TEST_P(HfReference, LogitsLossAndGradientsMatchTheReference) {
   const Loaded l = load(dir);
   auto device = cpu_device();
   memory::CachingAllocator alloc(*device);
-  auto kernels = nn::make_kernels(alloc);
-  nn::Gpt model(l.model);
-  nn::FlatParams flat(alloc, model.layout(), nn::DType::kF32, nn::DType::kF32);
-  nn::Tensor p = flat.params();
-  nn::from_host_f32(*device, l.weights.values, p);
+  auto kernels = kernels::make_kernels(alloc);
+  models::Gpt model(l.model);
+  nn::FlatParams flat(alloc, model.layout(), tensor::DType::kF32, tensor::DType::kF32);
+  tensor::Tensor p = flat.params();
+  tensor::from_host_f32(*device, l.weights.values, p);
   model.bind(flat);
   const int64_t b = l.tokens.shape[0], t = l.tokens.shape[1];
-  auto upload = [&](const nn::NpyArray& a) {
-    nn::Tensor x = nn::Tensor::empty(alloc, nn::Shape{b, t}, nn::DType::kI32,
+  auto upload = [&](const io::NpyArray& a) {
+    tensor::Tensor x = tensor::Tensor::empty(alloc, tensor::Shape{b, t}, tensor::DType::kI32,
                                      memory::Category::kWorkspace);
     device->copy_sync(x.data(), a.data.data(), x.nbytes());
     return x;
@@ -89,24 +89,24 @@ TEST_P(HfReference, LogitsLossAndGradientsMatchTheReference) {
   ctx.set_run({1, 0, 0});
 
   // Logits within 2e-6 of the reference (relative to the tensor's largest).
-  const std::vector<float> logits = nn::to_host_f32(*device, model.forward_logits(ctx, upload(l.tokens)));
-  const std::vector<float> want_logits = nn::npy_to_f32(nn::read_npy((dir / "logits.npy").string()));
+  const std::vector<float> logits = tensor::to_host_f32(*device, model.forward_logits(ctx, upload(l.tokens)));
+  const std::vector<float> want_logits = io::npy_to_f32(io::read_npy((dir / "logits.npy").string()));
   const double logits_error = rel_error(logits, want_logits);
   EXPECT_LE(logits_error, 2e-6) << "logits";
 
   // One forward and backward: the loss within 2e-6, each gradient tensor within 1e-5 of its
   // own largest value.
   ctx.set_run({1, 0, 0});
-  nn::Tensor g = flat.grads();
+  tensor::Tensor g = flat.grads();
   kernels->fill(g, 0.0f);
   const float loss = model.forward_backward(ctx, upload(l.tokens), upload(l.targets));
-  const float want_loss = nn::npy_to_f32(nn::read_npy((dir / "loss.npy").string())).at(0);
+  const float want_loss = io::npy_to_f32(io::read_npy((dir / "loss.npy").string())).at(0);
   EXPECT_LE(std::fabs(double(loss) - want_loss), 2e-6 * std::fabs(want_loss)) << loss << " vs " << want_loss;
-  const std::vector<float> grads = nn::to_host_f32(*device, flat.grads());
+  const std::vector<float> grads = tensor::to_host_f32(*device, flat.grads());
   int compared = 0;
   double worst = 0;
   std::string worst_name;
-  for (const HfParam& hp : hf_param_map(l.model)) {
+  for (const io::HfParam& hp : io::hf_param_map(l.model)) {
     const nn::ParamEntry& e = model.layout().find(hp.porter_name);
     // The fixtures name gradients as their file names the tensors: bare or prefixed.
     fs::path file;
@@ -115,7 +115,7 @@ TEST_P(HfReference, LogitsLossAndGradientsMatchTheReference) {
       if (fs::exists(dir / "grads" / (candidate + ".npy"))) file = dir / "grads" / (candidate + ".npy");
     }
     ASSERT_FALSE(file.empty()) << "no reference gradient for " << hp.hf_name;
-    std::vector<float> want = nn::npy_to_f32(nn::read_npy(file.string()));
+    std::vector<float> want = io::npy_to_f32(io::read_npy(file.string()));
     if (hp.transposed) {  // GPT-2's Conv1D (in, out) -> porter's (out, in)
       const int64_t out = hp.shape[0], in = hp.shape[1];
       std::vector<float> linear(want.size());
@@ -144,19 +144,19 @@ TEST_P(HfReference, ImportExportImportIsBitwise) {
   const Loaded l = load(dir);
   const fs::path out = fs::temp_directory_path() / ("porter_hf_roundtrip_" + GetParam().name);
   fs::remove_all(out);
-  const nn::Gpt model(l.model);
-  const nn::DType dtype = GetParam().bf16_weights ? nn::DType::kBF16 : nn::DType::kF32;
-  write_hf_checkpoint(out, l.model, model.layout(), l.weights.values, dtype,
-                      read_hf_config(dir).json);
+  const models::Gpt model(l.model);
+  const tensor::DType dtype = GetParam().bf16_weights ? tensor::DType::kBF16 : tensor::DType::kF32;
+  io::write_hf_checkpoint(out, l.model, model.layout(), l.weights.values, dtype,
+                      io::read_hf_config(dir).json);
   config::ModelConfig base;
   base.seq_len = l.model.seq_len;
-  const config::ModelConfig again_model = hf_model_config(read_hf_config(out), base);
+  const config::ModelConfig again_model = io::hf_model_config(io::read_hf_config(out), base);
   EXPECT_EQ(again_model.type, l.model.type);
   EXPECT_EQ(again_model.kv_heads == 0 ? again_model.heads : again_model.kv_heads,
             l.model.kv_heads == 0 ? l.model.heads : l.model.kv_heads);
   EXPECT_EQ(again_model.rope_theta, l.model.rope_theta);
   EXPECT_EQ(again_model.tie_embeddings, l.model.tie_embeddings);
-  EXPECT_TRUE(bitwise_equal(read_hf_weights(out, again_model).values, l.weights.values));
+  EXPECT_TRUE(bitwise_equal(io::read_hf_weights(out, again_model).values, l.weights.values));
   fs::remove_all(out);
 }
 
@@ -180,13 +180,13 @@ TEST(HfFineTune, TenStepsLowerTheLoss) {
   auto device = cpu_device();
   Engine e(*device, std::make_unique<GptModel>(c.porter.model), c);
   e.set_params_host(l.weights.values);
-  HostBatch mb;
+  io::HostBatch mb;
   mb.batch = l.tokens.shape[0];
   mb.seq = l.tokens.shape[1];
   mb.tokens = ids(l.tokens);
   mb.targets = ids(l.targets);
   const double first = e.evaluate({mb});
-  const float want_loss = nn::npy_to_f32(nn::read_npy((dir / "loss.npy").string())).at(0);
+  const float want_loss = io::npy_to_f32(io::read_npy((dir / "loss.npy").string())).at(0);
   EXPECT_LE(std::fabs(first - want_loss), 2e-6 * want_loss) << first << " vs " << want_loss;
   double last = first;
   for (int s = 0; s < 10; ++s) last = e.train_step({mb}).loss;

@@ -1,4 +1,4 @@
-// The engine's kernel table (Note [Kernel table] in nn/kernel_table.cc): measured at a size
+// The engine's kernel table (Note [Kernel table] in kernels/kernel_table.cc): measured at a size
 // above the measurement threshold, carried by training checkpoints, pinned by a resume and
 // by porter.device.kernel_table (a checkpoint, a report or a bare table).
 #include <gmock/gmock.h>
@@ -10,7 +10,7 @@
 
 #include "base/error.h"
 #include "engine_test_util.h"
-#include "nn/kernel_table.h"
+#include "kernels/kernel_table.h"
 
 namespace porter::engine {
 namespace {
@@ -42,7 +42,7 @@ fs::path temp_dir(const std::string& name) {
 }
 
 // (kind, key, choice) of every entry: what decides how the kernels compute.
-std::vector<std::string> choices(const nn::KernelTable& t) {
+std::vector<std::string> choices(const kernels::KernelTable& t) {
   std::vector<std::string> out;
   const nlohmann::json table = t.to_json();
   for (const nlohmann::json& e : table.at("entries")) {
@@ -61,7 +61,7 @@ TEST(KernelTableEngineTest, CheckpointCarriesTheTableAndAResumePinsIt) {
     auto eng = gpt_engine(*device, c);
     EXPECT_EQ(eng->kernel_table().origin(), "measured in this run");
     eng->train_step(batches(c, 0));
-    EXPECT_GT(eng->kernel_table().count(nn::KernelTable::Source::kMeasured), 0u);
+    EXPECT_GT(eng->kernel_table().count(kernels::KernelTable::Source::kMeasured), 0u);
     saved = choices(eng->kernel_table());
     eng->save_checkpoint(dir);
   }
@@ -70,7 +70,7 @@ TEST(KernelTableEngineTest, CheckpointCarriesTheTableAndAResumePinsIt) {
   EXPECT_EQ(resumed->kernel_table().origin(), "resumed from " + dir.string());
   EXPECT_FALSE(saved.empty());
   EXPECT_EQ(choices(resumed->kernel_table()), saved);
-  EXPECT_EQ(resumed->kernel_table().count(nn::KernelTable::Source::kPinned), saved.size());
+  EXPECT_EQ(resumed->kernel_table().count(kernels::KernelTable::Source::kPinned), saved.size());
   fs::remove_all(dir);
 }
 
@@ -120,7 +120,7 @@ TEST(KernelTableEngineTest, KernelChoiceReachesTheKernels) {
   config::Config c = measured_config();
   auto device = cpu_device(size_t{1} << 30);
   auto exact = gpt_engine(*device, c);
-  EXPECT_EQ(exact->kernel_table().mode(), nn::KernelChoice::kExact);
+  EXPECT_EQ(exact->kernel_table().mode(), kernels::KernelChoice::kExact);
   exact->train_step(batches(c, 0));
   const nlohmann::json table = exact->kernel_table().to_json();
   EXPECT_FALSE(table.at("entries").empty());
@@ -131,7 +131,7 @@ TEST(KernelTableEngineTest, KernelChoiceReachesTheKernels) {
   }
   c.porter.device.kernel_choice = config::KernelChoice::kFastest;
   auto fastest = gpt_engine(*device, c);
-  EXPECT_EQ(fastest->kernel_table().mode(), nn::KernelChoice::kFastest);
+  EXPECT_EQ(fastest->kernel_table().mode(), kernels::KernelChoice::kFastest);
   EXPECT_EQ(fastest->kernel_table().to_json().at("kernel_choice"), "fastest");
 }
 

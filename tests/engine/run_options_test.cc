@@ -143,15 +143,15 @@ TEST(RunOptions, EachKnobChangesOnlyItsOptions) {
 }
 
 TEST(RunOptions, TheComputeDtypeRule) {
-  EXPECT_EQ(options_of(base_json()).compute_dtype, nn::DType::kF32);
+  EXPECT_EQ(options_of(base_json()).compute_dtype, tensor::DType::kF32);
   nlohmann::json f = base_json();
   f["fp16"] = {{"enabled", true}};
-  EXPECT_EQ(options_of(f).compute_dtype, nn::DType::kF16);
+  EXPECT_EQ(options_of(f).compute_dtype, tensor::DType::kF16);
   nlohmann::json b = base_json();
   b["bf16"] = {{"enabled", true}};
   const RunOptions rb = options_of(b);
-  EXPECT_EQ(rb.compute_dtype, nn::DType::kBF16);
-  EXPECT_EQ(rb.shape.compute_dtype, nn::DType::kBF16);
+  EXPECT_EQ(rb.compute_dtype, tensor::DType::kBF16);
+  EXPECT_EQ(rb.shape.compute_dtype, tensor::DType::kBF16);
 }
 
 TEST(RunOptions, DerivedFigures) {

@@ -1,6 +1,6 @@
 // Training-state files: the CRC-32C test vector, a round trip, and one test per read error,
 // each checking that the message names the path and the reason.
-#include "engine/state_file.h"
+#include "io/state_file.h"
 
 #include <gtest/gtest.h>
 
@@ -24,7 +24,7 @@ std::vector<std::byte> bytes_of(const std::string& s) {
 
 std::string read_error(const fs::path& dir) {
   try {
-    read_state(dir);
+    io::read_state(dir);
   } catch (const IoError& e) {
     return e.what();
   }
@@ -37,7 +37,7 @@ class StateFile : public ::testing::Test {
     dir_ = fs::temp_directory_path() /
            ("porter_state_test_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
-    write_state(dir_, {{"step", 7}, {"note", "hello"}},
+    io::write_state(dir_, {{"step", 7}, {"note", "hello"}},
                 {{"params", bytes_of("0123456789abcdef")}, {"adam_m", bytes_of("xyz")},
                  {"empty", {}}});
   }
@@ -46,29 +46,29 @@ class StateFile : public ::testing::Test {
 };
 
 TEST(Crc32c, KnownVectors) {
-  EXPECT_EQ(crc32c(bytes_of("123456789")), 0xE3069283u);
-  EXPECT_EQ(crc32c(bytes_of("")), 0u);
+  EXPECT_EQ(io::crc32c(bytes_of("123456789")), 0xE3069283u);
+  EXPECT_EQ(io::crc32c(bytes_of("")), 0u);
   // 32 zero bytes (RFC 3720, B.4).
   std::vector<std::byte> zeros(32, std::byte{0});
-  EXPECT_EQ(crc32c(zeros), 0x8A9136AAu);
+  EXPECT_EQ(io::crc32c(zeros), 0x8A9136AAu);
   // Chaining equals one pass.
   std::vector<std::byte> all = bytes_of("123456789");
-  uint32_t part = crc32c(std::span(all).first(4));
-  EXPECT_EQ(crc32c(std::span(all).subspan(4), part), 0xE3069283u);
+  uint32_t part = io::crc32c(std::span(all).first(4));
+  EXPECT_EQ(io::crc32c(std::span(all).subspan(4), part), 0xE3069283u);
 }
 
 TEST_F(StateFile, RoundTrip) {
-  LoadedState s = read_state(dir_);
+  io::LoadedState s = io::read_state(dir_);
   EXPECT_EQ(s.meta["step"], 7);
   EXPECT_EQ(s.meta["note"], "hello");
-  EXPECT_EQ(s.meta["format_version"], kStateFormatVersion);
+  EXPECT_EQ(s.meta["format_version"], io::kStateFormatVersion);
   ASSERT_EQ(s.sections.size(), 3u);
   EXPECT_EQ(s.sections[0].name, "params");
   EXPECT_EQ(s.section("params").bytes, bytes_of("0123456789abcdef"));
   EXPECT_EQ(s.section("adam_m").bytes, bytes_of("xyz"));
   EXPECT_TRUE(s.section("empty").bytes.empty());
   EXPECT_EQ(s.meta["sections"][1]["bytes"], 3);
-  EXPECT_EQ(s.meta["sections"][1]["crc32c"], crc32c(bytes_of("xyz")));
+  EXPECT_EQ(s.meta["sections"][1]["crc32c"], io::crc32c(bytes_of("xyz")));
   EXPECT_THROW(s.section("nope"), IoError);
   // No temporary files are left behind.
   for (const auto& e : fs::directory_iterator(dir_)) {
@@ -77,16 +77,16 @@ TEST_F(StateFile, RoundTrip) {
 }
 
 TEST_F(StateFile, OverwriteReplacesTheCheckpoint) {
-  write_state(dir_, {{"step", 8}}, {{"params", bytes_of("new")}});
-  LoadedState s = read_state(dir_);
+  io::write_state(dir_, {{"step", 8}}, {{"params", bytes_of("new")}});
+  io::LoadedState s = io::read_state(dir_);
   EXPECT_EQ(s.meta["step"], 8);
   ASSERT_EQ(s.sections.size(), 1u);
   EXPECT_EQ(s.section("params").bytes, bytes_of("new"));
 }
 
 TEST_F(StateFile, BadSectionNamesAreRejected) {
-  EXPECT_THROW(write_state(dir_, {}, {{"Bad-Name", {}}}), InvalidArgument);
-  EXPECT_THROW(write_state(dir_, {}, {{"a", {}}, {"a", {}}}), InvalidArgument);
+  EXPECT_THROW(io::write_state(dir_, {}, {{"Bad-Name", {}}}), InvalidArgument);
+  EXPECT_THROW(io::write_state(dir_, {}, {{"a", {}}, {"a", {}}}), InvalidArgument);
 }
 
 TEST_F(StateFile, MissingDirectory) {

@@ -1,4 +1,4 @@
-// Safetensors files (engine/weights_file.h): f32/bf16/f16 round trips with metadata, the
+// Safetensors files (io/weights_file.h): f32/bf16/f16 round trips with metadata, the
 // header's 8-byte alignment, the split of a flat buffer by its layout, and every error the
 // reader and the writer give.
 #include <algorithm>
@@ -15,8 +15,8 @@
 #include <gtest/gtest.h>
 
 #include "base/error.h"
-#include "engine/weights_file.h"
-#include "nn/dtype.h"
+#include "io/weights_file.h"
+#include "tensor/dtype.h"
 
 namespace porter::engine {
 namespace {
@@ -58,7 +58,7 @@ class WeightsFileTest : public ::testing::Test {
     return raw(name, header.size(), header, data);
   }
   std::string read_error(const fs::path& p) {
-    return error_of<IoError>([&] { read_safetensors(p); });
+    return error_of<IoError>([&] { io::read_safetensors(p); });
   }
 
   fs::path dir_;
@@ -71,28 +71,28 @@ std::vector<std::byte> as_bytes(const std::vector<T>& v) {
   return out;
 }
 
-std::vector<WeightTensor> sample_tensors() {
+std::vector<io::WeightTensor> sample_tensors() {
   std::vector<float> f32 = {1.0f, -2.5f, 3.25f, 0.0f, -0.0f, 1e-30f};
   std::vector<uint16_t> bf16, f16;
   for (float x : {0.5f, -1.0f, 3.0f, 65504.0f}) {
-    bf16.push_back(nn::f32_to_bf16(x));
-    f16.push_back(nn::f32_to_f16(x));
+    bf16.push_back(tensor::f32_to_bf16(x));
+    f16.push_back(tensor::f32_to_f16(x));
   }
   return {
-      {"wte", {2, 3}, nn::DType::kF32, as_bytes(f32)},
-      {"h.0.ln1.weight", {4}, nn::DType::kBF16, as_bytes(bf16)},
-      {"h.0.fc1.weight", {2, 2}, nn::DType::kF16, as_bytes(f16)},
-      {"scalar", {}, nn::DType::kF32, as_bytes(std::vector<float>{42.0f})},
-      {"empty", {0, 5}, nn::DType::kBF16, {}},
+      {"wte", {2, 3}, tensor::DType::kF32, as_bytes(f32)},
+      {"h.0.ln1.weight", {4}, tensor::DType::kBF16, as_bytes(bf16)},
+      {"h.0.fc1.weight", {2, 2}, tensor::DType::kF16, as_bytes(f16)},
+      {"scalar", {}, tensor::DType::kF32, as_bytes(std::vector<float>{42.0f})},
+      {"empty", {0, 5}, tensor::DType::kBF16, {}},
   };
 }
 
 TEST_F(WeightsFileTest, RoundTripsEveryDtypeAndTheMetadata) {
-  const std::vector<WeightTensor> tensors = sample_tensors();
+  const std::vector<io::WeightTensor> tensors = sample_tensors();
   const fs::path p = dir_ / "sub" / "model.safetensors";  // the parent is created
-  write_safetensors(p, tensors, {{"format", "pt"}, {"porter.step", "7"}});
-  WeightMetadata meta;
-  const std::vector<WeightTensor> back = read_safetensors(p, &meta);
+  io::write_safetensors(p, tensors, {{"format", "pt"}, {"porter.step", "7"}});
+  io::WeightMetadata meta;
+  const std::vector<io::WeightTensor> back = io::read_safetensors(p, &meta);
   ASSERT_EQ(back.size(), tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     SCOPED_TRACE(tensors[i].name);
@@ -101,7 +101,7 @@ TEST_F(WeightsFileTest, RoundTripsEveryDtypeAndTheMetadata) {
     EXPECT_EQ(back[i].dtype, tensors[i].dtype);
     EXPECT_EQ(back[i].bytes, tensors[i].bytes);
   }
-  EXPECT_EQ(meta, (WeightMetadata{{"format", "pt"}, {"porter.step", "7"}}));
+  EXPECT_EQ(meta, (io::WeightMetadata{{"format", "pt"}, {"porter.step", "7"}}));
   // No temporary file is left beside it.
   int files = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_ / "sub")) ++files;
@@ -125,7 +125,7 @@ TEST_F(WeightsFileTest, HeaderIsPaddedToEightBytesForEveryNameLength) {
   for (int len = 1; len <= 17; ++len) {
     SCOPED_TRACE(len);
     const fs::path p = dir_ / "a.safetensors";
-    write_safetensors(p, {{std::string(static_cast<size_t>(len), 'x'), {1}, nn::DType::kF16,
+    io::write_safetensors(p, {{std::string(static_cast<size_t>(len), 'x'), {1}, tensor::DType::kF16,
                            as_bytes(std::vector<uint16_t>{0x3c00})}});
     std::ifstream in(p, std::ios::binary);
     unsigned char length[8];
@@ -137,20 +137,20 @@ TEST_F(WeightsFileTest, HeaderIsPaddedToEightBytesForEveryNameLength) {
     const size_t close = header.rfind('}');
     EXPECT_EQ(header.find_first_not_of(' ', close + 1), std::string::npos);  // spaces only
     EXPECT_LT(n - close - 1, 8u);
-    EXPECT_EQ(read_safetensors(p)[0].bytes, as_bytes(std::vector<uint16_t>{0x3c00}));
+    EXPECT_EQ(io::read_safetensors(p)[0].bytes, as_bytes(std::vector<uint16_t>{0x3c00}));
   }
   // No metadata: no "__metadata__" key.
-  write_safetensors(dir_ / "b.safetensors", {});
+  io::write_safetensors(dir_ / "b.safetensors", {});
   std::ifstream in(dir_ / "b.safetensors", std::ios::binary);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_EQ(bytes.size(), 16u);
   EXPECT_EQ(bytes.substr(8), "{}      ");
-  EXPECT_TRUE(read_safetensors(dir_ / "b.safetensors").empty());
+  EXPECT_TRUE(io::read_safetensors(dir_ / "b.safetensors").empty());
 }
 
 TEST_F(WeightsFileTest, LayoutTensorsSkipTheAlignmentPadding) {
   nn::ParamLayout layout;
-  layout.add("h", {{"w", nn::Shape{3, 5}}, {"b", nn::Shape{5}}, {"s", nn::Shape{}}});
+  layout.add("h", {{"w", tensor::Shape{3, 5}}, {"b", tensor::Shape{5}}, {"s", tensor::Shape{}}});
   ASSERT_EQ(layout.total_elems(), 3 * nn::kParamAlignElems);
   // Element i holds i; the padding holds -1.
   std::vector<float> flat(static_cast<size_t>(layout.total_elems() + 64), -1.0f);
@@ -158,13 +158,13 @@ TEST_F(WeightsFileTest, LayoutTensorsSkipTheAlignmentPadding) {
     for (int64_t i = 0; i < e.shape.numel(); ++i) flat[static_cast<size_t>(e.offset_elems + i)] = float(i);
   }
   const std::vector<std::byte> bytes = as_bytes(flat);
-  const std::vector<WeightTensor> t = layout_tensors(layout, nn::DType::kF32, bytes);
+  const std::vector<io::WeightTensor> t = io::layout_tensors(layout, tensor::DType::kF32, bytes);
   ASSERT_EQ(t.size(), 3u);
   EXPECT_EQ(t[0].name, "h.w");
   EXPECT_EQ(t[0].shape, (std::vector<int64_t>{3, 5}));
   EXPECT_EQ(t[1].name, "h.b");
   EXPECT_EQ(t[2].shape, std::vector<int64_t>{});
-  for (const WeightTensor& w : t) {
+  for (const io::WeightTensor& w : t) {
     std::vector<float> v(w.bytes.size() / 4);
     std::memcpy(v.data(), w.bytes.data(), w.bytes.size());
     ASSERT_EQ(static_cast<int64_t>(v.size()), w.numel());
@@ -175,24 +175,24 @@ TEST_F(WeightsFileTest, LayoutTensorsSkipTheAlignmentPadding) {
                             {"params", {{{"name", "h.w"}, {"shape", {3, 5}}, {"offset", 0}},
                                         {{"name", "h.b"}, {"shape", {5}}, {"offset", 64}},
                                         {{"name", "h.s"}, {"shape", nlohmann::json::array()}, {"offset", 128}}}}};
-  const std::vector<FlatTensorSpec> specs = layout_specs(j, "meta.json");
+  const std::vector<io::FlatTensorSpec> specs = io::layout_specs(j, "meta.json");
   ASSERT_EQ(specs.size(), 3u);
   EXPECT_EQ(specs[2].offset_elems, 128);
   const std::vector<std::byte> half(static_cast<size_t>(layout.total_elems()) * 2, std::byte{1});
-  const std::vector<WeightTensor> h = layout_tensors(specs, nn::DType::kBF16, half);
+  const std::vector<io::WeightTensor> h = io::layout_tensors(specs, tensor::DType::kBF16, half);
   EXPECT_EQ(h[0].bytes.size(), 30u);
   EXPECT_EQ(h[2].bytes.size(), 2u);
   // Too short a buffer, and a layout that does not fit its total.
   EXPECT_THAT(error_of<InvalidArgument>([&] {
-                layout_tensors(layout, nn::DType::kF32, std::span(bytes).first(128 * 4));
+                io::layout_tensors(layout, tensor::DType::kF32, std::span(bytes).first(128 * 4));
               }),
               HasSubstr("'h.s' () at offset 128 does not fit in a flat buffer of 128 elements"));
   nlohmann::json bad = j;
   bad["total_elems"] = 100;
-  EXPECT_THAT(error_of<IoError>([&] { layout_specs(bad, "m.json"); }),
+  EXPECT_THAT(error_of<IoError>([&] { io::layout_specs(bad, "m.json"); }),
               HasSubstr("m.json: layout: params[2] ('h.s'): shape [] at offset 128 ends past "
                         "total_elems 100"));
-  EXPECT_THAT(error_of<IoError>([&] { layout_specs(nlohmann::json::object(), "m.json"); }),
+  EXPECT_THAT(error_of<IoError>([&] { io::layout_specs(nlohmann::json::object(), "m.json"); }),
               HasSubstr("needs \"total_elems\""));
 }
 
@@ -200,12 +200,12 @@ TEST_F(WeightsFileTest, WidensBf16AndF16ToF32Exactly) {
   const std::vector<float> values = {0.5f, -1.0f, 3.0f, 2048.0f, 1.0f / 1024};
   std::vector<uint16_t> bf16, f16;
   for (float x : values) {
-    bf16.push_back(nn::f32_to_bf16(x));
-    f16.push_back(nn::f32_to_f16(x));
+    bf16.push_back(tensor::f32_to_bf16(x));
+    f16.push_back(tensor::f32_to_f16(x));
   }
-  EXPECT_EQ(to_f32_bytes(nn::DType::kBF16, as_bytes(bf16)), as_bytes(values));
-  EXPECT_EQ(to_f32_bytes(nn::DType::kF16, as_bytes(f16)), as_bytes(values));
-  EXPECT_EQ(to_f32_bytes(nn::DType::kF32, as_bytes(values)), as_bytes(values));
+  EXPECT_EQ(io::to_f32_bytes(tensor::DType::kBF16, as_bytes(bf16)), as_bytes(values));
+  EXPECT_EQ(io::to_f32_bytes(tensor::DType::kF16, as_bytes(f16)), as_bytes(values));
+  EXPECT_EQ(io::to_f32_bytes(tensor::DType::kF32, as_bytes(values)), as_bytes(values));
 }
 
 TEST_F(WeightsFileTest, ReaderNamesEveryProblem) {
@@ -253,8 +253,8 @@ TEST_F(WeightsFileTest, ReaderNamesEveryProblem) {
   EXPECT_THAT(read_error(raw("trailing.st", "{" + ok_entry + "}", eight + "12")),
               HasSubstr("the data has 10 bytes, the tensors end at 8"));
   // The same entries in either order, and a valid one, read.
-  EXPECT_EQ(read_safetensors(raw("ok.st", "{" + ok_entry + "}  ", eight))[0].bytes.size(), 8u);
-  const std::vector<WeightTensor> two = read_safetensors(
+  EXPECT_EQ(io::read_safetensors(raw("ok.st", "{" + ok_entry + "}  ", eight))[0].bytes.size(), 8u);
+  const std::vector<io::WeightTensor> two = io::read_safetensors(
       raw("order.st", R"({"b":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]},)" + ok_entry + "}",
           eight + "1234"));
   ASSERT_EQ(two.size(), 2u);
@@ -263,48 +263,48 @@ TEST_F(WeightsFileTest, ReaderNamesEveryProblem) {
 
   // A written file cut short.
   const fs::path p = dir_ / "cut.safetensors";
-  write_safetensors(p, sample_tensors());
+  io::write_safetensors(p, sample_tensors());
   fs::resize_file(p, fs::file_size(p) - 3);
   EXPECT_THAT(read_error(p), HasSubstr("are past the end of the data"));
 }
 
 TEST_F(WeightsFileTest, WriterRefusesBadTensorsAndNamesThePath) {
   const fs::path p = dir_ / "w.safetensors";
-  write_safetensors(p, sample_tensors());
-  std::vector<WeightTensor> dup = sample_tensors();
+  io::write_safetensors(p, sample_tensors());
+  std::vector<io::WeightTensor> dup = sample_tensors();
   dup.push_back(dup[0]);
-  EXPECT_THAT(error_of<InvalidArgument>([&] { write_safetensors(p, dup); }),
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::write_safetensors(p, dup); }),
               HasSubstr("tensor \"wte\" appears twice"));
-  std::vector<WeightTensor> short_bytes = sample_tensors();
+  std::vector<io::WeightTensor> short_bytes = sample_tensors();
   short_bytes[1].bytes.pop_back();
-  EXPECT_THAT(error_of<InvalidArgument>([&] { write_safetensors(p, short_bytes); }),
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::write_safetensors(p, short_bytes); }),
               HasSubstr("tensor \"h.0.ln1.weight\" (4) BF16 has 7 bytes, its shape needs 8"));
-  std::vector<WeightTensor> reserved = sample_tensors();
+  std::vector<io::WeightTensor> reserved = sample_tensors();
   reserved[0].name = "__metadata__";
-  EXPECT_THAT(error_of<InvalidArgument>([&] { write_safetensors(p, reserved); }),
+  EXPECT_THAT(error_of<InvalidArgument>([&] { io::write_safetensors(p, reserved); }),
               HasSubstr("is reserved for the metadata"));
   // The refused writes left the file as it was.
-  EXPECT_EQ(read_safetensors(p).size(), sample_tensors().size());
+  EXPECT_EQ(io::read_safetensors(p).size(), sample_tensors().size());
   // A parent that is a file.
-  const std::string msg = error_of<IoError>([&] { write_safetensors(p / "x.safetensors", {}); });
+  const std::string msg = error_of<IoError>([&] { io::write_safetensors(p / "x.safetensors", {}); });
   EXPECT_THAT(msg, HasSubstr("w.safetensors"));
   EXPECT_THAT(msg, HasSubstr("cannot create"));
 }
 
 TEST_F(WeightsFileTest, MappedFileGivesEveryTensorInPlace) {
   const fs::path p = dir_ / "m.safetensors";
-  write_safetensors(p, sample_tensors(), {{"format", "pt"}});
-  SafetensorsFile file(p);
+  io::write_safetensors(p, sample_tensors(), {{"format", "pt"}});
+  io::SafetensorsFile file(p);
   EXPECT_EQ(file.path(), p);
   EXPECT_EQ(file.file_bytes(), fs::file_size(p));
-  EXPECT_EQ(file.metadata(), (WeightMetadata{{"format", "pt"}}));
-  const std::vector<WeightTensor> want = sample_tensors();
+  EXPECT_EQ(file.metadata(), (io::WeightMetadata{{"format", "pt"}}));
+  const std::vector<io::WeightTensor> want = sample_tensors();
   ASSERT_EQ(file.tensors().size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
-    const SafetensorsEntry& e = file.tensors()[i];
+    const io::SafetensorsEntry& e = file.tensors()[i];
     EXPECT_EQ(e.name, want[i].name);
     EXPECT_EQ(e.shape, want[i].shape);
-    EXPECT_EQ(e.dtype, safetensors_dtype_name(want[i].dtype));
+    EXPECT_EQ(e.dtype, io::safetensors_dtype_name(want[i].dtype));
     EXPECT_EQ(e.porter_dtype, want[i].dtype);
     EXPECT_EQ(e.numel, want[i].numel());
     const std::span<const std::byte> bytes = file.bytes(e);
@@ -313,7 +313,7 @@ TEST_F(WeightsFileTest, MappedFileGivesEveryTensorInPlace) {
   }
   EXPECT_EQ(file.find("nope"), nullptr);
   // Moved, the mapping goes with it.
-  SafetensorsFile moved = std::move(file);
+  io::SafetensorsFile moved = std::move(file);
   EXPECT_EQ(moved.tensors().size(), want.size());
   EXPECT_EQ(moved.bytes(*moved.find("wte")).size(), 24u);
 }
@@ -323,15 +323,15 @@ TEST_F(WeightsFileTest, MappedFileOpensEverySafetensorsDtypeAndRefusesTheRest) {
   const fs::path p = raw("f64.st", R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]},)"
                                    R"("m":{"dtype":"BOOL","shape":[2],"data_offsets":[8,10]}})",
                          eight + std::string("\1\0", 2));
-  const SafetensorsFile file(p);
+  const io::SafetensorsFile file(p);
   ASSERT_EQ(file.tensors().size(), 2u);
   EXPECT_EQ(file.tensors()[0].dtype, "F64");
   EXPECT_FALSE(file.tensors()[0].porter_dtype.has_value());
   EXPECT_EQ(file.tensors()[1].dtype, "BOOL");
-  // read_safetensors reads porter's dtypes only.
+  // io::read_safetensors reads porter's dtypes only.
   EXPECT_THAT(read_error(p), HasSubstr("tensor 'a': unknown dtype \"F64\" (porter reads F32, BF16, F16, I32)"));
   auto open_error = [](const fs::path& path) {
-    return error_of<IoError>([&] { SafetensorsFile f(path); });
+    return error_of<IoError>([&] { io::SafetensorsFile f(path); });
   };
   EXPECT_THAT(open_error(raw("f33.st", R"({"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", "1234")),
               HasSubstr("tensor 'a': unknown dtype \"F33\" (not a safetensors dtype)"));

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of the safetensors fuzz target (tests/fuzz/safetensors_corpus):
 small valid files (every porter dtype, F64, buffers, a scalar, an empty tensor, metadata) and
-malformed ones (each breaking one rule of Note [Safetensors format] in engine/weights_file.h).
+malformed ones (each breaking one rule of Note [Safetensors format] in io/weights_file.h).
 Run it from anywhere; it rewrites the directory beside it."""
 import json
 import os

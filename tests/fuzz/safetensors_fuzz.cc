@@ -1,8 +1,8 @@
-// libFuzzer target for the safetensors reader (engine::SafetensorsFile, read_safetensors):
+// libFuzzer target for the safetensors reader (SafetensorsFile, porter::io::read_safetensors):
 // the bytes of a file porter may be handed from anywhere. Any input must either open or throw
 // IoError; when it opens, the tensors must tile the data in offset order with numel x dtype
 // size bytes each, every byte must be readable, find() must return each tensor, and
-// read_safetensors must give the same tensors (or refuse a dtype porter does not compute in,
+// porter::io::read_safetensors must give the same tensors (or refuse a dtype porter does not compute in,
 // by name). Anything else (another exception, a sanitizer report, a crash, a hang) is a bug.
 // Built as a fuzzer with -DPORTER_FUZZ=ON (clang); replay_test.cc runs the committed corpus
 // (tests/fuzz/safetensors_corpus) through the same function in the normal build.
@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "engine/weights_file.h"
+#include "io/weights_file.h"
 
 namespace {
 
@@ -36,7 +36,7 @@ size_t dtype_bytes(const std::string& d) {
 }
 
 void fuzz_file(const std::filesystem::path& path, uint64_t size) {
-  using namespace porter::engine;
+  using namespace porter::io;
   std::optional<SafetensorsFile> file;
   try {
     file.emplace(path);
@@ -61,7 +61,7 @@ void fuzz_file(const std::filesystem::path& path, uint64_t size) {
   }
   check(data_bytes <= size, "more data than the file", std::to_string(data_bytes));
   try {
-    const std::vector<WeightTensor> read = read_safetensors(path);
+    const std::vector<porter::io::WeightTensor> read = porter::io::read_safetensors(path);
     check(porter_dtypes, "read_safetensors read a dtype porter does not compute in", "");
     check(read.size() == file->tensors().size(), "read_safetensors tensor count", "");
     for (size_t i = 0; i < read.size(); ++i) {

@@ -9,11 +9,14 @@
 #include <string>
 
 #include "base/error.h"
-#include "nn/cpu_attention_heads.h"
-#include "nn/kernel_table.h"
+#include "kernels/cpu/attention_heads.h"
+#include "kernels/kernel_table.h"
 #include "nn_test_util.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using ::testing::HasSubstr;
@@ -104,11 +107,11 @@ struct Result {
 
 // qkv and dout in `dtype`; out and dqkv in `result` (`dtype` when not given).
 Result run(Env& env, const Dims& d, const std::vector<float>& qkv, const std::vector<float>& dout,
-           DType dtype, std::optional<DType> result = std::nullopt) {
-  const DType rt = result.value_or(dtype);
-  Tensor tq = env.from(qkv, {d.b, d.t, 3 * d.c}, dtype);
-  Tensor out = env.empty({d.b, d.t, d.c}, rt), probs = env.empty({d.b, d.heads, d.t, d.t});
-  Tensor tdo = env.from(dout, {d.b, d.t, d.c}, dtype), dq = env.empty({d.b, d.t, 3 * d.c}, rt);
+           tensor::DType dtype, std::optional<tensor::DType> result = std::nullopt) {
+  const tensor::DType rt = result.value_or(dtype);
+  tensor::Tensor tq = env.from(qkv, {d.b, d.t, 3 * d.c}, dtype);
+  tensor::Tensor out = env.empty({d.b, d.t, d.c}, rt), probs = env.empty({d.b, d.heads, d.t, d.t});
+  tensor::Tensor tdo = env.from(dout, {d.b, d.t, d.c}, dtype), dq = env.empty({d.b, d.t, 3 * d.c}, rt);
   env.kernels->attention_forward(tq, out, probs, static_cast<int>(d.heads));
   env.kernels->attention_backward(tdo, tq, probs, dq, static_cast<int>(d.heads));
   return {env.host(out), env.host(probs), env.host(dq)};
@@ -133,7 +136,7 @@ TEST(AttentionTest, F32MatchesReference) {
   for (const Dims& d : kDims) {
     auto qkv = random_values(d.b * d.t * 3 * d.c, 1, -2.0f, 2.0f);
     auto dout = random_values(d.b * d.t * d.c, 2);
-    Result r = run(env, d, qkv, dout, DType::kF32);
+    Result r = run(env, d, qkv, dout, tensor::DType::kF32);
     std::vector<double> want_out, want_probs;
     std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
     attention_ref(qd, d, &want_out, &want_probs);
@@ -159,7 +162,7 @@ TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
   const Dims d{2, 5, 6, 2};
   auto qkv = random_values(d.b * d.t * 3 * d.c, 3, -1.0f, 1.0f);
   auto dout = random_values(d.b * d.t * d.c, 4);
-  Result r = run(env, d, qkv, dout, DType::kF32);
+  Result r = run(env, d, qkv, dout, tensor::DType::kF32);
   std::vector<double> qd(qkv.begin(), qkv.end()), fd(qkv.size());
   for (size_t i = 0; i < qd.size(); ++i) {
     auto loss = [&](double v) {
@@ -196,7 +199,7 @@ TEST(AttentionTest, Bf16MatchesReference) {
                    std::to_string(seed));
       auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, seed, -2.0f, 2.0f));
       auto dout = round_bf16(random_values(d.b * d.t * d.c, seed + 1));
-      Result r = run(env, d, qkv, dout, DType::kBF16);
+      Result r = run(env, d, qkv, dout, tensor::DType::kBF16);
       std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
       std::vector<double> want_out, want_probs;
       attention_ref(qd, d, &want_out, &want_probs);
@@ -226,8 +229,8 @@ TEST(AttentionTest, Bf16RoundsItsF32AccumulatorOnce) {
     SCOPED_TRACE("T " + std::to_string(d.t));
     auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, 11, -2.0f, 2.0f));
     auto dout = round_bf16(random_values(d.b * d.t * d.c, 12));
-    Result r = run(env, d, qkv, dout, DType::kBF16);
-    Result r32 = run(env, d, qkv, dout, DType::kBF16, DType::kF32);
+    Result r = run(env, d, qkv, dout, tensor::DType::kBF16);
+    Result r32 = run(env, d, qkv, dout, tensor::DType::kBF16, tensor::DType::kF32);
     EXPECT_EQ(r.probs, r32.probs);
     EXPECT_EQ(r.out, round_bf16(r32.out));
     EXPECT_EQ(r.dqkv, round_bf16(r32.dqkv));
@@ -240,8 +243,8 @@ TEST(AttentionTest, Bf16IsDeterministic) {
   const Dims d{2, 130, 48, 3};
   auto qkv = random_values(d.b * d.t * 3 * d.c, 13, -2.0f, 2.0f);
   auto dout = random_values(d.b * d.t * d.c, 14);
-  Result a = run(env, d, qkv, dout, DType::kBF16), b = run(env, d, qkv, dout, DType::kBF16);
-  Result c = run(fresh, d, qkv, dout, DType::kBF16);
+  Result a = run(env, d, qkv, dout, tensor::DType::kBF16), b = run(env, d, qkv, dout, tensor::DType::kBF16);
+  Result c = run(fresh, d, qkv, dout, tensor::DType::kBF16);
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.probs, b.probs);
   EXPECT_EQ(a.dqkv, b.dqkv);
@@ -256,7 +259,7 @@ TEST(AttentionTest, F16WithinF16Rounding) {
   const Dims d{2, 70, 32, 2};
   auto qkv = testing::round_f16(random_values(d.b * d.t * 3 * d.c, 5, -2.0f, 2.0f));
   auto dout = testing::round_f16(random_values(d.b * d.t * d.c, 6));
-  Result r = run(env, d, qkv, dout, DType::kF16);
+  Result r = run(env, d, qkv, dout, tensor::DType::kF16);
   std::vector<double> qd(qkv.begin(), qkv.end()), dd(dout.begin(), dout.end());
   std::vector<double> want_out, want_probs;
   attention_ref(qd, d, &want_out, &want_probs);
@@ -264,7 +267,7 @@ TEST(AttentionTest, F16WithinF16Rounding) {
   EXPECT_LT(max_rel_error(r.probs, want_probs), 1e-5);
   EXPECT_LT(max_rel_error(r.dqkv, attention_backward_ref(qd, dd, d)), 1e-3);
   // f16 is the f32 computation on the same values, rounded once at the end.
-  Result r32 = run(env, d, qkv, dout, DType::kF32);
+  Result r32 = run(env, d, qkv, dout, tensor::DType::kF32);
   EXPECT_EQ(r.out, testing::round_f16(r32.out));
   EXPECT_EQ(r.dqkv, testing::round_f16(r32.dqkv));
 }
@@ -275,8 +278,8 @@ TEST(AttentionTest, BitIdenticalAcrossThreadCounts) {
   const Dims d{2, 200, 96, 3};
   auto qkv = random_values(d.b * d.t * 3 * d.c, 7);
   auto dout = random_values(d.b * d.t * d.c, 8);
-  for (DType dtype : {DType::kF32, DType::kBF16}) {
-    SCOPED_TRACE(std::string(dtype_name(dtype)));
+  for (tensor::DType dtype : {tensor::DType::kF32, tensor::DType::kBF16}) {
+    SCOPED_TRACE(std::string(tensor::dtype_name(dtype)));
     Result a = run(one, d, qkv, dout, dtype), b = run(two, d, qkv, dout, dtype);
     EXPECT_EQ(a.out, b.out);
     EXPECT_EQ(a.probs, b.probs);
@@ -313,10 +316,10 @@ TEST(AttentionTest, HeadTilesAndOneDnnAgree) {
   }
   const Dims dims[] = {{2, 17, 12, 3}, {2, 63, 32, 2}, {1, 65, 64, 4}, {2, 70, 32, 2},
                        {1, 129, 16, 1}, {2, 130, 48, 3}, {1, 33, 6, 2}};
-  for (DType dtype : {DType::kF32, DType::kBF16}) {
-    const double bound = dtype == DType::kF32 ? 2e-5 : 8e-3;
+  for (tensor::DType dtype : {tensor::DType::kF32, tensor::DType::kBF16}) {
+    const double bound = dtype == tensor::DType::kF32 ? 2e-5 : 8e-3;
     for (const Dims& d : dims) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + " B " + std::to_string(d.b) + " T " +
+      SCOPED_TRACE(std::string(tensor::dtype_name(dtype)) + " B " + std::to_string(d.b) + " T " +
                    std::to_string(d.t) + " C " + std::to_string(d.c) + " heads " +
                    std::to_string(d.heads));
       auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, 21, -2.0f, 2.0f));
@@ -370,17 +373,17 @@ TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
   measured->kernels->kernel_table().set_mode(KernelChoice::kFastest);
   Env exact;
   const Dims d{4, 512, 128, 2};
-  for (DType dtype : {DType::kF32, DType::kBF16}) {
-    SCOPED_TRACE(std::string(dtype_name(dtype)));
+  for (tensor::DType dtype : {tensor::DType::kF32, tensor::DType::kBF16}) {
+    SCOPED_TRACE(std::string(tensor::dtype_name(dtype)));
     auto qkv = round_bf16(random_values(d.b * d.t * 3 * d.c, 31, -2.0f, 2.0f));
     auto dout = round_bf16(random_values(d.b * d.t * d.c, 32));
     Result a = run(*tiles, d, qkv, dout, dtype), b = run(*onednn, d, qkv, dout, dtype);
     // Backward of each implementation on given probabilities (forward and backward are chosen
     // apart, so the measured backward may run on the other implementation's probabilities).
     const auto backward = [&](Env& env, const std::vector<float>& probs) {
-      Tensor tq = env.from(qkv, {d.b, d.t, 3 * d.c}, dtype);
-      Tensor tp = env.from(probs, {d.b, d.heads, d.t, d.t});
-      Tensor tdo = env.from(dout, {d.b, d.t, d.c}, dtype), dq = env.empty({d.b, d.t, 3 * d.c}, dtype);
+      tensor::Tensor tq = env.from(qkv, {d.b, d.t, 3 * d.c}, dtype);
+      tensor::Tensor tp = env.from(probs, {d.b, d.heads, d.t, d.t});
+      tensor::Tensor tdo = env.from(dout, {d.b, d.t, d.c}, dtype), dq = env.empty({d.b, d.t, 3 * d.c}, dtype);
       env.kernels->attention_backward(tdo, tq, tp, dq, static_cast<int>(d.heads));
       return env.host(dq);
     };
@@ -391,7 +394,7 @@ TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
       EXPECT_TRUE(m.dqkv == backward(*tiles, m.probs) || m.dqkv == backward(*onednn, m.probs));
     }
     const Result e = run(exact, d, qkv, dout, dtype);
-    if (dtype == DType::kF32 ? cpu::attention_tiles_f32_supported()
+    if (dtype == tensor::DType::kF32 ? cpu::attention_tiles_f32_supported()
                              : cpu::attention_tiles_bf16_supported(d.c / d.heads)) {
       EXPECT_EQ(e.probs, a.probs);
       EXPECT_EQ(e.out, a.out);
@@ -415,7 +418,7 @@ TEST(AttentionTest, MeasuredChoiceGivesOneImplementationsBits) {
 
 TEST(AttentionTest, RejectsBadShapesNamingTheOp) {
   Env env;
-  Tensor qkv = env.empty({2, 4, 12}), out = env.empty({2, 4, 4}), probs = env.empty({2, 2, 4, 4});
+  tensor::Tensor qkv = env.empty({2, 4, 12}), out = env.empty({2, 4, 4}), probs = env.empty({2, 2, 4, 4});
   try {
     env.kernels->attention_forward(qkv, out, probs, 5);
     FAIL() << "expected InvalidArgument";
@@ -423,9 +426,9 @@ TEST(AttentionTest, RejectsBadShapesNamingTheOp) {
     EXPECT_THAT(e.what(), HasSubstr("attention_forward"));
     EXPECT_THAT(e.what(), HasSubstr("(2, 4, 12)"));
   }
-  Tensor bad_probs = env.empty({2, 2, 4, 3});
+  tensor::Tensor bad_probs = env.empty({2, 2, 4, 3});
   EXPECT_THROW(env.kernels->attention_forward(qkv, out, bad_probs, 2), InvalidArgument);
-  Tensor dq = env.empty({2, 4, 12}), dout_bad = env.empty({2, 4, 5});
+  tensor::Tensor dq = env.empty({2, 4, 12}), dout_bad = env.empty({2, 4, 5});
   EXPECT_THROW(env.kernels->attention_backward(dout_bad, qkv, probs, dq, 2), InvalidArgument);
 }
 

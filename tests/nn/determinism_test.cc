@@ -5,6 +5,9 @@
 #include "nn_test_util.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using testing::Env;
@@ -14,15 +17,15 @@ using testing::random_values;
 std::vector<float> run_all(Env& env) {
   const int64_t b = 2, t = 70, c = 96, heads = 3, vocab = 50, n = b * t;
   std::vector<float> all;
-  auto keep = [&](const Tensor& x) {
+  auto keep = [&](const tensor::Tensor& x) {
     std::vector<float> h = env.host(x);
     all.insert(all.end(), h.begin(), h.end());
   };
-  Tensor x = env.from(random_values(n * c, 1), {n, c});
-  Tensor dy = env.from(random_values(n * c, 2), {n, c});
-  Tensor gamma = env.from(random_values(c, 3), {c}), beta = env.from(random_values(c, 4), {c});
-  Tensor y = env.empty({n, c}), mean = env.empty({n}), rstd = env.empty({n}), dx = env.empty({n, c});
-  Tensor dg = env.from(random_values(c, 5), {c}), db = env.from(random_values(c, 6), {c});
+  tensor::Tensor x = env.from(random_values(n * c, 1), {n, c});
+  tensor::Tensor dy = env.from(random_values(n * c, 2), {n, c});
+  tensor::Tensor gamma = env.from(random_values(c, 3), {c}), beta = env.from(random_values(c, 4), {c});
+  tensor::Tensor y = env.empty({n, c}), mean = env.empty({n}), rstd = env.empty({n}), dx = env.empty({n, c});
+  tensor::Tensor dg = env.from(random_values(c, 5), {c}), db = env.from(random_values(c, 6), {c});
   env.kernels->layernorm_forward(x, gamma, beta, y, mean, rstd);
   env.kernels->layernorm_backward(dy, x, gamma, mean, rstd, dx, dg, db);
   keep(y); keep(mean); keep(rstd); keep(dx); keep(dg); keep(db);
@@ -32,49 +35,49 @@ std::vector<float> run_all(Env& env) {
   env.kernels->gelu_forward(x, y);
   env.kernels->gelu_backward(x, dy, dx);
   keep(dg); keep(y); keep(dx);
-  env.kernels->dropout_forward(x, y, 0.2f, dropout_key(5, 1, 2, 3, 4));
+  env.kernels->dropout_forward(x, y, 0.2f, tensor::dropout_key(5, 1, 2, 3, 4));
   keep(y);
 
   std::vector<int32_t> tok(n);
   for (int64_t i = 0; i < n; ++i) tok[i] = static_cast<int32_t>((i * 13) % vocab);
-  Tensor tokens = env.ids(tok, {b, t});
-  Tensor wte = env.from(random_values(vocab * c, 7), {vocab, c});
-  Tensor wpe = env.from(random_values(t * c, 8), {t, c});
-  Tensor emb = env.empty({b, t, c});
+  tensor::Tensor tokens = env.ids(tok, {b, t});
+  tensor::Tensor wte = env.from(random_values(vocab * c, 7), {vocab, c});
+  tensor::Tensor wpe = env.from(random_values(t * c, 8), {t, c});
+  tensor::Tensor emb = env.empty({b, t, c});
   env.kernels->embedding_forward(tokens, wte, wpe, emb);
   env.kernels->embedding_backward(dy.reshape({b, t, c}), tokens, wte, wpe);
   keep(emb); keep(wte); keep(wpe);
 
-  Tensor logits = env.from(random_values(n * vocab, 9, -4.0f, 4.0f), {n, vocab});
-  Tensor targets = env.ids(std::vector<int32_t>(tok.begin(), tok.end()), {n});
-  Tensor losses = env.empty({n}), dlogits = env.empty({n, vocab});
+  tensor::Tensor logits = env.from(random_values(n * vocab, 9, -4.0f, 4.0f), {n, vocab});
+  tensor::Tensor targets = env.ids(std::vector<int32_t>(tok.begin(), tok.end()), {n});
+  tensor::Tensor losses = env.empty({n}), dlogits = env.empty({n, vocab});
   env.kernels->cross_entropy_forward(logits, targets, losses);
   env.kernels->cross_entropy_backward(logits, targets, dlogits, 0.5f);
   keep(losses); keep(dlogits);
 
-  Tensor qkv = env.from(random_values(b * t * 3 * c, 10), {b, t, 3 * c});
-  Tensor out = env.empty({b, t, c}), probs = env.empty({b, heads, t, t});
-  Tensor dqkv = env.empty({b, t, 3 * c});
+  tensor::Tensor qkv = env.from(random_values(b * t * 3 * c, 10), {b, t, 3 * c});
+  tensor::Tensor out = env.empty({b, t, c}), probs = env.empty({b, heads, t, t});
+  tensor::Tensor dqkv = env.empty({b, t, 3 * c});
   env.kernels->attention_forward(qkv, out, probs, static_cast<int>(heads));
   env.kernels->attention_backward(dy.reshape({b, t, c}), qkv, probs, dqkv, static_cast<int>(heads));
   keep(out); keep(probs); keep(dqkv);
 
-  Tensor big = env.from(random_values(300001, 11), {300001});
-  Tensor s = env.empty({1});
+  tensor::Tensor big = env.from(random_values(300001, 11), {300001});
+  tensor::Tensor s = env.empty({1});
   env.kernels->sum(big, s);
   keep(s);
   env.kernels->squared_norm(big, s);
   keep(s);
 
-  Tensor p = env.from(random_values(50001, 12), {50001}), g = env.from(random_values(50001, 13), {50001});
-  Tensor m = env.from(std::vector<float>(50001, 0.0f), {50001}), v = m;
+  tensor::Tensor p = env.from(random_values(50001, 12), {50001}), g = env.from(random_values(50001, 13), {50001});
+  tensor::Tensor m = env.from(std::vector<float>(50001, 0.0f), {50001}), v = m;
   v = env.from(std::vector<float>(50001, 0.0f), {50001});
-  AdamWArgs args;
+  kernels::AdamWArgs args;
   args.weight_decay = 0.1f;
   env.kernels->adamw(p, g, m, v, args);
   keep(p); keep(m); keep(v);
 
-  Tensor w = env.from(random_values(c * 3 * c, 14), {c, 3 * c}), h = env.empty({n, 3 * c});
+  tensor::Tensor w = env.from(random_values(c * 3 * c, 14), {c, 3 * c}), h = env.empty({n, 3 * c});
   env.kernels->matmul(x, w, h);
   keep(h);
   return all;

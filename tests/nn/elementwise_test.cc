@@ -5,10 +5,13 @@
 
 #include <cmath>
 
-#include "nn/philox.h"
+#include "tensor/philox.h"
 #include "nn_test_util.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using testing::Env;
@@ -16,22 +19,22 @@ using testing::max_rel_error;
 using testing::random_values;
 using testing::round_bf16;
 
-float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+float bf16_round(float x) { return tensor::bf16_to_f32(tensor::f32_to_bf16(x)); }
 
 TEST(ElementwiseTest, BiasAddIsExactInF32AndRoundsOnceInBf16) {
   Env env;
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {3, 17}, {5, 1}, {33, 65}}) {
     auto x = round_bf16(random_values(static_cast<size_t>(rows * cols), 1));
     auto bias = round_bf16(random_values(static_cast<size_t>(cols), 2));
-    for (DType dt : {DType::kF32, DType::kBF16}) {
-      Tensor tx = env.from(x, {rows, cols}, dt);
-      Tensor tb = env.from(bias, {cols}, dt);
+    for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16}) {
+      tensor::Tensor tx = env.from(x, {rows, cols}, dt);
+      tensor::Tensor tb = env.from(bias, {cols}, dt);
       env.kernels->bias_add(tx, tb);
       std::vector<float> got = env.host(tx);
       for (int64_t i = 0; i < rows * cols; ++i) {
         float want = x[i] + bias[i % cols];
-        if (dt == DType::kBF16) want = bf16_round(want);
-        ASSERT_EQ(got[i], want) << "dtype " << dtype_name(dt) << " element " << i;
+        if (dt == tensor::DType::kBF16) want = bf16_round(want);
+        ASSERT_EQ(got[i], want) << "dtype " << tensor::dtype_name(dt) << " element " << i;
       }
     }
   }
@@ -42,8 +45,8 @@ TEST(ElementwiseTest, BiasBackwardAccumulatesColumnSums) {
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 3}, {7, 17}, {300, 130}}) {
     auto dy = random_values(static_cast<size_t>(rows * cols), 3);
     auto db0 = random_values(static_cast<size_t>(cols), 4);
-    Tensor tdy = env.from(dy, {rows, cols});
-    Tensor tdb = env.from(db0, {cols});
+    tensor::Tensor tdy = env.from(dy, {rows, cols});
+    tensor::Tensor tdb = env.from(db0, {cols});
     env.kernels->bias_backward(tdy, tdb);
     std::vector<double> want(db0.begin(), db0.end());
     for (int64_t r = 0; r < rows; ++r) {
@@ -64,8 +67,8 @@ TEST(ElementwiseTest, GeluForwardAndBackwardMatchReference) {
   for (int64_t n : {1, 3, 17, 40001}) {
     auto x = random_values(static_cast<size_t>(n), 5, -6.0f, 6.0f);
     auto dy = random_values(static_cast<size_t>(n), 6);
-    Tensor tx = env.from(x, {n}), ty = env.empty({n});
-    Tensor tdy = env.from(dy, {n}), tdx = env.empty({n});
+    tensor::Tensor tx = env.from(x, {n}), ty = env.empty({n});
+    tensor::Tensor tdy = env.from(dy, {n}), tdx = env.empty({n});
     env.kernels->gelu_forward(tx, ty);
     env.kernels->gelu_backward(tx, tdy, tdx);
     std::vector<double> want_y(n), want_dx(n);
@@ -83,8 +86,8 @@ TEST(ElementwiseTest, GeluForwardAndBackwardMatchReference) {
 TEST(ElementwiseTest, GeluBf16RoundsTheF32Result) {
   Env env;
   auto x = round_bf16(random_values(1000, 7, -4.0f, 4.0f));
-  Tensor tx = env.from(x, {10, 100}, DType::kBF16), ty = env.empty({10, 100}, DType::kBF16);
-  Tensor ty32 = env.empty({10, 100});
+  tensor::Tensor tx = env.from(x, {10, 100}, tensor::DType::kBF16), ty = env.empty({10, 100}, tensor::DType::kBF16);
+  tensor::Tensor ty32 = env.empty({10, 100});
   env.kernels->gelu_forward(tx, ty);
   env.kernels->gelu_forward(env.from(x, {10, 100}), ty32);
   std::vector<float> got = env.host(ty), ref = env.host(ty32);
@@ -94,7 +97,7 @@ TEST(ElementwiseTest, GeluBf16RoundsTheF32Result) {
 TEST(ElementwiseTest, GeluInPlace) {
   Env env;
   auto x = random_values(100, 8);
-  Tensor t = env.from(x, {100}), ref = env.empty({100});
+  tensor::Tensor t = env.from(x, {100}), ref = env.empty({100});
   env.kernels->gelu_forward(env.from(x, {100}), ref);
   env.kernels->gelu_forward(t, t);
   EXPECT_EQ(env.host(t), env.host(ref));
@@ -105,14 +108,14 @@ TEST(ElementwiseTest, DropoutMaskIsAPureFunctionOfTheKey) {
   const float p = 0.3f;
   for (int64_t n : {1, 5, 17, 50003}) {
     auto x = random_values(static_cast<size_t>(n), 9);
-    PhiloxKey key = dropout_key(1234, 1, 77, 2, 5);
-    Tensor tx = env.from(x, {n}), ty = env.empty({n});
+    tensor::PhiloxKey key = tensor::dropout_key(1234, 1, 77, 2, 5);
+    tensor::Tensor tx = env.from(x, {n}), ty = env.empty({n});
     env.kernels->dropout_forward(tx, ty, p, key);
     std::vector<float> y = env.host(ty);
     const float keep_scale = 1.0f / (1.0f - p);
     int64_t dropped = 0;
     for (int64_t i = 0; i < n; ++i) {
-      bool keep = philox_uniform(key, static_cast<uint64_t>(i)) >= p;
+      bool keep = tensor::philox_uniform(key, static_cast<uint64_t>(i)) >= p;
       ASSERT_EQ(y[i], keep ? x[i] * keep_scale : 0.0f) << "element " << i;
       dropped += keep ? 0 : 1;
     }
@@ -121,7 +124,7 @@ TEST(ElementwiseTest, DropoutMaskIsAPureFunctionOfTheKey) {
     }
     // Backward regenerates the same mask from the key: dx = dy * mask / (1 - p).
     auto dy = random_values(static_cast<size_t>(n), 10);
-    Tensor tdy = env.from(dy, {n}), tdx = env.empty({n});
+    tensor::Tensor tdy = env.from(dy, {n}), tdx = env.empty({n});
     env.kernels->dropout_backward(tdy, tdx, p, key);
     std::vector<float> dx = env.host(tdx);
     for (int64_t i = 0; i < n; ++i) {
@@ -133,13 +136,13 @@ TEST(ElementwiseTest, DropoutMaskIsAPureFunctionOfTheKey) {
 TEST(ElementwiseTest, DropoutDiffersAcrossKeysAndIsIdentityAtZero) {
   Env env;
   auto x = random_values(4096, 11, 0.5f, 1.0f);
-  Tensor tx = env.from(x, {4096}), a = env.empty({4096}), b = env.empty({4096});
-  env.kernels->dropout_forward(tx, a, 0.5f, dropout_key(1, 0, 0, 0, 0));
-  env.kernels->dropout_forward(tx, b, 0.5f, dropout_key(1, 0, 1, 0, 0));
+  tensor::Tensor tx = env.from(x, {4096}), a = env.empty({4096}), b = env.empty({4096});
+  env.kernels->dropout_forward(tx, a, 0.5f, tensor::dropout_key(1, 0, 0, 0, 0));
+  env.kernels->dropout_forward(tx, b, 0.5f, tensor::dropout_key(1, 0, 1, 0, 0));
   EXPECT_NE(env.host(a), env.host(b));
-  env.kernels->dropout_forward(tx, b, 0.5f, dropout_key(1, 0, 0, 0, 0));
+  env.kernels->dropout_forward(tx, b, 0.5f, tensor::dropout_key(1, 0, 0, 0, 0));
   EXPECT_EQ(env.host(a), env.host(b));
-  env.kernels->dropout_forward(tx, a, 0.0f, dropout_key(1, 0, 0, 0, 0));
+  env.kernels->dropout_forward(tx, a, 0.0f, tensor::dropout_key(1, 0, 0, 0, 0));
   EXPECT_EQ(env.host(a), x);
 }
 
@@ -151,14 +154,14 @@ TEST(ElementwiseTest, DropoutOfASecondHalfWithGroupOffsetMatchesTheWhole) {
   const float p = 0.4f;
   for (int64_t n : {8, 104, 40008, 40011}) {
     const int64_t o = (n / 2) / 4 * 4, tail = n - o;
-    const PhiloxKey key = dropout_key(99, 2, 12345, 1, 3);
-    PhiloxKey shard_key = key;
+    const tensor::PhiloxKey key = tensor::dropout_key(99, 2, 12345, 1, 3);
+    tensor::PhiloxKey shard_key = key;
     shard_key.group_offset = static_cast<uint64_t>(o / 4);
     for (bool backward : {false, true}) {
       auto x = random_values(static_cast<size_t>(n), backward ? 21 : 20);
       std::vector<float> x_tail(x.begin() + o, x.end());
-      Tensor whole = env.from(x, {n}), whole_y = env.empty({n});
-      Tensor part = env.from(x_tail, {tail}), part_y = env.empty({tail});
+      tensor::Tensor whole = env.from(x, {n}), whole_y = env.empty({n});
+      tensor::Tensor part = env.from(x_tail, {tail}), part_y = env.empty({tail});
       if (backward) {
         env.kernels->dropout_backward(whole, whole_y, p, key);
         env.kernels->dropout_backward(part, part_y, p, shard_key);
@@ -170,7 +173,7 @@ TEST(ElementwiseTest, DropoutOfASecondHalfWithGroupOffsetMatchesTheWhole) {
       want.erase(want.begin(), want.begin() + o);
       EXPECT_EQ(env.host(part_y), want) << "n " << n << (backward ? " backward" : " forward");
       // The shard's mask is not the unshifted one (the offset took effect).
-      Tensor unshifted = env.empty({tail});
+      tensor::Tensor unshifted = env.empty({tail});
       env.kernels->dropout_forward(part, unshifted, p, key);
       if (tail > 16) {
         EXPECT_NE(env.host(unshifted), want) << "n " << n;
@@ -182,7 +185,7 @@ TEST(ElementwiseTest, DropoutOfASecondHalfWithGroupOffsetMatchesTheWhole) {
 TEST(ElementwiseTest, AddAccumulateAndInPlace) {
   Env env;
   auto a = random_values(40000, 12), b = random_values(40000, 13);
-  Tensor ta = env.from(a, {200, 200}), tb = env.from(b, {200, 200}), out = env.empty({200, 200});
+  tensor::Tensor ta = env.from(a, {200, 200}), tb = env.from(b, {200, 200}), out = env.empty({200, 200});
   env.kernels->add(ta, tb, out);
   std::vector<float> got = env.host(out);
   for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(got[i], a[i] + b[i]) << i;
@@ -192,7 +195,7 @@ TEST(ElementwiseTest, AddAccumulateAndInPlace) {
   got = env.host(ta);
   for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(got[i], (a[i] + b[i]) + b[i]) << i;
   // bf16 accumulator, f32 addend: one rounding per add.
-  Tensor acc = env.from(round_bf16(a), {200, 200}, DType::kBF16);
+  tensor::Tensor acc = env.from(round_bf16(a), {200, 200}, tensor::DType::kBF16);
   env.kernels->accumulate(acc, tb);
   got = env.host(acc);
   auto ar = round_bf16(a);
@@ -206,7 +209,7 @@ TEST(ElementwiseTest, CastRoundsToNearestEvenAndWidensExactly) {
   x.push_back(1.01171875f);   // halfway, rounds up to even (1.015625)
   x.push_back(INFINITY);
   const int64_t n = static_cast<int64_t>(x.size());
-  Tensor tx = env.from(x, {n}), th = env.empty({n}, DType::kBF16), tf = env.empty({n});
+  tensor::Tensor tx = env.from(x, {n}), th = env.empty({n}, tensor::DType::kBF16), tf = env.empty({n});
   env.kernels->cast(tx, th);
   env.kernels->cast(th, tf);
   std::vector<float> back = env.host(tf);
@@ -218,7 +221,7 @@ TEST(ElementwiseTest, CastRoundsToNearestEvenAndWidensExactly) {
 
 TEST(ElementwiseTest, FillAndScale) {
   Env env;
-  Tensor t = env.empty({3, 17}), h = env.empty({3, 17}, DType::kBF16);
+  tensor::Tensor t = env.empty({3, 17}), h = env.empty({3, 17}, tensor::DType::kBF16);
   env.kernels->fill(t, 1.5f);
   env.kernels->scale(t, -2.0f);
   EXPECT_EQ(env.host(t), std::vector<float>(51, -3.0f));
@@ -230,7 +233,7 @@ TEST(ElementwiseTest, SumAndSquaredNormMatchDoubleReference) {
   Env env;
   for (int64_t n : {1, 3, 17, 16385, 1000003}) {
     auto x = random_values(static_cast<size_t>(n), 15);
-    Tensor tx = env.from(x, {n}), out = env.empty({1});
+    tensor::Tensor tx = env.from(x, {n}), out = env.empty({1});
     double s = 0, ss = 0;
     for (float v : x) {
       s += v;
@@ -250,16 +253,16 @@ TEST(ElementwiseTest, AdamWMatchesPyTorchFormula) {
   Env env;
   const int64_t n = 20003;
   auto p = random_values(n, 16), m0 = std::vector<float>(n, 0.0f), v0 = m0;
-  AdamWArgs args;
+  kernels::AdamWArgs args;
   args.lr = 1e-2f;
   args.weight_decay = 0.1f;
   args.grad_scale = 0.5f;
-  Tensor tp = env.from(p, {n}), tm = env.from(m0, {n}), tv = env.from(v0, {n});
-  Tensor out = env.empty({n}, DType::kBF16);
+  tensor::Tensor tp = env.from(p, {n}), tm = env.from(m0, {n}), tv = env.from(v0, {n});
+  tensor::Tensor out = env.empty({n}, tensor::DType::kBF16);
   std::vector<double> rp(p.begin(), p.end()), rm(n, 0.0), rv(n, 0.0);
   for (int64_t step = 1; step <= 3; ++step) {
     auto g = random_values(n, 100 + static_cast<uint32_t>(step));
-    Tensor tg = env.from(g, {n});
+    tensor::Tensor tg = env.from(g, {n});
     args.step = step;
     env.kernels->adamw(tp, tg, tm, tv, args, &out);
     const double b1 = args.beta1, b2 = args.beta2;
@@ -284,12 +287,12 @@ TEST(ElementwiseTest, AdamWMatchesPyTorchFormula) {
 TEST(ElementwiseTest, AdamWTakesBf16Gradients) {
   Env env;
   auto g = round_bf16(random_values(100, 17));
-  Tensor p1 = env.from(std::vector<float>(100, 1.0f), {100}), p2 = p1;
+  tensor::Tensor p1 = env.from(std::vector<float>(100, 1.0f), {100}), p2 = p1;
   p2 = env.from(std::vector<float>(100, 1.0f), {100});
-  Tensor m1 = env.from(std::vector<float>(100, 0.0f), {100}), v1 = env.from(std::vector<float>(100, 0.0f), {100});
-  Tensor m2 = env.from(std::vector<float>(100, 0.0f), {100}), v2 = env.from(std::vector<float>(100, 0.0f), {100});
+  tensor::Tensor m1 = env.from(std::vector<float>(100, 0.0f), {100}), v1 = env.from(std::vector<float>(100, 0.0f), {100});
+  tensor::Tensor m2 = env.from(std::vector<float>(100, 0.0f), {100}), v2 = env.from(std::vector<float>(100, 0.0f), {100});
   env.kernels->adamw(p1, env.from(g, {100}), m1, v1, {});
-  env.kernels->adamw(p2, env.from(g, {100}, DType::kBF16), m2, v2, {});
+  env.kernels->adamw(p2, env.from(g, {100}, tensor::DType::kBF16), m2, v2, {});
   EXPECT_EQ(env.host(p1), env.host(p2));
 }
 

@@ -26,11 +26,14 @@
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/ctx.h"
-#include "nn/gpt.h"
-#include "nn/kernels.h"
-#include "nn/npy.h"
+#include "models/transformer.h"
+#include "kernels/kernels.h"
+#include "io/npy.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 struct RefConfig {
@@ -79,14 +82,14 @@ TEST_P(GptReferenceTest, LossAndGradientsMatchPyTorch) {
   mc.vocab = rc.vocab;
   mc.tie_embeddings = rc.tied;
   mc.dropout = 0.0;
-  Gpt gpt(mc);
+  models::Gpt gpt(mc);
   FlatParams flat(alloc, gpt.layout(), dtype, DType::kF32);
 
   std::vector<float> host(static_cast<size_t>(gpt.layout().total_elems()), 0.0f);
   for (const ParamEntry& e : gpt.layout().entries()) {
-    NpyArray a = read_npy(fixture(rc, "params/" + e.name + ".npy"));
+    io::NpyArray a = io::read_npy(fixture(rc, "params/" + e.name + ".npy"));
     ASSERT_EQ(Shape(a.shape), e.shape) << e.name;
-    std::vector<float> v = npy_to_f32(a);
+    std::vector<float> v = io::npy_to_f32(a);
     std::copy(v.begin(), v.end(), host.begin() + e.offset_elems);
   }
   Tensor params = flat.params();
@@ -95,11 +98,11 @@ TEST_P(GptReferenceTest, LossAndGradientsMatchPyTorch) {
   kernels->fill(grads, 0.0f);
   gpt.bind(flat);
 
-  Tensor tokens = load_tensor_npy(fixture(rc, "tokens.npy"), alloc, DType::kI32);
-  Tensor targets = load_tensor_npy(fixture(rc, "targets.npy"), alloc, DType::kI32);
+  Tensor tokens = io::load_tensor_npy(fixture(rc, "tokens.npy"), alloc, DType::kI32);
+  Tensor targets = io::load_tensor_npy(fixture(rc, "targets.npy"), alloc, DType::kI32);
   Ctx ctx(*kernels, alloc, dtype);
   const float loss = gpt.forward_backward(ctx, tokens, targets);
-  const float ref_loss = npy_to_f32(read_npy(fixture(rc, "loss.npy")))[0];
+  const float ref_loss = io::npy_to_f32(io::read_npy(fixture(rc, "loss.npy")))[0];
 
   const double tol = dtype == DType::kF32 ? 1e-4 : (dtype == DType::kF16 ? 5e-3 : 3e-2);
   const double loss_tol = dtype == DType::kF32 ? 1e-5 : (dtype == DType::kF16 ? 1e-4 : 1e-3);
@@ -113,7 +116,7 @@ TEST_P(GptReferenceTest, LossAndGradientsMatchPyTorch) {
   for (size_t i = 0; i < gpt.layout().entries().size(); ++i) {
     const ParamEntry& e = gpt.layout().entries()[i];
     std::vector<float> got = to_host_f32(*device, flat.grad(i));
-    std::vector<float> want = npy_to_f32(read_npy(fixture(rc, "grads/" + e.name + ".npy")));
+    std::vector<float> want = io::npy_to_f32(io::read_npy(fixture(rc, "grads/" + e.name + ".npy")));
     ASSERT_EQ(got.size(), want.size()) << e.name;
     const double err = max_rel_error(got, want);
     EXPECT_LE(err, tol) << "gradient of " << e.name << " " << e.shape.to_string();

@@ -1,6 +1,6 @@
 // The GPT's layout and init, and the save context: bit-identical gradients under
 // checkpoint + recompute for every op-kind policy, recompute plans, exact saved bytes, misuse.
-#include "nn/gpt.h"
+#include "models/transformer.h"
 
 #include <cmath>
 #include <cstring>
@@ -11,9 +11,12 @@
 #include "base/error.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using ::testing::ElementsAre;
@@ -53,7 +56,7 @@ struct Env {
 };
 
 TEST(GptLayoutTest, OrderAlignmentAndNames) {
-  Gpt gpt(small_config(0.0, false));
+  models::Gpt gpt(small_config(0.0, false));
   const auto& e = gpt.layout().entries();
   ASSERT_EQ(e.size(), 2u + 12u * 3u + 3u);
   EXPECT_EQ(e[0].name, "wte");
@@ -68,7 +71,7 @@ TEST(GptLayoutTest, OrderAlignmentAndNames) {
   // first bias (32) is padded to 64.
   EXPECT_EQ(e[1].offset_elems, 1600);
   EXPECT_EQ(e[3].offset_elems - e[2].offset_elems, 64);
-  Gpt tied(small_config(0.0, true));
+  models::Gpt tied(small_config(0.0, true));
   EXPECT_EQ(tied.layout().entries().back().name, "lnf.bias");
   EXPECT_EQ(gpt.layout().num_params() - tied.layout().num_params(), 50 * 32);
 }
@@ -76,11 +79,11 @@ TEST(GptLayoutTest, OrderAlignmentAndNames) {
 TEST(GptLayoutTest, RejectsBadShapes) {
   auto mc = small_config();
   mc.heads = 5;
-  EXPECT_THROW(Gpt{mc}, InvalidArgument);
+  EXPECT_THROW(models::Gpt{mc}, InvalidArgument);
   mc = small_config();
   mc.tensor_parallel = 3;  // 4 heads do not split over 3 ranks
   try {
-    Gpt g(mc);
+    models::Gpt g(mc);
     FAIL();
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("porter.model.heads = 4 is not divisible by tensor_parallel"));
@@ -88,7 +91,7 @@ TEST(GptLayoutTest, RejectsBadShapes) {
 }
 
 TEST(GptInitTest, Gpt2SchemeAndDeterministic) {
-  Gpt gpt(small_config());
+  models::Gpt gpt(small_config());
   auto v = gpt.init_values(7);
   EXPECT_EQ(v, gpt.init_values(7));
   EXPECT_NE(v, gpt.init_values(8));
@@ -114,7 +117,7 @@ struct Result {
   std::vector<float> grads;
 };
 
-Result run(Env& env, Gpt& gpt, const FlatParams& flat, const std::vector<StagePlan>& plans,
+Result run(Env& env, models::Gpt& gpt, const FlatParams& flat, const std::vector<models::StagePlan>& plans,
            uint64_t step = 3) {
   Tensor g = flat.grads();
   env.kernels->fill(g, 0.0f);
@@ -135,11 +138,11 @@ class RecomputeTest : public ::testing::Test {
     from_host_f32(*env_.device, gpt_.init_values(5), p);
     gpt_.bind(flat_);
   }
-  std::vector<StagePlan> all(SaveMode mode, OpPolicy policy) {
-    return std::vector<StagePlan>(static_cast<size_t>(gpt_.num_stages()), StagePlan{mode, policy});
+  std::vector<models::StagePlan> all(SaveMode mode, OpPolicy policy) {
+    return std::vector<models::StagePlan>(static_cast<size_t>(gpt_.num_stages()), models::StagePlan{mode, policy});
   }
   Env env_;
-  Gpt gpt_;
+  models::Gpt gpt_;
   FlatParams flat_;
 };
 

@@ -8,10 +8,13 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernels.h"
+#include "kernels/kernels.h"
 #include "nn/layer.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 // --- begin docs/layers.md example ---

@@ -7,11 +7,14 @@
 #include <gtest/gtest.h>
 
 #include "base/error.h"
-#include "nn/cpu_matmul.h"
-#include "nn/kernel_table.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/kernel_table.h"
 #include "nn_test_util.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using ::testing::HasSubstr;
@@ -25,7 +28,7 @@ using testing::round_to;
 // Reference: out = alpha * op(a) @ op(b) + beta * out0, in double, batch by batch.
 std::vector<double> reference(const std::vector<float>& a, const std::vector<float>& b,
                               const std::vector<float>& out0, int64_t batch, int64_t m,
-                              int64_t n, int64_t k, const MatmulSpec& spec) {
+                              int64_t n, int64_t k, const kernels::MatmulSpec& spec) {
   std::vector<double> out(static_cast<size_t>(batch * m * n));
   for (int64_t q = 0; q < batch; ++q) {
     for (int64_t i = 0; i < m; ++i) {
@@ -55,7 +58,7 @@ double run_case(Env& env, const Case& c, DType in_dtype, DType out_dtype) {
   const bool batched = c.batch > 0;
   const int64_t batch = batched ? c.batch : 1;
   auto shape = [&](int64_t r, int64_t cols) {
-    return batched ? Shape{batch, r, cols} : Shape{r, cols};
+    return batched ? tensor::Shape{batch, r, cols} : tensor::Shape{r, cols};
   };
   std::vector<float> a = random_values(static_cast<size_t>(batch * c.m * c.k), 1);
   std::vector<float> b = random_values(static_cast<size_t>(batch * c.k * c.n), 2);
@@ -63,10 +66,10 @@ double run_case(Env& env, const Case& c, DType in_dtype, DType out_dtype) {
   a = round_to(in_dtype, a);
   b = round_to(in_dtype, b);
   out0 = round_to(out_dtype, out0);
-  Tensor ta = env.from(a, c.trans_a ? shape(c.k, c.m) : shape(c.m, c.k), in_dtype);
-  Tensor tb = env.from(b, c.trans_b ? shape(c.n, c.k) : shape(c.k, c.n), in_dtype);
-  Tensor tout = env.from(out0, shape(c.m, c.n), out_dtype);
-  MatmulSpec spec{c.trans_a, c.trans_b, c.alpha, c.beta};
+  tensor::Tensor ta = env.from(a, c.trans_a ? shape(c.k, c.m) : shape(c.m, c.k), in_dtype);
+  tensor::Tensor tb = env.from(b, c.trans_b ? shape(c.n, c.k) : shape(c.k, c.n), in_dtype);
+  tensor::Tensor tout = env.from(out0, shape(c.m, c.n), out_dtype);
+  kernels::MatmulSpec spec{c.trans_a, c.trans_b, c.alpha, c.beta};
   env.kernels->matmul(ta, tb, tout, spec);
   return max_rel_error(env.host(tout), reference(a, b, out0, batch, c.m, c.n, c.k, spec));
 }
@@ -138,9 +141,9 @@ TEST(MatmulTest, F16IsTheF32ProductOfTheWidenedOperandsRoundedOnce) {
   auto b = testing::round_f16(random_values(static_cast<size_t>(k * n), 8, -3.0f, 3.0f));
   auto out0 = testing::round_f16(random_values(static_cast<size_t>(m * n), 9));
   for (float beta : {0.0f, 0.5f}) {
-    Tensor a32 = env.from(a, {m, k}), b32 = env.from(b, {k, n}), out32 = env.from(out0, {m, n});
-    Tensor a16 = env.from(a, {m, k}, DType::kF16), b16 = env.from(b, {k, n}, DType::kF16);
-    Tensor out16 = env.from(out0, {m, n}, DType::kF16);
+    tensor::Tensor a32 = env.from(a, {m, k}), b32 = env.from(b, {k, n}), out32 = env.from(out0, {m, n});
+    tensor::Tensor a16 = env.from(a, {m, k}, DType::kF16), b16 = env.from(b, {k, n}, DType::kF16);
+    tensor::Tensor out16 = env.from(out0, {m, n}, DType::kF16);
     env.kernels->matmul(a32, b32, out32, {false, false, 1.0f, beta});
     env.kernels->matmul(a16, b16, out16, {false, false, 1.0f, beta});
     EXPECT_EQ(env.host(out16), round_to(DType::kF16, env.host(out32))) << "beta " << beta;
@@ -150,9 +153,9 @@ TEST(MatmulTest, F16IsTheF32ProductOfTheWidenedOperandsRoundedOnce) {
 // Past 65504 an f16 output is inf (the overflow the fp16 loss scaler looks for).
 TEST(MatmulTest, F16OutputOverflowsToInf) {
   Env env;
-  Tensor a = env.from({300.0f, 300.0f}, {1, 2}, DType::kF16);
-  Tensor b = env.from({100.0f, 120.0f}, {2, 1}, DType::kF16);
-  Tensor out = env.empty({1, 1}, DType::kF16), out32 = env.empty({1, 1});
+  tensor::Tensor a = env.from({300.0f, 300.0f}, {1, 2}, DType::kF16);
+  tensor::Tensor b = env.from({100.0f, 120.0f}, {2, 1}, DType::kF16);
+  tensor::Tensor out = env.empty({1, 1}, DType::kF16), out32 = env.empty({1, 1});
   env.kernels->matmul(a, b, out32);
   EXPECT_EQ(env.host(out32)[0], 66000.0f);
   env.kernels->matmul(a, b, out);
@@ -165,9 +168,9 @@ TEST(MatmulTest, F16OutputOverflowsToInf) {
 
 TEST(MatmulTest, ZeroInnerDimensionScalesOutputByBeta) {
   Env env;
-  Tensor a = env.empty({3, 0});
-  Tensor b = env.empty({0, 2});
-  Tensor out = env.from({1, 2, 3, 4, 5, 6}, {3, 2});
+  tensor::Tensor a = env.empty({3, 0});
+  tensor::Tensor b = env.empty({0, 2});
+  tensor::Tensor out = env.from({1, 2, 3, 4, 5, 6}, {3, 2});
   env.kernels->matmul(a, b, out, {false, false, 1.0f, 0.5f});
   EXPECT_EQ(env.host(out), (std::vector<float>{0.5f, 1, 1.5f, 2, 2.5f, 3}));
   env.kernels->matmul(a, b, out);
@@ -197,9 +200,9 @@ TEST(MatmulTest, GptShapesBitIdenticalAcrossThreadCounts) {
     Env* envs[2] = {&one, &two};
     for (int e = 0; e < 2; ++e) {
       Env& env = *envs[e];
-      Tensor ta = env.from(a, s.ta ? Shape{s.k, s.m} : Shape{s.m, s.k});
-      Tensor tb = env.from(b, s.tb ? Shape{s.n, s.k} : Shape{s.k, s.n});
-      Tensor out = env.empty({s.m, s.n});
+      tensor::Tensor ta = env.from(a, s.ta ? tensor::Shape{s.k, s.m} : tensor::Shape{s.m, s.k});
+      tensor::Tensor tb = env.from(b, s.tb ? tensor::Shape{s.n, s.k} : tensor::Shape{s.k, s.n});
+      tensor::Tensor out = env.empty({s.m, s.n});
       env.kernels->matmul(ta, tb, out, {s.ta, s.tb, 1.0f, 0.0f});
       results[e] = env.host(out);
     }
@@ -208,9 +211,9 @@ TEST(MatmulTest, GptShapesBitIdenticalAcrossThreadCounts) {
 }
 
 TEST(MatmulTest, PrimitivesAreCachedPerProblem) {
-  DnnlMatmul mm(2);
+  kernels::DnnlMatmul mm(2);
   std::vector<float> a(12, 1.0f), b(20, 2.0f), out(15, 0.0f);
-  MatmulProblem p;
+  kernels::MatmulProblem p;
   p.m = 3;
   p.n = 5;
   p.k = 4;
@@ -228,8 +231,8 @@ TEST(MatmulTest, PrimitivesAreCachedPerProblem) {
 
 // A 2-D problem as CpuKernels::do_matmul builds it: row-major operands, op(a) (m, k),
 // op(b) (k, n), out (m, n).
-MatmulProblem problem_2d(int64_t m, int64_t n, int64_t k, bool ta, bool tb, DType ab, float beta) {
-  MatmulProblem p;
+kernels::MatmulProblem problem_2d(int64_t m, int64_t n, int64_t k, bool ta, bool tb, DType ab, float beta) {
+  kernels::MatmulProblem p;
   p.m = m;
   p.n = n;
   p.k = k;
@@ -258,7 +261,7 @@ const LayoutCase kLayoutCases[] = {
 };
 
 // Runs `p` through `mm` on a, b (f32 values, held as p's dtype) and out0; returns out.
-std::vector<float> run_problem(DnnlMatmul& mm, const MatmulProblem& p, const std::vector<float>& a,
+std::vector<float> run_problem(kernels::DnnlMatmul& mm, const kernels::MatmulProblem& p, const std::vector<float>& a,
                                const std::vector<float>& b, const std::vector<float>& out0) {
   std::vector<float> out = out0;
   if (p.a_dtype == DType::kF32) {
@@ -266,18 +269,18 @@ std::vector<float> run_problem(DnnlMatmul& mm, const MatmulProblem& p, const std
     return out;
   }
   std::vector<uint16_t> a16(a.size()), b16(b.size());
-  for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
-  for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+  for (size_t i = 0; i < a.size(); ++i) a16[i] = tensor::f32_to_bf16(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) b16[i] = tensor::f32_to_bf16(b[i]);
   mm.run(p, a16.data(), b16.data(), out.data());
   return out;
 }
 
 // Note [Matmul weight layout]: in f32, reading B blocked gives the plain layout's bits.
 TEST(MatmulLayoutTest, BlockedWeightsGiveThePlainBitsInF32) {
-  DnnlMatmul plain(2, MatmulLayout::kPlain), blocked(2, MatmulLayout::kBlocked);
+  kernels::DnnlMatmul plain(2, kernels::MatmulLayout::kPlain), blocked(2, kernels::MatmulLayout::kBlocked);
   int blocked_cases = 0;
   for (const LayoutCase& c : kLayoutCases) {
-    const MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kF32, c.beta);
+    const kernels::MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kF32, c.beta);
     const std::vector<float> a = random_values(static_cast<size_t>(c.m * c.k), 1);
     const std::vector<float> b = random_values(static_cast<size_t>(c.k * c.n), 2);
     const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 3);
@@ -305,14 +308,14 @@ TEST(MatmulLayoutTest, BlockedWeightsInBf16MatchTheReference) {
                               {64, 768, 3072, false, true, 0.0f},
                               {256, 256, 2048, true, false, 1.0f},
                               {37, 70, 33, false, false, 1.0f}};
-  DnnlMatmul plain(2, MatmulLayout::kPlain), blocked(2, MatmulLayout::kBlocked);
+  kernels::DnnlMatmul plain(2, kernels::MatmulLayout::kPlain), blocked(2, kernels::MatmulLayout::kBlocked);
   for (const LayoutCase& c : cases) {
-    const MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kBF16, c.beta);
+    const kernels::MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kBF16, c.beta);
     const std::vector<float> a = round_bf16(random_values(static_cast<size_t>(c.m * c.k), 4));
     const std::vector<float> b = round_bf16(random_values(static_cast<size_t>(c.k * c.n), 5));
     const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 6);
     const std::vector<double> want =
-        reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 1.0f, c.beta});
+        reference(a, b, out0, 1, c.m, c.n, c.k, kernels::MatmulSpec{c.ta, c.tb, 1.0f, c.beta});
     EXPECT_LT(max_rel_error(run_problem(plain, p, a, b, out0), want), 1e-5);
     EXPECT_LT(max_rel_error(run_problem(blocked, p, a, b, out0), want), 1e-5)
         << c.m << "x" << c.n << "x" << c.k;
@@ -323,13 +326,13 @@ TEST(MatmulLayoutTest, BlockedWeightsInBf16MatchTheReference) {
 // plain's bits whichever candidate wins, it is recorded once, and a second user of the table
 // takes it without measuring; small problems are recorded plain, unmeasured.
 TEST(KernelTableTest, ExactChoiceGivesPlainBitsAndIsRecordedOnce) {
-  KernelTable table;
-  DnnlMatmul first(2, MatmulLayout::kMeasure, &table), second(2, MatmulLayout::kMeasure, &table);
-  const MatmulProblem big = problem_2d(512, 3072, 768, false, false, DType::kF32, 0.0f);
+  kernels::KernelTable table;
+  kernels::DnnlMatmul first(2, kernels::MatmulLayout::kMeasure, &table), second(2, kernels::MatmulLayout::kMeasure, &table);
+  const kernels::MatmulProblem big = problem_2d(512, 3072, 768, false, false, DType::kF32, 0.0f);
   const std::vector<float> a = random_values(512 * 768, 7), b = random_values(768 * 3072, 8);
   const std::vector<float> out0(512 * 3072, 0.0f);
   const std::vector<float> got = run_problem(first, big, a, b, out0);
-  DnnlMatmul plain(2, MatmulLayout::kPlain);
+  kernels::DnnlMatmul plain(2, kernels::MatmulLayout::kPlain);
   EXPECT_EQ(got, run_problem(plain, big, a, b, out0));
   EXPECT_THAT(first.implementation(big), Not(HasSubstr("sgemm")));
   EXPECT_EQ(second.implementation(big), first.implementation(big));
@@ -339,18 +342,18 @@ TEST(KernelTableTest, ExactChoiceGivesPlainBitsAndIsRecordedOnce) {
   EXPECT_THAT(entry.at("key").get<std::string>(), HasSubstr("m 512 n 3072 k 768"));
   EXPECT_THAT((std::vector<std::string>{"plain", "blocked", "rows"}),
               ::testing::Contains(entry.at("choice").get<std::string>()));
-  const MatmulProblem small = problem_2d(64, 64, 64, false, false, DType::kF32, 0.0f);
+  const kernels::MatmulProblem small = problem_2d(64, 64, 64, false, false, DType::kF32, 0.0f);
   EXPECT_FALSE(first.blocked_weights(small));
   EXPECT_EQ(table.size(), 2u);
-  EXPECT_EQ(table.count(KernelTable::Source::kFixed) + table.count(KernelTable::Source::kMeasured),
+  EXPECT_EQ(table.count(kernels::KernelTable::Source::kFixed) + table.count(kernels::KernelTable::Source::kMeasured),
             2u);
 }
 
 // Under exact a bf16 problem has one candidate: plain, unmeasured, whatever is faster.
 TEST(KernelTableTest, ExactBf16RunsPlain) {
-  KernelTable table;
-  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table), plain(2, MatmulLayout::kPlain);
-  const MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
+  kernels::KernelTable table;
+  kernels::DnnlMatmul mm(2, kernels::MatmulLayout::kMeasure, &table), plain(2, kernels::MatmulLayout::kPlain);
+  const kernels::MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
   const std::vector<float> a = round_bf16(random_values(512 * 768, 12));
   const std::vector<float> b = round_bf16(random_values(768 * 3072, 13));
   const std::vector<float> out0(512 * 3072, 0.0f);
@@ -365,9 +368,9 @@ TEST(KernelTableTest, ExactBf16RunsPlain) {
 // Under fastest every candidate is timed, and the result is the bits of the one the table
 // names.
 TEST(KernelTableTest, FastestGivesTheBitsOfTheRecordedChoice) {
-  KernelTable table(KernelChoice::kFastest);
-  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table);
-  const MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
+  kernels::KernelTable table(KernelChoice::kFastest);
+  kernels::DnnlMatmul mm(2, kernels::MatmulLayout::kMeasure, &table);
+  const kernels::MatmulProblem p = problem_2d(512, 3072, 768, false, true, DType::kBF16, 0.0f);
   const std::vector<float> a = round_bf16(random_values(512 * 768, 12));
   const std::vector<float> b = round_bf16(random_values(768 * 3072, 13));
   const std::vector<float> out0(512 * 3072, 0.0f);
@@ -381,21 +384,21 @@ TEST(KernelTableTest, FastestGivesTheBitsOfTheRecordedChoice) {
   ASSERT_TRUE(entry.is_object()) << recorded.dump(1);
   const std::string choice = entry.at("choice").get<std::string>();
   EXPECT_EQ(entry.at("source"), "measured");
-  const std::map<std::string, MatmulLayout> layouts = {{"plain", MatmulLayout::kPlain},
-                                                       {"blocked", MatmulLayout::kBlocked},
-                                                       {"rows", MatmulLayout::kRows},
-                                                       {"widened", MatmulLayout::kWidened}};
+  const std::map<std::string, kernels::MatmulLayout> layouts = {{"plain", kernels::MatmulLayout::kPlain},
+                                                       {"blocked", kernels::MatmulLayout::kBlocked},
+                                                       {"rows", kernels::MatmulLayout::kRows},
+                                                       {"widened", kernels::MatmulLayout::kWidened}};
   ASSERT_TRUE(layouts.contains(choice)) << choice;
-  DnnlMatmul forced(2, layouts.at(choice));
+  kernels::DnnlMatmul forced(2, layouts.at(choice));
   EXPECT_EQ(got, run_problem(forced, p, a, b, out0)) << choice;
 }
 
 // A pinned table decides, even a choice exact would not make (sgemm), and pinning after use
 // makes the next call look the problem up again.
 TEST(KernelTableTest, PinnedChoiceDecidesAndReplacesAnEarlierOne) {
-  KernelTable table;
-  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table);
-  const MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
+  kernels::KernelTable table;
+  kernels::DnnlMatmul mm(2, kernels::MatmulLayout::kMeasure, &table);
+  const kernels::MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
   const std::vector<float> a = random_values(256 * 768, 21), b = random_values(768 * 3072, 22);
   const std::vector<float> out0(256 * 3072, 0.0f);
   (void)run_problem(mm, p, a, b, out0);
@@ -403,15 +406,15 @@ TEST(KernelTableTest, PinnedChoiceDecidesAndReplacesAnEarlierOne) {
   ASSERT_EQ(pinned.at("entries").size(), 1u);
   pinned["entries"][0]["choice"] = "gemm";
   table.pin(pinned, "pinned from test");
-  DnnlMatmul gemm(2, MatmulLayout::kGemm);
+  kernels::DnnlMatmul gemm(2, kernels::MatmulLayout::kGemm);
   EXPECT_EQ(run_problem(mm, p, a, b, out0), run_problem(gemm, p, a, b, out0));
   EXPECT_EQ(mm.implementation(p), "sgemm");
   EXPECT_EQ(table.origin(), "pinned from test");
   EXPECT_EQ(table.to_json().at("entries").at(0).at("source"), "pinned");
   // A choice this problem has no form for (sgemm takes no bf16) runs plain.
-  const MatmulProblem bf = problem_2d(256, 3072, 768, false, false, DType::kBF16, 0.0f);
-  KernelTable other;
-  DnnlMatmul probe(2, MatmulLayout::kMeasure, &other);
+  const kernels::MatmulProblem bf = problem_2d(256, 3072, 768, false, false, DType::kBF16, 0.0f);
+  kernels::KernelTable other;
+  kernels::DnnlMatmul probe(2, kernels::MatmulLayout::kMeasure, &other);
   (void)probe.implementation(bf);
   nlohmann::json odd = other.to_json();
   odd["entries"][0]["choice"] = "gemm";
@@ -422,20 +425,20 @@ TEST(KernelTableTest, PinnedChoiceDecidesAndReplacesAnEarlierOne) {
 // Timing oneDNN's attention (under kernel_choice fastest) runs its batched matmuls, whose first
 // call above the threshold measures their own candidates, inside the outer measurement.
 TEST(KernelTableTest, AMeasurementInsideAMeasurementCompletes) {
-  const std::lock_guard outer(KernelTable::measurement_mutex());
-  KernelTable table(KernelChoice::kFastest);
-  DnnlMatmul mm(2, MatmulLayout::kMeasure, &table);
-  const MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
+  const std::lock_guard outer(kernels::KernelTable::measurement_mutex());
+  kernels::KernelTable table(KernelChoice::kFastest);
+  kernels::DnnlMatmul mm(2, kernels::MatmulLayout::kMeasure, &table);
+  const kernels::MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
   (void)run_problem(mm, p, random_values(256 * 768, 23), random_values(768 * 3072, 24),
                     std::vector<float>(256 * 3072, 0.0f));
-  EXPECT_EQ(table.count(KernelTable::Source::kMeasured), 1u);
+  EXPECT_EQ(table.count(kernels::KernelTable::Source::kMeasured), 1u);
 }
 
 // A layout forced by PORTER_MATMUL_LAYOUT (here given directly) is recorded with source env.
 TEST(KernelTableTest, ForcedLayoutIsRecorded) {
-  KernelTable table;
-  DnnlMatmul mm(2, MatmulLayout::kBlocked, &table);
-  const MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
+  kernels::KernelTable table;
+  kernels::DnnlMatmul mm(2, kernels::MatmulLayout::kBlocked, &table);
+  const kernels::MatmulProblem p = problem_2d(256, 3072, 768, false, false, DType::kF32, 0.0f);
   (void)mm.implementation(p);
   const nlohmann::json entry = table.to_json().at("entries").at(0);
   EXPECT_EQ(entry.at("source"), "env");
@@ -445,17 +448,17 @@ TEST(KernelTableTest, ForcedLayoutIsRecorded) {
 
 // The table's JSON round-trips through pin(), and a malformed one is refused naming its origin.
 TEST(KernelTableTest, JsonRoundTripAndMalformedTables) {
-  KernelTable table(KernelChoice::kFastest);
-  table.record("matmul", "k1", {"rows", KernelTable::Source::kMeasured, "plain 2 ms, rows 1 ms"});
-  table.record("attention", "k2", {"tiles", KernelTable::Source::kFixed, ""});
-  EXPECT_EQ(table.record("matmul", "k1", {"plain", KernelTable::Source::kFixed, ""}).choice, "rows");
+  kernels::KernelTable table(KernelChoice::kFastest);
+  table.record("matmul", "k1", {"rows", kernels::KernelTable::Source::kMeasured, "plain 2 ms, rows 1 ms"});
+  table.record("attention", "k2", {"tiles", kernels::KernelTable::Source::kFixed, ""});
+  EXPECT_EQ(table.record("matmul", "k1", {"plain", kernels::KernelTable::Source::kFixed, ""}).choice, "rows");
   const nlohmann::json j = table.to_json();
   EXPECT_EQ(j.at("kernel_choice"), "fastest");
   EXPECT_EQ(j.at("origin"), "measured in this run");
-  KernelTable copy;
+  kernels::KernelTable copy;
   copy.pin(j, "resumed from ckpt");
   EXPECT_EQ(copy.find("matmul", "k1")->choice, "rows");
-  EXPECT_EQ(copy.find("matmul", "k1")->source, KernelTable::Source::kPinned);
+  EXPECT_EQ(copy.find("matmul", "k1")->source, kernels::KernelTable::Source::kPinned);
   EXPECT_EQ(copy.find("attention", "k2")->choice, "tiles");
   EXPECT_FALSE(copy.find("matmul", "k2").has_value());
   EXPECT_EQ(copy.generation(), 1u);
@@ -467,28 +470,28 @@ TEST(KernelTableTest, JsonRoundTripAndMalformedTables) {
   }
   EXPECT_THROW(copy.pin(nlohmann::json::parse("[1, 2]"), "t.json"), InvalidArgument);
   EXPECT_EQ(copy.find("matmul", "k1")->choice, "rows");  // unchanged by a refused pin
-  EXPECT_EQ(kernel_choice_from_name("fastest", "x"), KernelChoice::kFastest);
-  EXPECT_THROW(kernel_choice_from_name("quick", "porter.device.kernel_choice"), InvalidArgument);
+  EXPECT_EQ(kernels::kernel_choice_from_name("fastest", "x"), KernelChoice::kFastest);
+  EXPECT_THROW(kernels::kernel_choice_from_name("quick", "porter.device.kernel_choice"), InvalidArgument);
 }
 
 // kGemm runs 2-D f32 problems through oneDNN's sgemm, in every transpose form, with alpha and
 // beta; what sgemm cannot take (batches, bf16) runs as plain.
 TEST(MatmulLayoutTest, GemmRunsTwoDimensionalF32ThroughSgemm) {
-  DnnlMatmul gemm(2, MatmulLayout::kGemm);
+  kernels::DnnlMatmul gemm(2, kernels::MatmulLayout::kGemm);
   for (const LayoutCase& c : kLayoutCases) {
-    MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kF32, c.beta);
+    kernels::MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kF32, c.beta);
     p.alpha = 0.5f;
     const std::vector<float> a = random_values(static_cast<size_t>(c.m * c.k), 14);
     const std::vector<float> b = random_values(static_cast<size_t>(c.k * c.n), 15);
     const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 16);
     const std::vector<double> want =
-        reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
+        reference(a, b, out0, 1, c.m, c.n, c.k, kernels::MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
     const std::vector<float> got = run_problem(gemm, p, a, b, out0);
     EXPECT_LT(max_rel_error(got, want), 1e-5) << c.m << "x" << c.n << "x" << c.k;
     EXPECT_EQ(got, run_problem(gemm, p, a, b, out0)) << "run to run";
     EXPECT_EQ(gemm.implementation(p), "sgemm");
   }
-  MatmulProblem batched = problem_2d(8, 8, 8, false, false, DType::kF32, 0.0f);
+  kernels::MatmulProblem batched = problem_2d(8, 8, 8, false, false, DType::kF32, 0.0f);
   batched.batch1 = 2;
   batched.a_strides[1] = batched.b_strides[1] = batched.out_strides[1] = 64;
   EXPECT_NE(gemm.implementation(batched), "sgemm");
@@ -508,28 +511,28 @@ TEST(MatmulLayoutTest, WidenedBf16IsTheF32ProductOfTheBf16Values) {
                         {256, 768, 3072, false, false, 0.0f, DType::kBF16},
                         {768, 3072, 256, true, false, 1.0f, DType::kF32},
                         {37, 70, 33, false, false, 1.0f, DType::kBF16}};
-  DnnlMatmul widened(2, MatmulLayout::kWidened), plain(2, MatmulLayout::kPlain);
+  kernels::DnnlMatmul widened(2, kernels::MatmulLayout::kWidened), plain(2, kernels::MatmulLayout::kPlain);
   for (const WidenCase& c : cases) {
-    MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kBF16, c.beta);
+    kernels::MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, DType::kBF16, c.beta);
     p.out_dtype = c.out;
     const std::vector<float> a = round_bf16(random_values(static_cast<size_t>(c.m * c.k), 9));
     const std::vector<float> b = round_bf16(random_values(static_cast<size_t>(c.k * c.n), 10));
     std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 11);
     if (c.out == DType::kBF16) out0 = round_bf16(out0);
     // Want: the f32 problem on the same values, rounded to out's dtype.
-    MatmulProblem p32 = p;
+    kernels::MatmulProblem p32 = p;
     p32.a_dtype = p32.b_dtype = p32.out_dtype = DType::kF32;
     std::vector<float> want = run_problem(plain, p32, a, b, out0);
     if (c.out == DType::kBF16) want = round_bf16(want);
     // Got: the bf16 problem on bf16 operands (and a bf16 out, read back as f32).
     std::vector<uint16_t> a16(a.size()), b16(b.size()), out16(out0.size());
-    for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
-    for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+    for (size_t i = 0; i < a.size(); ++i) a16[i] = tensor::f32_to_bf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = tensor::f32_to_bf16(b[i]);
     std::vector<float> got = out0;
     if (c.out == DType::kBF16) {
-      for (size_t i = 0; i < out0.size(); ++i) out16[i] = f32_to_bf16(out0[i]);
+      for (size_t i = 0; i < out0.size(); ++i) out16[i] = tensor::f32_to_bf16(out0[i]);
       widened.run(p, a16.data(), b16.data(), out16.data());
-      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(out16[i]);
+      for (size_t i = 0; i < got.size(); ++i) got[i] = tensor::bf16_to_f32(out16[i]);
     } else {
       widened.run(p, a16.data(), b16.data(), got.data());
     }
@@ -551,10 +554,10 @@ TEST(MatmulLayoutTest, RowMajorCopyOfATransposedAMatchesTheReference) {
                               {3072, 768, 256, true, false, 1.0f},
                               {96, 200, 64, true, true, 0.0f},
                               {37, 70, 33, true, false, 1.0f}};
-  DnnlMatmul rows(2, MatmulLayout::kRows), plain(2, MatmulLayout::kPlain);
+  kernels::DnnlMatmul rows(2, kernels::MatmulLayout::kRows), plain(2, kernels::MatmulLayout::kPlain);
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     for (const LayoutCase& c : cases) {
-      MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, dtype, c.beta);
+      kernels::MatmulProblem p = problem_2d(c.m, c.n, c.k, c.ta, c.tb, dtype, c.beta);
       p.alpha = 0.5f;
       std::vector<float> a = random_values(static_cast<size_t>(c.m * c.k), 17);
       std::vector<float> b = random_values(static_cast<size_t>(c.k * c.n), 18);
@@ -564,7 +567,7 @@ TEST(MatmulLayoutTest, RowMajorCopyOfATransposedAMatchesTheReference) {
       }
       const std::vector<float> out0 = random_values(static_cast<size_t>(c.m * c.n), 19);
       const std::vector<double> want =
-          reference(a, b, out0, 1, c.m, c.n, c.k, MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
+          reference(a, b, out0, 1, c.m, c.n, c.k, kernels::MatmulSpec{c.ta, c.tb, 0.5f, c.beta});
       const std::vector<float> got = run_problem(rows, p, a, b, out0);
       EXPECT_LT(max_rel_error(got, want), 1e-5) << c.m << "x" << c.n << "x" << c.k;
       EXPECT_EQ(got, run_problem(rows, p, a, b, out0)) << "run to run";
@@ -580,37 +583,37 @@ TEST(MatmulLayoutTest, RowMajorCopyOfATransposedAMatchesTheReference) {
   // The copy sits before any blocked B in the shared buffer: 768 x 256 floats at least.
   EXPECT_GE(rows.blocked_buffer_bytes(), size_t{768 * 256 * 4});
   // A batched transposed A (the attention's form) is copied too.
-  MatmulProblem batched = problem_2d(64, 48, 32, true, false, DType::kF32, 0.0f);
+  kernels::MatmulProblem batched = problem_2d(64, 48, 32, true, false, DType::kF32, 0.0f);
   batched.batch1 = 3;
   batched.a_strides[1] = 64 * 32;
   batched.b_strides[1] = 32 * 48;
   batched.out_strides[1] = 64 * 48;
   const std::vector<float> a = random_values(3 * 64 * 32, 20), b = random_values(3 * 32 * 48, 21);
   const std::vector<float> out0(3 * 64 * 48, 0.0f);
-  const std::vector<double> want = reference(a, b, out0, 3, 64, 48, 32, MatmulSpec{true, false});
+  const std::vector<double> want = reference(a, b, out0, 3, 64, 48, 32, kernels::MatmulSpec{true, false});
   EXPECT_LT(max_rel_error(run_problem(rows, batched, a, b, out0), want), 1e-5);
   EXPECT_THAT(rows.implementation(batched), HasSubstr("A copied row-major"));
   // A row-major A has nothing to copy.
-  const MatmulProblem plain_a = problem_2d(64, 48, 32, false, false, DType::kF32, 0.0f);
+  const kernels::MatmulProblem plain_a = problem_2d(64, 48, 32, false, false, DType::kF32, 0.0f);
   EXPECT_THAT(rows.implementation(plain_a), Not(HasSubstr("A copied")));
 }
 
 TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
   ::unsetenv("PORTER_MATMUL_LAYOUT");
-  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kMeasure);
+  EXPECT_EQ(kernels::matmul_layout_from_env(), kernels::MatmulLayout::kMeasure);
   ::setenv("PORTER_MATMUL_LAYOUT", "plain", 1);
-  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kPlain);
+  EXPECT_EQ(kernels::matmul_layout_from_env(), kernels::MatmulLayout::kPlain);
   ::setenv("PORTER_MATMUL_LAYOUT", "blocked", 1);
-  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kBlocked);
+  EXPECT_EQ(kernels::matmul_layout_from_env(), kernels::MatmulLayout::kBlocked);
   ::setenv("PORTER_MATMUL_LAYOUT", "gemm", 1);
-  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kGemm);
+  EXPECT_EQ(kernels::matmul_layout_from_env(), kernels::MatmulLayout::kGemm);
   ::setenv("PORTER_MATMUL_LAYOUT", "widened", 1);
-  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kWidened);
+  EXPECT_EQ(kernels::matmul_layout_from_env(), kernels::MatmulLayout::kWidened);
   ::setenv("PORTER_MATMUL_LAYOUT", "rows", 1);
-  EXPECT_EQ(matmul_layout_from_env(), MatmulLayout::kRows);
+  EXPECT_EQ(kernels::matmul_layout_from_env(), kernels::MatmulLayout::kRows);
   ::setenv("PORTER_MATMUL_LAYOUT", "fastest", 1);
   try {
-    matmul_layout_from_env();
+    kernels::matmul_layout_from_env();
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("PORTER_MATMUL_LAYOUT"));
@@ -622,7 +625,7 @@ TEST(MatmulLayoutTest, LayoutComesFromTheEnvironment) {
 
 TEST(MatmulTest, RejectsMismatchedShapesNamingTheOp) {
   Env env;
-  Tensor a = env.empty({3, 4}), b = env.empty({5, 6}), out = env.empty({3, 6});
+  tensor::Tensor a = env.empty({3, 4}), b = env.empty({5, 6}), out = env.empty({3, 6});
   try {
     env.kernels->matmul(a, b, out);
     FAIL() << "expected InvalidArgument";
@@ -631,19 +634,19 @@ TEST(MatmulTest, RejectsMismatchedShapesNamingTheOp) {
     EXPECT_THAT(e.what(), HasSubstr("(3, 4)"));
     EXPECT_THAT(e.what(), HasSubstr("(5, 6)"));
   }
-  Tensor b2 = env.empty({4, 6}), bad_out = env.empty({3, 7});
+  tensor::Tensor b2 = env.empty({4, 6}), bad_out = env.empty({3, 7});
   EXPECT_THROW(env.kernels->matmul(a, b2, bad_out), InvalidArgument);
-  Tensor b_bf16 = env.empty({4, 6}, DType::kBF16);
+  tensor::Tensor b_bf16 = env.empty({4, 6}, DType::kBF16);
   EXPECT_THROW(env.kernels->matmul(a, b_bf16, out), InvalidArgument);
-  Tensor a3 = env.empty({2, 3, 4});
+  tensor::Tensor a3 = env.empty({2, 3, 4});
   EXPECT_THROW(env.kernels->matmul(a3, b2, out), InvalidArgument);
-  Tensor ids = env.empty({3, 4}, DType::kI32);
+  tensor::Tensor ids = env.empty({3, 4}, DType::kI32);
   EXPECT_THROW(env.kernels->matmul(ids, b2, out), InvalidArgument);
 }
 
 TEST(MatmulTest, RejectsOutputAliasingAnInput) {
   Env env;
-  Tensor a = env.empty({4, 4}), b = env.empty({4, 4});
+  tensor::Tensor a = env.empty({4, 4}), b = env.empty({4, 4});
   try {
     env.kernels->matmul(a, b, a);
     FAIL() << "expected InvalidArgument";

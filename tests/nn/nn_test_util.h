@@ -12,10 +12,13 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernels.h"
-#include "nn/tensor.h"
+#include "kernels/kernels.h"
+#include "tensor/tensor.h"
 
 namespace porter::nn::testing {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 
 // A cpu device with `threads` kernel threads, its allocator and its kernels.
 struct Env {
@@ -27,27 +30,27 @@ struct Env {
     o.threads = threads;
     device = memory::make_device(o);
     allocator = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = make_kernels(*allocator);
+    kernels = kernels::make_kernels(*allocator);
   }
 
-  Tensor empty(Shape shape, DType dtype = DType::kF32) {
+  Tensor empty(Shape shape, tensor::DType dtype = tensor::DType::kF32) {
     return Tensor::empty(*allocator, shape, dtype, memory::Category::kWorkspace);
   }
-  Tensor from(const std::vector<float>& values, Shape shape, DType dtype = DType::kF32) {
+  Tensor from(const std::vector<float>& values, Shape shape, tensor::DType dtype = tensor::DType::kF32) {
     Tensor t = empty(shape, dtype);
     from_host_f32(*device, values, t);
     return t;
   }
   Tensor ids(const std::vector<int32_t>& values, Shape shape) {
-    Tensor t = empty(shape, DType::kI32);
+    Tensor t = empty(shape, tensor::DType::kI32);
     if (!values.empty()) device->copy_sync(t.data(), values.data(), t.nbytes());
     return t;
   }
-  std::vector<float> host(const Tensor& t) { return to_host_f32(*device, t); }
+  std::vector<float> host(const Tensor& t) { return tensor::to_host_f32(*device, t); }
 
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> allocator;
-  std::unique_ptr<Kernels> kernels;
+  std::unique_ptr<kernels::Kernels> kernels;
 };
 
 // Uniform values in [lo, hi), reproducible from `seed`.
@@ -62,26 +65,26 @@ inline std::vector<float> random_values(size_t n, uint32_t seed, float lo = -1.0
 
 // Values rounded to bf16, so a bf16 tensor holds exactly what the reference sees.
 inline std::vector<float> round_bf16(std::vector<float> v) {
-  for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+  for (float& x : v) x = tensor::bf16_to_f32(tensor::f32_to_bf16(x));
   return v;
 }
 
 // Values rounded to f16 (to inf beyond 65504), so an f16 tensor holds what the reference sees.
 inline std::vector<float> round_f16(std::vector<float> v) {
-  for (float& x : v) x = f16_to_f32(f32_to_f16(x));
+  for (float& x : v) x = tensor::f16_to_f32(tensor::f32_to_f16(x));
   return v;
 }
 
 // Values rounded to `dtype` (unchanged for f32).
-inline std::vector<float> round_to(DType dtype, std::vector<float> v) {
-  if (dtype == DType::kBF16) return round_bf16(std::move(v));
-  if (dtype == DType::kF16) return round_f16(std::move(v));
+inline std::vector<float> round_to(tensor::DType dtype, std::vector<float> v) {
+  if (dtype == tensor::DType::kBF16) return round_bf16(std::move(v));
+  if (dtype == tensor::DType::kF16) return round_f16(std::move(v));
   return v;
 }
 
-inline float round_to(DType dtype, float x) {
-  if (dtype == DType::kBF16) return bf16_to_f32(f32_to_bf16(x));
-  if (dtype == DType::kF16) return f16_to_f32(f32_to_f16(x));
+inline float round_to(tensor::DType dtype, float x) {
+  if (dtype == tensor::DType::kBF16) return tensor::bf16_to_f32(tensor::f32_to_bf16(x));
+  if (dtype == tensor::DType::kF16) return tensor::f16_to_f32(tensor::f32_to_f16(x));
   return x;
 }
 

@@ -9,6 +9,9 @@
 #include "nn_test_util.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using ::testing::HasSubstr;
@@ -54,16 +57,16 @@ TEST(LayerNormTest, ForwardAndBackwardMatchReference) {
     auto dy = random_values(n, 4);
     auto dg0 = random_values(static_cast<size_t>(s.cols), 5);
     auto db0 = random_values(static_cast<size_t>(s.cols), 6);
-    Tensor tx = env.from(x, {s.rows, s.cols}), tg = env.from(g, {s.cols}), tb = env.from(b, {s.cols});
-    Tensor ty = env.empty({s.rows, s.cols}), mean = env.empty({s.rows}), rstd = env.empty({s.rows});
+    tensor::Tensor tx = env.from(x, {s.rows, s.cols}), tg = env.from(g, {s.cols}), tb = env.from(b, {s.cols});
+    tensor::Tensor ty = env.empty({s.rows, s.cols}), mean = env.empty({s.rows}), rstd = env.empty({s.rows});
     env.kernels->layernorm_forward(tx, tg, tb, ty, mean, rstd, eps);
     std::vector<double> xd(x.begin(), x.end()), xhat;
     std::vector<double> want_y = layernorm_ref(xd, g, b, s.rows, s.cols, eps, &xhat);
     // f32 mean/variance over <= 768 terms: 1e-5 of the max |y|.
     EXPECT_LT(max_rel_error(env.host(ty), want_y), 1e-5) << s.rows << "x" << s.cols;
 
-    Tensor tdy = env.from(dy, {s.rows, s.cols}), tdx = env.empty({s.rows, s.cols});
-    Tensor tdg = env.from(dg0, {s.cols}), tdb = env.from(db0, {s.cols});
+    tensor::Tensor tdy = env.from(dy, {s.rows, s.cols}), tdx = env.empty({s.rows, s.cols});
+    tensor::Tensor tdg = env.from(dg0, {s.cols}), tdb = env.from(db0, {s.cols});
     env.kernels->layernorm_backward(tdy, tx, tg, mean, rstd, tdx, tdg, tdb);
     // dx by central differences of L = sum(dy * y) on the double reference.
     std::vector<double> want_dx(n);
@@ -101,8 +104,8 @@ TEST(LayerNormTest, Bf16ActivationsWithF32Parameters) {
   const int64_t rows = 9, cols = 33;
   auto x = round_bf16(random_values(rows * cols, 7));
   auto g = random_values(cols, 8), b = random_values(cols, 9);
-  Tensor tx = env.from(x, {rows, cols}, DType::kBF16), ty = env.empty({rows, cols}, DType::kBF16);
-  Tensor mean = env.empty({rows}), rstd = env.empty({rows});
+  tensor::Tensor tx = env.from(x, {rows, cols}, DType::kBF16), ty = env.empty({rows, cols}, DType::kBF16);
+  tensor::Tensor mean = env.empty({rows}), rstd = env.empty({rows});
   env.kernels->layernorm_forward(tx, env.from(g, {cols}), env.from(b, {cols}), ty, mean, rstd);
   std::vector<double> xd(x.begin(), x.end());
   // One bf16 rounding of y: 2^-8 relative, 8e-3 of the max.
@@ -118,17 +121,17 @@ TEST(LayerNormTest, F16ForwardAndBackwardWithinF16Rounding) {
   auto g = round_f16(random_values(cols, 8)), b = round_f16(random_values(cols, 9));
   auto dy = round_f16(random_values(rows * cols, 10));
   const DType h = DType::kF16;
-  Tensor tx = env.from(x, {rows, cols}, h), ty = env.empty({rows, cols}, h);
-  Tensor tg = env.from(g, {cols}, h), tb = env.from(b, {cols}, h);
-  Tensor mean = env.empty({rows}), rstd = env.empty({rows});
+  tensor::Tensor tx = env.from(x, {rows, cols}, h), ty = env.empty({rows, cols}, h);
+  tensor::Tensor tg = env.from(g, {cols}, h), tb = env.from(b, {cols}, h);
+  tensor::Tensor mean = env.empty({rows}), rstd = env.empty({rows});
   env.kernels->layernorm_forward(tx, tg, tb, ty, mean, rstd);
   std::vector<double> xd(x.begin(), x.end()), xhat;
   const std::vector<double> want_y = layernorm_ref(xd, g, b, rows, cols, 1e-5, &xhat);
   EXPECT_LT(max_rel_error(env.host(ty), want_y), 1e-3);
 
-  Tensor tdy = env.from(dy, {rows, cols}, h), tdx = env.empty({rows, cols}, h);
-  Tensor dg = env.from(std::vector<float>(cols, 0.0f), {cols}, h);
-  Tensor db = env.from(std::vector<float>(cols, 0.0f), {cols}, h);
+  tensor::Tensor tdy = env.from(dy, {rows, cols}, h), tdx = env.empty({rows, cols}, h);
+  tensor::Tensor dg = env.from(std::vector<float>(cols, 0.0f), {cols}, h);
+  tensor::Tensor db = env.from(std::vector<float>(cols, 0.0f), {cols}, h);
   env.kernels->layernorm_backward(tdy, tx, tg, mean, rstd, tdx, dg, db);
   std::vector<double> want_dg(cols, 0.0), want_db(cols, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -164,9 +167,9 @@ TEST(EmbeddingTest, F16TablesAndOutput) {
   const int64_t vocab = 11, cols = 9, t_max = 6, batch = 2, seq = 5;
   auto wte = round_f16(random_values(vocab * cols, 30)), wpe = round_f16(random_values(t_max * cols, 31));
   std::vector<int32_t> tok = {3, 0, 10, 3, 7, 1, 1, 2, 9, 4};
-  Tensor twte = env.from(wte, {vocab, cols}, DType::kF16);
-  Tensor twpe = env.from(wpe, {t_max, cols}, DType::kF16);
-  Tensor out = env.empty({batch, seq, cols}, DType::kF16);
+  tensor::Tensor twte = env.from(wte, {vocab, cols}, DType::kF16);
+  tensor::Tensor twpe = env.from(wpe, {t_max, cols}, DType::kF16);
+  tensor::Tensor out = env.empty({batch, seq, cols}, DType::kF16);
   env.kernels->embedding_forward(env.ids(tok, {batch, seq}), twte, twpe, out);
   std::vector<float> got = env.host(out);
   for (int64_t n = 0; n < batch * seq; ++n) {
@@ -182,7 +185,7 @@ TEST(EmbeddingTest, ForwardAddsTokenAndPositionRows) {
   const int64_t batch = 2, t_len = 3, vocab = 5, cols = 17, t_max = 4;
   auto wte = random_values(vocab * cols, 10), wpe = random_values(t_max * cols, 11);
   std::vector<int32_t> tok = {4, 0, 4, 1, 1, 3};
-  Tensor out = env.empty({batch, t_len, cols});
+  tensor::Tensor out = env.empty({batch, t_len, cols});
   env.kernels->embedding_forward(env.ids(tok, {batch, t_len}), env.from(wte, {vocab, cols}),
                                  env.from(wpe, {t_max, cols}), out);
   std::vector<float> got = env.host(out);
@@ -199,7 +202,7 @@ TEST(EmbeddingTest, BackwardAccumulatesRepeatedTokens) {
   std::vector<int32_t> tok = {1, 1, 2, 6, 0, 1, 2, 2, 2, 5, 6, 6, 0, 1, 3};
   auto dout = random_values(batch * t_len * cols, 12);
   auto dwte0 = random_values(vocab * cols, 13), dwpe0 = random_values(t_max * cols, 14);
-  Tensor dwte = env.from(dwte0, {vocab, cols}), dwpe = env.from(dwpe0, {t_max, cols});
+  tensor::Tensor dwte = env.from(dwte0, {vocab, cols}), dwpe = env.from(dwpe0, {t_max, cols});
   env.kernels->embedding_backward(env.from(dout, {batch, t_len, cols}), env.ids(tok, {batch, t_len}),
                                   dwte, dwpe);
   std::vector<double> want_te(dwte0.begin(), dwte0.end()), want_pe(dwpe0.begin(), dwpe0.end());
@@ -215,7 +218,7 @@ TEST(EmbeddingTest, BackwardAccumulatesRepeatedTokens) {
 
 TEST(EmbeddingTest, RejectsOutOfRangeTokens) {
   Env env;
-  Tensor out = env.empty({1, 2, 3});
+  tensor::Tensor out = env.empty({1, 2, 3});
   try {
     env.kernels->embedding_forward(env.ids({0, 9}, {1, 2}), env.empty({4, 3}), env.empty({2, 3}), out);
     FAIL() << "expected InvalidArgument";
@@ -253,8 +256,8 @@ TEST(CrossEntropyTest, ForwardAndBackwardMatchReferenceAndStayFinite) {
     const float scale = 1.0f / static_cast<float>(s.rows);
     std::vector<double> want_loss, want_d;
     cross_entropy_ref(logits, tgt, s.rows, s.cols, scale, &want_loss, &want_d);
-    Tensor tl = env.from(logits, {s.rows, s.cols}), losses = env.empty({s.rows});
-    Tensor tt = env.ids(tgt, {s.rows}), dl = env.empty({s.rows, s.cols});
+    tensor::Tensor tl = env.from(logits, {s.rows, s.cols}), losses = env.empty({s.rows});
+    tensor::Tensor tt = env.ids(tgt, {s.rows}), dl = env.empty({s.rows, s.cols});
     env.kernels->cross_entropy_forward(tl, tt, losses);
     env.kernels->cross_entropy_backward(tl, tt, dl, scale);
     // The loss row 0 is ~1000 (target is not the 1000 logit): 1e-6 of max(|loss|, 1) is a
@@ -276,8 +279,8 @@ TEST(CrossEntropyTest, Bf16LogitsAndGradient) {
   std::vector<int32_t> tgt = {0, 32, 5, 17};
   std::vector<double> want_loss, want_d;
   cross_entropy_ref(logits, tgt, rows, classes, 1.0f, &want_loss, &want_d);
-  Tensor tl = env.from(logits, {rows, classes}, DType::kBF16), losses = env.empty({rows});
-  Tensor dl = env.empty({rows, classes}, DType::kBF16);
+  tensor::Tensor tl = env.from(logits, {rows, classes}, DType::kBF16), losses = env.empty({rows});
+  tensor::Tensor dl = env.empty({rows, classes}, DType::kBF16);
   env.kernels->cross_entropy_forward(tl, env.ids(tgt, {rows}), losses);
   env.kernels->cross_entropy_backward(tl, env.ids(tgt, {rows}), dl, 1.0f);
   EXPECT_LT(max_rel_error(env.host(losses), want_loss), 1e-6);
@@ -291,8 +294,8 @@ TEST(CrossEntropyTest, F16LogitsAndGradient) {
   std::vector<int32_t> tgt = {0, 32, 5, 17};
   std::vector<double> want_loss, want_d;
   cross_entropy_ref(logits, tgt, rows, classes, 1.0f, &want_loss, &want_d);
-  Tensor tl = env.from(logits, {rows, classes}, DType::kF16), losses = env.empty({rows});
-  Tensor dl = env.empty({rows, classes}, DType::kF16);
+  tensor::Tensor tl = env.from(logits, {rows, classes}, DType::kF16), losses = env.empty({rows});
+  tensor::Tensor dl = env.empty({rows, classes}, DType::kF16);
   env.kernels->cross_entropy_forward(tl, env.ids(tgt, {rows}), losses);
   env.kernels->cross_entropy_backward(tl, env.ids(tgt, {rows}), dl, 1.0f);
   EXPECT_LT(max_rel_error(env.host(losses), want_loss), 1e-6);
@@ -304,7 +307,7 @@ TEST(CrossEntropyTest, F16LogitsAndGradient) {
 
 TEST(CrossEntropyTest, RejectsOutOfRangeTargets) {
   Env env;
-  Tensor losses = env.empty({2});
+  tensor::Tensor losses = env.empty({2});
   try {
     env.kernels->cross_entropy_forward(env.empty({2, 5}), env.ids({1, -1}, {2}), losses);
     FAIL() << "expected InvalidArgument";

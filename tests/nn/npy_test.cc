@@ -1,5 +1,5 @@
 // .npy reading and writing: round trips per dtype, NumPy-written bytes, malformed files.
-#include "nn/npy.h"
+#include "io/npy.h"
 
 #include <cstring>
 #include <filesystem>
@@ -11,6 +11,9 @@
 #include "base/error.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -40,7 +43,7 @@ std::string numpy_file(const std::string& dict, size_t data_bytes, int major = 1
 TEST(NpyTest, ParsesNumpyWrittenHeader) {
   std::string f = numpy_file("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", 24);
   auto b = bytes_of(f);
-  NpyArray a = parse_npy(b.data(), b.size(), "a.npy");
+  io::NpyArray a = io::parse_npy(b.data(), b.size(), "a.npy");
   EXPECT_EQ(a.dtype, DType::kF32);
   EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(a.data.size(), 24u);
@@ -48,11 +51,11 @@ TEST(NpyTest, ParsesNumpyWrittenHeader) {
 
 TEST(NpyTest, ParsesVersion2AndScalarAndOneDim) {
   auto b = bytes_of(numpy_file("{'descr': '<i4', 'fortran_order': False, 'shape': (), }", 4, 2));
-  NpyArray a = parse_npy(b.data(), b.size(), "s.npy");
+  io::NpyArray a = io::parse_npy(b.data(), b.size(), "s.npy");
   EXPECT_TRUE(a.shape.empty());
   EXPECT_EQ(a.numel(), 1);
   b = bytes_of(numpy_file("{'descr': '<u2', 'fortran_order': False, 'shape': (5,), }", 10));
-  a = parse_npy(b.data(), b.size(), "v.npy");
+  a = io::parse_npy(b.data(), b.size(), "v.npy");
   EXPECT_EQ(a.dtype, DType::kBF16);
   EXPECT_EQ(a.shape, (std::vector<int64_t>{5}));
 }
@@ -60,27 +63,27 @@ TEST(NpyTest, ParsesVersion2AndScalarAndOneDim) {
 TEST(NpyTest, RoundTripsEachDtypeExactly) {
   const auto dir = std::filesystem::temp_directory_path();
   std::vector<float> f = {1.5f, -0.0f, 3.25e-20f, 7.0f, -1e30f, 0.1f};
-  write_npy((dir / "porter_f.npy").string(), f.data(), DType::kF32, {2, 3});
-  NpyArray a = read_npy((dir / "porter_f.npy").string());
+  io::write_npy((dir / "porter_f.npy").string(), f.data(), DType::kF32, {2, 3});
+  io::NpyArray a = io::read_npy((dir / "porter_f.npy").string());
   EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(std::memcmp(a.data.data(), f.data(), 24), 0);
 
   std::vector<int32_t> i = {-1, 0, 2147483647};
-  write_npy((dir / "porter_i.npy").string(), i.data(), DType::kI32, {3});
-  a = read_npy((dir / "porter_i.npy").string());
+  io::write_npy((dir / "porter_i.npy").string(), i.data(), DType::kI32, {3});
+  a = io::read_npy((dir / "porter_i.npy").string());
   EXPECT_EQ(a.dtype, DType::kI32);
-  EXPECT_EQ(npy_to_f32(a)[0], -1.0f);
+  EXPECT_EQ(io::npy_to_f32(a)[0], -1.0f);
 
-  std::vector<uint16_t> h = {f32_to_bf16(1.0f), f32_to_bf16(-2.5f)};
-  write_npy((dir / "porter_h.npy").string(), h.data(), DType::kBF16, {1, 2});
-  a = read_npy((dir / "porter_h.npy").string());
+  std::vector<uint16_t> h = {tensor::f32_to_bf16(1.0f), tensor::f32_to_bf16(-2.5f)};
+  io::write_npy((dir / "porter_h.npy").string(), h.data(), DType::kBF16, {1, 2});
+  a = io::read_npy((dir / "porter_h.npy").string());
   EXPECT_EQ(a.dtype, DType::kBF16);
-  EXPECT_EQ(npy_to_f32(a), (std::vector<float>{1.0f, -2.5f}));
+  EXPECT_EQ(io::npy_to_f32(a), (std::vector<float>{1.0f, -2.5f}));
 }
 
 TEST(NpyTest, HeaderIsPaddedTo64Bytes) {
   float x = 1.0f;
-  auto b = encode_npy(&x, DType::kF32, {1});
+  auto b = io::encode_npy(&x, DType::kF32, {1});
   // NumPy's own dict for this array is 58 bytes, so preamble + dict + '\n' rounds up to 128.
   EXPECT_EQ(b.size(), 128u + 4u);
   EXPECT_EQ(static_cast<char>(b[127]), '\n');
@@ -89,7 +92,7 @@ TEST(NpyTest, HeaderIsPaddedTo64Bytes) {
 void expect_malformed(const std::string& file, const std::string& needle) {
   auto b = bytes_of(file);
   try {
-    parse_npy(b.data(), b.size(), "bad.npy");
+    io::parse_npy(b.data(), b.size(), "bad.npy");
     FAIL() << "no error for " << needle;
   } catch (const IoError& e) {
     EXPECT_THAT(e.what(), HasSubstr("bad.npy"));
@@ -122,7 +125,7 @@ TEST(NpyTest, MalformedFilesNameFileAndOffset) {
 }
 
 TEST(NpyTest, MissingFileIsIoError) {
-  EXPECT_THROW(read_npy("/nonexistent/porter.npy"), IoError);
+  EXPECT_THROW(io::read_npy("/nonexistent/porter.npy"), IoError);
 }
 
 }  // namespace

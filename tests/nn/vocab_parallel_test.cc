@@ -13,6 +13,9 @@
 #include "nn_test_util.h"
 
 namespace porter::nn {
+
+using namespace porter::tensor;
+using namespace porter::kernels;
 namespace {
 
 using testing::Env;
@@ -41,32 +44,32 @@ TEST(EmbeddingVocabRangeTest, FullTableEqualsEmbeddingBitForBit) {
   Env env;
   const int64_t batch = 3, seq = 5, vocab = 11, cols = 70, t_max = 7;
   std::vector<int32_t> tok = {1, 1, 2, 10, 0, 1, 2, 2, 2, 5, 10, 6, 0, 1, 3};
-  for (DType table : {DType::kF32, DType::kBF16, DType::kF16}) {
-    for (DType act : {DType::kF32, table}) {
+  for (tensor::DType table : {tensor::DType::kF32, tensor::DType::kBF16, tensor::DType::kF16}) {
+    for (tensor::DType act : {tensor::DType::kF32, table}) {
       const auto wte = random_values(vocab * cols, 1), wpe = random_values(t_max * cols, 2);
-      Tensor twte = env.from(wte, {vocab, cols}, table), twpe = env.from(wpe, {t_max, cols}, table);
-      Tensor tokens = env.ids(tok, {batch, seq});
-      Tensor want = env.empty({batch, seq, cols}, act), got = env.empty({batch, seq, cols}, act);
+      tensor::Tensor twte = env.from(wte, {vocab, cols}, table), twpe = env.from(wpe, {t_max, cols}, table);
+      tensor::Tensor tokens = env.ids(tok, {batch, seq});
+      tensor::Tensor want = env.empty({batch, seq, cols}, act), got = env.empty({batch, seq, cols}, act);
       env.kernels->embedding_forward(tokens, twte, twpe, want);
       env.kernels->embedding_forward_vocab_range(tokens, twte, 0, twpe, got);
-      EXPECT_EQ(env.host(got), env.host(want)) << dtype_name(table) << " " << dtype_name(act);
+      EXPECT_EQ(env.host(got), env.host(want)) << tensor::dtype_name(table) << " " << tensor::dtype_name(act);
 
       const auto dout = random_values(batch * seq * cols, 3);
       const auto dwte0 = random_values(vocab * cols, 4), dwpe0 = random_values(t_max * cols, 5);
-      Tensor tdout = env.from(dout, {batch, seq, cols}, act);
-      Tensor dwte_want = env.from(dwte0, {vocab, cols}, table);
-      Tensor dwpe_want = env.from(dwpe0, {t_max, cols}, table);
-      Tensor dwte_got = env.from(dwte0, {vocab, cols}, table);
-      Tensor dwpe_got = env.from(dwpe0, {t_max, cols}, table);
+      tensor::Tensor tdout = env.from(dout, {batch, seq, cols}, act);
+      tensor::Tensor dwte_want = env.from(dwte0, {vocab, cols}, table);
+      tensor::Tensor dwpe_want = env.from(dwpe0, {t_max, cols}, table);
+      tensor::Tensor dwte_got = env.from(dwte0, {vocab, cols}, table);
+      tensor::Tensor dwpe_got = env.from(dwpe0, {t_max, cols}, table);
       env.kernels->embedding_backward(tdout, tokens, dwte_want, dwpe_want);
       env.kernels->embedding_backward_vocab_range(tdout, tokens, 0, dwte_got, dwpe_got);
-      EXPECT_EQ(env.host(dwte_got), env.host(dwte_want)) << dtype_name(table);
-      EXPECT_EQ(env.host(dwpe_got), env.host(dwpe_want)) << dtype_name(table);
+      EXPECT_EQ(env.host(dwte_got), env.host(dwte_want)) << tensor::dtype_name(table);
+      EXPECT_EQ(env.host(dwpe_got), env.host(dwpe_want)) << tensor::dtype_name(table);
     }
   }
 }
 
-// Rank 0 adds the positions, the others pass Tensor(); the ranks' outputs summed in rank
+// Rank 0 adds the positions, the others pass tensor::Tensor(); the ranks' outputs summed in rank
 // order (the caller's all-reduce) are the whole embedding exactly: each token's row adds
 // wte + wpe once and zeros otherwise. The concatenated dwte shards are the whole dwte, and
 // the shards' padding rows are never touched.
@@ -81,12 +84,12 @@ TEST(EmbeddingVocabRangeTest, ShardsSumToTheWholeEmbedding) {
     tok[5] = tok[4];
     const auto wte = random_values(vocab * cols, 6), wpe = random_values(t_max * cols, 7);
     const auto dout = random_values(batch * seq * cols, 8);
-    Tensor tokens = env.ids(tok, {batch, seq});
-    Tensor twpe = env.from(wpe, {t_max, cols}), tdout = env.from(dout, {batch, seq, cols});
-    Tensor want = env.empty({batch, seq, cols});
+    tensor::Tensor tokens = env.ids(tok, {batch, seq});
+    tensor::Tensor twpe = env.from(wpe, {t_max, cols}), tdout = env.from(dout, {batch, seq, cols});
+    tensor::Tensor want = env.empty({batch, seq, cols});
     env.kernels->embedding_forward(tokens, env.from(wte, {vocab, cols}), twpe, want);
-    Tensor dwte_want = env.from(std::vector<float>(vocab * cols, 0.0f), {vocab, cols});
-    Tensor dwpe_want = env.from(std::vector<float>(t_max * cols, 0.0f), {t_max, cols});
+    tensor::Tensor dwte_want = env.from(std::vector<float>(vocab * cols, 0.0f), {vocab, cols});
+    tensor::Tensor dwpe_want = env.from(std::vector<float>(t_max * cols, 0.0f), {t_max, cols});
     env.kernels->embedding_backward(tdout, tokens, dwte_want, dwpe_want);
 
     std::vector<float> sum(static_cast<size_t>(batch * seq * cols), 0.0f), dwte_cat;
@@ -95,8 +98,8 @@ TEST(EmbeddingVocabRangeTest, ShardsSumToTheWholeEmbedding) {
       std::vector<float> rows(static_cast<size_t>(shard * cols), 1e4f);
       const std::vector<float> real = row_range(wte, cols, split.begin(r), split.valid(r));
       std::copy(real.begin(), real.end(), rows.begin());
-      Tensor out = env.empty({batch, seq, cols});
-      Tensor pe = r == 0 ? twpe : Tensor();
+      tensor::Tensor out = env.empty({batch, seq, cols});
+      tensor::Tensor pe = r == 0 ? twpe : tensor::Tensor();
       env.kernels->embedding_forward_vocab_range(tokens, env.from(rows, {shard, cols}),
                                                  split.begin(r), pe, out);
       const std::vector<float> got = env.host(out);
@@ -104,9 +107,9 @@ TEST(EmbeddingVocabRangeTest, ShardsSumToTheWholeEmbedding) {
 
       // dwte: zeros in the valid rows, the garbage padding rows kept.
       std::fill(rows.begin(), rows.begin() + split.valid(r) * cols, 0.0f);
-      Tensor dwte = env.from(rows, {shard, cols});
-      Tensor dwpe = r == 0 ? env.from(std::vector<float>(t_max * cols, 0.0f), {t_max, cols})
-                           : Tensor();
+      tensor::Tensor dwte = env.from(rows, {shard, cols});
+      tensor::Tensor dwpe = r == 0 ? env.from(std::vector<float>(t_max * cols, 0.0f), {t_max, cols})
+                           : tensor::Tensor();
       env.kernels->embedding_backward_vocab_range(tdout, tokens, split.begin(r), dwte, dwpe);
       const std::vector<float> g = env.host(dwte);
       dwte_cat.insert(dwte_cat.end(), g.begin(), g.begin() + split.valid(r) * cols);
@@ -129,9 +132,9 @@ TEST(EmbeddingVocabRangeTest, OtherShardsAndNegativeIdsContributeNothing) {
   const int64_t cols = 5, t_max = 4;
   const std::vector<int32_t> tok = {-1, 3, 20, -2147483647 - 1, 21, 0};
   const auto wte = random_values(2 * cols, 9), wpe = random_values(t_max * cols, 10);
-  Tensor tokens = env.ids(tok, {2, 3}), twte = env.from(wte, {2, cols});
-  Tensor out = env.empty({2, 3, cols});
-  env.kernels->embedding_forward_vocab_range(tokens, twte, 20, Tensor(), out);
+  tensor::Tensor tokens = env.ids(tok, {2, 3}), twte = env.from(wte, {2, cols});
+  tensor::Tensor out = env.empty({2, 3, cols});
+  env.kernels->embedding_forward_vocab_range(tokens, twte, 20, tensor::Tensor(), out);
   std::vector<float> got = env.host(out);
   for (int64_t n = 0; n < 6; ++n) {
     const int64_t v = static_cast<int64_t>(tok[n]) - 20;
@@ -148,7 +151,7 @@ TEST(EmbeddingVocabRangeTest, OtherShardsAndNegativeIdsContributeNothing) {
       ASSERT_EQ(got[n * cols + c], v == 0 || v == 1 ? wte[v * cols + c] + pos : pos);
     }
   }
-  Tensor dwte = env.from(wte, {2, cols}), dwpe;
+  tensor::Tensor dwte = env.from(wte, {2, cols}), dwpe;
   const auto dout = random_values(6 * cols, 11);
   env.kernels->embedding_backward_vocab_range(env.from(dout, {2, 3, cols}), tokens, 30, dwte,
                                               dwpe);
@@ -184,11 +187,11 @@ struct Sharded {
 };
 
 Sharded run_sharded(Env& env, const std::vector<float>& logits, const std::vector<int32_t>& tgt,
-                    int64_t rows, Split split, float scale, DType dtype) {
+                    int64_t rows, Split split, float scale, tensor::DType dtype) {
   const int64_t vocab = split.vocab, shard = split.shard();
   Sharded out;
-  Tensor targets = env.ids(tgt, {rows});
-  std::vector<Tensor> shards;
+  tensor::Tensor targets = env.ids(tgt, {rows});
+  std::vector<tensor::Tensor> shards;
   std::vector<float> gathered;
   for (int64_t r = 0; r < split.ranks; ++r) {
     // Columns [begin, begin + valid) of the logits; padding columns hold a huge garbage
@@ -200,18 +203,18 @@ Sharded run_sharded(Env& env, const std::vector<float>& logits, const std::vecto
       }
     }
     shards.push_back(env.from(cols, {rows, shard}, dtype));
-    Tensor stats = env.from(std::vector<float>(rows * 3, NAN), {rows, 3});
+    tensor::Tensor stats = env.from(std::vector<float>(rows * 3, NAN), {rows, 3});
     env.kernels->cross_entropy_partial(shards.back(), targets, split.begin(r), split.valid(r),
                                        stats);
     out.stats.push_back(env.host(stats));
     gathered.insert(gathered.end(), out.stats.back().begin(), out.stats.back().end());
   }
-  Tensor losses = env.empty({rows}), lse = env.empty({rows});
+  tensor::Tensor losses = env.empty({rows}), lse = env.empty({rows});
   env.kernels->cross_entropy_combine(env.from(gathered, {split.ranks, rows, 3}), losses, lse);
   out.losses = env.host(losses);
   out.lse = env.host(lse);
   for (int64_t r = 0; r < split.ranks; ++r) {
-    Tensor d = env.from(std::vector<float>(rows * shard, NAN), {rows, shard}, dtype);
+    tensor::Tensor d = env.from(std::vector<float>(rows * shard, NAN), {rows, shard}, dtype);
     env.kernels->cross_entropy_backward_partial(shards[r], targets, split.begin(r),
                                                 split.valid(r), lse, d, scale);
     const std::vector<float> got = env.host(d);
@@ -251,14 +254,14 @@ TEST(CrossEntropyVocabParallelTest, ShardedMatchesTheWholeCrossEntropy) {
     auto logits = random_values(static_cast<size_t>(rows * vocab), 12, -5.0f, 5.0f);
     logits[2 * vocab + 1] = 60.0f;  // exp() would overflow without max subtraction
     std::vector<int32_t> tgt = {0, static_cast<int32_t>(vocab - 1), 1, 12, 29, 18, 9};
-    Tensor tl = env.from(logits, {rows, vocab}), tt = env.ids(tgt, {rows});
-    Tensor want_loss = env.empty({rows}), want_d = env.empty({rows, vocab});
+    tensor::Tensor tl = env.from(logits, {rows, vocab}), tt = env.ids(tgt, {rows});
+    tensor::Tensor want_loss = env.empty({rows}), want_d = env.empty({rows, vocab});
     env.kernels->cross_entropy_forward(tl, tt, want_loss);
     env.kernels->cross_entropy_backward(tl, tt, want_d, scale);
     std::vector<double> ref_loss, ref_d;
     cross_entropy_ref(logits, tgt, rows, vocab, scale, &ref_loss, &ref_d);
 
-    const Sharded got = run_sharded(env, logits, tgt, rows, split, scale, DType::kF32);
+    const Sharded got = run_sharded(env, logits, tgt, rows, split, scale, tensor::DType::kF32);
     const std::vector<float> whole_loss = env.host(want_loss), whole_d = env.host(want_d);
     const std::string what = std::to_string(vocab) + " over " + std::to_string(split.ranks);
     // Relative to max(|value|, 1): row 2's loss is ~0 (its target is the 60 logit).
@@ -297,7 +300,7 @@ TEST(CrossEntropyVocabParallelTest, PartialStatsPerShard) {
   const int64_t rows = 3, vocab = split.vocab;
   const auto logits = random_values(static_cast<size_t>(rows * vocab), 13, -3.0f, 3.0f);
   const std::vector<int32_t> tgt = {36, 5, -1};
-  const Sharded got = run_sharded(env, logits, tgt, rows, split, 1.0f, DType::kF32);
+  const Sharded got = run_sharded(env, logits, tgt, rows, split, 1.0f, tensor::DType::kF32);
   for (int64_t r = 0; r < split.ranks; ++r) {
     for (int64_t i = 0; i < rows; ++i) {
       double mx = -INFINITY, s = 0;
@@ -322,15 +325,15 @@ TEST(CrossEntropyVocabParallelTest, SixteenBitLogitsAndGradients) {
   const Split split{37, 4};
   const int64_t rows = 4, vocab = split.vocab;
   const std::vector<int32_t> tgt = {0, 36, 5, 17};
-  for (DType dt : {DType::kBF16, DType::kF16}) {
+  for (tensor::DType dt : {tensor::DType::kBF16, tensor::DType::kF16}) {
     const auto logits = testing::round_to(dt, random_values(rows * vocab, 14, -3.0f, 3.0f));
     std::vector<double> ref_loss, ref_d;
     cross_entropy_ref(logits, tgt, rows, vocab, 1.0f, &ref_loss, &ref_d);
     const Sharded got = run_sharded(env, logits, tgt, rows, split, 1.0f, dt);
-    EXPECT_LT(max_rel_error(got.losses, ref_loss), 1e-6) << dtype_name(dt);
+    EXPECT_LT(max_rel_error(got.losses, ref_loss), 1e-6) << tensor::dtype_name(dt);
     // One rounding of dlogits to the dtype, as the whole-vocabulary tests allow.
-    EXPECT_LT(max_rel_error(got.dlogits, ref_d), dt == DType::kBF16 ? 8e-3 : 1e-3)
-        << dtype_name(dt);
+    EXPECT_LT(max_rel_error(got.dlogits, ref_d), dt == tensor::DType::kBF16 ? 8e-3 : 1e-3)
+        << tensor::dtype_name(dt);
   }
 }
 

@@ -38,17 +38,17 @@ constexpr double kTimeoutS = 5.0;
 
 // The checkpoints: a_1..a_5 of odd sizes, f32 and i32 (a_0 is the token ids).
 struct Input {
-  nn::Shape shape;
-  nn::DType dtype;
+  tensor::Shape shape;
+  tensor::DType dtype;
 };
 const std::vector<Input>& inputs() {
   static const std::vector<Input> in = {
-      {nn::Shape{4}, nn::DType::kI32},          // token ids (workspace, not in the footprint)
-      {nn::Shape{7, 13}, nn::DType::kF32},      // 364 bytes
-      {nn::Shape{5, 11}, nn::DType::kI32},      // 220 bytes
-      {nn::Shape{64, 1024}, nn::DType::kF32},   // 256 KiB
-      {nn::Shape{3, 3}, nn::DType::kI32},       // 36 bytes: at 4 ways ranks 2 and 3 are padding
-      {nn::Shape{33}, nn::DType::kF32},         // 132 bytes
+      {tensor::Shape{4}, tensor::DType::kI32},          // token ids (workspace, not in the footprint)
+      {tensor::Shape{7, 13}, tensor::DType::kF32},      // 364 bytes
+      {tensor::Shape{5, 11}, tensor::DType::kI32},      // 220 bytes
+      {tensor::Shape{64, 1024}, tensor::DType::kF32},   // 256 KiB
+      {tensor::Shape{3, 3}, tensor::DType::kI32},       // 36 bytes: at 4 ways ranks 2 and 3 are padding
+      {tensor::Shape{33}, tensor::DType::kF32},         // 132 bytes
   };
   return in;
 }
@@ -57,7 +57,7 @@ constexpr size_t kLossBytes = 4;
 
 size_t input_bytes(int stage) {
   const Input& in = inputs()[static_cast<size_t>(stage)];
-  return static_cast<size_t>(in.shape.numel()) * nn::dtype_size(in.dtype);
+  return static_cast<size_t>(in.shape.numel()) * tensor::dtype_size(in.dtype);
 }
 
 // The chain whose stages read those inputs. A forward peaks at its output (and saves nothing),
@@ -92,10 +92,10 @@ std::vector<std::byte> pattern(int stage, int micro_batch) {
   return b;
 }
 
-nn::Tensor make_input(memory::CachingAllocator& a, int stage, int micro_batch) {
+tensor::Tensor make_input(memory::CachingAllocator& a, int stage, int micro_batch) {
   const Input& in = inputs()[static_cast<size_t>(stage)];
   const Category category = stage == 0 ? Category::kWorkspace : Category::kActivations;
-  nn::Tensor t = nn::Tensor::empty(a, in.shape, in.dtype, category);
+  tensor::Tensor t = tensor::Tensor::empty(a, in.shape, in.dtype, category);
   const std::vector<std::byte> b = pattern(stage, micro_batch);
   std::memcpy(t.data(), b.data(), b.size());
   return t;
@@ -157,9 +157,9 @@ void run_micro_batch(Rank& r, const Schedule& s, int micro_batch,
       return l.entries[static_cast<size_t>(a)].use_op < l.entries[static_cast<size_t>(b)].use_op;
     });
   }
-  std::vector<nn::Tensor> held(kStages);
+  std::vector<tensor::Tensor> held(kStages);
   std::vector<bool> is_held(kStages, false);
-  nn::Tensor cur = make_input(r.allocator, 0, micro_batch);
+  tensor::Tensor cur = make_input(r.allocator, 0, micro_batch);
   int cur_stage = 0;
   r.stash.begin(micro_batch);
   try {
@@ -180,7 +180,7 @@ void run_micro_batch(Rank& r, const Schedule& s, int micro_batch,
       }
       switch (op.kind) {
         case ScheduleOp::Kind::kForward: {
-          nn::Tensor input = cur_stage == op.stage ? cur : held[i];
+          tensor::Tensor input = cur_stage == op.stage ? cur : held[i];
           ASSERT_TRUE(input.defined() && input.data() != nullptr) << "op " << k;
           if (op.hold_input && !is_held[i]) {
             if (op.stashed()) {
@@ -192,15 +192,15 @@ void run_micro_batch(Rank& r, const Schedule& s, int micro_batch,
             is_held[i] = true;
           }
           if (op.stage + 1 < kStages) {
-            nn::Tensor out = make_input(r.allocator, op.stage + 1, micro_batch);
-            input = nn::Tensor();
+            tensor::Tensor out = make_input(r.allocator, op.stage + 1, micro_batch);
+            input = tensor::Tensor();
             cur = std::move(out);
             cur_stage = op.stage + 1;
           } else {
-            nn::Tensor loss = nn::Tensor::empty(r.allocator, nn::Shape{1}, nn::DType::kF32, Category::kActivations);
-            loss = nn::Tensor();
-            input = nn::Tensor();
-            cur = nn::Tensor();
+            tensor::Tensor loss = tensor::Tensor::empty(r.allocator, tensor::Shape{1}, tensor::DType::kF32, Category::kActivations);
+            loss = tensor::Tensor();
+            input = tensor::Tensor();
+            cur = tensor::Tensor();
             cur_stage = -1;
           }
           break;
@@ -210,10 +210,10 @@ void run_micro_batch(Rank& r, const Schedule& s, int micro_batch,
           break;
         case ScheduleOp::Kind::kBackward:
           if (cur_stage == op.stage + 1) {
-            cur = nn::Tensor();
+            cur = tensor::Tensor();
             cur_stage = -1;
           }
-          held[i] = nn::Tensor();
+          held[i] = tensor::Tensor();
           is_held[i] = false;
           for (int e : release[k]) r.stash.release(e);
           break;
@@ -222,7 +222,7 @@ void run_micro_batch(Rank& r, const Schedule& s, int micro_batch,
     r.stash.end();
   } catch (...) {
     held.clear();
-    cur = nn::Tensor();
+    cur = tensor::Tensor();
     r.stash.abort();
     throw;
   }
@@ -418,7 +418,7 @@ TEST(StashPartitionMisuse, PartitionedLayoutsNeedTheTpCommunicatorOfTheirSize) {
     // A partitioned hold must be the planned size on every rank (each cuts the same blocks).
     r.stash.prepare(checkpoint::layout_offload(s, costs, 1, false, 2));
     r.stash.begin(0);
-    nn::Tensor small = nn::Tensor::empty(r.allocator, nn::Shape{7, 12}, nn::DType::kF32, Category::kActivations);
+    tensor::Tensor small = tensor::Tensor::empty(r.allocator, tensor::Shape{7, 12}, tensor::DType::kF32, Category::kActivations);
     EXPECT_THROW(r.stash.offload(0, small), InvalidArgument);
     r.stash.abort();
   });

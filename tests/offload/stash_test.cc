@@ -56,16 +56,16 @@ OffloadLayout layout_of(int n, bool contiguous = false) {
   return l;
 }
 
-nn::Tensor filled(memory::CachingAllocator& a, float base) {
-  nn::Tensor t = nn::Tensor::empty(a, nn::Shape{kRows, kCols}, nn::DType::kF32, Category::kActivations);
+tensor::Tensor filled(memory::CachingAllocator& a, float base) {
+  tensor::Tensor t = tensor::Tensor::empty(a, tensor::Shape{kRows, kCols}, tensor::DType::kF32, Category::kActivations);
   float* p = t.data_as<float>();
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = base + static_cast<float>(i);
   return t;
 }
 
-void expect_filled(const nn::Tensor& t, float base) {
-  ASSERT_EQ(t.shape(), (nn::Shape{kRows, kCols}));
-  ASSERT_EQ(t.dtype(), nn::DType::kF32);
+void expect_filled(const tensor::Tensor& t, float base) {
+  ASSERT_EQ(t.shape(), (tensor::Shape{kRows, kCols}));
+  ASSERT_EQ(t.dtype(), tensor::DType::kF32);
   const float* p = t.data_as<float>();
   for (int64_t i = 0; i < t.numel(); ++i) {
     ASSERT_EQ(p[i], base + static_cast<float>(i)) << "element " << i;
@@ -96,15 +96,15 @@ struct Fixture {
 void round_trip(Fixture& f, int n, int micro_batch) {
   f.stash.begin(micro_batch);
   for (int i = 0; i < n; ++i) {
-    nn::Tensor t = filled(f.allocator, 1000.0f * static_cast<float>(i + micro_batch));
+    tensor::Tensor t = filled(f.allocator, 1000.0f * static_cast<float>(i + micro_batch));
     f.stash.offload(i, t);
   }  // every original is freed here, deferred until its copy lands
   for (int i = n - 1; i >= 0; --i) {
     f.stash.prefetch(i);
-    nn::Tensor back = f.stash.fetch(i);
+    tensor::Tensor back = f.stash.fetch(i);
     EXPECT_EQ(back.category(), Category::kStaging);
     expect_filled(back, 1000.0f * static_cast<float>(i + micro_batch));
-    back = nn::Tensor();
+    back = tensor::Tensor();
     f.stash.release(i);
   }
   f.stash.end();
@@ -144,10 +144,10 @@ TEST(StashTest, ContiguousArenasAreCarvedOnceAndSlotsSitAtTheirOffsets) {
   std::vector<const std::byte*> slots;
   for (int i = 2; i >= 0; --i) {
     f.stash.prefetch(i);
-    nn::Tensor back = f.stash.fetch(i);
+    tensor::Tensor back = f.stash.fetch(i);
     slots.push_back(static_cast<const std::byte*>(back.data()));
     expect_filled(back, static_cast<float>(i));
-    back = nn::Tensor();
+    back = tensor::Tensor();
     f.stash.release(i);
   }
   f.stash.end();
@@ -171,13 +171,13 @@ TEST(StashTest, SlowLinkWithPoisonedFreesKeepsEveryByte) {
       f.stash.offload(1, filled(f.allocator, 9.0f + static_cast<float>(mb)));
       // Reuse the freed memory at once: the allocator must not hand out a block the copy
       // stream is still reading.
-      nn::Tensor scribble = nn::Tensor::empty(f.allocator, nn::Shape{kRows, kCols},
-                                              nn::DType::kF32, Category::kActivations);
+      tensor::Tensor scribble = tensor::Tensor::empty(f.allocator, tensor::Shape{kRows, kCols},
+                                              tensor::DType::kF32, Category::kActivations);
       std::memset(scribble.data(), 0x5A, scribble.nbytes());
       for (int i : {1, 0}) {
-        nn::Tensor back = f.stash.fetch(i);  // no prefetch: on demand, fully exposed
+        tensor::Tensor back = f.stash.fetch(i);  // no prefetch: on demand, fully exposed
         expect_filled(back, (i == 0 ? 7.0f : 9.0f) + static_cast<float>(mb));
-        back = nn::Tensor();
+        back = tensor::Tensor();
         f.stash.release(i);
       }
       f.stash.end();
@@ -194,9 +194,9 @@ TEST(StashTest, SlowLinkWithPoisonedFreesKeepsEveryByte) {
 TEST(StashTest, PoisonMarksReleasedMemory) {
   // The negative control for the test above: freed memory really is overwritten.
   Fixture f(0, false, /*poison=*/true);
-  nn::Tensor t = filled(f.allocator, 1.0f);
+  tensor::Tensor t = filled(f.allocator, 1.0f);
   const auto* raw = static_cast<const unsigned char*>(t.data());
-  t = nn::Tensor();
+  t = tensor::Tensor();
   for (size_t i = 0; i < kBytes; i += 4093) ASSERT_EQ(raw[i], 0xFF) << "byte " << i;
 }
 
@@ -207,9 +207,9 @@ TEST(StashTest, DeferredFreeWaitsForTheCopyStream) {
   f.stash.begin(0);
   f.stash.offload(0, filled(f.allocator, 3.0f));
   EXPECT_GT(f.allocator.stats().pending_free_bytes, 0u);  // 5 ms copy still running
-  nn::Tensor back = f.stash.fetch(0);
+  tensor::Tensor back = f.stash.fetch(0);
   expect_filled(back, 3.0f);
-  back = nn::Tensor();
+  back = tensor::Tensor();
   f.stash.release(0);
   f.stash.end();
 }
@@ -284,8 +284,8 @@ TEST(StashTest, AbortMidMicroBatchFreesEverything) {
     for (int i = 0; i < 3; ++i) f.stash.offload(i, filled(f.allocator, 1.0f));
     f.stash.prefetch(2);
     f.stash.prefetch(1);
-    nn::Tensor back = f.stash.fetch(2);
-    back = nn::Tensor();
+    tensor::Tensor back = f.stash.fetch(2);
+    back = tensor::Tensor();
     f.stash.abort();
     f.stash.synchronize();
     f.pinned.empty_cache();  // collects the deferred frees
@@ -316,11 +316,11 @@ TEST(StashTest, MisuseIsAUsageError) {
   EXPECT_THROW(f.stash.begin(1), UsageError);
   EXPECT_THROW(f.stash.prefetch(0), UsageError);  // not offloaded
   EXPECT_THROW(f.stash.offload(5, filled(f.allocator, 1.0f)), UsageError);
-  nn::Tensor t = filled(f.allocator, 1.0f);
-  EXPECT_THROW(f.stash.offload(0, nn::Tensor::from_blob(t.data(), t.shape(), t.dtype())), UsageError);
+  tensor::Tensor t = filled(f.allocator, 1.0f);
+  EXPECT_THROW(f.stash.offload(0, tensor::Tensor::from_blob(t.data(), t.shape(), t.dtype())), UsageError);
   f.stash.offload(0, t);
   EXPECT_THROW(f.stash.offload(0, t), UsageError);
-  nn::Tensor back = f.stash.fetch(0);
+  tensor::Tensor back = f.stash.fetch(0);
   EXPECT_THROW(f.stash.fetch(0), UsageError);
   EXPECT_THROW(f.stash.prepare(layout_of(1)), UsageError);  // inside a micro-batch
   f.stash.abort();
@@ -354,9 +354,9 @@ TEST(StashTest, SynchronizeBoundaryWaitsForEachCopy) {
   const std::vector<CopyRecord> copies = stash.take_copies();
   ASSERT_EQ(copies.size(), 1u);
   EXPECT_EQ(copies[0].direction, CopyRecord::Direction::kD2H);
-  nn::Tensor back = stash.fetch(0);
+  tensor::Tensor back = stash.fetch(0);
   expect_filled(back, 2.0f);
-  back = nn::Tensor();
+  back = tensor::Tensor();
   stash.release(0);
   stash.end();
   stash.synchronize();
@@ -373,9 +373,9 @@ TEST(StashTest, PrefetchAheadHidesTheCopy) {
   f.stash.offload(0, filled(f.allocator, 4.0f));
   f.stash.prefetch(0);
   f.stash.h2d_stream().synchronize();  // stands in for compute that outlasts the copy
-  nn::Tensor back = f.stash.fetch(0);
+  tensor::Tensor back = f.stash.fetch(0);
   expect_filled(back, 4.0f);
-  back = nn::Tensor();
+  back = tensor::Tensor();
   f.stash.release(0);
   f.stash.end();
   f.stash.synchronize();

@@ -1,5 +1,5 @@
 // zero::CpuAdam against its two references, bit for bit (Note [CpuAdam bit identity]): the
-// cpu device's AdamW (nn::make_kernels(...)->adamw) and the scalar formula written out
+// cpu device's AdamW (kernels::make_kernels(...)->adamw) and the scalar formula written out
 // below, for every ISA this CPU runs, over sizes, dtypes, weight decay and gradient scale.
 // It runs the cpu kernels (OpenMP), so it is not built under TSan; the pool and the ISAs
 // among themselves are tested in cpu_adam_threads_test.cc, which is.
@@ -18,13 +18,13 @@
 
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "nn/kernels.h"
-#include "nn/tensor.h"
+#include "kernels/kernels.h"
+#include "tensor/tensor.h"
 
 namespace porter::zero {
 namespace {
 
-using nn::DType;
+using tensor::DType;
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -125,7 +125,7 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
   } else {
     p.grad16.resize(un);
     for (size_t i = 0; i < un; ++i) {
-      p.grad16[i] = grad_dtype == DType::kBF16 ? nn::f32_to_bf16(g[i]) : nn::f32_to_f16(g[i]);
+      p.grad16[i] = grad_dtype == DType::kBF16 ? tensor::f32_to_bf16(g[i]) : tensor::f32_to_f16(g[i]);
     }
   }
   if (has_out) {
@@ -139,7 +139,7 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
 }
 
 // The formula of Note [CpuAdam bit identity], written out again, one element at a time.
-void scalar_reference(Problem& p, const nn::AdamWArgs& args) {
+void scalar_reference(Problem& p, const kernels::AdamWArgs& args) {
   const double bc1 =
       1.0 - std::pow(static_cast<double>(args.beta1), static_cast<double>(args.step));
   const double bc2 =
@@ -153,9 +153,9 @@ void scalar_reference(Problem& p, const nn::AdamWArgs& args) {
     if (p.grad_dtype == DType::kF32) {
       g = float_of(p.grad32[i]);
     } else if (p.grad_dtype == DType::kBF16) {
-      g = nn::bf16_to_f32(p.grad16[i]);
+      g = tensor::bf16_to_f32(p.grad16[i]);
     } else {
-      g = nn::f16_to_f32(p.grad16[i]);
+      g = tensor::f16_to_f32(p.grad16[i]);
     }
     const float grad = g * args.grad_scale;
     float param = p.params[i] * decay;
@@ -169,8 +169,8 @@ void scalar_reference(Problem& p, const nn::AdamWArgs& args) {
     if (!p.has_out) continue;
     switch (p.out_dtype) {
       case DType::kF32: p.out32[i] = bits_of(param); break;
-      case DType::kBF16: p.out16[i] = nn::f32_to_bf16(param); break;
-      default: p.out16[i] = nn::f32_to_f16(param); break;
+      case DType::kBF16: p.out16[i] = tensor::f32_to_bf16(param); break;
+      default: p.out16[i] = tensor::f32_to_f16(param); break;
     }
   }
 }
@@ -185,23 +185,23 @@ class DeviceAdam {
     o.threads = 2;
     device_ = memory::make_device(o);
     allocator_ = std::make_unique<memory::CachingAllocator>(*device_);
-    kernels_ = nn::make_kernels(*allocator_);
+    kernels_ = kernels::make_kernels(*allocator_);
   }
-  void update(Problem& p, const nn::AdamWArgs& args) {
-    const nn::Shape shape{p.n};
-    nn::Tensor params = nn::Tensor::from_blob(p.params.data(), shape, DType::kF32);
-    nn::Tensor m = nn::Tensor::from_blob(p.m.data(), shape, DType::kF32);
-    nn::Tensor v = nn::Tensor::from_blob(p.v.data(), shape, DType::kF32);
-    nn::Tensor grad = nn::Tensor::from_blob(p.grad_data(), shape, p.grad_dtype);
-    nn::Tensor out;
-    if (p.has_out) out = nn::Tensor::from_blob(p.out_data(), shape, p.out_dtype);
+  void update(Problem& p, const kernels::AdamWArgs& args) {
+    const tensor::Shape shape{p.n};
+    tensor::Tensor params = tensor::Tensor::from_blob(p.params.data(), shape, DType::kF32);
+    tensor::Tensor m = tensor::Tensor::from_blob(p.m.data(), shape, DType::kF32);
+    tensor::Tensor v = tensor::Tensor::from_blob(p.v.data(), shape, DType::kF32);
+    tensor::Tensor grad = tensor::Tensor::from_blob(p.grad_data(), shape, p.grad_dtype);
+    tensor::Tensor out;
+    if (p.has_out) out = tensor::Tensor::from_blob(p.out_data(), shape, p.out_dtype);
     kernels_->adamw(params, grad, m, v, args, p.has_out ? &out : nullptr);
   }
 
  private:
   std::unique_ptr<memory::Device> device_;
   std::unique_ptr<memory::CachingAllocator> allocator_;
-  std::unique_ptr<nn::Kernels> kernels_;
+  std::unique_ptr<kernels::Kernels> kernels_;
 };
 
 // Bitwise equality of two arrays, reporting the first mismatch with both bit patterns.
@@ -235,11 +235,11 @@ void expect_same(const Problem& want, const Problem& got) {
 }
 
 std::string out_name(bool has_out, DType out) {
-  return has_out ? std::string(nn::dtype_name(out)) : std::string("none");
+  return has_out ? std::string(tensor::dtype_name(out)) : std::string("none");
 }
 
-nn::AdamWArgs args_for(float weight_decay, float grad_scale, int64_t step) {
-  nn::AdamWArgs args;
+kernels::AdamWArgs args_for(float weight_decay, float grad_scale, int64_t step) {
+  kernels::AdamWArgs args;
   args.lr = 1e-3f;
   args.weight_decay = weight_decay;
   args.grad_scale = grad_scale;
@@ -251,7 +251,7 @@ nn::AdamWArgs args_for(float weight_decay, float grad_scale, int64_t step) {
 // scalar formula and CpuAdam on every ISA, from the same start.
 void check_against_references(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
                               float weight_decay, float grad_scale, DeviceAdam& device) {
-  SCOPED_TRACE("n " + std::to_string(n) + ", grad " + std::string(nn::dtype_name(grad_dtype)) +
+  SCOPED_TRACE("n " + std::to_string(n) + ", grad " + std::string(tensor::dtype_name(grad_dtype)) +
                ", out " + out_name(has_out, out_dtype) + ", weight_decay " +
                std::to_string(weight_decay) + ", grad_scale " + std::to_string(grad_scale));
   const Problem start =
@@ -311,7 +311,7 @@ TEST(CpuAdamTest, MatchesTheCpuDeviceKernelOnAMillionAndThree) {
 TEST(CpuAdamTest, EveryF16GradientMatchesTheCpuDeviceKernel) {
   DeviceAdam device;
   for (DType out : {DType::kF32, DType::kBF16, DType::kF16}) {
-    SCOPED_TRACE("out " + std::string(nn::dtype_name(out)));
+    SCOPED_TRACE("out " + std::string(tensor::dtype_name(out)));
     Problem start = make_problem(65536, DType::kF16, true, out, 11);
     for (size_t i = 0; i < 65536; ++i) start.grad16[i] = static_cast<uint16_t>(i);
     Problem by_device = start;
@@ -345,13 +345,13 @@ TEST(CpuAdamTest, WriteBackOfF32BitPatternsMatchesTheCpuDeviceKernel) {
   }
   const auto n = static_cast<int64_t>(patterns.size());
   for (DType out : {DType::kBF16, DType::kF16}) {
-    SCOPED_TRACE("out " + std::string(nn::dtype_name(out)));
+    SCOPED_TRACE("out " + std::string(tensor::dtype_name(out)));
     Problem start = make_problem(n, DType::kF32, true, out, 13);
     for (size_t i = 0; i < patterns.size(); ++i) {
       start.params[i] = float_of(patterns[i]);
       start.grad32[i] = bits_of(0.25f);  // finite m / denom, so p passes through
     }
-    nn::AdamWArgs args = args_for(0.0f, 1.0f, 1);
+    kernels::AdamWArgs args = args_for(0.0f, 1.0f, 1);
     args.lr = 0.0f;
     Problem by_device = start;
     device.update(by_device, args);

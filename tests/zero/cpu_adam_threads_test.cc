@@ -1,5 +1,5 @@
 // zero::CpuAdam among itself: every ISA this CPU runs, 1-3 threads and several tile sizes give
-// the same bits as the single-threaded scalar kernel; the working copy is nn/dtype.h's
+// the same bits as the single-threaded scalar kernel; the working copy is tensor/dtype.h's
 // conversion of the master; the pool survives many and concurrent updates; bad arrays and
 // arguments are refused before anything is written. No cpu kernels (OpenMP) run here, so
 // this binary runs under TSan too; cpu_adam_test.cc holds CpuAdam against the cpu device.
@@ -21,7 +21,7 @@
 namespace porter::zero {
 namespace {
 
-using nn::DType;
+using tensor::DType;
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -103,7 +103,7 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
     for (float x : g) p.grad32.push_back(bits_of(x));
   } else {
     for (float x : g) {
-      p.grad16.push_back(grad_dtype == DType::kBF16 ? nn::f32_to_bf16(x) : nn::f32_to_f16(x));
+      p.grad16.push_back(grad_dtype == DType::kBF16 ? tensor::f32_to_bf16(x) : tensor::f32_to_f16(x));
     }
   }
   if (has_out && out_dtype == DType::kF32) p.out32.assign(un, 0xdeadbeefu);
@@ -111,8 +111,8 @@ Problem make_problem(int64_t n, DType grad_dtype, bool has_out, DType out_dtype,
   return p;
 }
 
-nn::AdamWArgs args_for(float weight_decay, float grad_scale, int64_t step) {
-  nn::AdamWArgs args;
+kernels::AdamWArgs args_for(float weight_decay, float grad_scale, int64_t step) {
+  kernels::AdamWArgs args;
   args.lr = 1e-3f;
   args.weight_decay = weight_decay;
   args.grad_scale = grad_scale;
@@ -121,8 +121,8 @@ nn::AdamWArgs args_for(float weight_decay, float grad_scale, int64_t step) {
 }
 
 std::string describe(const Problem& p) {
-  return "n " + std::to_string(p.n) + ", grad " + std::string(nn::dtype_name(p.grad_dtype)) +
-         ", out " + (p.has_out ? std::string(nn::dtype_name(p.out_dtype)) : std::string("none"));
+  return "n " + std::to_string(p.n) + ", grad " + std::string(tensor::dtype_name(p.grad_dtype)) +
+         ", out " + (p.has_out ? std::string(tensor::dtype_name(p.out_dtype)) : std::string("none"));
 }
 
 // The first index where two problems differ, for the failure message.
@@ -233,7 +233,7 @@ TEST(CpuAdamThreadsTest, AMillionAndThreeGiveTheSameBitsOnEveryIsaAndThreadCount
   }
 }
 
-// The working copy is nn/dtype.h's rounding of the updated master, on every ISA.
+// The working copy is tensor/dtype.h's rounding of the updated master, on every ISA.
 TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheRoundedMaster) {
   for (CpuIsa isa : supported_cpu_isas()) {
     CpuAdam adam({.threads = 2, .max_isa = isa});
@@ -244,9 +244,9 @@ TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheRoundedMaster) {
         if (out == DType::kF32) {
           ASSERT_EQ(p.out32[i], bits_of(x)) << cpu_isa_name(isa) << " f32, element " << i;
         } else {
-          const uint16_t want = out == DType::kBF16 ? nn::f32_to_bf16(x) : nn::f32_to_f16(x);
+          const uint16_t want = out == DType::kBF16 ? tensor::f32_to_bf16(x) : tensor::f32_to_f16(x);
           ASSERT_EQ(p.out16[i], want)
-              << cpu_isa_name(isa) << " " << nn::dtype_name(out) << ", element " << i << " = " << x;
+              << cpu_isa_name(isa) << " " << tensor::dtype_name(out) << ", element " << i << " = " << x;
         }
       }
     }
@@ -261,7 +261,7 @@ TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheSameAtEveryAlignment) {
   for (DType out : {DType::kF32, DType::kBF16, DType::kF16}) {
     const Problem start = make_problem(1000 + 5, DType::kF32, true, out, 47);
     const Problem want = run(reference, start, 0.1f, 1.0f);
-    const size_t elem = nn::dtype_size(out);
+    const size_t elem = tensor::dtype_size(out);
     for (CpuIsa isa : supported_cpu_isas()) {
       CpuAdam adam({.threads = 2, .max_isa = isa, .tile_elems = 256});
       for (size_t offset = 0; offset < 64 / elem; ++offset) {
@@ -278,7 +278,7 @@ TEST(CpuAdamThreadsTest, TheWorkingCopyIsTheSameAtEveryAlignment) {
         const void* want_out =
             out == DType::kF32 ? static_cast<const void*>(want.out32.data()) : want.out16.data();
         EXPECT_EQ(std::memcmp(dst, want_out, static_cast<size_t>(start.n) * elem), 0)
-            << cpu_isa_name(isa) << " " << nn::dtype_name(out) << ", offset " << offset;
+            << cpu_isa_name(isa) << " " << tensor::dtype_name(out) << ", offset " << offset;
         for (size_t b = 0; b < elem; ++b) {
           ASSERT_EQ(dst[-1 - static_cast<ptrdiff_t>(b)], 0xa5) << "written before the copy";
           ASSERT_EQ(dst[static_cast<size_t>(start.n) * elem + b], 0xa5) << "written after it";
@@ -306,7 +306,7 @@ TEST(CpuAdamThreadsTest, EveryF16GradientGivesTheSameBitsOnEveryIsa) {
 }
 
 // With lr 0 the master passes through (p * 1 - 0 * finite), so the write-back of a sweep of
-// f32 bit patterns is nn::f32_to_bf16 / f32_to_f16 of each: all exponents and signs, NaN
+// f32 bit patterns is tensor::f32_to_bf16 / f32_to_f16 of each: all exponents and signs, NaN
 // payloads, f16 subnormals, overflow and ties. (A signalling NaN comes out of p * 1 quiet.)
 TEST(CpuAdamThreadsTest, WriteBackOfF32BitPatternsIsTheNnConversion) {
   std::vector<uint32_t> patterns;
@@ -319,7 +319,7 @@ TEST(CpuAdamThreadsTest, WriteBackOfF32BitPatternsIsTheNnConversion) {
     }
   }
   const auto n = static_cast<int64_t>(patterns.size());
-  nn::AdamWArgs args = args_for(0.1f, 1.0f, 1);
+  kernels::AdamWArgs args = args_for(0.1f, 1.0f, 1);
   args.lr = 0.0f;
   for (CpuIsa isa : supported_cpu_isas()) {
     CpuAdam adam({.threads = 2, .max_isa = isa});
@@ -336,8 +336,8 @@ TEST(CpuAdamThreadsTest, WriteBackOfF32BitPatternsIsTheNnConversion) {
           ASSERT_EQ(bits_of(p.params[i]), patterns[i]) << "element " << i;
         }
         const uint16_t want =
-            out == DType::kBF16 ? nn::f32_to_bf16(p.params[i]) : nn::f32_to_f16(p.params[i]);
-        ASSERT_EQ(p.out16[i], want) << cpu_isa_name(isa) << " " << nn::dtype_name(out)
+            out == DType::kBF16 ? tensor::f32_to_bf16(p.params[i]) : tensor::f32_to_f16(p.params[i]);
+        ASSERT_EQ(p.out16[i], want) << cpu_isa_name(isa) << " " << tensor::dtype_name(out)
                                     << ", pattern 0x" << std::hex << patterns[i];
       }
     }
@@ -404,11 +404,11 @@ TEST(CpuAdamThreadsTest, BadArraysAndArgumentsThrowBeforeAnythingIsWritten) {
   CpuAdam adam({.threads = 2});
   const Problem start = make_problem(64, DType::kF32, true, DType::kBF16, 43);
   auto expect_refused =
-      [&](const std::function<void(Problem&, CpuAdamArrays&, nn::AdamWArgs&)>& spoil,
+      [&](const std::function<void(Problem&, CpuAdamArrays&, kernels::AdamWArgs&)>& spoil,
           const std::string& text) {
         Problem p = start;
         CpuAdamArrays a = p.arrays();
-        nn::AdamWArgs args = args_for(0.1f, 1.0f, 1);
+        kernels::AdamWArgs args = args_for(0.1f, 1.0f, 1);
         spoil(p, a, args);
         try {
           adam.update(a, args);
@@ -418,29 +418,29 @@ TEST(CpuAdamThreadsTest, BadArraysAndArgumentsThrowBeforeAnythingIsWritten) {
         }
         EXPECT_TRUE(p == start) << "an array was written before the error: " << text;
       };
-  expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.elems = -1; },
+  expect_refused([](Problem&, CpuAdamArrays& a, kernels::AdamWArgs&) { a.elems = -1; },
                  "elems must not be negative");
-  expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.exp_avg_sq = nullptr; },
+  expect_refused([](Problem&, CpuAdamArrays& a, kernels::AdamWArgs&) { a.exp_avg_sq = nullptr; },
                  "exp_avg_sq is null for 64 elements");
-  expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.grad = nullptr; },
+  expect_refused([](Problem&, CpuAdamArrays& a, kernels::AdamWArgs&) { a.grad = nullptr; },
                  "grad is null");
-  expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.grad_dtype = DType::kI32; },
+  expect_refused([](Problem&, CpuAdamArrays& a, kernels::AdamWArgs&) { a.grad_dtype = DType::kI32; },
                  "grad_dtype i32");
-  expect_refused([](Problem&, CpuAdamArrays& a, nn::AdamWArgs&) { a.out_dtype = DType::kI32; },
+  expect_refused([](Problem&, CpuAdamArrays& a, kernels::AdamWArgs&) { a.out_dtype = DType::kI32; },
                  "out_dtype i32");
   expect_refused(
-      [](Problem& p, CpuAdamArrays& a, nn::AdamWArgs&) { a.exp_avg = p.params.data() + 10; },
+      [](Problem& p, CpuAdamArrays& a, kernels::AdamWArgs&) { a.exp_avg = p.params.data() + 10; },
       "params and exp_avg overlap");
   expect_refused([](Problem& p, CpuAdamArrays& a,
-                    nn::AdamWArgs&) { a.out = reinterpret_cast<uint16_t*>(p.v.data()) + 1; },
+                    kernels::AdamWArgs&) { a.out = reinterpret_cast<uint16_t*>(p.v.data()) + 1; },
                  "exp_avg_sq and out overlap");
-  expect_refused([](Problem&, CpuAdamArrays&, nn::AdamWArgs& args) { args.step = 0; },
+  expect_refused([](Problem&, CpuAdamArrays&, kernels::AdamWArgs& args) { args.step = 0; },
                  "step 0 must be >= 1");
-  expect_refused([](Problem&, CpuAdamArrays&, nn::AdamWArgs& args) { args.eps = 0.0f; },
+  expect_refused([](Problem&, CpuAdamArrays&, kernels::AdamWArgs& args) { args.eps = 0.0f; },
                  "need lr >= 0, eps > 0 and betas in [0, 1)");
-  expect_refused([](Problem&, CpuAdamArrays&, nn::AdamWArgs& args) { args.beta2 = 1.0f; },
+  expect_refused([](Problem&, CpuAdamArrays&, kernels::AdamWArgs& args) { args.beta2 = 1.0f; },
                  "betas in [0, 1)");
-  expect_refused([](Problem&, CpuAdamArrays&, nn::AdamWArgs& args) { args.lr = -1e-3f; },
+  expect_refused([](Problem&, CpuAdamArrays&, kernels::AdamWArgs& args) { args.lr = -1e-3f; },
                  "lr -0.001");
 
   // An empty update needs no arrays; a bad dtype is still refused.
@@ -452,10 +452,10 @@ TEST(CpuAdamThreadsTest, BadArraysAndArgumentsThrowBeforeAnythingIsWritten) {
   EXPECT_THROW(CpuAdam({.tile_elems = 0}), InvalidArgument);
 }
 
-// The constants follow nn/cpu_optimizer.cc (bias corrections in double), and the byte count
+// The constants follow kernels/cpu/adamw.cc (bias corrections in double), and the byte count
 // Note [CpuAdam roofline].
 TEST(CpuAdamThreadsTest, ConstantsAndBytesPerElement) {
-  nn::AdamWArgs args = args_for(0.1f, 0.25f, 3);
+  kernels::AdamWArgs args = args_for(0.1f, 0.25f, 3);
   args.lr = 2e-3f;
   const AdamWConstants k = adamw_constants(args);
   EXPECT_EQ(k.decay, 1.0f - 2e-3f * 0.1f);

@@ -13,7 +13,7 @@
 
 #include "base/error.h"
 #include "comm/communicator.h"
-#include "nn/tensor.h"
+#include "tensor/tensor.h"
 
 namespace porter::zero {
 namespace {
@@ -22,9 +22,9 @@ namespace {
 // (aligned to 64: offsets 0, 128, 320; total 384).
 nn::ParamLayout three_stage_layout() {
   nn::ParamLayout layout;
-  layout.add("a", {{"w", nn::Shape{100}}});
-  layout.add("b", {{"w", nn::Shape{150}}});
-  layout.add("c", {{"w", nn::Shape{40}}});
+  layout.add("a", {{"w", tensor::Shape{100}}});
+  layout.add("b", {{"w", tensor::Shape{150}}});
+  layout.add("c", {{"w", tensor::Shape{40}}});
   return layout;
 }
 
@@ -49,7 +49,7 @@ std::vector<ParamUnit> units_of(const nn::ParamLayout& layout, int64_t persisten
 // running when the broadcasts and the waits are queued.
 void run(int ws, int64_t max_live, int64_t persistent_below,
          const std::function<void(int, ParamGatherer&, nn::FlatParams&, memory::Device&,
-                                  nn::Tensor&, memory::CachingAllocator&)>& fn,
+                                  tensor::Tensor&, memory::CachingAllocator&)>& fn,
          bool shard_on_host = false) {
   auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
     memory::DeviceOptions o;
@@ -63,20 +63,20 @@ void run(int ws, int64_t max_live, int64_t persistent_below,
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, ws, co);
     const nn::ParamLayout layout = three_stage_layout();
     const Partition part = make_partition(layout.total_elems(), ws);
-    nn::FlatParams flat(alloc, layout, nn::DType::kF32, nn::DType::kF32, part.padded_elems,
+    nn::FlatParams flat(alloc, layout, tensor::DType::kF32, tensor::DType::kF32, part.padded_elems,
                         /*allocate_grads=*/false, /*allocate_params=*/false);
     std::vector<float> host(static_cast<size_t>(part.shard_elems));
-    nn::Tensor shard =
+    tensor::Tensor shard =
         shard_on_host
-            ? nn::Tensor::from_blob(host.data(), nn::Shape{part.shard_elems}, nn::DType::kF32,
+            ? tensor::Tensor::from_blob(host.data(), tensor::Shape{part.shard_elems}, tensor::DType::kF32,
                                     memory::Category::kParams)
-            : nn::Tensor::empty(alloc, nn::Shape{part.shard_elems}, nn::DType::kF32,
+            : tensor::Tensor::empty(alloc, tensor::Shape{part.shard_elems}, tensor::DType::kF32,
                                 memory::Category::kParams);
     std::vector<float> mine(static_cast<size_t>(part.shard_elems));
     for (int64_t i = 0; i < part.shard_elems; ++i) {
       mine[static_cast<size_t>(i)] = static_cast<float>(part.begin(rank) + i) + 0.5f;
     }
-    nn::from_host_f32(*device, mine, shard);
+    tensor::from_host_f32(*device, mine, shard);
     int binds = 0;
     ParamGatherer g(flat, alloc, dp.get(), part, shard, units_of(layout, persistent_below),
                     max_live, [&binds] { ++binds; }, shard_on_host);
@@ -91,9 +91,9 @@ void run(int ws, int64_t max_live, int64_t persistent_below,
 // The gathered entry i holds the padded buffer's values at its offset.
 void expect_entry(memory::Device& device, const nn::FlatParams& flat, size_t i, float add = 0.0f) {
   const nn::ParamEntry& e = flat.layout().entries()[i];
-  const nn::Tensor t = flat.param(i);
+  const tensor::Tensor t = flat.param(i);
   ASSERT_TRUE(t.defined()) << e.name;
-  const std::vector<float> v = nn::to_host_f32(device, t);
+  const std::vector<float> v = tensor::to_host_f32(device, t);
   for (int64_t j = 0; j < e.shape.numel(); ++j) {
     ASSERT_EQ(v[static_cast<size_t>(j)], static_cast<float>(e.offset_elems + j) + 0.5f + add)
         << e.name << " element " << j;
@@ -103,7 +103,7 @@ void expect_entry(memory::Device& device, const nn::FlatParams& flat, size_t i, 
 TEST(ParamGatherer, GathersEveryUnitFromItsOwnersAtTwoAndThreeRanks) {
   for (int ws : {1, 2, 3}) {
     run(ws, 1000, 0, [&](int, ParamGatherer& g, nn::FlatParams& flat, memory::Device& device,
-                         nn::Tensor&, memory::CachingAllocator& alloc) {
+                         tensor::Tensor&, memory::CachingAllocator& alloc) {
       const size_t before = alloc.stats().by_category[0].current_bytes;  // params: the shard
       for (int u = 0; u < g.num_units(); ++u) EXPECT_FALSE(flat.param(static_cast<size_t>(u)).defined());
       for (int u = 0; u < g.num_units(); ++u) g.gather(u);  // all in flight at once
@@ -135,7 +135,7 @@ TEST(ParamGatherer, GathersFromAShardInHostMemory) {
     run(
         ws, 1000, 100,
         [&](int rank, ParamGatherer& g, nn::FlatParams& flat, memory::Device& device,
-            nn::Tensor& shard, memory::CachingAllocator& alloc) {
+            tensor::Tensor& shard, memory::CachingAllocator& alloc) {
           EXPECT_EQ(alloc.stats().by_category[0].current_bytes, 0u);  // nothing on the device
           g.refresh_persistent();
           expect_entry(device, flat, 2);
@@ -172,7 +172,7 @@ TEST(ParamGatherer, GathersFromAShardInHostMemory) {
 
 TEST(ParamGatherer, AnEvictedPrefetchIsWaitedForBeforeItsBufferGoes) {
   run(2, 1000, 0, [](int, ParamGatherer& g, nn::FlatParams& flat, memory::Device& device,
-                     nn::Tensor&, memory::CachingAllocator&) {
+                     tensor::Tensor&, memory::CachingAllocator&) {
     g.gather(1);
     g.release(1);  // never waited: release waits for the broadcasts first
     g.gather(1);
@@ -183,7 +183,7 @@ TEST(ParamGatherer, AnEvictedPrefetchIsWaitedForBeforeItsBufferGoes) {
 }
 
 TEST(ParamGatherer, ThePlanAndTheGathererMustAgree) {
-  run(2, 200, 0, [](int, ParamGatherer& g, nn::FlatParams&, memory::Device&, nn::Tensor&,
+  run(2, 200, 0, [](int, ParamGatherer& g, nn::FlatParams&, memory::Device&, tensor::Tensor&,
                     memory::CachingAllocator&) {
     EXPECT_THROW(g.wait(0), InternalError);     // not gathered
     EXPECT_THROW(g.release(0), InternalError);  // not gathered
@@ -198,15 +198,15 @@ TEST(ParamGatherer, ThePlanAndTheGathererMustAgree) {
 
 TEST(ParamGatherer, PersistentUnitsFollowTheShard) {
   run(2, 1000, 100, [](int, ParamGatherer& g, nn::FlatParams& flat, memory::Device& device,
-                       nn::Tensor& shard, memory::CachingAllocator&) {
+                       tensor::Tensor& shard, memory::CachingAllocator&) {
     g.refresh_persistent();  // stage2 (64 elements) only
     expect_entry(device, flat, 2);
     EXPECT_EQ(g.live_elems(), 0);  // persistent units are not live ones
     EXPECT_FALSE(flat.param(0).defined());
     // An update of the shard reaches the persistent buffer at the next refresh.
-    std::vector<float> v = nn::to_host_f32(device, shard);
+    std::vector<float> v = tensor::to_host_f32(device, shard);
     for (float& x : v) x += 1.0f;
-    nn::from_host_f32(device, v, shard);
+    tensor::from_host_f32(device, v, shard);
     g.refresh_persistent();
     expect_entry(device, flat, 2, 1.0f);
     g.gather_all();

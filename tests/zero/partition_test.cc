@@ -51,7 +51,7 @@ TEST(PartitionTest, RejectsBadArguments) {
 TEST(PartitionTest, ExactBytesPerStage) {
   // P = 1000, N = 3: padded 1152, S = 384. bf16: p = 2, g = 4, k = 12.
   const Partition p = make_partition(1000, 3);
-  const StateDTypes bf16{nn::DType::kBF16};
+  const StateDTypes bf16{tensor::DType::kBF16};
   StateBytes b = exact_bytes(p, 0, bf16);
   EXPECT_EQ(b.params, 2u * 1152);
   EXPECT_EQ(b.grads, 4u * 1152);
@@ -67,7 +67,7 @@ TEST(PartitionTest, ExactBytesPerStage) {
   b = exact_bytes(p, 3, bf16);
   EXPECT_EQ(b.params, 2u * 384);
   // f32: k = 8.
-  b = exact_bytes(p, 2, StateDTypes{nn::DType::kF32});
+  b = exact_bytes(p, 2, StateDTypes{tensor::DType::kF32});
   EXPECT_EQ(b.params, 4u * 1152);
   EXPECT_EQ(b.grads, 4u * 384);
   EXPECT_EQ(b.optimizer, 8u * 384);
@@ -75,7 +75,7 @@ TEST(PartitionTest, ExactBytesPerStage) {
 
 TEST(PartitionTest, PaperBytesUseTheUnpaddedCount) {
   // Psi = 1000, N = 4, fp16-like params (2 bytes), g = 4, K = 12.
-  const StateDTypes half{nn::DType::kF16};
+  const StateDTypes half{tensor::DType::kF16};
   StateBytes b = paper_bytes(1000, 4, 0, half);
   EXPECT_EQ(b.total(), (2u + 4u + 12u) * 1000);
   b = paper_bytes(1000, 4, 1, half);

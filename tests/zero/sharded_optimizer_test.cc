@@ -16,26 +16,26 @@ namespace {
 struct Rig {
   std::unique_ptr<memory::Device> device;
   std::unique_ptr<memory::CachingAllocator> alloc;
-  std::unique_ptr<nn::Kernels> kernels;
+  std::unique_ptr<kernels::Kernels> kernels;
   nn::ParamLayout layout;
   std::unique_ptr<nn::FlatParams> flat;
 
-  Rig(nn::DType dtype, int world_size) {
+  Rig(tensor::DType dtype, int world_size) {
     memory::DeviceOptions o;
     o.memory_limit_bytes = size_t{64} << 20;
     o.threads = 1;
     device = memory::make_device(o);
     alloc = std::make_unique<memory::CachingAllocator>(*device);
-    kernels = nn::make_kernels(*alloc);
-    layout.add("", {{"w", nn::Shape{100}}, {"b", nn::Shape{30}}});
+    kernels = kernels::make_kernels(*alloc);
+    layout.add("", {{"w", tensor::Shape{100}}, {"b", tensor::Shape{30}}});
     const Partition part = make_partition(layout.total_elems(), world_size);
-    flat = std::make_unique<nn::FlatParams>(*alloc, layout, dtype, nn::DType::kF32,
+    flat = std::make_unique<nn::FlatParams>(*alloc, layout, dtype, tensor::DType::kF32,
                                             part.padded_elems, /*allocate_grads=*/false);
   }
-  nn::Tensor grads(const std::vector<float>& v) {
-    nn::Tensor t = nn::Tensor::empty(*alloc, nn::Shape{static_cast<int64_t>(v.size())},
-                                     nn::DType::kF32, memory::Category::kGrads);
-    nn::from_host_f32(*device, v, t);
+  tensor::Tensor grads(const std::vector<float>& v) {
+    tensor::Tensor t = tensor::Tensor::empty(*alloc, tensor::Shape{static_cast<int64_t>(v.size())},
+                                     tensor::DType::kF32, memory::Category::kGrads);
+    tensor::from_host_f32(*device, v, t);
     return t;
   }
 };
@@ -47,7 +47,7 @@ std::vector<float> ramp(int64_t n, float scale) {
 }
 
 TEST(ShardedOptimizerTest, OneRankOwnsTheWholeBufferAndItsState) {
-  Rig f32(nn::DType::kF32, 1);
+  Rig f32(tensor::DType::kF32, 1);
   const Partition part = make_partition(f32.layout.total_elems(), 1);
   ShardedOptimizer o(*f32.flat, *f32.kernels, *f32.alloc, nullptr, part, OptimizerOptions{});
   EXPECT_EQ(o.begin(), 0);
@@ -58,7 +58,7 @@ TEST(ShardedOptimizerTest, OneRankOwnsTheWholeBufferAndItsState) {
   EXPECT_EQ(f32.alloc->stats()[memory::Category::kOptimizer].current_bytes,
             2 * static_cast<size_t>(part.padded_elems) * 4);
 
-  Rig bf16(nn::DType::kBF16, 1);
+  Rig bf16(tensor::DType::kBF16, 1);
   ShardedOptimizer b(*bf16.flat, *bf16.kernels, *bf16.alloc, nullptr, part, OptimizerOptions{});
   EXPECT_TRUE(b.has_master());
   ASSERT_EQ(b.state_tensors().size(), 3u);
@@ -68,7 +68,7 @@ TEST(ShardedOptimizerTest, OneRankOwnsTheWholeBufferAndItsState) {
 }
 
 TEST(ShardedOptimizerTest, NormClippingAndUpdateMatchAHostAdamW) {
-  Rig r(nn::DType::kF32, 1);
+  Rig r(tensor::DType::kF32, 1);
   const Partition part = make_partition(r.layout.total_elems(), 1);
   OptimizerOptions opt;
   opt.adamw.lr = 0.1;
@@ -78,7 +78,7 @@ TEST(ShardedOptimizerTest, NormClippingAndUpdateMatchAHostAdamW) {
   const std::vector<float> p0 = ramp(part.padded_elems, 0.5f);
   o.set_params(p0);
   const std::vector<float> g = ramp(part.padded_elems, 0.25f);
-  const nn::Tensor grads = r.grads(g);
+  const tensor::Tensor grads = r.grads(g);
   double sq = 0.0;
   for (float x : g) sq += static_cast<double>(x) * x;
   const GradNorm n = o.global_norm(grads);
@@ -91,7 +91,7 @@ TEST(ShardedOptimizerTest, NormClippingAndUpdateMatchAHostAdamW) {
   EXPECT_EQ(o.steps(), 1);
   // Step 1 of AdamW: m = (1 - b1) g', v = (1 - b2) g'^2 with g' = coef g; bias-corrected the
   // update is lr * g' / (|g'| + eps) plus the decoupled decay.
-  const std::vector<float> p1 = nn::to_host_f32(*r.device, r.flat->params());
+  const std::vector<float> p1 = tensor::to_host_f32(*r.device, r.flat->params());
   for (size_t i = 0; i < p1.size(); ++i) {
     const double gc = n.clip_coef * g[i];
     const double step = gc == 0.0 ? 0.0 : 0.1 * gc / (std::abs(gc) + 1e-8);
@@ -101,19 +101,19 @@ TEST(ShardedOptimizerTest, NormClippingAndUpdateMatchAHostAdamW) {
 }
 
 TEST(ShardedOptimizerTest, Fp16OverflowSkipsTheUpdateAndLowersTheScale) {
-  Rig r(nn::DType::kF16, 1);
+  Rig r(tensor::DType::kF16, 1);
   const Partition part = make_partition(r.layout.total_elems(), 1);
   OptimizerOptions opt;
   opt.fp16.enabled = true;
   opt.fp16.hysteresis = 1;  // the first overflow halves the scale
   ShardedOptimizer o(*r.flat, *r.kernels, *r.alloc, nullptr, part, opt);
   o.set_params(ramp(part.padded_elems, 0.5f));
-  const std::vector<float> before = nn::to_host_f32(*r.device, r.flat->params());
+  const std::vector<float> before = tensor::to_host_f32(*r.device, r.flat->params());
   const double scale = o.loss_scale();
   EXPECT_EQ(scale, 65536.0);  // 2^initial_scale_power
   std::vector<float> g = ramp(part.padded_elems, 1.0f);
   g[5] = std::numeric_limits<float>::infinity();
-  const nn::Tensor grads = r.grads(g);
+  const tensor::Tensor grads = r.grads(g);
   const GradNorm n = o.global_norm(grads);
   EXPECT_TRUE(n.overflow);
   EXPECT_EQ(n.clip_coef, 1.0);
@@ -121,11 +121,11 @@ TEST(ShardedOptimizerTest, Fp16OverflowSkipsTheUpdateAndLowersTheScale) {
   o.finish_step(true);
   EXPECT_EQ(o.steps(), 0);
   EXPECT_EQ(o.loss_scale(), scale / 2);
-  EXPECT_EQ(nn::to_host_f32(*r.device, r.flat->params()), before);
+  EXPECT_EQ(tensor::to_host_f32(*r.device, r.flat->params()), before);
 }
 
 TEST(ShardedOptimizerTest, RefusesAStageAboveThreeAndAForeignBuffer) {
-  Rig r(nn::DType::kF32, 1);
+  Rig r(tensor::DType::kF32, 1);
   const Partition part = make_partition(r.layout.total_elems(), 1);
   OptimizerOptions opt;
   opt.zero_stage = 4;

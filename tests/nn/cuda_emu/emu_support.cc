@@ -1,5 +1,5 @@
 // EMULATION ONLY: a "cuda" device that is a cpu device reporting kind kCuda, cuBLASLt
-// emulated by its column-major definition with the operand mapping of cuda_matmul.cc, and
+// emulated by its column-major definition with the operand mapping of kernels/cuda/matmul.cc, and
 // stubs for the few runtime calls the kernels make.
 #include <cstring>
 #include <stdexcept>
@@ -7,8 +7,8 @@
 
 #include "memory/cpu_device.h"
 #include "memory/device.h"
-#include "nn/cuda_matmul.h"
-#include "nn/dtype.h"
+#include "kernels/cuda/matmul.h"
+#include "tensor/dtype.h"
 
 extern "C" {
 cudaError_t cudaSetDevice(int) { return cudaSuccess; }

@@ -2,7 +2,7 @@
 # Runs tests/nn/cuda_kernels_test.cc on a machine WITHOUT a GPU, with the cuda kernels
 # emulated on host threads. Opt-in, not part of ctest: it checks the logic of porter's kernels
 # (indexing, warp/block reductions, dtype handling, the attention orchestration in
-# cuda_kernels.cc, and the row-major -> cuBLASLt operand mapping against cuBLASLt's
+# kernels/cuda/cuda_kernels.cc, and the row-major -> cuBLASLt operand mapping against cuBLASLt's
 # column-major definition), never nvcc's code, cuBLASLt itself, races, launch limits or speed.
 #
 # How: the .cu files are copied with each kernel<<<grid, block, 0, l.stream>>>(...) rewritten

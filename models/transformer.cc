@@ -1,0 +1,356 @@
+// The GPT model: configuration checks, the flat layout, deterministic init, and one
+// micro-batch's forward and backward through its stages.
+#include "models/transformer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "base/check.h"
+#include "tensor/philox.h"
+
+namespace porter::models {
+
+int64_t TpShard::vocab_valid() const {
+  return std::clamp<int64_t>(vocab - vocab_begin(), 0, vocab_shard);
+}
+
+Gpt::Gpt(const config::ModelConfig& config, int tp_rank) : config_(config) {
+  PORTER_CHECK(config.tensor_parallel >= 1 && tp_rank >= 0 && tp_rank < config.tensor_parallel,
+               "tensor-parallel rank ", tp_rank, " of porter.model.tensor_parallel = ",
+               config.tensor_parallel);
+  PORTER_CHECK(config.heads % config.tensor_parallel == 0, "porter.model.heads = ", config.heads,
+               " is not divisible by tensor_parallel = ", config.tensor_parallel,
+               "; tensor parallelism splits the heads evenly");
+  PORTER_CHECK(config.layers >= 1 && config.hidden >= 1 && config.heads >= 1 &&
+                   config.seq_len >= 1 && config.vocab >= 1,
+               "porter.model: layers, hidden, heads, seq_len and vocab must be >= 1");
+  PORTER_CHECK(config.hidden % config.heads == 0, "porter.model.hidden = ", config.hidden,
+               " is not divisible by heads = ", config.heads);
+  PORTER_CHECK(config.dropout >= 0.0 && config.dropout < 1.0, "porter.model.dropout = ",
+               config.dropout, " must be in [0, 1)");
+  PORTER_CHECK(config.norm_eps > 0.0, "porter.model.norm_eps = ", config.norm_eps,
+               " must be positive");
+  arch_ = config.type == config::ModelType::kLlama ? Arch::kLlama : Arch::kGpt;
+  const bool llama = arch_ == Arch::kLlama;
+  const int64_t kv_heads = config.kv_heads == 0 ? config.heads : config.kv_heads;
+  if (llama) {
+    PORTER_CHECK(kv_heads >= 1 && config.heads % kv_heads == 0, "porter.model.kv_heads = ",
+                 kv_heads, " does not divide heads = ", config.heads);
+    PORTER_CHECK(kv_heads % config.tensor_parallel == 0, "porter.model.kv_heads = ", kv_heads,
+                 " is not divisible by tensor_parallel = ", config.tensor_parallel,
+                 "; tensor parallelism splits the key/value heads evenly");
+    PORTER_CHECK((config.hidden / config.heads) % 2 == 0, "porter.model: hidden / heads = ",
+                 config.hidden / config.heads, " is odd; rotary embeddings rotate channel pairs");
+  } else {
+    PORTER_CHECK(kv_heads == config.heads, "porter.model.kv_heads = ", config.kv_heads,
+                 ": the GPT has one key/value head per query head");
+    PORTER_CHECK(config.intermediate == 0 || config.intermediate == 4 * config.hidden,
+                 "porter.model.intermediate = ", config.intermediate, ": the GPT's MLP is 4 x "
+                 "hidden wide");
+  }
+  const int64_t intermediate = llama ? llama_intermediate(config) : 4 * config.hidden;
+  PORTER_CHECK(intermediate % config.tensor_parallel == 0, "porter.model.intermediate = ",
+               intermediate, " is not divisible by tensor_parallel = ", config.tensor_parallel);
+  const int64_t positions = config.max_positions > 0 ? config.max_positions : config.seq_len;
+  PORTER_CHECK(llama || positions >= config.seq_len, "porter.model.max_positions = ",
+               config.max_positions, " is below seq_len = ", config.seq_len);
+  tp_.rank = tp_rank;
+  tp_.size = static_cast<int>(config.tensor_parallel);
+  tp_.sequence_parallel = config.sequence_parallel && tp_.size > 1;
+  tp_.vocab = config.vocab;
+  tp_.vocab_shard = (config.vocab + tp_.size - 1) / tp_.size;
+  const float p = static_cast<float>(config.dropout);
+  const float eps = static_cast<float>(config.norm_eps);
+  auto emb = std::make_unique<GptEmbedding>(config.vocab, llama ? 0 : positions, config.hidden,
+                                            p, tp_, arch_);
+  embedding_ = emb.get();
+  layout_.add("", emb->params());
+  stages_.push_back(std::move(emb));
+  for (int64_t l = 0; l < config.layers; ++l) {
+    std::unique_ptr<Layer> block;
+    if (llama) {
+      LlamaShape shape;
+      shape.hidden = config.hidden;
+      shape.heads = static_cast<int>(config.heads);
+      shape.kv_heads = static_cast<int>(kv_heads);
+      shape.intermediate = intermediate;
+      shape.norm_eps = eps;
+      shape.rope_theta = config.rope_theta;
+      block = std::make_unique<LlamaBlock>(shape, p, tp_);
+    } else {
+      block = std::make_unique<GptBlock>(config.hidden, static_cast<int>(config.heads), p, tp_,
+                                         eps);
+    }
+    layout_.add((llama ? "layers." : "h.") + std::to_string(l), block->params());
+    stages_.push_back(std::move(block));
+  }
+  auto head = std::make_unique<GptHead>(config.vocab, config.hidden, config.tie_embeddings, tp_,
+                                        arch_, eps);
+  head_ = head.get();
+  layout_.add("", head->params());
+  stages_.push_back(std::move(head));
+}
+
+int64_t llama_intermediate(const config::ModelConfig& config) {
+  if (config.intermediate > 0) return config.intermediate;
+  const int64_t f = (8 * config.hidden + 2) / 3;  // ceil(8C / 3)
+  return (f + 255) / 256 * 256;
+}
+
+std::string Gpt::embedding_name() const {
+  return arch_ == Arch::kLlama ? "embed_tokens.weight" : "wte";
+}
+
+std::string Gpt::stage_name(int i) const {
+  if (i == 0) return "embedding";
+  if (i == num_stages() - 1) return "head";
+  return "block." + std::to_string(i - 1);
+}
+
+void Gpt::bind(const FlatParams& flat) {
+  PORTER_CHECK(&flat.layout() == &layout_ || flat.layout().total_elems() == layout_.total_elems(),
+               "Gpt::bind: the flat buffers use another layout");
+  bind_layer(*embedding_, "", flat);
+  const std::string prefix = arch_ == Arch::kLlama ? "layers." : "h.";
+  for (int l = 0; l < config_.layers; ++l) bind_layer(stage(l + 1), prefix + std::to_string(l), flat);
+  bind_layer(*head_, "", flat);
+  if (config_.tie_embeddings) {
+    size_t wte =
+        static_cast<size_t>(&layout_.find(embedding_name()) - layout_.entries().data());
+    head_->bind_tied(flat.param(wte), flat.grad(wte));
+  }
+}
+
+namespace {
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The token table and the untied head: split by vocabulary rows (Note [GPT tensor
+// parallelism]).
+bool vocab_parallel(const std::string& name) {
+  return name == "wte" || name == "head.weight" || name == "embed_tokens.weight" ||
+         name == "lm_head.weight";
+}
+
+}  // namespace
+
+std::vector<float> Gpt::init_values(uint64_t seed) const {
+  if (tp_.size > 1) {
+    config::ModelConfig whole = config_;
+    whole.tensor_parallel = 1;
+    whole.sequence_parallel = false;
+    return shard_values(Gpt(whole).init_values(seed));
+  }
+  // Note [GPT init]: GPT-2's scheme. Matrices ~ normal(0, 0.02), with the residual
+  // projections (proj, fc2) scaled by 1/sqrt(2L); biases 0; layernorm weight 1, bias 0.
+  // Normals come from Box-Muller over Philox keyed by (seed, FNV-1a of the parameter name),
+  // so a parameter's values do not depend on the layout, thread count or device.
+  // Llama: Hugging Face's LlamaPreTrainedModel scheme, every matrix ~ normal(0, 0.02) and
+  // the RMSNorm weights 1, drawn the same way.
+  std::vector<float> v(static_cast<size_t>(layout_.total_elems()), 0.0f);
+  const bool llama = arch_ == Arch::kLlama;
+  const float resid_scale =
+      llama ? 1.0f : 1.0f / std::sqrt(2.0f * static_cast<float>(config_.layers));
+  for (const ParamEntry& e : layout_.entries()) {
+    float* out = v.data() + e.offset_elems;
+    const int64_t n = e.shape.numel();
+    const bool ln = llama ? e.name.find("norm") != std::string::npos
+                          : e.name.find("ln") != std::string::npos;
+    if (ends_with(e.name, ".bias")) continue;
+    if (ln) {
+      for (int64_t i = 0; i < n; ++i) out[i] = 1.0f;
+      continue;
+    }
+    float std_dev = 0.02f;
+    if (ends_with(e.name, "proj.weight") || ends_with(e.name, "fc2.weight")) std_dev *= resid_scale;
+    const uint64_t h = fnv1a(e.name);
+    PhiloxKey key;
+    key.seed = seed;
+    key.stream[0] = static_cast<uint32_t>(h);
+    key.stream[1] = static_cast<uint32_t>(h >> 32);
+    key.stream[2] = 0x494e4954u;  // "INIT": disjoint from dropout streams' step bits
+    for (int64_t i = 0; i < n; i += 4) {
+      float u[4];
+      philox_uniform4(key, static_cast<uint64_t>(i / 4), u);
+      for (int j = 0; j < 4; j += 2) {
+        const double r = std::sqrt(-2.0 * std::log(1.0 - static_cast<double>(u[j])));
+        const double theta = 2.0 * M_PI * static_cast<double>(u[j + 1]);
+        if (i + j < n) out[i + j] = static_cast<float>(std_dev * r * std::cos(theta));
+        if (i + j + 1 < n) out[i + j + 1] = static_cast<float>(std_dev * r * std::sin(theta));
+      }
+    }
+  }
+  return v;
+}
+
+bool Gpt::replicated(const std::string& name) {
+  return name == "wpe" || name.rfind("lnf.", 0) == 0 || name.find("norm") != std::string::npos || name.find(".ln1.") != std::string::npos ||
+         name.find(".ln2.") != std::string::npos || ends_with(name, "proj.bias") ||
+         ends_with(name, "fc2.bias");
+}
+
+std::vector<float> Gpt::shard_values(std::span<const float> whole) const {
+  if (tp_.size == 1) {
+    PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), layout_.total_elems(),
+                    "Gpt::shard_values: values of the whole layout");
+    return std::vector<float>(whole.begin(), whole.end());
+  }
+  config::ModelConfig whole_config = config_;
+  whole_config.tensor_parallel = 1;
+  whole_config.sequence_parallel = false;
+  const Gpt full(whole_config);
+  PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), full.layout().total_elems(),
+                  "Gpt::shard_values: values of the layout at tensor_parallel 1");
+  const int64_t t = tp_.size, r = tp_.rank;
+  std::vector<float> out(static_cast<size_t>(layout_.total_elems()), 0.0f);
+  for (const ParamEntry& e : layout_.entries()) {
+    const ParamEntry& w = full.layout().find(e.name);
+    const float* src = whole.data() + w.offset_elems;
+    float* dst = out.data() + e.offset_elems;
+    const int64_t cols = e.shape.rank() == 2 ? e.shape[1] : 1;
+    const int64_t rows = e.shape[0];
+    auto copy_rows = [&](int64_t from_row, int64_t to_row, int64_t count) {
+      std::copy(src + from_row * cols, src + (from_row + count) * cols, dst + to_row * cols);
+    };
+    if (e.shape == w.shape) {
+      std::copy(src, src + e.shape.numel(), dst);
+    } else if (ends_with(e.name, "qkv.weight") || ends_with(e.name, "qkv.bias")) {
+      const int64_t part = rows / 3, c = w.shape[0] / 3;  // this rank's heads of q, k, v
+      for (int j = 0; j < 3; ++j) copy_rows(j * c + r * part, j * part, part);
+    } else if (vocab_parallel(e.name)) {
+      const int64_t begin = tp_.vocab_begin();
+      copy_rows(begin, 0, tp_.vocab_valid());  // the padding rows stay 0
+    } else if (e.shape.rank() == 2 && e.shape[0] == w.shape[0]) {
+      // Row-parallel (proj, fc2): this rank's columns.
+      const int64_t full_cols = w.shape[1];
+      for (int64_t i = 0; i < rows; ++i) {
+        std::copy(src + i * full_cols + r * cols, src + i * full_cols + (r + 1) * cols,
+                  dst + i * cols);
+      }
+    } else {
+      // Column-parallel (fc1 weight and bias): this rank's rows.
+      PORTER_CHECK_EQ(rows * t, w.shape[0], "Gpt::shard_values: ", e.name);
+      copy_rows(r * rows, 0, rows);
+    }
+  }
+  return out;
+}
+
+std::vector<float> Gpt::merge_shards(const std::vector<std::vector<float>>& shards) const {
+  const int64_t t = tp_.size;
+  PORTER_CHECK_EQ(static_cast<int64_t>(shards.size()), t, "Gpt::merge_shards: one part per "
+                  "tensor-parallel rank");
+  for (const std::vector<float>& part : shards) {
+    PORTER_CHECK_EQ(static_cast<int64_t>(part.size()), layout_.total_elems(),
+                    "Gpt::merge_shards: a rank's values in its layout");
+  }
+  if (t == 1) return shards[0];
+  config::ModelConfig whole_config = config_;
+  whole_config.tensor_parallel = 1;
+  whole_config.sequence_parallel = false;
+  const Gpt full(whole_config);
+  std::vector<float> out(static_cast<size_t>(full.layout().total_elems()), 0.0f);
+  for (int r = 0; r < t; ++r) {
+    // Every rank's layout has the same entries and shapes; rank r's own offsets and vocabulary
+    // range come from its layout, which is this one's shape with rank r.
+    config::ModelConfig rank_config = config_;
+    const Gpt rank_model(rank_config, r);
+    const TpShard& tp = rank_model.tp();
+    for (const ParamEntry& e : rank_model.layout().entries()) {
+      const ParamEntry& w = full.layout().find(e.name);
+      const float* src = shards[static_cast<size_t>(r)].data() + e.offset_elems;
+      float* dst = out.data() + w.offset_elems;
+      const int64_t cols = e.shape.rank() == 2 ? e.shape[1] : 1;
+      const int64_t rows = e.shape[0];
+      auto copy_rows = [&](int64_t from_row, int64_t to_row, int64_t count) {
+        std::copy(src + from_row * cols, src + (from_row + count) * cols, dst + to_row * cols);
+      };
+      if (e.shape == w.shape) {
+        if (r == 0) std::copy(src, src + e.shape.numel(), dst);
+      } else if (ends_with(e.name, "qkv.weight") || ends_with(e.name, "qkv.bias")) {
+        const int64_t part = rows / 3, c = w.shape[0] / 3;
+        for (int j = 0; j < 3; ++j) copy_rows(j * part, j * c + r * part, part);
+      } else if (vocab_parallel(e.name)) {
+        copy_rows(0, tp.vocab_begin(), tp.vocab_valid());
+      } else if (e.shape.rank() == 2 && e.shape[0] == w.shape[0]) {
+        const int64_t full_cols = w.shape[1];
+        for (int64_t i = 0; i < rows; ++i) {
+          std::copy(src + i * cols, src + (i + 1) * cols, dst + i * full_cols + r * cols);
+        }
+      } else {
+        copy_rows(0, r * rows, rows);
+      }
+    }
+  }
+  return out;
+}
+
+Tensor Gpt::forward_logits(Ctx& ctx, const Tensor& tokens) {
+  RunInfo run = ctx.run();
+  run.batch = tokens.dim(0);
+  run.seq = tokens.dim(1);
+  run.eval = true;
+  ctx.set_run(run);
+  Tensor x = tokens;
+  const int n = num_stages();
+  for (int s = 0; s + 1 < n; ++s) {
+    Tape tape;  // dropped at once: nothing is kept
+    x = forward_stage(ctx, stage(s), s, tape, SaveMode::kSaveAll, x);
+  }
+  Tape tape;
+  ctx.begin(n - 1, tape, SaveMode::kSaveAll);
+  try {
+    Tensor logits = head_->logits(ctx, x);
+    ctx.end();
+    return logits;
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
+}
+
+float Gpt::forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
+                            std::span<const StagePlan> plans) {
+  const int n = num_stages();
+  PORTER_CHECK(plans.empty() || static_cast<int>(plans.size()) == n, "Gpt::forward_backward: ",
+               plans.size(), " stage plans for ", n, " stages");
+  PORTER_CHECK(targets.shape() == tokens.shape() && targets.dtype() == DType::kI32,
+               "targets must be (B, T) i32 like tokens ", tokens.shape().to_string());
+  const StagePlan kDefault;
+  std::vector<Tape> tapes(static_cast<size_t>(n));
+  std::vector<Tensor> inputs(static_cast<size_t>(n));
+  head_->set_targets(targets);
+  RunInfo run = ctx.run();
+  run.batch = tokens.dim(0);
+  run.seq = tokens.dim(1);
+  ctx.set_run(run);
+  Tensor x = tokens;
+  for (int s = 0; s < n; ++s) {
+    const StagePlan& p = plans.empty() ? kDefault : plans[s];
+    inputs[s] = x;
+    x = forward_stage(ctx, stage(s), s, tapes[s], p.mode, x, p.policy);
+  }
+  const float loss = to_host_f32(ctx.allocator().device(), x)[0];
+  x = Tensor();
+  Tensor dy;  // the head ignores its dy (Note in models/transformer.h)
+  for (int s = n - 1; s >= 0; --s) {
+    const StagePlan& p = plans.empty() ? kDefault : plans[s];
+    if (p.mode == SaveMode::kCheckpoint) recompute_stage(ctx, stage(s), s, tapes[s], inputs[s]);
+    inputs[s] = Tensor();
+    dy = backward_stage(ctx, stage(s), s, tapes[s], dy);
+  }
+  return loss;
+}
+
+}  // namespace porter::models

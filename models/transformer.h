@@ -1,0 +1,231 @@
+// The built-in decoders, built from layers that follow the layer contract: the pre-LN GPT
+// (GPT-2's layout) and the Llama family (porter.model.arch, Note [Llama] below). Their
+// stages (embedding, each block, head) are the unit of checkpoint planning. The parameter
+// order and the init are documented in docs/layers.md.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "nn/ctx.h"
+#include "nn/layer.h"
+
+namespace porter::models {
+
+// A model is built from the layer library: nn's names (and the tensors' and kernels' that
+// nn uses) are the models' vocabulary.
+using namespace porter::nn;
+
+// Note [GPT tensor parallelism]
+// With porter.model.tensor_parallel = t > 1 each rank of the tensor-parallel group (the Ctx's
+// communicator, Note [Tensor-parallel collectives] in ctx.h) holds 1/t of the GPT, as in
+// Megatron-LM (docs/tensor-parallel.md):
+// - qkv and fc1 are column-parallel: rank r holds heads [r*H/t, (r+1)*H/t) (its rows of q, k
+//   and v) and rows [r*4C/t, (r+1)*4C/t) of fc1, with their biases. proj and fc2 are
+//   row-parallel: rank r holds the matching columns; their partial outputs are all-reduced
+//   and the (replicated) bias is added after.
+// - wte (and the untied head) is vocabulary-parallel: rank r holds rows [r*Vs, (r+1)*Vs) with
+//   Vs = ceil(V/t); rows past V are padding, zero and never read. The embedding looks up the
+//   tokens in its range (0 elsewhere; rank 0 adds wpe) and all-reduces. The head's logits are
+//   (N, Vs) per rank and the cross-entropy is vocabulary-parallel (one all-gather of three
+//   floats per row): no rank holds the full logits.
+// - Input gradients of column-parallel matmuls are all-reduced on the comm stream while the
+//   weight gradient is computed.
+// - Sequence parallelism (porter.model.sequence_parallel): layernorm, dropout and the residual
+//   stream hold this rank's block of the N = B*T token rows, (N/t, C). Each column-parallel
+//   matmul all-gathers its input first and each row-parallel one reduce-scatters its output
+//   (the same volume as the all-reduce it replaces); backward re-gathers the saved shard
+//   instead of keeping the gathered input. Layernorm weight gradients are then partial over
+//   the rows: each stage all-reduces them (one buffer per stage and micro-batch) before
+//   accumulating. Stage inputs and outputs of blocks and the head are (N/t, C).
+// - Dropout draws each element's mask from its global index (PhiloxKey::group_offset), so the
+//   masks, and the losses, are those of t = 1 at every t, with or without sequence
+//   parallelism; results differ from t = 1 only by the order of the partial sums.
+// Parameter names are those of t = 1 with this rank's shapes; Gpt::shard_values maps t = 1
+// values onto them (init, pretrained weights, tests).
+struct TpShard {
+  int rank = 0;
+  int size = 1;
+  bool sequence_parallel = false;  // only with size > 1
+  int64_t vocab = 0;               // V
+  int64_t vocab_shard = 0;         // Vs = ceil(V / size)
+  int64_t vocab_begin() const { return rank * vocab_shard; }
+  // Real (not padding) rows of this rank's shard.
+  int64_t vocab_valid() const;
+};
+
+// Note [Llama]
+// porter.model.arch "llama" builds Hugging Face's LlamaForCausalLM: a token embedding
+// (embed_tokens, no position table), blocks of
+//   x2 = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))), n1 = rms(x)
+//   y  = x2 + down_proj(silu(gate_proj(n2)) * up_proj(n2)),                     n2 = rms(x2)
+// and a head of RMSNorm (norm) and lm_head (tied to embed_tokens or its own), with no biases.
+// Attention is grouped-query: kv_heads key/value heads, each serving heads / kv_heads query
+// heads; rope and the expansion of k and v to every query head are one op (Note [Rotary
+// qkv] in kernels.cc), whose output is the GPT's (B, T, 3C) qkv, so the attention kernels,
+// the checkpoint policies and the memory model are shared with the GPT. Parameter names are
+// Hugging Face's without the "model." prefix. Tensor parallelism splits q, k, v (by heads),
+// gate and up (by rows) as column-parallel and o and down as row-parallel, as in Megatron;
+// kv_heads must divide by t. Dropout (porter.model.dropout) sits where the GPT's does, after
+// o_proj and down_proj, and is 0 for a Hugging Face model.
+enum class Arch { kGpt, kLlama };
+
+// Stage 0: token embedding (+ positions for the GPT), then dropout. Input tokens (B, T) i32.
+class GptEmbedding : public Layer {
+ public:
+  // max_seq 0 (Llama): no position table; the token table is then "embed_tokens.weight".
+  GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout,
+               const TpShard& tp = {}, Arch arch = Arch::kGpt);
+  std::vector<ParamSpec> params() const override;
+  Tensor forward(Ctx& ctx, const Tensor& tokens) override;  // -> (B, T, C)
+  Tensor backward(Ctx& ctx, const Tensor& dy) override;     // -> undefined (tokens)
+
+ private:
+  int64_t vocab_, max_seq_, hidden_;
+  float dropout_;
+  TpShard tp_;
+  Arch arch_;
+};
+
+// One pre-LN block: x + drop(proj(attn(qkv(ln1(x))))), then + drop(fc2(gelu(fc1(ln2(.))))).
+class GptBlock : public Layer {
+ public:
+  GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp = {},
+           float norm_eps = 1e-5f);
+  std::vector<ParamSpec> params() const override;
+  // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
+  Tensor forward(Ctx& ctx, const Tensor& x) override;
+  Tensor backward(Ctx& ctx, const Tensor& dy) override;
+
+ private:
+  int64_t hidden_;
+  int heads_;
+  float dropout_;
+  TpShard tp_;
+  float eps_;
+};
+
+// One Llama block (Note [Llama]).
+struct LlamaShape {
+  int64_t hidden = 0;
+  int heads = 1;
+  int kv_heads = 1;
+  int64_t intermediate = 0;
+  float norm_eps = 1e-5f;
+  double rope_theta = 10000.0;
+};
+
+class LlamaBlock : public Layer {
+ public:
+  LlamaBlock(const LlamaShape& shape, float dropout, const TpShard& tp = {});
+  std::vector<ParamSpec> params() const override;
+  // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
+  Tensor forward(Ctx& ctx, const Tensor& x) override;
+  Tensor backward(Ctx& ctx, const Tensor& dy) override;
+
+ private:
+  LlamaShape shape_;
+  float dropout_;
+  TpShard tp_;
+};
+
+// Final layernorm, the vocabulary projection (no bias; tied to wte or its own weight) and
+// the mean cross-entropy. Output: the loss (1) f32. Backward ignores dy's values: the
+// gradient of the mean loss is scaled by loss_scale (1 unless fp16 loss scaling).
+class GptHead : public Layer {
+ public:
+  // Llama: RMSNorm ("norm.weight", no bias) and "lm_head.weight".
+  GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp = {},
+          Arch arch = Arch::kGpt, float norm_eps = 1e-5f);
+  std::vector<ParamSpec> params() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  // The tied weight: views of the embedding's wte and its gradient.
+  void bind_tied(const Tensor& wte, const Tensor& dwte);
+  // Targets (B, T) i32 of the micro-batch; set before forward and again before recompute.
+  void set_targets(const Tensor& targets) { targets_ = targets; }
+  void set_loss_scale(float s) { loss_scale_ = s; }
+  Tensor forward(Ctx& ctx, const Tensor& x) override;  // (B, T, C) -> (1)
+  Tensor backward(Ctx& ctx, const Tensor& dy) override;
+  // The final norm and the projection without the loss: (B, T, C) -> (B, T, V), or this
+  // rank's vocabulary columns (N, Vs) under tensor parallelism. Inside a stage's forward
+  // (Ctx::begin); saves nothing.
+  Tensor logits(Ctx& ctx, const Tensor& x);
+
+ private:
+  int64_t vocab_, hidden_;
+  bool tied_;
+  TpShard tp_;
+  Arch arch_;
+  float eps_;
+  Tensor lnf_w_, lnf_b_, head_w_;     // views into the flat parameter buffer
+  Tensor dlnf_w_, dlnf_b_, dhead_w_;  // views into the flat gradient buffer
+  Tensor targets_;                    // the current micro-batch's input, not a saved tensor
+  float loss_scale_ = 1.0f;
+};
+
+// The Llama MLP's width: porter.model.intermediate, or 8/3 hidden rounded up to a multiple
+// of 256 when it is 0.
+int64_t llama_intermediate(const config::ModelConfig& config);
+
+// How one stage runs in Gpt::forward_backward.
+struct StagePlan {
+  SaveMode mode = SaveMode::kSaveAll;  // kSaveAll or kCheckpoint (then recompute)
+  OpPolicy policy = OpPolicy::keep_none();
+};
+
+class Gpt {
+ public:
+  // This rank's part of the model (Note [GPT tensor parallelism]); tp_rank in
+  // [0, config.tensor_parallel). Throws InvalidArgument for configs it cannot build (hidden
+  // not divisible by heads, heads not divisible by tensor_parallel, ...).
+  explicit Gpt(const config::ModelConfig& config, int tp_rank = 0);
+
+  const config::ModelConfig& config() const { return config_; }
+  Arch arch() const { return arch_; }
+  const TpShard& tp() const { return tp_; }
+  const ParamLayout& layout() const { return layout_; }
+  int num_stages() const { return static_cast<int>(stages_.size()); }
+  Layer& stage(int i) { return *stages_.at(i); }
+  std::string stage_name(int i) const;  // "embedding", "block.3", "head"
+  GptHead& head() { return *head_; }
+
+  // Binds every stage to views of `flat` (which must use layout()).
+  void bind(const FlatParams& flat);
+  // Deterministic initial values in layout order, padding zero (docs/layers.md, "Init"):
+  // this rank's part of the t = 1 values.
+  std::vector<float> init_values(uint64_t seed) const;
+  // This rank's part (in layout() order) of `whole`, values in the layout of the same model
+  // at tensor_parallel 1 (Note [GPT tensor parallelism]).
+  std::vector<float> shard_values(std::span<const float> whole) const;
+  // The inverse: the t = 1 values from every rank's (shards[r] in rank r's layout order, as
+  // Engine::params_host gives them). Replicated parameters are taken from rank 0.
+  std::vector<float> merge_shards(const std::vector<std::vector<float>>& shards) const;
+  // The name of the token table: "wte" (GPT) or "embed_tokens.weight" (Llama).
+  std::string embedding_name() const;
+  // Whether the parameter named `name` is whole on every tensor-parallel rank (layernorms,
+  // RMSNorms, wpe, the row-parallel biases) rather than split.
+  static bool replicated(const std::string& name);
+
+  // Forward and backward of one micro-batch through every stage, stage by stage, as
+  // `plans` says (empty: all kSaveAll). Returns the mean loss; gradients accumulate into
+  // the bound gradient buffer. tokens and targets are (B, T) i32 with T <= seq_len.
+  float forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
+                         std::span<const StagePlan> plans = {});
+  // The logits of tokens (B, T) i32, forward only (GptHead::logits): for comparing a model
+  // with a reference, and for inference. Nothing is kept.
+  Tensor forward_logits(Ctx& ctx, const Tensor& tokens);
+
+ private:
+  config::ModelConfig config_;
+  Arch arch_ = Arch::kGpt;
+  TpShard tp_;
+  ParamLayout layout_;
+  std::vector<std::unique_ptr<Layer>> stages_;
+  GptEmbedding* embedding_;  // owned by stages_
+  GptHead* head_;            // owned by stages_
+};
+
+}  // namespace porter::models
