@@ -51,10 +51,11 @@ PORTER_HD inline float bf16_to_f32(uint16_t h) {
 // IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits; largest finite 65504,
 // smallest normal 2^-14, smallest subnormal 2^-24. The conversions are portable bit
 // manipulation with no branches a compiler cannot turn into selects, so the cpu's
-// `#pragma omp simd` loops vectorise them in every PORTER_CPU_CLONES clone (F16C's vcvtps2ph
-// would need the clones' target to include it, and the baseline clone cannot use it). They
-// give the same bits as F16C and cuda's __float2half_rn / __half2float (tests/nn/f16_test.cc
-// checks all 65536 patterns and round-to-nearest-even ties):
+// `#pragma omp simd` loops vectorise them in every PORTER_CPU_CLONES clone (Note [Cpu ISA
+// dispatch] in kernels/cpu/isa.h; F16C's vcvtps2ph would need the clones' target to include
+// it, and the baseline clone cannot use it). They give the same bits as F16C and cuda's
+// __float2half_rn / __half2float (tests/kernels/f16_test.cc checks all 65536 patterns and
+// round-to-nearest-even ties):
 // - f32 -> f16 rounds to nearest, ties to even; |x| >= 65520 (half an f16 ulp above 65504)
 //   becomes inf; results below 2^-14 are subnormal (rounded by one f32 addition, which is
 //   exact to the f16 grid there); NaN stays NaN (quiet, top payload bits kept).

@@ -1,6 +1,6 @@
-// CpuAdam (zero/cpu_adam.h): the scalar, AVX2 and AVX-512 AdamW kernels, the run-time ISA
-// dispatch, and the thread pool that runs them over tiles. Compiled with -ffp-contract=off
-// (zero/CMakeLists.txt): Note [CpuAdam bit identity].
+// CpuAdam (zero/cpu_adam.h): the scalar, AVX2 and AVX-512 AdamW kernels, the choice among them
+// (Note [Cpu ISA dispatch] in kernels/cpu/isa.h), and the thread pool that runs them over
+// tiles. Compiled with -ffp-contract=off (zero/CMakeLists.txt): Note [CpuAdam bit identity].
 #include "zero/cpu_adam.h"
 
 #include <algorithm>
@@ -12,20 +12,7 @@
 #include <thread>
 
 #include "base/check.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-// GCC 12's AVX-512 headers initialise their "undefined" vectors from themselves, which
-// -Wmaybe-uninitialized reports at every use (GCC bug 105593, fixed in GCC 13).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#define PORTER_CPU_ADAM_X86 1
-#define PORTER_TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
-#define PORTER_TARGET_AVX2 __attribute__((target("avx2")))
-#else
-#define PORTER_CPU_ADAM_X86 0
-#endif
+#include "kernels/cpu/isa.h"
 
 namespace porter::zero {
 namespace {
@@ -80,7 +67,7 @@ void adamw_scalar(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin
   }
 }
 
-#if PORTER_CPU_ADAM_X86
+#if PORTER_CPU_X86
 
 // Whether the working copy at element `i` sits on a `bytes` boundary (a whole vector's
 // store). Every vector of a range is then aligned, as ranges step by whole vectors.
@@ -94,7 +81,8 @@ inline bool out_aligned(const CpuAdamArrays& a, int64_t i, size_t bytes) {
 
 // g[i, i + 16) under mask `k`, widened to f32 as tensor::bf16_to_f32 / tensor::f16_to_f32 do.
 template <DType G>
-PORTER_TARGET_AVX512 inline __m512 load_grad16(const void* g, int64_t i, __mmask16 k) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX512)
+inline __m512 load_grad16(const void* g, int64_t i, __mmask16 k) {
   if constexpr (G == DType::kF32) {
     return _mm512_maskz_loadu_ps(k, static_cast<const float*>(g) + i);
   } else {
@@ -120,7 +108,7 @@ PORTER_TARGET_AVX512 inline __m512 load_grad16(const void* g, int64_t i, __mmask
 }
 
 // tensor::f32_to_bf16 per lane, in the low 16 bits of each 32-bit lane.
-PORTER_TARGET_AVX512 inline __m512i to_bf16_16(__m512 x) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX512) inline __m512i to_bf16_16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
   const __m512i bias =
@@ -132,7 +120,7 @@ PORTER_TARGET_AVX512 inline __m512i to_bf16_16(__m512 x) {
 }
 
 // tensor::f32_to_f16 per lane (Note [f16 conversion]): all three cases, then a select.
-PORTER_TARGET_AVX512 inline __m512i to_f16_16(__m512 x) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX512) inline __m512i to_f16_16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
   const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
@@ -159,7 +147,8 @@ PORTER_TARGET_AVX512 inline __m512i to_f16_16(__m512 x) {
 // The working copy of [i, i + 16) under mask `k`; kStream: all 16 lanes, with a
 // non-temporal store to an aligned address (Note [CpuAdam working copy stores]).
 template <DType O, bool kStream>
-PORTER_TARGET_AVX512 inline void store_out16(void* out, int64_t i, __m512 x, __mmask16 k) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX512)
+inline void store_out16(void* out, int64_t i, __m512 x, __mmask16 k) {
   if constexpr (O == DType::kF32) {
     if constexpr (kStream) {
       _mm512_stream_ps(static_cast<float*>(out) + i, x);
@@ -184,8 +173,8 @@ struct Consts512 {
 
 // Elements [i, i + 16) under mask `mk`, in the reference's order of operations.
 template <DType G, DType O, bool kOut, bool kStream>
-PORTER_TARGET_AVX512 inline void adamw16(const CpuAdamArrays& a, const Consts512& c, int64_t i,
-                                         __mmask16 mk) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX512)
+inline void adamw16(const CpuAdamArrays& a, const Consts512& c, int64_t i, __mmask16 mk) {
   const __m512 grad = _mm512_mul_ps(load_grad16<G>(a.grad, i, mk), c.grad_scale);
   __m512 param = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.params + i), c.decay);
   const __m512 mi = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.exp_avg + i), c.beta1),
@@ -202,8 +191,8 @@ PORTER_TARGET_AVX512 inline void adamw16(const CpuAdamArrays& a, const Consts512
 }
 
 template <DType G, DType O, bool kOut>
-PORTER_TARGET_AVX512 void adamw_avx512(const CpuAdamArrays& a, const AdamWConstants& k,
-                                       int64_t begin, int64_t end) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX512)
+void adamw_avx512(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin, int64_t end) {
   const Consts512 c{
       _mm512_set1_ps(k.grad_scale),      _mm512_set1_ps(k.decay), _mm512_set1_ps(k.beta1),
       _mm512_set1_ps(k.one_minus_beta1), _mm512_set1_ps(k.beta2), _mm512_set1_ps(k.one_minus_beta2),
@@ -225,7 +214,8 @@ PORTER_TARGET_AVX512 void adamw_avx512(const CpuAdamArrays& a, const AdamWConsta
 // ---- AVX2: 8 lanes; the tail (< 8 elements) runs the scalar code -------------------------
 
 template <DType G>
-PORTER_TARGET_AVX2 inline __m256 load_grad8(const void* g, int64_t i) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX2)
+inline __m256 load_grad8(const void* g, int64_t i) {
   if constexpr (G == DType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(g) + i);
   } else {
@@ -250,7 +240,7 @@ PORTER_TARGET_AVX2 inline __m256 load_grad8(const void* g, int64_t i) {
 }
 
 // As to_bf16_16. |x|'s bits are <= 0x7fffffff, so signed compares are the unsigned ones.
-PORTER_TARGET_AVX2 inline __m256i to_bf16_8(__m256 x) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX2) inline __m256i to_bf16_8(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
   const __m256i bias =
@@ -262,7 +252,7 @@ PORTER_TARGET_AVX2 inline __m256i to_bf16_8(__m256 x) {
 }
 
 // As to_f16_16.
-PORTER_TARGET_AVX2 inline __m256i to_f16_8(__m256 x) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX2) inline __m256i to_f16_8(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
   const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
@@ -286,7 +276,8 @@ PORTER_TARGET_AVX2 inline __m256i to_f16_8(__m256 x) {
 
 // The working copy of [i, i + 8); kStream: a non-temporal store to an aligned address.
 template <DType O, bool kStream>
-PORTER_TARGET_AVX2 inline void store_out8(void* out, int64_t i, __m256 x) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX2)
+inline void store_out8(void* out, int64_t i, __m256 x) {
   if constexpr (O == DType::kF32) {
     if constexpr (kStream) {
       _mm256_stream_ps(static_cast<float*>(out) + i, x);
@@ -315,7 +306,8 @@ struct Consts256 {
 
 // Elements [i, i + 8), in the reference's order of operations.
 template <DType G, DType O, bool kOut, bool kStream>
-PORTER_TARGET_AVX2 inline void adamw8(const CpuAdamArrays& a, const Consts256& c, int64_t i) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX2)
+inline void adamw8(const CpuAdamArrays& a, const Consts256& c, int64_t i) {
   const __m256 grad = _mm256_mul_ps(load_grad8<G>(a.grad, i), c.grad_scale);
   __m256 param = _mm256_mul_ps(_mm256_loadu_ps(a.params + i), c.decay);
   const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg + i), c.beta1),
@@ -331,8 +323,8 @@ PORTER_TARGET_AVX2 inline void adamw8(const CpuAdamArrays& a, const Consts256& c
 }
 
 template <DType G, DType O, bool kOut>
-PORTER_TARGET_AVX2 void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin,
-                                   int64_t end) {
+PORTER_CPU_TARGET(PORTER_ISA_AVX2)
+void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants& k, int64_t begin, int64_t end) {
   const Consts256 c{
       _mm256_set1_ps(k.grad_scale),      _mm256_set1_ps(k.decay), _mm256_set1_ps(k.beta1),
       _mm256_set1_ps(k.one_minus_beta1), _mm256_set1_ps(k.beta2), _mm256_set1_ps(k.one_minus_beta2),
@@ -347,12 +339,12 @@ PORTER_TARGET_AVX2 void adamw_avx2(const CpuAdamArrays& a, const AdamWConstants&
   adamw_scalar<G, O, kOut>(a, k, i, end);
 }
 
-#endif  // PORTER_CPU_ADAM_X86
+#endif  // PORTER_CPU_X86
 
 template <DType G, DType O, bool kOut>
 RangeFn kernel_for(CpuIsa isa) {
   switch (isa) {
-#if PORTER_CPU_ADAM_X86
+#if PORTER_CPU_X86
     case CpuIsa::kAvx512: return &adamw_avx512<G, O, kOut>;
     case CpuIsa::kAvx2: return &adamw_avx2<G, O, kOut>;
 #endif
@@ -384,18 +376,12 @@ RangeFn kernel_for(CpuIsa isa, const CpuAdamArrays& a) {
 }
 
 bool cpu_runs(CpuIsa isa) {
-#if PORTER_CPU_ADAM_X86
-  __builtin_cpu_init();
   switch (isa) {
-    case CpuIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    case CpuIsa::kAvx2: return __builtin_cpu_supports("avx2");
+    case CpuIsa::kAvx512: return kernels::cpu::cpu_runs(PORTER_ISA_AVX512);
+    case CpuIsa::kAvx2: return kernels::cpu::cpu_runs(PORTER_ISA_AVX2);
     case CpuIsa::kScalar: return true;
   }
   return false;
-#else
-  return isa == CpuIsa::kScalar;
-#endif
 }
 
 struct ByteRange {

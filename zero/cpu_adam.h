@@ -70,7 +70,7 @@ enum class CpuIsa : uint8_t {
 
 // "scalar", "avx2" or "avx512".
 std::string_view cpu_isa_name(CpuIsa isa);
-// The best ISA this CPU runs (from __builtin_cpu_supports).
+// The best ISA this CPU runs (kernels::cpu::cpu_runs, Note [Cpu ISA dispatch]).
 CpuIsa best_cpu_isa();
 // Every ISA this CPU runs, lowest first; always starts with kScalar.
 std::vector<CpuIsa> supported_cpu_isas();

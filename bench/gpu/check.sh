@@ -85,11 +85,11 @@ fi
 if ((built)); then
   # The cuda kernel tests first and alone, so their result is there even if the full suite
   # runs out of time.
-  if [[ -x build/release/tests/nn/nn_cuda_kernels_test ]]; then
-    stage cuda_kernels_test 120 build/release/tests/nn/nn_cuda_kernels_test \
+  if [[ -x build/release/tests/kernels/kernels_cuda_kernels_test ]]; then
+    stage cuda_kernels_test 120 build/release/tests/kernels/kernels_cuda_kernels_test \
       --gtest_output="xml:$OUT/cuda_kernels_test.xml" || true
   else
-    log "FAIL nn_cuda_kernels_test was not built"
+    log "FAIL kernels_cuda_kernels_test was not built"
     FAILED=1
   fi
   stage ctest 45 ctest --preset release -j "$JOBS" --timeout 120 \

@@ -60,19 +60,9 @@
 #include "base/check.h"
 #include "base/error.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/workspace.h"
 
-#if defined(__x86_64__)
-// GCC 12's AVX-512 headers initialise their "undefined" vectors from themselves, which
-// -Wmaybe-uninitialized reports at every use (GCC bug 105593, fixed in GCC 13).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#define PORTER_TILES_X86 1
-#else
-#define PORTER_TILES_X86 0
-#endif
 
 namespace porter::kernels::cpu {
 
@@ -143,11 +133,8 @@ void pack_row_pairs(const uint16_t* src, int64_t src_ld, int64_t n, int64_t cols
   }
 }
 
-#if PORTER_TILES_X86
+#if PORTER_CPU_X86
 
-#define PORTER_TILE_F32 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma")))
-#define PORTER_TILE_BF16 \
-  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma,avx512bf16")))
 
 constexpr int kMr = 6;                // rows per tile
 constexpr int kNv = 4;                // 16-lane column vectors per tile
@@ -169,8 +156,8 @@ struct Tile {
 };
 
 template <int MR, int NV>
-PORTER_TILE_F32 __attribute__((always_inline)) inline void store_tile(__m512 (&acc)[MR][NV],
-                                                                      const Tile& t) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32)
+__attribute__((always_inline)) inline void store_tile(__m512 (&acc)[MR][NV], const Tile& t) {
   const __m512 alpha = _mm512_set1_ps(t.alpha);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -186,7 +173,8 @@ PORTER_TILE_F32 __attribute__((always_inline)) inline void store_tile(__m512 (&a
 }
 
 template <int MR, int NV>
-PORTER_TILE_F32 void tile_f32(const Tile& t) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32)
+void tile_f32(const Tile& t) {
   const auto* a = static_cast<const float*>(t.a);
   const auto* b = static_cast<const float*>(t.b);
   __m512 acc[MR][NV];
@@ -214,7 +202,8 @@ PORTER_TILE_F32 void tile_f32(const Tile& t) {
 }
 
 template <int MR, int NV>
-PORTER_TILE_BF16 void tile_bf16(const Tile& t) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_BF16)
+void tile_bf16(const Tile& t) {
   const auto* a = static_cast<const uint32_t*>(t.a);
   const auto* b = static_cast<const uint32_t*>(t.b);
   __m512 acc[MR][NV];
@@ -312,8 +301,9 @@ void run_gemm(const Gemm& g) {
 
 // dst[e * dst_ld + j] = src[j * src_ld + e] for rows j < n and columns e < cols of 32-bit
 // elements (f32, or pairs of bf16): 16 rows at a time, one gather per output vector.
-PORTER_TILE_F32 void transpose32(const void* src, int64_t src_ld, int64_t n, int64_t cols,
-                                 void* dst, int64_t dst_ld) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32)
+void transpose32(const void* src, int64_t src_ld, int64_t n, int64_t cols, void* dst,
+                 int64_t dst_ld) {
   const auto* in = static_cast<const int*>(src);
   auto* out = static_cast<int*>(dst);
   const __m512i idx = _mm512_mullo_epi32(
@@ -337,7 +327,7 @@ void copy_rows(const float* src, int64_t src_ld, int64_t rows, int64_t cols, flo
   }
 }
 
-PORTER_TILE_F32 inline __m512 exp16(__m512 x) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32) inline __m512 exp16(__m512 x) {
   // fast_exp (kernels/cpu/cpu_kernels.h), 16 lanes.
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 round = _mm512_set1_ps(12582912.0f);
@@ -359,10 +349,11 @@ PORTER_TILE_F32 inline __m512 exp16(__m512 x) {
 }
 
 // 16 f32 rounded to bf16 as f32_to_bf16 (tensor/dtype.h) does: to nearest even, NaN kept quiet.
-PORTER_TILE_F32 inline __m256i to_bf16x16(__m512 v) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32) inline __m256i to_bf16x16(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
@@ -374,7 +365,7 @@ inline __mmask16 first_lanes(int64_t n) {
 
 // The sum and the largest of 16 lanes, in lane order (GCC 12's own reduce intrinsics warn
 // about an uninitialised temporary in its headers).
-PORTER_TILE_F32 inline float lane_sum(__m512 v) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32) inline float lane_sum(__m512 v) {
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, v);
   float s = 0.0f;
@@ -382,7 +373,7 @@ PORTER_TILE_F32 inline float lane_sum(__m512 v) {
   return s;
 }
 
-PORTER_TILE_F32 inline float lane_max(__m512 v) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32) inline float lane_max(__m512 v) {
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, v);
   float m = lanes[0];
@@ -395,8 +386,8 @@ PORTER_TILE_F32 inline float lane_max(__m512 v) {
 // probabilities are written once and not read again in forward); and to the block's operand
 // for P V: in bf16 into p16 [0, width) when p16 is given, else in f32 back into s [0, width),
 // zeros after i. Each range is its own loop, so the zeros cost a store per vector.
-PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, uint16_t* p16,
-                                 int64_t width) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32)
+void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, uint16_t* p16, int64_t width) {
   const int64_t n = i + 1, full = n / 16 * 16;
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
@@ -452,8 +443,8 @@ PORTER_TILE_F32 void softmax_row(float* s, int64_t i, float* pr_row, int64_t t, 
 
 // Row i of a block in the f32 backward: dS = scale * P * (dP - sum_j P dP) over [0, i], in
 // place over dP (`ds`), zeros in (i, width).
-PORTER_TILE_F32 void softmax_backward_row_f32(const float* p, float* ds, int64_t i, int64_t width,
-                                              float scale) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32)
+void softmax_backward_row_f32(const float* p, float* ds, int64_t i, int64_t width, float scale) {
   const int64_t n = i + 1;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
@@ -472,9 +463,9 @@ PORTER_TILE_F32 void softmax_backward_row_f32(const float* p, float* ds, int64_t
 
 // Row i of a block in the bf16 backward: dS = scale * P * (dP - sum_j P dP) over [0, i] and P,
 // both rounded to bf16 into ds16 and p16 [0, width), zeros after i.
-PORTER_TILE_F32 void softmax_backward_row_tiles(const float* p, const float* dp, uint16_t* ds16,
-                                                uint16_t* p16, int64_t i, int64_t width,
-                                                float scale) {
+PORTER_CPU_TARGET(PORTER_ISA_TILES_F32)
+void softmax_backward_row_tiles(const float* p, const float* dp, uint16_t* ds16, uint16_t* p16,
+                                int64_t i, int64_t width, float scale) {
   const int64_t n = i + 1;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
@@ -494,21 +485,16 @@ PORTER_TILE_F32 void softmax_backward_row_tiles(const float* p, const float* dp,
   }
 }
 
-#endif  // PORTER_TILES_X86
+#endif  // PORTER_CPU_X86
 
 }  // namespace
 
-#if PORTER_TILES_X86
+#if PORTER_CPU_X86
 
-bool attention_tiles_f32_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") != 0;
-}
+bool attention_tiles_f32_supported() { return cpu_runs(PORTER_ISA_TILES_F32); }
 
 bool attention_tiles_bf16_supported(int64_t head_dim) {
-  __builtin_cpu_init();
-  return head_dim % 2 == 0 && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bf16");
+  return head_dim % 2 == 0 && cpu_runs(PORTER_ISA_TILES_BF16);
 }
 
 void attention_forward_tiles_f32(int threads, const HeadDims& d, const float* x, float* o,
@@ -723,7 +709,7 @@ void attention_backward_tiles_bf16(int threads, const HeadDims& d, const uint16_
   }
 }
 
-#else  // !PORTER_TILES_X86
+#else  // !PORTER_CPU_X86
 
 bool attention_tiles_f32_supported() { return false; }
 bool attention_tiles_bf16_supported(int64_t) { return false; }
@@ -745,6 +731,6 @@ void attention_backward_tiles_bf16(int, const HeadDims&, const uint16_t*, const 
   PORTER_ASSERT(false, "attention head tiles called on a cpu without them");
 }
 
-#endif  // PORTER_TILES_X86
+#endif  // PORTER_CPU_X86
 
 }  // namespace porter::kernels::cpu

@@ -14,7 +14,8 @@
 // Note [Cpu vectorisation]
 // The project builds at -O2 for the x86-64 baseline. Hot loops carry `#pragma omp simd`
 // (vectorised regardless of GCC's -O2 "very cheap" cost model) and PORTER_CPU_CLONES, which
-// compiles AVX-512, AVX2 and baseline clones picked at load time. exp() is our own
+// compiles AVX-512, AVX2 and baseline clones picked at load time (Note [Cpu ISA dispatch] in
+// kernels/cpu/isa.h). exp() is our own
 // polynomial (fast_exp), since libm's expf is never vectorised without -ffast-math.
 #pragma once
 
@@ -31,16 +32,8 @@
 #include "base/check.h"
 #include "memory/device.h"
 #include "kernels/cpu/attention_heads.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/kernels.h"
-
-// Not under the sanitizers: a clone's ifunc resolver runs while the dynamic loader relocates
-// the binary, before the sanitizer's runtime is up, and ThreadSanitizer's instrumented
-// resolvers crashed there on a Zen 5 cpu (SIGSEGV before main).
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-#define PORTER_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PORTER_CPU_CLONES
-#endif
 
 namespace porter::kernels {
 

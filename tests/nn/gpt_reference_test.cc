@@ -82,7 +82,7 @@ TEST_P(GptReferenceTest, LossAndGradientsMatchPyTorch) {
   mc.vocab = rc.vocab;
   mc.tie_embeddings = rc.tied;
   mc.dropout = 0.0;
-  models::Gpt gpt(mc);
+  models::Transformer gpt(mc);
   FlatParams flat(alloc, gpt.layout(), dtype, DType::kF32);
 
   std::vector<float> host(static_cast<size_t>(gpt.layout().total_elems()), 0.0f);

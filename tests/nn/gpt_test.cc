@@ -56,7 +56,7 @@ struct Env {
 };
 
 TEST(GptLayoutTest, OrderAlignmentAndNames) {
-  models::Gpt gpt(small_config(0.0, false));
+  models::Transformer gpt(small_config(0.0, false));
   const auto& e = gpt.layout().entries();
   ASSERT_EQ(e.size(), 2u + 12u * 3u + 3u);
   EXPECT_EQ(e[0].name, "wte");
@@ -71,7 +71,7 @@ TEST(GptLayoutTest, OrderAlignmentAndNames) {
   // first bias (32) is padded to 64.
   EXPECT_EQ(e[1].offset_elems, 1600);
   EXPECT_EQ(e[3].offset_elems - e[2].offset_elems, 64);
-  models::Gpt tied(small_config(0.0, true));
+  models::Transformer tied(small_config(0.0, true));
   EXPECT_EQ(tied.layout().entries().back().name, "lnf.bias");
   EXPECT_EQ(gpt.layout().num_params() - tied.layout().num_params(), 50 * 32);
 }
@@ -79,11 +79,11 @@ TEST(GptLayoutTest, OrderAlignmentAndNames) {
 TEST(GptLayoutTest, RejectsBadShapes) {
   auto mc = small_config();
   mc.heads = 5;
-  EXPECT_THROW(models::Gpt{mc}, InvalidArgument);
+  EXPECT_THROW(models::Transformer{mc}, InvalidArgument);
   mc = small_config();
   mc.tensor_parallel = 3;  // 4 heads do not split over 3 ranks
   try {
-    models::Gpt g(mc);
+    models::Transformer g(mc);
     FAIL();
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("porter.model.heads = 4 is not divisible by tensor_parallel"));
@@ -91,7 +91,7 @@ TEST(GptLayoutTest, RejectsBadShapes) {
 }
 
 TEST(GptInitTest, Gpt2SchemeAndDeterministic) {
-  models::Gpt gpt(small_config());
+  models::Transformer gpt(small_config());
   auto v = gpt.init_values(7);
   EXPECT_EQ(v, gpt.init_values(7));
   EXPECT_NE(v, gpt.init_values(8));
@@ -117,7 +117,7 @@ struct Result {
   std::vector<float> grads;
 };
 
-Result run(Env& env, models::Gpt& gpt, const FlatParams& flat, const std::vector<models::StagePlan>& plans,
+Result run(Env& env, models::Transformer& gpt, const FlatParams& flat, const std::vector<models::StagePlan>& plans,
            uint64_t step = 3) {
   Tensor g = flat.grads();
   env.kernels->fill(g, 0.0f);
@@ -142,7 +142,7 @@ class RecomputeTest : public ::testing::Test {
     return std::vector<models::StagePlan>(static_cast<size_t>(gpt_.num_stages()), models::StagePlan{mode, policy});
   }
   Env env_;
-  models::Gpt gpt_;
+  models::Transformer gpt_;
   FlatParams flat_;
 };
 

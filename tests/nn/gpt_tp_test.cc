@@ -79,7 +79,7 @@ enum class Plan { kKeepAll, kCheckpointAll, kSelective };
 Result run_rank(const config::ModelConfig& mc, int rank, comm::Communicator* tp, Plan plan,
                 int steps) {
   Rank env;
-  models::Gpt gpt(mc, rank);
+  models::Transformer gpt(mc, rank);
   FlatParams flat(*env.alloc, gpt.layout(), DType::kF32, DType::kF32);
   Tensor p = flat.params();
   from_host_f32(*env.device, gpt.init_values(5), p);
@@ -152,7 +152,7 @@ void expect_close(const ParamLayout& layout, const std::vector<float>& a,
 }
 
 TEST(GptTpLayoutTest, PerRankShapesAndPadding) {
-  models::Gpt r0(small_config(4, false, false), 0), r3(small_config(4, false, false), 3);
+  models::Transformer r0(small_config(4, false, false), 0), r3(small_config(4, false, false), 3);
   EXPECT_EQ(r0.layout().find("wte").shape, (Shape{13, 32}));
   EXPECT_EQ(r0.layout().find("wpe").shape, (Shape{12, 32}));
   EXPECT_EQ(r0.layout().find("h.0.qkv.weight").shape, (Shape{24, 32}));
@@ -170,14 +170,14 @@ TEST(GptTpLayoutTest, ShardValuesPicksEachRanksPart) {
   const auto mc = small_config(2, false);
   auto whole_mc = mc;
   whole_mc.tensor_parallel = 1;
-  models::Gpt whole(whole_mc);
+  models::Transformer whole(whole_mc);
   std::vector<float> v(static_cast<size_t>(whole.layout().total_elems()));
   for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
   const ParamEntry& qkv = whole.layout().find("h.1.qkv.weight");   // (96, 32)
   const ParamEntry& proj = whole.layout().find("h.1.proj.weight");  // (32, 32)
   const ParamEntry& wte = whole.layout().find("wte");               // (50, 32)
   for (int r = 0; r < 2; ++r) {
-    models::Gpt part(mc, r);
+    models::Transformer part(mc, r);
     const std::vector<float> s = part.shard_values(v);
     const ParamEntry& pq = part.layout().find("h.1.qkv.weight");    // (48, 32)
     // Row 16 of the shard is k's first row of this rank's heads: whole row 32 + 16 r.
@@ -189,7 +189,7 @@ TEST(GptTpLayoutTest, ShardValuesPicksEachRanksPart) {
     const ParamEntry& ln = part.layout().find("lnf.weight");
     EXPECT_EQ(s[ln.offset_elems + 7], v[whole.layout().find("lnf.weight").offset_elems + 7]);
   }
-  EXPECT_THROW(models::Gpt(mc, 0).shard_values(std::vector<float>(3)), InvalidArgument);
+  EXPECT_THROW(models::Transformer(mc, 0).shard_values(std::vector<float>(3)), InvalidArgument);
 }
 
 TEST(GptTpLayoutTest, MergeShardsInvertsShardValues) {
@@ -198,7 +198,7 @@ TEST(GptTpLayoutTest, MergeShardsInvertsShardValues) {
       const auto mc = small_config(t, false, false, llama);
       config::ModelConfig whole_config = mc;
       whole_config.tensor_parallel = 1;
-      const models::Gpt whole(whole_config);
+      const models::Transformer whole(whole_config);
       std::vector<float> values(static_cast<size_t>(whole.layout().total_elems()), 0.0f);
       for (const ParamEntry& e : whole.layout().entries()) {
         for (int64_t i = 0; i < e.shape.numel(); ++i) {
@@ -206,8 +206,8 @@ TEST(GptTpLayoutTest, MergeShardsInvertsShardValues) {
         }
       }
       std::vector<std::vector<float>> parts;
-      for (int r = 0; r < t; ++r) parts.push_back(models::Gpt(mc, r).shard_values(values));
-      EXPECT_EQ(models::Gpt(mc, 0).merge_shards(parts), values) << "llama " << llama << " t " << t;
+      for (int r = 0; r < t; ++r) parts.push_back(models::Transformer(mc, r).shard_values(values));
+      EXPECT_EQ(models::Transformer(mc, 0).merge_shards(parts), values) << "llama " << llama << " t " << t;
     }
   }
 }
@@ -215,13 +215,13 @@ TEST(GptTpLayoutTest, MergeShardsInvertsShardValues) {
 TEST(GptTpLayoutTest, RejectsHeadsThatDoNotSplit) {
   auto mc = small_config(3, false);
   try {
-    models::Gpt g(mc, 0);
+    models::Transformer g(mc, 0);
     FAIL();
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("porter.model.heads = 4 is not divisible by "
                                     "tensor_parallel = 3"));
   }
-  EXPECT_THROW(models::Gpt(small_config(2, false), 2), InvalidArgument);
+  EXPECT_THROW(models::Transformer(small_config(2, false), 2), InvalidArgument);
 }
 
 struct TpCase {
@@ -244,7 +244,7 @@ TEST_P(GptTpEquivalenceTest, LossesAndGradientsMatchOneRank) {
       run_group(small_config(c.t, c.sp, c.tied, c.llama), Plan::kKeepAll, steps);
   for (int r = 0; r < c.t; ++r) {
     const Result& got = group[static_cast<size_t>(r)];
-    models::Gpt part(small_config(c.t, c.sp, c.tied, c.llama), r);
+    models::Transformer part(small_config(c.t, c.sp, c.tied, c.llama), r);
     for (int s = 0; s < steps; ++s) {
       EXPECT_NEAR(got.losses[static_cast<size_t>(s)], one.losses[static_cast<size_t>(s)],
                   1e-5 * std::fabs(one.losses[static_cast<size_t>(s)]))
@@ -255,7 +255,7 @@ TEST_P(GptTpEquivalenceTest, LossesAndGradientsMatchOneRank) {
     }
   }
   // The replicated parameters' gradients are the same bytes on every rank.
-  models::Gpt part0(small_config(c.t, c.sp, c.tied, c.llama), 0);
+  models::Transformer part0(small_config(c.t, c.sp, c.tied, c.llama), 0);
   const std::vector<std::string> replicated =
       c.llama ? std::vector<std::string>{"norm.weight", "layers.1.post_attention_layernorm.weight",
                                          "layers.0.input_layernorm.weight"}

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "base/error.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "nn_test_util.h"
 
 namespace porter::nn {
@@ -256,7 +256,7 @@ config::ModelConfig llama_config(double dropout = 0.1, bool tied = false) {
 }
 
 TEST(LlamaLayoutTest, HuggingFaceNamesAndShapes) {
-  models::Gpt llama(llama_config());
+  models::Transformer llama(llama_config());
   std::vector<std::string> names;
   for (const ParamEntry& e : llama.layout().entries()) names.push_back(e.name);
   ASSERT_EQ(names.size(), 1u + 3 * 9 + 2);
@@ -270,21 +270,21 @@ TEST(LlamaLayoutTest, HuggingFaceNamesAndShapes) {
   EXPECT_EQ(llama.layout().find("layers.1.mlp.gate_proj.weight").shape, (Shape{88, 32}));
   EXPECT_EQ(llama.stage_name(1), "block.0");
   EXPECT_EQ(llama.embedding_name(), "embed_tokens.weight");
-  EXPECT_TRUE(models::Gpt::replicated("layers.0.post_attention_layernorm.weight"));
-  EXPECT_FALSE(models::Gpt::replicated("layers.0.self_attn.q_proj.weight"));
+  EXPECT_TRUE(llama.replicated("layers.0.post_attention_layernorm.weight"));
+  EXPECT_FALSE(llama.replicated("layers.0.self_attn.q_proj.weight"));
 
-  models::Gpt tied(llama_config(0.0, true));
+  models::Transformer tied(llama_config(0.0, true));
   EXPECT_THROW(tied.layout().find("lm_head.weight"), InvalidArgument);
 
   // The default MLP width: 8/3 hidden rounded up to a multiple of 256 (Llama's rule).
   config::ModelConfig mc = llama_config();
   mc.intermediate = 0;
   mc.hidden = 4096;
-  EXPECT_EQ(models::llama_intermediate(mc), 11008);
+  EXPECT_EQ(models::arch_spec(mc.type).intermediate(mc), 11008);
 }
 
 TEST(LlamaLayoutTest, InitIsNormalMatricesAndUnitNorms) {
-  models::Gpt llama(llama_config());
+  models::Transformer llama(llama_config());
   const std::vector<float> v = llama.init_values(3);
   const ParamEntry& norm = llama.layout().find("layers.0.input_layernorm.weight");
   for (int64_t i = 0; i < norm.shape.numel(); ++i) EXPECT_EQ(v[size_t(norm.offset_elems + i)], 1.0f);
@@ -292,16 +292,16 @@ TEST(LlamaLayoutTest, InitIsNormalMatricesAndUnitNorms) {
   double ss = 0;
   for (int64_t i = 0; i < down.shape.numel(); ++i) ss += double(v[size_t(down.offset_elems + i)]) * v[size_t(down.offset_elems + i)];
   EXPECT_NEAR(std::sqrt(ss / double(down.shape.numel())), 0.02, 0.002);  // no residual scaling
-  EXPECT_EQ(v, models::Gpt(llama_config()).init_values(3));
+  EXPECT_EQ(v, models::Transformer(llama_config()).init_values(3));
 }
 
 TEST(LlamaLayoutTest, RejectsShapesItCannotBuild) {
   config::ModelConfig mc = llama_config();
   mc.kv_heads = 3;
-  EXPECT_THROW(models::Gpt{mc}, InvalidArgument);
+  EXPECT_THROW(models::Transformer{mc}, InvalidArgument);
   mc = llama_config();
   mc.hidden = 36;  // 9 channels per head: no rotary pairs
-  EXPECT_THROW(models::Gpt{mc}, InvalidArgument);
+  EXPECT_THROW(models::Transformer{mc}, InvalidArgument);
 }
 
 struct Result {
@@ -309,7 +309,7 @@ struct Result {
   std::vector<float> grads;
 };
 
-Result run(Env& env, models::Gpt& model, FlatParams& flat, const std::vector<models::StagePlan>& plans,
+Result run(Env& env, models::Transformer& model, FlatParams& flat, const std::vector<models::StagePlan>& plans,
            DType dtype, uint64_t step = 3) {
   Tensor g = flat.grads();
   env.kernels->fill(g, 0.0f);
@@ -331,7 +331,7 @@ class LlamaRecomputeTest : public ::testing::TestWithParam<DType> {};
 TEST_P(LlamaRecomputeTest, GradientsBitIdenticalUnderEveryPolicy) {
   const DType dtype = GetParam();
   Env env;
-  models::Gpt llama(llama_config(0.1));
+  models::Transformer llama(llama_config(0.1));
   FlatParams flat(*env.allocator, llama.layout(), dtype, DType::kF32);
   Tensor p = flat.params();
   from_host_f32(*env.device, llama.init_values(5), p);
@@ -358,7 +358,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, LlamaRecomputeTest, ::testing::Values(DType::kF
 // (the Hugging Face fixtures check the values to 1e-4).
 TEST(LlamaGradientTest, MatchesFiniteDifferencesOnEveryTensor) {
   Env env(1);
-  models::Gpt llama(llama_config(0.0, true));
+  models::Transformer llama(llama_config(0.0, true));
   FlatParams flat(*env.allocator, llama.layout(), DType::kF32, DType::kF32);
   std::vector<float> values = llama.init_values(9);
   for (float& v : values) v *= 2.0f;  // larger weights: gradients well above f32 noise

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

@@ -56,7 +56,7 @@ std::unique_ptr<Device> make_device(const DeviceOptions& o) {
 }
 }  // namespace porter::memory
 
-namespace porter::nn::cuda {
+namespace porter::kernels::cuda {
 struct CublasLtMatmul::Handle {};
 struct CublasLtMatmul::Plan {};
 CublasLtMatmul::CublasLtMatmul(memory::Device& device) : device_(device) {}
@@ -100,4 +100,4 @@ void CublasLtMatmul::run(const GemmArgs& g, cudaStream_t) {
       }
   }
 }
-}  // namespace porter::nn::cuda
+}  // namespace porter::kernels::cuda

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "base/error.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 
@@ -97,7 +97,7 @@ TEST(TensorTest, HostTransfersRoundTripF32Bf16AndI32) {
     tensor::from_host_f32(*env.device, v, t);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("tensor::from_host_f32"));
+    EXPECT_THAT(e.what(), HasSubstr("from_host_f32"));
   }
 }
 

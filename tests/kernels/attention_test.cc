@@ -11,7 +11,7 @@
 #include "base/error.h"
 #include "kernels/cpu/attention_heads.h"
 #include "kernels/kernel_table.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "tensor/philox.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "base/error.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

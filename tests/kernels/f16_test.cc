@@ -11,7 +11,7 @@
 
 #include "base/error.h"
 #include "tensor/philox.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

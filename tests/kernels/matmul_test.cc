@@ -9,7 +9,7 @@
 #include "base/error.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/kernel_table.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

@@ -10,7 +10,7 @@
 
 #include "base/error.h"
 #include "kernels/kernels.h"
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 

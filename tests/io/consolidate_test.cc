@@ -20,7 +20,7 @@
 #include "io/consolidate.h"
 #include "io/state_file.h"
 #include "io/weights_file.h"
-#include "engine_test_util.h"
+#include "tests/engine/engine_test_util.h"
 #include "zero/partition.h"
 
 namespace porter::engine {
@@ -110,7 +110,7 @@ Trained train_and_save(const config::Config& c, int steps, const fs::path& dir) 
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     std::shared_ptr<comm::Communicator> dp =
         ws > 1 ? comm::make_communicator(*device, store, rank, ws, o) : nullptr;
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
     const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     for (int s = 0; s < steps; ++s) e.train_step(data.rank_batches(s, 1, rank, ws));
     e.save_checkpoint(dir);

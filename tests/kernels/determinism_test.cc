@@ -2,7 +2,7 @@
 // sizes large enough that each thread gets several blocks, rows and column blocks.
 #include <gtest/gtest.h>
 
-#include "nn_test_util.h"
+#include "tests/nn/nn_test_util.h"
 
 namespace porter::nn {
 
