@@ -56,6 +56,7 @@ class PinnedPool {
   void record_stream(void* ptr, Stream& stream);
   void empty_cache();
   PinnedStats stats() const;
+  Device& device() const { return *device_; }
   // The bytes the pool holds for the live buffer at `ptr`: its block's capacity, which is the
   // request rounded up to kGranularity for a new block, and up to twice the request for a
   // cached block reused (rule 1). Throws UsageError for a pointer that is not live here.

@@ -62,12 +62,12 @@ struct CheckpointStash::Impl {
   std::unique_ptr<memory::Event> compute_point;  // recorded on compute, waited on by copies
 
   // Arenas (contiguous_memory_optimization).
-  memory::PinnedBuffer pinned_arena;
+  memory::HostBlock pinned_arena;
   memory::DeviceBuffer staging_arena;
   memory::DeviceBuffer slice_arena;  // device slices of partitioned entries
   // Zeros for the padding of this rank's blocks (Note [Partition semantics]); empty when no
   // block needs any.
-  memory::PinnedBuffer zeros;
+  memory::HostBlock zeros;
   int rank = 0;  // in the tp group
 
   struct Entry {
@@ -78,7 +78,7 @@ struct CheckpointStash::Impl {
     tensor::Shape shape;
     tensor::DType dtype = tensor::DType::kF32;
     size_t nbytes = 0;
-    memory::PinnedBuffer pinned;  // not contiguous: this entry's pinned slot
+    memory::HostBlock pinned;     // not contiguous: this entry's pinned slot
     void* host = nullptr;         // the pinned slot (own buffer or arena)
     tensor::Tensor staged;            // the device copy, once prefetched
     std::unique_ptr<memory::Event> d2h_done;
@@ -135,19 +135,25 @@ struct CheckpointStash::Impl {
     stats.slice_peak_bytes = std::max(stats.slice_peak_bytes, slice_current);
   }
 
-  // Queues `bytes` from src to dst on `stream`, then `padding` zeros after them, bracketed by
+  // Queues `bytes` from src to dst on `lane`, then `padding` zeros after them, bracketed by
   // timing callbacks.
-  std::shared_ptr<CopyTiming> timed_copy(memory::Stream& stream, CopyRecord::Direction dir,
+  std::shared_ptr<CopyTiming> timed_copy(memory::HostLane& lane, CopyRecord::Direction dir,
                                          int stage, void* dst, const void* src, size_t bytes,
                                          size_t padding = 0) {
+    memory::Stream& stream = lane.stream();
+    const bool down = dir == CopyRecord::Direction::kD2H;
     auto timing = std::make_shared<CopyTiming>();
     timing->record.direction = dir;
     timing->record.stage = stage;
     timing->record.micro_batch = micro_batch;
     timing->record.bytes = bytes + padding;
     stream.host_callback([timing] { timing->record.start = Clock::now(); });
-    stream.copy_async(dst, src, bytes);
-    if (padding > 0) stream.copy_async(static_cast<std::byte*>(dst) + bytes, zeros.data(), padding);
+    if (down) {
+      lane.to_host(dst, src, bytes);
+      if (padding > 0) lane.to_host(static_cast<std::byte*>(dst) + bytes, zeros.data(), padding);
+    } else {
+      lane.to_device(dst, src, bytes);
+    }
     stream.host_callback([this, timing] {
       const Clock::time_point end = Clock::now();
       std::lock_guard<std::mutex> lock(mu);
@@ -234,20 +240,35 @@ struct CheckpointStash::Impl {
   }
 };
 
+CheckpointStash::CheckpointStash(memory::CachingAllocator& allocator, memory::HostTier& host,
+                                 StashOptions options)
+    : CheckpointStash(allocator, nullptr, &host, options) {}
+
 CheckpointStash::CheckpointStash(memory::CachingAllocator& allocator, memory::PinnedPool& pinned,
                                  StashOptions options)
-    : allocator_(&allocator), pinned_(&pinned), options_(options), impl_(std::make_unique<Impl>()) {
+    : CheckpointStash(allocator, std::make_unique<memory::PinnedHostTier>(pinned), nullptr, options) {}
+
+CheckpointStash::CheckpointStash(memory::CachingAllocator& allocator,
+                                 std::unique_ptr<memory::HostTier> owned, memory::HostTier* host,
+                                 StashOptions options)
+    : allocator_(&allocator),
+      owned_host_(std::move(owned)),
+      host_(host != nullptr ? host : owned_host_.get()),
+      options_(options),
+      impl_(std::make_unique<Impl>()) {
+  PORTER_CHECK(&host_->device() == &allocator.device(),
+               "CheckpointStash: the host tier is over another device than the allocator");
   memory::Device& device = allocator.device();
   impl_->device = &device;
   impl_->compute_point = device.create_event();
-  d2h_ = device.create_stream("offload.d2h");
-  h2d_ = device.create_stream("offload.h2d");
+  d2h_ = host_->open_lane("offload.d2h");
+  h2d_ = host_->open_lane("offload.h2d");
 }
 
 CheckpointStash::~CheckpointStash() {
   abort();
   // The streams' queued callbacks write into impl_: let them run while it is alive.
-  for (memory::Stream* s : {d2h_.get(), h2d_.get()}) {
+  for (memory::Stream* s : {&d2h_->stream(), &h2d_->stream()}) {
     try {
       s->synchronize();
     } catch (const std::exception& ex) {
@@ -290,18 +311,19 @@ void CheckpointStash::prepare(const checkpoint::OffloadLayout& layout) {
                  " ranks; plan with partition ways = porter.model.tensor_parallel = the tp group's size");
   }
   const int rank = partitioned > 0 ? tp->rank() : 0;
-  const memory::PinnedStats ps = pinned_->stats();
+  const size_t limit = host_->limit_bytes();
+  const size_t in_use = host_->in_use_bytes();
   // The stash's own arena and zeros are given back before the new ones are taken, so they do
   // not count.
   const size_t own = impl_->pinned_arena.size_bytes() + impl_->zeros.size_bytes();
-  const size_t others = ps.in_use_bytes > own ? ps.in_use_bytes - own : 0;
-  if (layout.pinned_bytes > 0 && others + layout.pinned_bytes > ps.limit_bytes) {
+  const size_t others = in_use > own ? in_use - own : 0;
+  if (layout.pinned_bytes > 0 && others + layout.pinned_bytes > limit) {
     throw OutOfMemoryError(
-        str_cat("offload needs ", format_bytes(layout.pinned_bytes), " of pinned host memory per ",
+        str_cat("offload needs ", format_bytes(layout.pinned_bytes), " of ", host_->name(), " per ",
                 "micro-batch for ", layout.entries.size(), " host-held checkpoints, but ",
-                "porter.device.pinned_limit is ", format_bytes(ps.limit_bytes),
+                host_->limit_key(), " is ", format_bytes(limit),
                 others > 0 ? str_cat(" (", format_bytes(others), " already in use)") : std::string(),
-                "; raise porter.device.pinned_limit, keep more checkpoints on device "
+                "; raise ", host_->limit_key(), ", keep more checkpoints on device "
                 "(porter.checkpointing.keep_last_on_device) or turn off "
                 "activation_checkpointing.cpu_checkpointing"),
         layout.pinned_bytes);
@@ -335,17 +357,17 @@ void CheckpointStash::prepare(const checkpoint::OffloadLayout& layout) {
 
   // Zeros first: if they do not fit, nothing has changed. Fresh from the pool (nothing queued
   // reads a buffer the pool hands out), so the host may write them.
-  memory::PinnedBuffer zeros;
+  memory::HostBlock zeros;
   if (padding > 0) {
-    zeros = pinned_->allocate(padding);
+    zeros = host_->allocate(padding);
     std::memset(zeros.data(), 0, zeros.size_bytes());
   }
-  memory::PinnedBuffer pinned_arena;
+  memory::HostBlock pinned_arena;
   memory::DeviceBuffer staging_arena;
   memory::DeviceBuffer slice_arena;
   if (options_.contiguous) {
     auto take = [&] {
-      pinned_arena = pinned_->allocate(layout.pinned_bytes);
+      pinned_arena = host_->allocate(layout.pinned_bytes);
       staging_arena = allocator_->allocate(layout.staging_arena_bytes(), memory::Category::kStaging);
       slice_arena = allocator_->allocate(layout.slice_arena_bytes(), memory::Category::kCheckpoints);
     };
@@ -452,22 +474,17 @@ void CheckpointStash::offload(int entry, const tensor::Tensor& t) {
   if (options_.contiguous) {
     e.host = static_cast<std::byte*>(impl_->pinned_arena.data()) + le.pinned_offset;
   } else {
-    e.pinned = pinned_->allocate(std::max<size_t>(host_bytes, 1));
+    e.pinned = host_->allocate(std::max<size_t>(host_bytes, 1));
     e.host = e.pinned.data();
     impl_->note_pinned(e.pinned.size_bytes(), 0);
   }
-  compute.record(*impl_->compute_point);
-  d2h_->wait(*impl_->compute_point);
+  d2h_->after(compute);
   impl_->timed_copy(*d2h_, CopyRecord::Direction::kD2H, le.stage, e.host, src, bytes, block.padding);
   d2h_->record(*e.d2h_done);
   // The allocator frees a_i only when the copy has read it (Note [Deferred free]).
-  t.record_stream(*d2h_);
-  if (!e.pinned.empty()) e.pinned.record_stream(*d2h_);
+  t.record_stream(d2h_->stream());
+  if (!e.pinned.empty()) e.pinned.record_stream(d2h_->stream());
   e.offloaded = true;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->stats.d2h_bytes += host_bytes;
-  }
   if (options_.synchronize_boundary) {
     WaitRecord w{le.stage, impl_->micro_batch, Clock::now(), 0.0};
     e.d2h_done->synchronize();
@@ -516,19 +533,14 @@ void CheckpointStash::prefetch(int entry) {
                     ? static_cast<std::byte*>(e.gathered_ptr) + static_cast<size_t>(impl_->rank) * le.slice_bytes
                     : e.staged.data();
     const size_t bytes = layout_.host_bytes(le);
-    compute.record(*impl_->compute_point);
-    h2d_->wait(*impl_->compute_point);
+    h2d_->after(compute);
     h2d_->wait(*e.d2h_done);
     e.h2d_timing = impl_->timed_copy(*h2d_, CopyRecord::Direction::kH2D, le.stage, dst, e.host,
                                      le.partitioned ? bytes : e.nbytes);
     h2d_->record(*e.h2d_done);
-    {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->stats.h2d_bytes += le.partitioned ? bytes : e.nbytes;
-    }
     // The pinned slot is free once the copy has read it.
     if (!e.pinned.empty()) {
-      e.pinned.record_stream(*h2d_);
+      e.pinned.record_stream(h2d_->stream());
       impl_->note_pinned(0, e.pinned.size_bytes());
       e.pinned.reset();
     }
@@ -686,7 +698,7 @@ void CheckpointStash::end() {
 
 void CheckpointStash::abort() noexcept {
   if (!impl_->active) return;
-  for (memory::Stream* s : {d2h_.get(), h2d_.get()}) {
+  for (memory::Stream* s : {&d2h_->stream(), &h2d_->stream()}) {
     try {
       s->synchronize();
     } catch (const std::exception& ex) {
@@ -712,10 +724,21 @@ void CheckpointStash::synchronize() {
 StashStats CheckpointStash::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->resolve_waits_locked();
-  return impl_->stats;
+  StashStats s = impl_->stats;
+  s.d2h_bytes = d2h_->stats().d2h_bytes;
+  s.h2d_bytes = h2d_->stats().h2d_bytes;
+  return s;
+}
+
+memory::HostTierStats CheckpointStash::host_tier_stats() const {
+  memory::HostTierStats s = d2h_->stats();
+  s += h2d_->stats();
+  return s;
 }
 
 void CheckpointStash::reset_stats() {
+  d2h_->take_stats();
+  h2d_->take_stats();
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->stats = StashStats{};
   impl_->stats.pinned_peak_bytes = impl_->pinned_arena.size_bytes();

@@ -2,8 +2,9 @@
 // and back, and keeps partitioned checkpoints as this rank's slice and all-gathers them on
 // the tensor-parallel group, following an OffloadLayout (checkpoint/offload_plan.h, Note
 // [Offload semantics], Note [Partition semantics]). The engine's executor calls it at the ops
-// the layout names; the stash owns the two copy streams, the pinned slots, the device slices
-// and the device staging slots, and measures the copies and gathers.
+// the layout names; the stash owns two copy lanes of its host tier (Note [Host tier] in
+// memory/host_tier.h), the pinned slots, the device slices and the device staging slots, and
+// measures the copies and gathers.
 //
 // Note [Stash protocol]
 // Per micro-batch: begin(mb); then, in op order,
@@ -79,6 +80,7 @@
 #include "comm/communicator.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
+#include "memory/host_tier.h"
 #include "memory/pinned_pool.h"
 #include "tensor/tensor.h"
 
@@ -129,6 +131,7 @@ struct GatherRecord {
 };
 
 struct StashStats {
+  // The stash's two lanes' figures (memory::HostTierStats::d2h_bytes and h2d_bytes).
   size_t d2h_bytes = 0;
   size_t h2d_bytes = 0;
   double copy_busy_s = 0.0;     // both copy streams, summed
@@ -147,7 +150,7 @@ struct StashStats {
     return copy_busy_s > 0 ? 1.0 - exposed_wait_s / copy_busy_s : 1.0;
   }
   // Folds a later window in: bytes and times add, the peaks take the larger.
-  void add(const StashStats& s) {
+  StashStats& operator+=(const StashStats& s) {
     d2h_bytes += s.d2h_bytes;
     h2d_bytes += s.h2d_bytes;
     copy_busy_s += s.copy_busy_s;
@@ -159,12 +162,18 @@ struct StashStats {
     gather_busy_s += s.gather_busy_s;
     gather_exposed_s += s.gather_exposed_s;
     slice_peak_bytes = std::max(slice_peak_bytes, s.slice_peak_bytes);
+    return *this;
   }
+  void add(const StashStats& s) { *this += s; }
 };
 
 class CheckpointStash {
  public:
-  // Creates the D2H and H2D streams on the allocator's device.
+  // Opens the D2H and H2D lanes ("offload.d2h", "offload.h2d") of `host` (not owned;
+  // outlives the stash), on the allocator's device; the slots come from `host` too.
+  CheckpointStash(memory::CachingAllocator& allocator, memory::HostTier& host,
+                  StashOptions options);
+  // The same over the pinned pool (not owned; outlives the stash), as a PinnedHostTier.
   CheckpointStash(memory::CachingAllocator& allocator, memory::PinnedPool& pinned,
                   StashOptions options);
   ~CheckpointStash();  // abort()s a micro-batch in flight
@@ -195,7 +204,7 @@ class CheckpointStash {
   void end();
   void abort() noexcept;
 
-  // Waits for both copy streams, and the tp comm stream when the layout has partitioned
+  // Waits for both lanes, and the tp comm stream when the layout has partitioned
   // entries (after a step; never inside a micro-batch).
   void synchronize();
 
@@ -207,20 +216,28 @@ class CheckpointStash {
   std::vector<WaitRecord> take_waits();
   std::vector<GatherRecord> take_gathers();
 
-  memory::Stream& d2h_stream() { return *d2h_; }
-  memory::Stream& h2d_stream() { return *h2d_; }
+  memory::Stream& d2h_stream() { return d2h_->stream(); }
+  memory::Stream& h2d_stream() { return h2d_->stream(); }
+  memory::HostTier& host_tier() const { return *host_; }
+  // The lanes' traffic and waits since construction or reset_stats().
+  memory::HostTierStats host_tier_stats() const;
 
  private:
   struct Impl;
+  // `host` when not null, else `owned`.
+  CheckpointStash(memory::CachingAllocator& allocator, std::unique_ptr<memory::HostTier> owned,
+                  memory::HostTier* host, StashOptions options);
   // Issues entry's all_gather on the tp comm stream (Note [Stash partition]).
   void issue_gather(int entry);
 
   memory::CachingAllocator* allocator_;  // not owned
-  memory::PinnedPool* pinned_;           // not owned
+  // Built over a pinned pool by the second constructor; first, so it goes last.
+  std::unique_ptr<memory::HostTier> owned_host_;
+  memory::HostTier* host_;  // owned_host_, or not owned
   StashOptions options_;
   checkpoint::OffloadLayout layout_;
-  std::unique_ptr<memory::Stream> d2h_;
-  std::unique_ptr<memory::Stream> h2d_;
+  std::unique_ptr<memory::HostLane> d2h_;
+  std::unique_ptr<memory::HostLane> h2d_;
   std::unique_ptr<Impl> impl_;
 };
 

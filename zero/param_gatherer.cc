@@ -20,7 +20,26 @@ using Clock = std::chrono::steady_clock;
 ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator,
                              comm::Communicator* dp, const Partition& part, tensor::Tensor shard,
                              std::vector<ParamUnit> units, int64_t max_live_elems,
+                             std::function<void()> rebind, memory::HostTier* shard_tier)
+    : ParamGatherer(flat, allocator, dp, part, std::move(shard), std::move(units), max_live_elems,
+                    std::move(rebind), nullptr, shard_tier) {}
+
+ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator,
+                             comm::Communicator* dp, const Partition& part, tensor::Tensor shard,
+                             std::vector<ParamUnit> units, int64_t max_live_elems,
                              std::function<void()> rebind, bool shard_on_host)
+    : ParamGatherer(flat, allocator, dp, part, std::move(shard), std::move(units), max_live_elems,
+                    std::move(rebind),
+                    shard_on_host ? std::make_unique<memory::PageableHostTier>(allocator.device())
+                                  : nullptr,
+                    nullptr) {}
+
+ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator,
+                             comm::Communicator* dp, const Partition& part, tensor::Tensor shard,
+                             std::vector<ParamUnit> units, int64_t max_live_elems,
+                             std::function<void()> rebind,
+                             std::unique_ptr<memory::HostTier> owned_tier,
+                             memory::HostTier* shard_tier)
     : flat_(&flat),
       allocator_(&allocator),
       dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
@@ -30,8 +49,14 @@ ParamGatherer::ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& all
       units_(std::move(units)),
       state_(units_.size()),
       max_live_elems_(max_live_elems),
-      rebind_(std::move(rebind)) {
-  if (shard_on_host) h2d_ = allocator.device().create_stream("param h2d");
+      rebind_(std::move(rebind)),
+      owned_tier_(std::move(owned_tier)) {
+  if (shard_tier == nullptr) shard_tier = owned_tier_.get();
+  if (shard_tier != nullptr) {
+    PORTER_CHECK(&shard_tier->device() == &allocator.device(),
+                 "ParamGatherer: the shard's host tier is over another device than the allocator");
+    h2d_ = shard_tier->open_lane("param h2d");
+  }
   PORTER_CHECK(shard_.defined() && shard_.numel() == part.shard_elems,
                "ParamGatherer: the working shard has ", shard_.defined() ? shard_.numel() : 0,
                " elements, the partition's shard ", part.shard_elems);
@@ -49,7 +74,7 @@ ParamGatherer::~ParamGatherer() {
   for (UnitState& s : state_) s.works.clear();
   if (h2d_) {
     try {
-      h2d_->synchronize();
+      h2d_->stream().synchronize();
     } catch (...) {  // the failure was reported by the step that made it
     }
   }
@@ -57,10 +82,8 @@ ParamGatherer::~ParamGatherer() {
 
 void ParamGatherer::wait_upload(UnitState& st) {
   if (!st.uploading) return;
-  memory::Stream& compute = allocator_->device().compute_stream();
-  const auto t0 = Clock::now();
-  compute.wait(*st.uploaded);
-  stats_.exposed_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  h2d_->wait_on(allocator_->device().compute_stream(), *st.uploaded);
+  stats_.exposed_s += h2d_->last_wait_s();
   st.uploading = false;
 }
 
@@ -84,12 +107,11 @@ void ParamGatherer::issue(int u, tensor::Tensor buffer) {
       if (!st.uploaded) st.uploaded = allocator_->device().create_event();
       allocator_->device().compute_stream().record(*st.uploaded);
       h2d_->wait(*st.uploaded);
-      h2d_->copy_async(dst, src, bytes);
+      h2d_->to_device(dst, src, bytes);
       h2d_->record(*st.uploaded);
       // No record_stream on h2d_: every path that drops the buffer (wait, release, abort)
       // waits for the upload first, and the stream may go before the persistent buffers do.
       st.uploading = true;
-      stats_.h2d_bytes += bytes;
       if (dp_ != nullptr) dp_->stream().wait(*st.uploaded);
     } else {
       allocator_->device().compute_stream().copy_async(dst, src, bytes);
@@ -234,7 +256,7 @@ void ParamGatherer::release_all() {
 void ParamGatherer::abort() {
   if (h2d_) {
     try {
-      h2d_->synchronize();  // no upload may write a buffer dropped below
+      h2d_->stream().synchronize();  // no upload may write a buffer dropped below
     } catch (...) {       // the step that failed reports the error
     }
   }
@@ -251,11 +273,31 @@ void ParamGatherer::abort() {
 }
 
 void ParamGatherer::check() {
-  if (h2d_) h2d_->synchronize();
+  if (h2d_) h2d_->stream().synchronize();
+}
+
+GatherStats& GatherStats::operator+=(const GatherStats& s) {
+  gathers += s.gathers;
+  gathered_bytes += s.gathered_bytes;
+  h2d_bytes += s.h2d_bytes;
+  busy_s += s.busy_s;
+  exposed_s += s.exposed_s;
+  peak_live_elems = std::max(peak_live_elems, s.peak_live_elems);
+  peak_live_bytes = std::max(peak_live_bytes, s.peak_live_bytes);
+  return *this;
+}
+
+memory::HostTierStats ParamGatherer::host_tier_stats() const {
+  return h2d_ ? h2d_->stats() : memory::HostTierStats{};
 }
 
 GatherStats ParamGatherer::take_stats() {
   GatherStats s = stats_;
+  if (h2d_) {
+    const uint64_t up = h2d_->stats().h2d_bytes;
+    s.h2d_bytes = up - h2d_taken_bytes_;
+    h2d_taken_bytes_ = up;
+  }
   stats_ = GatherStats{};
   stats_.peak_live_elems = live_elems_;
   stats_.peak_live_bytes = live_bytes_;

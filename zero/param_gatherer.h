@@ -23,7 +23,8 @@
 // stage3_max_live_parameters at every gather.
 // With parameter offload the shard is in host memory (Note [Parameter offload] in
 // zero/sharded_optimizer.h): this rank's part then goes to the buffer on the gatherer's own
-// copy stream ("param h2d"), an event marks its end, and the comm stream waits for that event
+// lane of the shard's host tier ("param h2d", Note [Host tier] in memory/host_tier.h), an
+// event marks its end, and the comm stream waits for that event
 // before the broadcasts (the one rooted here sends those bytes), and the compute stream at
 // wait(u). So a prefetched unit's upload, like its broadcasts, overlaps the ops before it.
 #pragma once
@@ -36,6 +37,7 @@
 
 #include "comm/communicator.h"
 #include "memory/caching_allocator.h"
+#include "memory/host_tier.h"
 #include "nn/layer.h"
 #include "zero/partition.h"
 
@@ -53,21 +55,33 @@ struct ParamUnit {
 struct GatherStats {
   int64_t gathers = 0;
   uint64_t gathered_bytes = 0;  // received from other ranks
-  uint64_t h2d_bytes = 0;       // parameter offload: this rank's parts uploaded from the host
+  // Parameter offload: this rank's parts uploaded from the host (the lane's
+  // memory::HostTierStats::h2d_bytes).
+  uint64_t h2d_bytes = 0;
   double busy_s = 0.0;          // comm-stream time of the broadcasts
-  double exposed_s = 0.0;       // host time the compute stream waited for them
+  double exposed_s = 0.0;       // host time the compute stream waited for them (and uploads)
   int64_t peak_live_elems = 0;  // gathered elements alive at once (persistent aside), at most
   size_t peak_live_bytes = 0;
+  // Folds a later window in: counts, bytes and times add, the peaks take the larger.
+  GatherStats& operator+=(const GatherStats& s);
 };
 
 class ParamGatherer {
  public:
   // `shard` is the rank's working shard [r*S, (r+1)*S) (the whole buffer with one rank), in
-  // device memory, or in host memory when `shard_on_host`; `dp` may be null (one rank).
-  // `rebind` binds the model to `flat` again after views change.
+  // device memory, or in host memory of `shard_tier` (not owned; outlives the gatherer:
+  // ShardedOptimizer::param_tier()), on whose lane it is uploaded; `dp` may be null (one
+  // rank). `rebind` binds the model to `flat` again after views change.
   ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator, comm::Communicator* dp,
                 const Partition& part, tensor::Tensor shard, std::vector<ParamUnit> units,
-                int64_t max_live_elems, std::function<void()> rebind, bool shard_on_host = false);
+                int64_t max_live_elems, std::function<void()> rebind,
+                memory::HostTier* shard_tier = nullptr);
+  // The same for a shard in host memory of a kind not named (`shard_on_host`): its lane is
+  // then one of a PageableHostTier the gatherer keeps (its copies are plain copies all the
+  // same).
+  ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator, comm::Communicator* dp,
+                const Partition& part, tensor::Tensor shard, std::vector<ParamUnit> units,
+                int64_t max_live_elems, std::function<void()> rebind, bool shard_on_host);
   ParamGatherer(const ParamGatherer&) = delete;
   ParamGatherer& operator=(const ParamGatherer&) = delete;
   ~ParamGatherer();
@@ -98,8 +112,14 @@ class ParamGatherer {
   void check();
 
   GatherStats take_stats();
+  // The upload lane's traffic and waits since construction (zero with the shard on the device).
+  memory::HostTierStats host_tier_stats() const;
 
  private:
+  ParamGatherer(nn::FlatParams& flat, memory::CachingAllocator& allocator, comm::Communicator* dp,
+                const Partition& part, tensor::Tensor shard, std::vector<ParamUnit> units,
+                int64_t max_live_elems, std::function<void()> rebind,
+                std::unique_ptr<memory::HostTier> owned_tier, memory::HostTier* shard_tier);
   struct UnitState {
     tensor::Tensor buffer;
     std::vector<comm::Work> works;
@@ -124,7 +144,9 @@ class ParamGatherer {
   int64_t live_elems_ = 0;
   size_t live_bytes_ = 0;
   std::function<void()> rebind_;
-  std::unique_ptr<memory::Stream> h2d_;  // shard on the host; null otherwise
+  std::unique_ptr<memory::HostTier> owned_tier_;  // the bool constructor's; before h2d_
+  std::unique_ptr<memory::HostLane> h2d_;  // shard on the host; null otherwise
+  uint64_t h2d_taken_bytes_ = 0;  // h2d_'s bytes up to the last take_stats()
   GatherStats stats_;
 };
 

@@ -28,46 +28,45 @@ tensor::Tensor zeros_f32(kernels::Kernels& kernels, memory::CachingAllocator& al
 
 }  // namespace
 
-// Note [Optimizer offload], Note [Parameter offload]: the host arrays of the rank's range.
+// Note [Optimizer offload], Note [Parameter offload]: the host arrays of the rank's range,
+// each a block of a host tier (Note [Host tier] in memory/host_tier.h): the pinned one with
+// pin_memory, the pageable one otherwise.
 struct ShardedOptimizer::Host {
   struct Array {
-    memory::PinnedBuffer pinned;              // pin_memory
-    std::unique_ptr<std::byte[]> pageable;    // otherwise
+    memory::HostBlock block;
     void* data = nullptr;
     size_t bytes = 0;
-    size_t held = 0;  // what it takes: the pinned pool's block (Note [Host-state bytes per rank])
+    size_t held = 0;  // what it takes: the tier's block (Note [Host-state bytes per rank])
   };
+  // The tiers first, so that they go after every block and lane.
+  std::unique_ptr<memory::HostTier> owned_pinned;  // built over a pinned pool
+  std::unique_ptr<memory::HostTier> pageable;      // pin_memory false
+  memory::HostTier* optimizer_tier = nullptr;      // master, moments, gradient and working copies
+  memory::HostTier* param_tier = nullptr;          // the parameter shard (parameter offload)
   bool optimizer = false;  // master, exp_avg, exp_avg_sq, grad live here
   bool params = false;     // `out` is the parameter shard itself
   Array master, exp_avg, exp_avg_sq, grad, out;
   std::unique_ptr<CpuAdam> adam;
   // The copies of the offloaded optimizer (Note [Optimizer offload]): gradients down as the
   // reducer finishes them, the working copy up after the update.
-  std::unique_ptr<memory::Stream> stream;
-  std::unique_ptr<memory::Event> ready;  // recorded on compute before each gradient copy
+  std::unique_ptr<memory::HostLane> lane;
   std::vector<std::pair<int64_t, int64_t>> sent;  // this step's gradient parts already queued
   uint64_t sent_bytes = 0;
-  static Array make(memory::PinnedPool* pinned, size_t bytes, const char* key, const char* what) {
+  static Array make(memory::HostTier& tier, size_t bytes, const char* key, const char* what) {
     Array a;
     a.bytes = bytes;
     if (bytes == 0) return a;
-    if (pinned != nullptr) {
-      try {
-        a.pinned = pinned->allocate(bytes);
-      } catch (const OutOfMemoryError& e) {
-        throw OutOfMemoryError(std::string("zero_optimization.") + key + ": the host " + what +
-                               " (" + std::to_string(bytes) + " bytes) does not fit in pinned memory: " +
-                               e.what() + " (raise porter.device.pinned_limit, or set " + key +
-                               ".pin_memory to false)",
-                               e.requested_bytes());
-      }
-      a.data = a.pinned.data();
-      a.held = pinned->block_bytes(a.data);  // a reused cached block can be larger
-    } else {
-      a.pageable = std::make_unique<std::byte[]>(bytes);
-      a.data = a.pageable.get();
-      a.held = bytes;
+    try {
+      a.block = tier.allocate(bytes);
+    } catch (const OutOfMemoryError& e) {
+      throw OutOfMemoryError(std::string("zero_optimization.") + key + ": the host " + what +
+                             " (" + std::to_string(bytes) + " bytes) does not fit in " + tier.name() +
+                             ": " + e.what() + " (raise " + tier.limit_key() + ", or set " + key +
+                             ".pin_memory to false)",
+                             e.requested_bytes());
     }
+    a.data = a.block.data();
+    a.held = tier.block_bytes(a.data);  // a reused cached block can be larger
     return a;
   }
 };
@@ -78,6 +77,21 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
                                    memory::CachingAllocator& allocator, comm::Communicator* dp,
                                    const Partition& part, const OptimizerOptions& options,
                                    memory::PinnedPool* pinned)
+    : ShardedOptimizer(flat, kernels, allocator, dp, part, options,
+                       pinned != nullptr ? std::make_unique<memory::PinnedHostTier>(*pinned) : nullptr,
+                       nullptr) {}
+
+ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
+                                   memory::CachingAllocator& allocator, comm::Communicator* dp,
+                                   const Partition& part, const OptimizerOptions& options,
+                                   memory::HostTier* pinned)
+    : ShardedOptimizer(flat, kernels, allocator, dp, part, options, nullptr, pinned) {}
+
+ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
+                                   memory::CachingAllocator& allocator, comm::Communicator* dp,
+                                   const Partition& part, const OptimizerOptions& options,
+                                   std::unique_ptr<memory::HostTier> owned_pinned,
+                                   memory::HostTier* pinned)
     : flat_(&flat),
       kernels_(&kernels),
       allocator_(&allocator),
@@ -107,26 +121,34 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
   if (options.offload.enabled || offload_params) {
     const bool pin_opt = options.offload.enabled && options.offload.pin_memory;
     const bool pin_params = offload_params && options.param_offload.pin_memory;
+    host_ = std::make_unique<Host>();
+    host_->owned_pinned = std::move(owned_pinned);
+    if (pinned == nullptr) pinned = host_->owned_pinned.get();
     PORTER_CHECK((!pin_opt && !pin_params) || pinned != nullptr,
                  "ShardedOptimizer: offload with pin_memory needs the pinned pool");
-    host_ = std::make_unique<Host>();
+    PORTER_CHECK(pinned == nullptr || &pinned->device() == &allocator.device(),
+                 "ShardedOptimizer: the pinned host tier is over another device than the allocator");
+    if (!pin_opt || !pin_params) {
+      host_->pageable = std::make_unique<memory::PageableHostTier>(allocator.device());
+    }
+    host_->optimizer_tier = pin_opt ? pinned : host_->pageable.get();
+    host_->param_tier = pin_params ? pinned : host_->pageable.get();
     host_->optimizer = options.offload.enabled;
     host_->params = offload_params;
     const size_t pbytes = static_cast<size_t>(n) * tensor::dtype_size(flat.param_dtype());
     if (offload_params) {
-      host_->out = Host::make(pin_params ? pinned : nullptr, pbytes, "offload_param",
-                              "parameter shard");
+      host_->out = Host::make(*host_->param_tier, pbytes, "offload_param", "parameter shard");
     }
     if (options.offload.enabled) {
-      memory::PinnedPool* pool = pin_opt ? pinned : nullptr;
+      memory::HostTier& tier = *host_->optimizer_tier;
       const size_t f32 = static_cast<size_t>(h) * sizeof(float);
       constexpr const char* key = "offload_optimizer";
-      host_->master = Host::make(pool, f32, key, "master weights");
-      host_->exp_avg = Host::make(pool, f32, key, "AdamW exp_avg");
-      host_->exp_avg_sq = Host::make(pool, f32, key, "AdamW exp_avg_sq");
-      host_->grad = Host::make(pool, f32, key, "gradient shard");
+      host_->master = Host::make(tier, f32, key, "master weights");
+      host_->exp_avg = Host::make(tier, f32, key, "AdamW exp_avg");
+      host_->exp_avg_sq = Host::make(tier, f32, key, "AdamW exp_avg_sq");
+      host_->grad = Host::make(tier, f32, key, "gradient shard");
       if (!offload_params) {
-        host_->out = Host::make(pool, static_cast<size_t>(h) * tensor::dtype_size(flat.param_dtype()),
+        host_->out = Host::make(tier, static_cast<size_t>(h) * tensor::dtype_size(flat.param_dtype()),
                                 key, "working copy");
       }
       if (f32 > 0) {
@@ -136,8 +158,7 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
       CpuAdamOptions ao;
       ao.threads = options.offload.threads;
       host_->adam = std::make_unique<CpuAdam>(ao);
-      host_->stream = allocator.device().create_stream("optimizer offload");
-      host_->ready = allocator.device().create_event();
+      host_->lane = tier.open_lane("optimizer offload");
     }
   }
   // Stage 3 keeps only the shard of the working parameters, and owns it here: on the device,
@@ -175,6 +196,12 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
 bool ShardedOptimizer::offloaded() const { return host_ != nullptr && host_->optimizer; }
 bool ShardedOptimizer::has_master() const { return flat_->param_dtype() != tensor::DType::kF32; }
 bool ShardedOptimizer::params_offloaded() const { return host_ != nullptr && host_->params; }
+memory::HostTier* ShardedOptimizer::param_tier() const {
+  return params_offloaded() ? host_->param_tier : nullptr;
+}
+memory::HostTierStats ShardedOptimizer::host_tier_stats() const {
+  return host_ != nullptr && host_->lane != nullptr ? host_->lane->stats() : memory::HostTierStats{};
+}
 
 HostStateBytes ShardedOptimizer::host_state() const {
   HostStateBytes b;
@@ -200,7 +227,7 @@ void ShardedOptimizer::state_loaded() {
 void ShardedOptimizer::begin_step() {
   if (!offloaded()) return;
   try {
-    host_->stream->synchronize();  // a failed step's copies are done before they are forgotten
+    host_->lane->stream().synchronize();  // a failed step's copies are done before they are forgotten
   } catch (...) {  // that step reported its error
   }
   host_->sent.clear();
@@ -213,12 +240,10 @@ void ShardedOptimizer::gradients_ready(const tensor::Tensor& grads, int64_t lo, 
                grads.numel());
   hi = std::min(hi, host_elems_);  // Note [Partial offload]: the host's part only
   if (!offloaded() || lo >= hi) return;
-  memory::Device& device = allocator_->device();
-  device.compute_stream().record(*host_->ready);
-  host_->stream->wait(*host_->ready);
+  host_->lane->after(allocator_->device().compute_stream());
   const size_t bytes = static_cast<size_t>(hi - lo) * sizeof(float);
-  host_->stream->copy_async(static_cast<float*>(host_->grad.data) + lo,
-                            static_cast<const float*>(grads.data()) + lo, bytes);
+  host_->lane->to_host(static_cast<float*>(host_->grad.data) + lo,
+                       static_cast<const float*>(grads.data()) + lo, bytes);
   host_->sent.emplace_back(lo, hi);
   host_->sent_bytes += bytes;
 }
@@ -228,24 +253,21 @@ void ShardedOptimizer::gradients_ready(const tensor::Tensor& grads, int64_t lo, 
 void ShardedOptimizer::finish_gradient_copies(const tensor::Tensor& grads) {
   std::vector<std::pair<int64_t, int64_t>> sent = host_->sent;
   std::sort(sent.begin(), sent.end());
-  memory::Device& device = allocator_->device();
-  device.compute_stream().record(*host_->ready);
-  host_->stream->wait(*host_->ready);
+  host_->lane->after(allocator_->device().compute_stream());
   int64_t at = 0;
   auto copy = [&](int64_t lo, int64_t hi) {
     if (lo >= hi) return;
-    host_->stream->copy_async(static_cast<float*>(host_->grad.data) + lo,
-                              static_cast<const float*>(grads.data()) + lo,
-                              static_cast<size_t>(hi - lo) * sizeof(float));
+    host_->lane->to_host(static_cast<float*>(host_->grad.data) + lo,
+                         static_cast<const float*>(grads.data()) + lo,
+                         static_cast<size_t>(hi - lo) * sizeof(float));
   };
   for (const auto& [lo, hi] : sent) {
     copy(at, lo);
     at = std::max(at, hi);
   }
   copy(at, host_elems_);
-  const auto t0 = Clock::now();
-  host_->stream->synchronize();
-  offload_stats_.d2h_wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  host_->lane->synchronize();
+  offload_stats_.d2h_wait_s += host_->lane->last_wait_s();
   offload_stats_.d2h_bytes += host_->grad.bytes;
   offload_stats_.d2h_overlapped_bytes += host_->sent_bytes;
   host_->sent.clear();
@@ -359,8 +381,8 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
     const size_t out_bytes = static_cast<size_t>(h) * tensor::dtype_size(params.dtype());
     if (!host_->params) {
       // Over the link, on the offload stream; compute (the all-gather below) waits for it.
-      host_->stream->copy_async(params.data(), host_->out.data, out_bytes);
-      host_->stream->synchronize();
+      host_->lane->to_device(params.data(), host_->out.data, out_bytes);
+      host_->lane->synchronize();
       offload_stats_.h2d_bytes += out_bytes;
     }
     offload_stats_.cpu_update_s += std::chrono::duration<double>(t2 - t1).count();

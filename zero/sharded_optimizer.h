@@ -37,6 +37,7 @@
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "memory/caching_allocator.h"
+#include "memory/host_tier.h"
 #include "memory/pinned_pool.h"
 #include "kernels/kernels.h"
 #include "nn/layer.h"
@@ -116,6 +117,22 @@ struct OffloadStats {
   uint64_t param_d2h_bytes = 0;  // Note [Parameter offload]: the device-updated shard to the host
   // The host update's span, for the trace (steady_clock; equal when there was none).
   std::chrono::steady_clock::time_point update_begin, update_end;
+  // Folds a later window in: bytes and times add; the span is the later window's when it had
+  // one.
+  OffloadStats& operator+=(const OffloadStats& s) {
+    d2h_bytes += s.d2h_bytes;
+    d2h_overlapped_bytes += s.d2h_overlapped_bytes;
+    d2h_wait_s += s.d2h_wait_s;
+    h2d_bytes += s.h2d_bytes;
+    cpu_update_s += s.cpu_update_s;
+    exposed_s += s.exposed_s;
+    param_d2h_bytes += s.param_d2h_bytes;
+    if (s.update_end != s.update_begin) {
+      update_begin = s.update_begin;
+      update_end = s.update_end;
+    }
+    return *this;
+  }
 };
 
 struct OptimizerOptions {
@@ -159,13 +176,20 @@ class ShardedOptimizer {
  public:
   // `flat` holds the working parameters over part.padded_elems; `dp` may be null (one rank).
   // The moments start at zero; the master copy is loaded by set_params.
-  // With options.offload (or options.param_offload) enabled and pin_memory, `pinned` (not
-  // owned) holds the host state; a shortfall there throws OutOfMemoryError naming the offload
-  // key and porter.device.pinned_limit.
+  // With options.offload (or options.param_offload) enabled and pin_memory, the host tier
+  // `pinned` (not owned; Note [Host tier] in memory/host_tier.h) holds the host state, and a
+  // shortfall there throws OutOfMemoryError naming the offload key and the tier's limit
+  // (porter.device.pinned_limit); without pin_memory a PageableHostTier of the optimizer's
+  // own does. The copies go on a lane of the optimizer state's tier.
   ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
                    memory::CachingAllocator& allocator, comm::Communicator* dp,
                    const Partition& part, const OptimizerOptions& options,
-                   memory::PinnedPool* pinned = nullptr);
+                   memory::HostTier* pinned = nullptr);
+  // The same with the pinned pool (not owned), as a PinnedHostTier.
+  ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
+                   memory::CachingAllocator& allocator, comm::Communicator* dp,
+                   const Partition& part, const OptimizerOptions& options,
+                   memory::PinnedPool* pinned);
   ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
@@ -183,6 +207,11 @@ class ShardedOptimizer {
   size_t host_bytes() const { return host_state().total(); }
   OffloadStats take_offload_stats();
   const OffloadStats& offload_stats() const { return offload_stats_; }
+  // The offload lane's traffic and waits (zero without optimizer offload), cumulative.
+  memory::HostTierStats host_tier_stats() const;
+  // The tier holding the parameter shard with parameter offload (the gatherer uploads from
+  // it: Note [Parameter offload]); null without.
+  memory::HostTier* param_tier() const;
   // After load_checkpoint wrote state_tensors(): with f32 compute and offload the host master
   // is the working copy again.
   void state_loaded();
@@ -238,6 +267,11 @@ class ShardedOptimizer {
   LossScaler& loss_scaler() { return scaler_; }
 
  private:
+  // `pinned` when not null, else `owned_pinned` (which may be null too).
+  ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kernels,
+                   memory::CachingAllocator& allocator, comm::Communicator* dp,
+                   const Partition& part, const OptimizerOptions& options,
+                   std::unique_ptr<memory::HostTier> owned_pinned, memory::HostTier* pinned);
   void wait(comm::Work work);
   void gather_params();  // Note [Bucketed parameter all-gather]
   void finish_gradient_copies(const tensor::Tensor& grads);

@@ -78,8 +78,9 @@ void run(int ws, int64_t max_live, int64_t persistent_below,
     }
     tensor::from_host_f32(*device, mine, shard);
     int binds = 0;
+    memory::PageableHostTier host_tier(*device);  // the tier the host shard stands for
     ParamGatherer g(flat, alloc, dp.get(), part, shard, units_of(layout, persistent_below),
-                    max_live, [&binds] { ++binds; }, shard_on_host);
+                    max_live, [&binds] { ++binds; }, shard_on_host ? &host_tier : nullptr);
     fn(rank, g, flat, *device, shard, alloc);
     EXPECT_GT(binds, 0);
   });
