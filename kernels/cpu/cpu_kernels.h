@@ -126,7 +126,7 @@ namespace cpu {
 
 // Element access: f32 is `float`, bf16 is its bit pattern in `uint16_t`, f16 its bit
 // pattern in `Half` (a distinct type, so that load and store overload on it); see
-// nn/dtype.h. Loads widen to f32, stores round to nearest-even.
+// tensor/dtype.h. Loads widen to f32, stores round to nearest-even.
 struct Half {
   uint16_t bits;
 };
