@@ -52,7 +52,9 @@ namespace porter::zero {
 // pinned (in the engine's pinned pool, within porter.device.pinned_limit) when pin_memory is
 // on, pageable otherwise, and none of it on the device; so does a host copy of the range's
 // gradients and of its updated working copy (Note [Host-state bytes per rank] in
-// zero/partition.h). A step then
+// zero/partition.h), all blocks of a host tier (Note [Host tier] in memory/host_tier.h: the
+// pinned one, or a pageable one without pin_memory), whose lane is the copy stream below.
+// A step then
 //   1. copies each bucket's part of the reduced gradient shard to the host on the optimizer's
 //      copy stream ("optimizer offload") as soon as the reducer reports it final
 //      (gradients_ready, Note [Ready gradients] in zero/reducer.h), while backward goes on;
