@@ -17,11 +17,8 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "base/check.h"
+#include "kernels/cpu/isa.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "kernels/kernels.h"
@@ -199,9 +196,9 @@ void triad_plain(double* __restrict a, const double* __restrict b, const double*
   for (int64_t i = begin; i < end; ++i) a[i] = b[i] + 3.0 * c[i];
 }
 
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) void triad_nt_avx512(double* a, const double* b, const double* c,
-                                                        int64_t begin, int64_t end) {
+#if PORTER_CPU_X86
+PORTER_CPU_TARGET("avx512f")
+void triad_nt_avx512(double* a, const double* b, const double* c, int64_t begin, int64_t end) {
   const __m512d s = _mm512_set1_pd(3.0);
   for (int64_t i = begin; i < end; i += 8) {
     _mm512_stream_pd(a + i,
@@ -220,8 +217,8 @@ void triad_nt_sse2(double* a, const double* b, const double* c, int64_t begin, i
 #endif
 
 void triad_nt(double* a, const double* b, const double* c, int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+#if PORTER_CPU_X86
+  static const bool avx512 = kernels::cpu::cpu_runs("avx512f");
   if (avx512) {
     triad_nt_avx512(a, b, c, begin, end);
   } else {
@@ -236,9 +233,9 @@ void inplace_plain(double* __restrict a, const double* __restrict b, int64_t beg
   for (int64_t i = begin; i < end; ++i) a[i] = b[i] + 0.5 * a[i];
 }
 
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) void inplace_avx512(double* a, const double* b, int64_t begin,
-                                                       int64_t end) {
+#if PORTER_CPU_X86
+PORTER_CPU_TARGET("avx512f")
+void inplace_avx512(double* a, const double* b, int64_t begin, int64_t end) {
   const __m512d s = _mm512_set1_pd(0.5);
   for (int64_t i = begin; i < end; i += 8) {
     _mm512_store_pd(a + i,
@@ -251,8 +248,8 @@ __attribute__((target("avx512f"))) void inplace_avx512(double* a, const double* 
 // the width of its loads (fewer instructions per line in flight), so a scalar loop would
 // under-state the bound.
 void inplace(double* a, const double* b, int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+#if PORTER_CPU_X86
+  static const bool avx512 = kernels::cpu::cpu_runs("avx512f");
   if (avx512) {
     inplace_avx512(a, b, begin, end);
     return;
