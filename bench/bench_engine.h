@@ -31,7 +31,7 @@ inline EngineRun make_engine_run(const config::Config& cfg) {
   o.threads = static_cast<int>(cfg.porter.device.threads);
   r.device = memory::make_device(o);
   r.engine = std::make_unique<engine::Engine>(
-      *r.device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
+      *r.device, std::make_unique<engine::TransformerModel>(cfg.porter.model), cfg);
   r.data = std::make_unique<io::DataSource>(cfg.porter.data, cfg.porter.model.vocab,
                                                 cfg.train_micro_batch_size_per_gpu,
                                                 cfg.porter.model.seq_len);

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "bench/bench_engine.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "comm/communicator.h"
 
 namespace porter::bench {
@@ -71,7 +71,7 @@ void BM_TpStep(benchmark::State& state) {
       std::shared_ptr<comm::Communicator> world =
           comm::make_communicator(*device, store, rank, t, co);
       comm::ProcessGroups g = comm::make_process_groups(world, t);
-      engine::Engine e(*device, std::make_unique<engine::GptModel>(c.porter.model, g.tp_rank), c,
+      engine::Engine e(*device, std::make_unique<engine::TransformerModel>(c.porter.model, g.tp_rank), c,
                        g.dp, t > 1 ? g.tp : nullptr);
       const io::DataSource data(c.porter.data, c.porter.model.vocab,
                                     c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
@@ -94,13 +94,13 @@ void BM_TpStep(benchmark::State& state) {
     state.counters["act_peak_MiB"] = static_cast<double>(mem.peak_activation_bytes) / (1 << 20);
     state.counters["act_predicted_MiB"] =
         static_cast<double>(mem.predicted_activation_bytes) / (1 << 20);
-    checkpoint::GptShape shape;
+    models::TransformerShape shape;
     shape.model = c.porter.model;
     shape.micro_batch = c.train_micro_batch_size_per_gpu;
     // One block kept with its input, porter's exact bytes and Korthikanti et al.'s formula
     // (16-bit accounting) for the same shape.
-    state.counters["layer_KiB"] = static_cast<double>(checkpoint::gpt_layer_bytes(shape)) / 1024;
-    state.counters["korthikanti_layer_KiB"] = checkpoint::korthikanti_layer_bytes(shape) / 1024;
+    state.counters["layer_KiB"] = static_cast<double>(models::layer_bytes(shape)) / 1024;
+    state.counters["korthikanti_layer_KiB"] = models::korthikanti_layer_bytes(shape) / 1024;
     state.counters["tp_comm_MB_per_step"] = static_cast<double>(tp.comm_bytes) / kSteps / 1e6;
     state.counters["gather_busy_ms_per_step"] = tp.gather_busy_s / kSteps * 1e3;
     state.counters["gather_exposed_ms_per_step"] = tp.gather_exposed_s / kSteps * 1e3;

@@ -12,6 +12,7 @@
 #include "base/units.h"
 #include "config/parse.h"
 #include "io/hf_checkpoint.h"
+#include "models/factory.h"
 
 namespace porter::cli {
 
@@ -297,11 +298,10 @@ std::string format_count(double v) {
 }
 
 std::string describe_model(const config::ModelConfig& m) {
-  const bool llama = m.type == config::ModelType::kLlama;
-  std::string out = std::string(llama ? "Llama" : "GPT") + ", " + std::to_string(m.layers) +
-                    " layers, hidden " + std::to_string(m.hidden) + ", " +
-                    std::to_string(m.heads) + " heads";
-  if (llama && m.kv_heads != 0 && m.kv_heads != m.heads) {
+  std::string out = std::string(models::arch_spec(m.type).display_name()) + ", " +
+                    std::to_string(m.layers) + " layers, hidden " + std::to_string(m.hidden) +
+                    ", " + std::to_string(m.heads) + " heads";
+  if (m.kv_heads != 0 && m.kv_heads != m.heads) {  // grouped-query attention
     out += " (" + std::to_string(m.kv_heads) + " key/value)";
   }
   return out + ", seq " + std::to_string(m.seq_len) + ", vocab " + std::to_string(m.vocab);

@@ -16,14 +16,14 @@
 
 #include "base/error.h"
 #include "base/units.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/planner.h"
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "engine/run_options.h"
 #include "engine/stage3.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "zero/partition.h"
 
 namespace porter::cli {
@@ -121,7 +121,7 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
 
 // Note [Estimate tensor parallelism]
 // Every figure of porter estimate is one rank's. At porter.model.tensor_parallel t (or
-// --tensor-parallel) a rank holds its part of the layout (models::Gpt at tp rank 0: 1/t of the
+// --tensor-parallel) a rank holds its part of the layout (models::Transformer at tp rank 0: 1/t of the
 // split parameters, all of the replicated ones; every rank's part has the same size), which
 // ZeRO partitions over the data-parallel ranks, and its activations are the analytic model's
 // for one tensor-parallel rank. Without the flag a table also compares t = 1, 2, 4, 8 (those
@@ -131,7 +131,7 @@ struct TpEstimate {
   int64_t t = 1;
   bool sequence_parallel = false;
   std::string error;         // why this t does not apply; empty when it does
-  size_t layer_bytes = 0;    // checkpoint::gpt_layer_bytes
+  size_t layer_bytes = 0;    // models::layer_bytes
   double korthikanti_layer_bytes = 0.0;
   size_t none_peak_bytes = 0, full_peak_bytes = 0;  // activation peaks per micro-batch
   zero::StateBytes model_states;  // at the config's ZeRO stage and data-parallel size
@@ -169,8 +169,8 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
       }
       try {
         const checkpoint::ChainCosts costs = run.analytic_costs();
-        e.layer_bytes = checkpoint::gpt_layer_bytes(run.shape);
-        e.korthikanti_layer_bytes = checkpoint::korthikanti_layer_bytes(run.shape);
+        e.layer_bytes = models::layer_bytes(run.shape);
+        e.korthikanti_layer_bytes = models::korthikanti_layer_bytes(run.shape);
         // none and full as the policy table plans them (offload and partitioning included).
         for (auto [policy, into] :
              {std::pair{config::CheckpointPolicy::kNone, &e.none_peak_bytes},
@@ -179,9 +179,10 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
           po.checkpointing.policy = policy;
           *into = checkpoint::make_plan(po, costs).prediction.peak_activation_bytes;
         }
-        const models::Gpt gpt(c.porter.model);  // tp rank 0's layout only; allocates nothing
+        // Tensor-parallel rank 0's layout only; allocates nothing.
+        const std::unique_ptr<models::Transformer> built = models::build_model(c.porter.model);
         e.model_states = zero::exact_bytes(
-            zero::make_partition(gpt.layout().total_elems(), static_cast<int>(dp)),
+            zero::make_partition(built->layout().total_elems(), static_cast<int>(dp)),
             cfg.zero_optimization.stage, zero::StateDTypes{run.compute_dtype});
       } catch (const porter::Error& ex) {
         e.error = ex.what();
@@ -247,7 +248,9 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   // ZeRO partitions this tensor-parallel rank's flat buffers over the data-parallel ranks
   // (Note [Model-state bytes per rank] in zero/partition.h; Note [Estimate tensor
   // parallelism]).
-  const models::Gpt gpt(model);  // tp rank 0's layout only; allocates nothing
+  // Tensor-parallel rank 0's layout only; allocates nothing.
+  const std::unique_ptr<models::Transformer> built = models::build_model(model);
+  const models::Transformer& gpt = *built;
   const int dp = static_cast<int>(cfg.data_parallel_size());
   const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), dp);
   const int64_t num_params = gpt.layout().num_params();

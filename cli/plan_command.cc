@@ -15,7 +15,7 @@
 
 #include "base/error.h"
 #include "base/units.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/planner.h"
 #include "checkpoint/schedule.h"
 #include "cli/app.h"
@@ -27,7 +27,7 @@
 #include "engine/engine.h"
 #include "engine/stage3.h"
 #include "engine/model.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "zero/partition.h"
 
 namespace porter::cli {
@@ -51,7 +51,9 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
 void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
                      const engine::RunOptions& run, const checkpoint::Plan& plan,
                      const checkpoint::ChainCosts& costs) {
-  const models::Gpt gpt(cfg.porter.model);  // the layout and names only; allocates nothing
+  // The layout and names only; allocates nothing.
+  const std::unique_ptr<models::Transformer> model = models::build_model(cfg.porter.model);
+  const models::Transformer& gpt = *model;
   PlanPageInput in;
   in.config_file = o.config_args.display();
   in.plan = &plan;
@@ -191,7 +193,7 @@ ProfiledPlan profile_plan(const config::Config& cfg, const engine::RunOptions& r
     config::Config one = cfg;
     one.world_size = 1;
     p.engines[0] = std::make_unique<engine::Engine>(
-        *p.devices[0], std::make_unique<engine::GptModel>(cfg.porter.model), one);
+        *p.devices[0], std::make_unique<engine::TransformerModel>(cfg.porter.model), one);
     return p;
   }
   if (run.device.kind != memory::DeviceKind::kCpu) {
@@ -216,7 +218,7 @@ ProfiledPlan profile_plan(const config::Config& cfg, const engine::RunOptions& r
             comm::make_communicator(*p.devices[r], std::move(store), rank, t, co);
         try {
           p.engines[r] = std::make_unique<engine::Engine>(
-              *p.devices[r], std::make_unique<engine::GptModel>(cfg.porter.model, rank), group,
+              *p.devices[r], std::make_unique<engine::TransformerModel>(cfg.porter.model, rank), group,
               nullptr, tp);
         } catch (const std::exception& e) {
           tp->abort("rank " + std::to_string(rank) + " of porter plan's profiling: " + e.what());

@@ -12,7 +12,7 @@
 
 #include "base/error.h"
 #include "base/units.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/planner.h"
 #include "checkpoint/schedule.h"
 #include "cli/common.h"
@@ -112,7 +112,7 @@ struct Rig {
   explicit Rig(const config::Config& cfg) {
     device = memory::make_device(engine::make_run_options(cfg).device);
     engine = std::make_unique<engine::Engine>(
-        *device, std::make_unique<engine::GptModel>(cfg.porter.model), cfg);
+        *device, std::make_unique<engine::TransformerModel>(cfg.porter.model), cfg);
   }
 };
 

@@ -33,6 +33,7 @@
 #include "engine/model.h"
 #include "engine/trace.h"
 #include "kernels/kernel_table.h"
+#include "models/factory.h"
 
 namespace porter::cli {
 namespace {
@@ -278,7 +279,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
 std::string load_hf_weights(const config::Config& cfg, engine::Engine& eng, int tp_rank) {
   const std::string& dir = *cfg.porter.model.from;
   const io::HfWeights hf = io::read_hf_weights(dir, cfg.porter.model);
-  eng.set_params_host(models::Gpt(cfg.porter.model, tp_rank).shard_values(hf.values));
+  eng.set_params_host(models::build_model(cfg.porter.model, tp_rank)->shard_values(hf.values));
   std::string dtypes;
   for (const std::string& d : hf.dtypes) dtypes += (dtypes.empty() ? "" : "+") + d;
   return "  weights: " + dir + " (Hugging Face, " + std::to_string(hf.tensors) + " tensors in " +
@@ -329,7 +330,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                 cfg.porter.model.seq_len, cfg.porter.train.eval_micro_batches,
                 static_cast<int>(cfg.data_parallel_size()));
   }
-  engine::Engine eng(*device, std::make_unique<engine::GptModel>(cfg.porter.model, w.tp_rank), cfg,
+  engine::Engine eng(*device, std::make_unique<engine::TransformerModel>(cfg.porter.model, w.tp_rank), cfg,
                      w.dp, w.tp);
   // Note [Train trace]: every rank records (unless --trace-rank keeps another) and notes its
   // clock after a barrier.
@@ -480,8 +481,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       config::ModelConfig model = cfg.porter.model;
       model.tensor_parallel = 1;
       model.sequence_parallel = false;
-      hf_export = io::write_hf_checkpoint(o.save_hf, model, models::Gpt(model).layout(), whole,
-                                              eng.compute_dtype(), hf_source);
+      hf_export = io::write_hf_checkpoint(o.save_hf, model, models::build_model(model)->layout(),
+                                          whole, eng.compute_dtype(), hf_source);
     }
   }
   run.ranks = gather_rank_reports(w, eng, cfg.porter.comm.timeout_s);

@@ -9,7 +9,7 @@
 
 #include "base/error.h"
 #include "base/units.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "cli/common.h"
 #include "config/parse.h"
 #include "memory/category.h"
@@ -159,8 +159,8 @@ ordered_json tensor_parallel_json(engine::Engine& engine) {
       {"predicted_partitioned_bytes", t.predicted_partitioned_bytes},
       // One block kept with its input on this rank: porter's exact bytes and Korthikanti et
       // al.'s formula in their 16-bit accounting (docs/memory-model.md).
-      {"layer_bytes", checkpoint::gpt_layer_bytes(engine.run_options().shape)},
-      {"korthikanti_layer_bytes", checkpoint::korthikanti_layer_bytes(engine.run_options().shape)},
+      {"layer_bytes", models::layer_bytes(engine.run_options().shape)},
+      {"korthikanti_layer_bytes", models::korthikanti_layer_bytes(engine.run_options().shape)},
   };
 }
 
@@ -487,10 +487,10 @@ void print_summary(const TrainRun& run, engine::Engine& engine, std::ostream& ou
     out << "\ntensor parallel: " << engine.tp_size() << " ranks"
         << (engine.config().porter.model.sequence_parallel ? ", sequence-parallel" : "")
         << "; a block's activations "
-        << format_bytes(checkpoint::gpt_layer_bytes(engine.run_options().shape))
+        << format_bytes(models::layer_bytes(engine.run_options().shape))
         << " per rank (Korthikanti's formula: "
         << format_bytes(static_cast<uint64_t>(
-               checkpoint::korthikanti_layer_bytes(engine.run_options().shape)))
+               models::korthikanti_layer_bytes(engine.run_options().shape)))
         << ")"
         << "; comm " << format_bytes(static_cast<uint64_t>(static_cast<double>(tps.comm_bytes) / n))
         << " per step, " << format_seconds(tps.comm_busy_s / n) << " busy";

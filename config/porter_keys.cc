@@ -40,8 +40,9 @@ void check_model(const std::string& path, const Config& c) {
     fail(path + ".hidden", std::to_string(m.hidden) + " is not divisible by heads " +
                                std::to_string(m.heads) + "; each head needs hidden/heads channels");
   }
-  const bool llama = m.type == ModelType::kLlama;
-  if (!llama) {
+  // The GPT has learned positions and one key/value head per query head; every other
+  // architecture (Llama, Qwen2) is rotary with grouped-query attention.
+  if (m.type == ModelType::kGpt) {
     if (m.kv_heads != 0 && m.kv_heads != m.heads) {
       fail(path + ".kv_heads", std::to_string(m.kv_heads) + " key/value heads, but the GPT has "
                                "one per query head (" + std::to_string(m.heads) + "); grouped-"

@@ -228,7 +228,7 @@ class Engine {
   //
   // Tensor parallel (docs/tensor-parallel.md): `tp` is the tensor-parallel communicator of
   // porter.model.tensor_parallel ranks (comm::make_process_groups; world = dp x tp), null for
-  // one; the model is this rank's part (GptModel(config.porter.model, tp->rank())). The ranks
+  // one; the model is this rank's part (TransformerModel(config.porter.model, tp->rank())). The ranks
   // of a tp group train on the same micro-batches; their layers communicate through the
   // engine's Ctx, and partitioned checkpoints are gathered over it. A failing rank aborts tp
   // as well as dp.

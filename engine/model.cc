@@ -1,4 +1,4 @@
-// GptModel's capabilities (Note [Model capabilities] in model.h), and ChainModel: a chain of
+// TransformerModel's capabilities (Note [Model capabilities] in model.h), and ChainModel: a chain of
 // user layers ending in a LossLayer.
 #include "engine/model.h"
 
@@ -25,24 +25,26 @@ uint64_t fnv1a(std::string_view s, uint64_t h = 1469598103934665603ull) {
 
 }  // namespace
 
-void GptModel::check_config(const config::Config& config) const {
-  PORTER_CHECK(gpt_.config() == config.porter.model,
-               "Engine: the GptModel was built from another model config than porter.model "
+void TransformerModel::check_config(const config::Config& config) const {
+  PORTER_CHECK(model_->config() == config.porter.model,
+               "Engine: the TransformerModel was built from another model config than porter.model "
                "(the plan and the checkpoints describe porter.model); build it from "
                "config.porter.model");
 }
 
-std::optional<checkpoint::ChainCosts> GptModel::analytic_costs(const RunOptions& run) const {
+std::optional<checkpoint::ChainCosts> TransformerModel::analytic_costs(const RunOptions& run) const {
   // run.shape describes porter.model, which check_config has found to be this model; its
   // tensor_parallel and sequence_parallel make the costs this rank's (every rank of the
   // group has the same).
   return run.analytic_costs();
 }
 
-std::vector<bool> GptModel::tp_replicated() const {
-  if (gpt_.tp().size == 1) return {};
+std::vector<bool> TransformerModel::tp_replicated() const {
+  if (model_->tp().size == 1) return {};
   std::vector<bool> out;
-  for (const nn::ParamEntry& e : gpt_.layout().entries()) out.push_back(models::Gpt::replicated(e.name));
+  for (const nn::ParamEntry& e : model_->layout().entries()) {
+    out.push_back(model_->replicated(e.name));
+  }
   return out;
 }
 

@@ -1,14 +1,14 @@
 // What the Engine trains: a chain of stages (nn::Layer) whose last stage computes the loss.
-// The built-in GPT is one (GptModel); any chain of user layers ending in a LossLayer is
-// another (ChainModel). See docs/engine.md.
+// The built-in architectures are one (TransformerModel, built by models::build_model); any
+// chain of user layers ending in a LossLayer is another (ChainModel). See docs/engine.md.
 //
 // Note [Model capabilities]
 // What only some models can do is an optional method with a default, never a type test: the
 // Engine asks every model the same questions and a user's model answers them too.
-//   check_config    the model is the one the config describes (the GPT's shape must be
-//                   porter.model, which the plan, estimate and checkpoints describe).
-//   analytic_costs  exact per-stage bytes and FLOPs without running anything (the GPT's
-//                   analytic model); the Engine plans from them where no times are needed
+//   check_config    the model is the one the config describes (the transformer's shape must
+//                   be porter.model, which the plan, estimate and checkpoints describe).
+//   analytic_costs  exact per-stage bytes and FLOPs without running anything (the
+//                   transformer's analytic model, models/analytic.h); the Engine plans from them where no times are needed
 //                   (Note [Engine costs] in run_options.h) and takes the FLOPs from them
 //                   after a profile. Default: none, so the chain is profiled.
 //   vocab_size      token ids and targets must lie in [0, vocab); default: no check.
@@ -24,7 +24,7 @@
 #include "checkpoint/costs.h"
 #include "config/config.h"
 #include "engine/run_options.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "nn/layer.h"
 
 namespace porter::engine {
@@ -49,7 +49,7 @@ class Model {
   virtual void set_loss_scale(float scale) = 0;
   // The stages whose backward writes into stage i's parameter gradients: i itself, plus any
   // other (Note [Gradient buckets] in zero/buckets.h). ZeRO-2 needs it to know when a bucket
-  // is complete. GptModel with tied embeddings reports the head as a writer of stage 0's.
+  // is complete. TransformerModel with tied embeddings reports the head as a writer of stage 0's.
   virtual std::vector<int> grad_writers(int i) const { return {i}; }
 
   // Note [Model capabilities]. check_config throws InvalidArgument naming the mismatch.
@@ -64,31 +64,35 @@ class Model {
   virtual std::vector<bool> tp_replicated() const { return {}; }
 };
 
-class GptModel : public Model {
+class TransformerModel : public Model {
  public:
-  // Rank tp_rank's part of the model under porter.model.tensor_parallel (0 for one rank).
-  explicit GptModel(const config::ModelConfig& config, int tp_rank = 0) : gpt_(config, tp_rank) {}
-  int num_stages() const override { return gpt_.num_stages(); }
-  nn::Layer& stage(int i) override { return gpt_.stage(i); }
-  std::string stage_name(int i) const override { return gpt_.stage_name(i); }
-  bool is_block(int i) const override { return i > 0 && i < gpt_.num_stages() - 1; }
-  const nn::ParamLayout& layout() const override { return gpt_.layout(); }
-  void bind(const nn::FlatParams& flat) override { gpt_.bind(flat); }
-  std::vector<float> init_values(uint64_t seed) const override { return gpt_.init_values(seed); }
-  void set_targets(const tensor::Tensor& targets) override { gpt_.head().set_targets(targets); }
-  void set_loss_scale(float scale) override { gpt_.head().set_loss_scale(scale); }
+  // Rank tp_rank's part of the model under porter.model.tensor_parallel (0 for one rank),
+  // built by the factory (models::build_model) for porter.model.arch.
+  explicit TransformerModel(const config::ModelConfig& config, int tp_rank = 0)
+      : model_(models::build_model(config, tp_rank)) {}
+  int num_stages() const override { return model_->num_stages(); }
+  nn::Layer& stage(int i) override { return model_->stage(i); }
+  std::string stage_name(int i) const override { return model_->stage_name(i); }
+  bool is_block(int i) const override { return i > 0 && i < model_->num_stages() - 1; }
+  const nn::ParamLayout& layout() const override { return model_->layout(); }
+  void bind(const nn::FlatParams& flat) override { model_->bind(flat); }
+  std::vector<float> init_values(uint64_t seed) const override {
+    return model_->init_values(seed);
+  }
+  void set_targets(const tensor::Tensor& targets) override { model_->head().set_targets(targets); }
+  void set_loss_scale(float scale) override { model_->head().set_loss_scale(scale); }
   std::vector<int> grad_writers(int i) const override {
-    if (i == 0 && gpt_.config().tie_embeddings) return {0, gpt_.num_stages() - 1};
+    if (i == 0 && model_->config().tie_embeddings) return {0, model_->num_stages() - 1};
     return {i};
   }
   void check_config(const config::Config& config) const override;
   std::optional<checkpoint::ChainCosts> analytic_costs(const RunOptions& run) const override;
-  std::optional<int64_t> vocab_size() const override { return gpt_.config().vocab; }
+  std::optional<int64_t> vocab_size() const override { return model_->config().vocab; }
   std::vector<bool> tp_replicated() const override;
-  models::Gpt& gpt() { return gpt_; }
+  models::Transformer& transformer() { return *model_; }
 
  private:
-  models::Gpt gpt_;
+  std::unique_ptr<models::Transformer> model_;
 };
 
 // The last layer of a user chain: its forward returns the loss (1) f32, and its backward

@@ -152,7 +152,7 @@ CostSource RunOptions::cost_source(bool analytic_available, CostUse use) const {
 }
 
 checkpoint::ChainCosts RunOptions::analytic_costs() const {
-  return checkpoint::analytic_gpt_costs(shape, selective_policy);
+  return models::analytic_transformer_costs(shape, selective_policy);
 }
 
 size_t RunOptions::predicted_peak_bytes(size_t model_state_bytes,

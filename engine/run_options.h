@@ -19,7 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/planner.h"
 #include "config/config.h"
 #include "memory/caching_allocator.h"
@@ -64,7 +64,7 @@ struct RunOptions {
   tensor::DType compute_dtype = tensor::DType::kF32;
   // One micro-batch of the built-in GPT for the analytic model (porter.model, the micro-batch
   // size, the sequence length, the dtype and the device kind).
-  checkpoint::GptShape shape;
+  models::TransformerShape shape;
   int64_t gradient_accumulation_steps = 1;
   // porter.checkpointing.selective_ops as an op policy, and its name in profiles.
   nn::OpPolicy selective_policy = nn::OpPolicy::selective_attention();

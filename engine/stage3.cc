@@ -46,7 +46,7 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, tensor:
 void add_stage3_params(checkpoint::ChainCosts& costs, const config::Config& config,
                        tensor::DType dtype) {
   if (config.zero_optimization.stage != 3) return;
-  GptModel gpt(config.porter.model);  // layers and layout only; allocates nothing
+  TransformerModel gpt(config.porter.model);  // layers and layout only; allocates nothing
   costs.params = stage3_layout(gpt, config.zero_optimization, dtype).costs;
 }
 

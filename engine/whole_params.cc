@@ -5,7 +5,7 @@
 
 #include "base/check.h"
 #include "comm/communicator.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "tensor/tensor.h"
 
 namespace porter::engine {
@@ -21,12 +21,13 @@ std::vector<float> whole_params_host(Engine& eng, comm::Communicator* tp) {
   config::ModelConfig whole_config = eng.config().porter.model;
   whole_config.tensor_parallel = 1;
   whole_config.sequence_parallel = false;
-  const models::Gpt whole(whole_config);
+  const std::unique_ptr<models::Transformer> whole_model = models::build_model(whole_config);
+  const models::Transformer& whole = *whole_model;
   const int64_t p = whole.layout().total_elems();
-  std::vector<std::unique_ptr<models::Gpt>> parts;
+  std::vector<std::unique_ptr<models::Transformer>> parts;
   int64_t part_elems = 0;  // the largest rank's layout; every rank pads to it
   for (int r = 0; r < t; ++r) {
-    parts.push_back(std::make_unique<models::Gpt>(eng.config().porter.model, r));
+    parts.push_back(models::build_model(eng.config().porter.model, r));
     part_elems = std::max(part_elems, parts.back()->layout().total_elems());
   }
   PORTER_CHECK_EQ(static_cast<int64_t>(mine.size()), parts[eng.tp_rank()]->layout().total_elems(),

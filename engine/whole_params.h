@@ -13,7 +13,7 @@ namespace porter::engine {
 // every rank calls it (at ZeRO stage 3 Engine::params_host all-gathers the shards over the
 // data-parallel ranks); the ranks of data-parallel rank 0 then all-gather their
 // tensor-parallel parts over `tp` (null for tensor_parallel 1) in chunks of 2^20 elements
-// through device buffers, and put every element where models::Gpt::shard_values took it from
+// through device buffers, and put every element where models::Transformer::shard_values took it from
 // (replicated ones from tp rank 0). Returns the values on the ranks of data-parallel rank 0,
 // an empty vector on the others.
 std::vector<float> whole_params_host(Engine& engine, comm::Communicator* tp);

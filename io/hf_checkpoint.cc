@@ -18,7 +18,7 @@
 #include "comm/communicator.h"
 #include "io/weights_file.h"
 #include "nn/ctx.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "tensor/tensor.h"
 
 namespace porter::io {
@@ -47,29 +47,15 @@ bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// "transformer." (GPT-2) or "model." (Llama): the prefix of every name but lm_head.weight.
-std::string_view name_prefix(config::ModelType type) {
-  return type == config::ModelType::kGpt ? "transformer." : "model.";
-}
-
-// A file's tensor name without the prefix (Note [Hugging Face checkpoints]).
+// A file's tensor name without the spec's prefix (Note [Hugging Face checkpoints]).
 std::string bare_name(const std::string& name, config::ModelType type) {
-  const std::string_view prefix = name_prefix(type);
+  const std::string_view prefix = models::arch_spec(type).hf_prefix();
   return starts_with(name, prefix) ? name.substr(prefix.size()) : name;
 }
 
-// A buffer, not a parameter: GPT-2's h.<l>.attn.bias and h.<l>.attn.masked_bias (the causal
-// mask), Llama's rotary_emb.inv_freq.
+// A buffer, not a parameter (ArchSpec::hf_is_buffer).
 bool is_buffer(const std::string& bare, config::ModelType type) {
-  if (type != config::ModelType::kGpt) return ends_with(bare, "rotary_emb.inv_freq");
-  if (!starts_with(bare, "h.")) return false;
-  const size_t dot = bare.find('.', 2);
-  if (dot == std::string::npos || dot == 2) return false;
-  for (size_t i = 2; i < dot; ++i) {
-    if (bare[i] < '0' || bare[i] > '9') return false;
-  }
-  const std::string rest = bare.substr(dot);
-  return rest == ".attn.bias" || rest == ".attn.masked_bias";
+  return models::arch_spec(type).hf_is_buffer(bare);
 }
 
 std::string join(const std::vector<std::string>& names) {
@@ -235,64 +221,8 @@ void read_tensor(const SafetensorsFile& file, const SafetensorsEntry& e, const H
 
 }  // namespace
 
-std::vector<int64_t> HfParam::hf_shape() const {
-  if (!transposed) return shape;
-  return {shape[1], shape[0]};
-}
-
 std::vector<HfParam> hf_param_map(const config::ModelConfig& m) {
-  const int64_t c = m.hidden;
-  std::vector<HfParam> out;
-  if (m.type == config::ModelType::kGpt) {
-    const std::string t = "transformer.";
-    const int64_t positions = m.max_positions > 0 ? m.max_positions : m.seq_len;
-    out.push_back({"wte", t + "wte.weight", {m.vocab, c}, false});
-    out.push_back({"wpe", t + "wpe.weight", {positions, c}, false});
-    for (int64_t l = 0; l < m.layers; ++l) {
-      const std::string p = "h." + std::to_string(l) + ".";
-      const std::string h = t + p;
-      out.push_back({p + "ln1.weight", h + "ln_1.weight", {c}, false});
-      out.push_back({p + "ln1.bias", h + "ln_1.bias", {c}, false});
-      out.push_back({p + "qkv.weight", h + "attn.c_attn.weight", {3 * c, c}, true});
-      out.push_back({p + "qkv.bias", h + "attn.c_attn.bias", {3 * c}, false});
-      out.push_back({p + "proj.weight", h + "attn.c_proj.weight", {c, c}, true});
-      out.push_back({p + "proj.bias", h + "attn.c_proj.bias", {c}, false});
-      out.push_back({p + "ln2.weight", h + "ln_2.weight", {c}, false});
-      out.push_back({p + "ln2.bias", h + "ln_2.bias", {c}, false});
-      out.push_back({p + "fc1.weight", h + "mlp.c_fc.weight", {4 * c, c}, true});
-      out.push_back({p + "fc1.bias", h + "mlp.c_fc.bias", {4 * c}, false});
-      out.push_back({p + "fc2.weight", h + "mlp.c_proj.weight", {c, 4 * c}, true});
-      out.push_back({p + "fc2.bias", h + "mlp.c_proj.bias", {c}, false});
-    }
-    out.push_back({"lnf.weight", t + "ln_f.weight", {c}, false});
-    out.push_back({"lnf.bias", t + "ln_f.bias", {c}, false});
-    if (!m.tie_embeddings) out.push_back({"head.weight", kLmHead, {m.vocab, c}, false});
-    return out;
-  }
-  const int64_t d = c / m.heads;
-  const int64_t kv = m.kv_heads > 0 ? m.kv_heads : m.heads;
-  const int64_t f = m.intermediate;
-  PORTER_CHECK(f > 0, "hf_param_map: a Llama needs porter.model.intermediate (config.json's "
-               "intermediate_size), got ", f);
-  auto linear = [&](const std::string& name, std::vector<int64_t> shape) {
-    out.push_back({name, "model." + name, std::move(shape), false});
-  };
-  linear("embed_tokens.weight", {m.vocab, c});
-  for (int64_t l = 0; l < m.layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    linear(p + "input_layernorm.weight", {c});
-    linear(p + "self_attn.q_proj.weight", {m.heads * d, c});
-    linear(p + "self_attn.k_proj.weight", {kv * d, c});
-    linear(p + "self_attn.v_proj.weight", {kv * d, c});
-    linear(p + "self_attn.o_proj.weight", {c, m.heads * d});
-    linear(p + "post_attention_layernorm.weight", {c});
-    linear(p + "mlp.gate_proj.weight", {f, c});
-    linear(p + "mlp.up_proj.weight", {f, c});
-    linear(p + "mlp.down_proj.weight", {c, f});
-  }
-  linear("norm.weight", {c});
-  if (!m.tie_embeddings) out.push_back({"lm_head.weight", kLmHead, {m.vocab, c}, false});
-  return out;
+  return models::arch_spec(m.type).hf_params(m);
 }
 
 HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
@@ -305,7 +235,7 @@ HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
     auto it = by_porter.find(e.name);
     if (it == by_porter.end()) {
       throw InvalidArgument("Hugging Face weights: porter's layout has a parameter '" + e.name +
-                            "' that the " + (model.type == config::ModelType::kGpt ? "GPT-2" : "Llama") +
+                            "' that the " + std::string(models::arch_spec(model.type).hf_class()) +
                             " name map does not know (the model built is not the one "
                             "porter.model describes)");
     }
@@ -372,7 +302,7 @@ HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
   }
   if (tied_head) {
     // The file's lm_head.weight must be the embedding porter ties it to.
-    const std::string embedding = model.type == config::ModelType::kGpt ? "wte" : "embed_tokens.weight";
+    const std::string embedding = models::arch_spec(model.type).token_table_name();
     const nn::ParamEntry& emb = layout.find(embedding);
     const HfParam& p = *by_porter.at(embedding);
     const Found& f = w.tensors.at(kLmHead);
@@ -404,8 +334,8 @@ HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model)
   config::ModelConfig whole = model;
   whole.tensor_parallel = 1;
   whole.sequence_parallel = false;
-  const models::Gpt gpt(whole);
-  return read_hf_weights(dir, whole, gpt.layout());
+  const std::unique_ptr<models::Transformer> built = models::build_model(whole);
+  return read_hf_weights(dir, whole, built->layout());
 }
 
 HfExport write_hf_checkpoint(const fs::path& dir, const config::ModelConfig& model,

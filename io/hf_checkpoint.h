@@ -1,21 +1,23 @@
-// Hugging Face checkpoints of GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM): a model
-// directory's config.json as porter.model keys, its safetensors weights as porter's parameter
-// values, and the same two files written back (docs/formats.md).
+// Hugging Face checkpoints of every built-in architecture (GPT2LMHeadModel, LlamaForCausalLM,
+// Qwen2ForCausalLM, ...): a model directory's config.json as porter.model keys, its
+// safetensors weights as porter's parameter values, and the same two files written back
+// (docs/formats.md). The names, shapes and config.json keys are the architecture's spec's
+// (Note [Architecture spec] in models/spec.h); this file reads and writes them.
 //
 // Note [Hugging Face checkpoints]
 // A model directory holds config.json and either model.safetensors or sharded files listed in
 // model.safetensors.index.json ({"weight_map": {tensor: file}}); model.safetensors wins when
 // both are there, as in transformers. Every tensor of a porter parameter (hf_param_map) maps
 // to one Hugging Face tensor:
-// - GPT-2 names appear bare (the published gpt2 files: "h.0.attn.c_attn.weight") or under
-//   "transformer." (what save_pretrained writes); Llama names bare or under "model.";
+// - Names appear bare (the published gpt2 files: "h.0.attn.c_attn.weight") or under the
+//   spec's prefix (what save_pretrained writes): "transformer." (GPT-2), "model." (others);
 //   lm_head.weight never has a prefix. porter writes the prefixed form, which is what
-//   save_pretrained writes and what GPT2LMHeadModel's and LlamaForCausalLM's state_dict use.
+//   save_pretrained writes and what the Hugging Face classes' state_dict use.
 // - GPT-2's Conv1D weights (c_attn, c_proj, c_fc, mlp.c_proj) are (in, out): the transpose
 //   of porter's nn.Linear (out, in). Llama's weights are nn.Linear already, and its rotary
 //   embedding is rotate_half's in both, so q_proj and k_proj are copied as they are.
-// - Buffers are skipped: GPT-2's h.<l>.attn.bias and h.<l>.attn.masked_bias, Llama's
-//   *.rotary_emb.inv_freq. With tied embeddings a file may still hold lm_head.weight; it must
+// - Buffers (ArchSpec::hf_is_buffer) are skipped: GPT-2's h.<l>.attn.bias and
+//   h.<l>.attn.masked_bias, the rotary models' *.rotary_emb.inv_freq. With tied embeddings a file may still hold lm_head.weight; it must
 //   then equal the embedding.
 // Reading refuses, each with its own message naming the file and the tensor: tensors missing
 // and tensors porter does not know (one message listing all of them), a shape other than
@@ -34,6 +36,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
+#include "models/spec.h"
 #include "tensor/dtype.h"
 #include "nn/layer.h"
 
@@ -44,11 +47,10 @@ class Communicator;
 namespace porter::io {
 
 
-enum class HfArch { kGpt2, kLlama };
-
 // config.json, read and checked (read_hf_config).
 struct HfConfig {
-  HfArch arch = HfArch::kGpt2;
+  // The architecture whose spec's hf_model_type() is config.json's model_type.
+  config::ModelType arch = config::ModelType::kGpt;
   std::filesystem::path path;  // dir/config.json
   // The porter.model keys config.json fixes, spelt as porter.model spells them: arch, layers,
   // hidden, heads, vocab, tie_embeddings, kv_heads, intermediate, norm_eps, max_positions
@@ -56,18 +58,18 @@ struct HfConfig {
   nlohmann::ordered_json model_keys;
   // Each of those keys' config.json key, for messages: "layers" -> "n_layer".
   std::map<std::string, std::string> hf_key;
-  // n_positions (GPT-2) or max_position_embeddings (Llama): porter.model.seq_len's bound.
+  // n_positions (GPT-2) or max_position_embeddings (others): porter.model.seq_len's bound.
   int64_t max_positions = 0;
   nlohmann::json json;  // the file as read
 };
 
-// Reads dir/config.json (Note [porter.model.from] in io/hf_checkpoint_config.cc lists the keys
-// and their defaults). Throws IoError naming the file, the key, its value and the rule: an
-// unreadable file, malformed JSON, a model_type other than "gpt2" and "llama", a shape key
-// that is not a positive integer, and the settings porter's models do not compute (GPT-2: an
-// activation_function other than gelu_new, n_inner other than null or 4 x n_embd, attention
-// scaling switched; Llama: hidden_act other than silu, rope_scaling, attention_bias or
-// mlp_bias, a head_dim other than hidden_size / num_attention_heads).
+// Reads dir/config.json (Note [porter.model.from] in each spec's file, models/gpt.cc,
+// models/llama.cc, ..., lists the keys and their defaults). Throws IoError naming the file,
+// the key, its value and the rule: an unreadable file, malformed JSON, a model_type no spec
+// has, a shape key that is not a positive integer, and the settings porter's models do not
+// compute (GPT-2: an activation_function other than gelu_new, n_inner other than null or
+// 4 x n_embd, attention scaling switched; Llama: hidden_act other than silu, rope_scaling,
+// attention_bias or mlp_bias, a head_dim other than hidden_size / num_attention_heads).
 HfConfig read_hf_config(const std::filesystem::path& dir);
 
 // The keys to set over the user's porter.model (`user_model`: the merged porter.model object
@@ -87,23 +89,18 @@ nlohmann::ordered_json hf_model_overrides(const HfConfig& hf, const nlohmann::js
 config::ModelConfig hf_model_config(const HfConfig& hf, const config::ModelConfig& base);
 
 // config.json for `model` (tensor_parallel ignored) with weights of `dtype` (torch_dtype): the
-// keys transformers reads for GPT2LMHeadModel or LlamaForCausalLM. From `source` (the
-// config.json the model was read from, or null) it keeps bos_token_id, eos_token_id,
-// pad_token_id and, for Llama, max_position_embeddings when it is at least seq_len (porter's
-// Llama has no position table, so seq_len is written otherwise).
+// keys transformers reads for the spec's class (ArchSpec::hf_write_config). From `source`
+// (the config.json the model was read from, or null) it keeps bos_token_id, eos_token_id,
+// pad_token_id and, for the rotary models, max_position_embeddings when it is at least
+// seq_len (they have no position table, so seq_len is written otherwise).
 nlohmann::ordered_json hf_config_json(const config::ModelConfig& model, tensor::DType dtype,
                                       const nlohmann::json& source = nullptr);
 
 // One porter parameter (tensor_parallel 1) and its Hugging Face tensor.
-struct HfParam {
-  std::string porter_name;     // "h.0.qkv.weight"
-  std::string hf_name;         // as porter writes it: "transformer.h.0.attn.c_attn.weight"
-  std::vector<int64_t> shape;  // porter's: (3C, C)
-  bool transposed = false;     // the file holds (in, out): GPT-2's Conv1D
-  std::vector<int64_t> hf_shape() const;
-};
+using HfParam = models::HfParam;
 
-// Every parameter of `model` in porter's layout order (docs/formats.md lists them).
+// Every parameter of `model` in porter's layout order (ArchSpec::hf_params; docs/formats.md
+// lists them).
 std::vector<HfParam> hf_param_map(const config::ModelConfig& model);
 
 struct HfWeights {
@@ -122,7 +119,7 @@ struct HfWeights {
 // or has with another shape).
 HfWeights read_hf_weights(const std::filesystem::path& dir, const config::ModelConfig& model,
                           const nn::ParamLayout& layout);
-// The same into models::Gpt(model at tensor_parallel 1).layout().
+// The same into the layout of models::build_model(model at tensor_parallel 1).
 HfWeights read_hf_weights(const std::filesystem::path& dir, const config::ModelConfig& model);
 
 struct HfExport {

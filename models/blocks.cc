@@ -1,7 +1,9 @@
-// The GPT's layers: embedding, block and head, each a forward through ctx and a
-// hand-written backward from what the forward saved, whole or split over a tensor-parallel
-// group (Note [GPT tensor parallelism] in models/transformer.h).
+// The transformer's layers: embedding, the GPT and Llama blocks and head, each a forward
+// through ctx and a hand-written backward from what the forward saved, whole or split over a
+// tensor-parallel group (Note [GPT tensor parallelism] in models/transformer.h).
 #include <algorithm>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "base/check.h"
@@ -184,31 +186,38 @@ class RowPartialGrads {
 
 enum EmbeddingParam : size_t { kWte, kWpe };
 
-GptEmbedding::GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout,
-                           const TpShard& tp, Arch arch)
-    : vocab_(vocab), max_seq_(max_seq), hidden_(hidden), dropout_(dropout), tp_(tp), arch_(arch) {}
+TransformerEmbedding::TransformerEmbedding(int64_t vocab, int64_t positions, int64_t hidden,
+                                           float dropout, const TpShard& tp,
+                                           std::string token_name, std::string position_name)
+    : vocab_(vocab),
+      max_seq_(positions),
+      hidden_(hidden),
+      dropout_(dropout),
+      tp_(tp),
+      token_name_(std::move(token_name)),
+      position_name_(std::move(position_name)) {}
 
-std::vector<ParamSpec> GptEmbedding::params() const {
+std::vector<ParamSpec> TransformerEmbedding::params() const {
   const int64_t rows = tp_.size == 1 ? vocab_ : tp_.vocab_shard;
-  if (arch_ == Arch::kLlama) return {{"embed_tokens.weight", Shape{rows, hidden_}}};
-  return {{"wte", Shape{rows, hidden_}}, {"wpe", Shape{max_seq_, hidden_}}};
+  if (max_seq_ == 0) return {{token_name_, Shape{rows, hidden_}}};
+  return {{token_name_, Shape{rows, hidden_}}, {position_name_, Shape{max_seq_, hidden_}}};
 }
 
-Tensor GptEmbedding::forward(Ctx& ctx, const Tensor& tokens) {
+Tensor TransformerEmbedding::forward(Ctx& ctx, const Tensor& tokens) {
   PORTER_CHECK(tokens.rank() == 2 && tokens.dtype() == DType::kI32,
                "GPT input tokens must be (B, T) i32, got ", tokens.shape().to_string(), " ",
                dtype_name(tokens.dtype()));
-  const bool llama = arch_ == Arch::kLlama;
-  if (!llama) {
+  const bool rotary = max_seq_ == 0;  // no position table
+  if (!rotary) {
     PORTER_CHECK_LE(tokens.dim(1), max_seq_, "sequence length of the batch (model seq_len)");
   }
-  check_group(ctx, tp_, "GptEmbedding");
+  check_group(ctx, tp_, "TransformerEmbedding");
   const Tensor& wte = param(kWte);
-  const Tensor wpe = llama ? Tensor() : param(kWpe);
+  const Tensor wpe = rotary ? Tensor() : param(kWpe);
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
   const DType dtype = ctx.compute_dtype();
   Tensor x;
-  if (tp_.size == 1 && llama) {
+  if (tp_.size == 1 && rotary) {
     x = ctx.op(OpKind::kEmbedding, "embed", {tokens, wte}, {{Shape{b, t, hidden_}, dtype}},
                [&](std::span<Tensor> out) {
                  ctx.kernels().embedding_forward_vocab_range(tokens, wte, 0, Tensor(), out[0]);
@@ -246,13 +255,13 @@ Tensor GptEmbedding::forward(Ctx& ctx, const Tensor& tokens) {
   return ctx.dropout("drop", x, dropout_, shard_offset(tp_, x));
 }
 
-Tensor GptEmbedding::backward(Ctx& ctx, const Tensor& dy) {
+Tensor TransformerEmbedding::backward(Ctx& ctx, const Tensor& dy) {
   Tensor dx = dropout_backward(ctx, dy, dropout_, 0, shard_offset(tp_, dy));
   const Tensor& tokens = ctx.saved("tokens");
-  const bool llama = arch_ == Arch::kLlama;
+  const bool rotary = max_seq_ == 0;
   Tensor no_positions;
-  Tensor& dwpe = llama ? no_positions : grad(kWpe);
-  if (tp_.size == 1 && !llama) {
+  Tensor& dwpe = rotary ? no_positions : grad(kWpe);
+  if (tp_.size == 1 && !rotary) {
     ctx.kernels().embedding_backward(dx, tokens, grad(kWte), dwpe);
     return Tensor();
   }
@@ -368,7 +377,10 @@ Tensor GptBlock::backward(Ctx& ctx, const Tensor& dy) {
 
 // ---- Llama block (Note [Llama]) ----
 
-enum LlamaParam : size_t { kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown };
+enum LlamaParam : size_t {
+  kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown,
+  kQBias, kKBias, kVBias  // with LlamaShape::qkv_bias
+};
 
 LlamaBlock::LlamaBlock(const LlamaShape& shape, float dropout, const TpShard& tp)
     : shape_(shape), dropout_(dropout), tp_(tp) {}
@@ -377,15 +389,21 @@ std::vector<ParamSpec> LlamaBlock::params() const {
   const int64_t c = shape_.hidden, d = c / shape_.heads;
   const int64_t qs = c / tp_.size, kvs = shape_.kv_heads * d / tp_.size;
   const int64_t fs = shape_.intermediate / tp_.size;
-  return {{"input_layernorm.weight", Shape{c}},
-          {"self_attn.q_proj.weight", Shape{qs, c}},
-          {"self_attn.k_proj.weight", Shape{kvs, c}},
-          {"self_attn.v_proj.weight", Shape{kvs, c}},
-          {"self_attn.o_proj.weight", Shape{c, qs}},
-          {"post_attention_layernorm.weight", Shape{c}},
-          {"mlp.gate_proj.weight", Shape{fs, c}},
-          {"mlp.up_proj.weight", Shape{fs, c}},
-          {"mlp.down_proj.weight", Shape{c, fs}}};
+  std::vector<ParamSpec> p = {{"input_layernorm.weight", Shape{c}},
+                               {"self_attn.q_proj.weight", Shape{qs, c}},
+                               {"self_attn.k_proj.weight", Shape{kvs, c}},
+                               {"self_attn.v_proj.weight", Shape{kvs, c}},
+                               {"self_attn.o_proj.weight", Shape{c, qs}},
+                               {"post_attention_layernorm.weight", Shape{c}},
+                               {"mlp.gate_proj.weight", Shape{fs, c}},
+                               {"mlp.up_proj.weight", Shape{fs, c}},
+                               {"mlp.down_proj.weight", Shape{c, fs}}};
+  if (shape_.qkv_bias) {
+    p.push_back({"self_attn.q_proj.bias", Shape{qs}});
+    p.push_back({"self_attn.k_proj.bias", Shape{kvs}});
+    p.push_back({"self_attn.v_proj.bias", Shape{kvs}});
+  }
+  return p;
 }
 
 Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, C) under sp
@@ -393,9 +411,10 @@ Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t
   const int heads = shape_.heads / tp_.size, kv = shape_.kv_heads / tp_.size;
   const Tensor none;
   auto [n1, r1] = ctx.rmsnorm("input_norm", x, param(kInNorm), shape_.norm_eps);
-  Tensor q = column_linear(ctx, "q_proj", n1, param(kQ), none, tp_);
-  Tensor k = column_linear(ctx, "k_proj", n1, param(kK), none, tp_);
-  Tensor v = column_linear(ctx, "v_proj", n1, param(kV), none, tp_);
+  const bool bias = shape_.qkv_bias;
+  Tensor q = column_linear(ctx, "q_proj", n1, param(kQ), bias ? param(kQBias) : none, tp_);
+  Tensor k = column_linear(ctx, "k_proj", n1, param(kK), bias ? param(kKBias) : none, tp_);
+  Tensor v = column_linear(ctx, "v_proj", n1, param(kV), bias ? param(kVBias) : none, tp_);
   // (B, T, .) for the rotary op: the micro-batch's shape under sequence parallelism.
   const RunInfo& run = ctx.run();
   const int64_t b = tp_.sequence_parallel ? run.batch : x.dim(0);
@@ -479,13 +498,17 @@ Tensor LlamaBlock::backward(Ctx& ctx, const Tensor& dy) {
   auto as_output = [&](const Tensor& g) {
     return tp_.sequence_parallel ? g.reshape({b * t, g.dim(-1)}) : g;
   };
-  Tensor dn1 = column_linear_backward(ctx, as_output(dq), n1, param(kQ), grad(kQ), nullptr, tp_);
+  const bool bias = shape_.qkv_bias;
+  Tensor dn1 = column_linear_backward(ctx, as_output(dq), n1, param(kQ), grad(kQ),
+                                      bias ? &grad(kQBias) : nullptr, tp_);
   dq = Tensor();
-  Tensor dn1_k = column_linear_backward(ctx, as_output(dk), n1, param(kK), grad(kK), nullptr, tp_);
+  Tensor dn1_k = column_linear_backward(ctx, as_output(dk), n1, param(kK), grad(kK),
+                                        bias ? &grad(kKBias) : nullptr, tp_);
   dk = Tensor();
   k.accumulate(dn1, dn1_k);
   dn1_k = Tensor();
-  Tensor dn1_v = column_linear_backward(ctx, as_output(dv), n1, param(kV), grad(kV), nullptr, tp_);
+  Tensor dn1_v = column_linear_backward(ctx, as_output(dv), n1, param(kV), grad(kV),
+                                        bias ? &grad(kVBias) : nullptr, tp_);
   dv = Tensor();
   k.accumulate(dn1, dn1_v);
   dn1_v = Tensor();
@@ -503,25 +526,29 @@ Tensor LlamaBlock::backward(Ctx& ctx, const Tensor& dy) {
 
 enum HeadParam : size_t { kLnfW, kLnfB, kHeadW };
 
-GptHead::GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp, Arch arch,
-                 float norm_eps)
-    : vocab_(vocab), hidden_(hidden), tied_(tied), tp_(tp), arch_(arch), eps_(norm_eps) {}
+TransformerHead::TransformerHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp,
+                                 Norm norm, float norm_eps, std::string norm_name,
+                                 std::string head_name)
+    : vocab_(vocab),
+      hidden_(hidden),
+      tied_(tied),
+      tp_(tp),
+      norm_(norm),
+      eps_(norm_eps),
+      norm_name_(std::move(norm_name)),
+      head_name_(std::move(head_name)) {}
 
-std::vector<ParamSpec> GptHead::params() const {
+std::vector<ParamSpec> TransformerHead::params() const {
   const int64_t rows = tp_.size == 1 ? vocab_ : tp_.vocab_shard;
-  if (arch_ == Arch::kLlama) {
-    std::vector<ParamSpec> p = {{"norm.weight", Shape{hidden_}}};
-    if (!tied_) p.push_back({"lm_head.weight", Shape{rows, hidden_}});
-    return p;
-  }
-  std::vector<ParamSpec> p = {{"lnf.weight", Shape{hidden_}}, {"lnf.bias", Shape{hidden_}}};
-  if (!tied_) p.push_back({"head.weight", Shape{rows, hidden_}});
+  std::vector<ParamSpec> p = {{norm_name_ + ".weight", Shape{hidden_}}};
+  if (norm_ == Norm::kLayerNorm) p.push_back({norm_name_ + ".bias", Shape{hidden_}});
+  if (!tied_) p.push_back({head_name_, Shape{rows, hidden_}});
   return p;
 }
 
-void GptHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  const size_t norms = arch_ == Arch::kLlama ? 1 : 2;
-  PORTER_CHECK_EQ(params.size(), tied_ ? norms : norms + 1, "GptHead parameter views");
+void TransformerHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  const size_t norms = norm_ == Norm::kRmsNorm ? 1 : 2;
+  PORTER_CHECK_EQ(params.size(), tied_ ? norms : norms + 1, "TransformerHead parameter views");
   lnf_w_ = params[0];
   dlnf_w_ = grads[0];
   if (norms == 2) {
@@ -534,36 +561,36 @@ void GptHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads
   }
 }
 
-void GptHead::bind_tied(const Tensor& wte, const Tensor& dwte) {
+void TransformerHead::bind_tied(const Tensor& wte, const Tensor& dwte) {
   PORTER_CHECK(tied_, "bind_tied on an untied head");
   head_w_ = wte;
   dhead_w_ = dwte;
 }
 
-Tensor GptHead::logits(Ctx& ctx, const Tensor& x) {
-  check_group(ctx, tp_, "GptHead");
+Tensor TransformerHead::logits(Ctx& ctx, const Tensor& x) {
+  check_group(ctx, tp_, "TransformerHead");
   Tensor normed;
-  if (arch_ == Arch::kLlama) {
-    normed = ctx.rmsnorm("norm", x, lnf_w_, eps_)[0];
+  if (norm_ == Norm::kRmsNorm) {
+    normed = ctx.rmsnorm(norm_name_, x, lnf_w_, eps_)[0];
   } else {
-    normed = ctx.layernorm("lnf", x, lnf_w_, lnf_b_, eps_)[0];
+    normed = ctx.layernorm(norm_name_, x, lnf_w_, lnf_b_, eps_)[0];
   }
   return column_linear(ctx, "head", normed, head_w_, Tensor(), tp_);
 }
 
-Tensor GptHead::forward(Ctx& ctx, const Tensor& x) {
-  check_group(ctx, tp_, "GptHead");
+Tensor TransformerHead::forward(Ctx& ctx, const Tensor& x) {
+  check_group(ctx, tp_, "TransformerHead");
   const int64_t n = targets_.defined() ? targets_.numel() : 0;
   const int64_t rows_here = tp_.sequence_parallel ? n / tp_.size : n;
   PORTER_CHECK(targets_.defined() && rows_here * hidden_ == x.numel(),
-               "GptHead: set_targets with the micro-batch's (B, T) targets before forward");
+               "TransformerHead: set_targets with the micro-batch's (B, T) targets before forward");
   Tensor lnf, mean, rstd;
-  if (arch_ == Arch::kLlama) {
-    auto outs = ctx.rmsnorm("norm", x, lnf_w_, eps_);
+  if (norm_ == Norm::kRmsNorm) {
+    auto outs = ctx.rmsnorm(norm_name_, x, lnf_w_, eps_);
     lnf = outs[0];
     rstd = outs[1];
   } else {
-    auto outs = ctx.layernorm("lnf", x, lnf_w_, lnf_b_, eps_);
+    auto outs = ctx.layernorm(norm_name_, x, lnf_w_, lnf_b_, eps_);
     lnf = outs[0];
     mean = outs[1];
     rstd = outs[2];
@@ -611,7 +638,7 @@ Tensor GptHead::forward(Ctx& ctx, const Tensor& x) {
   return loss;
 }
 
-Tensor GptHead::backward(Ctx& ctx, const Tensor& /*dy*/) {
+Tensor TransformerHead::backward(Ctx& ctx, const Tensor& /*dy*/) {
   Kernels& k = ctx.kernels();
   const Tensor& logits = ctx.saved("logits");
   const Tensor& targets = ctx.saved("targets");
@@ -631,7 +658,7 @@ Tensor GptHead::backward(Ctx& ctx, const Tensor& /*dy*/) {
   const Tensor& x = ctx.saved("x");
   Tensor dx = ctx.grad_like(x);
   Tensor dx_rows = rows(dx);
-  if (arch_ == Arch::kLlama) {
+  if (norm_ == Norm::kRmsNorm) {
     RowPartialGrads norm_grads(ctx, tp_, {&dlnf_w_});
     k.rmsnorm_backward(rows(dlnf), rows(x), lnf_w_, ctx.saved("rstd"), dx_rows,
                        norm_grads.view(0));

@@ -1,11 +1,13 @@
-// The GPT model: configuration checks, the flat layout, deterministic init, and one
-// micro-batch's forward and backward through its stages.
+// The transformer: configuration checks, the flat layout, deterministic init, and one
+// micro-batch's forward and backward through its stages; what differs between
+// architectures comes from the spec (models/spec.h).
 #include "models/transformer.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "base/check.h"
+#include "models/factory.h"
 #include "tensor/philox.h"
 
 namespace porter::models {
@@ -14,7 +16,8 @@ int64_t TpShard::vocab_valid() const {
   return std::clamp<int64_t>(vocab - vocab_begin(), 0, vocab_shard);
 }
 
-Gpt::Gpt(const config::ModelConfig& config, int tp_rank) : config_(config) {
+Transformer::Transformer(const config::ModelConfig& config, int tp_rank)
+    : config_(config), spec_(&arch_spec(config.type)) {
   PORTER_CHECK(config.tensor_parallel >= 1 && tp_rank >= 0 && tp_rank < config.tensor_parallel,
                "tensor-parallel rank ", tp_rank, " of porter.model.tensor_parallel = ",
                config.tensor_parallel);
@@ -30,30 +33,10 @@ Gpt::Gpt(const config::ModelConfig& config, int tp_rank) : config_(config) {
                config.dropout, " must be in [0, 1)");
   PORTER_CHECK(config.norm_eps > 0.0, "porter.model.norm_eps = ", config.norm_eps,
                " must be positive");
-  arch_ = config.type == config::ModelType::kLlama ? Arch::kLlama : Arch::kGpt;
-  const bool llama = arch_ == Arch::kLlama;
-  const int64_t kv_heads = config.kv_heads == 0 ? config.heads : config.kv_heads;
-  if (llama) {
-    PORTER_CHECK(kv_heads >= 1 && config.heads % kv_heads == 0, "porter.model.kv_heads = ",
-                 kv_heads, " does not divide heads = ", config.heads);
-    PORTER_CHECK(kv_heads % config.tensor_parallel == 0, "porter.model.kv_heads = ", kv_heads,
-                 " is not divisible by tensor_parallel = ", config.tensor_parallel,
-                 "; tensor parallelism splits the key/value heads evenly");
-    PORTER_CHECK((config.hidden / config.heads) % 2 == 0, "porter.model: hidden / heads = ",
-                 config.hidden / config.heads, " is odd; rotary embeddings rotate channel pairs");
-  } else {
-    PORTER_CHECK(kv_heads == config.heads, "porter.model.kv_heads = ", config.kv_heads,
-                 ": the GPT has one key/value head per query head");
-    PORTER_CHECK(config.intermediate == 0 || config.intermediate == 4 * config.hidden,
-                 "porter.model.intermediate = ", config.intermediate, ": the GPT's MLP is 4 x "
-                 "hidden wide");
-  }
-  const int64_t intermediate = llama ? llama_intermediate(config) : 4 * config.hidden;
+  spec_->check(config);
+  const int64_t intermediate = spec_->intermediate(config);
   PORTER_CHECK(intermediate % config.tensor_parallel == 0, "porter.model.intermediate = ",
                intermediate, " is not divisible by tensor_parallel = ", config.tensor_parallel);
-  const int64_t positions = config.max_positions > 0 ? config.max_positions : config.seq_len;
-  PORTER_CHECK(llama || positions >= config.seq_len, "porter.model.max_positions = ",
-               config.max_positions, " is below seq_len = ", config.seq_len);
   tp_.rank = tp_rank;
   tp_.size = static_cast<int>(config.tensor_parallel);
   tp_.sequence_parallel = config.sequence_parallel && tp_.size > 1;
@@ -61,57 +44,42 @@ Gpt::Gpt(const config::ModelConfig& config, int tp_rank) : config_(config) {
   tp_.vocab_shard = (config.vocab + tp_.size - 1) / tp_.size;
   const float p = static_cast<float>(config.dropout);
   const float eps = static_cast<float>(config.norm_eps);
-  auto emb = std::make_unique<GptEmbedding>(config.vocab, llama ? 0 : positions, config.hidden,
-                                            p, tp_, arch_);
+  auto emb = std::make_unique<TransformerEmbedding>(
+      config.vocab, spec_->position_rows(config), config.hidden, p, tp_,
+      spec_->token_table_name(), spec_->position_table_name());
   embedding_ = emb.get();
   layout_.add("", emb->params());
   stages_.push_back(std::move(emb));
   for (int64_t l = 0; l < config.layers; ++l) {
-    std::unique_ptr<Layer> block;
-    if (llama) {
-      LlamaShape shape;
-      shape.hidden = config.hidden;
-      shape.heads = static_cast<int>(config.heads);
-      shape.kv_heads = static_cast<int>(kv_heads);
-      shape.intermediate = intermediate;
-      shape.norm_eps = eps;
-      shape.rope_theta = config.rope_theta;
-      block = std::make_unique<LlamaBlock>(shape, p, tp_);
-    } else {
-      block = std::make_unique<GptBlock>(config.hidden, static_cast<int>(config.heads), p, tp_,
-                                         eps);
-    }
-    layout_.add((llama ? "layers." : "h.") + std::to_string(l), block->params());
+    std::unique_ptr<Layer> block = spec_->make_block(config, tp_);
+    layout_.add(spec_->block_prefix() + std::to_string(l), block->params());
     stages_.push_back(std::move(block));
   }
-  auto head = std::make_unique<GptHead>(config.vocab, config.hidden, config.tie_embeddings, tp_,
-                                        arch_, eps);
+  auto head = std::make_unique<TransformerHead>(config.vocab, config.hidden,
+                                                config.tie_embeddings, tp_, spec_->norm(), eps,
+                                                spec_->final_norm_name(), spec_->head_name());
   head_ = head.get();
   layout_.add("", head->params());
   stages_.push_back(std::move(head));
 }
 
-int64_t llama_intermediate(const config::ModelConfig& config) {
-  if (config.intermediate > 0) return config.intermediate;
-  const int64_t f = (8 * config.hidden + 2) / 3;  // ceil(8C / 3)
-  return (f + 255) / 256 * 256;
+std::string Transformer::embedding_name() const { return spec_->token_table_name(); }
+
+bool Transformer::vocab_parallel(const std::string& name) const {
+  return name == spec_->token_table_name() || name == spec_->head_name();
 }
 
-std::string Gpt::embedding_name() const {
-  return arch_ == Arch::kLlama ? "embed_tokens.weight" : "wte";
-}
-
-std::string Gpt::stage_name(int i) const {
+std::string Transformer::stage_name(int i) const {
   if (i == 0) return "embedding";
   if (i == num_stages() - 1) return "head";
   return "block." + std::to_string(i - 1);
 }
 
-void Gpt::bind(const FlatParams& flat) {
+void Transformer::bind(const FlatParams& flat) {
   PORTER_CHECK(&flat.layout() == &layout_ || flat.layout().total_elems() == layout_.total_elems(),
-               "Gpt::bind: the flat buffers use another layout");
+               "Transformer::bind: the flat buffers use another layout");
   bind_layer(*embedding_, "", flat);
-  const std::string prefix = arch_ == Arch::kLlama ? "layers." : "h.";
+  const std::string prefix = spec_->block_prefix();
   for (int l = 0; l < config_.layers; ++l) bind_layer(stage(l + 1), prefix + std::to_string(l), flat);
   bind_layer(*head_, "", flat);
   if (config_.tie_embeddings) {
@@ -136,44 +104,31 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The token table and the untied head: split by vocabulary rows (Note [GPT tensor
-// parallelism]).
-bool vocab_parallel(const std::string& name) {
-  return name == "wte" || name == "head.weight" || name == "embed_tokens.weight" ||
-         name == "lm_head.weight";
-}
-
 }  // namespace
 
-std::vector<float> Gpt::init_values(uint64_t seed) const {
+std::vector<float> Transformer::init_values(uint64_t seed) const {
   if (tp_.size > 1) {
     config::ModelConfig whole = config_;
     whole.tensor_parallel = 1;
     whole.sequence_parallel = false;
-    return shard_values(Gpt(whole).init_values(seed));
+    return shard_values(Transformer(whole).init_values(seed));
   }
-  // Note [GPT init]: GPT-2's scheme. Matrices ~ normal(0, 0.02), with the residual
-  // projections (proj, fc2) scaled by 1/sqrt(2L); biases 0; layernorm weight 1, bias 0.
+  // Note [Transformer init]: each parameter's rule is its spec's (ArchSpec::init_rule): a
+  // constant (0 for biases, 1 for norm weights) or normal(0, std_dev) (GPT-2's scheme scales
+  // the residual projections' 0.02 by 1/sqrt(2L); the Llama's is 0.02 for every matrix).
   // Normals come from Box-Muller over Philox keyed by (seed, FNV-1a of the parameter name),
   // so a parameter's values do not depend on the layout, thread count or device.
-  // Llama: Hugging Face's LlamaPreTrainedModel scheme, every matrix ~ normal(0, 0.02) and
-  // the RMSNorm weights 1, drawn the same way.
   std::vector<float> v(static_cast<size_t>(layout_.total_elems()), 0.0f);
-  const bool llama = arch_ == Arch::kLlama;
-  const float resid_scale =
-      llama ? 1.0f : 1.0f / std::sqrt(2.0f * static_cast<float>(config_.layers));
   for (const ParamEntry& e : layout_.entries()) {
     float* out = v.data() + e.offset_elems;
     const int64_t n = e.shape.numel();
-    const bool ln = llama ? e.name.find("norm") != std::string::npos
-                          : e.name.find("ln") != std::string::npos;
-    if (ends_with(e.name, ".bias")) continue;
-    if (ln) {
+    const InitRule rule = spec_->init_rule(e.name, config_);
+    if (rule.kind == InitRule::kZero) continue;
+    if (rule.kind == InitRule::kOne) {
       for (int64_t i = 0; i < n; ++i) out[i] = 1.0f;
       continue;
     }
-    float std_dev = 0.02f;
-    if (ends_with(e.name, "proj.weight") || ends_with(e.name, "fc2.weight")) std_dev *= resid_scale;
+    const float std_dev = rule.std_dev;
     const uint64_t h = fnv1a(e.name);
     PhiloxKey key;
     key.seed = seed;
@@ -194,24 +149,18 @@ std::vector<float> Gpt::init_values(uint64_t seed) const {
   return v;
 }
 
-bool Gpt::replicated(const std::string& name) {
-  return name == "wpe" || name.rfind("lnf.", 0) == 0 || name.find("norm") != std::string::npos || name.find(".ln1.") != std::string::npos ||
-         name.find(".ln2.") != std::string::npos || ends_with(name, "proj.bias") ||
-         ends_with(name, "fc2.bias");
-}
-
-std::vector<float> Gpt::shard_values(std::span<const float> whole) const {
+std::vector<float> Transformer::shard_values(std::span<const float> whole) const {
   if (tp_.size == 1) {
     PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), layout_.total_elems(),
-                    "Gpt::shard_values: values of the whole layout");
+                    "Transformer::shard_values: values of the whole layout");
     return std::vector<float>(whole.begin(), whole.end());
   }
   config::ModelConfig whole_config = config_;
   whole_config.tensor_parallel = 1;
   whole_config.sequence_parallel = false;
-  const Gpt full(whole_config);
+  const Transformer full(whole_config);
   PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), full.layout().total_elems(),
-                  "Gpt::shard_values: values of the layout at tensor_parallel 1");
+                  "Transformer::shard_values: values of the layout at tensor_parallel 1");
   const int64_t t = tp_.size, r = tp_.rank;
   std::vector<float> out(static_cast<size_t>(layout_.total_elems()), 0.0f);
   for (const ParamEntry& e : layout_.entries()) {
@@ -240,32 +189,32 @@ std::vector<float> Gpt::shard_values(std::span<const float> whole) const {
       }
     } else {
       // Column-parallel (fc1 weight and bias): this rank's rows.
-      PORTER_CHECK_EQ(rows * t, w.shape[0], "Gpt::shard_values: ", e.name);
+      PORTER_CHECK_EQ(rows * t, w.shape[0], "Transformer::shard_values: ", e.name);
       copy_rows(r * rows, 0, rows);
     }
   }
   return out;
 }
 
-std::vector<float> Gpt::merge_shards(const std::vector<std::vector<float>>& shards) const {
+std::vector<float> Transformer::merge_shards(const std::vector<std::vector<float>>& shards) const {
   const int64_t t = tp_.size;
-  PORTER_CHECK_EQ(static_cast<int64_t>(shards.size()), t, "Gpt::merge_shards: one part per "
+  PORTER_CHECK_EQ(static_cast<int64_t>(shards.size()), t, "Transformer::merge_shards: one part per "
                   "tensor-parallel rank");
   for (const std::vector<float>& part : shards) {
     PORTER_CHECK_EQ(static_cast<int64_t>(part.size()), layout_.total_elems(),
-                    "Gpt::merge_shards: a rank's values in its layout");
+                    "Transformer::merge_shards: a rank's values in its layout");
   }
   if (t == 1) return shards[0];
   config::ModelConfig whole_config = config_;
   whole_config.tensor_parallel = 1;
   whole_config.sequence_parallel = false;
-  const Gpt full(whole_config);
+  const Transformer full(whole_config);
   std::vector<float> out(static_cast<size_t>(full.layout().total_elems()), 0.0f);
   for (int r = 0; r < t; ++r) {
     // Every rank's layout has the same entries and shapes; rank r's own offsets and vocabulary
     // range come from its layout, which is this one's shape with rank r.
     config::ModelConfig rank_config = config_;
-    const Gpt rank_model(rank_config, r);
+    const Transformer rank_model(rank_config, r);
     const TpShard& tp = rank_model.tp();
     for (const ParamEntry& e : rank_model.layout().entries()) {
       const ParamEntry& w = full.layout().find(e.name);
@@ -296,7 +245,7 @@ std::vector<float> Gpt::merge_shards(const std::vector<std::vector<float>>& shar
   return out;
 }
 
-Tensor Gpt::forward_logits(Ctx& ctx, const Tensor& tokens) {
+Tensor Transformer::forward_logits(Ctx& ctx, const Tensor& tokens) {
   RunInfo run = ctx.run();
   run.batch = tokens.dim(0);
   run.seq = tokens.dim(1);
@@ -320,10 +269,10 @@ Tensor Gpt::forward_logits(Ctx& ctx, const Tensor& tokens) {
   }
 }
 
-float Gpt::forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
+float Transformer::forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
                             std::span<const StagePlan> plans) {
   const int n = num_stages();
-  PORTER_CHECK(plans.empty() || static_cast<int>(plans.size()) == n, "Gpt::forward_backward: ",
+  PORTER_CHECK(plans.empty() || static_cast<int>(plans.size()) == n, "Transformer::forward_backward: ",
                plans.size(), " stage plans for ", n, " stages");
   PORTER_CHECK(targets.shape() == tokens.shape() && targets.dtype() == DType::kI32,
                "targets must be (B, T) i32 like tokens ", tokens.shape().to_string());

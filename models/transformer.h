@@ -1,7 +1,8 @@
-// The built-in decoders, built from layers that follow the layer contract: the pre-LN GPT
-// (GPT-2's layout) and the Llama family (porter.model.arch, Note [Llama] below). Their
-// stages (embedding, each block, head) are the unit of checkpoint planning. The parameter
-// order and the init are documented in docs/layers.md.
+// The decoder the built-in architectures share (models::Transformer) and its layers, which
+// follow the layer contract: the embedding, the pre-LN GPT block (GPT-2's layout), the Llama
+// block (Note [Llama] below) and the head. What differs between architectures is asked of
+// their spec (models/spec.h). The stages (embedding, each block, head) are the unit of
+// checkpoint planning. The parameter order and the init are documented in docs/layers.md.
 #pragma once
 
 #include <memory>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "models/spec.h"
 #include "nn/ctx.h"
 #include "nn/layer.h"
 
@@ -44,7 +46,7 @@ using namespace porter::nn;
 // - Dropout draws each element's mask from its global index (PhiloxKey::group_offset), so the
 //   masks, and the losses, are those of t = 1 at every t, with or without sequence
 //   parallelism; results differ from t = 1 only by the order of the partial sums.
-// Parameter names are those of t = 1 with this rank's shapes; Gpt::shard_values maps t = 1
+// Parameter names are those of t = 1 with this rank's shapes; Transformer::shard_values maps t = 1
 // values onto them (init, pretrained weights, tests).
 struct TpShard {
   int rank = 0;
@@ -58,27 +60,29 @@ struct TpShard {
 };
 
 // Note [Llama]
-// porter.model.arch "llama" builds Hugging Face's LlamaForCausalLM: a token embedding
-// (embed_tokens, no position table), blocks of
+// porter.model.arch "llama" builds Hugging Face's LlamaForCausalLM (models/llama.h): a token
+// embedding (embed_tokens, no position table), blocks of
 //   x2 = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))), n1 = rms(x)
 //   y  = x2 + down_proj(silu(gate_proj(n2)) * up_proj(n2)),                     n2 = rms(x2)
-// and a head of RMSNorm (norm) and lm_head (tied to embed_tokens or its own), with no biases.
+// and a head of RMSNorm (norm) and lm_head (tied to embed_tokens or its own), with no biases
+// (Qwen2, models/qwen2.h, is this block with biases on q_proj, k_proj and v_proj).
 // Attention is grouped-query: kv_heads key/value heads, each serving heads / kv_heads query
 // heads; rope and the expansion of k and v to every query head are one op (Note [Rotary
 // qkv] in kernels.cc), whose output is the GPT's (B, T, 3C) qkv, so the attention kernels,
 // the checkpoint policies and the memory model are shared with the GPT. Parameter names are
-// Hugging Face's without the "model." prefix. Tensor parallelism splits q, k, v (by heads),
-// gate and up (by rows) as column-parallel and o and down as row-parallel, as in Megatron;
-// kv_heads must divide by t. Dropout (porter.model.dropout) sits where the GPT's does, after
-// o_proj and down_proj, and is 0 for a Hugging Face model.
-enum class Arch { kGpt, kLlama };
+// Hugging Face's without the "model." prefix. Tensor parallelism splits q, k, v (by heads,
+// with their biases), gate and up (by rows) as column-parallel and o and down as
+// row-parallel, as in Megatron; kv_heads must divide by t. Dropout (porter.model.dropout)
+// sits where the GPT's does, after o_proj and down_proj, and is 0 for a Hugging Face model.
 
-// Stage 0: token embedding (+ positions for the GPT), then dropout. Input tokens (B, T) i32.
-class GptEmbedding : public Layer {
+// Stage 0: token embedding (+ a learned position table when the architecture has one), then
+// dropout. Input tokens (B, T) i32.
+class TransformerEmbedding : public Layer {
  public:
-  // max_seq 0 (Llama): no position table; the token table is then "embed_tokens.weight".
-  GptEmbedding(int64_t vocab, int64_t max_seq, int64_t hidden, float dropout,
-               const TpShard& tp = {}, Arch arch = Arch::kGpt);
+  // positions 0: no position table (rotary positions). Parameter names: token_name
+  // ("wte", "embed_tokens.weight"), then position_name ("wpe") with positions.
+  TransformerEmbedding(int64_t vocab, int64_t positions, int64_t hidden, float dropout,
+                       const TpShard& tp, std::string token_name, std::string position_name);
   std::vector<ParamSpec> params() const override;
   Tensor forward(Ctx& ctx, const Tensor& tokens) override;  // -> (B, T, C)
   Tensor backward(Ctx& ctx, const Tensor& dy) override;     // -> undefined (tokens)
@@ -87,7 +91,7 @@ class GptEmbedding : public Layer {
   int64_t vocab_, max_seq_, hidden_;
   float dropout_;
   TpShard tp_;
-  Arch arch_;
+  std::string token_name_, position_name_;
 };
 
 // One pre-LN block: x + drop(proj(attn(qkv(ln1(x))))), then + drop(fc2(gelu(fc1(ln2(.))))).
@@ -116,6 +120,9 @@ struct LlamaShape {
   int64_t intermediate = 0;
   float norm_eps = 1e-5f;
   double rope_theta = 10000.0;
+  // Biases on q_proj, k_proj and v_proj (Qwen2), after the block's weights in its
+  // parameters.
+  bool qkv_bias = false;
 };
 
 class LlamaBlock : public Layer {
@@ -132,17 +139,18 @@ class LlamaBlock : public Layer {
   TpShard tp_;
 };
 
-// Final layernorm, the vocabulary projection (no bias; tied to wte or its own weight) and
-// the mean cross-entropy. Output: the loss (1) f32. Backward ignores dy's values: the
-// gradient of the mean loss is scaled by loss_scale (1 unless fp16 loss scaling).
-class GptHead : public Layer {
+// The final norm, the vocabulary projection (no bias; tied to the token table or its own
+// weight) and the mean cross-entropy. Output: the loss (1) f32. Backward ignores dy's values:
+// the gradient of the mean loss is scaled by loss_scale (1 unless fp16 loss scaling).
+class TransformerHead : public Layer {
  public:
-  // Llama: RMSNorm ("norm.weight", no bias) and "lm_head.weight".
-  GptHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp = {},
-          Arch arch = Arch::kGpt, float norm_eps = 1e-5f);
+  // Parameter names: norm_name + ".weight" (and ".bias" for a LayerNorm), then head_name
+  // when untied.
+  TransformerHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp, Norm norm,
+                  float norm_eps, std::string norm_name, std::string head_name);
   std::vector<ParamSpec> params() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-  // The tied weight: views of the embedding's wte and its gradient.
+  // The tied weight: views of the embedding's token table and its gradient.
   void bind_tied(const Tensor& wte, const Tensor& dwte);
   // Targets (B, T) i32 of the micro-batch; set before forward and again before recompute.
   void set_targets(const Tensor& targets) { targets_ = targets; }
@@ -158,39 +166,39 @@ class GptHead : public Layer {
   int64_t vocab_, hidden_;
   bool tied_;
   TpShard tp_;
-  Arch arch_;
+  Norm norm_;
   float eps_;
+  std::string norm_name_, head_name_;
   Tensor lnf_w_, lnf_b_, head_w_;     // views into the flat parameter buffer
   Tensor dlnf_w_, dlnf_b_, dhead_w_;  // views into the flat gradient buffer
   Tensor targets_;                    // the current micro-batch's input, not a saved tensor
   float loss_scale_ = 1.0f;
 };
 
-// The Llama MLP's width: porter.model.intermediate, or 8/3 hidden rounded up to a multiple
-// of 256 when it is 0.
-int64_t llama_intermediate(const config::ModelConfig& config);
-
-// How one stage runs in Gpt::forward_backward.
+// How one stage runs in Transformer::forward_backward.
 struct StagePlan {
   SaveMode mode = SaveMode::kSaveAll;  // kSaveAll or kCheckpoint (then recompute)
   OpPolicy policy = OpPolicy::keep_none();
 };
 
-class Gpt {
+// The decoder of every built-in architecture: an embedding, config.layers blocks and a head,
+// each built as the architecture's spec says (Note [Architecture spec] in models/spec.h).
+// models::build_model (models/factory.h) makes one.
+class Transformer {
  public:
   // This rank's part of the model (Note [GPT tensor parallelism]); tp_rank in
   // [0, config.tensor_parallel). Throws InvalidArgument for configs it cannot build (hidden
   // not divisible by heads, heads not divisible by tensor_parallel, ...).
-  explicit Gpt(const config::ModelConfig& config, int tp_rank = 0);
+  explicit Transformer(const config::ModelConfig& config, int tp_rank = 0);
 
   const config::ModelConfig& config() const { return config_; }
-  Arch arch() const { return arch_; }
+  const ArchSpec& spec() const { return *spec_; }
   const TpShard& tp() const { return tp_; }
   const ParamLayout& layout() const { return layout_; }
   int num_stages() const { return static_cast<int>(stages_.size()); }
   Layer& stage(int i) { return *stages_.at(i); }
   std::string stage_name(int i) const;  // "embedding", "block.3", "head"
-  GptHead& head() { return *head_; }
+  TransformerHead& head() { return *head_; }
 
   // Binds every stage to views of `flat` (which must use layout()).
   void bind(const FlatParams& flat);
@@ -206,26 +214,29 @@ class Gpt {
   // The name of the token table: "wte" (GPT) or "embed_tokens.weight" (Llama).
   std::string embedding_name() const;
   // Whether the parameter named `name` is whole on every tensor-parallel rank (layernorms,
-  // RMSNorms, wpe, the row-parallel biases) rather than split.
-  static bool replicated(const std::string& name);
+  // RMSNorms, wpe, the row-parallel biases) rather than split (ArchSpec::replicated).
+  bool replicated(const std::string& name) const { return spec_->replicated(name); }
 
   // Forward and backward of one micro-batch through every stage, stage by stage, as
   // `plans` says (empty: all kSaveAll). Returns the mean loss; gradients accumulate into
   // the bound gradient buffer. tokens and targets are (B, T) i32 with T <= seq_len.
   float forward_backward(Ctx& ctx, const Tensor& tokens, const Tensor& targets,
                          std::span<const StagePlan> plans = {});
-  // The logits of tokens (B, T) i32, forward only (GptHead::logits): for comparing a model
+  // The logits of tokens (B, T) i32, forward only (TransformerHead::logits): for comparing a model
   // with a reference, and for inference. Nothing is kept.
   Tensor forward_logits(Ctx& ctx, const Tensor& tokens);
 
  private:
+  // Whether `name` is the token table or the untied head: split by vocabulary rows.
+  bool vocab_parallel(const std::string& name) const;
+
   config::ModelConfig config_;
-  Arch arch_ = Arch::kGpt;
+  const ArchSpec* spec_;  // a static of models/factory.cc
   TpShard tp_;
   ParamLayout layout_;
   std::vector<std::unique_ptr<Layer>> stages_;
-  GptEmbedding* embedding_;  // owned by stages_
-  GptHead* head_;            // owned by stages_
+  TransformerEmbedding* embedding_;  // owned by stages_
+  TransformerHead* head_;            // owned by stages_
 };
 
 }  // namespace porter::models

@@ -64,7 +64,7 @@ struct StageParams {
 };
 // Each chain stage's flat range (its entries, each rounded up to kParamAlignElems) and the
 // stage owning each layout entry. Buckets follow stages, so the layout must list stage 0's
-// parameters first, then stage 1's, ... (GptModel and ChainModel do); anything else throws
+// parameters first, then stage 1's, ... (TransformerModel and ChainModel do); anything else throws
 // InvalidArgument naming the first entry out of order.
 struct StageLayout {
   std::vector<StageRange> ranges;  // per stage

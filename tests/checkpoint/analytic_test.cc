@@ -1,7 +1,7 @@
 // The analytic GPT model against the allocator: every stage's byte figures under every save
 // option equal what nn::forward_stage / recompute_stage / backward_stage allocate, for f32
 // and bf16, with and without dropout; the none peak's closed form; model-state bytes.
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 
 #include <cmath>
 
@@ -11,7 +11,7 @@
 #include "checkpoint/schedule.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "kernels/kernels.h"
 
 namespace porter::checkpoint {
@@ -72,7 +72,7 @@ struct Measured {
 };
 
 // Runs stage `s` of `gpt` on input `x` under `option` and reads the allocator's figures.
-Measured measure(Env& env, nn::Ctx& ctx, models::Gpt& gpt, int s, const Tensor& x, SaveOption option,
+Measured measure(Env& env, nn::Ctx& ctx, models::Transformer& gpt, int s, const Tensor& x, SaveOption option,
                  const OpPolicy& selective) {
   Measured m;
   OptionCost& c = m.cost;
@@ -122,7 +122,7 @@ TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
   const Case k = GetParam();
   Env env;
   const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq, k.llama);
-  models::Gpt gpt(mc);
+  models::Transformer gpt(mc);
   nn::FlatParams flat(*env.alloc, gpt.layout(), k.dtype, DType::kF32);
   Tensor p = flat.params();
   tensor::from_host_f32(*env.device, gpt.init_values(5), p);
@@ -143,7 +143,7 @@ TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
   const OpPolicy policies[] = {OpPolicy::selective_attention(), OpPolicy::keep_only({OpKind::kMatmul}),
                                OpPolicy::recompute_only({OpKind::kDropout, OpKind::kGelu})};
   for (const OpPolicy& sel : policies) {
-    const ChainCosts costs = analytic_gpt_costs({mc, B, T, k.dtype}, sel);
+    const ChainCosts costs = models::analytic_transformer_costs({mc, B, T, k.dtype}, sel);
     ASSERT_EQ(costs.num_stages(), gpt.num_stages());
     for (int s = 0; s < gpt.num_stages(); ++s) {
       const StageCost& st = costs.stages[s];
@@ -197,14 +197,14 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
     for (double p : {0.0, 0.1}) {
       for (int64_t vocab : {50, 500}) {
         const config::ModelConfig mc = small_model(p, vocab, 12, llama);
-        const GptShape shape{mc, 2, 12, dt};
-        const ChainCosts costs = analytic_gpt_costs(shape);
-        EXPECT_EQ(gpt_none_peak_bytes(shape), simulate(schedule_none(costs), costs).peak_activation_bytes)
+        const models::TransformerShape shape{mc, 2, 12, dt};
+        const ChainCosts costs = models::analytic_transformer_costs(shape);
+        EXPECT_EQ(models::none_peak_bytes(shape), simulate(schedule_none(costs), costs).peak_activation_bytes)
             << "dropout " << p << " vocab " << vocab;
 
         // A whole step through Gpt::forward_backward, measured.
         Env env;
-        models::Gpt gpt(mc);
+        models::Transformer gpt(mc);
         nn::FlatParams flat(*env.alloc, gpt.layout(), dt, DType::kF32);
         Tensor params = flat.params();
         tensor::from_host_f32(*env.device, gpt.init_values(5), params);
@@ -213,7 +213,7 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
         const size_t base = env.act();
         env.alloc->reset_peak();
         gpt.forward_backward(ctx, env.ids(2, 12, vocab, 0), env.ids(2, 12, vocab, 1));
-        EXPECT_EQ(env.peak_act() - base, gpt_none_peak_bytes(shape)) << "dropout " << p << " vocab " << vocab
+        EXPECT_EQ(env.peak_act() - base, models::none_peak_bytes(shape)) << "dropout " << p << " vocab " << vocab
                                                                      << " llama " << llama;
       }
     }
@@ -228,10 +228,10 @@ TEST(AnalyticTest, SimulatedPeaksOfFullAndSelectiveEqualAMeasuredStep) {
   for (DType dt : {DType::kF32, DType::kBF16}) {
     for (double p : {0.0, 0.1}) {
       const config::ModelConfig mc = small_model(p, 500);
-      const GptShape shape{mc, 2, 12, dt};
-      const ChainCosts costs = analytic_gpt_costs(shape);
+      const models::TransformerShape shape{mc, 2, 12, dt};
+      const ChainCosts costs = models::analytic_transformer_costs(shape);
       Env env;
-      models::Gpt gpt(mc);
+      models::Transformer gpt(mc);
       nn::FlatParams flat(*env.alloc, gpt.layout(), dt, DType::kF32);
       Tensor params = flat.params();
       tensor::from_host_f32(*env.device, gpt.init_values(5), params);
@@ -265,7 +265,7 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
   mc.seq_len = 256;
   mc.vocab = 8192;
   mc.dropout = 0.1;
-  const ChainCosts f = analytic_gpt_costs({mc, 4, 256, DType::kF32});
+  const ChainCosts f = models::analytic_transformer_costs({mc, 4, 256, DType::kF32});
   EXPECT_EQ(f.stages[1].option(SaveOption::kKeep).saved_bytes, 24'133'632u);
   EXPECT_EQ(f.stages.back().option(SaveOption::kKeep).forward_peak_bytes, 34'611'204u);
   EXPECT_EQ(simulate(schedule_none(f), f).peak_activation_bytes, 237'117'444u);
@@ -274,7 +274,7 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
   EXPECT_EQ(simulate(schedule_selective(f), f).peak_activation_bytes, 161'619'972u);
   EXPECT_EQ(simulate(schedule_uniform(f, 2), f).peak_activation_bytes, 54'558'720u);
   EXPECT_EQ(simulate(schedule_sqrt(f), f).peak_activation_bytes, 77'643'776u);
-  const ChainCosts b = analytic_gpt_costs({mc, 4, 256, DType::kBF16});
+  const ChainCosts b = models::analytic_transformer_costs({mc, 4, 256, DType::kBF16});
   EXPECT_EQ(simulate(schedule_none(b), b).peak_activation_bytes, 152'182'788u);
   EXPECT_EQ(simulate(schedule_full(b), b).peak_activation_bytes, 22'560'768u);
   EXPECT_EQ(simulate(schedule_full(b), b).peak_op, 8);  // the last block's forward
@@ -286,7 +286,7 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
   EXPECT_EQ(kernels::attention_forward_workspace_bytes(memory::DeviceKind::kCpu,
                                                   {4, 256, 256, 8, DType::kBF16, DType::kBF16}),
             4'980'736u);
-  EXPECT_EQ(gpt_model_state_bytes(mc, DType::kF32).params, 33'925'120u);
+  EXPECT_EQ(models::model_state_bytes(mc, DType::kF32).params, 33'925'120u);
 }
 
 // Kernel workspace is in the total figures only, and depends on the device the kernels run
@@ -295,10 +295,10 @@ TEST(AnalyticTest, WorkedExampleOfTheDocs) {
 TEST(AnalyticTest, KernelWorkspaceEntersTheTotalsOnlyPerDevice) {
   for (DType dt : {DType::kF32, DType::kBF16}) {
     const config::ModelConfig mc = small_model(0.0, 50, 70);
-    GptShape shape{mc, 2, 70, dt};
-    const ChainCosts cpu = analytic_gpt_costs(shape);
+    models::TransformerShape shape{mc, 2, 70, dt};
+    const ChainCosts cpu = models::analytic_transformer_costs(shape);
     shape.device = memory::DeviceKind::kCuda;
-    const ChainCosts cuda = analytic_gpt_costs(shape);
+    const ChainCosts cuda = models::analytic_transformer_costs(shape);
     ASSERT_EQ(cpu.num_stages(), cuda.num_stages());
     for (int s = 0; s < cpu.num_stages(); ++s) {
       for (int o = 0; o < kNumSaveOptions; ++o) {
@@ -330,13 +330,13 @@ TEST(AnalyticTest, KernelWorkspaceEntersTheTotalsOnlyPerDevice) {
 
 TEST(AnalyticTest, ModelStateBytesUseTheRealLayout) {
   const config::ModelConfig mc = small_model(0.0, 50);
-  const models::Gpt gpt(mc);
+  const models::Transformer gpt(mc);
   const size_t n = static_cast<size_t>(gpt.layout().total_elems());
-  const ModelStateBytes f = gpt_model_state_bytes(mc, DType::kF32);
+  const models::ModelStateBytes f = models::model_state_bytes(mc, DType::kF32);
   EXPECT_EQ(f.params, 4 * n);
   EXPECT_EQ(f.grads, 4 * n);
   EXPECT_EQ(f.optimizer, 8 * n);
-  const ModelStateBytes b = gpt_model_state_bytes(mc, DType::kBF16);
+  const models::ModelStateBytes b = models::model_state_bytes(mc, DType::kBF16);
   EXPECT_EQ(b.params, 2 * n);
   EXPECT_EQ(b.grads, 4 * n);
   EXPECT_EQ(b.optimizer, 12 * n);
@@ -344,7 +344,7 @@ TEST(AnalyticTest, ModelStateBytesUseTheRealLayout) {
 
 TEST(AnalyticTest, FlopsAndSelectiveSaving) {
   const config::ModelConfig mc = small_model(0.0, 50);
-  const ChainCosts c = analytic_gpt_costs({mc, 2, 12, DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({mc, 2, 12, DType::kF32});
   const double N = 24, C = 32, T = 12;
   const StageCost& blk = c.stages[1];
   EXPECT_DOUBLE_EQ(blk.forward_flops, 24 * N * C * C + 4 * N * T * C);

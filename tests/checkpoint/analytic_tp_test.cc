@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 
 #include "base/error.h"
 #include "checkpoint/planner.h"
@@ -21,7 +21,7 @@
 #include "comm/communicator.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
-#include "models/transformer.h"
+#include "models/factory.h"
 #include "kernels/kernels.h"
 
 namespace porter::checkpoint {
@@ -81,7 +81,7 @@ struct Env {
 // One rank's part of the model, bound to initial values, with a Ctx on the group.
 struct RankModel {
   Env env;
-  models::Gpt gpt;
+  models::Transformer gpt;
   nn::FlatParams flat;
   nn::Ctx ctx;
   RankModel(const config::ModelConfig& mc, DType dtype, int rank, comm::Communicator* tp)
@@ -237,7 +237,7 @@ TEST_P(AnalyticTpVsMeasured, EveryStageAndOptionOnEveryRankToTheByte) {
                                OpPolicy::recompute_only({OpKind::kDropout, OpKind::kGelu})};
   for (const OpPolicy& sel : policies) {
     SCOPED_TRACE("selective " + sel.to_string());
-    const ChainCosts costs = analytic_gpt_costs({mc, kBatch, k.seq, k.dtype}, sel);
+    const ChainCosts costs = models::analytic_transformer_costs({mc, kBatch, k.seq, k.dtype}, sel);
     ASSERT_EQ(costs.num_stages(), 4);
     std::vector<std::vector<StageMeasured>> ranks(static_cast<size_t>(k.t));
     run_group(k.t, [&](int rank, comm::Communicator* tp) {
@@ -275,9 +275,9 @@ TEST(AnalyticTpTest, SimulatedPeaksEqualAMeasuredStepOnEveryRank) {
                          TpCase{4, false, true, DType::kF32}, TpCase{2, true, true, DType::kF32}}) {
     SCOPED_TRACE(case_name(k));
     const config::ModelConfig mc = tp_model(k.t, k.sp, k.tied);
-    const GptShape shape{mc, kBatch, kSeq, k.dtype};
-    const ChainCosts costs = analytic_gpt_costs(shape);
-    EXPECT_EQ(gpt_none_peak_bytes(shape),
+    const models::TransformerShape shape{mc, kBatch, kSeq, k.dtype};
+    const ChainCosts costs = models::analytic_transformer_costs(shape);
+    EXPECT_EQ(models::none_peak_bytes(shape),
               simulate(schedule_none(costs), costs).peak_activation_bytes);
     const int n = costs.num_stages();
     const std::vector<models::StagePlan> none(static_cast<size_t>(n));
@@ -317,12 +317,12 @@ TEST(AnalyticTpTest, SimulatedPeaksEqualAMeasuredStepOnEveryRank) {
 TEST(AnalyticTpTest, PerRankShapesAndFlops) {
   const double N = kBatch * kSeq, C = 32, T = kSeq, V = 50;
   const size_t a = kBatch * kSeq * 32 * 4, p = kBatch * 4 * kSeq * kSeq * 4;
-  const ChainCosts one = analytic_gpt_costs({tp_model(1, false, true), kBatch, kSeq, DType::kF32});
+  const ChainCosts one = models::analytic_transformer_costs({tp_model(1, false, true), kBatch, kSeq, DType::kF32});
   for (int t : {2, 4}) {
     for (bool sp : {false, true}) {
       SCOPED_TRACE("t " + std::to_string(t) + (sp ? " sp" : ""));
-      const GptShape shape{tp_model(t, sp, true), kBatch, kSeq, DType::kF32};
-      const ChainCosts c = analytic_gpt_costs(shape);
+      const models::TransformerShape shape{tp_model(t, sp, true), kBatch, kSeq, DType::kF32};
+      const ChainCosts c = models::analytic_transformer_costs(shape);
       const size_t r = sp ? a / t : a, u = a / t, rows = sp ? N / t : N;
       const StageCost& blk = c.stages[1];
       EXPECT_EQ(blk.input_bytes, r);
@@ -330,7 +330,7 @@ TEST(AnalyticTpTest, PerRankShapesAndFlops) {
       // x, ln1, x2, ln2 are the residual stream's; qkv 3u, att u, h 4u, g 4u are this rank's
       // channels; 4 f32 layernorm statistics per row; this rank's heads' probabilities.
       EXPECT_EQ(blk.option(SaveOption::kKeep).saved_bytes, 3 * r + 12 * u + 16 * rows + p / t);
-      EXPECT_EQ(gpt_layer_bytes(shape), 4 * r + 12 * u + 16 * rows + p / t);
+      EXPECT_EQ(models::layer_bytes(shape), 4 * r + 12 * u + 16 * rows + p / t);
       EXPECT_DOUBLE_EQ(blk.forward_flops, one.stages[1].forward_flops / t);
       EXPECT_DOUBLE_EQ(blk.forward_flops, (24 * N * C * C + 4 * N * T * C) / t);
       const double vs = std::ceil(V / t);
@@ -362,32 +362,32 @@ TEST(AnalyticTpTest, PerRankShapesAndFlops) {
 
 TEST(AnalyticTpTest, KorthikantiFormula) {
   // s = 12, b = 2, h = 32, a = 4: sbh = 768, 5as/h = 7.5.
-  EXPECT_DOUBLE_EQ(korthikanti_layer_bytes({tp_model(1, false, true), 2, 12}), 768 * 41.5);
-  EXPECT_DOUBLE_EQ(korthikanti_layer_bytes({tp_model(1, true, true), 2, 12}), 768 * 41.5);
-  EXPECT_DOUBLE_EQ(korthikanti_layer_bytes({tp_model(2, false, true), 2, 12}),
+  EXPECT_DOUBLE_EQ(models::korthikanti_layer_bytes({tp_model(1, false, true), 2, 12}), 768 * 41.5);
+  EXPECT_DOUBLE_EQ(models::korthikanti_layer_bytes({tp_model(1, true, true), 2, 12}), 768 * 41.5);
+  EXPECT_DOUBLE_EQ(models::korthikanti_layer_bytes({tp_model(2, false, true), 2, 12}),
                    768 * (10 + 12 + 3.75));
-  EXPECT_DOUBLE_EQ(korthikanti_layer_bytes({tp_model(4, false, true), 2, 12}),
+  EXPECT_DOUBLE_EQ(models::korthikanti_layer_bytes({tp_model(4, false, true), 2, 12}),
                    768 * (10 + 6 + 1.875));
-  EXPECT_DOUBLE_EQ(korthikanti_layer_bytes({tp_model(4, true, true), 2, 12}), 768 * 41.5 / 4);
+  EXPECT_DOUBLE_EQ(models::korthikanti_layer_bytes({tp_model(4, true, true), 2, 12}), 768 * 41.5 / 4);
   // porter's exact layer at t = 1 in bf16 (docs/memory-model.md): sbh(32 + 16/h + 4as/h).
-  const size_t porter = gpt_layer_bytes({tp_model(1, false, true), 2, 12, DType::kBF16});
+  const size_t porter = models::layer_bytes({tp_model(1, false, true), 2, 12, DType::kBF16});
   EXPECT_DOUBLE_EQ(static_cast<double>(porter), 768 * (32 + 16.0 / 32 + 4 * 4 * 12 / 32.0));
 }
 
 TEST(AnalyticTpTest, ModelStatesAreTheRanksLayout) {
   for (int t : {1, 2, 4}) {
     const config::ModelConfig mc = tp_model(t, false, false);
-    const size_t elems = static_cast<size_t>(models::Gpt(mc, 0).layout().total_elems());
-    EXPECT_EQ(gpt_model_state_bytes(mc, DType::kBF16).params, 2 * elems);
-    EXPECT_EQ(static_cast<size_t>(models::Gpt(mc, t - 1).layout().total_elems()), elems);
+    const size_t elems = static_cast<size_t>(models::Transformer(mc, 0).layout().total_elems());
+    EXPECT_EQ(models::model_state_bytes(mc, DType::kBF16).params, 2 * elems);
+    EXPECT_EQ(static_cast<size_t>(models::Transformer(mc, t - 1).layout().total_elems()), elems);
   }
 }
 
 TEST(AnalyticTpTest, RejectsShapesTheModelCannotSplit) {
-  EXPECT_THROW(analytic_gpt_costs({tp_model(3, false, true), kBatch, kSeq}), InvalidArgument);
+  EXPECT_THROW(models::analytic_transformer_costs({tp_model(3, false, true), kBatch, kSeq}), InvalidArgument);
   // 2 x 11 = 22 token rows do not split over 4 sequence-parallel ranks.
-  EXPECT_THROW(analytic_gpt_costs({tp_model(4, true, true), 2, 11}), InvalidArgument);
-  EXPECT_NO_THROW(analytic_gpt_costs({tp_model(4, false, true), 2, 11}));
+  EXPECT_THROW(models::analytic_transformer_costs({tp_model(4, true, true), 2, 11}), InvalidArgument);
+  EXPECT_NO_THROW(models::analytic_transformer_costs({tp_model(4, false, true), 2, 11}));
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "base/error.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/planner.h"
 
 namespace porter::checkpoint {
@@ -17,14 +17,14 @@ namespace {
 using ::testing::HasSubstr;
 
 ChainCosts gpt(int64_t layers) {
-  GptShape s;
+  models::TransformerShape s;
   s.model.layers = layers;
   s.model.hidden = 64;
   s.model.heads = 4;
   s.model.seq_len = 32;
   s.model.vocab = 512;
   s.micro_batch = 2;
-  return analytic_gpt_costs(s);
+  return models::analytic_transformer_costs(s);
 }
 
 // Units of `elems` each (the head reads the embedding's unit too, as the tied GPT does).

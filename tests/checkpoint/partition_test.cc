@@ -8,7 +8,7 @@
 #include <random>
 
 #include "base/error.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/offload_plan.h"
 #include "checkpoint/planner.h"
 #include "checkpoint/simulate.h"
@@ -431,7 +431,7 @@ config::ModelConfig gpt(int64_t layers) {
 }
 
 TEST(PartitionTest, StandardPoliciesPartitionEveryHoldAboveTheThreshold) {
-  const ChainCosts c = analytic_gpt_costs({gpt(4), 2, 32, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({gpt(4), 2, 32, tensor::DType::kF32});
   PlanOptions o;
   o.checkpointing.policy = config::CheckpointPolicy::kUniform;
   o.checkpointing.every_n_layers = 2;
@@ -506,7 +506,7 @@ void check_optimal(const ChainCosts& c, const OffloadOptions& offload, const cha
 }
 
 TEST(PartitionTest, OptimalFitsItsBudgetWithPartitionedHolds) {
-  const ChainCosts c = with_times(analytic_gpt_costs({gpt(8), 2, 32, tensor::DType::kF32}));
+  const ChainCosts c = with_times(models::analytic_transformer_costs({gpt(8), 2, 32, tensor::DType::kF32}));
   check_optimal(c, OffloadOptions{}, "device");
   OffloadOptions host;
   host.enabled = true;
@@ -521,7 +521,7 @@ TEST(PartitionTest, OptimalFitsItsBudgetWithPartitionedHolds) {
 TEST(PartitionTest, OptimalPartitionsWhereThatSavesRecompute) {
   // Without times the program minimises recompute FLOPs: where whole holds do not fit,
   // partitioning lets it hold more and recompute less; it is never worse.
-  const ChainCosts c = analytic_gpt_costs({gpt(8), 2, 32, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({gpt(8), 2, 32, tensor::DType::kF32});
   const size_t none = simulate(schedule_none(c), c).peak_activation_bytes;
   const size_t lo = minimum_budget_bytes(c);
   PlanOptions o;

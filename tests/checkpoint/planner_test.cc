@@ -10,7 +10,7 @@
 
 #include "base/error.h"
 #include "base/units.h"
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 
 namespace porter::checkpoint {
 namespace {
@@ -101,7 +101,7 @@ PlanOptions options_for(config::CheckpointPolicy p) {
 }
 
 TEST(PlannerTest, StandardSchedulesAreValidWithTheRightSummaries) {
-  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32});
   ASSERT_EQ(c.num_stages(), 6);
   EXPECT_EQ(schedule_none(c).to_string(), "F0k F1k F2k F3k F4k F5k B5 B4 B3 B2 B1 B0");
   EXPECT_EQ(schedule_full(c).to_string(),
@@ -140,11 +140,11 @@ TEST(PlannerTest, StandardSchedulesAreValidWithTheRightSummaries) {
 }
 
 TEST(PlannerTest, MakePlanForEachPolicy) {
-  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32});
   const size_t none_peak = simulate(schedule_none(c), c).peak_activation_bytes;
   Plan none = make_plan(options_for(config::CheckpointPolicy::kNone), c);
   EXPECT_EQ(none.prediction.peak_activation_bytes, none_peak);
-  EXPECT_EQ(none_peak, gpt_none_peak_bytes({tiny(4), 2, 16, tensor::DType::kF32}));
+  EXPECT_EQ(none_peak, models::none_peak_bytes({tiny(4), 2, 16, tensor::DType::kF32}));
 
   PlanOptions uo = options_for(config::CheckpointPolicy::kUniform);
   uo.checkpointing.segments = 3;  // ceil(4 / 3) = 2 blocks per segment
@@ -181,7 +181,7 @@ void expect_error(const PlanOptions& o, const ChainCosts& c, const std::string& 
 }
 
 TEST(PlannerTest, ConfigErrorsNameTheKey) {
-  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32});
   PlanOptions b = options_for(config::CheckpointPolicy::kBlock);
   b.checkpointing.block_layers = 9;
   expect_error(b, c, "porter.checkpointing.block_layers = 9 is more than the model's 4 blocks");
@@ -217,7 +217,7 @@ TEST(PlannerTest, SelectivePolicyFromOpNames) {
 }
 
 TEST(PlannerTest, FractionBudgetsResolveAgainstTheNonePeak) {
-  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32});
   const size_t none = simulate(schedule_none(c), c).peak_activation_bytes;
   EXPECT_EQ(resolve_budget(config::MemoryBudget{0.5}, c), none / 2);
   EXPECT_EQ(resolve_budget(config::MemoryBudget{1.0}, c), none);
@@ -235,7 +235,7 @@ TEST(PlannerTest, FractionBudgetsResolveAgainstTheNonePeak) {
 }
 
 TEST(PlannerTest, InfeasibleBudgetStatesTheMinimum) {
-  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32});
   const size_t min = minimum_budget_bytes(c);
   EXPECT_LE(min, simulate(schedule_full(c), c).peak_activation_bytes);
   PlanOptions o = options_for(config::CheckpointPolicy::kOptimal);
@@ -282,8 +282,8 @@ void check_random_budgets(const ChainCosts& c, const char* what) {
 }
 
 TEST(PlannerTest, OptimalFitsRandomBudgetsOnTheGpt) {
-  check_random_budgets(with_times(analytic_gpt_costs({tiny(6), 2, 16, tensor::DType::kF32})), "tiny gpt");
-  check_random_budgets(with_times(analytic_gpt_costs({gpt_small_cpu(), 4, 256, tensor::DType::kF32})),
+  check_random_budgets(with_times(models::analytic_transformer_costs({tiny(6), 2, 16, tensor::DType::kF32})), "tiny gpt");
+  check_random_budgets(with_times(models::analytic_transformer_costs({gpt_small_cpu(), 4, 256, tensor::DType::kF32})),
                        "gpt-small-cpu");
 }
 
@@ -293,7 +293,7 @@ TEST(PlannerTest, OptimalFitsRandomBudgetsOnAHeterogeneousChain) {
 }
 
 TEST(PlannerTest, OptimalWithoutTimesMinimisesRecomputeFlops) {
-  const ChainCosts c = analytic_gpt_costs({tiny(6), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(6), 2, 16, tensor::DType::kF32});
   PlanOptions o = options_for(config::CheckpointPolicy::kOptimal);
   const Prediction uni = simulate(schedule_uniform(c, 2), c);
   o.budget = config::MemoryBudget{uint64_t{uni.peak_activation_bytes}};
@@ -303,7 +303,7 @@ TEST(PlannerTest, OptimalWithoutTimesMinimisesRecomputeFlops) {
 }
 
 TEST(PlannerTest, RotorBeatsUniformSomewhereAndIsFast) {
-  const ChainCosts c = with_times(analytic_gpt_costs({tiny(28), 2, 16, tensor::DType::kF32}));
+  const ChainCosts c = with_times(models::analytic_transformer_costs({tiny(28), 2, 16, tensor::DType::kF32}));
   ASSERT_EQ(c.num_stages(), 30);
   const Prediction full = simulate(schedule_full(c), c);
   const auto t0 = std::chrono::steady_clock::now();
@@ -350,7 +350,7 @@ TEST(PlannerOffloadTest, OptionsFromTheConfig) {
   EXPECT_DOUBLE_EQ(sim.link_bytes_per_s, 0.5e9);
   // The contiguity goes into the plan's layout, with offload on and off (the stash built
   // from the same config runs only that one).
-  const ChainCosts c = analytic_gpt_costs({tiny(2), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(2), 2, 16, tensor::DType::kF32});
   PlanOptions po = options_for(config::CheckpointPolicy::kFull);
   po.offload = o;
   const Plan on = make_plan(po, c);
@@ -367,7 +367,7 @@ TEST(PlannerOffloadTest, OptionsFromTheConfig) {
 }
 
 TEST(PlannerOffloadTest, StandardPlansPlaceAndPredictTheOffload) {
-  const ChainCosts c = with_times(analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32}));
+  const ChainCosts c = with_times(models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32}));
   const size_t a = c.stages[2].input_bytes;  // every block's input: 2 x 16 x 32 floats
   ASSERT_EQ(a, 2u * 16 * 32 * 4);
   PlanOptions uo = options_for(config::CheckpointPolicy::kUniform);
@@ -417,7 +417,7 @@ TEST(PlannerOffloadTest, StandardPlansPlaceAndPredictTheOffload) {
 }
 
 TEST(PlannerOffloadTest, SummarizeMarksHostHoldsWithoutAPrediction) {
-  const ChainCosts c = analytic_gpt_costs({tiny(4), 2, 16, tensor::DType::kF32});
+  const ChainCosts c = models::analytic_transformer_costs({tiny(4), 2, 16, tensor::DType::kF32});
   Schedule s = schedule_full(c);
   place_offload(s, c, 2);
   const std::vector<StagePlan> sp = summarize(s, c);
@@ -430,7 +430,7 @@ TEST(PlannerOffloadTest, SummarizeMarksHostHoldsWithoutAPrediction) {
 }
 
 TEST(PlannerOffloadTest, OffloadNeverRaisesThePeakOfFullOrUniform) {
-  for (const ChainCosts& c : {with_times(analytic_gpt_costs({tiny(6), 2, 16, tensor::DType::kF32})), hetero_chain(12, 7)}) {
+  for (const ChainCosts& c : {with_times(models::analytic_transformer_costs({tiny(6), 2, 16, tensor::DType::kF32})), hetero_chain(12, 7)}) {
     std::vector<Schedule> scheds = {schedule_full(c), schedule_sqrt(c), schedule_selective(c)};
     int blocks = 0;
     for (const StageCost& s : c.stages) blocks += s.is_block;
@@ -554,7 +554,7 @@ void check_optimal_offload(const ChainCosts& c, const OffloadOptions& off, const
 }
 
 TEST(PlannerOffloadTest, OptimalWithOffloadOnTheGpt) {
-  const ChainCosts c = with_times(analytic_gpt_costs({tiny(6), 2, 16, tensor::DType::kF32}));
+  const ChainCosts c = with_times(models::analytic_transformer_costs({tiny(6), 2, 16, tensor::DType::kF32}));
   const double a = static_cast<double>(c.stages[2].input_bytes);
   check_optimal_offload(c, offload_on(1, 1, a / 0.01), "fast link");
   check_optimal_offload(c, offload_on(1, 1, a / 2.0), "slow link");
@@ -572,7 +572,7 @@ TEST(PlannerOffloadTest, OptimalWithOffloadOnAHeterogeneousChain) {
 TEST(PlannerOffloadTest, RotorWithAFreeLinkRecomputesNoMore) {
   // With a fast link the copies hide: the program with host holds recomputes no more than
   // without, and fits.
-  const ChainCosts c = with_times(analytic_gpt_costs({tiny(6), 2, 16, tensor::DType::kF32}));
+  const ChainCosts c = with_times(models::analytic_transformer_costs({tiny(6), 2, 16, tensor::DType::kF32}));
   const OffloadOptions off = offload_on(1, 1, 1e12);
   for (int per : {1, 2, 3}) {
     const size_t budget = simulate(schedule_uniform(c, per), c).peak_activation_bytes;

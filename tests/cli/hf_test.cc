@@ -52,7 +52,7 @@ class CliHf : public ::testing::Test {
     fs::create_directories(dir_);
     // The model: porter's init at another seed, written as a Hugging Face directory.
     const config::ModelConfig m = tiny_model();
-    const models::Gpt gpt(m);
+    const models::Transformer gpt(m);
     values_ = gpt.init_values(7);
     model_ = dir_ / "gpt2-tiny";
     io::write_hf_checkpoint(model_, m, gpt.layout(), values_, tensor::DType::kF32);
@@ -132,7 +132,7 @@ TEST_F(CliHf, TrainStartsFromTheWeightsAndSaveHfWritesThemBack) {
   EXPECT_THAT(r.out, HasSubstr("  weights: " + model_.string() + " (Hugging Face, 29 tensors in 1 "
                                "file, F32, "));
   // The first step started from the model's values, not from the init of porter.train.seed.
-  const models::Gpt gpt(tiny_model());
+  const models::Transformer gpt(tiny_model());
   for (const nn::ParamEntry& e : gpt.layout().entries()) {
     const io::NpyArray a = io::read_npy((dump / "params" / (e.name + ".npy")).string());
     ASSERT_EQ(a.data.size(), static_cast<size_t>(e.shape.numel()) * 4) << e.name;

@@ -62,7 +62,7 @@ class MemoryPage : public ::testing::Test {
     cfg_ = config::parse_config_string(kConfig).config;
     device_ = memory::make_device(engine::make_run_options(cfg_).device);
     eng_ = std::make_unique<engine::Engine>(
-        *device_, std::make_unique<engine::GptModel>(cfg_.porter.model), cfg_);
+        *device_, std::make_unique<engine::TransformerModel>(cfg_.porter.model), cfg_);
   }
   // Trains `steps` steps with the record on; returns the last StepResult.
   engine::StepResult train(int steps) {

@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "checkpoint/planner.h"
 #include "checkpoint/simulate.h"
 #include "cli/app.h"
@@ -399,7 +399,7 @@ TEST_F(CliTrain, EstimateZeroStagesPerRank) {
     model.heads = 2;
     model.seq_len = 16;
     model.vocab = 64;
-    const models::Gpt gpt(model);
+    const models::Transformer gpt(model);
     const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), 3);
     const zero::StateDTypes dtypes{bf16 ? tensor::DType::kBF16 : tensor::DType::kF32};
     EXPECT_EQ(j["world_size"], 3);
@@ -479,14 +479,14 @@ TEST_F(CliTrain, EstimateTensorParallelFlag) {
   EXPECT_EQ(j["tensor_parallel"]["t"], 2);
   EXPECT_EQ(j["tensor_parallel"]["source"], "--tensor-parallel");
   EXPECT_TRUE(j["tensor_parallel"]["table"].is_null());
-  const models::Gpt rank0(tiny_model(2), 0);
+  const models::Transformer rank0(tiny_model(2), 0);
   EXPECT_EQ(j["zero"]["num_params"], rank0.layout().num_params());
   const zero::StateBytes states =
       zero::exact_bytes(zero::make_partition(rank0.layout().total_elems(), 1), 0,
                         zero::StateDTypes{tensor::DType::kF32});
   EXPECT_EQ(j["model_state_bytes"]["total"], states.total());
-  const checkpoint::GptShape shape{tiny_model(2), 2, 16, tensor::DType::kF32};
-  EXPECT_EQ(j["policies"][0]["activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
+  const models::TransformerShape shape{tiny_model(2), 2, 16, tensor::DType::kF32};
+  EXPECT_EQ(j["policies"][0]["activation_peak_bytes"], models::none_peak_bytes(shape));
 
   CliRun text = porter({"estimate", "--config", tiny(), "--tensor-parallel", "2"});
   ASSERT_EQ(text.rc, kExitOk) << text.err;
@@ -529,12 +529,12 @@ TEST_F(CliTrain, EstimateTensorParallelTable) {
     SCOPED_TRACE("t " + std::to_string(t) + (sp ? " sp" : ""));
     EXPECT_EQ(row["t"], t);
     EXPECT_EQ(row["sequence_parallel"], sp);
-    const checkpoint::GptShape shape{tiny_model(t, sp), 2, 16, tensor::DType::kF32};
-    EXPECT_EQ(row["layer_bytes"], checkpoint::gpt_layer_bytes(shape));
+    const models::TransformerShape shape{tiny_model(t, sp), 2, 16, tensor::DType::kF32};
+    EXPECT_EQ(row["layer_bytes"], models::layer_bytes(shape));
     EXPECT_DOUBLE_EQ(row["korthikanti_layer_bytes"].get<double>(),
-                     checkpoint::korthikanti_layer_bytes(shape));
-    EXPECT_EQ(row["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
-    const models::Gpt rank0(tiny_model(t, sp), 0);
+                     models::korthikanti_layer_bytes(shape));
+    EXPECT_EQ(row["none_activation_peak_bytes"], models::none_peak_bytes(shape));
+    const models::Transformer rank0(tiny_model(t, sp), 0);
     EXPECT_EQ(row["model_state_bytes"]["total"],
               zero::exact_bytes(zero::make_partition(rank0.layout().total_elems(), 1), 0,
                                 zero::StateDTypes{tensor::DType::kF32})
@@ -564,9 +564,9 @@ TEST_F(CliTrain, PlanTensorParallel) {
   EXPECT_EQ(j["costs"], "analytic");
   EXPECT_EQ(j["tensor_parallel"], 2);
   EXPECT_EQ(j["sequence_parallel"], true);
-  const checkpoint::GptShape shape{tiny_model(2, true), 2, 16, tensor::DType::kF32};
-  EXPECT_EQ(j["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
-  const checkpoint::ChainCosts costs = checkpoint::analytic_gpt_costs(shape);
+  const models::TransformerShape shape{tiny_model(2, true), 2, 16, tensor::DType::kF32};
+  EXPECT_EQ(j["none_activation_peak_bytes"], models::none_peak_bytes(shape));
+  const checkpoint::ChainCosts costs = models::analytic_transformer_costs(shape);
   const checkpoint::Schedule uniform = checkpoint::schedule_uniform(costs, 1);
   EXPECT_EQ(j["predicted_activation_peak_bytes"],
             checkpoint::simulate(uniform, costs).peak_activation_bytes);
@@ -579,7 +579,7 @@ TEST_F(CliTrain, PlanTensorParallel) {
   ASSERT_EQ(opt.rc, kExitOk) << opt.err;
   const json o = json::parse(opt.out);
   EXPECT_EQ(o["costs"], "profiled");
-  EXPECT_EQ(o["none_activation_peak_bytes"], checkpoint::gpt_none_peak_bytes(shape));
+  EXPECT_EQ(o["none_activation_peak_bytes"], models::none_peak_bytes(shape));
   EXPECT_LE(o["predicted_activation_peak_bytes"].get<size_t>(), o["budget_bytes"].get<size_t>());
 }
 

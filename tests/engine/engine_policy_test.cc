@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "engine_test_util.h"
 
 namespace porter::engine {
@@ -61,7 +61,7 @@ TEST(EnginePolicyTest, EveryPolicyGivesBitIdenticalGradientsAndLosses) {
   }
 }
 
-checkpoint::GptShape shape_of(const config::Config& c, tensor::DType dtype) {
+models::TransformerShape shape_of(const config::Config& c, tensor::DType dtype) {
   return {c.porter.model, c.train_micro_batch_size_per_gpu, c.porter.model.seq_len, dtype};
 }
 
@@ -72,7 +72,7 @@ TEST(EnginePolicyTest, NonePeakEqualsTheClosedForm) {
     auto e = gpt_engine(*device, c);
     const StepResult r = e->train_step(batches(c, 0));
     EXPECT_EQ(r.peak_activation_bytes,
-              checkpoint::gpt_none_peak_bytes(shape_of(c, e->compute_dtype())))
+              models::none_peak_bytes(shape_of(c, e->compute_dtype())))
         << (bf16 ? "bf16" : "f32");
   }
 }
@@ -142,7 +142,7 @@ TEST(EnginePolicyTest, ProfiledBytesEqualTheAnalyticModel) {
     const std::vector<float> grads = e->grads_host();
     const checkpoint::ChainCosts prof = e->profile();
     EXPECT_TRUE(bitwise_equal(e->grads_host(), grads));
-    const checkpoint::ChainCosts ana = checkpoint::analytic_gpt_costs(shape_of(c, e->compute_dtype()));
+    const checkpoint::ChainCosts ana = models::analytic_transformer_costs(shape_of(c, e->compute_dtype()));
     ASSERT_EQ(prof.num_stages(), ana.num_stages());
     for (int i = 0; i < prof.num_stages(); ++i) {
       const auto& a = ana.stages[i];

@@ -99,7 +99,7 @@ TEST(EngineStepTest, WallClockBreakdownCountsTheGradientReduction) {
   c.wall_clock_breakdown = true;
   for_each_dp_rank(c, [&](int rank, memory::Device& device,
                           std::shared_ptr<comm::Communicator> dp) {
-    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);
     for (int s = 0; s < 2; ++s) {
@@ -254,7 +254,7 @@ TEST(EngineStepTest, UnsupportedConfigsNameTheKey) {
   config::ModelConfig other = c.porter.model;
   other.layers = 2;
   try {
-    Engine e(*device, std::make_unique<GptModel>(other), c);
+    Engine e(*device, std::make_unique<TransformerModel>(other), c);
     FAIL();
   } catch (const InvalidArgument& err) {
     EXPECT_THAT(err.what(), HasSubstr("another model config than porter.model"));

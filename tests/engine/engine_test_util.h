@@ -82,7 +82,7 @@ inline std::vector<io::HostBatch> batches(const config::Config& c, int64_t step)
 }
 
 inline std::unique_ptr<Engine> gpt_engine(memory::Device& device, const config::Config& c) {
-  return std::make_unique<Engine>(device, std::make_unique<GptModel>(c.porter.model), c);
+  return std::make_unique<Engine>(device, std::make_unique<TransformerModel>(c.porter.model), c);
 }
 
 inline bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
@@ -404,7 +404,7 @@ inline std::vector<DpRankRun> run_dp_ranks(const config::Config& c, int steps) {
   const int ws = static_cast<int>(c.world_size);
   std::vector<DpRankRun> runs(static_cast<size_t>(ws));
   for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-    Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+    Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
     e.reset_peaks();
     DpRankRun& run = runs[static_cast<size_t>(rank)];
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
@@ -448,7 +448,7 @@ inline std::vector<TpRankRun> run_tp_ranks(const config::Config& c, int steps) {
     std::shared_ptr<comm::Communicator> world =
         comm::make_communicator(*device, store, rank, ws, o);
     comm::ProcessGroups g = comm::make_process_groups(world, tp);
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c,
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c,
              tp == 1 ? world : g.dp, tp == 1 ? nullptr : g.tp);
     TpRankRun& run = runs[static_cast<size_t>(rank)];
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
@@ -544,7 +544,7 @@ enum class Bomb {
   kInfinities,   // its backward returns a dx of infinities (inf/nan gradients below it)
 };
 
-// Wraps a GptModel layer: when armed, it fails as `how` says.
+// Wraps a TransformerModel layer: when armed, it fails as `how` says.
 class BombLayer : public nn::Layer {
  public:
   BombLayer(nn::Layer& inner, std::function<bool()> armed, Bomb how)
@@ -595,7 +595,7 @@ class BombModel : public Model {
   std::vector<int> grad_writers(int i) const override { return inner_.grad_writers(i); }
 
  private:
-  GptModel inner_;
+  TransformerModel inner_;
   std::vector<std::unique_ptr<BombLayer>> layers_;
 };
 

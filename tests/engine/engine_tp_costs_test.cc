@@ -9,7 +9,7 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoint/analytic.h"
+#include "models/analytic.h"
 #include "comm/communicator.h"
 #include "engine_test_util.h"
 
@@ -27,7 +27,7 @@ config::Config tp_config(CheckpointPolicy policy, bool sp) {
   return c;
 }
 
-checkpoint::GptShape shape_of(const config::Config& c) {
+models::TransformerShape shape_of(const config::Config& c) {
   return {c.porter.model, c.train_micro_batch_size_per_gpu, c.porter.model.seq_len,
           tensor::DType::kF32};
 }
@@ -41,7 +41,7 @@ void run_tp_ranks(const config::Config& c, const std::function<void(int, Engine&
     o.group_name = "tp";
     o.timeout = comm::Seconds{60};
     std::shared_ptr<comm::Communicator> tp = comm::make_communicator(*device, store, rank, t, o);
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model, rank), c, nullptr, tp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, rank), c, nullptr, tp);
     fn(rank, e);
   });
   for (auto& e : errors) {
@@ -63,7 +63,7 @@ TEST(EngineTpCostsTest, NonePlansFromAnalyticCostsAndPredictsTheMeasuredPeak) {
     });
     for (int r = 0; r < 2; ++r) {
       EXPECT_EQ(sources[static_cast<size_t>(r)], "analytic") << "rank " << r;
-      EXPECT_EQ(peaks[static_cast<size_t>(r)], checkpoint::gpt_none_peak_bytes(shape_of(c)))
+      EXPECT_EQ(peaks[static_cast<size_t>(r)], models::none_peak_bytes(shape_of(c)))
           << "rank " << r;
       EXPECT_EQ(predicted[static_cast<size_t>(r)], peaks[static_cast<size_t>(r)]) << "rank " << r;
     }
@@ -82,7 +82,7 @@ TEST(EngineTpCostsTest, ProfiledBytesEqualTheAnalyticModelOnEveryRank) {
       peaks[static_cast<size_t>(rank)] = r.peak_activation_bytes;
       predicted[static_cast<size_t>(rank)] = e.memory_report().predicted_activation_bytes;
     });
-    const checkpoint::ChainCosts ana = checkpoint::analytic_gpt_costs(shape_of(c));
+    const checkpoint::ChainCosts ana = models::analytic_transformer_costs(shape_of(c));
     for (int r = 0; r < 2; ++r) {
       const checkpoint::ChainCosts& p = prof[static_cast<size_t>(r)];
       EXPECT_EQ(predicted[static_cast<size_t>(r)], peaks[static_cast<size_t>(r)]) << "rank " << r;

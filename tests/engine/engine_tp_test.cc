@@ -104,9 +104,9 @@ TEST_P(EngineTpEquivalence, GradientsAndTenLossesMatchOneRank) {
                   1e-5 * one[0].steps[s].grad_norm)
           << "rank " << r << " step " << s;
     }
-    models::Gpt part(tp_config(t, t, policy, sp).porter.model, r);
+    models::Transformer part(tp_config(t, t, policy, sp).porter.model, r);
     const size_t whole_elems = static_cast<size_t>(
-        models::Gpt(tp_config(1, 1, policy).porter.model).layout().total_elems());
+        models::Transformer(tp_config(1, 1, policy).porter.model).layout().total_elems());
     const size_t part_elems = static_cast<size_t>(part.layout().total_elems());
     auto part_of = [&](std::vector<float> v) {  // the rank's share of the t = 1 values
       v.resize(whole_elems);
@@ -253,7 +253,7 @@ TEST(EngineTp, TheTraceHasATpCommLane) {
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     std::shared_ptr<comm::Communicator> world = comm::make_communicator(*device, store, rank, 2, o);
     comm::ProcessGroups g = comm::make_process_groups(world, 2);
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
     TraceRecorder trace;
     e.set_trace(&trace);
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
@@ -295,7 +295,7 @@ TEST(EngineTp, SaveAndResumeAreBitIdentical) {
       std::shared_ptr<comm::Communicator> world =
           comm::make_communicator(*device, store, rank, 4, o);
       comm::ProcessGroups g = comm::make_process_groups(world, 2);
-      Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+      Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
       const io::DataSource data(c.porter.data, c.porter.model.vocab,
                             c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
       auto step = [&](int s) { e.train_step(data.rank_batches(s, 1, g.dp_rank, g.dp_size)); };
@@ -337,7 +337,7 @@ TEST(EngineTp, AFailedRankFailsItsPeersNamingRankGroupAndOperation) {
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     std::shared_ptr<comm::Communicator> world = comm::make_communicator(*device, store, rank, 2, o);
     comm::ProcessGroups g = comm::make_process_groups(world, 2);
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
     if (rank == 1) {
       world->abort("rank 1 stopped");  // dies before its first step
       return;

@@ -320,7 +320,7 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
   std::vector<SavedState> straight_state(2), resumed_state(2);
   for (int phase = 0; phase < 3; ++phase) {
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-      Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
       const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       int begin = 0, end = phase == 1 ? 3 : 6;
       if (phase == 2) {
@@ -416,7 +416,7 @@ TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
     c.bf16.enabled = true;
     c.zero_optimization.stage3_gather_16bit_weights_on_model_save = true;
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-      Engine e(device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
       const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       for (int s = 0; s < 3; ++s) e.train_step(data.rank_batches(s, 1, rank, 2));
       const std::vector<float> p = e.params_host();
@@ -424,7 +424,7 @@ TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
       if (stage == 3) e.save_checkpoint(dir);
     });
   }
-  const GptModel model(z3_config(2, 3).porter.model);
+  const TransformerModel model(z3_config(2, 3).porter.model);
   const std::vector<io::WeightTensor> saved = io::read_safetensors(dir / "model.safetensors");
   const io::ConsolidateResult offline = io::consolidate_checkpoint(dir);
   ASSERT_EQ(saved.size(), model.layout().entries().size());

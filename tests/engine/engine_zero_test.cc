@@ -40,7 +40,7 @@ struct RankRun {
 using ModelFactory = std::function<std::unique_ptr<Model>(const config::Config&, int rank)>;
 
 std::unique_ptr<Model> gpt(const config::Config& c, int) {
-  return std::make_unique<GptModel>(c.porter.model);
+  return std::make_unique<TransformerModel>(c.porter.model);
 }
 
 // Runs `steps` steps on c.world_size thread ranks; rethrows the first rank's error.
@@ -220,7 +220,7 @@ std::vector<CountedRun> run_counted(const config::Config& c, int steps, const st
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     auto counting = std::make_shared<CountingComm>(
         std::shared_ptr<comm::Communicator>(comm::make_communicator(*device, store, rank, ws, o)));
-    Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, counting);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, counting);
     e.reset_peaks();
     CountedRun& run = runs[static_cast<size_t>(rank)];
     const std::map<std::string, int64_t> before = counting->ops();  // construction's
@@ -424,7 +424,7 @@ TEST(EngineZeroTest, ModelStateBytesEqualTheShardFormulas) {
       config::Config c = zero_config(2, stage);
       c.bf16.enabled = bf16;
       const std::vector<RankRun> runs = run_ranks(c, 2);
-      const models::Gpt model(c.porter.model);
+      const models::Transformer model(c.porter.model);
       const zero::Partition part = zero::make_partition(model.layout().total_elems(), 2);
       zero::StateDTypes dt;
       dt.param = bf16 ? tensor::DType::kBF16 : tensor::DType::kF32;
@@ -575,7 +575,7 @@ TEST(EngineZeroTest, CheckpointSaveAndResumeAtTwoRanks) {
       comm::CommOptions o;
       o.timeout = comm::Seconds{c.porter.comm.timeout_s};
       std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
-      Engine e(*device, std::make_unique<GptModel>(c.porter.model), c, dp);
+      Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
       const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       // phase 0: 6 straight steps; 1: 3 steps then save; 2: load, 3 more steps.
       int begin = 0, end = phase == 1 ? 3 : 6;

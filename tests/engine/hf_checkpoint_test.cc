@@ -266,7 +266,7 @@ TEST_P(HfGpt2Import, GivesTheLayoutValuesWithConv1DTransposed) {
   Gpt2Files f = gpt2_files(m, prefix, dtype);
   const fs::path d = model_dir("gpt2", gpt2_config(m), f.tensors);
   const io::HfWeights w = io::read_hf_weights(d, m);
-  const models::Gpt gpt(m);
+  const models::Transformer gpt(m);
   expect_layout_values(gpt.layout(), w.values, f.porter);
   EXPECT_EQ(w.tensors, static_cast<int64_t>(gpt.layout().entries().size()));
   EXPECT_EQ(w.skipped, 2 * m.layers);  // attn.bias and attn.masked_bias
@@ -322,7 +322,7 @@ TEST_F(HfCheckpoint, WithoutBuffersAndWithATiedHeadThatIsTheEmbedding) {
   f.tensors.push_back(head);
   const fs::path d = model_dir("tied", gpt2_config(m), f.tensors);
   const io::HfWeights w = io::read_hf_weights(d, m);
-  expect_layout_values(models::Gpt(m).layout(), w.values, f.porter);
+  expect_layout_values(models::Transformer(m).layout(), w.values, f.porter);
   EXPECT_EQ(w.skipped, 1);  // lm_head.weight, equal to wte
 
   // One element off: refused, naming both tensors and the element.
@@ -349,7 +349,7 @@ TEST_F(HfCheckpoint, ShardedIndexGivesTheSameValues) {
   std::ofstream(d / "model.safetensors.index.json")
       << Json{{"metadata", {{"total_size", 1234}}}, {"weight_map", map}}.dump();
   const io::HfWeights w = io::read_hf_weights(d, m);
-  expect_layout_values(models::Gpt(m).layout(), w.values, f.porter);
+  expect_layout_values(models::Transformer(m).layout(), w.values, f.porter);
   EXPECT_EQ(w.files.size(), 2u);
 
   // model.safetensors, when there is one too, is the one read (as transformers does).
@@ -365,7 +365,7 @@ TEST_F(HfCheckpoint, ImportExportImportIsBitwise) {
     const config::ModelConfig m = tiny_gpt2(tied);
     const fs::path src = model_dir(tied ? "src-tied" : "src", gpt2_config(m),
                                    gpt2_files(m, "", tensor::DType::kF32).tensors);
-    const models::Gpt gpt(m);
+    const models::Transformer gpt(m);
     const io::HfWeights first = io::read_hf_weights(src, m);
     const fs::path out = dir_ / (tied ? "out-tied" : "out");
     const io::HfExport x = io::write_hf_checkpoint(out, m, gpt.layout(), first.values, tensor::DType::kF32);
@@ -407,7 +407,7 @@ TEST_F(HfCheckpoint, ImportExportImportIsBitwise) {
 
 TEST_F(HfCheckpoint, ExportInBf16AndF16RoundsToNearestEven) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const models::Gpt gpt(m);
+  const models::Transformer gpt(m);
   std::vector<float> values(static_cast<size_t>(gpt.layout().total_elems()), 0.0f);
   for (size_t i = 0; i < values.size(); ++i) values[i] = 1.0f + static_cast<float>(i) * 1e-4f;
   for (const tensor::DType dtype : {tensor::DType::kBF16, tensor::DType::kF16}) {
@@ -434,7 +434,7 @@ TEST_F(HfCheckpoint, ExportInBf16AndF16RoundsToNearestEven) {
 
 TEST_F(HfCheckpoint, ExportRefusesNonFiniteValuesAndAWrongCount) {
   const config::ModelConfig m = tiny_gpt2(true);
-  const models::Gpt gpt(m);
+  const models::Transformer gpt(m);
   std::vector<float> values(static_cast<size_t>(gpt.layout().total_elems()), 0.5f);
   values[static_cast<size_t>(gpt.layout().find("h.1.fc1.weight").offset_elems + 9)] =
       std::numeric_limits<float>::quiet_NaN();
@@ -625,7 +625,7 @@ TEST_F(HfCheckpoint, ALayoutOfAnotherModelIsABug) {
   const config::ModelConfig m = tiny_gpt2(true);
   const fs::path d = gpt2_dir("gpt2", m);
   config::ModelConfig longer = m;
-  longer.seq_len = 8;  // models::Gpt's wpe then has 8 rows; config.json's 16
+  longer.seq_len = 8;  // models::Transformer's wpe then has 8 rows; config.json's 16
   longer.max_positions = 16;
   nn::ParamLayout layout;
   layout.add("", {{"wte", tensor::Shape{24, 8}}, {"wpe", tensor::Shape{8, 8}}});
@@ -634,7 +634,7 @@ TEST_F(HfCheckpoint, ALayoutOfAnotherModelIsABug) {
   nn::ParamLayout other;
   other.add("", {{"embed_tokens.weight", tensor::Shape{24, 8}}});
   EXPECT_THAT(error_of<InvalidArgument>([&] { io::read_hf_weights(d, m, other); }),
-              HasSubstr("parameter 'embed_tokens.weight' that the GPT-2 name map does not know"));
+              HasSubstr("parameter 'embed_tokens.weight' that the GPT2LMHeadModel name map does not know"));
 }
 
 // ---- config.json -------------------------------------------------------------------------
@@ -642,7 +642,7 @@ TEST_F(HfCheckpoint, ALayoutOfAnotherModelIsABug) {
 TEST_F(HfCheckpoint, Gpt2ConfigGivesPorterModelKeysWithTransformersDefaults) {
   const fs::path d = model_dir("cfg", {{"model_type", "gpt2"}, {"n_layer", 3}}, {});
   const io::HfConfig c = io::read_hf_config(d);
-  EXPECT_EQ(c.arch, io::HfArch::kGpt2);
+  EXPECT_EQ(c.arch, config::ModelType::kGpt);
   EXPECT_EQ(c.max_positions, 1024);
   EXPECT_EQ(c.model_keys, (nlohmann::ordered_json{{"arch", "gpt"}, {"layers", 3}, {"hidden", 768},
                                                   {"heads", 12}, {"vocab", 50257},
@@ -661,7 +661,7 @@ TEST_F(HfCheckpoint, LlamaConfigGivesPorterModelKeys) {
                                          {"attention_bias", false}, {"head_dim", 16}},
                                {});
   const io::HfConfig c = io::read_hf_config(d);
-  EXPECT_EQ(c.arch, io::HfArch::kLlama);
+  EXPECT_EQ(c.arch, config::ModelType::kLlama);
   EXPECT_EQ(c.max_positions, 256);
   EXPECT_EQ(c.model_keys, (nlohmann::ordered_json{{"arch", "llama"}, {"layers", 2}, {"hidden", 64},
                                                   {"heads", 4}, {"vocab", 100},

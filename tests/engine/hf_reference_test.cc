@@ -73,7 +73,7 @@ TEST_P(HfReference, LogitsLossAndGradientsMatchTheReference) {
   auto device = cpu_device();
   memory::CachingAllocator alloc(*device);
   auto kernels = kernels::make_kernels(alloc);
-  models::Gpt model(l.model);
+  models::Transformer model(l.model);
   nn::FlatParams flat(alloc, model.layout(), tensor::DType::kF32, tensor::DType::kF32);
   tensor::Tensor p = flat.params();
   tensor::from_host_f32(*device, l.weights.values, p);
@@ -144,7 +144,7 @@ TEST_P(HfReference, ImportExportImportIsBitwise) {
   const Loaded l = load(dir);
   const fs::path out = fs::temp_directory_path() / ("porter_hf_roundtrip_" + GetParam().name);
   fs::remove_all(out);
-  const models::Gpt model(l.model);
+  const models::Transformer model(l.model);
   const tensor::DType dtype = GetParam().bf16_weights ? tensor::DType::kBF16 : tensor::DType::kF32;
   io::write_hf_checkpoint(out, l.model, model.layout(), l.weights.values, dtype,
                       io::read_hf_config(dir).json);
@@ -178,7 +178,7 @@ TEST(HfFineTune, TenStepsLowerTheLoss) {
   c.porter.checkpointing.policy = config::CheckpointPolicy::kFull;
   c.zero_optimization.offload_optimizer.device = config::OffloadDevice::kCpu;
   auto device = cpu_device();
-  Engine e(*device, std::make_unique<GptModel>(c.porter.model), c);
+  Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c);
   e.set_params_host(l.weights.values);
   io::HostBatch mb;
   mb.batch = l.tokens.shape[0];

@@ -1,0 +1,224 @@
+// The analytic activation model of the built-in transformers (models/analytic.h): the shared
+// embedding and head graphs, the block graph of the architecture's spec, and the figures
+// that follow from replaying them (checkpoint/analytic.h).
+#include "models/analytic.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "base/check.h"
+#include "models/factory.h"
+#include "models/transformer.h"
+
+namespace porter::models {
+
+using checkpoint::GraphBuilder;
+using checkpoint::kExternal;
+using checkpoint::kStageInput;
+using checkpoint::OptionCost;
+using checkpoint::Ref;
+using checkpoint::StageGraph;
+using checkpoint::WorkspaceTrace;
+
+kernels::AttentionCall attention_call(const TransformerDims& d) {
+  return kernels::AttentionCall{static_cast<int64_t>(d.b), static_cast<int64_t>(d.t),
+                                static_cast<int64_t>(d.cs), static_cast<int>(d.hs), d.dtype,
+                                d.dtype, d.dtype};
+}
+
+TransformerDims dims_of(const TransformerShape& shape) {
+  const config::ModelConfig& m = shape.model;
+  PORTER_CHECK(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.vocab >= 1 && m.seq_len >= 1,
+               "porter.model: layers, hidden, heads, seq_len and vocab must be >= 1");
+  PORTER_CHECK(shape.micro_batch >= 1, "micro-batch size ", shape.micro_batch, " must be >= 1");
+  PORTER_CHECK(m.tensor_parallel >= 1 && m.heads % m.tensor_parallel == 0,
+               "porter.model.tensor_parallel ", m.tensor_parallel,
+               " must be >= 1 and divide heads ", m.heads);
+  const int64_t t = shape.seq > 0 ? shape.seq : m.seq_len;
+  PORTER_CHECK_LE(t, m.seq_len, "sequence length of the micro-batch (porter.model.seq_len)");
+  TransformerDims d;
+  d.b = static_cast<size_t>(shape.micro_batch);
+  d.t = static_cast<size_t>(t);
+  d.c = static_cast<size_t>(m.hidden);
+  d.h = static_cast<size_t>(m.heads);
+  d.v = static_cast<size_t>(m.vocab);
+  d.dt = tensor::dtype_size(shape.compute_dtype);
+  d.n = d.b * d.t;
+  d.tp = static_cast<size_t>(m.tensor_parallel);
+  d.sp = m.sequence_parallel && d.tp > 1;
+  PORTER_CHECK(!d.sp || d.n % d.tp == 0, "sequence parallelism: ", d.b, " x ", d.t,
+               " token rows do not split into ", d.tp, " equal shards");
+  d.rows = d.sp ? d.n / d.tp : d.n;
+  d.cs = d.c / d.tp;
+  d.hs = d.h / d.tp;
+  d.vs = (d.v + d.tp - 1) / d.tp;
+  d.drop = m.dropout > 0.0;
+  d.dtype = shape.compute_dtype;
+  d.device = shape.device;
+  // Note [Architecture spec]: the key/value heads and the MLP width are the spec's.
+  const ArchSpec& spec = arch_spec(m.type);
+  d.kvs = static_cast<size_t>(spec.kv_heads(m)) * (d.c / d.h) / d.tp;
+  d.fs = static_cast<size_t>(spec.intermediate(m)) / d.tp;
+  return d;
+}
+
+int column_linear_backward(WorkspaceTrace& w, const TransformerDims& d, size_t x_bytes) {
+  if (!d.sp) return w.alloc(x_bytes);
+  const int xg = w.alloc(d.whole());   // the input, gathered again
+  const int dxg = w.alloc(d.whole());  // the whole input gradient, before its reduce-scatter
+  const int dx = w.alloc(x_bytes);
+  w.free(xg);
+  w.free(dxg);
+  return dx;
+}
+
+int row_linear_backward(WorkspaceTrace& w, const TransformerDims& d, size_t x_bytes) {
+  if (!d.sp) return w.alloc(x_bytes);
+  const int dyg = w.alloc(d.whole());  // the output gradient, gathered
+  const int dx = w.alloc(x_bytes);
+  w.free(dyg);
+  return dx;
+}
+
+int dropout_backward(WorkspaceTrace& w, const TransformerDims& d, size_t bytes) {
+  return d.drop ? w.alloc(bytes) : WorkspaceTrace::kNone;
+}
+
+
+namespace {
+
+StageGraph embedding_graph(const TransformerDims& d) {
+  GraphBuilder gb;
+  // At tp > 1 each rank looks up its vocabulary range; under sp into a whole (B, T, C)
+  // workspace that is reduce-scattered into this rank's rows.
+  Ref x = gb.op(nn::OpKind::kEmbedding, {d.res()}, {kExternal, kExternal, kExternal}, 0.0,
+                d.sp_gather());
+  Ref y = gb.dropout(x, d.res(), d.drop, /*temporary=*/false);
+  StageGraph& g = gb.graph();
+  g.saves = {kStageInput};  // the tokens
+  g.output = y;
+  WorkspaceTrace w;
+  dropout_backward(w, d, d.res());
+  if (d.sp) w.alloc(d.whole());  // dy gathered: every rank needs every row for its dwte
+  g.backward_workspace_peak = w.peak();
+  return g;
+}
+
+// TransformerHead: the final norm (a LayerNorm has two statistics, mean and rstd; an RMSNorm
+// one), the projection and the loss.
+StageGraph head_graph(const TransformerDims& d, Norm norm) {
+  GraphBuilder gb;
+  const size_t st = d.stat(), logits_bytes = d.n * d.vs * d.dt;
+  const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
+  const bool rms = norm == Norm::kRmsNorm;
+  Ref lnf = rms ? gb.op(nn::OpKind::kLayerNorm, {d.res(), st}, {kStageInput, kExternal})
+                : gb.op(nn::OpKind::kLayerNorm, {d.res(), st, st},
+                        {kStageInput, kExternal, kExternal});
+  Ref logits = gb.op(nn::OpKind::kMatmul, {logits_bytes}, {lnf, kExternal},
+                     2.0 * nc * static_cast<double>(d.vs), d.sp_gather());
+  // The per-row losses are workspace inside the op, and so are the partials of their sum.
+  const size_t sum_ws = kernels::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n));
+  Ref loss;
+  StageGraph& g = gb.graph();
+  std::vector<Ref> norm_saves = {lnf, GraphBuilder::slot(lnf, 1)};
+  if (!rms) norm_saves.push_back(GraphBuilder::slot(lnf, 2));
+  if (d.tp == 1) {
+    loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExternal}, 0.0, d.n * 4 + sum_ws);
+    g.saves = {kStageInput};
+    g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
+    g.saves.insert(g.saves.end(), {logits, kExternal});
+  } else {
+    // Vocabulary-parallel: the loss and the rows' log-sum-exp (N) f32, which backward reads;
+    // inside, this rank's (max, sum of exp, target logit) per row, every rank's gathered, and
+    // the losses.
+    loss = gb.op(nn::OpKind::kLoss, {4, d.n * 4}, {logits, kExternal}, 0.0,
+                 d.n * 12 + d.tp * d.n * 12 + d.n * 4 + sum_ws);
+    g.saves = {kStageInput};
+    g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
+    g.saves.insert(g.saves.end(), {logits, kExternal, GraphBuilder::slot(loss, 1)});
+  }
+  g.output = loss;
+  // TransformerHead::backward: dlogits stays alive through a row view until the end, with
+  // dlnf and the returned dx.
+  WorkspaceTrace w;
+  w.alloc(logits_bytes);                  // dlogits
+  column_linear_backward(w, d, d.res());  // dlnf
+  w.alloc(d.res());                       // dx
+  if (d.sp) w.alloc((rms ? 1 : 2) * d.c * 4);  // RowPartialGrads of the final norm
+  g.backward_workspace_peak = w.peak();
+  return g;
+}
+
+}  // namespace
+
+checkpoint::ChainCosts analytic_transformer_costs(const TransformerShape& shape,
+                                                  const nn::OpPolicy& selective) {
+  const TransformerDims d = dims_of(shape);
+  const ArchSpec& spec = arch_spec(shape.model.type);
+  checkpoint::ChainCosts costs;
+  costs.source = "analytic";
+  costs.selective_ops = selective.to_string();
+  StageGraph emb = embedding_graph(d);
+  costs.stages.push_back(checkpoint::stage_cost("embedding", false, 0, emb, selective));
+  StageGraph blk = spec.block_graph(d);
+  const checkpoint::StageCost block = checkpoint::stage_cost("block", true, d.res(), blk, selective);
+  for (int64_t l = 0; l < shape.model.layers; ++l) {
+    costs.stages.push_back(block);
+    costs.stages.back().name = "block." + std::to_string(l);
+  }
+  StageGraph head = head_graph(d, spec.norm());
+  costs.stages.push_back(checkpoint::stage_cost("head", false, d.res(), head, selective));
+  return costs;
+}
+
+size_t none_peak_bytes(const TransformerShape& shape) {
+  // docs/memory-model.md, "The none peak": L blocks' tapes and inputs are alive, plus the
+  // head's input, when either the last block's forward or the head's forward peaks; before
+  // them, the embedding's forward. r is the residual stream's bytes on this rank (A, or A / t
+  // under sequence parallelism). The stage graphs give each term.
+  const TransformerDims d = dims_of(shape);
+  const ArchSpec& spec = arch_spec(shape.model.type);
+  const size_t L = static_cast<size_t>(shape.model.layers);
+  const StageGraph emb = embedding_graph(d), blk = spec.block_graph(d);
+  const StageGraph head = head_graph(d, spec.norm());
+  auto keep = [](const StageGraph& g) {
+    return checkpoint::evaluate(g, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost;
+  };
+  const OptionCost e = keep(emb), b = keep(blk), h = keep(head);
+  const size_t r = d.res();
+  const size_t before_last = (L - 1) * (b.saved_bytes + r) + r;
+  return std::max({e.forward_peak_bytes, before_last + b.forward_peak_bytes,
+                   L * (b.saved_bytes + r) + r + h.forward_peak_bytes});
+}
+
+double korthikanti_layer_bytes(const TransformerShape& shape) {
+  const TransformerDims d = dims_of(shape);
+  const double s = static_cast<double>(d.t), b = static_cast<double>(d.b);
+  const double h = static_cast<double>(d.c), a = static_cast<double>(d.h);
+  const double t = static_cast<double>(d.tp);
+  if (d.tp == 1) return s * b * h * (34.0 + 5.0 * a * s / h);
+  if (d.sp) return s * b * h * (34.0 + 5.0 * a * s / h) / t;
+  return s * b * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+}
+
+size_t layer_bytes(const TransformerShape& shape) {
+  const TransformerDims d = dims_of(shape);
+  const StageGraph blk = arch_spec(shape.model.type).block_graph(d);
+  return checkpoint::evaluate(blk, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all())
+             .cost.saved_bytes +
+         d.res();
+}
+
+ModelStateBytes model_state_bytes(const config::ModelConfig& model, tensor::DType compute_dtype) {
+  // Rank 0's layout (every rank's has its size); allocates nothing.
+  const Transformer transformer(model);
+  const size_t p = static_cast<size_t>(transformer.layout().total_elems());
+  ModelStateBytes m;
+  m.params = p * tensor::dtype_size(compute_dtype);
+  m.grads = p * 4;
+  m.optimizer = p * 4 * 2 + (compute_dtype == tensor::DType::kF32 ? 0 : p * 4);
+  return m;
+}
+
+}  // namespace porter::models

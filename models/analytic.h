@@ -1,0 +1,111 @@
+// The analytic activation model of the built-in transformers: every stage's bytes under every
+// save option, for one rank of its tensor-parallel group, computed from the model shape, the
+// micro-batch and the dtype without allocating anything. The embedding and head graphs are
+// shared; each block's graph is its spec's (ArchSpec::block_graph), written with the op graph
+// of checkpoint/analytic.h. docs/memory-model.md derives the formulas; tests check that they
+// equal what the allocator measures, to the byte.
+#pragma once
+
+#include <cstdint>
+
+#include "checkpoint/analytic.h"
+#include "checkpoint/costs.h"
+#include "config/config.h"
+#include "kernels/kernels.h"
+#include "memory/device.h"
+#include "nn/ctx.h"
+#include "tensor/dtype.h"
+
+namespace porter::models {
+
+struct TransformerShape {
+  // Its tensor_parallel t and sequence_parallel say which rank's share the figures are of
+  // (Note [GPT tensor parallelism] in models/transformer.h); every rank of the group has the
+  // same.
+  config::ModelConfig model;
+  int64_t micro_batch = 1;  // B
+  int64_t seq = 0;          // T; 0 = model.seq_len
+  tensor::DType compute_dtype = tensor::DType::kF32;
+  // The device the kernels run on: their workspace differs (Note [Kernel workspace] in
+  // kernels/kernels.h), and with it the *_total_peak_bytes figures; the activation figures do
+  // not.
+  memory::DeviceKind device = memory::DeviceKind::kCpu;
+};
+
+// The sizes of one tensor-parallel rank's tensors (Note [GPT tensor parallelism] in
+// models/transformer.h), which the stage graphs are written in. At tp 1 every per-rank size
+// is the whole one.
+struct TransformerDims {
+  size_t b, t, c, h, v, dt, n;  // n = b * t rows
+  size_t tp;                    // ranks of the tensor-parallel group
+  bool sp;                      // sequence parallelism (tp > 1 only)
+  size_t rows;                  // token rows of the residual stream here: n, or n / tp under sp
+  size_t cs, hs;                // this rank's channels C / tp and heads H / tp
+  size_t vs;                    // this rank's logit columns: V, or ceil(V / tp) at tp > 1
+  bool drop;
+  tensor::DType dtype;
+  memory::DeviceKind device;
+  size_t kvs = 0;               // this rank's key/value channels Hkv * D / tp
+  size_t fs = 0;                // this rank's MLP width F / tp
+  size_t kv_col() const { return n * kvs * dt; }  // (B, T, Hkv D / tp)
+  size_t mlp() const { return n * fs * dt; }      // (B, T, F / tp)
+  size_t whole() const { return n * c * dt; }     // a (B, T, C) activation, A
+  size_t res() const { return rows * c * dt; }    // the residual stream's rows here
+  size_t col() const { return n * cs * dt; }      // (B, T, C / tp): this rank's channels
+  size_t stat() const { return rows * 4; }        // a norm's mean or rstd (f32)
+  size_t probs() const { return b * hs * t * t * 4; }
+  // Inside a sequence-parallel matmul: its gathered input (column-parallel) or its partial
+  // output (row-parallel), both (N, C).
+  size_t sp_gather() const { return sp ? whole() : 0; }
+};
+
+TransformerDims dims_of(const TransformerShape& shape);
+
+// The attention call of a block: this rank's heads, qkv, out, dout and dqkv all in the
+// compute dtype.
+kernels::AttentionCall attention_call(const TransformerDims& d);
+
+// models/blocks.cc's backward helpers as workspace traces: each returns its result, dx, whose
+// input x has x_bytes; the gathered tensors of sequence parallelism are freed when the helper
+// returns.
+int column_linear_backward(checkpoint::WorkspaceTrace& w, const TransformerDims& d,
+                           size_t x_bytes);
+int row_linear_backward(checkpoint::WorkspaceTrace& w, const TransformerDims& d, size_t x_bytes);
+int dropout_backward(checkpoint::WorkspaceTrace& w, const TransformerDims& d, size_t bytes);
+
+// Bytes (and forward FLOPs) of every stage and option on one rank; times are 0 (source
+// "analytic").
+checkpoint::ChainCosts analytic_transformer_costs(
+    const TransformerShape& shape,
+    const nn::OpPolicy& selective = nn::OpPolicy::selective_attention());
+
+// The `none` policy's activation peak for one micro-batch on one rank (docs/memory-model.md,
+// "The none peak").
+size_t none_peak_bytes(const TransformerShape& shape);
+
+// One block's activations kept for its backward, its input included (the keep option's
+// saved bytes plus the input): porter's exact counterpart of korthikanti_layer_bytes.
+size_t layer_bytes(const TransformerShape& shape);
+
+// Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+// the activation bytes of one transformer layer in their 16-bit accounting, with s = seq,
+// b = micro-batch, h = hidden, a = heads, t = tensor_parallel:
+//   sbh(34 + 5as/h)                 without tensor parallelism,
+//   sbh(10 + 24/t + 5as/(ht))       with it,
+//   sbh(34 + 5as/h) / t             with sequence parallelism too.
+// For reports beside layer_bytes; docs/memory-model.md ("Against Korthikanti et al.") says
+// why the two differ.
+double korthikanti_layer_bytes(const TransformerShape& shape);
+
+// Model-state bytes: parameters, gradients, optimizer state (master copy when the compute
+// dtype is not f32, and two AdamW moments), for one rank without ZeRO. At tensor_parallel
+// t > 1 a rank holds its 1/t of the split parameters and all of the replicated ones (its
+// models::Transformer layout, padding included).
+struct ModelStateBytes {
+  size_t params = 0;
+  size_t grads = 0;
+  size_t optimizer = 0;
+};
+ModelStateBytes model_state_bytes(const config::ModelConfig& model, tensor::DType compute_dtype);
+
+}  // namespace porter::models
