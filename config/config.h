@@ -122,12 +122,13 @@ struct ActivationCheckpointingConfig {
 
 // ---- porter's own section ("porter") ------------------------------------------------------
 
-enum class ModelType { kGpt, kLlama };
+enum class ModelType { kGpt, kLlama, kQwen2 };
 
 // porter.model: the built-in decoder. `type` is the architecture (the key porter.model.arch;
-// "type" is its older spelling): the pre-LN GPT (GPT-2's layout) or the Llama family
-// (docs/layers.md). With `from` set, the shape comes from a Hugging Face model directory's
-// config.json (io/hf_checkpoint.h), before the engine is built.
+// "type" is its older spelling): the pre-LN GPT (GPT-2's layout), the Llama or Qwen2 (a Llama
+// with q, k and v biases); each is a spec in models/ (docs/models.md). With `from` set, the
+// shape comes from a Hugging Face model directory's config.json (io/hf_checkpoint.h), before
+// the engine is built.
 struct ModelConfig {
   ModelType type = ModelType::kGpt;
   int64_t layers = 12;

@@ -23,7 +23,8 @@ inline constexpr EnumName<SchedulerType> kSchedulerTypes[] = {
 inline constexpr EnumName<WarmupType> kWarmupTypes[] = {{"log", WarmupType::kLog},
                                                         {"linear", WarmupType::kLinear}};
 inline constexpr EnumName<ModelType> kModelTypes[] = {{"gpt", ModelType::kGpt},
-                                                      {"llama", ModelType::kLlama}};
+                                                      {"llama", ModelType::kLlama},
+                                                      {"qwen2", ModelType::kQwen2}};
 inline constexpr EnumName<DataType> kDataTypes[] = {{"synthetic", DataType::kSynthetic},
                                                     {"text", DataType::kText},
                                                     {"tokens", DataType::kTokens}};

@@ -6,15 +6,17 @@
 #include "base/check.h"
 #include "models/gpt.h"
 #include "models/llama.h"
+#include "models/qwen2.h"
 
 namespace porter::models {
 namespace {
 
 const GptSpec kGpt;
 const LlamaSpec kLlama;
+const Qwen2Spec kQwen2;
 
 // In config::ModelType order: arch_spec indexes it by the enum's value.
-const std::array<const ArchSpec*, 2> kSpecs = {&kGpt, &kLlama};
+const std::array<const ArchSpec*, 3> kSpecs = {&kGpt, &kLlama, &kQwen2};
 
 }  // namespace
 

@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""A PyTorch reference for Hugging Face's GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM):
+"""A PyTorch reference for Hugging Face's GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and
+Qwen2 (Qwen2ForCausalLM, a Llama with biases on q_proj, k_proj and v_proj):
 fixtures in Hugging Face's on-disk layout, a check of model directories porter exports, and
 a replay of the steps porter dumps.
 
@@ -17,7 +18,7 @@ Run it with Debian's python3 and PyTorch (not the pyenv python3 first on PATH). 
 `init` writes a random Llama checkpoint (config.json and model.safetensors) with the standard
 library alone, so it runs on a machine without PyTorch: the start of examples/llama-finetune.json.
 
-The two models follow transformers' modeling_gpt2.py and modeling_llama.py (eager attention,
+The models follow transformers' modeling_gpt2.py, modeling_llama.py and modeling_qwen2.py (eager attention,
 no dropout, no cache) and compute in float64. Neither transformers nor safetensors is needed:
 the safetensors format (an 8-byte little-endian header length N, N bytes of JSON padded with
 spaces so that 8 + N is a multiple of 8, then the raw little-endian tensor data) is read and
@@ -62,7 +63,7 @@ class InputError(Exception):
 
 class Shape:
     """Everything the forward pass needs, whichever file it came from (config.json or a porter
-    dump's manifest). arch is "gpt2" or "llama"."""
+    dump's manifest). arch is "gpt2", "llama" or "qwen2" (a Llama with q, k and v biases)."""
 
     def __init__(self, arch, layers, hidden, heads, vocab, tied, eps, kv_heads=None,
                  head_dim=None, intermediate=None, rope_theta=10000.0, positions=None,
@@ -83,12 +84,12 @@ class Shape:
             raise InputError(f"num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {self.kv_heads}; grouped-query attention "
                              "needs it")
-        if arch == "llama" and self.head_dim % 2 != 0:
+        if arch != "gpt2" and self.head_dim % 2 != 0:
             raise InputError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate pairs")
 
     def describe(self):
         s = (f"{self.arch}: {self.layers} layers, hidden {self.hidden}, heads {self.heads}")
-        if self.arch == "llama":
+        if self.arch != "gpt2":
             s += (f", kv_heads {self.kv_heads}, head_dim {self.head_dim}, intermediate "
                   f"{self.intermediate}, rope_theta {self.rope_theta:g}")
         else:
@@ -129,8 +130,19 @@ def shape_from_hf_config(cfg, where):
                      intermediate=need("intermediate_size"),
                      rope_theta=cfg.get("rope_theta", 10000.0),
                      positions=cfg.get("max_position_embeddings"))
-    raise InputError(f"{where}: model_type {json.dumps(model_type)} is neither \"gpt2\" nor "
-                     "\"llama\"")
+    if model_type == "qwen2":
+        refuse("hidden_act", "silu", "SwiGLU")
+        refuse("rope_scaling", None, "plain RoPE, no scaling")
+        refuse("use_sliding_window", False, "full causal attention")
+        return Shape("qwen2", need("num_hidden_layers"), need("hidden_size"),
+                     need("num_attention_heads"), need("vocab_size"),
+                     cfg.get("tie_word_embeddings", False), cfg.get("rms_norm_eps", 1e-6),
+                     kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
+                     intermediate=need("intermediate_size"),
+                     rope_theta=cfg.get("rope_theta", 10000.0),
+                     positions=cfg.get("max_position_embeddings"))
+    raise InputError(f"{where}: model_type {json.dumps(model_type)} is none of \"gpt2\", "
+                     "\"llama\" and \"qwen2\"")
 
 
 def hf_config(shape, torch_dtype):
@@ -154,6 +166,19 @@ def hf_config(shape, torch_dtype):
         }
         if not s.tied:
             cfg["tie_word_embeddings"] = False
+    elif s.arch == "qwen2":
+        cfg = {
+            "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": s.vocab - 2, "eos_token_id": s.vocab - 1, "hidden_act": "silu",
+            "hidden_size": s.hidden, "initializer_range": 0.02,
+            "intermediate_size": s.intermediate, "max_position_embeddings": s.positions,
+            "max_window_layers": s.layers, "model_type": "qwen2",
+            "num_attention_heads": s.heads, "num_hidden_layers": s.layers,
+            "num_key_value_heads": s.kv_heads, "rms_norm_eps": s.eps, "rope_scaling": None,
+            "rope_theta": float(s.rope_theta), "sliding_window": None,
+            "tie_word_embeddings": s.tied, "use_cache": True, "use_sliding_window": False,
+            "vocab_size": s.vocab,
+        }
     else:
         cfg = {
             "architectures": ["LlamaForCausalLM"], "attention_bias": False,
@@ -288,14 +313,18 @@ def gpt2_param_names(s):
 
 
 def llama_param_names(s):
+    """Llama's names, and Qwen2's: the same with the q, k and v biases."""
     names = ["model.embed_tokens.weight"]
+    qkv = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+    if s.arch == "qwen2":
+        qkv = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+               "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
     for l in range(s.layers):
         p = f"model.layers.{l}."
         names += [p + n for n in (
-            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-            "mlp.down_proj.weight")]
+            ("input_layernorm.weight",) + qkv + (
+                "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"))]
     names += ["model.norm.weight"]
     return names + ([] if s.tied else ["lm_head.weight"])
 
@@ -322,6 +351,9 @@ def param_shapes(s):
                          "self_attn.k_proj.weight": (s.kv_heads * d, c),
                          "self_attn.v_proj.weight": (s.kv_heads * d, c),
                          "self_attn.o_proj.weight": (c, s.heads * d),
+                         "self_attn.q_proj.bias": (s.heads * d,),
+                         "self_attn.k_proj.bias": (s.kv_heads * d,),
+                         "self_attn.v_proj.bias": (s.kv_heads * d,),
                          "mlp.gate_proj.weight": (f, c), "mlp.up_proj.weight": (f, c),
                          "mlp.down_proj.weight": (c, f)}.get(leaf, (c,))
     return out
@@ -437,7 +469,8 @@ def repeat_kv(x, n_rep):
 
 
 def llama_logits(w, s, tokens):
-    """LlamaForCausalLM's forward; tokens (B, T) -> logits (B, T, V)."""
+    """LlamaForCausalLM's forward (and Qwen2ForCausalLM's, whose q, k and v have biases);
+    tokens (B, T) -> logits (B, T, V)."""
     b, t = tokens.shape
     nh, nkv, d = s.heads, s.kv_heads, s.head_dim
     cos, sin = rope_cos_sin(t, d, s.rope_theta)  # (T, D), broadcast over (B, H)
@@ -445,9 +478,11 @@ def llama_logits(w, s, tokens):
     for l in range(s.layers):
         p = f"model.layers.{l}."
         a = rms_norm(x, w[p + "input_layernorm.weight"], s.eps)
-        q = F.linear(a, w[p + "self_attn.q_proj.weight"]).view(b, t, nh, d).transpose(1, 2)
-        k = F.linear(a, w[p + "self_attn.k_proj.weight"]).view(b, t, nkv, d).transpose(1, 2)
-        v = F.linear(a, w[p + "self_attn.v_proj.weight"]).view(b, t, nkv, d).transpose(1, 2)
+        def proj(n):
+            return F.linear(a, w[p + f"self_attn.{n}.weight"], w.get(p + f"self_attn.{n}.bias"))
+        q = proj("q_proj").view(b, t, nh, d).transpose(1, 2)
+        k = proj("k_proj").view(b, t, nkv, d).transpose(1, 2)
+        v = proj("v_proj").view(b, t, nkv, d).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
@@ -500,7 +535,7 @@ GPT2_TOP = {"wte": "wte.weight", "wpe": "wpe.weight", "lnf.weight": "ln_f.weight
 
 def hf_name_of_porter(arch, name):
     """(HF name, transposed) for a porter parameter name."""
-    if arch == "llama":
+    if arch in ("llama", "qwen2"):
         return (name if name == "lm_head.weight" else "model." + name), False
     if name in GPT2_TOP:
         return GPT2_TOP[name], False
@@ -529,16 +564,17 @@ def shape_from_manifest(model, params):
         return Shape("gpt2", model["layers"], model["hidden"], heads, model["vocab"],
                      model["tie_embeddings"], model.get("norm_eps", 1e-5),
                      positions=params["wpe"].shape[0])
-    if arch == "llama":
+    if arch in ("llama", "qwen2"):
         inter = params["layers.0.mlp.gate_proj.weight"].shape[0]
         if model.get("intermediate", 0) not in (0, inter):
             raise InputError(f"manifest model.intermediate {model['intermediate']} differs from "
                              f"layers.0.mlp.gate_proj.weight's {inter} rows")
-        return Shape("llama", model["layers"], model["hidden"], heads, model["vocab"],
+        return Shape(arch, model["layers"], model["hidden"], heads, model["vocab"],
                      model["tie_embeddings"], model.get("norm_eps", 1e-5),
                      kv_heads=model.get("kv_heads", 0) or heads, intermediate=inter,
                      rope_theta=model.get("rope_theta", 10000.0), positions=model.get("seq_len"))
-    raise InputError(f"manifest model.arch {json.dumps(arch)} is neither \"gpt\" nor \"llama\"")
+    raise InputError(f"manifest model.arch {json.dumps(arch)} is none of \"gpt\", \"llama\" and "
+                     "\"qwen2\"")
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -560,6 +596,12 @@ FIXTURES = [
     ("llama_gqa_bf16", dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=1,
                             intermediate=88, vocab=64, tied=True, eps=1e-5, rope_theta=10000.0,
                             positions=64), None, "bfloat16", 1, 9),
+    ("qwen2_gqa_untied", dict(arch="qwen2", layers=2, hidden=32, heads=4, kv_heads=2,
+                              intermediate=88, vocab=64, tied=False, eps=1e-6,
+                              rope_theta=1000000.0, positions=64), None, "float32", 2, 16),
+    ("qwen2_mha_tied", dict(arch="qwen2", layers=2, hidden=48, heads=4, kv_heads=4,
+                            intermediate=128, vocab=70, tied=True, eps=1e-6,
+                            rope_theta=10000.0, positions=64), None, "float32", 2, 13),
 ]
 
 
@@ -697,7 +739,7 @@ def run_replay(d, tol=1e-4, quiet=False):
     p = {t["name"]: torch.from_numpy(np.load(os.path.join(d, t["param"])).astype(np.float64))
          .requires_grad_(True) for t in m["tensors"]}
     s = shape_from_manifest(model, p)
-    w = canonical_names(s, hf_from_porter("llama" if s.arch == "llama" else "gpt", p),
+    w = canonical_names(s, hf_from_porter("gpt" if s.arch == "gpt2" else s.arch, p),
                         os.path.join(d, "params"))
     loss = 0.0
     for b in m["batches"]:

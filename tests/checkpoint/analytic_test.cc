@@ -48,8 +48,9 @@ struct Env {
   size_t peak_req() const { return alloc->stats().peak_requested_bytes; }
 };
 
+// llama: the Llama, or with qwen2 Qwen2 (the Llama with q, k and v biases).
 config::ModelConfig small_model(double dropout, int64_t vocab, int64_t seq_len = 12,
-                                bool llama = false) {
+                                bool llama = false, bool qwen2 = false) {
   config::ModelConfig m;
   m.layers = 2;
   m.hidden = 32;
@@ -58,7 +59,7 @@ config::ModelConfig small_model(double dropout, int64_t vocab, int64_t seq_len =
   m.vocab = vocab;
   m.dropout = dropout;
   if (llama) {  // grouped-query attention, an MLP width of its own
-    m.type = config::ModelType::kLlama;
+    m.type = qwen2 ? config::ModelType::kQwen2 : config::ModelType::kLlama;
     m.kv_heads = 2;
     m.intermediate = 88;
     m.tie_embeddings = false;
@@ -114,6 +115,7 @@ struct Case {
   int64_t vocab;
   int64_t seq = 12;  // > 64: the cpu attention backward works in two row blocks
   bool llama = false;
+  bool qwen2 = false;  // with llama
 };
 
 class AnalyticVsMeasured : public ::testing::TestWithParam<Case> {};
@@ -121,7 +123,7 @@ class AnalyticVsMeasured : public ::testing::TestWithParam<Case> {};
 TEST_P(AnalyticVsMeasured, EveryStageAndOptionToTheByte) {
   const Case k = GetParam();
   Env env;
-  const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq, k.llama);
+  const config::ModelConfig mc = small_model(k.dropout, k.vocab, k.seq, k.llama, k.qwen2);
   models::Transformer gpt(mc);
   nn::FlatParams flat(*env.alloc, gpt.layout(), k.dtype, DType::kF32);
   Tensor p = flat.params();
@@ -190,6 +192,11 @@ INSTANTIATE_TEST_SUITE_P(Llama, AnalyticVsMeasured,
                                            Case{DType::kBF16, 0.0, 500, 12, true},
                                            Case{DType::kBF16, 0.1, 50, 70, true},
                                            Case{DType::kF32, 0.0, 50, 70, true}));
+
+INSTANTIATE_TEST_SUITE_P(Qwen2, AnalyticVsMeasured,
+                         ::testing::Values(Case{DType::kF32, 0.0, 50, 12, true, true},
+                                           Case{DType::kBF16, 0.1, 500, 12, true, true},
+                                           Case{DType::kF32, 0.1, 50, 70, true, true}));
 
 TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
   for (bool llama : {false, true}) {

@@ -1,4 +1,4 @@
-// porter against the PyTorch reference of Hugging Face's GPT-2 and Llama
+// porter against the PyTorch reference of Hugging Face's GPT-2, Llama and Qwen2
 // (scripts/hf_reference.py): each fixture of tests/nn/fixtures/hf is a checkpoint in Hugging
 // Face's layout with the reference's logits, loss and gradients on a fixed batch (float64).
 // porter imports it, and its f32 logits and loss must match within 2e-6 and every gradient
@@ -163,7 +163,8 @@ TEST_P(HfReference, ImportExportImportIsBitwise) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfReference,
                          ::testing::Values(Fixture{"gpt2_bare_tied"}, Fixture{"gpt2_prefixed_untied"},
                                            Fixture{"llama_gqa_tied"}, Fixture{"llama_mha_untied_theta"},
-                                           Fixture{"llama_gqa_bf16", true}),
+                                           Fixture{"llama_gqa_bf16", true},
+                                           Fixture{"qwen2_gqa_untied"}, Fixture{"qwen2_mha_tied"}),
                          [](const auto& fixture) { return fixture.param.name; });
 
 // Ten steps of fine-tuning an imported Llama on the fixture's batch lower its loss, through
