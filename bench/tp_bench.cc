@@ -72,7 +72,7 @@ void BM_TpStep(benchmark::State& state) {
           comm::make_communicator(*device, store, rank, t, co);
       comm::ProcessGroups g = comm::make_process_groups(world, t);
       engine::Engine e(*device, std::make_unique<engine::TransformerModel>(c.porter.model, g.tp_rank), c,
-                       g.dp, t > 1 ? g.tp : nullptr);
+                       t > 1 ? g : engine::data_parallel(g.dp));
       const io::DataSource data(c.porter.data, c.porter.model.vocab,
                                     c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
       std::vector<double> mine;

@@ -144,7 +144,8 @@ Session run_session() {
       co.timeout = comm::Seconds{c.porter.comm.timeout_s};
       rigs[i].dp = comm::make_communicator(*rigs[i].device, store, rank, kWorld, co);
       rigs[i].engine = std::make_unique<engine::Engine>(
-          *rigs[i].device, std::make_unique<engine::TransformerModel>(c.porter.model), c, rigs[i].dp);
+          *rigs[i].device, std::make_unique<engine::TransformerModel>(c.porter.model), c,
+          engine::data_parallel(rigs[i].dp));
     }
     const config::Config c = base_config();
     const io::DataSource data(c.porter.data, c.porter.model.vocab,

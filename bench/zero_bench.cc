@@ -56,7 +56,8 @@ void BM_ZeroStep(benchmark::State& state) {
       co.timeout = comm::Seconds{c.porter.comm.timeout_s};
       std::shared_ptr<comm::Communicator> dp =
           comm::make_communicator(*device, store, rank, kWorld, co);
-      engine::Engine e(*device, std::make_unique<engine::TransformerModel>(c.porter.model), c, dp);
+      engine::Engine e(*device, std::make_unique<engine::TransformerModel>(c.porter.model), c,
+                       engine::data_parallel(dp));
       const io::DataSource data(c.porter.data, c.porter.model.vocab,
                                     c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
       std::vector<double> mine;

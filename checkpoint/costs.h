@@ -1,6 +1,6 @@
 // The cost model of a chain of stages: what each stage's forward, recompute and backward cost
 // in time and in activation bytes, under each save option. Costs come from a profiling pass
-// (engine/profile.h) or from the analytic model of the built-in GPT (checkpoint/analytic.h);
+// (engine/costs.h) or from the analytic model of the built-in transformers (models/analytic.h);
 // the planner and the simulator only read them.
 //
 // Note [Activation bytes]

@@ -298,27 +298,6 @@ void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on
   for (size_t h = 0; h + keep < holds.size(); ++h) schedule.ops[holds[h]].offload = true;
 }
 
-OffloadOptions offload_options(const config::Config& config) {
-  OffloadOptions o;
-  if (config.activation_checkpointing) {
-    o.enabled = config.activation_checkpointing->cpu_checkpointing;
-    o.contiguous = config.activation_checkpointing->contiguous_memory_optimization;
-  }
-  o.prefetch_depth = static_cast<int>(config.porter.checkpointing.prefetch_depth);
-  o.keep_last_on_device = static_cast<int>(config.porter.checkpointing.keep_last_on_device);
-  o.link_bytes_per_s = config.porter.device.sim_link_gbps ? *config.porter.device.sim_link_gbps * 1e9 : 0.0;
-  return o;
-}
-
-PartitionOptions partition_options(const config::Config& config) {
-  PartitionOptions o;
-  const bool on = config.activation_checkpointing && config.activation_checkpointing->partition_activations;
-  if (on && !config.porter.model.sequence_parallel) o.ways = static_cast<int>(config.porter.model.tensor_parallel);
-  o.min_bytes = static_cast<size_t>(std::max<int64_t>(0, config.porter.checkpointing.partition_min_bytes));
-  o.tp_bytes_per_s = config.porter.comm.sim_tp_gbps ? *config.porter.comm.sim_tp_gbps * 1e9 : 0.0;
-  return o;
-}
-
 std::vector<StagePlan> summarize(const Schedule& schedule, const ChainCosts& costs,
                                  const Prediction* prediction) {
   std::vector<StagePlan> out(static_cast<size_t>(schedule.num_stages));

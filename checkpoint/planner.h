@@ -166,13 +166,6 @@ struct PlanOptions {
   PartitionOptions partition;
 };
 
-// The offload options a config asks for (link_bytes_per_s from sim_link_gbps, else 0).
-OffloadOptions offload_options(const config::Config& config);
-// The partition options a config asks for: ways = porter.model.tensor_parallel with
-// partition_activations on and sequence_parallel off (under sequence_parallel the checkpoints
-// are already sharded), else 1; tp_bytes_per_s from porter.comm.sim_tp_gbps, else 0.
-PartitionOptions partition_options(const config::Config& config);
-
 // The OpPolicy of `selective_ops` (op kind names recomputed; empty: core attention).
 nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
 

@@ -183,7 +183,7 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
         const std::unique_ptr<models::Transformer> built = models::build_model(c.porter.model);
         e.model_states = zero::exact_bytes(
             zero::make_partition(built->layout().total_elems(), static_cast<int>(dp)),
-            cfg.zero_optimization.stage, zero::StateDTypes{run.compute_dtype});
+            run.zero_stage(), zero::StateDTypes{run.compute_dtype});
       } catch (const porter::Error& ex) {
         e.error = ex.what();
       }
@@ -238,10 +238,10 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const engine::RunOptions run = engine::make_run_options(cfg);
   const tensor::DType dtype = run.compute_dtype;
   checkpoint::ChainCosts costs = run.analytic_costs();
-  engine::add_stage3_params(costs, cfg, dtype);  // ZeRO stage 3's gathered parameters
-  const config::ModelConfig& model = cfg.porter.model;
+  engine::add_stage3_params(costs, run);  // ZeRO stage 3's gathered parameters
+  const config::ModelConfig& model = run.shape.model;
   const int64_t tp = model.tensor_parallel;
-  const bool sp = model.sequence_parallel && tp > 1;
+  const bool sp = run.sequence_parallel();
   const std::vector<TpEstimate> tp_rows =
       o.tensor_parallel ? std::vector<TpEstimate>{} : tp_estimates(cfg);
 
@@ -265,7 +265,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     stages.push_back(e);
   }
   // The policies below use the configured stage's model states.
-  const int config_stage = cfg.zero_optimization.stage;
+  const int config_stage = run.zero_stage();
   // At stage 3 the params hold the persistent stages too, between steps (docs/zero.md,
   // "Stage 3"); the gathered ones come and go within a step, in each plan's total peak.
   zero::StateBytes ms = stages[static_cast<size_t>(config_stage)].exact;
@@ -274,20 +274,20 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   // Offload (docs/zero.md, "Optimizer offload" and "Parameter offload"; Note [Host-state
   // bytes per rank]): every setting the configured stage allows, device and host bytes per
   // rank; the configured one sets the model states of the plans below.
-  const config::ZeroConfig& zc = cfg.zero_optimization;
-  const bool offload_optimizer = zc.offload_optimizer.device != config::OffloadDevice::kNone;
-  const bool offload_param = zc.offload_param.device != config::OffloadDevice::kNone;
+  const zero::OptimizerOptions& zo = run.optimizer;
+  const bool offload_optimizer = zo.offload.enabled;
+  const bool offload_param = zo.param_offload.enabled;
   auto offload_row = [&](bool opt, bool params) {
     OffloadEstimate e;
     e.optimizer = opt;
     e.params = params;
     // Note [Partial offload]: offload_optimizer.ratio of the shard's optimizer on the host.
-    const double ratio = opt ? zc.offload_optimizer.ratio : 1.0;
+    const double ratio = opt ? zo.offload.ratio : 1.0;
     e.device = zero::device_state_bytes(stages[static_cast<size_t>(config_stage)].exact, part,
                                         state_dtypes, opt, ratio, params);
     e.device.params += persistent;
     e.host = zero::host_state_bytes(part, config_stage, state_dtypes, opt, params,
-                                    zc.offload_optimizer.pin_memory, zc.offload_param.pin_memory,
+                                    zo.offload.pin_memory, zo.param_offload.pin_memory,
                                     ratio);
     return e;
   };
@@ -304,7 +304,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const size_t model_state = ms.total();
   const size_t batch = run.batch_bytes;
   const std::optional<size_t> capacity = run.capacity_bytes;
-  const int64_t layers = cfg.porter.model.layers;
+  const int64_t layers = run.shape.model.layers;
 
   std::optional<config::MemoryBudget> budget = cfg.porter.checkpointing.memory_budget;
   if (!o.budget.empty()) budget = parse_budget_flag(o.budget);
@@ -388,7 +388,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     j["offload"] = nlohmann::ordered_json::array();
     for (const OffloadEstimate& e : offload_rows) {
       j["offload"].push_back({{"offload_optimizer", e.optimizer}, {"offload_param", e.params},
-                              {"ratio", e.optimizer ? zc.offload_optimizer.ratio : 0.0},
+                              {"ratio", e.optimizer ? zo.offload.ratio : 0.0},
                               {"device", bytes_json(e.device)}, {"host", host_json(e.host)}});
     }
     nlohmann::ordered_json zj;
@@ -487,9 +487,9 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                          : e.optimizer           ? "optimizer"
                          : e.params              ? "params"
                                                  : "none";
-      if (e.optimizer && zc.offload_optimizer.ratio < 1.0) {
+      if (e.optimizer && zo.offload.ratio < 1.0) {
         char r[48];
-        std::snprintf(r, sizeof r, " (ratio %g)", zc.offload_optimizer.ratio);
+        std::snprintf(r, sizeof r, " (ratio %g)", zo.offload.ratio);
         name += r;
       }
       out << "    " << (mine ? "* " : "  ") << std::left << std::setw(30) << name << std::right

@@ -216,10 +216,15 @@ ProfiledPlan profile_plan(const config::Config& cfg, const engine::RunOptions& r
         co.timeout = comm::Seconds(cfg.porter.comm.timeout_s);
         std::shared_ptr<comm::Communicator> tp =
             comm::make_communicator(*p.devices[r], std::move(store), rank, t, co);
+        comm::ProcessGroups groups;  // one data-parallel rank: the world is the tp group
+        groups.world = tp;
+        groups.tp = tp;
+        groups.tp_rank = rank;
+        groups.tp_size = t;
         try {
           p.engines[r] = std::make_unique<engine::Engine>(
               *p.devices[r], std::make_unique<engine::TransformerModel>(cfg.porter.model, rank), group,
-              nullptr, tp);
+              groups);
         } catch (const std::exception& e) {
           tp->abort("rank " + std::to_string(rank) + " of porter plan's profiling: " + e.what());
           throw;
@@ -283,7 +288,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     }
   } else {
     costs = analytic;
-    engine::add_stage3_params(costs, cfg, run.compute_dtype);  // ZeRO stage 3's gathers
+    engine::add_stage3_params(costs, run);  // ZeRO stage 3's gathers
     plan = checkpoint::make_plan(run.plan, costs);
     where_from = "analytic model (nothing allocated)";
   }

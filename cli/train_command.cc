@@ -190,6 +190,7 @@ struct World {
   std::shared_ptr<comm::Store> store;             // null for one rank
   std::shared_ptr<comm::Communicator> world, dp, tp;  // null for one rank
   int tp_rank = 0;
+  comm::ProcessGroups groups;                     // the Engine's: dp and tp (default: one rank)
   bool leader() const { return env.rank == 0; }
   bool distributed() const { return env.world_size > 1; }
 };
@@ -213,11 +214,13 @@ World join_world(const comm::DistEnv& env, const config::Config& cfg, memory::De
   const int64_t tp = cfg.porter.model.tensor_parallel;
   if (tp == 1) {
     w.dp = w.world;
+    w.groups = engine::data_parallel(w.world);
   } else {
     comm::ProcessGroups g = comm::make_process_groups(w.world, static_cast<int>(tp));
     w.dp = g.dp;
     w.tp = g.tp;
     w.tp_rank = g.tp_rank;
+    w.groups = g;
   }
   return w;
 }
@@ -331,7 +334,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                 static_cast<int>(cfg.data_parallel_size()));
   }
   engine::Engine eng(*device, std::make_unique<engine::TransformerModel>(cfg.porter.model, w.tp_rank), cfg,
-                     w.dp, w.tp);
+                     w.groups);
   // Note [Train trace]: every rank records (unless --trace-rank keeps another) and notes its
   // clock after a barrier.
   std::unique_ptr<engine::TraceRecorder> trace;

@@ -18,7 +18,8 @@
 //    stage 2 in every micro-batch, stages 0 and 1 in the last; every reduction is complete,
 //    averaged and in the shard when the micro-batch (the step) ends. At stage 3 (reduced as
 //    stage 2) the parameter gatherer runs the gather plan around every op (Note [Gather plan]
-//    in checkpoint/param_gather.h): evictions, gathers and waits before it, frees after.
+//    in checkpoint/param_gather.h; Note [Stage 3 driver] in stage3.h): evictions, gathers
+//    and waits before it, frees after.
 // 3. global_norm, 4. update, finish_step: the sharded optimizer (Note [Sharded optimizer] in
 //    zero/sharded_optimizer.h): the global norm, fp16 overflow agreed by all ranks, the clip
 //    coefficient, AdamW on the rank's range at the scheduler's lr for the count of updating
@@ -69,8 +70,11 @@ struct ZeroStats {
   uint64_t comm_bytes = 0;       // payload bytes of this rank's collectives
   double comm_busy_s = 0.0;      // comm-stream busy time
   double comm_exposed_s = 0.0;   // time the compute stream waited on collectives
-  // Of the gradient reductions (reduce-scatter or all-reduce) issued during backward, the
-  // fraction of their busy time that ran while backward was still computing (1: all hidden).
+  // The gradient reductions' (reduce-scatter or all-reduce) comm-stream time and the time the
+  // compute stream waited for them; the fraction of their busy time that ran while backward
+  // was still computing (1: all hidden).
+  double reduce_busy_s = 0.0;
+  double reduce_exposed_s = 0.0;
   double reduce_hidden_fraction = 0.0;
   double loss_scale = 1.0;       // fp16 dynamic loss scale after the step (1 otherwise)
   int64_t skipped_steps = 0;     // fp16 overflow: steps whose update was skipped
@@ -100,6 +104,10 @@ struct ZeroStats {
   uint64_t param_offload_h2d_bytes = 0;  // this rank's parts of the gathered units, uploaded
   uint64_t param_offload_d2h_bytes = 0;  // the device-updated shard back (optimizer on device)
 };
+// Accumulates a later step's figures (stats.cc): counters add, peaks take the maximum, the
+// hidden fractions follow the summed times, and what describes the run now (layout, loss
+// scale, the plan's predictions, host bytes) is b's.
+ZeroStats& operator+=(ZeroStats& a, const ZeroStats& b);
 
 // Tensor-parallel figures of one step, or cumulative (Engine::tp_stats();
 // docs/tensor-parallel.md).
@@ -120,6 +128,8 @@ struct TensorParallelStats {
   size_t partitioned_bytes = 0;
   size_t predicted_partitioned_bytes = 0;
 };
+// Accumulates a later step's figures, as ZeroStats' operator+= does.
+TensorParallelStats& operator+=(TensorParallelStats& a, const TensorParallelStats& b);
 
 // Note [Wall-clock breakdown]
 // With wall_clock_breakdown true, train_step times its phases on the host clock (steady_clock)
@@ -207,34 +217,41 @@ struct MemoryReport {
 // InvalidArgument when it holds no table.
 nlohmann::json read_kernel_table(const std::filesystem::path& path, int world_rank = 0);
 
+// The process groups of a run without tensor parallelism: `dp` (null: one rank) is the world
+// and the data-parallel group.
+comm::ProcessGroups data_parallel(std::shared_ptr<comm::Communicator> dp);
+
 class Engine {
  public:
   // Translates the config once (make_run_options), builds the flat buffers (params, grads,
-  // optimizer state), initialises the parameters from config.porter.train.seed and plans the
+  // optimizer state), initialises the parameters from porter.train.seed and plans the
   // checkpoint schedule from the model's analytic costs or a profiling pass (Note [Engine
-  // costs] in run_options.h). Throws InvalidArgument for configs it cannot run
-  // (check_supported in run_options.h: optimizer or parameter offload, a world_size other
-  // than dp->size() * tensor_parallel, ...) and for a model that is not the
+  // costs] in run_options.h). Checkpoint, optimizer and parameter offload all run (Note [What
+  // the engine runs] in run_options.h). Throws InvalidArgument for configs it cannot run
+  // (check_supported: a world_size other than the dp group's size times tensor_parallel, a tp
+  // group of another size, Adam with coupled weight decay) and for a model that is not the
   // one the config describes (Model::check_config).
   //
-  // Data parallel (docs/zero.md): `dp` is the data-parallel communicator, of
-  // config.data_parallel_size() ranks; null runs one rank. Every rank constructs its Engine
-  // with the same config and calls train_step with its own micro-batches
-  // (DataSource::rank_batches); ZeRO stages 0 to 3 partition as zero_optimization.stage
-  // says (stage 3: docs/zero.md, "Stage 3"). config.world_size
-  // must be dp->size() (tensor_parallel 1). A rank whose step fails aborts `dp` (Note [Comm
-  // failure]) so that its peers fail at once; after a communication error the engine cannot
-  // step again.
+  // `groups` are the run's process groups (comm::make_process_groups); the engine uses their
+  // dp and tp communicators, and a null or size-1 one runs without that dimension. The
+  // default runs one rank; data_parallel(dp) makes the groups of a run without tensor
+  // parallelism.
   //
-  // Tensor parallel (docs/tensor-parallel.md): `tp` is the tensor-parallel communicator of
-  // porter.model.tensor_parallel ranks (comm::make_process_groups; world = dp x tp), null for
-  // one; the model is this rank's part (TransformerModel(config.porter.model, tp->rank())). The ranks
-  // of a tp group train on the same micro-batches; their layers communicate through the
-  // engine's Ctx, and partitioned checkpoints are gathered over it. A failing rank aborts tp
-  // as well as dp.
+  // Data parallel (docs/zero.md): groups.dp is the data-parallel communicator, of
+  // config.data_parallel_size() ranks. Every rank constructs its Engine with the same config
+  // and calls train_step with its own micro-batches (DataSource::rank_batches); ZeRO stages 0
+  // to 3 partition as zero_optimization.stage says (stage 3: docs/zero.md, "Stage 3").
+  // config.world_size must be dp's size times tensor_parallel. A rank whose step fails aborts
+  // dp (Note [Comm failure]) so that its peers fail at once; after a communication error the
+  // engine cannot step again.
+  //
+  // Tensor parallel (docs/tensor-parallel.md): groups.tp is the tensor-parallel communicator
+  // of porter.model.tensor_parallel ranks (world = dp x tp); the model is this rank's part
+  // (TransformerModel(config.porter.model, groups.tp_rank)). The ranks of a tp group train on the same
+  // micro-batches; their layers communicate through the engine's Ctx, and partitioned
+  // checkpoints are gathered over it. A failing rank aborts tp as well as dp.
   Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
-         std::shared_ptr<comm::Communicator> dp = nullptr,
-         std::shared_ptr<comm::Communicator> tp = nullptr);
+         const comm::ProcessGroups& groups = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -333,7 +350,7 @@ class Engine {
 
  private:
   struct Impl;
-  // Construction, in order.
+  // Construction, in order (the costs in costs.cc).
   void build_model_states();
   void plan_from_costs();
   void agree_on_costs();
@@ -349,6 +366,7 @@ class Engine {
   zero::GradNorm update(StepResult& r);
   void collect_offload(StepResult& r);
   void collect_comm();
+  // stats.cc
   void record(const std::vector<io::HostBatch>& micro_batches, const comm::CommStats& comm0,
               const zero::ReducerStats& reduced, StepResult& r);
 

@@ -1,4 +1,6 @@
-// The Engine's private state (engine.h), shared by engine.cc, memory_report.cc and state.cc.
+// The Engine's private state (engine.h), shared by the files that implement the Engine:
+// engine.cc (construction, the step's phases), costs.cc, evaluate.cc, params.cc, stats.cc,
+// memory_report.cc and state.cc.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include "checkpoint/planner.h"
 #include "engine/engine.h"
 #include "engine/lr_schedule.h"
+#include "engine/stage3.h"
 #include "engine/step_memory.h"
 #include "nn/ctx.h"
 #include "nn/layer.h"
@@ -34,7 +37,7 @@ struct Engine::Impl {
   // Tensor parallel: null or a size-1 communicator without it.
   std::shared_ptr<comm::Communicator> tp;
   TensorParallelStats tp_total;  // cumulative since construction or reset_peaks()
-  bool kernel_table_agreed = false;  // Note [Kernel table agreement] in engine.cc
+  bool kernel_table_agreed = false;  // Note [Kernel table agreement] in costs.cc
   comm::CommStats tp_comm0;      // the tp communicator's statistics when the step began
   double tp_bytes_per_s = 0.0;   // what the planner charged gathers to (0: no partitioning)
   zero::Partition part;  // Note [Flat partition]
@@ -49,14 +52,13 @@ struct Engine::Impl {
   zero::StageLayout stage_layout;
   std::vector<std::vector<int>> writes;
   // ZeRO stage 3 (docs/zero.md, "Stage 3"): the parameter gatherer over the optimizer's
-  // working shard, and the gather plan of the current schedule (set_plan); null / empty at
-  // stages 0-2.
+  // working shard, and its drivers (Note [Stage 3 driver]): the current schedule's (set_plan)
+  // and the forward pass's (evaluate, profile); null / inactive at stages 0-2.
   std::unique_ptr<zero::ParamGatherer> gatherer;
-  checkpoint::GatherPlan gather_plan;
+  Stage3Driver train_gathers;
+  Stage3Driver forward_gathers;
   checkpoint::ParamGather param_costs;   // the costs' params (Note [Gathered parameters])
-  zero::GatherStats gather_total;        // cumulative since construction or reset_peaks()
   ZeroStats zero_total;         // cumulative since construction or reset_peaks()
-  double reduce_busy_total_s = 0.0, reduce_exposed_total_s = 0.0;
   std::unique_ptr<nn::Ctx> ctx;
   std::unique_ptr<LrSchedule> lr;
   checkpoint::ChainCosts costs;
@@ -79,5 +81,17 @@ struct Engine::Impl {
     peak_activation_bytes = std::max(peak_activation_bytes, s.peak_activation_bytes);
   }
 };
+
+// The replicated parameters' element ranges (Model::tp_replicated), adjacent ones merged (the
+// alignment padding between them holds zero gradients).
+std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const nn::ParamLayout& layout,
+                                                           const std::vector<bool>& replicated);
+// One micro-batch's ids, (batch, seq) i32, on the device (workspace).
+tensor::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t>& ids,
+                          int64_t batch, int64_t seq);
+// Throws InvalidArgument unless `micro_batches` are the shape `run` was planned for (and
+// expected_count of them; 0: any number but none) with ids within the model's vocabulary.
+void check_batches(const RunOptions& run, Model& model,
+                   const std::vector<io::HostBatch>& micro_batches, size_t expected_count);
 
 }  // namespace porter::engine

@@ -1,6 +1,6 @@
 // The schedule executor: runs one micro-batch through a checkpoint::Schedule exactly as
-// Note [Schedule semantics] (checkpoint/schedule.h) says, and the profiler that measures a
-// chain's costs (Note [Activation bytes] in checkpoint/costs.h). Internal to the engine.
+// Note [Schedule semantics] (checkpoint/schedule.h) says. Internal to the engine; the
+// profiler that measures a chain's costs is in costs.h.
 // Host holds go through the checkpoint stash (offload/stash.h) at the ops its layout names.
 #pragma once
 
@@ -56,15 +56,5 @@ struct MicroBatchResult {
 // where they were.
 MicroBatchResult run_schedule(const ExecEnv& env, const tensor::Tensor& tokens,
                               const tensor::Tensor& targets);
-
-// Profiles every stage of `model` under every save option on (tokens, targets). Gradients
-// accumulate into the bound gradient buffer: the caller saves and restores it. `stage_hook`
-// (when set) runs before a stage's measurements (begin true) and after them, outside every
-// measured window: ZeRO stage 3 gathers the stage's parameters there.
-checkpoint::ChainCosts profile_chain(Model& model, nn::Ctx& ctx, const tensor::Tensor& tokens,
-                                     const tensor::Tensor& targets,
-                                     const nn::OpPolicy& selective_policy,
-                                     const std::string& selective_ops,
-                                     const std::function<void(int stage, bool begin)>& stage_hook = {});
 
 }  // namespace porter::engine

@@ -1,6 +1,7 @@
 // The translation of a config into the run's options (Note [Run options] in run_options.h).
 #include "engine/run_options.h"
 
+#include <algorithm>
 #include <string>
 
 #include "base/check.h"
@@ -39,6 +40,32 @@ std::string selective_ops_name(const std::vector<std::string>& ops) {
 
 }  // namespace
 
+checkpoint::OffloadOptions offload_options(const config::Config& config) {
+  checkpoint::OffloadOptions o;
+  if (config.activation_checkpointing) {
+    o.enabled = config.activation_checkpointing->cpu_checkpointing;
+    o.contiguous = config.activation_checkpointing->contiguous_memory_optimization;
+  }
+  o.prefetch_depth = static_cast<int>(config.porter.checkpointing.prefetch_depth);
+  o.keep_last_on_device = static_cast<int>(config.porter.checkpointing.keep_last_on_device);
+  o.link_bytes_per_s =
+      config.porter.device.sim_link_gbps ? *config.porter.device.sim_link_gbps * 1e9 : 0.0;
+  return o;
+}
+
+checkpoint::PartitionOptions partition_options(const config::Config& config) {
+  checkpoint::PartitionOptions o;
+  const bool on =
+      config.activation_checkpointing && config.activation_checkpointing->partition_activations;
+  if (on && !config.porter.model.sequence_parallel) {
+    o.ways = static_cast<int>(config.porter.model.tensor_parallel);
+  }
+  o.min_bytes = static_cast<size_t>(
+      std::max<int64_t>(0, config.porter.checkpointing.partition_min_bytes));
+  o.tp_bytes_per_s = config.porter.comm.sim_tp_gbps ? *config.porter.comm.sim_tp_gbps * 1e9 : 0.0;
+  return o;
+}
+
 RunOptions make_run_options(const config::Config& config) {
   RunOptions r;
   const config::PorterSection& p = config.porter;
@@ -67,8 +94,8 @@ RunOptions make_run_options(const config::Config& config) {
   r.selective_name = selective_ops_name(p.checkpointing.selective_ops);
 
   r.plan.checkpointing = p.checkpointing;
-  r.plan.partition = checkpoint::partition_options(config);
-  r.plan.offload = checkpoint::offload_options(config);
+  r.plan.partition = partition_options(config);
+  r.plan.offload = offload_options(config);
   if (config.activation_checkpointing) {
     const config::ActivationCheckpointingConfig& ac = *config.activation_checkpointing;
     r.stash.contiguous = ac.contiguous_memory_optimization;
@@ -82,6 +109,12 @@ RunOptions make_run_options(const config::Config& config) {
   r.reducer.reduce_scatter = z.reduce_scatter;
   r.reducer.prescale_gradients = config.prescale_gradients;
   r.reducer.predivide_factor = config.gradient_predivide_factor;
+  r.reduce_bucket_elems = z.reduce_bucket_size_elems;
+  r.stage3.prefetch_elems = z.stage3_prefetch_bucket_size_elems;
+  r.stage3.max_live_elems = z.stage3_max_live_parameters_elems;
+  r.stage3.max_reuse_distance_elems = z.stage3_max_reuse_distance_elems;
+  r.stage3.persistence_threshold_elems = z.stage3_param_persistence_threshold_elems;
+  r.stage3.gather_16bit_weights_on_model_save = z.stage3_gather_16bit_weights_on_model_save;
   r.optimizer.zero_stage = z.stage;
   r.optimizer.allgather_bucket_elems = z.allgather_bucket_size_elems;
   r.optimizer.adamw = config.optimizer.value_or(config::OptimizerConfig{});
@@ -100,6 +133,8 @@ RunOptions make_run_options(const config::Config& config) {
   r.batch_bytes = 2 * static_cast<size_t>(config.train_micro_batch_size_per_gpu) *
                   static_cast<size_t>(p.model.seq_len) * sizeof(int32_t);
   r.seed = p.train.seed;
+  r.scheduler = config.scheduler;
+  r.wall_clock_breakdown = config.wall_clock_breakdown;
   return r;
 }
 
@@ -118,20 +153,14 @@ void check_supported(const config::Config& c, int dp_size, int tp_size) {
         "tensor_parallel " + std::to_string(tp) +
         ": parse the config with the launch's world size and pass the dp group of that world");
   }
-  // The parser refuses these too; a Config built in code reaches here unchecked.
+  // The parser refuses these (Note [Run options]).
   const config::ZeroConfig& z = c.zero_optimization;
-  if (z.offload_param.device != config::OffloadDevice::kNone && z.stage != 3) {
-    throw InvalidArgument("zero_optimization.offload_param.device: parameter offload needs ZeRO "
-                          "stage 3, but zero_optimization.stage is " + std::to_string(z.stage));
-  }
-  if (z.offload_optimizer.device != config::OffloadDevice::kNone && z.stage == 0) {
-    throw InvalidArgument("zero_optimization.offload_optimizer.device: optimizer offload needs "
-                          "ZeRO stage 1, 2 or 3, but zero_optimization.stage is 0");
-  }
-  if (z.offload_optimizer.ratio < 1.0 && z.stage != 3) {
-    throw InvalidArgument("zero_optimization.offload_optimizer.ratio: a partial offload needs "
-                          "ZeRO stage 3, but zero_optimization.stage is " + std::to_string(z.stage));
-  }
+  PORTER_ASSERT(z.offload_param.device == config::OffloadDevice::kNone || z.stage == 3,
+                "parameter offload below ZeRO stage 3 passed the parser");
+  PORTER_ASSERT(z.offload_optimizer.device == config::OffloadDevice::kNone || z.stage != 0,
+                "optimizer offload at ZeRO stage 0 passed the parser");
+  PORTER_ASSERT(z.offload_optimizer.ratio >= 1.0 || z.stage == 3,
+                "a partial optimizer offload below ZeRO stage 3 passed the parser");
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
     throw InvalidArgument("optimizer.params.adam_w_mode: false with weight_decay " +
@@ -187,9 +216,13 @@ nlohmann::ordered_json RunOptions::to_json() const {
   j["compute_dtype"] = tensor::dtype_name(compute_dtype);
   const config::ModelConfig& m = shape.model;
   j["shape"] = {{"model",
-                 {{"layers", m.layers}, {"hidden", m.hidden}, {"heads", m.heads},
-                  {"seq_len", m.seq_len}, {"vocab", m.vocab}, {"dropout", m.dropout},
-                  {"tie_embeddings", m.tie_embeddings}, {"tensor_parallel", m.tensor_parallel},
+                 {{"type", static_cast<int>(m.type)}, {"layers", m.layers},
+                  {"hidden", m.hidden}, {"heads", m.heads}, {"seq_len", m.seq_len},
+                  {"vocab", m.vocab}, {"dropout", m.dropout},
+                  {"tie_embeddings", m.tie_embeddings}, {"kv_heads", m.kv_heads},
+                  {"intermediate", m.intermediate}, {"norm_eps", m.norm_eps},
+                  {"rope_theta", m.rope_theta}, {"max_positions", m.max_positions},
+                  {"from", opt(m.from)}, {"tensor_parallel", m.tensor_parallel},
                   {"sequence_parallel", m.sequence_parallel}}},
                 {"micro_batch", shape.micro_batch},
                 {"seq", shape.seq},
@@ -230,6 +263,12 @@ nlohmann::ordered_json RunOptions::to_json() const {
                   {"reduce_scatter", reducer.reduce_scatter},
                   {"prescale_gradients", reducer.prescale_gradients},
                   {"predivide_factor", reducer.predivide_factor}};
+  j["reduce_bucket_elems"] = reduce_bucket_elems;
+  j["stage3"] = {{"prefetch_elems", stage3.prefetch_elems},
+                 {"max_live_elems", stage3.max_live_elems},
+                 {"max_reuse_distance_elems", stage3.max_reuse_distance_elems},
+                 {"persistence_threshold_elems", stage3.persistence_threshold_elems},
+                 {"gather_16bit_weights_on_model_save", stage3.gather_16bit_weights_on_model_save}};
   const config::OptimizerConfig& a = optimizer.adamw;
   const config::Fp16Config& f = optimizer.fp16;
   j["optimizer"] = {{"zero_stage", optimizer.zero_stage},
@@ -247,9 +286,27 @@ nlohmann::ordered_json RunOptions::to_json() const {
                     {"offload",
                      {{"enabled", optimizer.offload.enabled},
                       {"pin_memory", optimizer.offload.pin_memory},
-                      {"threads", optimizer.offload.threads}}}};
+                      {"ratio", optimizer.offload.ratio},
+                      {"threads", optimizer.offload.threads}}},
+                    {"param_offload",
+                     {{"enabled", optimizer.param_offload.enabled},
+                      {"pin_memory", optimizer.param_offload.pin_memory}}}};
   j["batch_bytes"] = batch_bytes;
   j["seed"] = seed;
+  {
+    const config::SchedulerConfig c = scheduler.value_or(config::SchedulerConfig{});
+    j["scheduler"] = {{"present", scheduler.has_value()},
+             {"type", static_cast<int>(c.type)},
+             {"warmup_min_lr", c.warmup_min_lr},
+             {"warmup_max_lr", c.warmup_max_lr},
+             {"warmup_num_steps", c.warmup_num_steps},
+             {"warmup_type", static_cast<int>(c.warmup_type)},
+             {"last_batch_iteration", c.last_batch_iteration},
+             {"total_num_steps", opt(c.total_num_steps)},
+             {"warmup_min_ratio", c.warmup_min_ratio},
+             {"cos_min_ratio", c.cos_min_ratio}};
+  }
+  j["wall_clock_breakdown"] = wall_clock_breakdown;
   return j;
 }
 

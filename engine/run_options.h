@@ -1,15 +1,20 @@
 // porter::engine::RunOptions: everything a run derives from its config, translated once: the
-// device, dtypes, the analytic shape, the planner's, stash's, reducer's and optimizer's
-// options, the batch bytes and where the planner's costs come from. The Engine and the
-// `train`, `plan`, `estimate` and `stress` commands all read these instead of the config.
+// device, dtypes, the analytic shape, the planner's (offload and partition included), stash's,
+// reducer's (with its buckets), optimizer's and stage 3's options, the batch bytes and where
+// the planner's costs come from. The Engine and the `train`, `plan`, `estimate` and `stress`
+// commands all read these instead of the config.
 //
 // Note [Run options]
 // The config (config/config.h) is what the user wrote, validated. RunOptions is what the
 // layers below the engine take, each in its own option struct; make_run_options is the only
 // code that maps one to the other, so two readers cannot disagree on a rule (which dtype wins
 // when both fp16 and bf16 are on, which costs a plan is made from, what counts in the
-// predicted peak). A knob of the config reaches exactly the fields it names, and to_json lists
-// every field, so a test can check that by comparing two runs' options.
+// predicted peak). The parser (config/) checks each rule between keys once and refuses a
+// config that breaks it; below it such a rule is an assertion (check_supported), never a
+// second message. A knob of the config reaches exactly the fields it names, and to_json lists
+// every field, so a test can check that by comparing two runs' options; the same test lists
+// every key of the config and fails for one that reaches no field and is not named as
+// another layer's (the data, the training loop's steps and logs, the launch).
 #pragma once
 
 #include <cstddef>
@@ -49,6 +54,16 @@ std::string_view cost_source_name(CostSource s);  // "analytic", "profiled"
 // the predicted recompute time beside the measured one.
 enum class CostUse { kPlan, kTraining };
 
+// ZeRO stage 3's gather knobs (zero_optimization.stage3_*; Note [Gather plan] in
+// checkpoint/param_gather.h), for the gather units of engine/stage3.h.
+struct Stage3Options {
+  int64_t prefetch_elems = 50'000'000;
+  int64_t max_live_elems = 1'000'000'000;
+  int64_t max_reuse_distance_elems = 1'000'000'000;
+  int64_t persistence_threshold_elems = 100'000;  // a smaller unit stays gathered
+  bool gather_16bit_weights_on_model_save = false;  // save_checkpoint's consolidated file
+};
+
 struct RunOptions {
   // porter.device; "auto" is cuda when a GPU is present, else cpu.
   memory::DeviceOptions device;
@@ -75,17 +90,25 @@ struct RunOptions {
   offload::StashOptions stash;          // activation_checkpointing's storage knobs
   bool keep_all_copy_records = false;   // activation_checkpointing.profile
   zero::ReducerOptions reducer;         // zero_optimization's reduction knobs
+  int64_t reduce_bucket_elems = 500'000'000;  // zero_optimization.reduce_bucket_size
+  Stage3Options stage3;                 // zero_optimization.stage3_* (read at stage 3 only)
   zero::OptimizerOptions optimizer;     // optimizer, gradient_clipping, fp16, zero stage
   // One micro-batch's token ids and targets on the device: two (B, T) i32 tensors.
   size_t batch_bytes = 0;
   uint64_t seed = 0;                    // porter.train.seed: parameters and dropout
+  std::optional<config::SchedulerConfig> scheduler;  // scheduler: the learning rate per step
+  bool wall_clock_breakdown = false;    // Note [Wall-clock breakdown] in engine.h
 
   int zero_stage() const { return optimizer.zero_stage; }
+  // porter.model.sequence_parallel with more than one tensor-parallel rank.
+  bool sequence_parallel() const {
+    return shape.model.sequence_parallel && shape.model.tensor_parallel > 1;
+  }
   bool offload_enabled() const { return plan.offload.enabled; }
 
   // Note [Engine costs].
   CostSource cost_source(bool analytic_available, CostUse use) const;
-  // The built-in GPT's analytic costs of one micro-batch (checkpoint/analytic.h).
+  // The built-in transformer's analytic costs of one micro-batch (models/analytic.h).
   checkpoint::ChainCosts analytic_costs() const;
   // The predicted peak of all categories: model states, the batch, and the plan's predicted
   // peak of activations, checkpoints, staging and workspace.
@@ -99,12 +122,21 @@ struct RunOptions {
 // Translates a validated config (Note [Run options]).
 RunOptions make_run_options(const config::Config& config);
 
+// The planner's offload options of a config (link_bytes_per_s from sim_link_gbps, else 0),
+// as make_run_options sets RunOptions::plan.offload.
+checkpoint::OffloadOptions offload_options(const config::Config& config);
+// The planner's partition options of a config: ways = porter.model.tensor_parallel with
+// partition_activations on and sequence_parallel off (under sequence_parallel the checkpoints
+// are already sharded), else 1; tp_bytes_per_s from porter.comm.sim_tp_gbps, else 0.
+checkpoint::PartitionOptions partition_options(const config::Config& config);
+
 // Note [What the engine runs]
 // One device per rank; data parallelism over a dp communicator with ZeRO stages 0 to 3
 // (docs/zero.md). A config asking for what porter does not run is refused, naming the key
-// and what to use instead, rather than silently run differently: parameter offload below
-// stage 3, optimizer offload at stage 0, a partial offload ratio below stage 3. Optimizer and
-// parameter offload run (docs/zero.md). Tensor parallelism (porter.model.tensor_parallel,
+// and what to use instead, rather than silently run differently. The parser refuses parameter
+// offload below stage 3, optimizer offload at stage 0 and a partial offload ratio below stage
+// 3 (Note [Run options]); here they are asserted. Optimizer and parameter offload run
+// (docs/zero.md). Tensor parallelism (porter.model.tensor_parallel,
 // sequence_parallel) runs over a tp communicator, and partition_activations partitions the
 // held checkpoints over it (docs/tensor-parallel.md). fp16 runs with loss scaling
 // (zero/loss_scaler.h) on both devices; checkpoint offload

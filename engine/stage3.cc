@@ -1,4 +1,4 @@
-// ZeRO stage 3's gather units (stage3.h).
+// ZeRO stage 3's gather units and driver (stage3.h).
 #include "engine/stage3.h"
 
 #include <algorithm>
@@ -7,7 +7,7 @@
 
 namespace porter::engine {
 
-Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, tensor::DType dtype) {
+Stage3Layout stage3_layout(Model& model, const Stage3Options& stage3, tensor::DType dtype) {
   const int n = model.num_stages();
   std::vector<zero::StageParams> stages;
   for (int s = 0; s < n; ++s) stages.push_back({model.stage_name(s), model.stage(s).params()});
@@ -15,9 +15,9 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, tensor:
   Stage3Layout out;
   checkpoint::ParamGather& c = out.costs;
   c.enabled = true;
-  c.prefetch_elems = zero.stage3_prefetch_bucket_size_elems;
-  c.max_live_elems = zero.stage3_max_live_parameters_elems;
-  c.max_reuse_distance = zero.stage3_max_reuse_distance_elems;
+  c.prefetch_elems = stage3.prefetch_elems;
+  c.max_live_elems = stage3.max_live_elems;
+  c.max_reuse_distance = stage3.max_reuse_distance_elems;
   c.reads.assign(static_cast<size_t>(n), {});
   for (int s = 0; s < n; ++s) {
     const zero::StageRange& r = sl.ranges[static_cast<size_t>(s)];
@@ -27,7 +27,7 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, tensor:
     u.hi = r.hi;
     for (size_t i = 0; i < sl.entry_stage.size(); ++i)
       if (sl.entry_stage[i] == s) u.entries.push_back(i);
-    u.persistent = u.elems() > 0 && u.elems() < zero.stage3_param_persistence_threshold_elems;
+    u.persistent = u.elems() > 0 && u.elems() < stage3.persistence_threshold_elems;
     c.units.push_back({u.name, u.elems(), static_cast<size_t>(u.elems()) * tensor::dtype_size(dtype),
                        u.persistent});
     out.units.push_back(std::move(u));
@@ -43,11 +43,31 @@ Stage3Layout stage3_layout(Model& model, const config::ZeroConfig& zero, tensor:
   return out;
 }
 
-void add_stage3_params(checkpoint::ChainCosts& costs, const config::Config& config,
-                       tensor::DType dtype) {
-  if (config.zero_optimization.stage != 3) return;
-  TransformerModel gpt(config.porter.model);  // layers and layout only; allocates nothing
-  costs.params = stage3_layout(gpt, config.zero_optimization, dtype).costs;
+void add_stage3_params(checkpoint::ChainCosts& costs, const RunOptions& run) {
+  if (run.zero_stage() != 3) return;
+  TransformerModel gpt(run.shape.model);  // layers and layout only; allocates nothing
+  costs.params = stage3_layout(gpt, run.stage3, run.compute_dtype).costs;
+}
+
+checkpoint::Schedule forward_schedule(int num_stages) {
+  checkpoint::Schedule s;
+  s.num_stages = num_stages;
+  for (int i = 0; i < num_stages; ++i) {
+    s.ops.push_back(checkpoint::ScheduleOp::forward(i, checkpoint::SaveOption::kCheckpoint, false));
+  }
+  return s;
+}
+
+void Stage3Driver::before_op(size_t k) const {
+  if (gatherer_ == nullptr) return;
+  for (int u : plan_.evict[k]) gatherer_->release(u);
+  for (int u : plan_.issue[k]) gatherer_->gather(u);
+  for (int u : plan_.wait[k]) gatherer_->wait(u);
+}
+
+void Stage3Driver::after_op(size_t k) const {
+  if (gatherer_ == nullptr) return;
+  for (int u : plan_.release[k]) gatherer_->release(u);
 }
 
 }  // namespace porter::engine

@@ -141,7 +141,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   meta["kind"] = "porter.engine";
   meta["step"] = step_;
   meta["compute_dtype"] = std::string(tensor::dtype_name(compute_dtype()));
-  meta["seed"] = config_.porter.train.seed;
+  meta["seed"] = run_.seed;
   meta["layout"] = layout_json(model_->layout());
   meta["dp_size"] = dp_size();
   meta["zero_stage"] = run_.zero_stage();
@@ -176,7 +176,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
   // zero_optimization.stage3_gather_16bit_weights_on_model_save: the working weights of the
   // whole model (this tp rank's part), gathered from the shards, in one safetensors file that
   // dp rank 0 writes beside the rank directories. A collective: every rank gathers.
-  if (im.gatherer && config_.zero_optimization.stage3_gather_16bit_weights_on_model_save) {
+  if (im.gatherer && run_.stage3.gather_16bit_weights_on_model_save) {
     const std::vector<float> full = params_host();
     if (dp_rank() == 0) {
       tensor::Tensor host = tensor::Tensor::empty(*allocator_, tensor::Shape{static_cast<int64_t>(full.size())},
@@ -223,7 +223,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   }
   const int64_t optimizer_steps = meta.value("optimizer_steps", step);
   zero::LossScaler::State ls = im.optimizer->loss_scaler().state();
-  if (meta.contains("loss_scaler") && config_.fp16.enabled) {
+  if (meta.contains("loss_scaler") && run_.optimizer.fp16.enabled) {
     const nlohmann::json& j = meta.at("loss_scaler");
     ls.scale = j.at("scale").get<double>();
     ls.iteration = j.at("iteration").get<int64_t>();

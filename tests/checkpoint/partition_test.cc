@@ -90,26 +90,7 @@ Schedule partitioned(Schedule s, const ChainCosts& c, const PartitionOptions& p)
   return s;
 }
 
-TEST(PartitionTest, OptionsFromTheConfig) {
-  config::Config cfg;
-  EXPECT_EQ(partition_options(cfg).ways, 1);
-  EXPECT_EQ(partition_options(cfg).min_bytes, 65536u);
-  cfg.porter.model.tensor_parallel = 4;
-  EXPECT_EQ(partition_options(cfg).ways, 1);  // partition_activations off
-  cfg.activation_checkpointing = config::ActivationCheckpointingConfig{};
-  cfg.activation_checkpointing->partition_activations = true;
-  cfg.porter.checkpointing.partition_min_bytes = 4096;
-  cfg.porter.comm.sim_tp_gbps = 25.0;
-  PartitionOptions p = partition_options(cfg);
-  EXPECT_EQ(p.ways, 4);
-  EXPECT_TRUE(p.enabled());
-  EXPECT_EQ(p.min_bytes, 4096u);
-  EXPECT_DOUBLE_EQ(p.tp_bytes_per_s, 25e9);
-  // Under sequence parallelism the checkpoints are already 1/t of the rows on each rank.
-  cfg.porter.model.sequence_parallel = true;
-  EXPECT_EQ(partition_options(cfg).ways, 1);
-}
-
+// The options from a config: RunOptions (tests/engine/run_options_test.cc).
 TEST(PartitionTest, SliceBytesRoundUpToSixteen) {
   EXPECT_EQ(partition_slice_bytes(0, 2), 0u);
   EXPECT_EQ(partition_slice_bytes(1, 2), 16u);

@@ -329,22 +329,14 @@ OffloadOptions offload_on(int depth = 1, int keep_last = 1, double link = 0.0, b
   return o;
 }
 
-TEST(PlannerOffloadTest, OptionsFromTheConfig) {
-  config::Config cfg;
-  EXPECT_FALSE(offload_options(cfg).enabled);
-  EXPECT_EQ(offload_options(cfg).link_bytes_per_s, 0.0);
-  cfg.activation_checkpointing = config::ActivationCheckpointingConfig{};
-  cfg.activation_checkpointing->cpu_checkpointing = true;
-  cfg.activation_checkpointing->contiguous_memory_optimization = true;
-  cfg.porter.checkpointing.prefetch_depth = 3;
-  cfg.porter.checkpointing.keep_last_on_device = 2;
-  cfg.porter.device.sim_link_gbps = 0.5;
-  const OffloadOptions o = offload_options(cfg);
-  EXPECT_TRUE(o.enabled);
-  EXPECT_TRUE(o.contiguous);
-  EXPECT_EQ(o.prefetch_depth, 3);
-  EXPECT_EQ(o.keep_last_on_device, 2);
-  EXPECT_DOUBLE_EQ(o.link_bytes_per_s, 0.5e9);
+// The options from a config: RunOptions (tests/engine/run_options_test.cc).
+TEST(PlannerOffloadTest, SimOptionsAndLayoutFollowTheOptions) {
+  OffloadOptions o;
+  o.enabled = true;
+  o.contiguous = true;
+  o.prefetch_depth = 3;
+  o.keep_last_on_device = 2;
+  o.link_bytes_per_s = 0.5e9;
   const SimOptions sim = o.sim();
   EXPECT_EQ(sim.prefetch_depth, 3);
   EXPECT_DOUBLE_EQ(sim.link_bytes_per_s, 0.5e9);

@@ -43,7 +43,7 @@ std::vector<RankTrace> run_traced(const config::Config& c, int steps, int untrac
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     auto dp = std::shared_ptr<comm::Communicator>(
         comm::make_communicator(*device, store, rank, 2, o));
-    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
     TraceRecorder trace;
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);

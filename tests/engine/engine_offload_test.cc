@@ -121,7 +121,7 @@ void expect_step_counters(const Engine& e, const StepResult& r, int64_t micro_ba
 checkpoint::Plan optimal_with_host_holds(Engine& e, const config::Config& c) {
   checkpoint::PlanOptions o;
   o.checkpointing = c.porter.checkpointing;
-  o.offload = checkpoint::offload_options(c);
+  o.offload = offload_options(c);
   // A link so fast that copies cost nothing: the choice then depends on bytes alone, not on
   // this machine's measured times (near its minimum, host holds are what fits).
   o.offload.link_bytes_per_s = 1e15;
@@ -132,7 +132,7 @@ checkpoint::Plan optimal_with_host_holds(Engine& e, const config::Config& c) {
     o.budget = config::MemoryBudget{static_cast<uint64_t>(lo + (hi - lo) * i / 16)};
     checkpoint::Plan plan = checkpoint::make_plan(o, e.costs());
     if (plan.offload.empty()) continue;
-    const checkpoint::OffloadOptions own = checkpoint::offload_options(c);
+    const checkpoint::OffloadOptions own = offload_options(c);
     plan.sim = own.sim();
     plan.offload = checkpoint::plan_layout(plan.schedule, e.costs(), own);
     plan.prediction = checkpoint::predict(plan.schedule, e.costs(), own);
@@ -347,7 +347,7 @@ TEST(EngineOffloadTest, PinnedLimitBelowThePlanIsAClearErrorBeforeTraining) {
     EXPECT_EQ(in_use, contiguous ? before.offload.pinned_bytes : 0u);
     checkpoint::PlanOptions all;
     all.checkpointing = c.porter.checkpointing;
-    all.offload = checkpoint::offload_options(c);
+    all.offload = offload_options(c);
     all.offload.link_bytes_per_s = e->link_bytes_per_s();
     const std::string msg =
         error_of<OutOfMemoryError>([&] { e->set_plan(checkpoint::make_plan(all, e->costs())); });
@@ -375,7 +375,7 @@ TEST(EngineOffloadTest, APlanOfTheOtherContiguityIsRefusedAndTheOldPlanStays) {
     const size_t pinned = e->pinned_pool().stats().in_use_bytes;
     checkpoint::PlanOptions other;
     other.checkpointing = c.porter.checkpointing;
-    other.offload = checkpoint::offload_options(c);
+    other.offload = offload_options(c);
     other.offload.link_bytes_per_s = e->link_bytes_per_s();
     other.offload.contiguous = !contiguous;
     const checkpoint::Plan plan = checkpoint::make_plan(other, e->costs());
@@ -467,7 +467,7 @@ TEST(EngineOffloadTest, OutOfMemoryMidStepLeavesBaselinesAndTheNextStepSucceeds)
     }
     checkpoint::PlanOptions full;
     full.checkpointing = fc.porter.checkpointing;
-    full.offload = checkpoint::offload_options(fc);
+    full.offload = offload_options(fc);
     full.offload.link_bytes_per_s = e->link_bytes_per_s();
     e->set_plan(checkpoint::make_plan(full, e->costs()));
     // With contiguous the staging arena was resized for the new plan.

@@ -404,7 +404,7 @@ inline std::vector<DpRankRun> run_dp_ranks(const config::Config& c, int steps) {
   const int ws = static_cast<int>(c.world_size);
   std::vector<DpRankRun> runs(static_cast<size_t>(ws));
   for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-    Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
+    Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
     e.reset_peaks();
     DpRankRun& run = runs[static_cast<size_t>(rank)];
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
@@ -449,7 +449,7 @@ inline std::vector<TpRankRun> run_tp_ranks(const config::Config& c, int steps) {
         comm::make_communicator(*device, store, rank, ws, o);
     comm::ProcessGroups g = comm::make_process_groups(world, tp);
     Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c,
-             tp == 1 ? world : g.dp, tp == 1 ? nullptr : g.tp);
+             tp == 1 ? data_parallel(world) : g);
     TpRankRun& run = runs[static_cast<size_t>(rank)];
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                           c.porter.model.seq_len);

@@ -41,7 +41,12 @@ void run_tp_ranks(const config::Config& c, const std::function<void(int, Engine&
     o.group_name = "tp";
     o.timeout = comm::Seconds{60};
     std::shared_ptr<comm::Communicator> tp = comm::make_communicator(*device, store, rank, t, o);
-    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, rank), c, nullptr, tp);
+    comm::ProcessGroups g;  // one data-parallel rank: the world is the tp group
+    g.world = tp;
+    g.tp = tp;
+    g.tp_rank = rank;
+    g.tp_size = t;
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, rank), c, g);
     fn(rank, e);
   });
   for (auto& e : errors) {

@@ -253,7 +253,7 @@ TEST(EngineTp, TheTraceHasATpCommLane) {
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     std::shared_ptr<comm::Communicator> world = comm::make_communicator(*device, store, rank, 2, o);
     comm::ProcessGroups g = comm::make_process_groups(world, 2);
-    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g);
     TraceRecorder trace;
     e.set_trace(&trace);
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
@@ -295,7 +295,7 @@ TEST(EngineTp, SaveAndResumeAreBitIdentical) {
       std::shared_ptr<comm::Communicator> world =
           comm::make_communicator(*device, store, rank, 4, o);
       comm::ProcessGroups g = comm::make_process_groups(world, 2);
-      Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+      Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g);
       const io::DataSource data(c.porter.data, c.porter.model.vocab,
                             c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
       auto step = [&](int s) { e.train_step(data.rank_batches(s, 1, g.dp_rank, g.dp_size)); };
@@ -337,7 +337,7 @@ TEST(EngineTp, AFailedRankFailsItsPeersNamingRankGroupAndOperation) {
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     std::shared_ptr<comm::Communicator> world = comm::make_communicator(*device, store, rank, 2, o);
     comm::ProcessGroups g = comm::make_process_groups(world, 2);
-    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g.dp, g.tp);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g);
     if (rank == 1) {
       world->abort("rank 1 stopped");  // dies before its first step
       return;

@@ -320,7 +320,7 @@ TEST(EngineZero3Test, SaveAndResumeAtTwoRanksIsBitIdentical) {
   std::vector<SavedState> straight_state(2), resumed_state(2);
   for (int phase = 0; phase < 3; ++phase) {
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
+      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
       const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       int begin = 0, end = phase == 1 ? 3 : 6;
       if (phase == 2) {
@@ -367,7 +367,8 @@ TEST(EngineZero3Test, ARankThatDiesDuringTheGathersFailsItsPeersWithinTheTimeout
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 1; };
-    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kForward), c, dp);
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kForward), c,
+             data_parallel(dp));
     const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     const auto t0 = std::chrono::steady_clock::now();
     try {
@@ -416,7 +417,7 @@ TEST(EngineZero3Test, ConsolidatedWeightsOnSaveEqualStageZeroBitwise) {
     c.bf16.enabled = true;
     c.zero_optimization.stage3_gather_16bit_weights_on_model_save = true;
     for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
-      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
+      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
       const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       for (int s = 0; s < 3; ++s) e.train_step(data.rank_batches(s, 1, rank, 2));
       const std::vector<float> p = e.params_host();

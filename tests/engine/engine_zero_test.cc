@@ -52,7 +52,7 @@ std::vector<RankRun> run_ranks(const config::Config& c, int steps, ModelFactory 
     comm::CommOptions o;
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, ws, o);
-    Engine e(*device, make(c, rank), c, dp);
+    Engine e(*device, make(c, rank), c, data_parallel(dp));
     RankRun& run = runs[static_cast<size_t>(rank)];
     const memory::MemoryStats s0 = e.allocator().stats();
     for (size_t k = 0; k < memory::kNumCategories; ++k) {
@@ -220,7 +220,7 @@ std::vector<CountedRun> run_counted(const config::Config& c, int steps, const st
     o.timeout = comm::Seconds{c.porter.comm.timeout_s};
     auto counting = std::make_shared<CountingComm>(
         std::shared_ptr<comm::Communicator>(comm::make_communicator(*device, store, rank, ws, o)));
-    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, counting);
+    Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(counting));
     e.reset_peaks();
     CountedRun& run = runs[static_cast<size_t>(rank)];
     const std::map<std::string, int64_t> before = counting->ops();  // construction's
@@ -497,7 +497,7 @@ TEST(EngineZeroTest, ARankThatThrowsMidStepFailsThePeersWithinTheTimeout) {
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 2; };
-    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 1, armed), c, dp);
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 1, armed), c, data_parallel(dp));
     const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     for (step = 0; step < 4; ++step) e.train_step(data.rank_batches(step, 1, rank, 2));
   });
@@ -533,7 +533,8 @@ TEST(EngineZeroTest, Fp16OverflowOnOneRankSkipsTheStepOnAll) {
     std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
     int step = 0;
     auto armed = [&step, rank] { return rank == 1 && step == 3; };
-    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kInfinities), c, dp);
+    Engine e(*device, std::make_unique<BombModel>(c.porter.model, 2, armed, Bomb::kInfinities), c,
+             data_parallel(dp));
     const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
     std::vector<float> before;
     for (step = 0; step < 6; ++step) {
@@ -575,7 +576,7 @@ TEST(EngineZeroTest, CheckpointSaveAndResumeAtTwoRanks) {
       comm::CommOptions o;
       o.timeout = comm::Seconds{c.porter.comm.timeout_s};
       std::shared_ptr<comm::Communicator> dp = comm::make_communicator(*device, store, rank, 2, o);
-      Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, dp);
+      Engine e(*device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
       const io::DataSource data(c.porter.data, c.porter.model.vocab, 2, c.porter.model.seq_len);
       // phase 0: 6 straight steps; 1: 3 steps then save; 2: load, 3 more steps.
       int begin = 0, end = phase == 1 ? 3 : 6;

@@ -1,5 +1,6 @@
 // RunOptions (engine/run_options.h): each config knob reaches exactly the options it names,
-// the rules that used to be written in several places, and what the engine refuses.
+// every key of the config reaches an option or is named as another layer's, the rules that
+// used to be written in several places, and what the engine refuses.
 #include "engine/run_options.h"
 
 #include <map>
@@ -131,6 +132,13 @@ TEST(RunOptions, EachKnobChangesOnlyItsOptions) {
        {"plan.partition.tp_bytes_per_s"}},
       {"sequence_parallel", {{"porter", {{"model", {{"sequence_parallel", true}}}}}},
        {"shape.model.sequence_parallel"}},
+      {"reduce_bucket_size", {{"zero_optimization", {{"reduce_bucket_size", 1000}}}},
+       {"reduce_bucket_elems"}},
+      {"wall_clock_breakdown", {{"wall_clock_breakdown", true}}, {"wall_clock_breakdown"}},
+      {"kv_heads", {{"porter", {{"model", {{"kv_heads", 2}}}}}}, {"shape.model.kv_heads"}},
+      {"norm_eps", {{"porter", {{"model", {{"norm_eps", 1e-6}}}}}}, {"shape.model.norm_eps"}},
+      {"max_positions", {{"porter", {{"model", {{"max_positions", 32}}}}}},
+       {"shape.model.max_positions"}},
       // At tensor_parallel 1 partitioning has no effect (a warning).
       {"partition_activations",
        {{"activation_checkpointing", {{"partition_activations", true}}}}, {}},
@@ -140,6 +148,203 @@ TEST(RunOptions, EachKnobChangesOnlyItsOptions) {
     j.merge_patch(k.patch);
     EXPECT_EQ(differing(base, options_of(j)), k.expected) << k.name;
   }
+}
+
+// Note [Run options]: every key the config writes reaches at least one option, or is named
+// here as another layer's. A key added to the config fails this test until it is one or the
+// other.
+TEST(RunOptions, EveryConfigKeyReachesAnOption) {
+  struct KeyCase {
+    nlohmann::json context;  // merged into the base first (e.g. the stage a key needs)
+    nlohmann::json patch;    // merged after: the key's other value
+  };
+  const nlohmann::json none = nlohmann::json::object();
+  const nlohmann::json z3 = {{"zero_optimization", {{"stage", 3}}}};
+  const nlohmann::json llama = {{"porter", {{"model", {{"arch", "llama"}}}}}};
+  auto at = [](const std::string& path, const nlohmann::json& value) {
+    nlohmann::json j = value;
+    for (size_t end = path.size(); end != std::string::npos;) {
+      const size_t dot = path.rfind('.', end - 1);
+      const size_t begin = dot == std::string::npos ? 0 : dot + 1;
+      j = nlohmann::json{{path.substr(begin, end - begin), j}};
+      end = dot;
+      if (dot == std::string::npos) break;
+    }
+    return j;
+  };
+  const std::map<std::string, KeyCase> reaching = {
+      {"train_batch_size", {{{"gradient_accumulation_steps", nullptr}}, {{"train_batch_size", 4}}}},
+      {"train_micro_batch_size_per_gpu", {none, at("train_micro_batch_size_per_gpu", 4)}},
+      {"gradient_accumulation_steps", {none, at("gradient_accumulation_steps", 2)}},
+      {"gradient_clipping", {none, at("gradient_clipping", 0.5)}},
+      {"wall_clock_breakdown", {none, at("wall_clock_breakdown", true)}},
+      {"prescale_gradients", {none, at("prescale_gradients", true)}},
+      {"gradient_predivide_factor", {none, at("gradient_predivide_factor", 2.0)}},
+      {"optimizer.type", {none, at("optimizer.type", "Adam")}},
+      {"optimizer.params.lr", {none, at("optimizer.params.lr", 3e-3)}},
+      {"optimizer.params.betas", {none, at("optimizer.params.betas", {0.8, 0.9})}},
+      {"optimizer.params.eps", {none, at("optimizer.params.eps", 1e-6)}},
+      {"optimizer.params.weight_decay", {none, at("optimizer.params.weight_decay", 0.1)}},
+      {"optimizer.params.torch_adam", {none, at("optimizer.params.torch_adam", true)}},
+      {"optimizer.params.adam_w_mode",
+       {at("optimizer.type", "Adam"), at("optimizer.params.adam_w_mode", false)}},
+      {"fp16.enabled", {none, at("fp16.enabled", true)}},
+      {"fp16.loss_scale", {none, at("fp16.loss_scale", 128.0)}},
+      {"fp16.initial_scale_power", {none, at("fp16.initial_scale_power", 8)}},
+      {"fp16.loss_scale_window", {none, at("fp16.loss_scale_window", 10)}},
+      {"fp16.hysteresis", {none, at("fp16.hysteresis", 1)}},
+      {"fp16.min_loss_scale", {none, at("fp16.min_loss_scale", 2.0)}},
+      {"bf16.enabled", {none, at("bf16.enabled", true)}},
+      {"zero_optimization.stage", {none, at("zero_optimization.stage", 2)}},
+      {"zero_optimization.reduce_scatter", {none, at("zero_optimization.reduce_scatter", false)}},
+      {"zero_optimization.reduce_bucket_size", {none, at("zero_optimization.reduce_bucket_size", 1000)}},
+      {"zero_optimization.allgather_bucket_size",
+       {none, at("zero_optimization.allgather_bucket_size", 1000)}},
+      {"zero_optimization.overlap_comm", {none, at("zero_optimization.overlap_comm", true)}},
+      {"zero_optimization.stage3_prefetch_bucket_size",
+       {z3, at("zero_optimization.stage3_prefetch_bucket_size", 1000)}},
+      {"zero_optimization.stage3_param_persistence_threshold",
+       {z3, at("zero_optimization.stage3_param_persistence_threshold", 1000)}},
+      {"zero_optimization.stage3_max_live_parameters",
+       {z3, at("zero_optimization.stage3_max_live_parameters", 100000)}},
+      {"zero_optimization.stage3_max_reuse_distance",
+       {z3, at("zero_optimization.stage3_max_reuse_distance", 1000)}},
+      {"zero_optimization.stage3_gather_16bit_weights_on_model_save",
+       {z3, at("zero_optimization.stage3_gather_16bit_weights_on_model_save", true)}},
+      {"zero_optimization.offload_optimizer.device",
+       {z3, at("zero_optimization.offload_optimizer.device", "cpu")}},
+      {"zero_optimization.offload_optimizer.pin_memory",
+       {z3, at("zero_optimization.offload_optimizer.pin_memory", false)}},
+      {"zero_optimization.offload_optimizer.ratio",
+       {z3, at("zero_optimization.offload_optimizer", {{"device", "cpu"}, {"ratio", 0.5}})}},
+      {"zero_optimization.offload_param.device",
+       {z3, at("zero_optimization.offload_param.device", "cpu")}},
+      {"zero_optimization.offload_param.pin_memory",
+       {z3, at("zero_optimization.offload_param.pin_memory", false)}},
+      {"activation_checkpointing.partition_activations",
+       {{{"porter", {{"model", {{"tensor_parallel", 2}}}}}},
+        at("activation_checkpointing.partition_activations", true)}},
+      {"activation_checkpointing.cpu_checkpointing",
+       {none, at("activation_checkpointing.cpu_checkpointing", true)}},
+      {"activation_checkpointing.contiguous_memory_optimization",
+       {none, at("activation_checkpointing.contiguous_memory_optimization", true)}},
+      {"activation_checkpointing.number_checkpoints",
+       {none, at("activation_checkpointing.number_checkpoints", 2)}},
+      {"activation_checkpointing.synchronize_checkpoint_boundary",
+       {none, at("activation_checkpointing.synchronize_checkpoint_boundary", true)}},
+      {"activation_checkpointing.profile", {none, at("activation_checkpointing.profile", true)}},
+      {"porter.model.arch", {none, llama}},
+      {"porter.model.layers", {none, at("porter.model.layers", 3)}},
+      {"porter.model.hidden", {none, at("porter.model.hidden", 64)}},
+      {"porter.model.heads", {none, at("porter.model.heads", 4)}},
+      {"porter.model.seq_len", {none, at("porter.model.seq_len", 8)}},
+      {"porter.model.vocab", {none, at("porter.model.vocab", 128)}},
+      {"porter.model.dropout", {none, at("porter.model.dropout", 0.1)}},
+      {"porter.model.tie_embeddings", {none, at("porter.model.tie_embeddings", false)}},
+      {"porter.model.tensor_parallel", {none, at("porter.model.tensor_parallel", 2)}},
+      {"porter.model.sequence_parallel", {none, at("porter.model.sequence_parallel", true)}},
+      {"porter.model.kv_heads", {llama, at("porter.model.kv_heads", 1)}},
+      {"porter.model.intermediate", {llama, at("porter.model.intermediate", 96)}},
+      {"porter.model.norm_eps", {none, at("porter.model.norm_eps", 1e-6)}},
+      {"porter.model.rope_theta", {llama, at("porter.model.rope_theta", 500000.0)}},
+      {"porter.model.max_positions", {none, at("porter.model.max_positions", 32)}},
+      {"porter.device.type", {none, at("porter.device.type", "cuda")}},
+      {"porter.device.memory_limit", {none, at("porter.device.memory_limit", "64MiB")}},
+      {"porter.device.pinned_limit", {none, at("porter.device.pinned_limit", "32MiB")}},
+      {"porter.device.sim_link_gbps", {none, at("porter.device.sim_link_gbps", 4)}},
+      {"porter.device.threads", {none, at("porter.device.threads", 1)}},
+      {"porter.device.poison_freed", {none, at("porter.device.poison_freed", true)}},
+      {"porter.device.kernel_choice", {none, at("porter.device.kernel_choice", "fastest")}},
+      {"porter.device.kernel_table", {none, at("porter.device.kernel_table", "table.json")}},
+      {"porter.checkpointing.policy", {none, at("porter.checkpointing.policy", "sqrt")}},
+      {"porter.checkpointing.prefetch_depth", {none, at("porter.checkpointing.prefetch_depth", 3)}},
+      {"porter.checkpointing.keep_last_on_device",
+       {none, at("porter.checkpointing.keep_last_on_device", 0)}},
+      {"porter.checkpointing.partition_min_bytes",
+       {none, at("porter.checkpointing.partition_min_bytes", 0)}},
+      {"porter.train.seed", {none, at("porter.train.seed", 7)}},
+      {"porter.comm.sim_tp_gbps", {none, at("porter.comm.sim_tp_gbps", 25)}},
+      {"scheduler.type", {none, {{"scheduler", {{"type", "WarmupLR"}}}}}},
+  };
+  // Keys of other layers: the data, the training loop and its outputs, the launch and
+  // rendezvous, and DeepSpeed keys porter reads without effect (their warning says so).
+  const std::set<std::string> elsewhere = {
+      "steps_per_print", "porter.data.type", "porter.data.seed", "porter.train.steps",
+      "porter.train.log_every", "porter.train.eval_every", "porter.train.eval_micro_batches",
+      "porter.trace.path", "porter.comm.backend", "porter.comm.timeout_s",
+      "zero_optimization.contiguous_gradients", "zero_optimization.round_robin_gradients",
+      "zero_optimization.allgather_partitions", "zero_optimization.sub_group_size",
+      "zero_optimization.offload_optimizer.buffer_count",
+      "zero_optimization.offload_optimizer.fast_init",
+      "zero_optimization.offload_param.buffer_count",
+      "zero_optimization.offload_param.buffer_size",
+      "zero_optimization.offload_param.max_in_cpu"};
+  // Every key the config writes is one or the other.
+  std::map<std::string, std::string> keys;
+  flatten(config::to_json(config::parse_config_string(base_json().dump()).config), "", keys);
+  for (const auto& [key, value] : keys) {
+    const bool listed = reaching.count(key) > 0 || elsewhere.count(key) > 0;
+    EXPECT_TRUE(listed) << key << ": a config key that neither reaches RunOptions here nor is "
+                           "named as another layer's";
+  }
+  for (const auto& [key, c] : reaching) {
+    nlohmann::json before = base_json();
+    before.merge_patch(c.context);
+    nlohmann::json after = before;
+    after.merge_patch(c.patch);
+    const config::ParseOptions two{2, false};  // tensor_parallel 2 needs two ranks
+    const bool tp = after["porter"]["model"].value("tensor_parallel", 1) > 1;
+    const config::ParseOptions one{1, false};
+    RunOptions a, b;
+    try {
+      a = make_run_options(
+          config::parse_config_string(before.dump(), tp ? two : one).config);
+      b = make_run_options(config::parse_config_string(after.dump(), tp ? two : one).config);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << key << ": " << e.what();
+      continue;
+    }
+    EXPECT_FALSE(differing(a, b).empty()) << key << " changes no field of RunOptions";
+  }
+}
+
+TEST(RunOptions, OffloadOptionsFromTheConfig) {
+  config::Config cfg;
+  EXPECT_FALSE(offload_options(cfg).enabled);
+  EXPECT_EQ(offload_options(cfg).link_bytes_per_s, 0.0);
+  cfg.activation_checkpointing = config::ActivationCheckpointingConfig{};
+  cfg.activation_checkpointing->cpu_checkpointing = true;
+  cfg.activation_checkpointing->contiguous_memory_optimization = true;
+  cfg.porter.checkpointing.prefetch_depth = 3;
+  cfg.porter.checkpointing.keep_last_on_device = 2;
+  cfg.porter.device.sim_link_gbps = 0.5;
+  const checkpoint::OffloadOptions o = offload_options(cfg);
+  EXPECT_TRUE(o.enabled);
+  EXPECT_TRUE(o.contiguous);
+  EXPECT_EQ(o.prefetch_depth, 3);
+  EXPECT_EQ(o.keep_last_on_device, 2);
+  EXPECT_DOUBLE_EQ(o.link_bytes_per_s, 0.5e9);
+  EXPECT_EQ(make_run_options(cfg).plan.offload.link_bytes_per_s, o.link_bytes_per_s);
+}
+
+TEST(RunOptions, PartitionOptionsFromTheConfig) {
+  config::Config cfg;
+  EXPECT_EQ(partition_options(cfg).ways, 1);
+  EXPECT_EQ(partition_options(cfg).min_bytes, 65536u);
+  cfg.porter.model.tensor_parallel = 4;
+  EXPECT_EQ(partition_options(cfg).ways, 1);  // partition_activations off
+  cfg.activation_checkpointing = config::ActivationCheckpointingConfig{};
+  cfg.activation_checkpointing->partition_activations = true;
+  cfg.porter.checkpointing.partition_min_bytes = 4096;
+  cfg.porter.comm.sim_tp_gbps = 25.0;
+  const checkpoint::PartitionOptions p = partition_options(cfg);
+  EXPECT_EQ(p.ways, 4);
+  EXPECT_TRUE(p.enabled());
+  EXPECT_EQ(p.min_bytes, 4096u);
+  EXPECT_DOUBLE_EQ(p.tp_bytes_per_s, 25e9);
+  // Under sequence parallelism the checkpoints are already 1/t of the rows on each rank.
+  cfg.porter.model.sequence_parallel = true;
+  EXPECT_EQ(partition_options(cfg).ways, 1);
 }
 
 TEST(RunOptions, TheComputeDtypeRule) {
