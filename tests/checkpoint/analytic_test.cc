@@ -209,7 +209,7 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
         EXPECT_EQ(models::none_peak_bytes(shape), simulate(schedule_none(costs), costs).peak_activation_bytes)
             << "dropout " << p << " vocab " << vocab;
 
-        // A whole step through Gpt::forward_backward, measured.
+        // A whole step through Transformer::forward_backward, measured.
         Env env;
         models::Transformer gpt(mc);
         nn::FlatParams flat(*env.alloc, gpt.layout(), dt, DType::kF32);
@@ -228,7 +228,7 @@ TEST(AnalyticTest, NonePeakClosedFormMatchesTheSimulatorAndAWholeStep) {
   }
 }
 
-// Gpt::forward_backward holds every stage input through the step, forwards every stage, then
+// Transformer::forward_backward holds every stage input through the step, forwards every stage, then
 // recomputes and runs backward stage by stage: schedule_full when every stage checkpoints,
 // schedule_selective when the blocks run selective. The simulator predicts its peak exactly.
 TEST(AnalyticTest, SimulatedPeaksOfFullAndSelectiveEqualAMeasuredStep) {

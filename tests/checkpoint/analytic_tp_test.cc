@@ -268,7 +268,7 @@ TEST_P(AnalyticTpVsMeasured, EveryStageAndOptionOnEveryRankToTheByte) {
 INSTANTIATE_TEST_SUITE_P(Groups, AnalyticTpVsMeasured, ::testing::ValuesIn(all_cases()),
                          [](const auto& p) { return case_name(p.param); });
 
-// Gpt::forward_backward on every rank under none, full and selective peaks at exactly the
+// Transformer::forward_backward on every rank under none, full and selective peaks at exactly the
 // simulated figure of the per-rank costs, and the none peak's closed form agrees.
 TEST(AnalyticTpTest, SimulatedPeaksEqualAMeasuredStepOnEveryRank) {
   for (const TpCase k : {TpCase{2, false, true, DType::kF32}, TpCase{4, true, false, DType::kBF16},
