@@ -129,7 +129,7 @@ struct GptRun {
     return gpt.forward_backward(ctx, tokens, targets);
   }
 
-  Gpt gpt;
+  Transformer gpt;
   FlatParams flat;
   Tensor tokens, targets;
 };

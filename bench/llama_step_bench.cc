@@ -102,7 +102,7 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 // The bench's Llama with its parameters, gradients and one micro-batch on the env's device.
 struct LlamaRun {
-  Gpt llama;
+  Transformer llama;
   FlatParams flat;
   Tensor tokens, targets;  // (B, T) i32
 
