@@ -691,7 +691,10 @@ TEST_F(HfCheckpoint, ConfigJsonRefusalsNameTheFileKeyAndRule) {
   EXPECT_THAT(error("notype", {{"n_layer", 2}}), HasSubstr("model_type: missing; porter reads \"gpt2\""));
   EXPECT_THAT(error("mistral", {{"model_type", "mistral"}}),
               HasSubstr("config.json\": model_type: \"mistral\": porter reads \"gpt2\" "
-                        "(GPT2LMHeadModel) and \"llama\" (LlamaForCausalLM) models only"));
+                        "(GPT2LMHeadModel), \"llama\" (LlamaForCausalLM) and \"qwen2\" "
+                        "(Qwen2ForCausalLM) models only"));
+  EXPECT_THAT(error("sliding", {{"model_type", "qwen2"}, {"use_sliding_window", true}}),
+              HasSubstr("use_sliding_window: true: porter's attention is fully causal"));
   EXPECT_THAT(error("layers", {{"model_type", "gpt2"}, {"n_layer", 2.5}}),
               HasSubstr("n_layer: 2.5 is not a positive integer"));
   EXPECT_THAT(error("zero", {{"model_type", "gpt2"}, {"n_head", 0}}),
