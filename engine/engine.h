@@ -247,8 +247,8 @@ class Engine {
   //
   // Tensor parallel (docs/tensor-parallel.md): groups.tp is the tensor-parallel communicator
   // of porter.model.tensor_parallel ranks (world = dp x tp); the model is this rank's part
-  // (TransformerModel(config.porter.model, groups.tp_rank)). The ranks of a tp group train on the same
-  // micro-batches; their layers communicate through the engine's Ctx, and partitioned
+  // (TransformerModel(config.porter.model, groups.tp_rank)). The ranks of a tp group train on
+  // the same micro-batches; their layers communicate through the engine's Ctx, and partitioned
   // checkpoints are gathered over it. A failing rank aborts tp as well as dp.
   Engine(memory::Device& device, std::unique_ptr<Model> model, const config::Config& config,
          const comm::ProcessGroups& groups = {});

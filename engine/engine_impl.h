@@ -1,6 +1,6 @@
 // The Engine's private state (engine.h), shared by the files that implement the Engine:
-// engine.cc (construction, the step's phases), costs.cc, evaluate.cc, params.cc, stats.cc,
-// memory_report.cc and state.cc.
+// engine.cc (construction, the step's phases), batches.cc, costs.cc, evaluate.cc, params.cc,
+// stats.cc, memory_report.cc and state.cc.
 #pragma once
 
 #include <algorithm>
