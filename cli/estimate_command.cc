@@ -306,7 +306,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const std::optional<size_t> capacity = run.capacity_bytes;
   const int64_t layers = run.shape.model.layers;
 
-  std::optional<config::MemoryBudget> budget = cfg.porter.checkpointing.memory_budget;
+  std::optional<config::MemoryBudget> budget = run.plan.checkpointing.memory_budget;
   if (!o.budget.empty()) budget = parse_budget_flag(o.budget);
 
   std::vector<PolicyEstimate> rows;
@@ -336,7 +336,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   {
     // uniform: the config's segments when it names them, else Megatron's default of one
     // layer per segment.
-    const auto& ck = cfg.porter.checkpointing;
+    const auto& ck = run.plan.checkpointing;
     std::string label;
     std::optional<int64_t> every = ck.every_n_layers;
     const std::optional<int64_t> segments = ck.segments;
@@ -349,7 +349,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     });
   }
   {
-    const int64_t n = cfg.porter.checkpointing.block_layers.value_or((layers + 1) / 2);
+    const int64_t n = run.plan.checkpointing.block_layers.value_or((layers + 1) / 2);
     add(P::kBlock, "block (first " + std::to_string(n) + " of " + std::to_string(layers) + " layers)",
         [&](checkpoint::PlanOptions& po) { po.checkpointing.block_layers = n; });
   }
@@ -375,11 +375,11 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   if (o.json) {
     nlohmann::ordered_json j;
     j["config"] = o.config_args.display();
-    j["model"] = {{"layers", layers}, {"hidden", cfg.porter.model.hidden},
-                  {"heads", cfg.porter.model.heads}, {"seq_len", cfg.porter.model.seq_len},
-                  {"vocab", cfg.porter.model.vocab}, {"compute_dtype", tensor::dtype_name(dtype)},
-                  {"micro_batch", cfg.train_micro_batch_size_per_gpu},
-                  {"gradient_accumulation_steps", cfg.gradient_accumulation_steps},
+    j["model"] = {{"layers", layers}, {"hidden", model.hidden},
+                  {"heads", model.heads}, {"seq_len", model.seq_len},
+                  {"vocab", model.vocab}, {"compute_dtype", tensor::dtype_name(dtype)},
+                  {"micro_batch", run.shape.micro_batch},
+                  {"gradient_accumulation_steps", run.gradient_accumulation_steps},
                   {"tensor_parallel", tp}, {"sequence_parallel", sp}};
     j["world_size"] = world_size;
     j["zero_stage"] = config_stage;
@@ -460,15 +460,15 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   }
 
   out << "porter estimate: " << o.config_args.display() << "\n";
-  out << "  model: " << describe_model(cfg.porter.model) << ", " << tensor::dtype_name(dtype)
+  out << "  model: " << describe_model(model) << ", " << tensor::dtype_name(dtype)
       << "\n";
   if (tp > 1) {
     out << "  tensor parallel " << tp << (sp ? " with sequence parallelism" : "")
         << (o.tensor_parallel ? " (--tensor-parallel)" : "")
         << ": every figure below is one tensor-parallel rank's\n";
   }
-  out << "  micro-batch " << cfg.train_micro_batch_size_per_gpu << " x "
-      << cfg.porter.model.seq_len << " tokens, " << cfg.gradient_accumulation_steps
+  out << "  micro-batch " << run.shape.micro_batch << " x "
+      << run.shape.seq << " tokens, " << run.gradient_accumulation_steps
       << " per step; device memory "
       << (capacity ? format_bytes(*capacity) : std::string("(the GPU's, not known without it)"))
       << "\n\n";
