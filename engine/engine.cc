@@ -62,7 +62,8 @@ Engine::Engine(memory::Device& device, std::unique_ptr<Model> model, const confi
   im.tp = tp;
   run_.stash.tp = im.tp_comm();  // partitioned checkpoints are gathered over it
   im.pinned = std::make_unique<memory::PinnedPool>(device, run_.pinned_limit_bytes);
-  im.stash = std::make_unique<offload::CheckpointStash>(*allocator_, *im.pinned, run_.stash);
+  im.host = std::make_unique<memory::PinnedHostTier>(*im.pinned);
+  im.stash = std::make_unique<offload::CheckpointStash>(*allocator_, *im.host, run_.stash);
   im.lr = std::make_unique<LrSchedule>(run_.optimizer.adamw.lr, run_.scheduler);
   im.dp = dp;
   build_model_states();
@@ -88,7 +89,7 @@ void Engine::build_model_states() {
                                              tensor::DType::kF32, im.part.padded_elems,
                                              zero_stage < 2, zero_stage < 3);
   im.optimizer = std::make_unique<zero::ShardedOptimizer>(
-      *im.flat, *kernels_, *allocator_, im.comm(), im.part, run_.optimizer, im.pinned.get());
+      *im.flat, *kernels_, *allocator_, im.comm(), im.part, run_.optimizer, im.host.get());
   if (im.tp_comm() != nullptr) {
     const std::vector<bool> replicated = model_->tp_replicated();
     PORTER_CHECK(replicated.size() == layout.entries().size(), "Engine: a tensor-parallel run "

@@ -25,8 +25,11 @@
 namespace porter::engine {
 
 struct Engine::Impl {
-  // The pinned pool before the stash: the stash returns its slots to it when destroyed.
+  // The pinned pool and its host tier (Note [Host tier] in memory/host_tier.h) before the
+  // stash, the optimizer and the gatherer: they return their blocks to it when destroyed.
+  // One tier serves all three, so its stats() are the run's whole host traffic.
   std::unique_ptr<memory::PinnedPool> pinned;
+  std::unique_ptr<memory::PinnedHostTier> host;
   std::unique_ptr<offload::CheckpointStash> stash;
   double link_bytes_per_s = 0.0;  // Engine::link_bytes_per_s
   offload::StashStats offload_total;  // since construction or reset_peaks()

@@ -294,7 +294,7 @@ void CheckpointStash::prepare(const checkpoint::OffloadLayout& layout) {
                on_off(layout.contiguous), " but the stash runs with ", on_off(options_.contiguous),
                ", so the plan's staging and pinned bytes are not what the stash would allocate; "
                "plan with the engine's offload options (make_plan with "
-               "checkpoint::offload_options(config), or plan_layout with the same contiguity)");
+               "engine::make_run_options(config).plan, or plan_layout with the same contiguity)");
   // Note [Stash partition]: partitioned entries are gathered on the tp group the layout was
   // planned for.
   size_t partitioned = 0;

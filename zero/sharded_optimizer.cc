@@ -110,14 +110,16 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
   const bool offload_params = options.param_offload.enabled;
   // Note [Partial offload]: the first h elements of the range are the host's.
   const int64_t h = options.offload.enabled ? offloaded_elems(n, options.offload.ratio) : 0;
-  PORTER_CHECK(options.offload.ratio == 1.0 || options.zero_stage == 3,
-               "ShardedOptimizer: a partial optimizer offload needs ZeRO stage 3");
+  // The config parser refuses these combinations (Note [Run options] in
+  // engine/run_options.h); below it they are programming errors.
+  PORTER_ASSERT(options.offload.ratio == 1.0 || options.zero_stage == 3,
+                "ShardedOptimizer: a partial optimizer offload needs ZeRO stage 3");
   host_elems_ = h;
-  PORTER_CHECK(!offload_params || options.zero_stage == 3,
-               "ShardedOptimizer: parameter offload needs ZeRO stage 3, got stage ",
-               options.zero_stage);
-  PORTER_CHECK(!options.offload.enabled || options.zero_stage >= 1,
-               "ShardedOptimizer: optimizer offload needs ZeRO stage 1-3");
+  PORTER_ASSERT(!offload_params || options.zero_stage == 3,
+                "ShardedOptimizer: parameter offload needs ZeRO stage 3, got stage ",
+                options.zero_stage);
+  PORTER_ASSERT(!options.offload.enabled || options.zero_stage >= 1,
+                "ShardedOptimizer: optimizer offload needs ZeRO stage 1-3");
   if (options.offload.enabled || offload_params) {
     const bool pin_opt = options.offload.enabled && options.offload.pin_memory;
     const bool pin_params = offload_params && options.param_offload.pin_memory;

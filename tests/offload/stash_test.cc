@@ -259,7 +259,7 @@ TEST(StashTest, ALayoutOfTheOtherContiguityIsRefused) {
                              " = " + name(!contiguous) + " but the stash runs with " +
                              name(contiguous)));
         EXPECT_THAT(msg, ::testing::HasSubstr("plan with the engine's offload options (make_plan "
-                                              "with checkpoint::offload_options(config)"));
+                                              "with engine::make_run_options(config).plan"));
       }
       EXPECT_EQ(f.stash.layout(), own);
       EXPECT_EQ(f.allocator.stats().requested_bytes, requested);
