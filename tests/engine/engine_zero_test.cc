@@ -313,14 +313,16 @@ TEST(EngineZeroTest, AllgatherBucketSizeSplitsTheParameterGather) {
     for (int stage = 1; stage <= 2; ++stage) {
       const std::string what = std::to_string(ws) + " ranks, stage " + std::to_string(stage);
       config::Config c = zero_config(ws, stage);
-      c.porter.model.hidden = 16;  // a small model: a 2-element bucket is one all-gather per element
+      // A small model: a 16-element bucket is hundreds of all-gathers per step (8 elements a
+      // rank at 2 ranks, 5 at 3), and 1000 elements leaves a remainder chunk.
+      c.porter.model.hidden = 16;
       c.porter.model.vocab = 32;
       c.porter.model.layers = 1;
       const int steps = 2;
       const std::vector<CountedRun> whole = run_counted(c, steps, "ag_whole");
       const int64_t s_elems = whole[0].steps[0].zero.shard_elems;
       EXPECT_EQ(op_count(whole[0], "param all_gather"), steps) << what;  // 5e8: one per step
-      for (int64_t bucket : {int64_t{2}, int64_t{1000}, 2 * ws * s_elems + 2}) {
+      for (int64_t bucket : {int64_t{16}, int64_t{1000}, 2 * ws * s_elems + 2}) {
         const std::string w = what + ", allgather_bucket_size " + std::to_string(bucket);
         const int64_t chunk = std::max<int64_t>(1, bucket / ws);
         if (bucket == 1000) {
@@ -333,7 +335,7 @@ TEST(EngineZeroTest, AllgatherBucketSizeSplitsTheParameterGather) {
         const int64_t per_step = chunk >= s_elems ? 1 : (s_elems + chunk - 1) / chunk;
         for (const CountedRun& r : runs) {
           EXPECT_EQ(op_count(r, "param all_gather"), per_step * steps) << w;
-          // Each all-gather moves at most the bucket (a 2-element bucket at 3 ranks: 1 each).
+          // Each all-gather moves at most the bucket (a 16-element bucket at 3 ranks: 5 each).
           EXPECT_LE(r.max_param_gather_elems,
                     static_cast<size_t>(std::max<int64_t>(bucket, ws))) << w;
           // The staging buffer, in comm, while the chunks are gathered.
