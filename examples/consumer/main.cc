@@ -16,7 +16,7 @@
 #include <porter/memory/caching_allocator.h>
 #include <porter/memory/device.h>
 #include <porter/nn/ctx.h>
-#include <porter/nn/kernels.h>
+#include <porter/kernels/kernels.h>
 #include <porter/nn/layer.h>
 
 #include "user_layers.h"

@@ -12,7 +12,7 @@
 #if __has_include(<porter/engine/model.h>)  // an installed porter (find_package)
 #include <porter/engine/model.h>
 #include <porter/nn/ctx.h>
-#include <porter/nn/kernels.h>
+#include <porter/kernels/kernels.h>
 #include <porter/nn/layer.h>
 #else  // porter's own tree
 #include "engine/model.h"
