@@ -111,10 +111,37 @@ struct ParamGather {
   bool operator==(const ParamGather&) const = default;
 };
 
+// Note [Gradient buckets in the footprint]
+// ZeRO's gradient reducer (zero/reducer.h) allocates buffers of category `comm` around the
+// backward: at stages 2 and 3 a contiguous buffer per gradient bucket, allocated just before
+// the backward of the bucket's highest writing stage and released once the bucket is issued
+// or reduced; and a packed copy per bucket that a reduce-scatter sends, alive until its
+// collective completes. Backward runs once per stage, from the last stage down to 0, whatever
+// the schedule, so the bytes alive depend only on which backward ran last: per stage s,
+//   between  the buffers alive during the forwards and recomputes that run after the
+//            backward of stage s + 1 and before that of stage s (0 before the first backward);
+//   during   those alive during the backward of stage s;
+//   after    the most alive at any moment right after the backward of stage s, while the
+//            reducer issues and completes buckets (for stage 0 this includes the flush at the
+//            end of the micro-batch).
+// They count in the total peak only (not in the activation footprint or a memory budget).
+// zero/bucket_model.h computes them from the reducer's buckets for one micro-batch that
+// reduces (every micro-batch at stages 2 and 3, the last one of a step below), so the
+// prediction is the step's worst micro-batch.
+struct CommStage {
+  size_t between = 0;
+  size_t during = 0;
+  size_t after = 0;
+  bool operator==(const CommStage&) const = default;
+};
+
 struct ChainCosts {
   std::vector<StageCost> stages;
   // ZeRO stage 3's gathered parameters (Note [Gathered parameters]); disabled otherwise.
   ParamGather params;
+  // ZeRO's gradient buckets per stage (Note [Gradient buckets in the footprint]); empty for
+  // none.
+  std::vector<CommStage> comm;
   // "profiled" (times measured) or "analytic" (bytes exact, times unknown: 0).
   std::string source;
   // The op kinds selective recompute recomputes, e.g. "attention".

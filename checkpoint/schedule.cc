@@ -166,13 +166,24 @@ class Replay {
   // The activation gradient alive between stages: that of a_g (none for the loss).
   size_t grad_bytes() const { return g_ < n_ ? act_bytes(g_) : 0; }
 
+  // ZeRO's gradient buckets alive during the op being applied (Note [Gradient buckets in the
+  // footprint] in costs.h): `during` for a backward, else `between` once a backward ran.
+  size_t comm_bytes(bool backward, int stage) const {
+    if (costs_ == nullptr || costs_->comm.empty()) return 0;
+    if (backward) return costs_->comm[static_cast<size_t>(stage)].during;
+    return g_ < n_ ? costs_->comm[static_cast<size_t>(g_ - 1 >= 0 ? g_ - 1 : 0)].between : 0;
+  }
+
   void note_peak(int k, size_t activation_peak, size_t total_peak) {
     if (pred_.peak_op < 0 || activation_peak > pred_.peak_activation_bytes) {
       pred_.peak_op = k;
       pred_.peak_activation_bytes = activation_peak;
     }
     const size_t params = param_bytes();
-    pred_.peak_total_bytes = std::max(pred_.peak_total_bytes, total_peak + params);
+    const ScheduleOp& op = schedule_.ops[static_cast<size_t>(k)];
+    const size_t comm = comm_bytes(op.kind == ScheduleOp::Kind::kBackward, op.stage);
+    pred_.peak_comm_bytes = std::max(pred_.peak_comm_bytes, comm);
+    pred_.peak_total_bytes = std::max(pred_.peak_total_bytes, total_peak + params + comm);
     pred_.peak_budget_bytes = std::max(pred_.peak_budget_bytes, activation_peak + params);
     pred_.params.peak_gathered_bytes = std::max(pred_.params.peak_gathered_bytes, params);
   }
@@ -296,6 +307,14 @@ class Replay {
         held_[i] = false;
         held_stash_[i] = false;
         g_ = i;
+        if (costs_ != nullptr && !costs_->comm.empty()) {
+          // The reducer issues the buckets this backward completed, with the footprint and the
+          // activation gradient of a_i as the backward left them.
+          const size_t after = costs_->comm[static_cast<size_t>(i)].after;
+          pred_.peak_comm_bytes = std::max(pred_.peak_comm_bytes, after);
+          pred_.peak_total_bytes =
+              std::max(pred_.peak_total_bytes, footprint() + grad_bytes() + param_bytes() + after);
+        }
         break;
       }
     }

@@ -156,6 +156,9 @@ struct Prediction {
   // start + the activation gradient alive between stages (that of a_g: stage g's
   // input_bytes, none before the loss's backward) + the op's *_total_peak_bytes.
   size_t peak_total_bytes = 0;
+  // ZeRO's gradient buckets (category comm) alive at once, at most (Note [Gradient buckets in
+  // the footprint] in costs.h); included in peak_total_bytes.
+  size_t peak_comm_bytes = 0;
   int peak_op = -1;                  // index of the op at which the footprint peaks
   double compute_s = 0.0;            // forwards + recomputes + backwards
   double recompute_s = 0.0;          // compute_s minus one forward per stage and backwards
