@@ -17,6 +17,7 @@ std::string_view to_string(DeviceType v) { return enum_name(detail::kDeviceTypes
 std::string_view to_string(CheckpointPolicy v) { return enum_name(detail::kCheckpointPolicies, v); }
 std::string_view to_string(CommBackend v) { return enum_name(detail::kCommBackends, v); }
 std::string_view to_string(KernelChoice v) { return enum_name(detail::kKernelChoices, v); }
+std::string_view to_string(GpuModel v) { return enum_name(detail::kGpuModels, v); }
 
 const std::vector<std::string>& selective_op_kinds() {
   // The ops of one GPT block, in forward order.

@@ -180,6 +180,10 @@ enum class DeviceType { kAuto, kCpu, kCuda };
 // kernels/kernel_table.cc): only those that give the default's bits, or every one.
 enum class KernelChoice { kExact, kFastest };
 
+// A GPU whose published figures porter knows, to time a run without it (Note [Device models]
+// in engine/device_model.h).
+enum class GpuModel { kH100Sxm, kH200, kA100_80gb, kL40s };
+
 struct DeviceConfig {
   DeviceType type = DeviceType::kAuto;
   std::optional<uint64_t> memory_limit_bytes;  // none: the device's (or host's) capacity
@@ -191,6 +195,13 @@ struct DeviceConfig {
   // A kernel table to pin (a table, a report, or a training checkpoint directory); relative
   // paths resolve against the working directory.
   std::optional<std::string> kernel_table;
+  // The figures a run is timed with (Note [Device models] in engine/device_model.h): a named
+  // GPU's, else the configured device's own (the cpu device's measured), then each override.
+  std::optional<GpuModel> model;
+  std::optional<double> peak_tflops;        // dense, at the run's compute dtype
+  std::optional<double> hbm_gbps;           // device memory bandwidth
+  std::optional<double> host_link_gbps;     // device <-> host, each direction
+  std::optional<double> interconnect_gbps;  // the collectives' bus, each direction
   bool operator==(const DeviceConfig&) const = default;
 };
 
@@ -300,6 +311,7 @@ std::string_view to_string(DeviceType v);
 std::string_view to_string(CheckpointPolicy v);
 std::string_view to_string(CommBackend v);
 std::string_view to_string(KernelChoice v);
+std::string_view to_string(GpuModel v);
 
 // The op kinds `porter.checkpointing.selective_ops` may name.
 const std::vector<std::string>& selective_op_kinds();

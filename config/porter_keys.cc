@@ -162,6 +162,16 @@ void read_data(ObjectReader& r, Config& c) {
   r.finish();
 }
 
+// porter.device.model: a name of kGpuModels, or null (none). The error for another name lists
+// the known ones.
+void read_device_model(const Json& v, const std::string& path, DeviceConfig& d, Diagnostics&) {
+  d.model = v.is_null() ? std::nullopt : std::optional<GpuModel>(as_enum(v, path, kGpuModels));
+}
+std::optional<OJson> write_device_model(const DeviceConfig& d) {
+  if (!d.model) return std::nullopt;
+  return OJson(enum_name(kGpuModels, *d.model));
+}
+
 constexpr Key<DeviceConfig> kDeviceKeys[] = {
     {"type", enum_key<&DeviceConfig::type, kDeviceTypes>()},
     {"memory_limit", &DeviceConfig::memory_limit_bytes, Bytes{1}},
@@ -171,6 +181,13 @@ constexpr Key<DeviceConfig> kDeviceKeys[] = {
     {"poison_freed", &DeviceConfig::poison_freed},
     {"kernel_choice", enum_key<&DeviceConfig::kernel_choice, kKernelChoices>()},
     {"kernel_table", &DeviceConfig::kernel_table, kOmitNone},
+    {"model", Custom<DeviceConfig>{&read_device_model, &write_device_model}},
+    {"peak_tflops", &DeviceConfig::peak_tflops, RealRange{0.0, 1e6, true, false}, kOmitNone},
+    {"hbm_gbps", &DeviceConfig::hbm_gbps, RealRange{0.0, 1e6, true, false}, kOmitNone},
+    {"host_link_gbps", &DeviceConfig::host_link_gbps, RealRange{0.0, 1e6, true, false},
+     kOmitNone},
+    {"interconnect_gbps", &DeviceConfig::interconnect_gbps, RealRange{0.0, 1e6, true, false},
+     kOmitNone},
 };
 
 void read_device(ObjectReader& r, Config& c) {

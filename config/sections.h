@@ -34,6 +34,10 @@ inline constexpr EnumName<DeviceType> kDeviceTypes[] = {
     {"auto", DeviceType::kAuto}, {"cpu", DeviceType::kCpu}, {"cuda", DeviceType::kCuda}};
 inline constexpr EnumName<KernelChoice> kKernelChoices[] = {{"exact", KernelChoice::kExact},
                                                             {"fastest", KernelChoice::kFastest}};
+inline constexpr EnumName<GpuModel> kGpuModels[] = {{"h100-sxm", GpuModel::kH100Sxm},
+                                                    {"h200", GpuModel::kH200},
+                                                    {"a100-80gb", GpuModel::kA100_80gb},
+                                                    {"l40s", GpuModel::kL40s}};
 inline constexpr EnumName<CheckpointPolicy> kCheckpointPolicies[] = {
     {"none", CheckpointPolicy::kNone},       {"full", CheckpointPolicy::kFull},
     {"uniform", CheckpointPolicy::kUniform}, {"block", CheckpointPolicy::kBlock},
