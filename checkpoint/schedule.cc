@@ -3,6 +3,8 @@
 #include "checkpoint/schedule.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 
 #include "base/error.h"
 
@@ -54,7 +56,9 @@ class Replay {
         held_(static_cast<size_t>(std::max(n_, 0)), false),
         held_stash_(static_cast<size_t>(std::max(n_, 0)), false),
         tapes_(static_cast<size_t>(std::max(n_, 0))), forwards_(static_cast<size_t>(std::max(n_, 0)), 0),
-        g_(n_) {}
+        g_(n_), contrib_(static_cast<size_t>(std::max(n_, 0)) + 1, 0) {
+    if (costs_ != nullptr && staging_ != nullptr) index_windows();
+  }
 
   void run() {
     if (n_ < 1) throw InvalidArgument("schedule: num_stages = " + std::to_string(n_) + ", expected >= 1");
@@ -114,45 +118,88 @@ class Replay {
     return false;
   }
 
-  size_t footprint() const {
-    size_t total = 0;
-    for (int j = 0; j <= n_; ++j)
-      if (alive(j)) total += act_bytes(j);
-    for (const StageTape& t : tapes_) total += t.extra_bytes;
-    return total + staging_bytes() + slice_bytes();
+  // Note [Incremental footprint]
+  // The footprint is asked for several times per op, so it is kept as running sums rather
+  // than summed over the chain each time (which made a replay quadratic in the stages):
+  // contrib_[j] is a_j's bytes when alive(j) plus tape j's extra bytes, as of the last
+  // footprint() call, and act_total_ their sum. An op on stage i changes only held_[i],
+  // held_stash_[i], tapes_[i] and cur_, so between two calls only contrib_ of i, i + 1 (tape
+  // i's output reference), the current cur_ and the cur_ of the last call can change; those
+  // are refreshed. The windows' bytes are step functions of the moment 2 op_ + after_,
+  // summed once over the schedule (index_windows).
+  size_t footprint() {
+    if (costs_ == nullptr) return 0;
+    refresh(last_stage_);
+    refresh(last_stage_ + 1);
+    refresh(last_cur_);
+    refresh(cur_);
+    last_cur_ = cur_;
+    return act_total_ + staging_bytes() + slice_bytes();
+  }
+  void refresh(int j) {
+    if (j < 0 || j > n_) return;
+    size_t c = alive(j) ? act_bytes(j) : 0;
+    if (j < n_) c += tapes_[static_cast<size_t>(j)].extra_bytes;
+    size_t& old = contrib_[static_cast<size_t>(j)];
+    act_total_ = act_total_ - old + c;
+    old = c;
+  }
+
+  // The moment of op op_: 2 op_ before it runs, 2 op_ + 1 after.
+  size_t moment() const { return 2 * static_cast<size_t>(op_) + (after_ ? 1 : 0); }
+
+  // Sums, at every moment, of the stash's windows (index_windows): a window counts `bytes`
+  // from just before its first op to just after its last (an until_fetch window: until just
+  // before its last), so over the moments [2 first, 2 last] ([2 first, 2 last - 1]); the
+  // gathered parameters during their ops, over [2 first, 2 last + 1]; and per op, the bytes
+  // fetch() frees before it.
+  void index_windows() {
+    const size_t moments = 2 * schedule_.ops.size() + 2;
+    std::vector<int64_t> staging(moments + 1, 0), slices(moments + 1, 0), params(moments + 1, 0);
+    freed_at_op_.assign(schedule_.ops.size() + 1, 0);
+    auto add = [&](std::vector<int64_t>& diff, int64_t lo, int64_t hi, size_t bytes) {
+      lo = std::max<int64_t>(lo, 0);
+      hi = std::min<int64_t>(hi, static_cast<int64_t>(moments) - 1);
+      if (lo > hi) return;
+      diff[static_cast<size_t>(lo)] += static_cast<int64_t>(bytes);
+      diff[static_cast<size_t>(hi) + 1] -= static_cast<int64_t>(bytes);
+    };
+    for (const StagingWindow& w : staging_->windows) {
+      const int64_t f = 2 * static_cast<int64_t>(w.first_op), l = 2 * static_cast<int64_t>(w.last_op);
+      if (w.until_fetch && w.first_op < w.last_op && w.last_op >= 0 &&
+          static_cast<size_t>(w.last_op) < schedule_.ops.size()) {
+        freed_at_op_[static_cast<size_t>(w.last_op)] += w.bytes;
+      }
+      if (w.params) {
+        add(params, f, l + 1, w.bytes);
+        continue;
+      }
+      add(w.slice ? slices : staging, f, w.until_fetch ? l - 1 : l, w.bytes);
+    }
+    auto prefix = [&](const std::vector<int64_t>& diff, size_t base) {
+      std::vector<size_t> out(moments, 0);
+      int64_t run = 0;
+      for (size_t k = 0; k < moments; ++k) {
+        run += diff[k];
+        out[k] = base + static_cast<size_t>(run);
+      }
+      return out;
+    };
+    staging_at_ = prefix(staging, staging_->arena_bytes);
+    slices_at_ = prefix(slices, staging_->slice_arena_bytes);
+    params_at_ = prefix(params, 0);
   }
 
   // The stash's bytes in the footprint at the start of op op_ (after_ false) or after it
-  // (after_ true): a window's bytes from just before its first op to just after its last (an
-  // until_fetch window: until just before its last); the arenas throughout.
-  size_t window_bytes(bool slices) const {
-    if (staging_ == nullptr) return 0;
-    size_t total = slices ? staging_->slice_arena_bytes : staging_->arena_bytes;
-    for (const StagingWindow& w : staging_->windows) {
-      if (w.params || w.slice != slices || op_ < w.first_op) continue;
-      const bool in = w.until_fetch ? op_ < w.last_op : after_ ? op_ < w.last_op : op_ <= w.last_op;
-      if (in) total += w.bytes;
-    }
-    return total;
-  }
+  // (after_ true); the arenas throughout.
+  size_t staging_bytes() const { return staging_at_.empty() ? 0 : staging_at_[moment()]; }
+  size_t slice_bytes() const { return slices_at_.empty() ? 0 : slices_at_[moment()]; }
   // The gathered parameter buffers alive during op op_ (they are issued before it starts and
   // freed after it ends).
-  size_t param_bytes() const {
-    if (staging_ == nullptr) return 0;
-    size_t total = 0;
-    for (const StagingWindow& w : staging_->windows)
-      if (w.params && w.first_op <= op_ && op_ <= w.last_op) total += w.bytes;
-    return total;
-  }
-  size_t staging_bytes() const { return window_bytes(false); }
-  size_t slice_bytes() const { return window_bytes(true); }
+  size_t param_bytes() const { return params_at_.empty() ? 0 : params_at_[moment()]; }
   // The bytes fetch() frees before op op_ runs, after that op's prefetches allocated theirs.
   size_t freed_at_fetch() const {
-    if (staging_ == nullptr) return 0;
-    size_t total = 0;
-    for (const StagingWindow& w : staging_->windows)
-      if (w.until_fetch && w.last_op == op_ && w.first_op < op_) total += w.bytes;
-    return total;
+    return freed_at_op_.empty() ? 0 : freed_at_op_[static_cast<size_t>(op_)];
   }
   // The moment before op k in which the slices its fetch frees are still there
   // (StagingWindow::until_fetch), as a peak of op k.
@@ -184,8 +231,15 @@ class Replay {
     const size_t comm = comm_bytes(op.kind == ScheduleOp::Kind::kBackward, op.stage);
     pred_.peak_comm_bytes = std::max(pred_.peak_comm_bytes, comm);
     pred_.peak_total_bytes = std::max(pred_.peak_total_bytes, total_peak + params + comm);
+    note_op_total(k, total_peak + params + comm);
     pred_.peak_budget_bytes = std::max(pred_.peak_budget_bytes, activation_peak + params);
     pred_.params.peak_gathered_bytes = std::max(pred_.params.peak_gathered_bytes, params);
+  }
+
+  void note_op_total(int k, size_t bytes) {
+    std::vector<size_t>& v = pred_.peak_total_during_op;
+    if (v.size() <= static_cast<size_t>(k)) v.resize(static_cast<size_t>(k) + 1, 0);
+    v[static_cast<size_t>(k)] = std::max(v[static_cast<size_t>(k)], bytes);
   }
 
   const OptionCost& option_cost(int k, const ScheduleOp& op, int stage, SaveOption o) const {
@@ -200,6 +254,9 @@ class Replay {
   void apply(int k, const ScheduleOp& op) {
     const int i = op.stage;
     if (i < 0 || i >= n_) fail(k, op, "stage " + std::to_string(i) + " is outside 0.." + std::to_string(n_ - 1));
+    // The stage whose state this op changes (Note [Incremental footprint]); the previous op's
+    // changes were all refreshed by its footprint_after_op.
+    last_stage_ = i;
     StageTape& tape = tapes_[i];
     const bool input_available = cur_ == i || held_[i];
     switch (op.kind) {
@@ -314,12 +371,16 @@ class Replay {
           pred_.peak_comm_bytes = std::max(pred_.peak_comm_bytes, after);
           pred_.peak_total_bytes =
               std::max(pred_.peak_total_bytes, footprint() + grad_bytes() + param_bytes() + after);
+          note_op_total(k, footprint() + grad_bytes() + param_bytes() + after);
         }
         break;
       }
     }
     after_ = true;
-    if (costs_ != nullptr) pred_.footprint_after_op.push_back(footprint());
+    if (costs_ != nullptr) {
+      pred_.footprint_after_op.push_back(footprint());
+      note_op_total(k, 0);  // every op has its entry
+    }
   }
 
   const Schedule& schedule_;
@@ -336,6 +397,13 @@ class Replay {
   std::vector<double> op_s_;
   int op_ = 0;          // the op being applied
   bool after_ = false;  // its footprint is taken after it ran
+  // Note [Incremental footprint].
+  std::vector<size_t> contrib_;  // per a_j, j = 0..n
+  size_t act_total_ = 0;
+  int last_stage_ = -1;
+  int last_cur_ = 0;
+  std::vector<size_t> staging_at_, slices_at_, params_at_;  // per moment
+  std::vector<size_t> freed_at_op_;                         // per op
 };
 
 }  // namespace

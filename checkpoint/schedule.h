@@ -166,6 +166,10 @@ struct Prediction {
                                      // Recompute ops' OptionCost::recompute_flops
   // Activation footprint after each op (for plots and tests).
   std::vector<size_t> footprint_after_op;
+  // The peak_total_bytes moment of each op, alone: the most the op holds at once, of all
+  // categories but model states (what the memory page draws over the op; its maximum is
+  // peak_total_bytes).
+  std::vector<size_t> peak_total_during_op;
   OffloadPrediction offload;
 };
 
