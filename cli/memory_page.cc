@@ -4,9 +4,13 @@
 #include "cli/memory_page.h"
 
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <numeric>
+#include <regex>
 #include <utility>
 
 #include "base/check.h"
@@ -20,7 +24,7 @@ using nlohmann::ordered_json;
 using checkpoint::ScheduleOp;
 using engine::StepPhase;
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
 
 // One op of the drawn step, on the page's time axis.
 struct OpSpan {
@@ -69,10 +73,12 @@ ordered_json phases_json(const std::vector<OpSpan>& spans) {
   return out;
 }
 
+// Each op's span with its predicted peak (Note [Predicted envelope]) and its footprint after.
 ordered_json predicted_ops_json(const std::vector<OpSpan>& spans, const checkpoint::Plan& plan,
                                 const std::function<std::string(int)>& stage_name) {
   ordered_json out = ordered_json::array();
   const std::vector<size_t>& after = plan.prediction.footprint_after_op;
+  const std::vector<size_t>& during = plan.prediction.peak_total_during_op;
   for (const OpSpan& s : spans) {
     const size_t k = static_cast<size_t>(s.op);
     out.push_back({{"micro_batch", s.micro_batch},
@@ -82,6 +88,7 @@ ordered_json predicted_ops_json(const std::vector<OpSpan>& spans, const checkpoi
                    {"name", stage_name(s.stage)},
                    {"start", s.start},
                    {"end", s.end},
+                   {"peak_bytes", k < during.size() ? during[k] : 0},
                    {"footprint_bytes", k < after.size() ? after[k] : 0}});
   }
   return out;
@@ -97,9 +104,11 @@ ordered_json predicted_ops_json(const std::vector<OpSpan>& spans, const checkpoi
 // "partitioned": this rank's 1/t slice on the device (or on the host with offload, then
 // "host") from its hold op until the op that gathers it back into staging, listed in
 // "partitioned" as host holds' intervals are in "host".
+// On a failure page (`open_until`), a checkpoint whose backward did not run lives until then.
 ordered_json checkpoints_json(const std::vector<OpSpan>& spans, const checkpoint::Plan& plan,
                               const checkpoint::ChainCosts& costs,
-                              const std::function<std::string(int)>& stage_name) {
+                              const std::function<std::string(int)>& stage_name,
+                              std::optional<double> open_until = std::nullopt) {
   const checkpoint::Schedule& schedule = plan.schedule;
   ordered_json out = ordered_json::array();
   std::map<std::pair<int, int>, const OpSpan*> by_op;  // (micro-batch, op) -> span
@@ -148,6 +157,12 @@ ordered_json checkpoints_json(const std::vector<OpSpan>& spans, const checkpoint
       }
     }
   }
+  if (open_until) {
+    for (auto& [key, life] : open) {
+      life["end"] = *open_until;
+      out.push_back(std::move(life));
+    }
+  }
   return out;
 }
 
@@ -165,8 +180,9 @@ double ms_since(int64_t t_ns, int64_t origin_ns) {
   return static_cast<double>(t_ns - origin_ns) / 1e6;
 }
 
-// Every category's bytes after each allocator event of the step, and where their sum peaks.
-ordered_json measured_json(const engine::StepMemory& step) {
+// Every category's bytes after each of the step's first `events` allocator events, and where
+// their sum peaks.
+ordered_json measured_json(const engine::StepMemory& step, size_t events, double until_ms) {
   std::array<size_t, memory::kNumCategories> level = step.start_bytes;
   ordered_json times = ordered_json::array();
   std::array<ordered_json, memory::kNumCategories> cols;
@@ -184,7 +200,8 @@ ordered_json measured_json(const engine::StepMemory& step) {
     }
   };
   push(0.0);
-  for (const memory::TimelineEntry& e : step.entries) {
+  for (size_t i = 0; i < events && i < step.entries.size(); ++i) {
+    const memory::TimelineEntry& e = step.entries[i];
     level[memory::index_of(e.category)] = e.category_bytes;
     push(std::max(0.0, ms_since(e.time_ns, step.start_ns)));
   }
@@ -195,6 +212,7 @@ ordered_json measured_json(const engine::StepMemory& step) {
   }
   ordered_json pinned_t = ordered_json::array(), pinned_b = ordered_json::array();
   for (const engine::PinnedSample& p : step.pinned) {
+    if (ms_since(p.time_ns, step.start_ns) > until_ms) break;
     pinned_t.push_back(ms_since(p.time_ns, step.start_ns));
     pinned_b.push_back(p.bytes);
   }
@@ -207,10 +225,170 @@ ordered_json measured_json(const engine::StepMemory& step) {
           {"pinned", {{"times", std::move(pinned_t)}, {"bytes", std::move(pinned_b)}}}};
 }
 
-}  // namespace
+// What a failed step's page adds (Note [Out-of-memory page]).
+struct Failure {
+  size_t events = 0;  // the timeline's events before the failed request
+  double time = 0.0;
+  ordered_json json;
+};
 
-ordered_json train_page_data(engine::Engine& engine, const engine::StepMemory& step,
-                             const std::string& config_file) {
+// What the allocator's out-of-memory message says (Note [Out-of-memory message] in
+// memory/caching_allocator.cc): the failed request's category, and every category's bytes.
+struct OomAccount {
+  std::optional<std::string> category;
+  std::optional<std::array<size_t, memory::kNumCategories>> live;
+};
+
+OomAccount read_oom_message(const std::string& what, size_t requested_bytes) {
+  OomAccount out;
+  std::smatch m;
+  const std::regex request("\\(" + std::to_string(requested_bytes) + " bytes\\) for ([a-z]+)\\.");
+  if (std::regex_search(what, m, request)) {
+    for (memory::Category c : memory::kAllCategories) {
+      if (m[1].str() == memory::category_name(c)) out.category = m[1].str();
+    }
+  } else if (what.find("pinned host memory exhausted") != std::string::npos) {
+    out.category = "pinned host memory";
+  }
+  std::array<size_t, memory::kNumCategories> live{};
+  for (memory::Category c : memory::kAllCategories) {
+    const std::regex line("\n +" + std::string(memory::category_name(c)) +
+                          " +[^\n]*\\((\\d+) bytes, \\d+ allocations\\)");
+    if (!std::regex_search(what, m, line)) return out;
+    live[memory::index_of(c)] = std::stoull(m[1].str());
+  }
+  out.live = live;
+  return out;
+}
+
+// The failure of `step` (Note [Out-of-memory page]); `spans` gets the op that failed.
+Failure find_failure(const engine::StepMemory& step, const OutOfMemoryError& error,
+                     const checkpoint::Schedule& schedule, int micro_batches,
+                     std::vector<OpSpan>& spans,
+                     const std::function<std::string(int)>& stage_name) {
+  const OomAccount account = read_oom_message(error.what(), error.requested_bytes());
+  // The states of the timeline: before any event, then after each.
+  std::array<size_t, memory::kNumCategories> level = step.start_bytes;
+  std::optional<size_t> matched;  // events before the state equal to the message's
+  size_t last_alloc = 0;          // events up to and with the latest allocation
+  std::vector<std::array<size_t, memory::kNumCategories>> states{level};
+  if (account.live && level == *account.live) matched = 0;
+  for (size_t i = 0; i < step.entries.size(); ++i) {
+    const memory::TimelineEntry& e = step.entries[i];
+    level[memory::index_of(e.category)] = e.category_bytes;
+    states.push_back(level);
+    if (account.live && level == *account.live) matched = i + 1;
+    if (e.delta_bytes > 0) last_alloc = i + 1;
+  }
+  Failure f;
+  f.events = matched.value_or(last_alloc);
+  const std::array<size_t, memory::kNumCategories>& live = states[f.events];
+  f.time = f.events == 0 ? 0.0 : ms_since(step.entries[f.events - 1].time_ns, step.start_ns);
+
+  // The op that failed: the first one of the schedule the step did not complete.
+  const auto n_ops = static_cast<int>(schedule.ops.size());
+  int mb = 0, k = 0;
+  double op_start = 0.0;
+  if (!step.ops.empty()) {
+    const engine::OpTime& last = step.ops.back();
+    mb = last.op + 1 < n_ops ? last.micro_batch : last.micro_batch + 1;
+    k = last.op + 1 < n_ops ? last.op + 1 : 0;
+    op_start = ms_since(last.end_ns, step.start_ns);
+  }
+  f.time = std::max(f.time, op_start);
+  ordered_json where;
+  if (mb < micro_batches && k < n_ops) {
+    const StepPhase phase = op_phases(schedule)[static_cast<size_t>(k)];
+    const int stage = schedule.ops[static_cast<size_t>(k)].stage;
+    spans.push_back({mb, k, phase, stage, op_start, f.time});
+    where = {{"micro_batch", mb},
+             {"op", k},
+             {"phase", engine::phase_name(phase)},
+             {"stage", stage},
+             {"name", stage_name(stage)},
+             {"start", op_start}};
+  } else {
+    where = {{"micro_batch", nullptr},
+             {"op", nullptr},
+             {"phase", "optimizer"},
+             {"stage", nullptr},
+             {"name", "optimizer update"},
+             {"start", op_start}};
+  }
+  ordered_json by_category = ordered_json::object();
+  for (memory::Category c : memory::kAllCategories) {
+    by_category[std::string(memory::category_name(c))] = live[memory::index_of(c)];
+  }
+  f.json = {{"requested_bytes", error.requested_bytes()},
+            {"category", account.category ? ordered_json(*account.category) : ordered_json()},
+            {"time", f.time},
+            {"micro_batch", where["micro_batch"]},
+            {"op", where["op"]},
+            {"phase", where["phase"]},
+            {"stage", where["stage"]},
+            {"name", where["name"]},
+            {"op_start", where["start"]},
+            {"live_bytes", std::accumulate(live.begin(), live.end(), size_t{0})},
+            {"live_by_category", std::move(by_category)},
+            {"live_from", matched ? "allocator" : "timeline"},
+            {"message", error.what()}};
+  return f;
+}
+
+// The highest byte count the chart draws (Note [Chart scale]).
+double highest_drawn(const ordered_json& data) {
+  const ordered_json& p = data["predicted"];
+  double top = p["peak_bytes"].get<double>();
+  const double base = p["baseline_bytes"].get<double>();
+  for (const ordered_json& op : p["ops"]) top = std::max(top, base + op["peak_bytes"].get<double>());
+  if (!data["measured"].is_null()) top = std::max(top, data["measured"]["peak_bytes"].get<double>());
+  if (!data["failure"].is_null()) {
+    top = std::max(top, data["failure"]["live_bytes"].get<double>() +
+                            data["failure"]["requested_bytes"].get<double>());
+  }
+  return top;
+}
+
+// The layout both drawings use (Note [Chart scale]).
+ordered_json chart_json(const ordered_json& data) {
+  const double top = std::max(1.0, 1.1 * highest_drawn(data));
+  double unit = 1.0;
+  while (top / unit >= 1024.0) unit *= 1024.0;
+  // The smallest step of 1, 2, 2.5, 5 x 10^n (in `unit`) that spans `top` in at most 5 ticks.
+  const double rough = top / unit / 4.0;
+  double decade = std::pow(10.0, std::floor(std::log10(rough)));
+  double step = decade * 10.0;
+  for (double m : {1.0, 2.0, 2.5, 5.0, 10.0}) {
+    if (m * decade >= rough) {
+      step = m * decade;
+      break;
+    }
+  }
+  step *= unit;
+  const double y_max = std::ceil(top / step - 1e-9) * step;
+  ordered_json ticks = ordered_json::array();
+  for (double t = 0.0; t <= y_max + step / 2; t += step) ticks.push_back(t);
+  // Lane names are drawn right-aligned left of the time axis, at 12px: ~7.5px a character.
+  size_t longest = 0;
+  const bool numbered = data["micro_batches"].get<int>() > 1;
+  for (const ordered_json& c : data["checkpoints"]) {
+    const std::string name = c["name"].get<std::string>() +
+                             (numbered ? " #" + std::to_string(c["micro_batch"].get<int>()) : "");
+    longest = std::max(longest, name.size());
+  }
+  const double left = std::max(84.0, 14.0 + 7.5 * static_cast<double>(longest));
+  const bool capacity_on_chart =
+      !data["capacity_bytes"].is_null() && data["capacity_bytes"].get<double>() <= y_max;
+  return {{"width", 1200},  {"height", 440},        {"left", left},
+          {"right", 24},    {"top", 24},           {"bottom", 44},
+          {"y_max_bytes", y_max}, {"y_ticks", std::move(ticks)},
+          {"capacity_on_chart", capacity_on_chart}};
+}
+
+// The page data of a recorded step, whole or up to its failure.
+ordered_json step_page_data(engine::Engine& engine, const engine::StepMemory& step,
+                            const std::string& config_file, const OutOfMemoryError* error,
+                            int rank) {
   const checkpoint::Plan& plan = engine.plan();
   const engine::MemoryReport mem = engine.memory_report();
   auto stage_name = [&engine](int s) { return engine.model().stage_name(s); };
@@ -219,12 +397,23 @@ ordered_json train_page_data(engine::Engine& engine, const engine::StepMemory& s
     spans.push_back({o.micro_batch, o.op, o.phase, o.stage, ms_since(o.start_ns, step.start_ns),
                      ms_since(o.end_ns, step.start_ns)});
   }
+  std::optional<Failure> failure;
+  if (error != nullptr) {
+    failure = find_failure(step, *error, plan.schedule,
+                           engine.run_options().gradient_accumulation_steps, spans, stage_name);
+    failure->json["rank"] = rank;
+  }
   ordered_json phases = phases_json(spans);
   if (step.optimizer) {
     phases.push_back({{"phase", "optimizer"},
                       {"micro_batch", nullptr},
                       {"start", ms_since(step.optimizer->start_ns, step.start_ns)},
                       {"end", ms_since(step.optimizer->end_ns, step.start_ns)}});
+  } else if (failure && failure->json["op"].is_null()) {
+    phases.push_back({{"phase", "optimizer"},
+                      {"micro_batch", nullptr},
+                      {"start", failure->json["op_start"]},
+                      {"end", failure->time}});
   }
   ordered_json copies = ordered_json::array();
   for (const engine::CopyTime& c : step.copies) {
@@ -237,8 +426,11 @@ ordered_json train_page_data(engine::Engine& engine, const engine::StepMemory& s
          {"end", ms_since(c.end_ns, step.start_ns)}});
   }
   // Measured, a host checkpoint is on the host from its D2H copy's start to its H2D copy's
-  // end (the prefetch brings it back before its use op).
-  ordered_json lives = checkpoints_json(spans, plan, engine.costs(), stage_name);
+  // end (the prefetch brings it back before its use op). A failed step has no copy records:
+  // its host intervals are the plan's.
+  ordered_json lives = checkpoints_json(
+      spans, plan, engine.costs(), stage_name,
+      failure ? std::optional<double>(failure->time) : std::nullopt);
   for (ordered_json& life : lives) {
     if (life["where"] != "host") continue;
     std::optional<double> from, to;
@@ -251,34 +443,74 @@ ordered_json train_page_data(engine::Engine& engine, const engine::StepMemory& s
     const double until = to.value_or(life["end"].get<double>());
     life["host"] = ordered_json::array({interval(*from, until)});
   }
-  ordered_json measured = measured_json(step);
+  // A failure page ends a little after the failure, so that its mark is inside the chart.
+  const double duration = failure ? std::max(failure->time * 1.03, failure->time + 1e-3)
+                                  : ms_since(step.end_ns, step.start_ns);
+  ordered_json measured =
+      measured_json(step, failure ? failure->events : step.entries.size(),
+                    failure ? failure->time : std::numeric_limits<double>::infinity());
   measured["pinned"]["limit_bytes"] = mem.pinned_limit_bytes;
   measured["report_peak_bytes"] = mem.peak_bytes;
   const size_t baseline = mem.model_state_bytes + engine.run_options().batch_bytes;
-  return {{"format", "porter-memory-page"},
-          {"version", kFormatVersion},
-          {"kind", "train"},
-          {"title", "porter train " + config_file + ": step " + std::to_string(step.step)},
-          {"config", config_file},
-          {"description", plan.description},
-          {"device", engine.device().description()},
-          {"step", step.step},
-          {"micro_batches", engine.run_options().gradient_accumulation_steps},
-          {"time_unit", "ms"},
-          {"duration", ms_since(step.end_ns, step.start_ns)},
-          {"capacity_bytes", mem.capacity_bytes > 0 ? ordered_json(mem.capacity_bytes)
-                                                    : ordered_json()},
-          {"categories", category_names()},
-          {"measured", std::move(measured)},
-          {"predicted",
-           {{"baseline_bytes", baseline},
-            {"peak_bytes", mem.predicted_peak_bytes},
-            {"activation_peak_bytes", plan.prediction.peak_activation_bytes},
-            {"pinned_bytes", plan.offload.pinned_bytes},
-            {"ops", predicted_ops_json(spans, plan, stage_name)}}},
-          {"phases", std::move(phases)},
-          {"checkpoints", std::move(lives)},
-          {"copies", std::move(copies)}};
+  std::string title = "porter train " + config_file + ": step " + std::to_string(step.step);
+  if (failure) {
+    title += ", out of memory" +
+             (engine.dp_size() * engine.tp_size() > 1 ? " on rank " + std::to_string(rank) : std::string());
+  }
+  ordered_json data = {
+      {"format", "porter-memory-page"},
+      {"version", kFormatVersion},
+      {"kind", "train"},
+      {"title", std::move(title)},
+      {"config", config_file},
+      {"description", plan.description},
+      {"device", engine.device().description()},
+      {"step", step.step},
+      {"micro_batches", engine.run_options().gradient_accumulation_steps},
+      {"time_unit", "ms"},
+      {"duration", duration},
+      {"capacity_bytes",
+       mem.capacity_bytes > 0 ? ordered_json(mem.capacity_bytes) : ordered_json()},
+      {"categories", category_names()},
+      {"measured", std::move(measured)},
+      {"predicted",
+       {{"baseline_bytes", baseline},
+        {"peak_bytes", mem.predicted_peak_bytes},
+        {"activation_peak_bytes", plan.prediction.peak_activation_bytes},
+        {"pinned_bytes", plan.offload.pinned_bytes},
+        {"ops", predicted_ops_json(spans, plan, stage_name)}}},
+      {"phases", std::move(phases)},
+      {"checkpoints", std::move(lives)},
+      {"copies", std::move(copies)},
+      {"failure", failure ? std::move(failure->json) : ordered_json()}};
+  data["chart"] = chart_json(data);
+  return data;
+}
+
+}  // namespace
+
+ordered_json train_page_data(engine::Engine& engine, const engine::StepMemory& step,
+                             const std::string& config_file) {
+  return step_page_data(engine, step, config_file, nullptr, 0);
+}
+
+ordered_json oom_page_data(engine::Engine& engine, const engine::StepMemory& unfinished,
+                           const OutOfMemoryError& error, const std::string& config_file,
+                           int rank) {
+  return step_page_data(engine, unfinished, config_file, &error, rank);
+}
+
+std::string oom_page_path(const std::string& memory_page, const std::string& report, int rank,
+                          int world_size) {
+  namespace fs = std::filesystem;
+  fs::path path = !memory_page.empty() ? fs::path(memory_page)
+                  : !report.empty()    ? fs::path(report).replace_extension(".html")
+                                       : fs::path("porter-oom-memory.html");
+  if (world_size > 1) {
+    const std::string ext = path.has_extension() ? path.extension().string() : "";
+    path.replace_extension(".rank" + std::to_string(rank) + ext);
+  }
+  return path.string();
 }
 
 ordered_json plan_page_data(const PlanPageInput& in) {
@@ -290,7 +522,7 @@ ordered_json plan_page_data(const PlanPageInput& in) {
     spans.push_back({0, static_cast<int>(k), phase[k], plan.schedule.ops[k].stage,
                      static_cast<double>(k), static_cast<double>(k + 1)});
   }
-  return {{"format", "porter-memory-page"},
+  ordered_json data = {{"format", "porter-memory-page"},
           {"version", kFormatVersion},
           {"kind", "plan"},
           {"title", "porter plan " + in.config_file + ": one micro-batch, predicted"},
@@ -314,7 +546,10 @@ ordered_json plan_page_data(const PlanPageInput& in) {
             {"ops", predicted_ops_json(spans, plan, in.stage_name)}}},
           {"phases", phases_json(spans)},
           {"checkpoints", checkpoints_json(spans, plan, *in.costs, in.stage_name)},
-          {"copies", ordered_json::array()}};
+          {"copies", ordered_json::array()},
+          {"failure", nullptr}};
+  data["chart"] = chart_json(data);
+  return data;
 }
 
 std::string render_memory_page(const ordered_json& data) {

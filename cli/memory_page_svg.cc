@@ -4,7 +4,8 @@
 // The page must say where the memory went even where no script runs (a mail client, a
 // locked-down browser, a text dump of the DOM). So the chart's essentials are drawn here, on
 // the server side, from the same data the script reads: the measured categories as stacked
-// step areas, the predicted curve, the capacity line and the phase bands. The script, when it
+// step areas, the predicted envelope, the capacity line (or its value above the chart), the
+// phase bands, and on a failure page the failed request and its moment. The script, when it
 // runs, replaces this SVG with its interactive chart. Colours are CSS classes (cat-params,
 // ...) that the template defines once for both.
 #include <algorithm>
@@ -21,30 +22,18 @@ namespace {
 
 using nlohmann::ordered_json;
 
-constexpr double kWidth = 1200, kHeight = 440;
-constexpr double kLeft = 84, kRight = 24, kTop = 24, kBottom = 44;
-
+// The chart's layout, from the data's "chart" (Note [Chart scale] in memory_page.h).
 struct Scale {
+  double width = 1200, height = 440, left = 84, right = 24, top = 24, bottom = 44;
   double duration = 1.0, ymax = 1.0;
-  double x(double t) const { return kLeft + t / duration * (kWidth - kLeft - kRight); }
-  double y(double b) const { return kTop + (1.0 - b / ymax) * (kHeight - kTop - kBottom); }
+  double x(double t) const { return left + t / duration * (width - left - right); }
+  double y(double b) const { return top + (1.0 - b / ymax) * (height - top - bottom); }
 };
 
 std::string num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f", v);
   return buf;
-}
-
-// The predicted total after each op: (end time, bytes).
-std::vector<std::pair<double, double>> predicted_points(const ordered_json& data) {
-  std::vector<std::pair<double, double>> out;
-  const ordered_json& p = data["predicted"];
-  const double base = p["baseline_bytes"].get<double>();
-  for (const ordered_json& op : p["ops"]) {
-    out.emplace_back(op["end"].get<double>(), base + op["footprint_bytes"].get<double>());
-  }
-  return out;
 }
 
 // Returns the categories drawn (those with bytes), bottom to top.
@@ -79,64 +68,102 @@ std::vector<std::string> stacked_areas(const ordered_json& data, const Scale& sc
   return drawn;
 }
 
+// The predicted envelope (Note [Predicted envelope]): each op's peak over its span; a new
+// subpath where consecutive ops do not touch.
+std::string envelope_path(const ordered_json& data, const Scale& sc) {
+  const ordered_json& p = data["predicted"];
+  const double base = p["baseline_bytes"].get<double>();
+  std::string d;
+  double last_end = -1.0;
+  for (const ordered_json& op : p["ops"]) {
+    const double s = op["start"].get<double>(), e = op["end"].get<double>();
+    const double y = sc.y(base + op["peak_bytes"].get<double>());
+    if (d.empty() || s != last_end) {
+      d += "M" + num(sc.x(s)) + "," + num(y);
+    } else {
+      d += "V" + num(y);
+    }
+    d += "H" + num(sc.x(e));
+    last_end = e;
+  }
+  return d;
+}
+
 }  // namespace
 
 std::string static_svg(const ordered_json& data) {
+  const ordered_json& chart = data["chart"];
   Scale sc;
+  sc.width = chart["width"].get<double>();
+  sc.height = chart["height"].get<double>();
+  sc.left = chart["left"].get<double>();
+  sc.right = chart["right"].get<double>();
+  sc.top = chart["top"].get<double>();
+  sc.bottom = chart["bottom"].get<double>();
   sc.duration = std::max(1e-9, data["duration"].get<double>());
-  const std::vector<std::pair<double, double>> pred = predicted_points(data);
-  double ymax = data["predicted"]["peak_bytes"].get<double>();
-  for (const auto& [t, b] : pred) ymax = std::max(ymax, b);
-  if (!data["capacity_bytes"].is_null()) {
-    ymax = std::max(ymax, data["capacity_bytes"].get<double>());
-  }
-  if (!data["measured"].is_null()) {
-    ymax = std::max(ymax, data["measured"]["peak_bytes"].get<double>());
-  }
-  sc.ymax = std::max(1.0, ymax * 1.08);
+  sc.ymax = chart["y_max_bytes"].get<double>();
+  const double right_x = sc.width - sc.right, plot_h = sc.height - sc.top - sc.bottom;
 
   std::ostringstream o;
   o << "<svg id=\"chart-static\" class=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" "
-    << "viewBox=\"0 0 " << kWidth << " " << kHeight << "\" role=\"img\" aria-label=\"memory over "
-    << "the step\">";
+    << "viewBox=\"0 0 " << sc.width << " " << sc.height << "\" role=\"img\" "
+    << "aria-label=\"memory over the step\">";
   for (const ordered_json& ph : data["phases"]) {
     const double x0 = sc.x(ph["start"].get<double>()), x1 = sc.x(ph["end"].get<double>());
     o << "<rect class=\"band phase-" << ph["phase"].get<std::string>() << "\" x=\"" << num(x0)
-      << "\" y=\"" << kTop << "\" width=\"" << num(std::max(0.5, x1 - x0)) << "\" height=\""
-      << kHeight - kTop - kBottom << "\"><title>" << ph["phase"].get<std::string>()
-      << "</title></rect>";
+      << "\" y=\"" << sc.top << "\" width=\"" << num(std::max(0.5, x1 - x0)) << "\" height=\""
+      << plot_h << "\"><title>" << ph["phase"].get<std::string>() << "</title></rect>";
   }
   std::vector<std::string> drawn;
   if (!data["measured"].is_null()) drawn = stacked_areas(data, sc, o);
-  if (!pred.empty()) {
-    o << "<path class=\"predicted\" d=\"M" << num(sc.x(pred[0].first)) << ","
-      << num(sc.y(pred[0].second));
-    for (size_t i = 1; i < pred.size(); ++i) {
-      o << "H" << num(sc.x(pred[i].first)) << "V" << num(sc.y(pred[i].second));
-    }
-    o << "\"><title>predicted</title></path>";
+  if (const std::string d = envelope_path(data, sc); !d.empty()) {
+    o << "<path class=\"predicted\" d=\"" << d << "\"><title>predicted: each op's peak</title>"
+      << "</path>";
   }
   if (!data["capacity_bytes"].is_null()) {
     const double cap = data["capacity_bytes"].get<double>();
-    o << "<line class=\"capacity\" x1=\"" << kLeft << "\" x2=\"" << kWidth - kRight << "\" y1=\""
-      << num(sc.y(cap)) << "\" y2=\"" << num(sc.y(cap)) << "\"/><text class=\"label\" x=\""
-      << kWidth - kRight - 4 << "\" y=\"" << num(sc.y(cap) - 5) << "\" text-anchor=\"end\">"
-      << "capacity " << format_bytes(static_cast<uint64_t>(cap)) << "</text>";
+    const std::string label = "capacity " + format_bytes(static_cast<uint64_t>(cap));
+    if (chart["capacity_on_chart"].get<bool>()) {
+      o << "<line class=\"capacity\" x1=\"" << sc.left << "\" x2=\"" << right_x << "\" y1=\""
+        << num(sc.y(cap)) << "\" y2=\"" << num(sc.y(cap)) << "\"/><text class=\"label\" x=\""
+        << sc.left + 6 << "\" y=\"" << num(sc.y(cap) - 5) << "\">" << label << "</text>";
+    } else {
+      o << "<text class=\"label capacity-off\" x=\"" << right_x - 4 << "\" y=\""
+        << num(sc.top - 8) << "\" text-anchor=\"end\">&#8593; " << label
+        << " (above the chart)</text>";
+    }
   }
-  // Axes: five byte ticks, five time ticks.
-  for (int i = 0; i <= 4; ++i) {
-    const double b = sc.ymax * i / 4.0, t = sc.duration * i / 4.0;
-    o << "<line class=\"grid\" x1=\"" << kLeft << "\" x2=\"" << kWidth - kRight << "\" y1=\""
+  if (const ordered_json& f = data["failure"]; !f.is_null()) {
+    const double fx = sc.x(f["time"].get<double>());
+    const double live = f["live_bytes"].get<double>();
+    const double req = f["requested_bytes"].get<double>();
+    o << "<rect class=\"failed-request\" x=\"" << num(fx - 6) << "\" y=\"" << num(sc.y(live + req))
+      << "\" width=\"12\" height=\"" << num(std::max(1.0, sc.y(live) - sc.y(live + req)))
+      << "\"><title>failed request</title></rect><line class=\"failure\" x1=\"" << num(fx)
+      << "\" x2=\"" << num(fx) << "\" y1=\"" << sc.top << "\" y2=\"" << sc.top + plot_h
+      << "\"/><text class=\"label\" x=\"" << num(fx - 10) << "\" y=\"" << sc.top + 14
+      << "\" text-anchor=\"end\">out of memory: "
+      << format_bytes(static_cast<uint64_t>(req)) << " for "
+      << html_escape(f["category"].is_null() ? std::string("?") : f["category"].get<std::string>())
+      << "</text>";
+  }
+  // Axes: the byte ticks of the chart's layout, five time ticks.
+  for (const ordered_json& tick : chart["y_ticks"]) {
+    const double b = tick.get<double>();
+    o << "<line class=\"grid\" x1=\"" << sc.left << "\" x2=\"" << right_x << "\" y1=\""
       << num(sc.y(b)) << "\" y2=\"" << num(sc.y(b)) << "\"/><text class=\"tick\" x=\""
-      << kLeft - 6 << "\" y=\"" << num(sc.y(b) + 4) << "\" text-anchor=\"end\">"
-      << format_bytes(static_cast<uint64_t>(b)) << "</text><text class=\"tick\" x=\""
-      << num(sc.x(t)) << "\" y=\"" << kHeight - kBottom + 18 << "\" text-anchor=\""
-      << (i == 0 ? "start" : i == 4 ? "end" : "middle") << "\">" << num(t) << " "
-      << data["time_unit"].get<std::string>() << "</text>";
+      << sc.left - 6 << "\" y=\"" << num(sc.y(b) + 4) << "\" text-anchor=\"end\">"
+      << format_bytes(static_cast<uint64_t>(b)) << "</text>";
+  }
+  for (int i = 0; i <= 4; ++i) {
+    const double t = sc.duration * i / 4.0;
+    o << "<text class=\"tick\" x=\"" << num(sc.x(t)) << "\" y=\"" << sc.height - sc.bottom + 18
+      << "\" text-anchor=\"" << (i == 0 ? "start" : i == 4 ? "end" : "middle") << "\">" << num(t)
+      << " " << data["time_unit"].get<std::string>() << "</text>";
   }
   // The legend, along the bottom: the drawn categories, then the two lines.
-  double lx = kLeft;
-  const double ly = kHeight - 8;
+  double lx = sc.left;
+  const double ly = sc.height - 8;
   for (const std::string& name : drawn) {
     o << "<rect class=\"cat-" << name << "\" x=\"" << num(lx) << "\" y=\"" << ly - 10
       << "\" width=\"12\" height=\"12\"/><text class=\"tick\" x=\"" << num(lx + 16) << "\" y=\""
@@ -145,9 +172,9 @@ std::string static_svg(const ordered_json& data) {
   }
   o << "<line class=\"predicted\" x1=\"" << num(lx) << "\" x2=\"" << num(lx + 18) << "\" y1=\""
     << ly - 4 << "\" y2=\"" << ly - 4 << "\"/><text class=\"tick\" x=\"" << num(lx + 22)
-    << "\" y=\"" << ly << "\">predicted</text><line class=\"capacity\" x1=\"" << num(lx + 100)
-    << "\" x2=\"" << num(lx + 118) << "\" y1=\"" << ly - 4 << "\" y2=\"" << ly - 4
-    << "\"/><text class=\"tick\" x=\"" << num(lx + 122) << "\" y=\"" << ly
+    << "\" y=\"" << ly << "\">predicted (each op's peak)</text><line class=\"capacity\" x1=\""
+    << num(lx + 190) << "\" x2=\"" << num(lx + 208) << "\" y1=\"" << ly - 4 << "\" y2=\"" << ly - 4
+    << "\"/><text class=\"tick\" x=\"" << num(lx + 212) << "\" y=\"" << ly
     << "\">capacity</text>";
   o << "</svg>";
   return o.str();

@@ -33,6 +33,12 @@ h1 { font-size: 18px; margin: 0 0 4px; } h2 { font-size: 15px; margin: 18px 0 6p
 .predicted { fill: none; stroke: #111; stroke-width: 2; stroke-dasharray: 6 3; }
 .pred-area { fill: #76b7b2; opacity: 0.45; }
 .capacity { stroke: var(--capacity); stroke-width: 2; stroke-dasharray: 9 4; }
+.failure { stroke: var(--capacity); stroke-width: 2; }
+.failed-request { fill: var(--capacity); opacity: 0.75; }
+#failure-section { border-left: 4px solid var(--capacity); padding: 2px 12px; margin: 8px 0; }
+table.failure { border-collapse: collapse; font-size: 13px; }
+table.failure td { padding: 2px 14px 2px 0; text-align: left; vertical-align: top; }
+#failure-section pre { white-space: pre-wrap; font-size: 12px; color: #444; }
 .grid { stroke: #e3e5e8; stroke-width: 1; }
 .tick, .label { font-size: 12px; fill: #555; } .label { fill: var(--capacity); }
 .peak-mark { fill: none; stroke: #111; stroke-width: 2; }
@@ -58,6 +64,7 @@ table.peak td:first-child, table.peak th:first-child { text-align: left; }
 <h1>@TITLE@</h1>
 <p id="summary">Memory of one step by allocator category, with the plan's prediction and the
 device's capacity.</p>
+<section id="failure-section" hidden><h2>Out of memory</h2><div id="failure"></div></section>
 <div id="legend"></div>
 <div id="chart">@SVG@</div>
 <noscript><p class="note">Scripts are off: this is the static chart (stacked categories,
@@ -78,9 +85,11 @@ scripts on, hovering names what is under the cursor.</p></noscript>
   };
   var NS = 'http://www.w3.org/2000/svg';
   var data = JSON.parse(document.getElementById('porter-data').textContent);
-  var W = 1200, H = 440, L = 84, R = 24, T = 24, B = 44;
+  // The layout is the data's (Note [Chart scale]), shared with the static chart.
+  var C = data.chart;
+  var W = C.width, H = C.height, L = C.left, R = C.right, T = C.top, B = C.bottom;
   var dur = Math.max(1e-9, data.duration);
-  var m = data.measured, cats = data.categories, pred = data.predicted;
+  var m = data.measured, cats = data.categories, pred = data.predicted, fail = data.failure;
   var tip = document.getElementById('tooltip');
 
   function el(name, attrs, parent, text) {
@@ -154,12 +163,27 @@ scripts on, hovering names what is under the cursor.</p></noscript>
       if (s > drawnPeak) { drawnPeak = s; peakIndex = i; }
     }
   }
-  var predT = pred.ops.map(function (o) { return o.end; });
-  var predB = pred.ops.map(function (o) { return pred.baseline_bytes + o.footprint_bytes; });
-  var ymax = Math.max(pred.peak_bytes, drawnPeak, data.capacity_bytes || 0, 1);
-  predB.forEach(function (b) { ymax = Math.max(ymax, b); });
-  ymax *= 1.08;
+  // The predicted envelope (Note [Predicted envelope]): op k's peak over its span.
+  var predS = pred.ops.map(function (o) { return o.start; });
+  var predB = pred.ops.map(function (o) { return pred.baseline_bytes + o.peak_bytes; });
+  var ymax = C.y_max_bytes;
   function y(b) { return T + (1 - b / ymax) * (H - T - B); }
+  function envelopePath() {
+    var d = '', lastEnd = null;
+    pred.ops.forEach(function (o, i) {
+      var yy = y(predB[i]).toFixed(1);
+      d += (lastEnd === null || o.start !== lastEnd) ? 'M' + x(o.start).toFixed(1) + ',' + yy
+        : 'V' + yy;
+      d += 'H' + x(o.end).toFixed(1);
+      lastEnd = o.end;
+    });
+    return d;
+  }
+  // The op whose span holds t, or -1.
+  function opAt(t) {
+    var k = at(predS, t);
+    return pred.ops.length && t >= predS[0] && t <= pred.ops[k].end ? k : -1;
+  }
   function phaseAt(t) {
     for (var i = 0; i < data.phases.length; ++i) {
       var p = data.phases[i];
@@ -183,9 +207,10 @@ scripts on, hovering names what is under the cursor.</p></noscript>
   });
   used.forEach(function (c) { swatch(c, cv(c)); });
   if (!m) swatch('model states + batch', cv('baseline'));
-  if (!m) swatch('activation footprint', '#76b7b2');
-  swatch('predicted', '#111', true);
+  if (!m) swatch('each op\'s peak beyond them', '#76b7b2');
+  swatch('predicted (each op\'s peak)', '#111', true);
   if (data.capacity_bytes) swatch('capacity', cv('capacity'), true);
+  if (fail) swatch('failed request', cv('capacity'));
   ['forward', 'recompute', 'backward', 'optimizer'].forEach(function (p) {
     if (data.phases.some(function (q) { return q.phase === p; })) {
       swatch(p + ' phase', { forward: '#bcd7f5', recompute: '#f7d774', backward: '#d8c2f0',
@@ -196,11 +221,13 @@ scripts on, hovering names what is under the cursor.</p></noscript>
   // The main chart.
   var svg = el('svg', { 'class': 'chart', id: 'chart-live', viewBox: '0 0 ' + W + ' ' + H,
     role: 'img', 'aria-label': 'memory over the step' });
-  for (var gi = 0; gi <= 4; ++gi) {
-    var gb = ymax * gi / 4, gt = dur * gi / 4;
+  C.y_ticks.forEach(function (gb) {
     el('line', { 'class': 'grid', x1: L, x2: W - R, y1: y(gb), y2: y(gb) }, svg);
     el('text', { 'class': 'tick', x: L - 6, y: y(gb) + 4, 'text-anchor': 'end' }, svg,
       fmtBytes(gb));
+  });
+  for (var gi = 0; gi <= 4; ++gi) {
+    var gt = dur * gi / 4;
     el('text', { 'class': 'tick', x: x(gt), y: H - B + 18,
       'text-anchor': gi === 0 ? 'start' : gi === 4 ? 'end' : 'middle' }, svg, fmtTime(gt));
   }
@@ -216,31 +243,49 @@ scripts on, hovering names what is under the cursor.</p></noscript>
       el('path', { 'class': 'area cat-' + c, d: areaPath(xs, top, below, x(dur)) }, svg);
       below = top;
     });
-  } else if (predT.length) {
-    var pxs = [x(0)].concat(predT.map(x));
-    var base = pxs.map(function () { return y(pred.baseline_bytes); });
-    el('path', { 'class': 'area cat-baseline', d: areaPath(pxs, base,
-      pxs.map(function () { return y(0); }), x(dur)) }, svg);
-    el('path', { 'class': 'pred-area', d: areaPath(pxs, [y(pred.baseline_bytes)]
-      .concat(predB.map(y)), base, x(dur)) }, svg);
+  } else if (pred.ops.length) {
+    // Model states and the batch, and above them each op's peak, over each op's span.
+    var by = y(pred.baseline_bytes), y0 = y(0);
+    el('path', { 'class': 'area cat-baseline', d: 'M' + x(0).toFixed(1) + ',' + by.toFixed(1) +
+      'H' + x(dur).toFixed(1) + 'V' + y0.toFixed(1) + 'H' + x(0).toFixed(1) + 'Z' }, svg);
+    pred.ops.forEach(function (o, i) {
+      el('rect', { 'class': 'pred-area', x: x(o.start), y: y(predB[i]),
+        width: Math.max(0.5, x(o.end) - x(o.start)), height: Math.max(0, by - y(predB[i])) }, svg);
+    });
   }
-  if (predT.length) {
-    el('path', { 'class': 'predicted', d: stepPath(predT.map(x), predB.map(y)) }, svg);
-  }
-  if (data.capacity_bytes) {
+  if (pred.ops.length) el('path', { 'class': 'predicted', d: envelopePath() }, svg);
+  if (data.capacity_bytes && C.capacity_on_chart) {
     el('line', { 'class': 'capacity', x1: L, x2: W - R, y1: y(data.capacity_bytes),
       y2: y(data.capacity_bytes) }, svg);
-    el('text', { 'class': 'label', x: W - R - 4, y: y(data.capacity_bytes) - 5,
-      'text-anchor': 'end' }, svg, 'capacity ' + fmtBytes(data.capacity_bytes));
+    el('text', { 'class': 'label', x: L + 6, y: y(data.capacity_bytes) - 5 }, svg,
+      'capacity ' + fmtBytes(data.capacity_bytes));
+  } else if (data.capacity_bytes) {
+    el('text', { 'class': 'label capacity-off', x: W - R - 4, y: T - 8, 'text-anchor': 'end' },
+      svg, '\u2191 capacity ' + fmtBytes(data.capacity_bytes) + ' (above the chart)');
+  }
+  if (fail) {
+    var fx = x(fail.time), top = fail.live_bytes + fail.requested_bytes;
+    el('rect', { 'class': 'failed-request', x: fx - 6, y: y(top), width: 12,
+      height: Math.max(1, y(fail.live_bytes) - y(top)) }, svg);
+    el('line', { 'class': 'failure', x1: fx, x2: fx, y1: T, y2: H - B }, svg);
+    el('text', { 'class': 'label', x: fx - 10, y: T + 14, 'text-anchor': 'end' }, svg,
+      'out of memory: ' + fmtBytes(fail.requested_bytes) + ' for ' +
+      (fail.category || '?'));
   }
   var peakT = m ? m.times[peakIndex] : 0, peakB = m ? drawnPeak : 0;
   if (!m && predB.length) {
     var pi = predB.indexOf(Math.max.apply(null, predB));
-    peakT = predT[pi]; peakB = predB[pi];
+    peakT = (pred.ops[pi].start + pred.ops[pi].end) / 2; peakB = predB[pi];
   }
   el('circle', { 'class': 'peak-mark', cx: x(peakT), cy: y(peakB), r: 6 }, svg);
-  el('text', { 'class': 'tick', x: x(peakT) + 9, y: y(peakB) - 8 }, svg,
-    (m ? 'measured peak ' : 'highest between ops ') + fmtBytes(peakB));
+  // The label goes left of a mark in the chart's right third, so that it stays inside.
+  // Near the failure's mark the failure says it.
+  var leftOf = x(peakT) > L + (W - L - R) * 2 / 3;
+  if (!fail || Math.abs(x(peakT) - x(fail.time)) > 200) {
+    el('text', { 'class': 'tick', x: x(peakT) + (leftOf ? -9 : 9), y: y(peakB) - 8,
+      'text-anchor': leftOf ? 'end' : 'start' }, svg,
+      (m ? 'measured peak ' : 'predicted peak ') + fmtBytes(peakB));
+  }
   var cross = el('line', { 'class': 'cross', x1: 0, x2: 0, y1: T, y2: H - B,
     visibility: 'hidden' }, svg);
   function tAt(evt) {
@@ -257,11 +302,8 @@ scripts on, hovering names what is under the cursor.</p></noscript>
     var ph = phaseAt(p.t);
     if (ph) rows.push(['phase', ph.phase + (data.micro_batches > 1 && ph.micro_batch !== null ?
       ' (micro-batch ' + ph.micro_batch + ')' : '')]);
-    var k = at(predT, p.t);
-    if (pred.ops.length) {
-      var op = pred.ops[Math.min(k + (p.t < predT[0] ? 0 : 1), pred.ops.length - 1)];
-      rows.push(['op', op.phase + ' ' + op.name]);
-    }
+    var k = opAt(p.t);
+    if (k >= 0) rows.push(['op', pred.ops[k].phase + ' ' + pred.ops[k].name]);
     if (m) {
       var i = at(m.times, p.t), lo = 0;
       cats.forEach(function (c, j) {
@@ -271,7 +313,11 @@ scripts on, hovering names what is under the cursor.</p></noscript>
       });
       rows.push(['measured total', fmtBytes(tops[cats.length - 1][i])]);
     }
-    if (predT.length && p.t >= predT[0]) rows.push(['predicted', fmtBytes(predB[k])]);
+    if (k >= 0) rows.push(['predicted (op peak)', fmtBytes(predB[k])]);
+    if (fail && Math.abs(x(p.t) - x(fail.time)) < 8) {
+      rows.push(['failed request', fmtBytes(fail.requested_bytes) + ' for ' + (fail.category || '?'),
+        true]);
+    }
     if (data.capacity_bytes) rows.push(['capacity', fmtBytes(data.capacity_bytes)]);
     showTip(evt, rows);
   });
@@ -356,7 +402,12 @@ scripts on, hovering names what is under the cursor.</p></noscript>
   // The peak's composition, accounted as the out-of-memory message does.
   document.getElementById('peak-section').hidden = false;
   var parts = [];
-  if (m) {
+  if (fail) {
+    cats.forEach(function (c) { parts.push([c, fail.live_by_category[c], cv(c)]); });
+    peakB = fail.live_bytes;
+    document.getElementById('peak-title').textContent = 'Live at the failure (' +
+      fmtTime(fail.time) + ')';
+  } else if (m) {
     cats.forEach(function (c) { parts.push([c, m.peak_by_category[c], cv(c)]); });
     document.getElementById('peak-title').textContent = 'At the measured peak (' +
       fmtTime(m.peak_time) + ')';
@@ -387,12 +438,40 @@ scripts on, hovering names what is under the cursor.</p></noscript>
     h('th', {}, tr, label); h('th', {}, tr, fmtBytes(v)); h('th', {}, tr, '');
     h('th', {}, tr, pct(v, cap)); h('th', {}, tr, '');
   }
-  totalRow(m ? 'peak (all categories)' : 'predicted peak', peakB);
-  if (cap > 0) totalRow(peakB <= cap ? 'headroom' : 'over capacity', Math.abs(cap - peakB));
+  if (fail) {
+    totalRow('live (all categories)', peakB);
+    totalRow('failed request', fail.requested_bytes);
+    totalRow('live + request', peakB + fail.requested_bytes);
+    if (cap > 0) totalRow('over capacity', Math.max(0, peakB + fail.requested_bytes - cap));
+  } else {
+    totalRow(m ? 'peak (all categories)' : 'predicted peak', peakB);
+    if (cap > 0) totalRow(peakB <= cap ? 'headroom' : 'over capacity', Math.abs(cap - peakB));
+  }
   if (m) totalRow('predicted peak', pred.peak_bytes);
 
+  // The failure: what was asked for, where, and the allocator's message.
+  if (fail) {
+    document.getElementById('failure-section').hidden = false;
+    var fd = document.getElementById('failure');
+    var ft = h('table', { 'class': 'failure' }, fd);
+    function frow(k, v) { var tr = h('tr', {}, ft); h('td', {}, tr, k); h('td', {}, tr, v); }
+    frow('request', fmtBytes(fail.requested_bytes) + ' (' + fail.requested_bytes + ' bytes)');
+    frow('category', fail.category || 'not named by the error');
+    frow('in', fail.phase + ' ' + fail.name + (fail.op !== null ? ' (op ' + fail.op +
+      (data.micro_batches > 1 ? ', micro-batch ' + fail.micro_batch : '') + ')' : ''));
+    frow('at', fmtTime(fail.time) + ' into step ' + data.step + (data.device ? ' on ' +
+      data.device : ''));
+    frow('live then', fmtBytes(fail.live_bytes) + (fail.live_from === 'allocator' ?
+      ' (the allocator\'s accounting)' : ' (after the step\'s last allocation)'));
+    if (cap) frow('capacity', fmtBytes(cap));
+    h('pre', {}, fd, fail.message);
+  }
+
   var sum = document.getElementById('summary');
-  sum.textContent = (m ? 'Measured peak ' + fmtBytes(drawnPeak) + ' at ' + fmtTime(peakT) +
+  sum.textContent = (fail ? 'Out of memory at ' + fmtTime(fail.time) + ': ' +
+    fmtBytes(fail.requested_bytes) + ' for ' + (fail.category || '?') + ' in ' + fail.phase +
+    ' ' + fail.name + ', with ' + fmtBytes(fail.live_bytes) + ' live. ' : '') +
+    (m ? 'Measured peak ' + fmtBytes(drawnPeak) + ' at ' + fmtTime(peakT) +
     '; ' : '') + 'predicted peak ' + fmtBytes(pred.peak_bytes) +
     (cap ? ' of a ' + fmtBytes(cap) + ' device' : '') + '. ' + data.description + '.' +
     (data.device ? ' Device: ' + data.device + '.' : '') +
@@ -407,6 +486,21 @@ scripts on, hovering names what is under the cursor.</p></noscript>
     body.setAttribute('data-probe', tip.textContent);
   }
   body.setAttribute('data-drawn-peak-bytes', String(drawnPeak));
+  // Every text of every chart inside its SVG's view box: the names of what is outside go in
+  // data-clipped (tests read it).
+  var clipped = [];
+  Array.prototype.forEach.call(document.querySelectorAll('svg.chart'), function (s) {
+    var vb = s.viewBox.baseVal;
+    Array.prototype.forEach.call(s.querySelectorAll('text'), function (t) {
+      var bb = t.getBBox();
+      if (bb.x < vb.x - 0.5 || bb.x + bb.width > vb.x + vb.width + 0.5 || bb.y < vb.y - 0.5 ||
+          bb.y + bb.height > vb.y + vb.height + 0.5) {
+        clipped.push(t.textContent);
+      }
+    });
+  });
+  body.setAttribute('data-clipped', clipped.join('|'));
+  body.setAttribute('data-y-max-bytes', String(ymax));
   body.setAttribute('data-status', 'ok');
 })();
 </script>

@@ -276,6 +276,26 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                const std::string& trace_path, memory::Device& dev, const World& w,
                std::ostream& out, std::ostream& err);
 
+// A step that ran out of memory: its page (Note [Out-of-memory page] in cli/memory_page.h),
+// on every rank that fails so, and the error again with the page's path at its end (or why
+// it could not be written). The error is unchanged when no step was being recorded.
+OutOfMemoryError with_memory_page(const OutOfMemoryError& e, engine::Engine& eng,
+                                  const TrainOptions& o, const World& w,
+                                  const std::string& config_file) {
+  const std::optional<engine::StepMemory> step = eng.unfinished_step_memory();
+  if (!step) return e;
+  const std::string path = oom_page_path(o.memory_page, o.report, w.env.rank, w.env.world_size);
+  std::string line;
+  try {
+    write_memory_page(path, oom_page_data(eng, *step, e, config_file, w.env.rank),
+                      o.memory_page.empty() ? "the out-of-memory page" : "--memory-page");
+    line = "memory page of the failed step: " + path;
+  } catch (const porter::Error& failed) {
+    line = std::string("the failed step's memory page was not written: ") + failed.what();
+  }
+  return OutOfMemoryError(std::string(e.what()) + "\n" + line, e.requested_bytes());
+}
+
 // porter.model.from's weights in place of the random init: this rank's tensor-parallel part
 // of them (every rank calls set_params_host: a collective at ZeRO stage 3). Returns the
 // header line that says so.
@@ -366,7 +386,9 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     if (!o.save_hf.empty()) hf_source = io::read_hf_config(*cfg.porter.model.from).json;
   }
   if (!o.resume.empty()) eng.load_checkpoint(o.resume);
-  if (!o.memory_page.empty() && w.leader()) eng.record_step_memory(true);
+  // Every rank records its steps: rank 0's last one is --memory-page's, and any rank's step
+  // that runs out of memory is drawn up to the failure (Note [Out-of-memory page]).
+  eng.record_step_memory(true);
 
   TrainRun run;
   run.config_file = o.config_args.display();
@@ -470,7 +492,12 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     } catch (const porter::Error& e) {
       err << "warning: " << e.what() << "\n";
     }
-    throw;
+    // A step that ran out of memory leaves its page; any other error goes on as it is.
+    try {
+      throw;
+    } catch (const OutOfMemoryError& e) {
+      throw with_memory_page(e, eng, o, w, run.config_file);
+    }
   }
   run.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

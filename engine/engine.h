@@ -277,6 +277,9 @@ class Engine {
   // step completes.
   void record_step_memory(bool on);
   const StepMemory* last_step_memory() const;
+  // After a train_step that threw, with the record on: that step's record up to now
+  // (StepMemoryRecorder::unfinished); nullopt otherwise.
+  std::optional<StepMemory> unfinished_step_memory() const;
 
   // Training checkpoints (io/state_file.h): parameters, master weights, AdamW moments,
   // the step, and the config they belong to. With N > 1 ranks every rank calls both with

@@ -200,6 +200,10 @@ const StepMemory* Engine::last_step_memory() const {
   return impl_->step_memory ? impl_->step_memory->last() : nullptr;
 }
 
+std::optional<StepMemory> Engine::unfinished_step_memory() const {
+  return impl_->step_memory ? impl_->step_memory->unfinished() : std::nullopt;
+}
+
 offload::StashStats Engine::offload_stats() const { return impl_->offload_total; }
 const std::vector<offload::CopyRecord>& Engine::last_copies() const { return impl_->copies; }
 const std::vector<offload::WaitRecord>& Engine::last_waits() const { return impl_->waits; }

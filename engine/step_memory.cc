@@ -24,7 +24,17 @@ void StepMemoryRecorder::begin_step(int64_t step) {
   }
   allocator_->clear_timeline();
   current_.start_ns = now_ns();
+  in_step_ = true;
   sample_pinned();
+}
+
+std::optional<StepMemory> StepMemoryRecorder::unfinished() const {
+  if (!in_step_) return std::nullopt;
+  StepMemory s = current_;
+  s.end_ns = now_ns();
+  s.entries = allocator_->timeline();
+  s.dropped = allocator_->timeline_dropped();
+  return s;
 }
 
 void StepMemoryRecorder::sample_pinned() {
@@ -57,6 +67,7 @@ void StepMemoryRecorder::end_step(const std::vector<offload::CopyRecord>& copies
   }
   last_ = std::move(current_);
   current_ = StepMemory{};
+  in_step_ = false;
 }
 
 }  // namespace porter::engine

@@ -68,7 +68,8 @@ struct StepMemory {
 // capacity would be dropped) and the record holds exactly one step; nothing else in the
 // engine reads the timeline. The pinned pool has no timeline of its own: it is sampled at op
 // boundaries, where the stash allocates and releases its pinned slots. A failed step leaves
-// the previous record in place.
+// the previous record in place; unfinished() gives the failed step's record up to the moment
+// it is asked for (the memory page of an out-of-memory step, cli/train_command.cc).
 class StepMemoryRecorder {
  public:
   StepMemoryRecorder(memory::CachingAllocator& allocator, memory::PinnedPool& pinned)
@@ -84,6 +85,10 @@ class StepMemoryRecorder {
   int64_t now_ns() const { return allocator_->timeline_now_ns(); }
   // The last completed step's record; null before one completes.
   const StepMemory* last() const { return last_ ? &*last_ : nullptr; }
+  // The step begun and not completed (it threw), recorded until now: the ops that completed,
+  // and the allocator's timeline to this moment, with what the failure's unwinding freed
+  // (end_ns is now; no copies). nullopt when the last step begun completed.
+  std::optional<StepMemory> unfinished() const;
 
  private:
   void sample_pinned();
@@ -91,6 +96,7 @@ class StepMemoryRecorder {
   memory::CachingAllocator* allocator_;  // not owned; the engine's
   memory::PinnedPool* pinned_;           // not owned; the engine's
   StepMemory current_;
+  bool in_step_ = false;  // between begin_step and end_step
   std::optional<StepMemory> last_;
 };
 
