@@ -135,6 +135,9 @@ struct CommStage {
   bool operator==(const CommStage&) const = default;
 };
 
+// The source of costs whose times a device model predicted: the prefix, then its name.
+inline constexpr std::string_view kDeviceModelSourcePrefix = "device model ";
+
 struct ChainCosts {
   std::vector<StageCost> stages;
   // ZeRO stage 3's gathered parameters (Note [Gathered parameters]); disabled otherwise.
@@ -142,11 +145,16 @@ struct ChainCosts {
   // ZeRO's gradient buckets per stage (Note [Gradient buckets in the footprint]); empty for
   // none.
   std::vector<CommStage> comm;
-  // "profiled" (times measured) or "analytic" (bytes exact, times unknown: 0).
+  // "profiled" (times measured), "analytic" (bytes exact, times unknown: 0), or "device
+  // model <name>" (the analytic model's, with times predicted from a device's figures:
+  // docs/planning.md).
   std::string source;
   // The op kinds selective recompute recomputes, e.g. "attention".
   std::string selective_ops;
-  bool has_times() const { return source == "profiled"; }
+  // Measured or predicted times (the planner, simulator and reports use them alike).
+  bool has_times() const {
+    return source == "profiled" || source.starts_with(kDeviceModelSourcePrefix);
+  }
   int num_stages() const { return static_cast<int>(stages.size()); }
 };
 

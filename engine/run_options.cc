@@ -81,6 +81,7 @@ RunOptions make_run_options(const config::Config& config) {
                         ? kernels::KernelChoice::kFastest
                         : kernels::KernelChoice::kExact;
   r.kernel_table_path = p.device.kernel_table;
+  r.device_model = device_model_options(p.device);
   r.compute_dtype = config.fp16.enabled   ? tensor::DType::kF16
                     : config.bf16.enabled ? tensor::DType::kBF16
                                           : tensor::DType::kF32;
@@ -213,6 +214,15 @@ nlohmann::ordered_json RunOptions::to_json() const {
   j["pinned_limit_bytes"] = pinned_limit_bytes;
   j["kernel_choice"] = std::string(kernels::kernel_choice_name(kernel_choice));
   j["kernel_table"] = kernel_table_path ? J(*kernel_table_path) : J();
+  {
+    const DeviceModelOverrides& o = device_model.overrides;
+    j["device_model"] = {
+        {"model", device_model.model ? J(config::to_string(*device_model.model)) : J()},
+        {"overrides",
+         {{"peak_tflops", opt(o.peak_tflops)}, {"hbm_gbps", opt(o.hbm_gbps)},
+          {"host_link_gbps", opt(o.host_link_gbps)},
+          {"interconnect_gbps", opt(o.interconnect_gbps)}}}};
+  }
   j["compute_dtype"] = tensor::dtype_name(compute_dtype);
   const config::ModelConfig& m = shape.model;
   j["shape"] = {{"model",

@@ -27,6 +27,7 @@
 #include "models/analytic.h"
 #include "checkpoint/planner.h"
 #include "config/config.h"
+#include "engine/device_model.h"
 #include "memory/caching_allocator.h"
 #include "memory/device.h"
 #include "nn/ctx.h"
@@ -75,6 +76,9 @@ struct RunOptions {
   // porter.device.kernel_choice and kernel_table (Note [Kernel table] in kernels/kernel_table.cc).
   kernels::KernelChoice kernel_choice = kernels::KernelChoice::kExact;
   std::optional<std::string> kernel_table_path;
+  // porter.device.model and its overrides: the figures a plan is timed with (Note [Device
+  // models] in engine/device_model.h; resolve_device_model turns them into a DeviceModel).
+  DeviceModelOptions device_model;
   // fp16.enabled: f16, else bf16.enabled: bf16, else f32 (the parser refuses both).
   tensor::DType compute_dtype = tensor::DType::kF32;
   // One micro-batch of the built-in GPT for the analytic model (porter.model, the micro-batch
