@@ -238,7 +238,8 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const engine::RunOptions run = engine::make_run_options(cfg);
   const tensor::DType dtype = run.compute_dtype;
   checkpoint::ChainCosts costs = run.analytic_costs();
-  engine::add_stage3_params(costs, run);  // ZeRO stage 3's gathered parameters
+  // ZeRO stage 3's gathered parameters and the gradient buckets
+  engine::add_zero_costs(costs, run, static_cast<int>(cfg.data_parallel_size()));
   const config::ModelConfig& model = run.shape.model;
   const int64_t tp = model.tensor_parallel;
   const bool sp = run.sequence_parallel();

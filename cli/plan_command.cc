@@ -288,7 +288,8 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     }
   } else {
     costs = analytic;
-    engine::add_stage3_params(costs, run);  // ZeRO stage 3's gathers
+    // ZeRO stage 3's gathers and the gradient buckets
+    engine::add_zero_costs(costs, run, static_cast<int>(cfg.data_parallel_size()));
     plan = checkpoint::make_plan(run.plan, costs);
     where_from = "analytic model (nothing allocated)";
   }

@@ -396,6 +396,12 @@ RunResult run_variation(const Variation& v, int64_t steps) {
     res.measured_peak_bytes = mem.peak_bytes;
     res.measured_activation_bytes = mem.peak_activation_bytes;
     res.reserved_peak_bytes = e.allocator().stats().peak_reserved_bytes;
+    // The prediction counts every requested byte (model states, batch, activations,
+    // checkpoints, staging, workspace, gathered parameters, gradient buckets): no margin.
+    if (res.measured_peak_bytes != res.predicted_peak_bytes) {
+      fail("measured total peak " + std::to_string(res.measured_peak_bytes) +
+           " B requested, predicted " + std::to_string(res.predicted_peak_bytes) + " B");
+    }
     if (res.measured_peak_bytes > res.limit_bytes || res.reserved_peak_bytes > res.limit_bytes) {
       fail("measured peak " + std::to_string(res.measured_peak_bytes) + " B requested, " +
            std::to_string(res.reserved_peak_bytes) + " B reserved, over the limit " +

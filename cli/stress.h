@@ -22,6 +22,7 @@
 //                the run must stop with OutOfMemoryError: at construction or in a step,
 //                never a crash, and a failed step leaves the allocator and the pinned pool
 //                at their baseline.
+// The total: the predicted total peak of requested bytes must equal the measured one exactly.
 // The margin: the prediction counts requested bytes; the device limits reserved segments.
 // Between them lie the allocator's 512-byte rounding of every live block, blocks that cannot
 // be split off a segment (Note [Size classes] in memory/allocator_policy.h) and holes between

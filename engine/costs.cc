@@ -433,6 +433,7 @@ void Engine::plan_from_costs() {
     agree_on_costs();
   }
   im.costs.params = im.param_costs;  // Note [Gathered parameters]: disabled below stage 3
+  im.costs.comm = im.comm_costs;     // Note [Gradient buckets in the footprint]
   checkpoint::PlanOptions options = run_.plan;
   im.link_bytes_per_s = options.offload.link_bytes_per_s;  // sim_link_gbps, else 0: unknown
   if (im.link_bytes_per_s == 0.0 && options.offload.enabled) {

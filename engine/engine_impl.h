@@ -61,6 +61,8 @@ struct Engine::Impl {
   Stage3Driver train_gathers;
   Stage3Driver forward_gathers;
   checkpoint::ParamGather param_costs;   // the costs' params (Note [Gathered parameters])
+  // The costs' comm: the reducer's buckets (Note [Gradient buckets in the footprint]).
+  std::vector<checkpoint::CommStage> comm_costs;
   ZeroStats zero_total;         // cumulative since construction or reset_peaks()
   std::unique_ptr<nn::Ctx> ctx;
   std::unique_ptr<LrSchedule> lr;

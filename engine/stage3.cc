@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "zero/bucket_model.h"
 #include "zero/buckets.h"
 
 namespace porter::engine {
@@ -47,6 +48,34 @@ void add_stage3_params(checkpoint::ChainCosts& costs, const RunOptions& run) {
   if (run.zero_stage() != 3) return;
   TransformerModel gpt(run.shape.model);  // layers and layout only; allocates nothing
   costs.params = stage3_layout(gpt, run.stage3, run.compute_dtype).costs;
+}
+
+std::vector<checkpoint::CommStage> bucket_costs(Model& model, const RunOptions& run, int dp_size) {
+  const int n = model.num_stages();
+  std::vector<zero::StageParams> stages;
+  std::vector<std::vector<int>> writers;
+  for (int s = 0; s < n; ++s) {
+    stages.push_back({model.stage_name(s), model.stage(s).params()});
+    writers.push_back(model.grad_writers(s));
+  }
+  const zero::StageLayout sl = zero::stage_layout(model.layout(), stages);
+  const zero::Partition part = zero::make_partition(model.layout().total_elems(), dp_size);
+  const std::vector<zero::BucketBytes> b = zero::bucket_bytes(
+      zero::plan_buckets(sl.ranges, writers, run.reduce_bucket_elems), part, run.reducer, n);
+  std::vector<checkpoint::CommStage> out;
+  bool any = false;
+  for (const zero::BucketBytes& x : b) {
+    out.push_back({x.between, x.during, x.after});
+    any = any || x.during > 0 || x.after > 0;
+  }
+  if (!any) out.clear();
+  return out;
+}
+
+void add_zero_costs(checkpoint::ChainCosts& costs, const RunOptions& run, int dp_size) {
+  TransformerModel gpt(run.shape.model);  // layers and layout only; allocates nothing
+  if (run.zero_stage() == 3) costs.params = stage3_layout(gpt, run.stage3, run.compute_dtype).costs;
+  costs.comm = bucket_costs(gpt, run, dp_size);
 }
 
 checkpoint::Schedule forward_schedule(int num_stages) {

@@ -46,6 +46,15 @@ Stage3Layout stage3_layout(Model& model, const Stage3Options& stage3, tensor::DT
 // size), as the Engine does; below stage 3 leaves the costs as they are.
 void add_stage3_params(checkpoint::ChainCosts& costs, const RunOptions& run);
 
+// The gradient reducer's comm buffers per stage (Note [Gradient buckets in the footprint] in
+// checkpoint/costs.h) for `model`'s buckets (zero::plan_buckets at reduce_bucket_size) over
+// dp_size data-parallel ranks, as the Engine's reducer allocates them.
+std::vector<checkpoint::CommStage> bucket_costs(Model& model, const RunOptions& run, int dp_size);
+
+// For planning without an Engine: add_stage3_params, and costs.comm from bucket_costs of the
+// built-in model (tp rank 0's part) at dp_size ranks. Allocates nothing.
+void add_zero_costs(checkpoint::ChainCosts& costs, const RunOptions& run, int dp_size);
+
 // The schedule of a pass that runs each of `num_stages` stages' forward once, in order,
 // keeping nothing (evaluation, profiling).
 checkpoint::Schedule forward_schedule(int num_stages);

@@ -123,8 +123,7 @@ TEST(EnginePolicyTest, PredictedPeaksMatchMeasuredAndNothingLeaks) {
       const MemoryReport m = e->memory_report();
       EXPECT_EQ(m.peak_activation_bytes, peak);
       EXPECT_EQ(m.predicted_activation_bytes, peak) << e->plan().schedule.to_string();
-      EXPECT_NEAR(static_cast<double>(m.predicted_peak_bytes), static_cast<double>(total),
-                  0.05 * static_cast<double>(total));
+      EXPECT_EQ(m.predicted_peak_bytes, total);
       EXPECT_EQ(m.model_state_bytes, baseline);
       if (p != CheckpointPolicy::kNone && p != CheckpointPolicy::kSelective) {
         EXPECT_GT(m.measured_recompute_s, 0.0);

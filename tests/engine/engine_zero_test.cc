@@ -35,6 +35,8 @@ struct RankRun {
   std::array<size_t, memory::kNumCategories> bytes_after_init{};
   std::array<size_t, memory::kNumCategories> bytes_after_step{};
   ZeroStats total;
+  MemoryReport memory;
+  size_t predicted_comm_bytes = 0;
 };
 
 using ModelFactory = std::function<std::unique_ptr<Model>(const config::Config&, int rank)>;
@@ -70,6 +72,8 @@ std::vector<RankRun> run_ranks(const config::Config& c, int steps, ModelFactory 
     }
     run.params = e.params_host();
     run.total = e.zero_stats();
+    run.memory = e.memory_report();
+    run.predicted_comm_bytes = e.plan().prediction.peak_comm_bytes;
   });
   for (auto& err : errors) {
     if (err) std::rethrow_exception(err);
@@ -417,6 +421,38 @@ TEST(EngineZeroTest, CheckpointingAndOffloadLeaveZero2Unchanged) {
     for (size_t s = 0; s < 6; ++s) EXPECT_EQ(a[r].steps[s].loss, b[r].steps[s].loss) << s;
     EXPECT_TRUE(bitwise_equal(a[r].params, b[r].params));
     EXPECT_GT(b[r].steps[0].offload.d2h_bytes, 0u);
+  }
+}
+
+// Note [Gradient buckets in the footprint]: with the reducer's buckets in the replay, the
+// predicted total peak is the measured one to the byte, and so is the comm category's peak, at
+// every stage, with reductions overlapped or after backward, buckets of many stages or one,
+// reduce-scatter or all-reduce, and several micro-batches.
+TEST(EngineZeroTest, PredictedTotalAndCommPeaksEqualTheMeasuredOnes) {
+  struct Case {
+    int ranks, stage;
+    bool overlap, reduce_scatter;
+    int64_t bucket, accumulation;
+  };
+  for (const Case& k : {Case{2, 0, true, true, 5000, 1}, Case{2, 1, true, true, 5000, 2},
+                        Case{2, 1, false, false, 5000, 1}, Case{2, 2, true, true, 5000, 1},
+                        Case{2, 2, false, true, 5000, 2}, Case{2, 2, true, true, 500'000'000, 1},
+                        Case{1, 2, true, true, 5000, 1}, Case{2, 3, true, true, 5000, 2},
+                        Case{4, 2, true, true, 3000, 1}}) {
+    config::Config c = zero_config(k.ranks, k.stage, k.accumulation);
+    c.zero_optimization.overlap_comm = k.overlap;
+    c.zero_optimization.reduce_scatter = k.reduce_scatter;
+    c.zero_optimization.reduce_bucket_size_elems = k.bucket;
+    const std::string what = std::to_string(k.ranks) + " ranks, stage " + std::to_string(k.stage) +
+                             (k.overlap ? ", overlap" : "") + (k.reduce_scatter ? "" : ", all-reduce") +
+                             ", bucket " + std::to_string(k.bucket) + ", " +
+                             std::to_string(k.accumulation) + " micro-batches";
+    for (const RankRun& r : run_ranks(c, 2)) {
+      EXPECT_EQ(r.memory.predicted_peak_bytes, r.memory.peak_bytes) << what;
+      EXPECT_EQ(r.predicted_comm_bytes,
+                r.memory.peak_by_category[memory::index_of(memory::Category::kComm)])
+          << what;
+    }
   }
 }
 
