@@ -4,6 +4,10 @@
 #include "checkpoint/offload_plan.h"
 
 #include <algorithm>
+#include <functional>
+#include <queue>
+#include <utility>
+#include <vector>
 
 #include "base/check.h"
 #include "base/units.h"
@@ -25,6 +29,39 @@ int OffloadLayout::entry_at_hold(int op_index) const {
     if (entries[e].hold_op == op_index) return static_cast<int>(e);
   return -1;
 }
+
+namespace {
+
+// Slots handed out in nondecreasing order of the op that takes them (Note [Slot heaps]).
+class SlotPool {
+ public:
+  // The lowest slot free at op `at` (its latest occupant gone at an op <= at), a new one when
+  // none is; it is busy again until op `free_at`.
+  int take(int at, int free_at) {
+    while (!busy_.empty() && busy_.top().first <= at) {
+      free_.push(busy_.top().second);
+      busy_.pop();
+    }
+    int slot;
+    if (free_.empty()) {
+      slot = slots_++;
+    } else {
+      slot = free_.top();
+      free_.pop();
+    }
+    busy_.push({free_at, slot});
+    return slot;
+  }
+  int size() const { return slots_; }
+
+ private:
+  using Busy = std::pair<int, int>;  // (the op at which it is free, slot)
+  std::priority_queue<Busy, std::vector<Busy>, std::greater<>> busy_;
+  std::priority_queue<int, std::vector<int>, std::greater<>> free_;
+  int slots_ = 0;
+};
+
+}  // namespace
 
 OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, int prefetch_depth,
                              bool contiguous, int partition_ways) {
@@ -120,50 +157,33 @@ OffloadLayout layout_offload(const Schedule& schedule, const ChainCosts& costs, 
   std::stable_sort(by_prefetch.begin(), by_prefetch.end(), [&](int a, int b) {
     return out.entries[a].prefetch_op < out.entries[b].prefetch_op;
   });
-  std::vector<int> slot_release;  // release op of each slot's latest entry
+  // Note [Slot heaps]: entries come in nondecreasing prefetch (hold) order, so a slot once
+  // free stays free for every later entry; the busy slots wait in a heap by the op that frees
+  // them and the free ones in a heap by index, which gives the lowest free slot without a
+  // scan of every slot per entry.
+  SlotPool staging_pool;
   for (int idx : by_prefetch) {
     StashEntry& e = out.entries[idx];
-    int slot = -1;
-    for (size_t s = 0; s < slot_release.size(); ++s) {
-      if (slot_release[s] < e.prefetch_op) {
-        slot = static_cast<int>(s);
-        break;
-      }
-    }
-    if (slot < 0) {
-      slot = static_cast<int>(slot_release.size());
-      slot_release.push_back(0);
-    }
-    slot_release[slot] = e.release_op;
+    // Free: released before this prefetch (release_op + 1 <= prefetch_op).
+    const int slot = staging_pool.take(e.prefetch_op, e.release_op + 1);
     e.staging_slot = slot;
     out.staging_slot_bytes =
         std::max(out.staging_slot_bytes, round_up(out.staged_bytes(e), kStagingSlotAlignment));
   }
-  out.staging_slots = static_cast<int>(slot_release.size());
+  out.staging_slots = staging_pool.size();
 
   // Slice slots of device slices, greedily in hold order (entries are in hold order): a slot
   // is free for a hold at or after the use_op where fetch() freed its last slice, or after the
   // release_op of a slice never read. The slot comes from here, never from a count of the
   // tensors the stash has seen, so a tensor of any size or dtype takes its own.
-  std::vector<int> slice_free;  // the first op at which each slot's latest slice is gone
+  SlotPool slice_pool;  // Note [Slot heaps]
   for (StashEntry& e : out.entries) {
     if (!e.partitioned || e.on_host) continue;
-    int slot = -1;
-    for (size_t s = 0; s < slice_free.size(); ++s) {
-      if (slice_free[s] <= e.hold_op) {
-        slot = static_cast<int>(s);
-        break;
-      }
-    }
-    if (slot < 0) {
-      slot = static_cast<int>(slice_free.size());
-      slice_free.push_back(0);
-    }
-    slice_free[slot] = e.use_op >= 0 ? e.use_op : e.release_op + 1;
+    const int slot = slice_pool.take(e.hold_op, e.use_op >= 0 ? e.use_op : e.release_op + 1);
     e.slice_slot = slot;
     out.slice_slot_bytes = std::max(out.slice_slot_bytes, round_up(e.slice_bytes, kStagingSlotAlignment));
   }
-  out.slice_slots = static_cast<int>(slice_free.size());
+  out.slice_slots = slice_pool.size();
 
   for (StashEntry& e : out.entries) {
     if (!e.on_host) continue;

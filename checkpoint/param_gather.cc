@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "base/error.h"
 
@@ -68,15 +69,65 @@ GatherPlan plan_gathers(const Schedule& schedule, const ParamGather& params) {
   };
   auto elems_of = [&](int u) { return params.units[static_cast<size_t>(u)].elems; };
 
+  // Note [Reuse distance offline]: whether a unit read at op k stays gathered until its next
+  // read depends only on the reads, so every (op, unit) pair's distance (the elements of the
+  // distinct other units read strictly between the two reads) is summed in one sweep with a
+  // Fenwick tree over op positions, each unit counted at its latest read: O(reads log ops)
+  // instead of a walk over the ops between each pair.
+  std::vector<std::vector<bool>> keep_after(m);
+  {
+    struct Query {
+      int lo, hi;  // ops lo..hi, inclusive
+      size_t op, slot;
+    };
+    std::vector<std::vector<Query>> by_hi(m);
+    for (size_t k = 0; k < m; ++k) {
+      keep_after[k].assign(reads[k].size(), false);
+      for (size_t i = 0; i < reads[k].size(); ++i) {
+        const int nr = next_read(reads[k][i], static_cast<int>(k));
+        if (nr == kNever) continue;
+        if (nr == static_cast<int>(k) + 1) {
+          keep_after[k][i] = 0 <= params.max_reuse_distance;
+          continue;
+        }
+        by_hi[static_cast<size_t>(nr - 1)].push_back({static_cast<int>(k) + 1, nr - 1, k, i});
+      }
+    }
+    std::vector<int64_t> tree(m + 1, 0);
+    auto tree_add = [&](size_t pos, int64_t v) {
+      for (size_t x = pos + 1; x <= m; x += x & (~x + 1)) tree[x] += v;
+    };
+    auto tree_sum = [&](size_t end) {  // positions [0, end)
+      int64_t total = 0;
+      for (size_t x = end; x > 0; x -= x & (~x + 1)) total += tree[x];
+      return total;
+    };
+    std::vector<int> last(static_cast<size_t>(num_units), -1);
+    for (size_t j = 0; j < m; ++j) {
+      for (int v : reads[j]) {
+        int& l = last[static_cast<size_t>(v)];
+        if (l >= 0) tree_add(static_cast<size_t>(l), -elems_of(v));
+        tree_add(j, elems_of(v));
+        l = static_cast<int>(j);
+      }
+      for (const Query& q : by_hi[j]) {
+        const int64_t distance = tree_sum(static_cast<size_t>(q.hi) + 1) - tree_sum(static_cast<size_t>(q.lo));
+        keep_after[q.op][q.slot] = distance <= params.max_reuse_distance;
+      }
+    }
+  }
+
   std::vector<int> issued_at(static_cast<size_t>(num_units), -1);  // live when >= 0
   std::vector<bool> waited(static_cast<size_t>(num_units), false);
   int64_t live = 0;   // elements gathered or in flight
+  size_t live_bytes = 0;  // their bytes
   int64_t ahead = 0;  // prefetched, not yet waited for
   auto is_live = [&](int u) { return issued_at[static_cast<size_t>(u)] >= 0; };
   auto issue = [&](int u, int k, bool prefetch) {
     issued_at[static_cast<size_t>(u)] = k;
     waited[static_cast<size_t>(u)] = false;
     live += elems_of(u);
+    live_bytes += params.units[static_cast<size_t>(u)].bytes;
     if (prefetch) ahead += elems_of(u);
     plan.issue[static_cast<size_t>(k)].push_back(u);
     ++plan.gathers;
@@ -85,6 +136,7 @@ GatherPlan plan_gathers(const Schedule& schedule, const ParamGather& params) {
   auto free = [&](int u, int last_op) {
     plan.windows.push_back({u, issued_at[static_cast<size_t>(u)], last_op});
     live -= elems_of(u);
+    live_bytes -= params.units[static_cast<size_t>(u)].bytes;
     if (!waited[static_cast<size_t>(u)]) ahead -= elems_of(u);
     issued_at[static_cast<size_t>(u)] = -1;
     waited[static_cast<size_t>(u)] = false;
@@ -142,27 +194,11 @@ GatherPlan plan_gathers(const Schedule& schedule, const ParamGather& params) {
       plan.wait[kk].push_back(u);
     }
     if (live > plan.peak_live_elems) plan.peak_live_elems = live;
-    size_t live_bytes = 0;
-    for (int u = 0; u < num_units; ++u)
-      if (is_live(u)) live_bytes += params.units[static_cast<size_t>(u)].bytes;
     plan.peak_live_bytes = std::max(plan.peak_live_bytes, live_bytes);
-    // After the op: free what is not read again soon.
-    for (int u : r) {
-      const int nr = next_read(u, k);
-      bool keep = false;
-      if (nr != kNever) {
-        std::vector<int> between;
-        int64_t distance = 0;
-        for (int j = k + 1; j < nr; ++j) {
-          for (int v : reads[static_cast<size_t>(j)]) {
-            if (v == u || in(between, v)) continue;
-            between.push_back(v);
-            distance += elems_of(v);
-          }
-        }
-        keep = distance <= params.max_reuse_distance;
-      }
-      if (!keep) {
+    // After the op: free what is not read again soon (Note [Reuse distance offline]).
+    for (size_t i = 0; i < r.size(); ++i) {
+      const int u = r[i];
+      if (!keep_after[kk][i]) {
         plan.release[kk].push_back(u);
         free(u, k);
       }

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <string_view>
 
 #include "base/check.h"
+#include "base/checked.h"
 #include "base/error.h"
 #include "base/units.h"
 
@@ -381,9 +384,28 @@ Prediction predict(const Schedule& schedule, const ChainCosts& costs,
 //                     standard peak. Feasibility is monotone in the budget up to the
 //                     discretisation, so it stops at 0.1% precision.
 
-std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
-                                       const OffloadOptions& offload,
-                                       const PartitionOptions& partition) {
+namespace {
+
+// Note [Plan progress]
+// The optimal policy may solve the program many times (the reserve retries, the budget
+// bisection), each a table filled in order. A caller that wants to show progress (porter plan
+// and estimate print a line to stderr about every second) passes make_plan a function; it
+// hears each solve's number and the fraction of its table filled. The library prints nothing.
+struct Progress {
+  const PlanProgressFn* fn = nullptr;  // not owned; null or empty: no reports
+  int solves = 0;
+  // The reporter of the next solve (empty without a function).
+  std::function<void(double)> next_solve() {
+    if (fn == nullptr || !*fn) return {};
+    const int k = ++solves;
+    const PlanProgressFn* f = fn;
+    return [f, k](double fraction) { (*f)(PlanProgress{k, fraction}); };
+  }
+};
+
+std::optional<Schedule> rotor_search(const ChainCosts& costs, size_t budget_bytes,
+                                     const OffloadOptions& offload,
+                                     const PartitionOptions& partition, Progress& progress) {
   PORTER_CHECK(costs.num_stages() >= 1, "schedule_rotor: the chain has no stages");
   PORTER_CHECK(partition.ways >= 1, "partition ways = ", partition.ways,
                " must be >= 1 (porter.model.tensor_parallel)");
@@ -426,7 +448,7 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
     options.tp_bytes_per_s = partition.tp_bytes_per_s;
     size_t r = 0;
     for (int attempt = 0; attempt < 6 && r < budget_bytes; ++attempt) {
-      std::optional<Schedule> s = solve_rotor(costs, budget_bytes - r, options);
+      std::optional<Schedule> s = solve_rotor(costs, budget_bytes - r, options, progress.next_solve());
       if (!s) break;  // a larger reserve leaves less
       const size_t peak = predict(*s, costs, offload, partition).peak_budget_bytes;
       if (peak <= budget_bytes) return s;
@@ -434,7 +456,7 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
     }
     if (costs.params.enabled) return std::nullopt;
   }
-  std::optional<Schedule> s = solve_rotor(costs, budget_bytes);
+  std::optional<Schedule> s = solve_rotor(costs, budget_bytes, RotorOptions{}, progress.next_solve());
   if (s) {
     const Prediction p = simulate(*s, costs);
     PORTER_ASSERT(p.peak_activation_bytes <= budget_bytes, "rotor schedule ", s->to_string(),
@@ -444,12 +466,10 @@ std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_by
   return s;
 }
 
-namespace {
-
 // The schedule with the lowest simulated peak among the optimal planner's candidates (Note
 // [Plan search]: the budget bisection).
 Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offload,
-                            const PartitionOptions& partition) {
+                            const PartitionOptions& partition, Progress& progress) {
   std::vector<Candidate> all = standard_candidates(costs, offload, partition);
   auto lower = [](const Candidate& a, const Candidate& b) {
     return a.prediction.peak_budget_bytes < b.prediction.peak_budget_bytes;
@@ -458,7 +478,7 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
   size_t lo = 0, hi = best.prediction.peak_budget_bytes;
   while (hi > lo + std::max<size_t>(1, hi / 1000)) {
     const size_t mid = lo + (hi - lo) / 2;
-    std::optional<Schedule> s = schedule_rotor(costs, mid, offload, partition);
+    std::optional<Schedule> s = rotor_search(costs, mid, offload, partition, progress);
     if (!s) {
       lo = mid;
       continue;
@@ -474,13 +494,81 @@ Candidate minimum_candidate(const ChainCosts& costs, const OffloadOptions& offlo
 
 }  // namespace
 
-size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload,
-                            const PartitionOptions& partition) {
-  return minimum_candidate(costs, offload, partition).prediction.peak_budget_bytes;
+std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
+                                       const OffloadOptions& offload,
+                                       const PartitionOptions& partition,
+                                       const PlanProgressFn& progress) {
+  Progress p{&progress};
+  return rotor_search(costs, budget_bytes, offload, partition, p);
 }
 
-Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
+size_t minimum_budget_bytes(const ChainCosts& costs, const OffloadOptions& offload,
+                            const PartitionOptions& partition) {
+  Progress none;
+  return minimum_candidate(costs, offload, partition, none).prediction.peak_budget_bytes;
+}
+
+namespace {
+
+void check_chain_bytes(const ChainCosts& costs, const PartitionOptions& partition) {
+  // Note [Checked sizes] in base/checked.h: whatever the replay adds up at one moment (live
+  // activations and tapes, one op's peak and workspace, the staged copies and slices, the
+  // gathered parameters and the gradient buckets) is at most the sum of every figure of every
+  // stage, every slot the staging arenas can have, every parameter unit and every bucket. When
+  // that sum fits 64 bits no peak, sum or delta of a plan can wrap. The analytic model checks
+  // its own chains first and names the config keys; this catches profiled or user costs.
+  size_t total = 0;
+  // `where` names the figure, built only for the message.
+  auto add = [&](size_t bytes, const auto& where) {
+    if (!try_add(total, bytes, total)) {
+      throw InvalidArgument("the chain's byte figures overflow 64-bit counts (more than 8 EiB) at " +
+                            std::string(where()) + "; the model or micro-batch is too large to plan");
+    }
+  };
+  auto stage_name = [&](int j) {
+    return "stage " + std::to_string(j) + " (" + costs.stages[static_cast<size_t>(j)].name + ")";
+  };
+  size_t largest_staged = 0;
+  const auto ways = static_cast<size_t>(std::max(1, partition.ways));
+  for (int j = 0; j < costs.num_stages(); ++j) {
+    const StageCost& st = costs.stages[static_cast<size_t>(j)];
+    size_t stage = 0;
+    bool fits = try_add(st.input_bytes, st.output_bytes, stage) &&
+                try_add(stage, st.backward_total_peak_bytes, stage);
+    for (const OptionCost& o : st.options) {
+      for (size_t b : {o.forward_peak_bytes, o.forward_total_peak_bytes, o.saved_bytes,
+                       o.recompute_peak_bytes, o.recompute_total_peak_bytes, o.recompute_saved_bytes}) {
+        fits = fits && try_add(stage, b, stage);
+      }
+    }
+    // A partitioned hold's staged copy: ways x round_up(ceil(input / ways), slice alignment).
+    size_t staged = st.input_bytes;
+    if (ways > 1) {
+      fits = fits && try_add(st.input_bytes / ways, kSliceAlignment + 1, staged) &&
+             try_mul(staged, ways, staged);
+    }
+    if (!fits) add(kMaxCheckedSize, [&] { return stage_name(j) + "'s figures"; });
+    add(stage, [&] { return stage_name(j); });
+    largest_staged = std::max(largest_staged, staged);
+  }
+  size_t arenas = 0;  // the staging and slice arenas: at most a slot per stage each
+  if (!try_add(largest_staged, kStagingSlotAlignment, arenas) ||
+      !try_mul(arenas, 2 * static_cast<size_t>(costs.num_stages()), arenas)) {
+    add(kMaxCheckedSize, [] { return "the staging slots"; });
+  }
+  add(arenas, [] { return "the staging slots"; });
+  for (const GatherUnit& u : costs.params.units) add(u.bytes, [&] { return "gather unit " + u.name; });
+  for (const CommStage& c : costs.comm) {
+    for (size_t b : {c.between, c.during, c.after}) add(b, [] { return "the gradient buckets"; });
+  }
+}
+
+}  // namespace
+
+Plan make_plan(const PlanOptions& options, const ChainCosts& costs, const PlanProgressFn& progress_fn) {
   PORTER_CHECK(costs.num_stages() >= 1, "make_plan: the chain has no stages");
+  check_chain_bytes(costs, options.partition);
+  Progress progress{&progress_fn};
   const config::CheckpointingConfig& ck = options.checkpointing;
   const OffloadOptions& offload = options.offload;
   const PartitionOptions& partition = options.partition;
@@ -563,11 +651,11 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
         // The device-only program too (a slow link may not pay), or where its discretisation
         // finds nothing, the device-only minimum, so that offload and partitioning never plan
         // slower than the same budget without them.
-        if (std::optional<Schedule> r = schedule_rotor(costs, budget)) {
+        if (std::optional<Schedule> r = rotor_search(costs, budget, OffloadOptions{}, PartitionOptions{}, progress)) {
           Prediction p = predict(*r, costs, offload, partition);
           cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
         } else {
-          Candidate m = minimum_candidate(costs, OffloadOptions{}, PartitionOptions{});
+          Candidate m = minimum_candidate(costs, OffloadOptions{}, PartitionOptions{}, progress);
           m.prediction = predict(m.schedule, costs, offload, partition);
           cands.push_back(std::move(m));
         }
@@ -576,20 +664,20 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
         // The program with host holds but no partitioning too (a partitionable hold goes to
         // the host only as its slice, which may not pay), so that partitioning never plans
         // slower than the same budget without it.
-        if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload)) {
+        if (std::optional<Schedule> r = rotor_search(costs, budget, offload, PartitionOptions{}, progress)) {
           Prediction p = predict(*r, costs, offload, partition);
           cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
         } else {
-          Candidate m = minimum_candidate(costs, offload, PartitionOptions{});
+          Candidate m = minimum_candidate(costs, offload, PartitionOptions{}, progress);
           m.prediction = predict(m.schedule, costs, offload, partition);
           cands.push_back(std::move(m));
         }
       }
-      if (std::optional<Schedule> r = schedule_rotor(costs, budget, offload, partition)) {
+      if (std::optional<Schedule> r = rotor_search(costs, budget, offload, partition, progress)) {
         Prediction p = predict(*r, costs, offload, partition);
         cands.insert(cands.begin(), {"rotor", std::move(*r), std::move(p)});
       } else if (stash) {
-        cands.push_back(minimum_candidate(costs, offload, partition));
+        cands.push_back(minimum_candidate(costs, offload, partition, progress));
       }
       const Candidate* best = nullptr;
       for (const Candidate& c : cands) {
@@ -600,7 +688,7 @@ Plan make_plan(const PlanOptions& options, const ChainCosts& costs) {
       if (best == nullptr) {
         // The discretised DP may miss a schedule that fits exactly; the minimum search
         // (finer budgets) finds the lowest peak reachable.
-        minimum = minimum_candidate(costs, offload, partition);
+        minimum = minimum_candidate(costs, offload, partition, progress);
         if (minimum.prediction.peak_budget_bytes > budget) {
           throw InvalidArgument(std::string(kBudgetKey) + ": " + format_bytes(budget) +
                                 " is below the minimum feasible activation peak of " +

@@ -90,6 +90,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -169,9 +170,21 @@ struct PlanOptions {
 // The OpPolicy of `selective_ops` (op kind names recomputed; empty: core attention).
 nn::OpPolicy selective_policy(const std::vector<std::string>& selective_ops);
 
+// What make_plan hears while it solves the optimal program (Note [Plan progress] in
+// planner.cc): the solve's number (1, 2, ...: the searches solve several times) and the
+// fraction of its table filled, a few dozen times per solve.
+struct PlanProgress {
+  int solve = 1;
+  double fraction = 0.0;
+};
+using PlanProgressFn = std::function<void(const PlanProgress&)>;
+
 // Builds the plan for the options' policy. Throws InvalidArgument for a policy that does
-// not apply to the chain (e.g. block_layers > blocks) or an infeasible budget.
-Plan make_plan(const PlanOptions& options, const ChainCosts& costs);
+// not apply to the chain (e.g. block_layers > blocks), an infeasible budget, or byte figures
+// whose sums would not fit 64 bits (Note [Checked sizes] in base/checked.h). `progress`, when
+// given, hears the optimal policy's solves.
+Plan make_plan(const PlanOptions& options, const ChainCosts& costs,
+               const PlanProgressFn& progress = {});
 
 // The smallest activation peak any schedule the optimal planner considers can reach (with
 // host holds when `offload` is enabled, partitioned ones when `partition` is): a bisection of
@@ -207,7 +220,8 @@ Schedule schedule_selective(const ChainCosts& costs);
 // placement]); its result then fits `budget_bytes` under predict(..., offload, partition).
 std::optional<Schedule> schedule_rotor(const ChainCosts& costs, size_t budget_bytes,
                                        const OffloadOptions& offload = {},
-                                       const PartitionOptions& partition = {});
+                                       const PartitionOptions& partition = {},
+                                       const PlanProgressFn& progress = {});
 
 // Marks host holds on a standard policy's schedule (Note [Offload placement]).
 void place_offload(Schedule& schedule, const ChainCosts& costs, int keep_last_on_device);

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -74,7 +76,7 @@ class Rotor {
  public:
   Rotor(const ChainCosts& costs, size_t budget_bytes, const RotorOptions& options)
       : costs_(costs), n_(costs.num_stages()), host_(options.host_holds),
-        depth_(options.prefetch_depth) {
+        depth_(options.prefetch_depth), share_runs_(options.share_runs) {
     const int64_t n3 = static_cast<int64_t>(n_) * n_ * n_;
     slots_ = static_cast<int>(std::clamp<int64_t>(50'000'000 / std::max<int64_t>(1, n3), 50, 500));
     slot_bytes_ = std::max<size_t>(1, (budget_bytes + slots_ - 1) / slots_);
@@ -135,15 +137,37 @@ class Rotor {
                                    : 0.0);
       can_host_.push_back(host_ && j > 0 && st.input_bytes > 0);
     }
-    cost_.assign(static_cast<size_t>(n_) * n_ * (m_ + 1), kInf);
+    index_runs();
+    cost_.assign(rows_ * static_cast<size_t>(m_ + 1), kInf);
     choice_.assign(cost_.size(), -1);
   }
 
-  std::optional<Schedule> solve() {
-    for (int len = 0; len < n_; ++len)
-      for (int s = 0; s + len < n_; ++s)
-        for (int m = 0; m <= m_; ++m) fill(s, s + len, m);
-    if (choice_[idx(0, n_ - 1, m_)] < 0) return std::nullopt;
+  // `progress`, when given, is called with the fraction of the table filled, about every
+  // 1/64 of it.
+  std::optional<Schedule> solve(const std::function<void(double)>& progress) {
+    // Note [Rotor runs]: only the canonical subproblems are solved, shortest first (each
+    // reads shorter ones only).
+    std::vector<std::pair<int, int>> pairs;
+    pairs.reserve(rows_);
+    for (int s = 0; s < n_; ++s)
+      for (int t = first_t_[s]; t < n_; ++t) pairs.emplace_back(s, t);
+    std::stable_sort(pairs.begin(), pairs.end(), [](const auto& x, const auto& y) {
+      return x.second - x.first < y.second - y.first;
+    });
+    // The work of a pair is about its length (the F_ck loop); report by that.
+    double total = 0.0, done = 0.0, next = 0.0;
+    for (const auto& [s, t] : pairs) total += 1.0 + (t - s);
+    for (const auto& [s, t] : pairs) {
+      fill(s, t);
+      done += 1.0 + (t - s);
+      if (progress && done >= next) {
+        progress(done / total);
+        next = done + total / 64.0;
+      }
+    }
+    if (choice_[locate(0, n_ - 1).first * static_cast<size_t>(m_ + 1) + static_cast<size_t>(m_)] < 0) {
+      return std::nullopt;
+    }
     Schedule out;
     out.num_stages = n_;
     emit(0, n_ - 1, m_, out.ops);
@@ -160,10 +184,55 @@ class Rotor {
   int64_t to_slots(size_t bytes) const {
     return static_cast<int64_t>((bytes + slot_bytes_ - 1) / slot_bytes_);
   }
-  size_t idx(int s, int t, int64_t m) const {
-    return (static_cast<size_t>(s) * n_ + t) * (m_ + 1) + static_cast<size_t>(m);
+  // Note [Rotor runs]
+  // The chain of a transformer is mostly one run of identical blocks. A ck subproblem C(s, t)
+  // (t < n-1) reads only the costs of stages s..t and indices relative to s (the recurrence
+  // above; the host and partitioned variants, which read absolute suffix times, exist only in
+  // the fresh context), so when s..t lie in one run of stages whose costs are all equal, C(s, t,
+  // m) = C(p, p + t - s, m) for the run's first stage p, with its F_ck choice i shifted by
+  // s - p: the same values, the same choices in the same order of consideration, so the same
+  // schedule as solving every (s, t). Only canonical subproblems are stored and solved: per s,
+  // t from first_t_[s] (s itself at a run's start; else past the run's end, or n-1) to n-1.
+  // With one run of L blocks that is about 3L rows instead of L^2 / 2, and O(L^2) work per
+  // budget instead of O(L^3).
+  bool same_stage(int j, int k) const {
+    auto same_opt = [](const Opt& x, const Opt& y) {
+      return x.available == y.available && x.fwd_peak == y.fwd_peak && x.saved == y.saved &&
+             x.rc_peak == y.rc_peak && x.rc_saved == y.rc_saved && x.f == y.f && x.r == y.r;
+    };
+    for (int o = 0; o < kNumSaveOptions; ++o)
+      if (!same_opt(opt_[o][j], opt_[o][k])) return false;
+    return in_[j] == in_[k] && b_[j] == b_[k] && part_[j] == part_[k] && slice_[j] == slice_[k] &&
+           staged_[j] == staged_[k] && copy_s_[j] == copy_s_[k] && gather_s_[j] == gather_s_[k] &&
+           can_host_[j] == can_host_[k];
   }
-  double at(int s, int t, int64_t m) const { return m < 0 ? kInf : cost_[idx(s, t, std::min<int64_t>(m, m_))]; }
+  void index_runs() {
+    run_start_.assign(static_cast<size_t>(n_), 0);
+    std::vector<int> run_end(static_cast<size_t>(n_), 0);
+    for (int j = 0; j < n_; ++j) {
+      run_start_[j] = share_runs_ && j > 0 && same_stage(j, j - 1) ? run_start_[j - 1] : j;
+    }
+    for (int j = n_ - 1; j >= 0; --j) run_end[j] = j + 1 < n_ && run_start_[j + 1] == run_start_[j] ? run_end[j + 1] : j;
+    first_t_.assign(static_cast<size_t>(n_), 0);
+    row_base_.assign(static_cast<size_t>(n_), 0);
+    rows_ = 0;
+    for (int s = 0; s < n_; ++s) {
+      first_t_[s] = run_start_[s] == s ? s : std::min(run_end[s] + 1, n_ - 1);
+      row_base_[s] = rows_;
+      rows_ += static_cast<size_t>(n_ - first_t_[s]);
+    }
+  }
+  // The row of C(s, t)'s canonical subproblem, and the shift from its stages to s..t.
+  std::pair<size_t, int> locate(int s, int t) const {
+    int shift = 0;
+    if (t < n_ - 1 && run_start_[s] == run_start_[t]) shift = s - run_start_[s];
+    const int cs = s - shift, ct = t - shift;
+    return {row_base_[cs] + static_cast<size_t>(ct - first_t_[cs]), shift};
+  }
+  const double* row(int s, int t) const {
+    return &cost_[locate(s, t).first * static_cast<size_t>(m_ + 1)];
+  }
+  double at(const double* r, int64_t m) const { return m < 0 ? kInf : r[std::min<int64_t>(m, m_)]; }
   int64_t stale(int s, int t) const { return t < n_ - 1 ? ck_prefix_[t + 1] - ck_prefix_[s] : 0; }
   // The input of C(j, t) alive after it when it was a ck leaf (see the Note).
   int64_t stale_cur(int j, int t) const { return j == t && t < n_ - 1 ? in_[j] : 0; }
@@ -182,103 +251,119 @@ class Rotor {
     return d2h + std::max(0.0, c + g - (b_prefix_[end] - b_prefix_[next]));
   }
 
-  void fill(int s, int t, int m) {
-    double best = kInf;
-    int pick = -1;
-    auto consider = [&](double c, int code) {
-      if (c < best) {
-        best = c;
-        pick = code;
+  // Every m of C(s, t) (a canonical pair, Note [Rotor runs]). For each m the candidates are
+  // considered in the recurrence's order (F_all's options with their variants, then F_ck(i)
+  // for i = s+1.. with theirs) and the first of the cheapest is kept; the loops run m inside
+  // each candidate family so that a subproblem's row is read in order.
+  void fill(int s, int t) {
+    const size_t base = locate(s, t).first * static_cast<size_t>(m_ + 1);
+    double* best = &cost_[base];
+    int* pick = &choice_[base];
+    auto consider = [&](int64_t m, double c, int code) {
+      if (c < best[m]) {
+        best[m] = c;
+        pick[m] = code;
       }
     };
     const int64_t a = in_[s];
     const int64_t st = stale(s, t);
     if (s == t) {
-      if (t == n_ - 1) {
-        for (int o = 0; o < kNumSaveOptions; ++o) {
-          const Opt& p = opt(o, s);
-          if (!p.available) continue;
-          int64_t need = a + std::max(p.fwd_peak, p.saved);
-          if (o != 0) need = std::max(need, a + p.saved + std::max(p.rc_peak, p.rc_saved));
-          if (need <= m) consider(p.f + (o != 0 ? p.r : 0.0) + b_[s], o);
+      for (int64_t m = 0; m <= m_; ++m) {
+        if (t == n_ - 1) {
+          for (int o = 0; o < kNumSaveOptions; ++o) {
+            const Opt& p = opt(o, s);
+            if (!p.available) continue;
+            int64_t need = a + std::max(p.fwd_peak, p.saved);
+            if (o != 0) need = std::max(need, a + p.saved + std::max(p.rc_peak, p.rc_saved));
+            if (need <= m) consider(m, p.f + (o != 0 ? p.r : 0.0) + b_[s], o);
+          }
+        } else {
+          const Opt& p = opt(2, s);
+          if (a + st + std::max(p.rc_peak, p.rc_saved) <= m) consider(m, p.r + b_[s], kLeafRecompute);
         }
-      } else {
-        const Opt& p = opt(2, s);
-        if (a + st + std::max(p.rc_peak, p.rc_saved) <= m) consider(p.r + b_[s], kLeafRecompute);
       }
-    } else {
-      // Host and partitioned variants only where a_s is not held yet: the fresh context (see
-      // the Note). A stashed hold's read-back stages g = staged_[s] (a_s, or the gathered copy
-      // of a partitionable one).
-      const bool host = can_host_[s] && t == n_ - 1;
-      const bool part = part_[s] && t == n_ - 1;
-      const int64_t g = staged_[s];
-      const int64_t sl = slice_[s];
+      return;
+    }
+    // Host and partitioned variants only where a_s is not held yet: the fresh context (see
+    // the Note). A stashed hold's read-back stages g = staged_[s] (a_s, or the gathered copy
+    // of a partitionable one).
+    const bool host = can_host_[s] && t == n_ - 1;
+    const bool part = part_[s] && t == n_ - 1;
+    const int64_t g = staged_[s];
+    const int64_t sl = slice_[s];
+    const double* next = row(s + 1, t);
+    for (int64_t m = 0; m <= m_; ++m) {
       for (int o = 0; o < kNumSaveOptions; ++o) {
         const Opt& p = opt(o, s);
         if (!p.available || a + st + p.fwd_peak > m) continue;
         const int64_t rc = o != 0 ? std::max(p.rc_peak + stale_cur(s + 1, t), p.rc_saved) : 0;
         const double own = p.f + (o != 0 ? p.r : 0.0) + b_[s];
         if (o == 0 || a + p.saved + rc <= m) {
-          const double sub = at(s + 1, t, m - a - p.saved);
-          if (sub < kInf) consider(own + sub, o);
+          const double sub = at(next, m - a - p.saved);
+          if (sub < kInf) consider(m, own + sub, o);
         }
         if (o == 0) continue;  // a keep forward holds nothing
         if (part && a + sl + st + p.fwd_peak <= m && g + p.saved + rc <= m &&
             g + sl + p.saved + stale_cur(s + 1, t) <= m) {
-          const double psub = at(s + 1, t, m - sl - p.saved);
-          if (psub < kInf) consider(own + psub + transfer_cost(s, s + 1, false), o | kPart);
+          const double psub = at(next, m - sl - p.saved);
+          if (psub < kInf) consider(m, own + psub + transfer_cost(s, s + 1, false), o | kPart);
         }
         if (host && g + p.saved + rc <= m) {
-          const double hsub = at(s + 1, t, m - p.saved);
-          if (hsub < kInf) consider(own + hsub + transfer_cost(s, s + 1, true), o | kHost);
-        }
-      }
-      double fwd = 0.0;
-      // The pass's peak with a_s held on device / on host / partitioned.
-      int64_t fneed = 0, hneed = 0, pneed = 0;
-      for (int i = s + 1; i <= t; ++i) {
-        const int j = i - 1;  // the last stage of the kCheckpoint pass
-        const Opt& p = opt(2, j);
-        if (!p.available) break;
-        fwd += p.f;
-        const int64_t rest = (ck_prefix_[j] - ck_prefix_[s]) + p.fwd_peak + st;
-        fneed = std::max(fneed, a + (j > s ? in_[j] : 0) + rest);
-        hneed = std::max(hneed, (j > s ? in_[j] : a) + rest);
-        pneed = std::max(pneed, (j > s ? in_[j] : a) + sl + rest);
-        const bool f_ok = fneed <= m;
-        const bool h_ok = host && hneed <= m;
-        const bool p_ok = part && pneed <= m;
-        if (!f_ok && !h_ok && !p_ok) break;
-        const int64_t ck = ck_prefix_[i] - ck_prefix_[s];
-        const double sub2 = at(s, i - 1, m - stale_cur(i, t));
-        // C(s, i-1) reads the staged copy, g - a_s more than it charges for a_s.
-        const double sub2_staged = g > a ? at(s, i - 1, m - stale_cur(i, t) - (g - a)) : sub2;
-        if (f_ok && sub2 < kInf) {
-          const double sub1 = at(i, t, m - a - ck);
-          if (sub1 < kInf) consider(fwd + sub1 + sub2, kCheckpointAt + i);
-        }
-        if (p_ok && sub2_staged < kInf) {
-          const double psub1 = at(i, t, m - sl - ck);
-          if (psub1 < kInf) {
-            consider(fwd + psub1 + sub2_staged + transfer_cost(s, i, false), (kCheckpointAt + i) | kPart);
-          }
-        }
-        if (h_ok && sub2_staged < kInf) {
-          const double hsub1 = at(i, t, m - ck);
-          if (hsub1 < kInf) {
-            consider(fwd + hsub1 + sub2_staged + transfer_cost(s, i, true), (kCheckpointAt + i) | kHost);
-          }
+          const double hsub = at(next, m - p.saved);
+          if (hsub < kInf) consider(m, own + hsub + transfer_cost(s, s + 1, true), o | kHost);
         }
       }
     }
-    cost_[idx(s, t, m)] = best;
-    choice_[idx(s, t, m)] = pick;
+    double fwd = 0.0;
+    // The pass's peak with a_s held on device / on host / partitioned. Each only grows with
+    // i, so a variant that does not fit an m at some i fits it at no later i.
+    int64_t fneed = 0, hneed = 0, pneed = 0;
+    for (int i = s + 1; i <= t; ++i) {
+      const int j = i - 1;  // the last stage of the kCheckpoint pass
+      const Opt& p = opt(2, j);
+      if (!p.available) break;
+      fwd += p.f;
+      const int64_t rest = (ck_prefix_[j] - ck_prefix_[s]) + p.fwd_peak + st;
+      fneed = std::max(fneed, a + (j > s ? in_[j] : 0) + rest);
+      hneed = std::max(hneed, (j > s ? in_[j] : a) + rest);
+      pneed = std::max(pneed, (j > s ? in_[j] : a) + sl + rest);
+      int64_t lowest = fneed;
+      if (host) lowest = std::min(lowest, hneed);
+      if (part) lowest = std::min(lowest, pneed);
+      if (lowest > m_) break;
+      const int64_t ck = ck_prefix_[i] - ck_prefix_[s];
+      const int64_t sc = stale_cur(i, t);
+      const double* sub2_row = row(s, i - 1);
+      const double* sub1_row = row(i, t);
+      const double tc_part = part ? transfer_cost(s, i, false) : 0.0;
+      const double tc_host = host ? transfer_cost(s, i, true) : 0.0;
+      for (int64_t m = std::max<int64_t>(0, lowest); m <= m_; ++m) {
+        const bool f_ok = fneed <= m;
+        const bool h_ok = host && hneed <= m;
+        const bool p_ok = part && pneed <= m;
+        const double sub2 = at(sub2_row, m - sc);
+        // C(s, i-1) reads the staged copy, g - a_s more than it charges for a_s.
+        const double sub2_staged = g > a ? at(sub2_row, m - sc - (g - a)) : sub2;
+        if (f_ok && sub2 < kInf) {
+          const double sub1 = at(sub1_row, m - a - ck);
+          if (sub1 < kInf) consider(m, fwd + sub1 + sub2, kCheckpointAt + i);
+        }
+        if (p_ok && sub2_staged < kInf) {
+          const double psub1 = at(sub1_row, m - sl - ck);
+          if (psub1 < kInf) consider(m, fwd + psub1 + sub2_staged + tc_part, (kCheckpointAt + i) | kPart);
+        }
+        if (h_ok && sub2_staged < kInf) {
+          const double hsub1 = at(sub1_row, m - ck);
+          if (hsub1 < kInf) consider(m, fwd + hsub1 + sub2_staged + tc_host, (kCheckpointAt + i) | kHost);
+        }
+      }
+    }
   }
 
   void emit(int s, int t, int64_t m, std::vector<ScheduleOp>& ops) const {
     m = std::min<int64_t>(m, m_);
-    const int code = choice_[idx(s, t, m)];
+    const auto [r, shift] = locate(s, t);
+    const int code = choice_[r * static_cast<size_t>(m_ + 1) + static_cast<size_t>(m)];
     PORTER_ASSERT(code >= 0, "rotor: no choice for C(", s, ", ", t, ", ", m, ")");
     const bool host = (code & kHost) != 0;
     const bool part = (code & kPart) != 0;
@@ -298,7 +383,7 @@ class Rotor {
       if (o != SaveOption::kKeep) ops.push_back(ScheduleOp::recompute(s));
       ops.push_back(ScheduleOp::backward(s));
     } else {
-      const int i = c - kCheckpointAt;
+      const int i = c - kCheckpointAt + shift;  // Note [Rotor runs]
       for (int j = s; j < i; ++j) {
         ops.push_back(ScheduleOp::forward(j, SaveOption::kCheckpoint, j == s, j == s && host, j == s && sliced));
       }
@@ -311,6 +396,7 @@ class Rotor {
   int n_;
   bool host_ = false;  // host variants (offload on)
   int depth_ = 1;      // prefetch depth
+  bool share_runs_ = true;
   int slots_ = 0;
   size_t slot_bytes_ = 1;
   int m_ = 0;  // the budget in slots
@@ -328,6 +414,11 @@ class Rotor {
   std::vector<int64_t> staged_;     // slots of a_j's staged read-back (the gathered copy when
                                     // partitionable, else in_[j])
   std::vector<double> gather_s_;    // (t-1) x slice / tp link (0 without times or tp link)
+  // Note [Rotor runs]: the canonical subproblems' rows, m_ + 1 entries each.
+  std::vector<int> run_start_;      // the first stage of j's run of identical stages
+  std::vector<int> first_t_;        // the first t of s's rows
+  std::vector<size_t> row_base_;    // the row of C(s, first_t_[s])
+  size_t rows_ = 0;
   std::vector<double> cost_;
   std::vector<int> choice_;
 };
@@ -335,11 +426,12 @@ class Rotor {
 }  // namespace
 
 std::optional<Schedule> solve_rotor(const ChainCosts& costs, size_t limit_bytes,
-                                    const RotorOptions& options) {
+                                    const RotorOptions& options,
+                                    const std::function<void(double)>& progress) {
   PORTER_CHECK(costs.num_stages() >= 1, "solve_rotor: the chain has no stages");
   PORTER_CHECK(options.prefetch_depth >= 0, "solve_rotor: prefetch depth ", options.prefetch_depth,
                " must be >= 0");
-  return Rotor(costs, limit_bytes, options).solve();
+  return Rotor(costs, limit_bytes, options).solve(progress);
 }
 
 }  // namespace porter::checkpoint

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 
 #include "checkpoint/costs.h"
@@ -24,6 +25,9 @@ struct RotorOptions {
   int partition_ways = 1;
   size_t partition_min_bytes = 0;
   double tp_bytes_per_s = 0.0;    // the tp link; 0: gathers cost nothing
+  // Solve a run of identical stages' subproblems once (Note [Rotor runs] in rotor.cc): the
+  // same schedule either way; false solves every subproblem, for tests that compare.
+  bool share_runs = true;
 };
 
 // The schedule of least compute (time with times, else FLOPs, else stage runs) whose
@@ -31,7 +35,9 @@ struct RotorOptions {
 // does. Without host or partitioned holds the simulator finds it within the limit too; with
 // them it may not, since staging ahead of a use is not charged (the planner's schedule_rotor
 // retries).
+// `progress`, when given, hears the fraction of the program solved (0..1], a few dozen times.
 std::optional<Schedule> solve_rotor(const ChainCosts& costs, size_t limit_bytes,
-                                    const RotorOptions& options = {});
+                                    const RotorOptions& options = {},
+                                    const std::function<void(double)>& progress = {});
 
 }  // namespace porter::checkpoint

@@ -44,7 +44,8 @@ TransformerDims dims_of(const TransformerShape& shape) {
   d.h = static_cast<size_t>(m.heads);
   d.v = static_cast<size_t>(m.vocab);
   d.dt = tensor::dtype_size(shape.compute_dtype);
-  d.n = d.b * d.t;
+  d.n = checked_product({{"micro-batch (train_micro_batch_size_per_gpu)", d.b}, {"porter.model.seq_len", d.t}},
+                        "the token rows of a micro-batch");
   d.tp = static_cast<size_t>(m.tensor_parallel);
   d.sp = m.sequence_parallel && d.tp > 1;
   PORTER_CHECK(!d.sp || d.n % d.tp == 0, "sequence parallelism: ", d.b, " x ", d.t,
@@ -58,9 +59,27 @@ TransformerDims dims_of(const TransformerShape& shape) {
   d.device = shape.device;
   // Note [Architecture spec]: the key/value heads and the MLP width are the spec's.
   const ArchSpec& spec = arch_spec(m.type);
-  d.kvs = static_cast<size_t>(spec.kv_heads(m)) * (d.c / d.h) / d.tp;
+  d.kvs = checked_product({{"porter.model.kv_heads", static_cast<size_t>(spec.kv_heads(m))},
+                           {"head dim (porter.model.hidden / heads)", d.c / d.h}},
+                          "a block's key/value channels") /
+          d.tp;
   d.fs = static_cast<size_t>(spec.intermediate(m)) / d.tp;
+  // Note [Checked sizes]: the largest tensors first, so that an overflow names their keys
+  // rather than a sum's.
+  (void)d.probs();
+  (void)d.logits();
+  (void)d.mlp();
+  (void)d.kv_col();
+  (void)d.res();
   return d;
+}
+
+std::string TransformerDims::shape_terms() const {
+  return "micro-batch " + std::to_string(b) + ", porter.model.seq_len " + std::to_string(t) +
+         ", porter.model.hidden " + std::to_string(c) + ", porter.model.heads " + std::to_string(h) +
+         ", porter.model.vocab " + std::to_string(v) + ", MLP width " + std::to_string(fs * tp) +
+         ", porter.model.tensor_parallel " + std::to_string(tp) + ", " + std::to_string(dt) +
+         " bytes per element";
 }
 
 int column_linear_backward(WorkspaceTrace& w, const TransformerDims& d, size_t x_bytes) {
@@ -109,7 +128,7 @@ StageGraph embedding_graph(const TransformerDims& d) {
 // one), the projection and the loss.
 StageGraph head_graph(const TransformerDims& d, Norm norm) {
   GraphBuilder gb;
-  const size_t st = d.stat(), logits_bytes = d.n * d.vs * d.dt;
+  const size_t st = d.stat(), logits_bytes = d.logits();
   const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
   const bool rms = norm == Norm::kRmsNorm;
   Ref lnf = rms ? gb.op(nn::OpKind::kLayerNorm, {d.res(), st}, {kStageInput, kExternal})
@@ -124,7 +143,8 @@ StageGraph head_graph(const TransformerDims& d, Norm norm) {
   std::vector<Ref> norm_saves = {lnf, GraphBuilder::slot(lnf, 1)};
   if (!rms) norm_saves.push_back(GraphBuilder::slot(lnf, 2));
   if (d.tp == 1) {
-    loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExternal}, 0.0, d.n * 4 + sum_ws);
+    loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExternal}, 0.0,
+                 checked_add(d.times(4, d.n), sum_ws, "the loss's workspace", d.shape_terms()));
     g.saves = {kStageInput};
     g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
     g.saves.insert(g.saves.end(), {logits, kExternal});
@@ -132,8 +152,10 @@ StageGraph head_graph(const TransformerDims& d, Norm norm) {
     // Vocabulary-parallel: the loss and the rows' log-sum-exp (N) f32, which backward reads;
     // inside, this rank's (max, sum of exp, target logit) per row, every rank's gathered, and
     // the losses.
-    loss = gb.op(nn::OpKind::kLoss, {4, d.n * 4}, {logits, kExternal}, 0.0,
-                 d.n * 12 + d.tp * d.n * 12 + d.n * 4 + sum_ws);
+    // (1 + tp) x 12 + 4 bytes per row, and the partials.
+    const size_t per_row = d.times(12, d.tp + 1) + 4;
+    loss = gb.op(nn::OpKind::kLoss, {4, d.times(4, d.n)}, {logits, kExternal}, 0.0,
+                 checked_add(d.times(per_row, d.n), sum_ws, "the loss's workspace", d.shape_terms()));
     g.saves = {kStageInput};
     g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
     g.saves.insert(g.saves.end(), {logits, kExternal, GraphBuilder::slot(loss, 1)});
@@ -145,9 +167,37 @@ StageGraph head_graph(const TransformerDims& d, Norm norm) {
   w.alloc(logits_bytes);                  // dlogits
   column_linear_backward(w, d, d.res());  // dlnf
   w.alloc(d.res());                       // dx
-  if (d.sp) w.alloc((rms ? 1 : 2) * d.c * 4);  // RowPartialGrads of the final norm
+  if (d.sp) w.alloc(d.times((rms ? 1 : 2) * 4, d.c));  // RowPartialGrads of the final norm
   g.backward_workspace_peak = w.peak();
   return g;
+}
+
+// Note [Checked sizes] for a stage graph: the replay (checkpoint::evaluate) sums the graph's
+// outputs and adds an op's workspace to them, so if everything the graph allocates fits, so
+// does every figure it derives.
+const StageGraph& checked_graph(const StageGraph& g, const TransformerDims& d, const char* stage) {
+  const std::string terms = d.shape_terms();
+  CheckedSum total(stage);
+  for (const checkpoint::GraphOp& op : g.ops) {
+    for (size_t bytes : op.out_bytes) total.add(bytes, terms);
+    total.add(op.workspace_bytes, terms);
+  }
+  total.add(g.backward_workspace_peak, terms);
+  return g;
+}
+
+// Everything one stage's figures can add up to at once: its input and output, its backward
+// workspace and every figure of every option. A chain whose stages' bounds sum within 64 bits
+// has every peak, sum and delta the planner and the simulator form within them too.
+size_t stage_bound(const checkpoint::StageCost& st, const std::string& terms) {
+  CheckedSum b("one stage's activations");
+  b.add(st.input_bytes, terms).add(st.output_bytes, terms).add(st.backward_total_peak_bytes, terms);
+  for (const OptionCost& o : st.options) {
+    b.add(o.forward_peak_bytes, terms).add(o.forward_total_peak_bytes, terms).add(o.saved_bytes, terms);
+    b.add(o.recompute_peak_bytes, terms).add(o.recompute_total_peak_bytes, terms);
+    b.add(o.recompute_saved_bytes, terms);
+  }
+  return b.value();
 }
 
 }  // namespace
@@ -156,19 +206,34 @@ checkpoint::ChainCosts analytic_transformer_costs(const TransformerShape& shape,
                                                   const nn::OpPolicy& selective) {
   const TransformerDims d = dims_of(shape);
   const ArchSpec& spec = arch_spec(shape.model.type);
+  const std::string terms = d.shape_terms();
   checkpoint::ChainCosts costs;
   costs.source = "analytic";
   costs.selective_ops = selective.to_string();
   StageGraph emb = embedding_graph(d);
-  costs.stages.push_back(checkpoint::stage_cost("embedding", false, 0, emb, selective));
+  costs.stages.push_back(checkpoint::stage_cost("embedding", false, 0, checked_graph(emb, d, "the embedding"),
+                                                selective));
   StageGraph blk = spec.block_graph(d);
-  const checkpoint::StageCost block = checkpoint::stage_cost("block", true, d.res(), blk, selective);
-  for (int64_t l = 0; l < shape.model.layers; ++l) {
+  const checkpoint::StageCost block =
+      checkpoint::stage_cost("block", true, d.res(), checked_graph(blk, d, "a block"), selective);
+  StageGraph head = head_graph(d, spec.norm());
+  checkpoint::StageCost head_cost =
+      checkpoint::stage_cost("head", false, d.res(), checked_graph(head, d, "the head"), selective);
+  // The whole chain's bound (stage_bound): L blocks and the two ends.
+  const auto layers = static_cast<size_t>(shape.model.layers);
+  const size_t blocks = checked_mul(
+      layers, stage_bound(block, terms), "the activations of every block",
+      "porter.model.layers " + std::to_string(layers) + " x one block's " +
+          std::to_string(stage_bound(block, terms)) + " bytes (" + terms + ")");
+  CheckedSum chain("the activations of the chain");
+  chain.add(blocks, terms).add(stage_bound(costs.stages.front(), terms), terms);
+  chain.add(stage_bound(head_cost, terms), terms);
+  costs.stages.reserve(layers + 2);
+  for (size_t l = 0; l < layers; ++l) {
     costs.stages.push_back(block);
     costs.stages.back().name = "block." + std::to_string(l);
   }
-  StageGraph head = head_graph(d, spec.norm());
-  costs.stages.push_back(checkpoint::stage_cost("head", false, d.res(), head, selective));
+  costs.stages.push_back(std::move(head_cost));
   return costs;
 }
 
@@ -185,11 +250,21 @@ size_t none_peak_bytes(const TransformerShape& shape) {
   auto keep = [](const StageGraph& g) {
     return checkpoint::evaluate(g, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all()).cost;
   };
-  const OptionCost e = keep(emb), b = keep(blk), h = keep(head);
+  const std::string terms = d.shape_terms();
+  const OptionCost e = keep(checked_graph(emb, d, "the embedding"));
+  const OptionCost b = keep(checked_graph(blk, d, "a block"));
+  const OptionCost h = keep(checked_graph(head, d, "the head"));
   const size_t r = d.res();
-  const size_t before_last = (L - 1) * (b.saved_bytes + r) + r;
-  return std::max({e.forward_peak_bytes, before_last + b.forward_peak_bytes,
-                   L * (b.saved_bytes + r) + r + h.forward_peak_bytes});
+  const size_t per_block = checked_add(b.saved_bytes, r, "a block's tape and input", terms);
+  auto blocks = [&](size_t count) {
+    return checked_mul(count, per_block, "the none policy's peak",
+                       "porter.model.layers " + std::to_string(L) + " x one block's " +
+                           std::to_string(per_block) + " bytes (" + terms + ")");
+  };
+  CheckedSum before_last("the none policy's peak"), last("the none policy's peak");
+  before_last.add(blocks(L - 1), terms).add(r, terms).add(b.forward_peak_bytes, terms);
+  last.add(blocks(L), terms).add(r, terms).add(h.forward_peak_bytes, terms);
+  return std::max({e.forward_peak_bytes, before_last.value(), last.value()});
 }
 
 double korthikanti_layer_bytes(const TransformerShape& shape) {
@@ -205,19 +280,25 @@ double korthikanti_layer_bytes(const TransformerShape& shape) {
 size_t layer_bytes(const TransformerShape& shape) {
   const TransformerDims d = dims_of(shape);
   const StageGraph blk = arch_spec(shape.model.type).block_graph(d);
-  return checkpoint::evaluate(blk, nn::SaveMode::kSaveAll, nn::OpPolicy::keep_all())
-             .cost.saved_bytes +
-         d.res();
+  return checked_add(checkpoint::evaluate(checked_graph(blk, d, "a block"), nn::SaveMode::kSaveAll,
+                                          nn::OpPolicy::keep_all())
+                         .cost.saved_bytes,
+                     d.res(), "a block's activations", d.shape_terms());
 }
 
 ModelStateBytes model_state_bytes(const config::ModelConfig& model, tensor::DType compute_dtype) {
   // Rank 0's layout (every rank's has its size); allocates nothing.
   const Transformer transformer(model);
   const size_t p = static_cast<size_t>(transformer.layout().total_elems());
+  const std::string elems = "the model's " + std::to_string(p) + " parameter elements (porter.model.layers " +
+                            std::to_string(model.layers) + ", hidden " + std::to_string(model.hidden) +
+                            ", vocab " + std::to_string(model.vocab) + ")";
+  const char* what = "the model states";
   ModelStateBytes m;
-  m.params = p * tensor::dtype_size(compute_dtype);
-  m.grads = p * 4;
-  m.optimizer = p * 4 * 2 + (compute_dtype == tensor::DType::kF32 ? 0 : p * 4);
+  m.params = checked_mul(p, tensor::dtype_size(compute_dtype), what, elems + " x bytes per element");
+  m.grads = checked_mul(p, 4, what, elems + " x 4 bytes (f32)");
+  m.optimizer = checked_mul(p, compute_dtype == tensor::DType::kF32 ? 8 : 12, what,
+                            elems + " x the optimizer's bytes per element");
   return m;
 }
 

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
+#include "base/checked.h"
 #include "checkpoint/analytic.h"
 #include "checkpoint/costs.h"
 #include "config/config.h"
@@ -34,7 +36,9 @@ struct TransformerShape {
 
 // The sizes of one tensor-parallel rank's tensors (Note [GPT tensor parallelism] in
 // models/transformer.h), which the stage graphs are written in. At tp 1 every per-rank size
-// is the whole one.
+// is the whole one. Every byte count below is a checked product (Note [Checked sizes] in
+// base/checked.h): one that does not fit 64 bits throws InvalidArgument naming the config keys
+// it is made of.
 struct TransformerDims {
   size_t b, t, c, h, v, dt, n;  // n = b * t rows
   size_t tp;                    // ranks of the tensor-parallel group
@@ -47,16 +51,51 @@ struct TransformerDims {
   memory::DeviceKind device;
   size_t kvs = 0;               // this rank's key/value channels Hkv * D / tp
   size_t fs = 0;                // this rank's MLP width F / tp
-  size_t kv_col() const { return n * kvs * dt; }  // (B, T, Hkv D / tp)
-  size_t mlp() const { return n * fs * dt; }      // (B, T, F / tp)
-  size_t whole() const { return n * c * dt; }     // a (B, T, C) activation, A
-  size_t res() const { return rows * c * dt; }    // the residual stream's rows here
-  size_t col() const { return n * cs * dt; }      // (B, T, C / tp): this rank's channels
-  size_t stat() const { return rows * 4; }        // a norm's mean or rstd (f32)
-  size_t probs() const { return b * hs * t * t * 4; }
+  size_t kv_col() const {  // (B, T, Hkv D / tp)
+    return checked_product({kB(), kT(), {"porter.model.kv_heads x head dim / tensor_parallel", kvs}, kDt()},
+                           "a block's key/value projection");
+  }
+  size_t mlp() const {  // (B, T, F / tp)
+    return checked_product({kB(), kT(), {"porter.model.intermediate / tensor_parallel", fs}, kDt()},
+                           "a block's MLP activation");
+  }
+  size_t whole() const {  // a (B, T, C) activation, A
+    return checked_product({kB(), kT(), {"porter.model.hidden", c}, kDt()}, "a (B, T, C) activation");
+  }
+  size_t res() const {  // the residual stream's rows here
+    return sp ? checked_product({{"token rows per sequence-parallel rank", rows}, {"porter.model.hidden", c}, kDt()},
+                                "the residual stream")
+              : whole();
+  }
+  size_t col() const {  // (B, T, C / tp): this rank's channels
+    return checked_product({kB(), kT(), {"porter.model.hidden / tensor_parallel", cs}, kDt()},
+                           "a (B, T, C / tp) activation");
+  }
+  size_t stat() const {  // a norm's mean or rstd (f32)
+    return checked_product({{"token rows", rows}, {"bytes (f32)", 4}}, "a norm's statistics");
+  }
+  size_t probs() const {
+    return checked_product({kB(), {"porter.model.heads / tensor_parallel", hs}, kT(), kT(), {"bytes (f32)", 4}},
+                           "the attention probabilities (B, H / tp, T, T) of one block");
+  }
+  size_t logits() const {  // (B, T, V / tp)
+    return checked_product({kB(), kT(), {"porter.model.vocab / tensor_parallel", vs}, kDt()},
+                           "the logits (B, T, V / tp)");
+  }
   // Inside a sequence-parallel matmul: its gathered input (column-parallel) or its partial
   // output (row-parallel), both (N, C).
   size_t sp_gather() const { return sp ? whole() : 0; }
+  // k x `bytes`, checked; for the graphs' fixed multiples (3 u for qkv, 4 u for the MLP).
+  size_t times(size_t k, size_t bytes) const {
+    return checked_mul(k, bytes, "a block's activations", shape_terms());
+  }
+  // Every shape key with its value, for an overflow message that cannot name fewer.
+  std::string shape_terms() const;
+
+ private:
+  SizeFactor kB() const { return {"micro-batch (train_micro_batch_size_per_gpu)", b}; }
+  SizeFactor kT() const { return {"porter.model.seq_len", t}; }
+  SizeFactor kDt() const { return {"bytes per element", dt}; }
 };
 
 TransformerDims dims_of(const TransformerShape& shape);

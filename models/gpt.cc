@@ -78,7 +78,7 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   const double cs = static_cast<double>(d.cs);
   const double ncs = static_cast<double>(d.n) * cs;
   Ref ln1 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {kStageInput, kExternal, kExternal});
-  Ref qkv = gb.op(nn::OpKind::kMatmul, {3 * u}, {ln1, kExternal, kExternal}, 2.0 * nc * 3.0 * cs,
+  Ref qkv = gb.op(nn::OpKind::kMatmul, {d.times(3, u)}, {ln1, kExternal, kExternal}, 2.0 * nc * 3.0 * cs,
                   d.sp_gather());
   // The kernel's scratch is workspace inside the op (Note [Kernel workspace]).
   Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
@@ -87,8 +87,8 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   Ref proj = gb.op(nn::OpKind::kMatmul, {r}, {att, kExternal, kExternal}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kStageInput, gb.dropout(proj, r, d.drop, true)});
   Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {x2, kExternal, kExternal});
-  Ref h = gb.op(nn::OpKind::kMatmul, {4 * u}, {ln2, kExternal, kExternal}, 8.0 * nc * cs, d.sp_gather());
-  Ref gl = gb.op(nn::OpKind::kGelu, {4 * u}, {h});
+  Ref h = gb.op(nn::OpKind::kMatmul, {d.times(4, u)}, {ln2, kExternal, kExternal}, 8.0 * nc * cs, d.sp_gather());
+  Ref gl = gb.op(nn::OpKind::kGelu, {d.times(4, u)}, {h});
   Ref f = gb.op(nn::OpKind::kMatmul, {r}, {gl, kExternal, kExternal}, 8.0 * nc * cs, d.sp_gather());
   Ref y = gb.op(nn::OpKind::kAdd, {r}, {x2, gb.dropout(f, r, d.drop, true)});
   StageGraph& g = gb.graph();
@@ -102,11 +102,11 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   g.output = y;
   // GptBlock::backward (docs/memory-model.md, "porter's GPT, op by op").
   WorkspaceTrace w;
-  if (d.sp) w.alloc(4 * d.c * 4);  // RowPartialGrads: the layernorms' f32 partial gradients
+  if (d.sp) w.alloc(d.times(16, d.c));  // RowPartialGrads: the layernorms' f32 partial gradients
   const int df = dropout_backward(w, d, r);
-  const int dg = row_linear_backward(w, d, 4 * u);
+  const int dg = row_linear_backward(w, d, d.times(4, u));
   w.free(df);
-  const int dh = w.alloc(4 * u);
+  const int dh = w.alloc(d.times(4, u));
   w.free(dg);
   column_linear_backward(w, d, r);  // dln2
   w.free(dh);
@@ -114,7 +114,7 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   const int dproj = dropout_backward(w, d, r);
   const int datt = row_linear_backward(w, d, u);
   w.free(dproj);
-  const int dqkv = w.alloc(3 * u);
+  const int dqkv = w.alloc(d.times(3, u));
   w.transient(kernels::attention_backward_workspace_bytes(d.device, attention_call(d)));
   w.free(datt);
   column_linear_backward(w, d, r);  // dln1

@@ -85,7 +85,7 @@ StageGraph LlamaSpec::block_graph(const TransformerDims& d) const {
   Ref q = gb.op(nn::OpKind::kMatmul, {u}, proj_in, 2.0 * nc * cs, d.sp_gather());
   Ref k = gb.op(nn::OpKind::kMatmul, {kvb}, proj_in, 2.0 * nc * kvs, d.sp_gather());
   Ref v = gb.op(nn::OpKind::kMatmul, {kvb}, proj_in, 2.0 * nc * kvs, d.sp_gather());
-  Ref qkv = gb.op(nn::OpKind::kOther, {3 * u}, {q, k, v});
+  Ref qkv = gb.op(nn::OpKind::kOther, {d.times(3, u)}, {q, k, v});
   // The forward drops q, k and v once the rotary op has read them.
   for (Ref t : {q, k, v}) gb.graph().ops[t.op].dies_after = qkv.op;
   Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
@@ -105,7 +105,7 @@ StageGraph LlamaSpec::block_graph(const TransformerDims& d) const {
   g.output = y;
   // LlamaBlock::backward.
   WorkspaceTrace w;
-  if (d.sp) w.alloc(2 * d.c * 4);  // RowPartialGrads: the two RMSNorms' f32 partial gradients
+  if (d.sp) w.alloc(d.times(8, d.c));  // RowPartialGrads: the two RMSNorms' f32 partial gradients
   const int df = dropout_backward(w, d, r);
   const int da = row_linear_backward(w, d, fb);
   w.free(df);
@@ -122,7 +122,7 @@ StageGraph LlamaSpec::block_graph(const TransformerDims& d) const {
   const int dproj = dropout_backward(w, d, r);
   const int datt = row_linear_backward(w, d, u);
   w.free(dproj);
-  const int dqkv = w.alloc(3 * u);
+  const int dqkv = w.alloc(d.times(3, u));
   w.transient(kernels::attention_backward_workspace_bytes(d.device, attention_call(d)));
   w.free(datt);
   const int dq = w.alloc(u);

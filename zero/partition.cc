@@ -2,8 +2,10 @@
 #include "zero/partition.h"
 
 #include <algorithm>
+#include <string>
 
 #include "base/check.h"
+#include "base/checked.h"
 #include "memory/pinned_pool.h"
 #include "nn/layer.h"
 
@@ -16,7 +18,12 @@ Partition make_partition(int64_t total_elems, int world_size) {
   p.total_elems = total_elems;
   p.world_size = world_size;
   const int64_t unit = static_cast<int64_t>(world_size) * nn::kParamAlignElems;
-  p.padded_elems = (total_elems + unit - 1) / unit * unit;
+  // Note [Checked sizes]: the padding cannot wrap.
+  const size_t units = static_cast<size_t>(total_elems / unit + (total_elems % unit != 0 ? 1 : 0));
+  p.padded_elems = static_cast<int64_t>(checked_mul(
+      units, static_cast<size_t>(unit), "the flat parameter buffer",
+      "the model's " + std::to_string(total_elems) + " parameter elements padded to " +
+          std::to_string(world_size) + " shards"));
   p.shard_elems = p.padded_elems / world_size;
   return p;
 }
@@ -26,10 +33,22 @@ StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes&
                zero_stage);
   const auto full = static_cast<size_t>(part.padded_elems);
   const auto shard = static_cast<size_t>(part.shard_elems);
+  // Note [Checked sizes]: each figure and their total (StateBytes::total) fit 64 bits.
+  auto bytes = [&](size_t per_elem, bool sharded, const char* what) {
+    const size_t elems = sharded ? shard : full;
+    return checked_mul(elems, per_elem, what,
+                       std::to_string(elems) + " parameter elements per rank (ZeRO stage " +
+                           std::to_string(zero_stage) + ") x " + std::to_string(per_elem) +
+                           " bytes");
+  };
   StateBytes b;
-  b.params = dtypes.param_bytes() * (zero_stage >= 3 ? shard : full);
-  b.grads = dtypes.grad_bytes() * (zero_stage >= 2 ? shard : full);
-  b.optimizer = dtypes.optimizer_bytes() * (zero_stage >= 1 ? shard : full);
+  b.params = bytes(dtypes.param_bytes(), zero_stage >= 3, "the parameters");
+  b.grads = bytes(dtypes.grad_bytes(), zero_stage >= 2, "the gradients");
+  b.optimizer = bytes(dtypes.optimizer_bytes(), zero_stage >= 1, "the optimizer state");
+  CheckedSum("the model states per rank")
+      .add(b.params, "params + grads + optimizer")
+      .add(b.grads, "params + grads + optimizer")
+      .add(b.optimizer, "params + grads + optimizer");
   return b;
 }
 
@@ -41,20 +60,29 @@ HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const Sta
   PORTER_CHECK(!optimizer_offload || zero_stage >= 1, "optimizer offload needs ZeRO stage 1-3");
   const auto n = static_cast<size_t>(part.shard_elems);
   const auto h = static_cast<size_t>(offloaded_elems(part.shard_elems, ratio));
-  auto array = [&](size_t bytes, bool pinned) {
+  // Note [Checked sizes]: elements x bytes, rounded up to the pinned granularity, and the total.
+  auto array = [&](size_t elems, size_t per_elem, bool pinned) {
     constexpr size_t g = memory::PinnedPool::kGranularity;
-    return pinned ? (bytes + g - 1) / g * g : bytes;
+    const std::string terms = std::to_string(elems) + " offloaded elements per rank x " +
+                              std::to_string(per_elem) + " bytes";
+    const size_t bytes = checked_mul(elems, per_elem, "the host's model states", terms);
+    return pinned ? checked_add(bytes, g - 1, "the host's model states", terms) / g * g : bytes;
   };
   HostStateBytes b;
   if (optimizer_offload) {
-    b.optimizer = 3 * array(4 * h, optimizer_pinned);
-    b.grads = array(4 * h, optimizer_pinned);
+    b.optimizer = checked_mul(3, array(h, 4, optimizer_pinned), "the host's optimizer state",
+                              "3 arrays of " + std::to_string(h) + " f32 elements");
+    b.grads = array(h, 4, optimizer_pinned);
   }
   if (param_offload) {
-    b.params = array(dtypes.param_bytes() * n, param_pinned);
+    b.params = array(n, dtypes.param_bytes(), param_pinned);
   } else if (optimizer_offload) {
-    b.params = array(dtypes.param_bytes() * h, optimizer_pinned);
+    b.params = array(h, dtypes.param_bytes(), optimizer_pinned);
   }
+  CheckedSum("the host's model states per rank")
+      .add(b.optimizer, "optimizer + grads + params")
+      .add(b.grads, "optimizer + grads + params")
+      .add(b.params, "optimizer + grads + params");
   return b;
 }
 
