@@ -62,12 +62,14 @@ class MemoryPageBrowser : public ::testing::Test {
 
   // `porter train` on the demo config for 2 steps, from the repository root (its data paths
   // are relative to it): the page and the report.
-  void train_page() {
+  void train_page(const std::vector<std::string>& more = {}) {
     const fs::path cwd = fs::current_path();
     fs::current_path(PORTER_SOURCE_DIR);
-    const testing::CliRun r = testing::porter(
-        {"train", "--config", "examples/gpt-tiny.json", "--steps", "2", "--memory-page",
-         page_.string(), "--report", report_.string()});
+    std::vector<std::string> args = {"train", "--config", "examples/gpt-tiny.json", "--steps", "2",
+                                     "--memory-page", page_.string(), "--report",
+                                     report_.string()};
+    args.insert(args.end(), more.begin(), more.end());
+    const testing::CliRun r = testing::porter(args);
     fs::current_path(cwd);
     ASSERT_EQ(r.rc, 0) << r.err;
     ASSERT_TRUE(testing::contains(r.out, "memory page: " + page_.string())) << r.out;
@@ -105,6 +107,71 @@ TEST_F(MemoryPageBrowser, ScriptDrawsTheReportsMeasuredPeak) {
   EXPECT_EQ(dom.find("id=\"chart-static\""), std::string::npos);
   EXPECT_NE(dom.find("id=\"lanes-svg\""), std::string::npos);
   EXPECT_NE(dom.find("<table class=\"peak\">"), std::string::npos);
+  EXPECT_EQ(body_attribute(dom, "data-clipped"), "");
+}
+
+// The page's data, from its JSON island.
+nlohmann::json page_json(const std::string& html) {
+  const std::string open = R"(<script type="application/json" id="porter-data">)";
+  const size_t begin = html.find(open);
+  if (begin == std::string::npos) return nullptr;
+  const size_t end = html.find("</script>", begin);
+  return nlohmann::json::parse(html.substr(begin + open.size(), end - begin - open.size()));
+}
+
+// Every text of every chart lies inside its SVG, as the browser lays it out (the page's
+// script measures each text's box against its SVG's view box): with two micro-batches and
+// the full policy (every stage holds its input) the checkpoint lanes are named
+// "embedding #0", ..., right-aligned left of the time axis. The drawn y-axis is the data's.
+TEST_F(MemoryPageBrowser, LabelsAreNotClipped) {
+  train_page({"--set", "gradient_accumulation_steps=2", "--set",
+              "porter.checkpointing={\"policy\": \"full\"}"});
+  const nlohmann::json data = page_json(read_file(page_));
+  ASSERT_TRUE(data.is_object());
+  bool long_name = false;
+  for (const auto& life : data["checkpoints"]) long_name |= life["name"] == "embedding";
+  ASSERT_TRUE(long_name) << data["checkpoints"].dump();
+  const std::string dom = browse({"--window-size=1400,900", "--dump-dom"}, page_.string());
+  ASSERT_EQ(body_attribute(dom, "data-status"), "ok") << dom.substr(0, 2000);
+  EXPECT_NE(dom.find(">embedding #0</text>"), std::string::npos);
+  EXPECT_EQ(body_attribute(dom, "data-clipped"), "");
+  const double y_max = data["chart"]["y_max_bytes"].get<double>();
+  EXPECT_EQ(std::stod(body_attribute(dom, "data-y-max-bytes")), y_max);
+}
+
+// A step that runs out of memory (Note [Out-of-memory page] in cli/memory_page.h): its page
+// loads, draws the failure and names the request.
+TEST_F(MemoryPageBrowser, OutOfMemoryPage) {
+  const fs::path cfg = dir_ / "oom.json";
+  std::ofstream(cfg) << R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "porter": {
+      "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+      "data": {"type": "synthetic", "seed": 3},
+      "device": {"type": "cpu", "memory_limit": "560KiB", "threads": 1},
+      "checkpointing": {"policy": "none"},
+      "train": {"steps": 3}
+    }
+  })";
+  const testing::CliRun r =
+      testing::porter({"train", "--config", cfg.string(), "--memory-page", page_.string()});
+  ASSERT_EQ(r.rc, 3) << r.err;
+  ASSERT_TRUE(testing::contains(r.err, "memory page of the failed step: " + page_.string()))
+      << r.err;
+  const nlohmann::json data = page_json(read_file(page_));
+  ASSERT_TRUE(data["failure"].is_object());
+  const std::string dom = browse({"--window-size=1400,900", "--dump-dom"}, page_.string());
+  ASSERT_EQ(body_attribute(dom, "data-status"), "ok") << dom.substr(0, 2000);
+  EXPECT_EQ(body_attribute(dom, "data-clipped"), "");
+  EXPECT_NE(dom.find("<section id=\"failure-section\">"), std::string::npos)
+      << "the failure section is hidden";
+  EXPECT_NE(dom.find("class=\"failed-request\""), std::string::npos);
+  EXPECT_NE(dom.find(">Live at the failure ("), std::string::npos);
+  EXPECT_NE(dom.find("<td>category</td><td>activations</td>"), std::string::npos);
+  EXPECT_NE(dom.find(std::to_string(data["failure"]["requested_bytes"].get<size_t>()) + " bytes)"),
+            std::string::npos);
 }
 
 TEST_F(MemoryPageBrowser, Screenshot) {

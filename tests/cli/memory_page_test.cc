@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -15,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/units.h"
 #include "checkpoint/simulate.h"
 #include "cli/memory_page.h"
 #include "config/parse.h"
@@ -136,6 +139,8 @@ TEST_F(MemoryPage, PredictedCurveIsThePlansSimulationPerMicroBatch) {
     EXPECT_EQ(ops[i]["micro_batch"].get<size_t>(), i / plan.schedule.ops.size());
     EXPECT_EQ(ops[i]["op"].get<size_t>(), k);
     EXPECT_EQ(ops[i]["footprint_bytes"].get<size_t>(), after[k]) << "op " << i;
+    EXPECT_EQ(ops[i]["peak_bytes"].get<size_t>(), plan.prediction.peak_total_during_op[k])
+        << "op " << i;
     EXPECT_GE(ops[i]["start"].get<double>(), last_end);
     EXPECT_GE(ops[i]["end"].get<double>(), ops[i]["start"].get<double>());
     last_end = ops[i]["end"].get<double>();
@@ -235,6 +240,252 @@ TEST_F(MemoryPage, PageIsSelfContainedWithAStaticChart) {
   EXPECT_NE(html.find(R"(<path class="predicted")"), std::string::npos);
   EXPECT_NE(html.find(R"(<line class="capacity")"), std::string::npos);
   EXPECT_NE(html.find(R"(<body data-status="static">)"), std::string::npos);
+}
+
+// The numbers of an SVG path's d attribute, in order (commands dropped).
+std::vector<double> path_numbers(const std::string& d) {
+  std::vector<double> out;
+  const std::regex number(R"(-?[0-9]+(\.[0-9]+)?)");
+  for (auto it = std::sregex_iterator(d.begin(), d.end(), number); it != std::sregex_iterator();
+       ++it) {
+    out.push_back(std::stod(it->str()));
+  }
+  return out;
+}
+
+// Note [Predicted envelope]: on a plan page op k spans [k, k + 1], and the predicted curve over
+// it is op k's predicted peak over the baseline, in the data and in the static chart; its
+// highest point is the predicted peak.
+TEST_F(MemoryPage, PlanPageCurveOverEachOpIsThatOpsPeak) {
+  const checkpoint::Plan& plan = eng_->plan();
+  const checkpoint::Prediction sim = checkpoint::simulate(plan.schedule, eng_->costs(),
+                                                          plan.offload, plan.sim.link_bytes_per_s);
+  const engine::MemoryReport mem = eng_->memory_report();
+  PlanPageInput in;
+  in.config_file = "cfg.json";
+  in.plan = &plan;
+  in.costs = &eng_->costs();
+  in.stage_name = [this](int s) { return eng_->model().stage_name(s); };
+  in.model_state_bytes = mem.model_state_bytes;
+  in.batch_bytes = eng_->run_options().batch_bytes;
+  in.capacity_bytes = size_t{64} << 20;
+  in.predicted_peak_bytes = eng_->run_options().predicted_peak_bytes(mem.model_state_bytes, sim);
+  const std::string html = render_memory_page(plan_page_data(in));
+  const json d = page_data(html);
+  const json& ops = d["predicted"]["ops"];
+  ASSERT_EQ(ops.size(), plan.schedule.ops.size());
+  ASSERT_EQ(sim.peak_total_during_op.size(), ops.size());
+  const size_t base = d["predicted"]["baseline_bytes"].get<size_t>();
+  size_t highest = 0;
+  for (size_t k = 0; k < ops.size(); ++k) {
+    EXPECT_EQ(ops[k]["peak_bytes"].get<size_t>(), sim.peak_total_during_op[k]) << "op " << k;
+    // An op holds at least what it leaves.
+    EXPECT_GE(sim.peak_total_during_op[k], sim.footprint_after_op[k]) << "op " << k;
+    highest = std::max(highest, base + sim.peak_total_during_op[k]);
+  }
+  EXPECT_EQ(*std::max_element(sim.peak_total_during_op.begin(), sim.peak_total_during_op.end()),
+            sim.peak_total_bytes);
+  EXPECT_EQ(highest, d["predicted"]["peak_bytes"].get<size_t>());
+  // The static chart's curve: "M x0,y0 H x1" then "V y H x" per op, ops touching end to start.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(html, m, std::regex(R"(<path class="predicted" d="([^"]*)\")")));
+  const std::vector<double> v = path_numbers(m[1].str());
+  ASSERT_EQ(v.size(), 3 + 2 * (ops.size() - 1)) << m[1].str();
+  const json& c = d["chart"];
+  const double left = c["left"].get<double>(), plot_w = c["width"].get<double>() - left -
+                                                         c["right"].get<double>();
+  const double top = c["top"].get<double>(), plot_h = c["height"].get<double>() - top -
+                                                      c["bottom"].get<double>();
+  const double n = static_cast<double>(ops.size());
+  auto x = [&](double t) { return left + t / n * plot_w; };
+  auto y = [&](double b) { return top + (1.0 - b / c["y_max_bytes"].get<double>()) * plot_h; };
+  EXPECT_NEAR(v[0], x(0), 0.051);
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const double level = v[k == 0 ? 1 : 1 + 2 * k];
+    const double end = v[k == 0 ? 2 : 2 + 2 * k];
+    EXPECT_NEAR(level, y(static_cast<double>(base + sim.peak_total_during_op[k])), 0.051)
+        << "op " << k;
+    EXPECT_NEAR(end, x(static_cast<double>(k + 1)), 0.051) << "op " << k;
+  }
+}
+
+// Note [Chart scale]: a small run on a large device is drawn at its own scale; the capacity
+// is a label above the chart.
+TEST_F(MemoryPage, YAxisFitsTheDataNotTheDevice) {
+  train(1);
+  const std::string html =
+      render_memory_page(train_page_data(*eng_, *eng_->last_step_memory(), "cfg.json"));
+  const json d = page_data(html);
+  const json& c = d["chart"];
+  const double highest = std::max(d["measured"]["peak_bytes"].get<double>(),
+                                   d["predicted"]["peak_bytes"].get<double>());
+  const double y_max = c["y_max_bytes"].get<double>();
+  EXPECT_GE(y_max, 1.1 * highest);
+  EXPECT_LE(y_max, 1.5 * 1.1 * highest);
+  EXPECT_LT(y_max, d["capacity_bytes"].get<double>());
+  EXPECT_FALSE(c["capacity_on_chart"].get<bool>());
+  EXPECT_EQ(c["y_ticks"].back().get<double>(), y_max);
+  EXPECT_EQ(c["y_ticks"].front().get<double>(), 0.0);
+  EXPECT_LE(c["y_ticks"].size(), 6u);
+  EXPECT_TRUE(testing::contains(html, "capacity 64.00 MiB (above the chart)")) << html.size();
+  EXPECT_FALSE(testing::contains(html, "capacity 64.00 MiB</text>"));  // no line's label
+  // The lanes' names (with the micro-batch: there are two) fit left of the time axis.
+  size_t longest = 0;
+  for (const json& life : d["checkpoints"]) {
+    longest = std::max(longest, life["name"].get<std::string>().size() + 3);  // " #0"
+  }
+  EXPECT_GE(c["left"].get<double>(), 14 + 7.5 * static_cast<double>(longest));
+}
+
+// Note [Out-of-memory page]: a config whose step does not fit 560 KiB (the none policy keeps
+// every activation of two micro-batches' worth of blocks).
+const char* kOomConfig = R"({
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+  "porter": {
+    "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+    "data": {"type": "synthetic", "seed": 3},
+    "device": {"type": "cpu", "memory_limit": "560KiB", "threads": 1},
+    "checkpointing": {"policy": "none"},
+    "train": {"steps": 3, "log_every": 2}
+  }
+})";
+
+TEST(MemoryPageOom, PageStopsAtTheFailedRequest) {
+  const config::Config cfg = config::parse_config_string(kOomConfig).config;
+  const std::unique_ptr<memory::Device> device =
+      memory::make_device(engine::make_run_options(cfg).device);
+  engine::Engine eng(*device, std::make_unique<engine::TransformerModel>(cfg.porter.model), cfg);
+  io::DataSource data(cfg.porter.data, cfg.porter.model.vocab, cfg.train_micro_batch_size_per_gpu,
+                      cfg.porter.model.seq_len);
+  eng.record_step_memory(true);
+  EXPECT_FALSE(eng.unfinished_step_memory().has_value());
+  std::optional<OutOfMemoryError> error;
+  try {
+    eng.train_step(data.step_batches(0, cfg.gradient_accumulation_steps));
+  } catch (const OutOfMemoryError& e) {
+    error = e;
+  }
+  ASSERT_TRUE(error.has_value()) << "the step fit 560 KiB";
+  const std::optional<engine::StepMemory> step = eng.unfinished_step_memory();
+  ASSERT_TRUE(step.has_value());
+  EXPECT_EQ(eng.last_step_memory(), nullptr);
+  const std::string html = render_memory_page(oom_page_data(eng, *step, *error, "oom.json", 0));
+  const json d = page_data(html);
+  const json& f = d["failure"];
+  ASSERT_TRUE(f.is_object());
+  EXPECT_EQ(f["requested_bytes"].get<size_t>(), error->requested_bytes());
+  EXPECT_EQ(f["category"], "activations");
+  EXPECT_TRUE(testing::contains(error->what(), "(" + std::to_string(error->requested_bytes()) +
+                                                   " bytes) for activations."));
+  EXPECT_EQ(f["message"], error->what());
+  // What was live is the allocator's accounting in the message, to the byte.
+  EXPECT_EQ(f["live_from"], "allocator");
+  size_t live = 0;
+  for (const json& c : d["categories"]) {
+    const std::string name = c.get<std::string>();
+    const size_t bytes = f["live_by_category"][name].get<size_t>();
+    live += bytes;
+    const std::regex line("\n +" + name + " +[^\n]*\\((\\d+) bytes, ");
+    std::smatch m;
+    const std::string what = error->what();
+    ASSERT_TRUE(std::regex_search(what, m, line)) << name;
+    EXPECT_EQ(bytes, std::stoull(m[1].str())) << name;
+  }
+  EXPECT_EQ(f["live_bytes"].get<size_t>(), live);
+  // The measured series stops at the failure: its last state is what was live, and no event
+  // after the failure's time is drawn.
+  const json& m = d["measured"];
+  const size_t n = m["times"].size();
+  ASSERT_GT(n, 1u);
+  size_t last = 0;
+  for (const json& c : d["categories"]) last += m["bytes"][c.get<std::string>()][n - 1].get<size_t>();
+  EXPECT_EQ(last, live);
+  EXPECT_LE(m["times"][n - 1].get<double>(), f["time"].get<double>());
+  EXPECT_LT(n, step->entries.size() + 1) << "the unwinding's frees are drawn";
+  // The op it was in: the first op the step did not complete, drawn up to the failure.
+  const checkpoint::Schedule& schedule = eng.plan().schedule;
+  ASSERT_FALSE(f["op"].is_null());
+  const size_t op = f["op"].get<size_t>();
+  ASSERT_LT(op, schedule.ops.size());
+  EXPECT_EQ(f["stage"].get<int>(), schedule.ops[op].stage);
+  EXPECT_EQ(f["name"], eng.model().stage_name(schedule.ops[op].stage));
+  EXPECT_EQ(step->ops.size(), f["micro_batch"].get<size_t>() * schedule.ops.size() + op);
+  const json& last_op = d["predicted"]["ops"].back();
+  EXPECT_EQ(last_op["op"].get<size_t>(), op);
+  EXPECT_EQ(last_op["end"].get<double>(), f["time"].get<double>());
+  EXPECT_GT(d["duration"].get<double>(), f["time"].get<double>());
+  // Live plus the request is on the chart, and so is the capacity.
+  EXPECT_GE(d["chart"]["y_max_bytes"].get<double>(),
+            1.1 * static_cast<double>(live + error->requested_bytes()));
+  EXPECT_TRUE(d["chart"]["capacity_on_chart"].get<bool>());
+  EXPECT_TRUE(testing::contains(html, R"(<rect class="failed-request")"));
+  EXPECT_TRUE(testing::contains(
+      html, "out of memory: " + format_bytes(error->requested_bytes()) + " for activations"));
+}
+
+TEST(MemoryPageOom, PathRule) {
+  EXPECT_EQ(oom_page_path("a/page.html", "r.json", 0, 1), "a/page.html");
+  EXPECT_EQ(oom_page_path("", "out/run.json", 0, 1), "out/run.html");
+  EXPECT_EQ(oom_page_path("", "", 0, 1), "porter-oom-memory.html");
+  EXPECT_EQ(oom_page_path("a/page.html", "", 1, 2), "a/page.rank1.html");
+  EXPECT_EQ(oom_page_path("", "out/run.json", 0, 4), "out/run.rank0.html");
+  EXPECT_EQ(oom_page_path("", "", 3, 4), "porter-oom-memory.rank3.html");
+  EXPECT_EQ(oom_page_path("page", "", 1, 2), "page.rank1");
+}
+
+// `porter train` that runs out of memory: exit code 3, the page beside --report (or at
+// --memory-page, or in the working directory), and the error names it.
+TEST(MemoryPageCli, OutOfMemoryStepWritesItsPage) {
+  const fs::path dir = fs::temp_directory_path() / "porter_memory_page_oom";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path cfg = dir / "oom.json";
+  std::ofstream(cfg) << kOomConfig;
+  const fs::path report = dir / "run.json";
+  const testing::CliRun r =
+      testing::porter({"train", "--config", cfg.string(), "--report", report.string()});
+  ASSERT_EQ(r.rc, 3) << r.err;
+  const fs::path page = dir / "run.html";
+  EXPECT_TRUE(testing::contains(r.err, "error: out of memory on cpu:0")) << r.err;
+  EXPECT_TRUE(testing::contains(r.err, "\nmemory page of the failed step: " + page.string() + "\n"))
+      << r.err;
+  ASSERT_TRUE(fs::exists(page));
+  std::ifstream in(page);
+  const std::string html((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const json d = page_data(html);
+  EXPECT_EQ(d["kind"], "train");
+  EXPECT_EQ(d["step"], 1);
+  EXPECT_EQ(d["failure"]["category"], "activations");
+  EXPECT_TRUE(testing::contains(
+      r.err, "(" + std::to_string(d["failure"]["requested_bytes"].get<size_t>()) +
+                 " bytes) for activations."))
+      << r.err;
+  EXPECT_FALSE(fs::exists(report));  // the report is a finished run's
+  // --memory-page wins; without either, the working directory's default.
+  const fs::path chosen = dir / "chosen.html";
+  const testing::CliRun r2 = testing::porter({"train", "--config", cfg.string(), "--report",
+                                              report.string(), "--memory-page", chosen.string()});
+  EXPECT_EQ(r2.rc, 3);
+  EXPECT_TRUE(testing::contains(r2.err, "memory page of the failed step: " + chosen.string()))
+      << r2.err;
+  EXPECT_TRUE(fs::exists(chosen));
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir);
+  const testing::CliRun r3 = testing::porter({"train", "--config", cfg.string()});
+  fs::current_path(cwd);
+  EXPECT_EQ(r3.rc, 3);
+  EXPECT_TRUE(testing::contains(r3.err, "memory page of the failed step: porter-oom-memory.html"))
+      << r3.err;
+  EXPECT_TRUE(fs::exists(dir / "porter-oom-memory.html"));
+  // A page that cannot be written says so; the error is still out of memory.
+  const testing::CliRun r4 = testing::porter(
+      {"train", "--config", cfg.string(), "--memory-page", "/nonexistent-dir/page.html"});
+  EXPECT_EQ(r4.rc, 3);
+  EXPECT_TRUE(testing::contains(r4.err, "the failed step's memory page was not written: "
+                                        "--memory-page: cannot write \"/nonexistent-dir/page.html\""))
+      << r4.err;
 }
 
 TEST(MemoryPageCli, WriteErrorNamesTheFlag) {
