@@ -153,9 +153,15 @@ StepTimePrediction predict_step_time(const RunOptions& run, const DeviceModel& d
   r.offload_timed = pred.offload.timed;
   if (pred.offload.timed) r.exposed_activation_offload_s = md * pred.offload.exposed_s;
   const double shard = std::ceil(p / n);
+  const double ratio = run.optimizer.offload.enabled
+                           ? (stage == 3 ? std::clamp(run.optimizer.offload.ratio, 0.0, 1.0) : 1.0)
+                           : 0.0;
+  const double h = std::floor(ratio * shard);  // the host's elements
+  const double updated = stage == 0 ? p : shard;
+  r.optimizer_s = device.hbm_bytes_per_s > 0.0
+                      ? (28.0 + dt) * std::max(0.0, updated - h) / device.hbm_bytes_per_s
+                      : 0.0;
   if (run.optimizer.offload.enabled && link > 0.0) {
-    const double ratio = stage == 3 ? std::clamp(run.optimizer.offload.ratio, 0.0, 1.0) : 1.0;
-    const double h = std::floor(ratio * shard);
     const double d2h = 4.0 * h / link;
     const double exposed_d2h =
         reduce_overlaps ? std::max(0.0, d2h - (backward_mb + recompute_mb)) : d2h;
@@ -167,7 +173,8 @@ StepTimePrediction predict_step_time(const RunOptions& run, const DeviceModel& d
     r.exposed_optimizer_offload_s = dt * shard / link;
   }
 
-  r.total_s = r.compute_s + r.recompute_s + r.exposed_comm_s() + r.exposed_offload_s();
+  r.total_s = r.compute_s + r.recompute_s + r.exposed_comm_s() + r.exposed_offload_s() +
+              r.optimizer_s;
   const int64_t seq = run.shape.seq > 0 ? run.shape.seq : run.shape.model.seq_len;
   const int64_t rank_tokens = run.shape.micro_batch * seq * m;
   r.tokens_per_step = rank_tokens * n;
@@ -195,6 +202,7 @@ nlohmann::ordered_json StepTimePrediction::to_json() const {
           {"exposed_activation_offload_s", offload_timed ? J(exposed_activation_offload_s) : J()},
           {"host_adam_s", host_adam_timed ? J(host_adam_s) : J()},
           {"exposed_optimizer_offload_s", exposed_optimizer_offload_s},
+          {"optimizer_s", optimizer_s},
           {"total_s", total_s},
           {"tokens_per_step", tokens_per_step},
           {"tokens_per_s", tokens_per_s},

@@ -15,6 +15,11 @@
 //   offload    the activation copies the compute waits for (the plan's offload exposed_s,
 //              when timed) and the optimizer and parameter offload's host work and copies
 //              on the step's critical path;
+//   optimizer  the device AdamW over the elements the rank updates on the device (all P
+//              at stage 0, its shard P/n above, less what optimizer offload moves to the
+//              host): (28 + dtype size) bytes each at the memory bandwidth (gradient,
+//              master weight and two moments read; master, moments and the working copy
+//              written), a memory-bound pass;
 //   total      their sum.
 // tokens/s is the whole run's (micro-batch x seq_len x m x data-parallel ranks per step);
 // MFU is the rank's model FLOPs over total x the device's dense peak at the compute dtype,
@@ -53,6 +58,7 @@ struct StepTimePrediction {
   double host_adam_s = 0.0;      // the host AdamW (inside exposed_optimizer_offload_s)
   bool host_adam_timed = false;  // false: no host memory bandwidth was given
   double exposed_optimizer_offload_s = 0.0;
+  double optimizer_s = 0.0;      // the device AdamW
   double total_s = 0.0;
   int64_t tokens_per_step = 0;   // every data-parallel rank's
   double tokens_per_s = 0.0;

@@ -65,7 +65,7 @@ StepTimePrediction predict(const Planned& s) {
 void expect_adds_up(const StepTimePrediction& p) {
   EXPECT_DOUBLE_EQ(p.total_s, p.compute_s + p.recompute_s + p.exposed_dp_comm_s +
                                   p.exposed_tp_comm_s + p.exposed_activation_offload_s +
-                                  p.exposed_optimizer_offload_s);
+                                  p.exposed_optimizer_offload_s + p.optimizer_s);
   EXPECT_GT(p.mfu, 0.0);
   EXPECT_LE(p.mfu, 1.0);
   EXPECT_DOUBLE_EQ(p.tokens_per_s, static_cast<double>(p.tokens_per_step) / p.total_s);
@@ -87,6 +87,9 @@ TEST(StepTime, ComponentsAddUpAndMfuIsAFraction) {
   for (const checkpoint::StageCost& st : s.costs.stages) forward_flops += st.forward_flops;
   EXPECT_DOUBLE_EQ(p.model_flops, 3.0 * forward_flops * 2.0);
   EXPECT_DOUBLE_EQ(p.mfu, p.model_flops / (p.total_s * 989.5e12));
+  // The device AdamW over the rank's shard: 30 bytes an element at 3.35 TB/s.
+  EXPECT_DOUBLE_EQ(p.optimizer_s,
+                   30.0 * std::ceil(static_cast<double>(s.inputs.param_elems) / 4.0) / 3.35e12);
   // Without recompute nor communication, a compute-bound step is at MFU 1 exactly.
   DeviceModel ideal = s.device;
   ideal.hbm_bytes_per_s = std::numeric_limits<double>::infinity();
@@ -214,6 +217,7 @@ TEST(StepTime, OptimizerOffloadChargesTheHostUpdateAndTheCopies) {
   // Gradients down (f32) after the backward, the update, the bf16 working copy back up.
   EXPECT_DOUBLE_EQ(p.exposed_optimizer_offload_s,
                    4.0 * shard / 64e9 + p.host_adam_s + 2.0 * shard / 64e9);
+  EXPECT_EQ(p.optimizer_s, 0.0);  // nothing is updated on the device
   expect_adds_up(p);
   // Without a host bandwidth the update is untimed, the copies still count.
   s.inputs.host_memory_bytes_per_s = 0.0;
@@ -249,10 +253,11 @@ TEST(StepTime, Gpt2SmallOnEachNamedGpu) {
         8);
     const StepTimePrediction p = predict(s);
     expect_adds_up(p);
-    std::printf("%-9s step %.1f ms: compute %.1f, recompute %.1f, exposed comm %.2f (of %.2f); "
-                "%.0f tokens/s, MFU %.1f%%\n",
+    std::printf("%-9s step %.1f ms: compute %.1f, recompute %.1f, exposed comm %.2f (of %.2f), "
+                "optimizer %.2f; %.0f tokens/s, MFU %.1f%%\n",
                 gpu, 1e3 * p.total_s, 1e3 * p.compute_s, 1e3 * p.recompute_s,
-                1e3 * p.exposed_comm_s(), 1e3 * p.dp_comm_s, p.tokens_per_s, 100.0 * p.mfu);
+                1e3 * p.exposed_comm_s(), 1e3 * p.dp_comm_s, 1e3 * p.optimizer_s, p.tokens_per_s,
+                100.0 * p.mfu);
     if (std::string(gpu) == "h100-sxm") h100 = p.total_s;
     if (std::string(gpu) == "h200") h200 = p.total_s;
     if (std::string(gpu) == "a100-80gb") a100 = p.total_s;
