@@ -1,10 +1,13 @@
-// `porter plan --config F [--budget B] [--json] [--memory-page FILE]`: the checkpoint plan of
-// a config: per stage what is kept, held and recomputed and where held inputs live (device or
-// host), with the predicted activation peak, recompute cost and, with offload, the copies.
-// Costs come from the analytic model (no allocation) unless the policy is optimal or offload
-// is on, which need measured times: then the Engine is built on the configured device and
-// profiles (and, with offload, measures the link unless sim_link_gbps sets it). Every figure
-// is one rank's, of a tensor-parallel group at porter.model.tensor_parallel > 1.
+// `porter plan --config F [--world-size N] [--tensor-parallel T] [--budget B] [--profile]
+// [--json] [--memory-page FILE]`: one rank's plan of a run, from the config alone: per stage
+// what is kept, held and recomputed and where held inputs live (device or host), the predicted
+// peak by category with the model states against the device's capacity and a verdict, and the
+// predicted step time (compute, recompute, exposed communication and offload, MFU). Bytes come
+// from the analytic model and times from a device model (Note [Forecast] in engine/forecast.h):
+// nothing of the model is allocated and no GPU is needed, at any world size. --profile plans
+// from times measured by Engines on the cpu device instead, one thread rank per rank of the
+// configured world, each holding its shard. Every figure is one rank's, of a tensor-parallel
+// group at porter.model.tensor_parallel > 1.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -25,6 +28,7 @@
 #include "comm/communicator.h"
 #include "engine/run_options.h"
 #include "engine/engine.h"
+#include "engine/forecast.h"
 #include "engine/stage3.h"
 #include "engine/model.h"
 #include "models/factory.h"
@@ -35,6 +39,9 @@ namespace {
 
 struct PlanCommandOptions {
   ConfigArgs config_args;  // --config files and --set overrides
+  std::optional<int64_t> world_size;
+  std::optional<int64_t> tensor_parallel;  // overrides porter.model.tensor_parallel
+  bool profile = false;
   std::string budget;
   std::string memory_page;
   bool json = false;
@@ -43,31 +50,23 @@ struct PlanCommandOptions {
 
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err);
 
-// The plan page (cli/memory_page.h). Model states are this rank's params, grads and
-// optimizer state at the configured ZeRO stage and world size, exact without allocating (Note
-// [Model-state bytes per rank] in zero/partition.h): of tensor-parallel rank 0's part of the
-// model, which every rank's equals in size (Note [Estimate tensor parallelism] in
+// The plan page (cli/memory_page.h) of a forecast (Note [Forecast]): model states are this
+// rank's at the configured ZeRO stage, world size and offload, of tensor-parallel rank 0's part
+// of the model, which every rank's equals in size (Note [Estimate tensor parallelism] in
 // cli/estimate_command.cc).
-void write_plan_page(const PlanCommandOptions& o, const config::Config& cfg,
-                     const engine::RunOptions& run, const checkpoint::Plan& plan,
-                     const checkpoint::ChainCosts& costs) {
+void write_plan_page(const PlanCommandOptions& o, const engine::Forecast& f) {
   // The layout and names only; allocates nothing.
-  const std::unique_ptr<models::Transformer> model = models::build_model(cfg.porter.model);
+  const std::unique_ptr<models::Transformer> model = models::build_model(f.config.porter.model);
   const models::Transformer& gpt = *model;
   PlanPageInput in;
   in.config_file = o.config_args.display();
-  in.plan = &plan;
-  in.costs = &costs;
+  in.plan = &f.plan;
+  in.costs = &f.costs;
   in.stage_name = [&gpt](int s) { return gpt.stage_name(s); };
-  const zero::Partition part = zero::make_partition(
-      gpt.layout().total_elems(), static_cast<int>(cfg.data_parallel_size()));
-  in.model_state_bytes = zero::exact_bytes(part, cfg.zero_optimization.stage,
-                                           zero::StateDTypes{run.compute_dtype})
-                             .total() +
-                         plan.prediction.params.persistent_bytes;
-  in.batch_bytes = run.batch_bytes;
-  in.capacity_bytes = run.capacity_bytes;
-  in.predicted_peak_bytes = run.predicted_peak_bytes(in.model_state_bytes, plan.prediction);
+  in.model_state_bytes = f.model_states.total();
+  in.batch_bytes = f.batch_bytes;
+  in.capacity_bytes = f.capacity_bytes;
+  in.predicted_peak_bytes = f.total_peak_bytes;
   write_memory_page(o.memory_page, plan_page_data(in), "--memory-page");
 }
 
@@ -169,64 +168,54 @@ void print_offload(const checkpoint::Plan& plan, double link_bytes_per_s, int64_
   }
 }
 
-// Note [Plan profiling under tensor parallelism]
-// Profiled costs need the Engine, and at porter.model.tensor_parallel t > 1 an Engine is one
-// rank of a tensor-parallel group: every stage's forward runs the layers' collectives, and
-// the ranks plan from the slowest rank's times (Note [Agreed costs] in engine/engine.cc).
-// porter plan runs the t ranks as threads of this process, each with its own device and one
-// Gloo group, and reports rank 0's costs and plan (every rank's agree). Each Engine is built
-// at one data-parallel rank (world size t): the plan does not depend on the data-parallel
-// size. On cuda that would put t NCCL ranks on one GPU, which NCCL refuses, so porter plan
-// says so instead.
+// Note [Plan profiling]
+// `porter plan --profile` plans from measured times, as training does (Note [Engine costs]).
+// The Engines are built at the configured world size, never as one rank holding the whole
+// model's states: porter plan runs every rank of the world as a thread of this process, each
+// with its own device and its data-parallel and tensor-parallel Gloo groups, so each holds
+// its ZeRO shard; the ranks agree on the slowest rank's times (Note [Agreed costs]) and rank 0's
+// costs and plan are reported. On cuda that would put several NCCL ranks on one GPU, which
+// NCCL refuses, so there porter plan profiles one-rank worlds only and says so otherwise.
 struct ProfiledPlan {
   std::vector<std::unique_ptr<memory::Device>> devices;  // outlive the engines
-  std::vector<std::unique_ptr<engine::Engine>> engines;  // rank r's; each holds its tp group
+  std::vector<std::unique_ptr<engine::Engine>> engines;  // rank r's
 };
 
 ProfiledPlan profile_plan(const config::Config& cfg, const engine::RunOptions& run) {
+  const int ws = static_cast<int>(cfg.world_size);
   const int t = static_cast<int>(cfg.porter.model.tensor_parallel);
   ProfiledPlan p;
-  p.devices.resize(static_cast<size_t>(t));
-  p.engines.resize(static_cast<size_t>(t));
-  if (t == 1) {
+  p.devices.resize(static_cast<size_t>(ws));
+  p.engines.resize(static_cast<size_t>(ws));
+  if (ws == 1) {
     p.devices[0] = memory::make_device(run.device);
-    config::Config one = cfg;
-    one.world_size = 1;
     p.engines[0] = std::make_unique<engine::Engine>(
-        *p.devices[0], std::make_unique<engine::TransformerModel>(cfg.porter.model), one);
+        *p.devices[0], std::make_unique<engine::TransformerModel>(cfg.porter.model), cfg);
     return p;
   }
   if (run.device.kind != memory::DeviceKind::kCpu) {
     throw InvalidArgument(
-        "porter plan: policy " + std::string(config::to_string(cfg.porter.checkpointing.policy)) +
-        (run.offload_enabled() ? " with offload" : "") + " plans from profiled times, which at "
-        "porter.model.tensor_parallel " + std::to_string(t) + " need the " + std::to_string(t) +
-        " ranks of a tensor-parallel group; porter plan runs them as threads on the cpu device "
-        "only (NCCL refuses two ranks on one GPU): set porter.device.type to \"cpu\" to plan "
-        "there, or use a policy that plans from the analytic model (not optimal, offload off)");
+        "porter plan --profile: a world of " + std::to_string(ws) + " ranks is profiled as " +
+        std::to_string(ws) + " thread ranks of this process, on the cpu device only (NCCL refuses "
+        "two ranks on one GPU): set porter.device.type to \"cpu\" to profile there, or plan "
+        "without --profile (the analytic model timed on porter.device.model)");
   }
-  config::Config group = cfg;
-  group.world_size = t;  // one data-parallel rank
   std::vector<std::exception_ptr> errors =
-      comm::run_thread_ranks(t, [&](int rank, std::shared_ptr<comm::Store> store) {
+      comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
         const size_t r = static_cast<size_t>(rank);
         p.devices[r] = memory::make_device(run.device);
         comm::CommOptions co;
-        co.group_name = "tp";
         co.timeout = comm::Seconds(cfg.porter.comm.timeout_s);
-        std::shared_ptr<comm::Communicator> tp =
-            comm::make_communicator(*p.devices[r], std::move(store), rank, t, co);
-        comm::ProcessGroups groups;  // one data-parallel rank: the world is the tp group
-        groups.world = tp;
-        groups.tp = tp;
-        groups.tp_rank = rank;
-        groups.tp_size = t;
+        std::shared_ptr<comm::Communicator> world =
+            comm::make_communicator(*p.devices[r], std::move(store), rank, ws, co);
         try {
+          const comm::ProcessGroups groups = comm::make_process_groups(world, t);
           p.engines[r] = std::make_unique<engine::Engine>(
-              *p.devices[r], std::make_unique<engine::TransformerModel>(cfg.porter.model, rank), group,
+              *p.devices[r],
+              std::make_unique<engine::TransformerModel>(cfg.porter.model, groups.tp_rank), cfg,
               groups);
         } catch (const std::exception& e) {
-          tp->abort("rank " + std::to_string(rank) + " of porter plan's profiling: " + e.what());
+          world->abort("rank " + std::to_string(rank) + " of porter plan's profiling: " + e.what());
           throw;
         }
       });
@@ -256,10 +245,76 @@ int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   }
 }
 
+// The memory lines: each category's predicted peak, the total against the capacity, and the
+// verdict (Note [Forecast]).
+nlohmann::ordered_json memory_json(const engine::Forecast& f) {
+  using J = nlohmann::ordered_json;
+  const checkpoint::Prediction& p = f.plan.prediction;
+  return {{"params_bytes", f.model_states.params},
+          {"grads_bytes", f.model_states.grads},
+          {"optimizer_bytes", f.model_states.optimizer},
+          {"model_state_bytes", f.model_states.total()},
+          {"host_state_bytes", f.host_states.total()},
+          {"batch_bytes", f.batch_bytes},
+          {"activation_peak_bytes", p.peak_activation_bytes},
+          {"staging_peak_bytes", p.offload.peak_staging_bytes},
+          {"gathered_params_peak_bytes", p.params.peak_gathered_bytes},
+          {"comm_peak_bytes", p.peak_comm_bytes},
+          {"step_peak_bytes", p.peak_total_bytes},
+          {"total_peak_bytes", f.total_peak_bytes},
+          {"capacity_bytes", f.capacity_bytes ? J(*f.capacity_bytes) : J()},
+          {"fits", f.capacity_bytes ? J(f.fits()) : J()},
+          {"margin_bytes", f.capacity_bytes ? J(f.margin_bytes()) : J()},
+          {"verdict", f.verdict()}};
+}
+
+void print_memory(const engine::Forecast& f, std::ostream& out) {
+  const checkpoint::Prediction& p = f.plan.prediction;
+  out << "  memory per rank (predicted peaks):\n";
+  Table t({"category", "peak", "note"});
+  t.add({"params", format_bytes(f.model_states.params),
+         f.run.zero_stage() == 3 ? "the shard and persistent stages; gathered stages below" : "model state"});
+  t.add({"grads", format_bytes(f.model_states.grads), "model state"});
+  t.add({"optimizer", format_bytes(f.model_states.optimizer),
+         f.host_states.total() > 0 ? "on the device; " + format_bytes(f.host_states.total()) + " on the host"
+                                   : "model state"});
+  t.add({"batch", format_bytes(f.batch_bytes), "token ids and targets"});
+  t.add({"activations + checkpoints", format_bytes(p.peak_activation_bytes),
+         "the plan's footprint, staging included"});
+  if (p.offload.peak_staging_bytes > 0)
+    t.add({"staging", format_bytes(p.offload.peak_staging_bytes), "offloaded checkpoints on their way back"});
+  if (p.params.peak_gathered_bytes > 0)
+    t.add({"gathered params", format_bytes(p.params.peak_gathered_bytes), "ZeRO stage 3's gathered stages"});
+  if (p.peak_comm_bytes > 0)
+    t.add({"comm", format_bytes(p.peak_comm_bytes), "gradient buckets (reduce_bucket_size)"});
+  t.add({"total peak", format_bytes(f.total_peak_bytes),
+         "all categories at their joint peak, workspace included"});
+  t.print(out);
+  out << "  verdict: " << f.verdict() << "\n";
+}
+
+void print_step_time(const engine::Forecast& f, std::ostream& out) {
+  const engine::StepTimePrediction& s = f.time;
+  char mfu[32];
+  std::snprintf(mfu, sizeof mfu, "%.1f%%", 100.0 * s.mfu);
+  out << "  predicted step time on " << f.device.name << " (a roofline floor, docs/planning.md): "
+      << format_seconds(s.total_s) << " = compute " << format_seconds(s.compute_s)
+      << " + recompute " << format_seconds(s.recompute_s) << " + exposed comm "
+      << format_seconds(s.exposed_comm_s()) << " + exposed offload "
+      << format_seconds(s.exposed_offload_s()) << "; " << format_count(s.tokens_per_s)
+      << " tokens/s over " << f.dp_size << " data-parallel rank" << (f.dp_size == 1 ? "" : "s")
+      << ", MFU " << mfu << "\n";
+}
+
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   // Note [Implied world size] in cli/common.h: at tensor_parallel t the world is t ranks at
   // least.
-  config::Config cfg = load_config(o.config_args, o.strict, err, implied_world_size(o.config_args));
+  const int64_t world_size =
+      o.world_size.value_or(implied_world_size(o.config_args, o.tensor_parallel));
+  config::Config cfg =
+      o.tensor_parallel ? load_config(o.config_args, o.strict, err, world_size, *o.tensor_parallel,
+                                      "--tensor-parallel")
+                        : load_config(o.config_args, o.strict, err, world_size);
   if (!o.budget.empty()) {
     // A budget only means something to the optimal planner.
     cfg.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
@@ -267,31 +322,32 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
-  const engine::RunOptions run = engine::make_run_options(cfg);
+  // Note [Forecast]: bytes from the analytic model, times from the device model.
+  engine::Forecast f = engine::forecast(cfg);
+  const engine::RunOptions& run = f.run;
   const checkpoint::ChainCosts analytic = run.analytic_costs();
-  checkpoint::ChainCosts costs;
-  checkpoint::Plan plan;
-  std::string where_from;
+  checkpoint::ChainCosts costs = f.costs;
+  checkpoint::Plan plan = f.plan;
+  std::string where_from = "the analytic model (nothing allocated), timed on " + f.device.name +
+                           " (" + f.device.source + ")";
   ProfiledPlan profiled;
   engine::Engine* eng = nullptr;  // rank 0's, owned by `profiled`
-  // Note [Engine costs]: optimal needs measured times, and so does the exposed copy time of
-  // an offloading plan; the Engine profiles and plans exactly as training would.
-  if (run.cost_source(true, engine::CostUse::kPlan) == engine::CostSource::kProfiled) {
+  if (o.profile) {  // Note [Plan profiling]
     profiled = profile_plan(cfg, run);
     eng = profiled.engines[0].get();
     costs = eng->costs();
     plan = eng->plan();
     where_from = "profiled on " + profiled.devices[0]->description();
     if (profiled.engines.size() > 1) {
-      where_from += " (rank 0 of " + std::to_string(profiled.engines.size()) +
-                    " tensor-parallel thread ranks)";
+      where_from += " (rank 0 of " + std::to_string(profiled.engines.size()) + " thread ranks)";
     }
-  } else {
-    costs = analytic;
-    // ZeRO stage 3's gathers and the gradient buckets
-    engine::add_zero_costs(costs, run, static_cast<int>(cfg.data_parallel_size()));
-    plan = checkpoint::make_plan(run.plan, costs);
-    where_from = "analytic model (nothing allocated)";
+    f.costs = costs;
+    f.plan = plan;
+    f.total_peak_bytes = run.predicted_peak_bytes(f.model_states.total(), plan.prediction);
+    engine::StepTimeInputs in;
+    in.dp_size = f.dp_size;
+    in.param_elems = f.param_elems;
+    f.time = engine::predict_step_time(run, f.device, plan, costs, in);
   }
   const checkpoint::Prediction none =
       checkpoint::simulate(checkpoint::schedule_none(costs), costs);
@@ -299,27 +355,31 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // not FLOPs): the plan's schedule replayed on analytic costs counts its extra forwards.
   const checkpoint::Prediction flops = checkpoint::simulate(plan.schedule, analytic, plan.sim);
   const double flop_fraction = engine::recompute_flop_fraction(flops, analytic);
-  // Measured-cost overhead: recompute time over the rest of the micro-batch's compute.
+  // Recompute time over the rest of the micro-batch's compute.
   const double base_s = plan.prediction.compute_s - plan.prediction.recompute_s;
   const double time_fraction = base_s > 0.0 ? plan.prediction.recompute_s / base_s : 0.0;
   const std::string policy(config::to_string(plan.policy));
-  // Offload: the engine's link (measured, or sim_link_gbps) when it planned, else the config's.
   const double link_bytes_per_s = eng ? eng->link_bytes_per_s() : plan.sim.link_bytes_per_s;
-  const bool timed = plan.prediction.offload.timed;
+  const bool timed = plan.prediction.offload.timed && !plan.offload.empty();
   const std::vector<size_t> offloaded = offloaded_by_stage(plan);
   const int64_t tp = cfg.porter.model.tensor_parallel;
   const bool sp = cfg.porter.model.sequence_parallel && tp > 1;
 
-  if (!o.memory_page.empty()) write_plan_page(o, cfg, run, plan, costs);
+  if (!o.memory_page.empty()) write_plan_page(o, f);
 
   if (o.json) {
     nlohmann::ordered_json j;
     j["config"] = o.config_args.display();
+    j["world_size"] = cfg.world_size;
+    j["data_parallel_size"] = f.dp_size;
+    j["zero_stage"] = run.zero_stage();
     j["policy"] = policy;
     j["description"] = plan.description;
     j["budget_bytes"] = plan.budget_bytes ? nlohmann::ordered_json(*plan.budget_bytes)
                                           : nlohmann::ordered_json();
     j["costs"] = costs.source;
+    j["device"] = f.device.to_json();
+    j["device"]["default"] = f.default_device;
     j["tensor_parallel"] = tp;
     j["sequence_parallel"] = sp;
     j["stages"] = nlohmann::ordered_json::array();
@@ -333,7 +393,8 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
                                                       : nlohmann::ordered_json()}});
     }
     j["predicted_activation_peak_bytes"] = plan.prediction.peak_activation_bytes;
-    j["predicted_total_peak_bytes"] = plan.prediction.peak_total_bytes;
+    j["predicted_total_peak_bytes"] = f.total_peak_bytes;  // model states included
+    j["memory"] = memory_json(f);
     j["none_activation_peak_bytes"] = none.peak_activation_bytes;
     j["micro_batches_per_step"] = micro_batches;
     j["predicted_recompute_s"] =
@@ -343,6 +404,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
         costs.has_times() ? nlohmann::ordered_json(time_fraction) : nlohmann::ordered_json();
     j["recompute_flops"] = flops.recompute_flops * static_cast<double>(micro_batches);
     j["recompute_flop_fraction"] = flop_fraction;
+    j["step_time"] = f.time.to_json();
     j["offload"] = offload_json(plan, link_bytes_per_s);
     const checkpoint::ParamPrediction& pp = plan.prediction.params;
     j["stage3"] = costs.params.enabled
@@ -360,7 +422,17 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
 
   out << "porter plan: " << o.config_args.display() << "\n";
-  out << "  " << plan.description << "\n";
+  out << "  model: " << describe_model(cfg.porter.model) << ", "
+      << tensor::dtype_name(run.compute_dtype) << "; micro-batch " << run.shape.micro_batch
+      << " x " << run.shape.seq << " tokens, " << micro_batches << " per step\n";
+  out << "  world: " << cfg.world_size << " rank" << (cfg.world_size == 1 ? "" : "s") << " = "
+      << f.dp_size << " data-parallel x " << tp << " tensor-parallel; ZeRO stage "
+      << run.zero_stage() << "\n";
+  out << "  device: " << f.device.name << " (" << f.device.source << ")";
+  if (f.default_device) {
+    out << "; porter.device.model is not set, so a cuda run is planned for " << f.device.name;
+  }
+  out << "\n  " << plan.description << "\n";
   if (plan.budget_bytes) out << "  budget " << format_bytes(*plan.budget_bytes) << "\n";
   out << "  costs: " << where_from << "\n";
   if (costs.params.enabled) {
@@ -410,11 +482,12 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
         << " per step (" << micro_batches << " micro-batch" << (micro_batches == 1 ? "" : "es")
         << "): " << tpct << " of the step's compute time, " << pct << " of its FLOPs\n";
   } else {
-    out << pct << " of the step's FLOPs (forward + backward = 3 x forward; the analytic model "
-           "has no times)\n";
+    out << pct << " of the step's FLOPs (forward + backward = 3 x forward)\n";
   }
   print_offload(plan, link_bytes_per_s, micro_batches, out);
-  out << "  schedule: " << plan.schedule.to_string() << "\n";
+  out << "  schedule: " << plan.schedule.to_string() << "\n\n";
+  print_memory(f, out);
+  print_step_time(f, out);
   if (!o.memory_page.empty()) out << "  memory page: " << o.memory_page << "\n";
   return kExitOk;
 }
@@ -425,6 +498,16 @@ void add_plan_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<PlanCommandOptions>();
   CLI::App* cmd = app.add_subcommand("plan", "Print the checkpoint plan of a config");
   add_config_options(cmd, o->config_args, "The JSON config");
+  cmd->add_option("--world-size", o->world_size,
+                  "Ranks to plan for (default: the world size the config's batch sizes imply, "
+                  "else 1)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--tensor-parallel", o->tensor_parallel,
+                  "Plan one rank of a tensor-parallel group of T ranks (overrides "
+                  "porter.model.tensor_parallel; must divide heads)");
+  cmd->add_flag("--profile", o->profile,
+                "Plan from times measured by Engines on the configured device, one thread rank "
+                "per rank of the world (cpu device), instead of the device model's");
   cmd->add_option("--budget", o->budget,
                   "Plan 'optimal' under this activation budget: bytes (\"6GiB\") or a fraction "
                   "of the none policy's peak (overrides the config's policy)");
@@ -432,8 +515,8 @@ void add_plan_command(CLI::App& app, CommandContext& context) {
   cmd->add_option("--memory-page", o->memory_page,
                   "Write the predicted memory of one micro-batch as one HTML page");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
-  cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config or budget, 3 out of "
-              "memory while profiling.");
+  cmd->footer("Exit codes: 0 success (whether or not the plan fits: see the verdict), 1 usage "
+              "error, 2 invalid config or budget, 3 out of memory while profiling.");
   cmd->callback([o, &context] { context.exit_code = plan(*o, *context.out, *context.err); });
 }
 

@@ -219,10 +219,10 @@ TEST_F(CliTrain, WithoutOffloadTheSectionIsZero) {
 
 TEST_F(CliTrain, PlanShowsOffload) {
   const std::string cfg = config(offload_text());
-  CliRun r = porter({"plan", "--config", cfg, "--json"});
+  CliRun r = porter({"plan", "--config", cfg, "--json", "--profile"});
   ASSERT_EQ(r.rc, kExitOk) << r.err;
   json j = json::parse(r.out);
-  EXPECT_EQ(j["costs"], "profiled");  // offload plans from measured times
+  EXPECT_EQ(j["costs"], "profiled");  // --profile: offload plans from measured times
   EXPECT_EQ(j["stages"][1]["where"], "host");
   EXPECT_GT(j["stages"][1]["offloaded_bytes"].get<size_t>(), 0u);
   EXPECT_TRUE(j["stages"][1]["exposed_copy_s"].is_number());
@@ -339,16 +339,19 @@ TEST_F(CliTrain, PlanJson) {
   ASSERT_EQ(r.rc, kExitOk) << r.err;
   json j = json::parse(r.out);
   EXPECT_EQ(j["policy"], "uniform");
-  EXPECT_EQ(j["costs"], "analytic");
+  EXPECT_EQ(j["costs"], "device model cpu");  // analytic bytes, this machine's roofline times
   ASSERT_EQ(j["stages"].size(), 4u);
   EXPECT_EQ(j["stages"][2]["name"], "block.1");
   EXPECT_EQ(j["stages"][2]["forwards"], 2);
-  EXPECT_TRUE(j["predicted_recompute_s"].is_null());
+  EXPECT_GT(j["predicted_recompute_s"].get<double>(), 0.0);
+  EXPECT_EQ(j["memory"]["fits"], true);
+  EXPECT_EQ(j["predicted_total_peak_bytes"], j["memory"]["total_peak_bytes"]);
+  EXPECT_GT(j["step_time"]["total_s"].get<double>(), 0.0);
   EXPECT_GT(j["recompute_flop_fraction"].get<double>(), 0.0);
   EXPECT_LT(j["predicted_activation_peak_bytes"].get<size_t>(), j["none_activation_peak_bytes"].get<size_t>());
 
-  // A budget plans optimal from profiled costs.
-  CliRun opt = porter({"plan", "--config", tiny(), "--budget", "0.9", "--json"});
+  // A budget plans optimal; --profile from measured costs.
+  CliRun opt = porter({"plan", "--config", tiny(), "--budget", "0.9", "--json", "--profile"});
   ASSERT_EQ(opt.rc, kExitOk) << opt.err;
   json o = json::parse(opt.out);
   EXPECT_EQ(o["policy"], "optimal");
@@ -561,7 +564,7 @@ TEST_F(CliTrain, PlanTensorParallel) {
   CliRun r = porter({"plan", "--config", cfg, "--json"});
   ASSERT_EQ(r.rc, kExitOk) << r.err;
   const json j = json::parse(r.out);
-  EXPECT_EQ(j["costs"], "analytic");
+  EXPECT_EQ(j["costs"], "device model cpu");
   EXPECT_EQ(j["tensor_parallel"], 2);
   EXPECT_EQ(j["sequence_parallel"], true);
   const models::TransformerShape shape{tiny_model(2, true), 2, 16, tensor::DType::kF32};
@@ -575,7 +578,7 @@ TEST_F(CliTrain, PlanTensorParallel) {
   ASSERT_EQ(text.rc, kExitOk) << text.err;
   EXPECT_TRUE(contains(text.out, "tensor parallel 2 with sequence parallelism")) << text.out;
 
-  CliRun opt = porter({"plan", "--config", cfg, "--budget", "0.9", "--json"});
+  CliRun opt = porter({"plan", "--config", cfg, "--budget", "0.9", "--json", "--profile"});
   ASSERT_EQ(opt.rc, kExitOk) << opt.err;
   const json o = json::parse(opt.out);
   EXPECT_EQ(o["costs"], "profiled");

@@ -1,0 +1,96 @@
+// Note [Forecast] (forecast.h).
+#include "engine/forecast.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
+#include "base/error.h"
+#include "base/units.h"
+#include "engine/model.h"
+#include "engine/stage3.h"
+
+namespace porter::engine {
+
+int64_t Forecast::margin_bytes() const {
+  if (!capacity_bytes) return 0;
+  return static_cast<int64_t>(*capacity_bytes) - static_cast<int64_t>(total_peak_bytes);
+}
+
+std::string Forecast::verdict() const {
+  if (!capacity_bytes) {
+    return "needs " + format_bytes(total_peak_bytes) +
+           " per rank; the device's memory is unknown (set porter.device.memory_limit or "
+           "porter.device.model)";
+  }
+  const int64_t m = margin_bytes();
+  if (m >= 0) {
+    return "fits: " + format_bytes(total_peak_bytes) + " of " + format_bytes(*capacity_bytes) +
+           " per rank (" + format_bytes(static_cast<uint64_t>(m)) + " free)";
+  }
+  return "does not fit: needs " + format_bytes(total_peak_bytes) + " per rank, " +
+         format_bytes(static_cast<uint64_t>(-m)) + " more than the " +
+         format_bytes(*capacity_bytes) + " device";
+}
+
+DeviceModel forecast_device_model(const RunOptions& run, config::GpuModel default_gpu,
+                                  bool* defaulted) {
+  DeviceModelOptions o = run.device_model;
+  const bool cuda = run.device.kind != memory::DeviceKind::kCpu;
+  if (defaulted) *defaulted = cuda && !o.model;
+  if (cuda && !o.model) o.model = default_gpu;
+  if (o.model) return resolve_device_model(o, run.device.kind, run.compute_dtype, [] { return DeviceModel{}; });
+  return run_device_model(run);
+}
+
+RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& costs, int dp_size) {
+  TransformerModel model(run.shape.model);  // the layout only; allocates nothing
+  RankStates s;
+  s.param_elems = model.layout().total_elems();
+  const zero::Partition part = zero::make_partition(s.param_elems, dp_size);
+  const zero::StateDTypes dtypes{run.compute_dtype};
+  const int stage = run.zero_stage();
+  const zero::OptimizerOptions& zo = run.optimizer;
+  const bool opt = zo.offload.enabled, params = zo.param_offload.enabled;
+  const double ratio = opt ? zo.offload.ratio : 1.0;
+  s.device = zero::device_state_bytes(zero::exact_bytes(part, stage, dtypes), part, dtypes, opt,
+                                      ratio, params);
+  s.persistent_bytes = costs.params.enabled ? costs.params.persistent_bytes() : 0;
+  s.device.params += s.persistent_bytes;
+  s.host = zero::host_state_bytes(part, stage, dtypes, opt, params, zo.offload.pin_memory,
+                                  zo.param_offload.pin_memory, ratio);
+  return s;
+}
+
+Forecast forecast(const config::Config& config, const ForecastOptions& options) {
+  Forecast f;
+  f.config = config;
+  f.run = make_run_options(config);
+  f.dp_size = static_cast<int>(config.data_parallel_size());
+  f.device = options.device ? *options.device
+                            : forecast_device_model(f.run, options.default_gpu, &f.default_device);
+  f.costs = roofline_costs(f.run.analytic_costs(), f.device, f.run.compute_dtype);
+  add_zero_costs(f.costs, f.run, f.dp_size);
+  f.plan = checkpoint::make_plan(timed_plan_options(f.run, f.device), f.costs);
+  const RankStates states = rank_states(f.run, f.costs, f.dp_size);
+  f.param_elems = states.param_elems;
+  f.model_states = states.device;
+  f.host_states = states.host;
+  f.batch_bytes = f.run.batch_bytes;
+  f.total_peak_bytes = f.run.predicted_peak_bytes(f.model_states.total(), f.plan.prediction);
+  f.capacity_bytes = f.run.capacity_bytes;
+  if (!f.capacity_bytes && f.device.memory_bytes > 0) f.capacity_bytes = f.device.memory_bytes;
+  StepTimeInputs in;
+  in.dp_size = f.dp_size;
+  in.param_elems = f.param_elems;
+  if (f.run.optimizer.offload.enabled) {
+    const int threads = f.run.device.threads > 0
+                            ? f.run.device.threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    in.host_memory_bytes_per_s = measure_host_copy_bytes_per_s(size_t{32} << 20, threads);
+  }
+  f.time = predict_step_time(f.run, f.device, f.plan, f.costs, in);
+  return f;
+}
+
+}  // namespace porter::engine

@@ -1,0 +1,82 @@
+// porter::engine::Forecast: what one rank of a run needs and how long its step takes,
+// predicted from the config alone: nothing of the model is allocated, no device is opened
+// (beyond the cpu device's short calibration when no device model is named). `porter plan`,
+// `porter estimate`'s verdict, `porter plan --fit` and `porter train`'s preflight all read it.
+//
+// Note [Forecast]
+// Bytes are exact: the model states at the configured ZeRO stage, world size and offload
+// (Note [Model-state bytes per rank] in zero/partition.h), stage 3's persistent units, one
+// micro-batch's token ids and targets, and the plan's predicted peak of everything else in
+// the step (activations, checkpoints, staging, workspace, stage 3's gathered parameters and
+// the gradient buckets, Note [Gradient buckets in the footprint]). Their sum is the total the
+// Engine's memory report predicts and, on the cpu device, measures to the byte. Times come
+// from the device model's roofline (Note [Device models], Note [Roofline times]), which are
+// floors. The plan is made on those timed costs, so the optimal policy and offload plan
+// without the hardware.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "checkpoint/planner.h"
+#include "config/config.h"
+#include "engine/device_model.h"
+#include "engine/run_options.h"
+#include "engine/step_time.h"
+#include "zero/partition.h"
+
+namespace porter::engine {
+
+struct ForecastOptions {
+  // The device model to time with; none: resolved from the config (Note [Device models]),
+  // with a cuda device that names none planned as `default_gpu`.
+  std::optional<DeviceModel> device;
+  config::GpuModel default_gpu = config::GpuModel::kH100Sxm;
+};
+
+struct Forecast {
+  config::Config config;  // the config forecast (its world size, tensor parallelism)
+  RunOptions run;
+  int dp_size = 1;
+  DeviceModel device;
+  bool default_device = false;  // a cuda device without porter.device.model
+  checkpoint::ChainCosts costs;  // the analytic model's, timed on `device`
+  checkpoint::Plan plan;
+  int64_t param_elems = 0;       // this tensor-parallel rank's flat parameters
+  zero::StateBytes model_states;  // on the device, stage 3's persistent units included
+  zero::HostStateBytes host_states;
+  size_t batch_bytes = 0;
+  size_t total_peak_bytes = 0;   // model states + batch + the plan's total peak
+  std::optional<size_t> capacity_bytes;  // the configured limit, else the device model's memory
+  StepTimePrediction time;
+
+  bool fits() const { return capacity_bytes && total_peak_bytes <= *capacity_bytes; }
+  // Capacity minus total: the headroom when it fits, negative by the shortfall when not.
+  int64_t margin_bytes() const;
+  // "fits: 61.20 GiB of 80.00 GiB (18.80 GiB free)" or "does not fit: needs 95.30 GiB, 15.30
+  // GiB more than the 80.00 GiB device"; without a capacity, says it is unknown.
+  std::string verdict() const;
+};
+
+// Note [Forecast]. Throws InvalidArgument for what the planner refuses (a budget below the
+// smallest plan, an overflowing shape).
+Forecast forecast(const config::Config& config, const ForecastOptions& options = {});
+
+// The device model a forecast of `config` times with (Note [Device models]; a cuda device
+// without porter.device.model is `default_gpu`, and *defaulted says so).
+DeviceModel forecast_device_model(const RunOptions& run, config::GpuModel default_gpu,
+                                  bool* defaulted = nullptr);
+
+// Model states per rank on the device and the host for a run, as porter estimate lists them
+// (the optimizer and parameter offload of the config applied).
+struct RankStates {
+  zero::StateBytes device;
+  zero::HostStateBytes host;
+  int64_t param_elems = 0;
+  size_t persistent_bytes = 0;  // stage 3's persistent units (in device.params)
+};
+RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& costs, int dp_size);
+
+}  // namespace porter::engine
