@@ -146,6 +146,7 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
     degrees.push_back(m.tensor_parallel);
     std::sort(degrees.begin(), degrees.end());
   }
+  int64_t elems_t = 0, elems = 0;  // the layout's elements at tensor_parallel elems_t
   for (int64_t t : degrees) {
     if (m.heads % t != 0) continue;
     for (bool sp : {false, true}) {
@@ -179,11 +180,15 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
           po.checkpointing.policy = policy;
           *into = checkpoint::make_plan(po, costs).prediction.peak_activation_bytes;
         }
-        // Tensor-parallel rank 0's layout only; allocates nothing.
-        const std::unique_ptr<models::Transformer> built = models::build_model(c.porter.model);
-        e.model_states = zero::exact_bytes(
-            zero::make_partition(built->layout().total_elems(), static_cast<int>(dp)),
-            run.zero_stage(), zero::StateDTypes{run.compute_dtype});
+        // Tensor-parallel rank 0's layout only; allocates nothing. Sequence parallelism
+        // moves activations, not parameters, so each t's layout is built once (at 100,000
+        // layers a build is a good part of a second).
+        if (elems_t != t) {
+          elems = models::build_model(c.porter.model)->layout().total_elems();
+          elems_t = t;
+        }
+        e.model_states = zero::exact_bytes(zero::make_partition(elems, static_cast<int>(dp)),
+                                           run.zero_stage(), zero::StateDTypes{run.compute_dtype});
       } catch (const porter::Error& ex) {
         e.error = ex.what();
       }
