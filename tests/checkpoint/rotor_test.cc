@@ -1,7 +1,8 @@
 // The Rotor program's shared runs (Note [Rotor runs] in checkpoint/rotor.cc): solving a run of
 // identical stages' subproblems once gives the schedule that solving every subproblem gives,
-// on transformer chains and on heterogeneous chains with and without runs, with host and
-// partitioned holds; the planner's progress reports; the replay at a long chain.
+// and the schedule the program gave before (rotor_reference.inc, the previous solve kept
+// verbatim), on transformer chains and on heterogeneous chains with and without runs, with
+// host and partitioned holds; the planner's progress reports; the replay at a long chain.
 #include "checkpoint/rotor.h"
 
 #include <random>
@@ -11,6 +12,7 @@
 
 #include "checkpoint/planner.h"
 #include "models/analytic.h"
+#include "tests/checkpoint/rotor_reference.inc"
 
 namespace porter::checkpoint {
 namespace {
@@ -99,8 +101,8 @@ ChainCosts chain_of_runs(const std::vector<int>& runs, uint32_t seed, bool times
   return c;
 }
 
-// Both ways of solving at budgets from tight to loose, under `options`: the same schedule or
-// both nothing.
+// Both ways of solving, and the program as it was, at budgets from tight to loose, under
+// `options`: the same schedule or all nothing.
 void expect_same_schedules(const ChainCosts& c, RotorOptions options, const std::string& what) {
   const size_t none = simulate(schedule_none(c), c).peak_activation_bytes;
   int solved = 0;
@@ -110,10 +112,13 @@ void expect_same_schedules(const ChainCosts& c, RotorOptions options, const std:
     const std::optional<Schedule> shared = solve_rotor(c, budget, options);
     options.share_runs = false;
     const std::optional<Schedule> every = solve_rotor(c, budget, options);
+    const std::optional<Schedule> before = solve_rotor_reference(c, budget, options);
     ASSERT_EQ(shared.has_value(), every.has_value()) << what << " at " << f << " of none's peak";
+    ASSERT_EQ(shared.has_value(), before.has_value()) << what << " at " << f << " of none's peak";
     if (!shared) continue;
     ++solved;
     EXPECT_EQ(shared->to_string(), every->to_string()) << what << " at " << f << " of none's peak";
+    EXPECT_EQ(shared->to_string(), before->to_string()) << what << " at " << f << " of none's peak";
   }
   EXPECT_GE(solved, 3) << what << ": too few budgets were feasible to compare";
 }
@@ -135,7 +140,7 @@ void expect_same_schedules_all_options(const ChainCosts& c, const std::string& w
   expect_same_schedules(c, part, what + ", host and partitioned, depth 2");
 }
 
-TEST(RotorRunsTest, TransformerChainsGetTheScheduleOfEverySubproblem) {
+TEST(RotorRunsTest, TransformerChainsGetTheSameSchedules) {
   const ChainCosts flops = models::analytic_transformer_costs({tiny(12), 2, 16, tensor::DType::kF32});
   expect_same_schedules_all_options(flops, "tiny gpt, 12 layers, FLOPs");
   expect_same_schedules_all_options(with_times(flops), "tiny gpt, 12 layers, times");
@@ -148,7 +153,7 @@ TEST(RotorRunsTest, TransformerChainsGetTheScheduleOfEverySubproblem) {
       "tiny llama, 9 layers, times");
 }
 
-TEST(RotorRunsTest, HeterogeneousChainsGetTheScheduleOfEverySubproblem) {
+TEST(RotorRunsTest, HeterogeneousChainsGetTheSameSchedules) {
   // Runs of several lengths between distinct stages, one stage alone, a run at the end.
   expect_same_schedules_all_options(chain_of_runs({1, 5, 1, 3, 2, 1}, 11), "runs 1 5 1 3 2 1");
   expect_same_schedules_all_options(chain_of_runs({4, 4, 4}, 12), "runs 4 4 4");
