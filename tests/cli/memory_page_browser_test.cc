@@ -140,7 +140,7 @@ TEST_F(MemoryPageBrowser, LabelsAreNotClipped) {
 }
 
 // A step that runs out of memory (Note [Out-of-memory page] in cli/memory_page.h): its page
-// loads, draws the failure and names the request.
+// loads, draws the failure and names the request. --no-preflight lets the step run out.
 TEST_F(MemoryPageBrowser, OutOfMemoryPage) {
   const fs::path cfg = dir_ / "oom.json";
   std::ofstream(cfg) << R"({
@@ -156,7 +156,8 @@ TEST_F(MemoryPageBrowser, OutOfMemoryPage) {
     }
   })";
   const testing::CliRun r =
-      testing::porter({"train", "--config", cfg.string(), "--memory-page", page_.string()});
+      testing::porter({"train", "--no-preflight", "--config", cfg.string(), "--memory-page",
+                       page_.string()});
   ASSERT_EQ(r.rc, 3) << r.err;
   ASSERT_TRUE(testing::contains(r.err, "memory page of the failed step: " + page_.string()))
       << r.err;
