@@ -1,5 +1,6 @@
 // matmul on cpu (oneDNN): transposes, alpha/beta, batches, bf16, odd sizes, the primitive
 // cache, determinism across thread counts, the weight layout choice, and shape validation.
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 
@@ -25,22 +26,39 @@ using testing::random_values;
 using testing::round_bf16;
 using testing::round_to;
 
-// Reference: out = alpha * op(a) @ op(b) + beta * out0, in double, batch by batch.
+// Reference: out = alpha * op(a) @ op(b) + beta * out0, in double, batch by batch. op(a) and
+// op(b) are copied row-major in double first, so that the inner loop runs along a row of each
+// (the layout cases below are GPT-sized: strided reads of B made the reference most of this
+// binary's time); each element still sums its k products in order from zero.
 std::vector<double> reference(const std::vector<float>& a, const std::vector<float>& b,
                               const std::vector<float>& out0, int64_t batch, int64_t m,
                               int64_t n, int64_t k, const kernels::MatmulSpec& spec) {
-  std::vector<double> out(static_cast<size_t>(batch * m * n));
+  const auto um = static_cast<size_t>(m), un = static_cast<size_t>(n), uk = static_cast<size_t>(k);
+  std::vector<double> out(static_cast<size_t>(batch) * um * un);
+  std::vector<double> op_a(um * uk), op_b(uk * un), row(un);
   for (int64_t q = 0; q < batch; ++q) {
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) {
-        double s = 0.0;
-        for (int64_t l = 0; l < k; ++l) {
-          double av = spec.trans_a ? a[q * m * k + l * m + i] : a[q * m * k + i * k + l];
-          double bv = spec.trans_b ? b[q * k * n + j * k + l] : b[q * k * n + l * n + j];
-          s += av * bv;
-        }
-        size_t o = static_cast<size_t>(q * m * n + i * n + j);
-        out[o] = spec.alpha * s + (spec.beta != 0.0f ? spec.beta * double{out0[o]} : 0.0);
+    const float* aq = a.data() + q * m * k;
+    const float* bq = b.data() + q * k * n;
+    for (size_t i = 0; i < um; ++i) {
+      for (size_t l = 0; l < uk; ++l) {
+        op_a[i * uk + l] = spec.trans_a ? aq[l * um + i] : aq[i * uk + l];
+      }
+    }
+    for (size_t l = 0; l < uk; ++l) {
+      for (size_t j = 0; j < un; ++j) {
+        op_b[l * un + j] = spec.trans_b ? bq[j * uk + l] : bq[l * un + j];
+      }
+    }
+    for (size_t i = 0; i < um; ++i) {
+      std::fill(row.begin(), row.end(), 0.0);
+      for (size_t l = 0; l < uk; ++l) {
+        const double av = op_a[i * uk + l];
+        const double* bl = op_b.data() + l * un;
+        for (size_t j = 0; j < un; ++j) row[j] += av * bl[j];
+      }
+      for (size_t j = 0; j < un; ++j) {
+        const size_t o = static_cast<size_t>(q) * um * un + i * un + j;
+        out[o] = spec.alpha * row[j] + (spec.beta != 0.0f ? spec.beta * double{out0[o]} : 0.0);
       }
     }
   }
