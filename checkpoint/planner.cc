@@ -7,6 +7,7 @@
 #include <cmath>
 #include <functional>
 #include <string_view>
+#include <unordered_map>
 
 #include "base/check.h"
 #include "base/checked.h"
@@ -128,6 +129,17 @@ struct Candidate {
   Prediction prediction;
 };
 
+size_t schedule_hash(const Schedule& s) {
+  size_t h = std::hash<int>()(s.num_stages);
+  for (const ScheduleOp& op : s.ops) {
+    const size_t v = static_cast<size_t>(op.stage) << 8 | static_cast<size_t>(op.kind) << 4 |
+                     static_cast<size_t>(op.save) << 3 | (op.hold_input ? 4u : 0u) |
+                     (op.offload ? 2u : 0u) | (op.partition ? 1u : 0u);
+    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  }
+  return h;
+}
+
 // Every standard schedule the optimal planner compares with, simulated. With offload, each
 // also with its holds placed on the host (place_offload, keeping the last 0, 1, 2 and the
 // configured number on device); with partitioning, each of those also partitioned
@@ -135,10 +147,20 @@ struct Candidate {
 std::vector<Candidate> standard_candidates(const ChainCosts& costs, const OffloadOptions& offload,
                                            const PartitionOptions& partition) {
   std::vector<Candidate> out;
+  // A schedule is compared only with those of its hash: the candidates grow with the blocks
+  // (uniform and block at every count), so a scan of all of them per push was quadratic.
+  std::unordered_multimap<size_t, size_t> seen;  // schedule hash -> index in out
   auto push = [&](std::string d, Schedule s) {
-    for (const Candidate& c : out)
-      if (c.schedule == s) return;
+    const size_t h = schedule_hash(s);
+    const auto [lo, hi] = seen.equal_range(h);
+    for (auto it = lo; it != hi; ++it)
+      if (out[it->second].schedule == s) return;
     Prediction p = predict(s, costs, offload, partition);
+    // The comparison reads the objective and the peaks only; the per-op curves of thousands
+    // of candidates would hold memory quadratic in the stages.
+    p.footprint_after_op = {};
+    p.peak_total_during_op = {};
+    seen.emplace(h, out.size());
     out.push_back({std::move(d), std::move(s), std::move(p)});
   };
   auto push_partitioned = [&](const std::string& d, const Schedule& s) {

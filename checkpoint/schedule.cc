@@ -154,6 +154,10 @@ class Replay {
   // gathered parameters during their ops, over [2 first, 2 last + 1]; and per op, the bytes
   // fetch() frees before it.
   void index_windows() {
+    staging_base_ = staging_->arena_bytes;
+    slice_base_ = staging_->slice_arena_bytes;
+    // Most replays (the planner's candidates) have no window at all: nothing to sum.
+    if (staging_->windows.empty()) return;
     const size_t moments = 2 * schedule_.ops.size() + 2;
     std::vector<int64_t> staging(moments + 1, 0), slices(moments + 1, 0), params(moments + 1, 0);
     freed_at_op_.assign(schedule_.ops.size() + 1, 0);
@@ -176,24 +180,24 @@ class Replay {
       }
       add(w.slice ? slices : staging, f, w.until_fetch ? l - 1 : l, w.bytes);
     }
-    auto prefix = [&](const std::vector<int64_t>& diff, size_t base) {
+    auto prefix = [&](const std::vector<int64_t>& diff) {
       std::vector<size_t> out(moments, 0);
       int64_t run = 0;
       for (size_t k = 0; k < moments; ++k) {
         run += diff[k];
-        out[k] = base + static_cast<size_t>(run);
+        out[k] = static_cast<size_t>(run);
       }
       return out;
     };
-    staging_at_ = prefix(staging, staging_->arena_bytes);
-    slices_at_ = prefix(slices, staging_->slice_arena_bytes);
-    params_at_ = prefix(params, 0);
+    staging_at_ = prefix(staging);
+    slices_at_ = prefix(slices);
+    params_at_ = prefix(params);
   }
 
   // The stash's bytes in the footprint at the start of op op_ (after_ false) or after it
   // (after_ true); the arenas throughout.
-  size_t staging_bytes() const { return staging_at_.empty() ? 0 : staging_at_[moment()]; }
-  size_t slice_bytes() const { return slices_at_.empty() ? 0 : slices_at_[moment()]; }
+  size_t staging_bytes() const { return staging_base_ + (staging_at_.empty() ? 0 : staging_at_[moment()]); }
+  size_t slice_bytes() const { return slice_base_ + (slices_at_.empty() ? 0 : slices_at_[moment()]); }
   // The gathered parameter buffers alive during op op_ (they are issued before it starts and
   // freed after it ends).
   size_t param_bytes() const { return params_at_.empty() ? 0 : params_at_[moment()]; }
@@ -402,7 +406,9 @@ class Replay {
   size_t act_total_ = 0;
   int last_stage_ = -1;
   int last_cur_ = 0;
-  std::vector<size_t> staging_at_, slices_at_, params_at_;  // per moment
+  size_t staging_base_ = 0, slice_base_ = 0;                // the arenas
+  std::vector<size_t> staging_at_, slices_at_, params_at_;  // per moment, the windows'; empty
+                                                            // without windows
   std::vector<size_t> freed_at_op_;                         // per op
 };
 
