@@ -100,10 +100,13 @@ struct ZeroConfig {
   bool round_robin_gradients = false;
   bool allgather_partitions = true;
   int64_t sub_group_size_elems = 1'000'000'000;
-  int64_t stage3_prefetch_bucket_size_elems = 50'000'000;
+  // The three gather knobs are none when the config leaves them out (or gives "auto", or
+  // null): porter sizes them at stage 3 (Note [Stage 3 sizing] in engine/stage3.h).
+  // DeepSpeed's defaults are 5e7, 1e9 and 1e9.
+  std::optional<int64_t> stage3_prefetch_bucket_size_elems;
   int64_t stage3_param_persistence_threshold_elems = 100'000;
-  int64_t stage3_max_live_parameters_elems = 1'000'000'000;
-  int64_t stage3_max_reuse_distance_elems = 1'000'000'000;
+  std::optional<int64_t> stage3_max_live_parameters_elems;
+  std::optional<int64_t> stage3_max_reuse_distance_elems;
   bool stage3_gather_16bit_weights_on_model_save = false;
   OffloadOptimizerConfig offload_optimizer;
   OffloadParamConfig offload_param;

@@ -6,6 +6,8 @@
 
 #include "base/check.h"
 #include "base/error.h"
+#include "engine/model.h"
+#include "engine/stage3.h"
 
 namespace porter::engine {
 
@@ -111,11 +113,18 @@ RunOptions make_run_options(const config::Config& config) {
   r.reducer.prescale_gradients = config.prescale_gradients;
   r.reducer.predivide_factor = config.gradient_predivide_factor;
   r.reduce_bucket_elems = z.reduce_bucket_size_elems;
-  r.stage3.prefetch_elems = z.stage3_prefetch_bucket_size_elems;
-  r.stage3.max_live_elems = z.stage3_max_live_parameters_elems;
-  r.stage3.max_reuse_distance_elems = z.stage3_max_reuse_distance_elems;
+  // Note [Stage 3 sizing]: the config's knobs where it gives them; the rest sized below.
+  r.stage3.prefetch_given = z.stage3_prefetch_bucket_size_elems.has_value();
+  r.stage3.max_live_given = z.stage3_max_live_parameters_elems.has_value();
+  r.stage3.max_reuse_distance_given = z.stage3_max_reuse_distance_elems.has_value();
+  r.stage3.prefetch_elems = z.stage3_prefetch_bucket_size_elems.value_or(r.stage3.prefetch_elems);
+  r.stage3.max_live_elems = z.stage3_max_live_parameters_elems.value_or(r.stage3.max_live_elems);
+  r.stage3.max_reuse_distance_elems =
+      z.stage3_max_reuse_distance_elems.value_or(r.stage3.max_reuse_distance_elems);
   r.stage3.persistence_threshold_elems = z.stage3_param_persistence_threshold_elems;
   r.stage3.gather_16bit_weights_on_model_save = z.stage3_gather_16bit_weights_on_model_save;
+  r.stage3.dp_size = static_cast<int>(std::max<int64_t>(1, config.data_parallel_size()));
+  r.stage3.shard_on_host = z.offload_param.device != config::OffloadDevice::kNone;
   r.optimizer.zero_stage = z.stage;
   r.optimizer.allgather_bucket_elems = z.allgather_bucket_size_elems;
   r.optimizer.adamw = config.optimizer.value_or(config::OptimizerConfig{});
@@ -130,6 +139,15 @@ RunOptions make_run_options(const config::Config& config) {
   // Note [Parameter offload] (stage 3; "nvme" reads as "cpu").
   r.optimizer.param_offload.enabled = z.offload_param.device != config::OffloadDevice::kNone;
   r.optimizer.param_offload.pin_memory = z.offload_param.pin_memory;
+
+  if (z.stage == 3) {
+    // The built-in model's sizes (Note [Stage 3 sizing]); an Engine sizes its own model's.
+    TransformerModel gpt(r.shape.model);  // layers and layout only; allocates nothing
+    const checkpoint::ParamGather g = stage3_layout(gpt, r.stage3, r.compute_dtype).costs;
+    r.stage3.prefetch_elems = g.prefetch_elems;
+    r.stage3.max_live_elems = g.max_live_elems;
+    r.stage3.max_reuse_distance_elems = g.max_reuse_distance;
+  }
 
   r.batch_bytes = 2 * static_cast<size_t>(config.train_micro_batch_size_per_gpu) *
                   static_cast<size_t>(p.model.seq_len) * sizeof(int32_t);
@@ -278,7 +296,12 @@ nlohmann::ordered_json RunOptions::to_json() const {
                  {"max_live_elems", stage3.max_live_elems},
                  {"max_reuse_distance_elems", stage3.max_reuse_distance_elems},
                  {"persistence_threshold_elems", stage3.persistence_threshold_elems},
-                 {"gather_16bit_weights_on_model_save", stage3.gather_16bit_weights_on_model_save}};
+                 {"gather_16bit_weights_on_model_save", stage3.gather_16bit_weights_on_model_save},
+                 {"prefetch_given", stage3.prefetch_given},
+                 {"max_live_given", stage3.max_live_given},
+                 {"max_reuse_distance_given", stage3.max_reuse_distance_given},
+                 {"dp_size", stage3.dp_size},
+                 {"shard_on_host", stage3.shard_on_host}};
   const config::OptimizerConfig& a = optimizer.adamw;
   const config::Fp16Config& f = optimizer.fp16;
   j["optimizer"] = {{"zero_stage", optimizer.zero_stage},

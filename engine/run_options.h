@@ -56,13 +56,24 @@ std::string_view cost_source_name(CostSource s);  // "analytic", "profiled"
 enum class CostUse { kPlan, kTraining };
 
 // ZeRO stage 3's gather knobs (zero_optimization.stage3_*; Note [Gather plan] in
-// checkpoint/param_gather.h), for the gather units of engine/stage3.h.
+// checkpoint/param_gather.h), for the gather units of engine/stage3.h. The three gather knobs
+// hold the values in effect: the config's where it set them (`*_given`), else porter's
+// (Note [Stage 3 sizing] in engine/stage3.h), sized by make_run_options for the built-in
+// model at stage 3, and again by stage3_layout for the model the Engine runs. Built by hand,
+// the knobs count as given (DeepSpeed's defaults).
 struct Stage3Options {
   int64_t prefetch_elems = 50'000'000;
   int64_t max_live_elems = 1'000'000'000;
   int64_t max_reuse_distance_elems = 1'000'000'000;
   int64_t persistence_threshold_elems = 100'000;  // a smaller unit stays gathered
   bool gather_16bit_weights_on_model_save = false;  // save_checkpoint's consolidated file
+  bool prefetch_given = true;
+  bool max_live_given = true;
+  bool max_reuse_distance_given = true;
+  // What the sizing compares against: the data-parallel ranks the parameters are sharded over
+  // (world_size / tensor_parallel), and whether the shard lives on the host (offload_param).
+  int dp_size = 1;
+  bool shard_on_host = false;
 };
 
 struct RunOptions {
