@@ -10,6 +10,10 @@
 // group at porter.model.tensor_parallel > 1.
 #include <algorithm>
 #include <cstdio>
+#include <thread>
+#include <optional>
+#include <sstream>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,6 +50,8 @@ struct PlanCommandOptions {
   std::string memory_page;
   bool json = false;
   bool strict = false;
+  bool fit = false;
+  int top = 8;
 };
 
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err);
@@ -306,6 +312,277 @@ void print_step_time(const engine::Forecast& f, std::ostream& out) {
       << ", MFU " << mfu << "\n";
 }
 
+// Note [Plan fit]
+// `porter plan --fit` searches the knobs a user turns to make a run fit, each given to the
+// config as --set overrides, so that every candidate passes the same parser and rules as a
+// config a user writes, and its fragment is what --config accepts: the micro-batch (halved
+// down to 1, the accumulation steps doubled so the global batch stays), the checkpoint
+// policy (none, selective, full, sqrt, and optimal at a budget of half or a quarter of
+// none's peak), checkpoint offload (activation_checkpointing.cpu_checkpointing, with full
+// and optimal), the ZeRO stage (1 to 3), optimizer offload (stages 1 to 3) and parameter
+// offload (stage 3), and tensor parallelism (each t dividing the world and the heads, up to
+// 8) with and without sequence parallelism. Each candidate is forecast (Note [Forecast]) on
+// one device model, and those that fit are ranked by predicted tokens per second. For each
+// fixed policy, the largest micro-batch and sequence length that fit, the rest of the config
+// as given, are found by bisection.
+struct FitCandidate {
+  std::vector<std::string> sets;  // "key=JSON"
+  std::string label;
+  double tokens_per_s = 0.0;
+  double step_s = 0.0;
+  double mfu = 0.0;
+  size_t total_peak_bytes = 0;
+  int64_t margin_bytes = 0;
+};
+
+// The --set overrides as one JSON object, keys nested at their dots.
+nlohmann::ordered_json sets_fragment(const std::vector<std::string>& sets) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const std::string& s : sets) {
+    const size_t eq = s.find('=');
+    const std::string key = s.substr(0, eq);
+    nlohmann::ordered_json* at = &j;
+    size_t start = 0;
+    for (size_t dot = key.find('.'); dot != std::string::npos; dot = key.find('.', start)) {
+      at = &(*at)[key.substr(start, dot - start)];
+      start = dot + 1;
+    }
+    (*at)[key.substr(start)] = nlohmann::ordered_json::parse(s.substr(eq + 1));
+  }
+  return j;
+}
+
+class FitSearch {
+ public:
+  FitSearch(const PlanCommandOptions& o, int64_t world_size, const engine::DeviceModel& device,
+            double host_bytes_per_s)
+      : o_(o), world_size_(world_size), device_(device), host_bytes_per_s_(host_bytes_per_s) {}
+
+  // The forecast of the config with `sets` added, or nullopt when porter refuses it.
+  std::optional<engine::Forecast> try_forecast(const std::vector<std::string>& sets) {
+    ConfigArgs a = o_.config_args;
+    a.sets.insert(a.sets.end(), sets.begin(), sets.end());
+    std::ostringstream quiet;
+    try {
+      const config::Config c = load_config(a, false, quiet, world_size_);
+      engine::ForecastOptions fo;
+      fo.device = device_;
+      fo.host_memory_bytes_per_s = host_bytes_per_s_;
+      ++evaluated_;
+      return engine::forecast(c, fo);
+    } catch (const porter::Error&) {
+      return std::nullopt;
+    }
+  }
+
+  std::vector<FitCandidate> search(const config::Config& base, std::ostream& err) {
+    const config::ModelConfig& m = base.porter.model;
+    const int64_t global = base.train_batch_size;
+    std::vector<FitCandidate> fits;
+    std::vector<int64_t> tps = {1};
+    for (int64_t t = 2; t <= 8; t *= 2)
+      if (world_size_ % t == 0 && m.heads % t == 0 && (m.kv_heads == 0 || m.kv_heads % t == 0)) tps.push_back(t);
+    struct Policy {
+      std::string name;
+      std::vector<std::string> sets;
+    };
+    std::vector<Policy> policies = {
+        {"none", {"porter.checkpointing.policy=\"none\""}},
+        {"selective", {"porter.checkpointing.policy=\"selective\""}},
+        {"full", {"porter.checkpointing.policy=\"full\""}},
+        {"sqrt", {"porter.checkpointing.policy=\"sqrt\""}},
+        {"optimal 0.5", {"porter.checkpointing.policy=\"optimal\"", "porter.checkpointing.memory_budget=0.5"}},
+        {"optimal 0.25", {"porter.checkpointing.policy=\"optimal\"", "porter.checkpointing.memory_budget=0.25"}}};
+    const auto start = std::chrono::steady_clock::now();
+    auto last_note = start;
+    for (int64_t t : tps) {
+      for (bool sp : {false, true}) {
+        if (sp && t == 1) continue;
+        const int64_t dp = world_size_ / t;
+        for (int64_t mb = base.train_micro_batch_size_per_gpu; mb >= 1; mb /= 2) {
+          if (global % (mb * dp) != 0) continue;
+          const int64_t gas = global / (mb * dp);
+          for (int stage = 1; stage <= 3; ++stage) {
+            for (bool opt : {false, true}) {
+              for (bool param : {false, true}) {
+                if (param && stage != 3) continue;
+                for (const Policy& p : policies) {
+                  const bool ckpt = p.name != "none" && p.name != "selective";
+                  for (bool act : {false, true}) {
+                    if (act && !ckpt) continue;
+                    std::vector<std::string> sets = {
+                        "train_batch_size=" + std::to_string(global),
+                        "train_micro_batch_size_per_gpu=" + std::to_string(mb),
+                        "gradient_accumulation_steps=" + std::to_string(gas),
+                        "zero_optimization.stage=" + std::to_string(stage),
+                        std::string("zero_optimization.offload_optimizer={\"device\": \"") +
+                            (opt ? "cpu" : "none") + "\"}",
+                        std::string("zero_optimization.offload_param={\"device\": \"") +
+                            (param ? "cpu" : "none") + "\"}",
+                        std::string("activation_checkpointing.cpu_checkpointing=") + (act ? "true" : "false"),
+                        "porter.model.tensor_parallel=" + std::to_string(t),
+                        std::string("porter.model.sequence_parallel=") + (sp ? "true" : "false")};
+                    if (p.name.rfind("optimal", 0) != 0) sets.push_back("porter.checkpointing.memory_budget=null");
+                    sets.insert(sets.end(), p.sets.begin(), p.sets.end());
+                    const std::optional<engine::Forecast> f = try_forecast(sets);
+                    const auto now = std::chrono::steady_clock::now();
+                    if (now - last_note > std::chrono::seconds(2)) {
+                      err << "porter plan --fit: " << evaluated_ << " configurations forecast, "
+                          << fits.size() << " fit ("
+                          << format_seconds(std::chrono::duration<double>(now - start).count())
+                          << ")\n";
+                      last_note = now;
+                    }
+                    if (!f || !f->fits()) continue;
+                    FitCandidate c;
+                    c.sets = sets;
+                    c.label = "mb " + std::to_string(mb) + " x " + std::to_string(gas) +
+                              ", ZeRO " + std::to_string(stage) + (opt ? " +opt offload" : "") +
+                              (param ? " +param offload" : "") + ", " + p.name +
+                              (act ? " +ckpt offload" : "") +
+                              (t > 1 ? ", tp " + std::to_string(t) + (sp ? " sp" : "") : "");
+                    c.tokens_per_s = f->time.tokens_per_s;
+                    c.step_s = f->time.total_s;
+                    c.mfu = f->time.mfu;
+                    c.total_peak_bytes = f->total_peak_bytes;
+                    c.margin_bytes = f->margin_bytes();
+                    fits.push_back(std::move(c));
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    std::stable_sort(fits.begin(), fits.end(), [](const FitCandidate& a, const FitCandidate& b) {
+      return a.tokens_per_s > b.tokens_per_s;
+    });
+    return fits;
+  }
+
+  // The largest value of `key` in [1, hi] for which the config with `sets` and key=value fits
+  // (0: not even 1), by bisection (fitting is monotone in the micro-batch and the sequence).
+  int64_t largest(const config::Config& base, const std::vector<std::string>& sets,
+                  const std::string& key, int64_t hi) {
+    auto fits_at = [&](int64_t v) {
+      std::vector<std::string> s = sets;
+      s.push_back(key + "=" + std::to_string(v));
+      if (key == "train_micro_batch_size_per_gpu") {  // the batch sizes stay consistent
+        s.push_back("train_batch_size=" +
+                    std::to_string(v * base.gradient_accumulation_steps * base.data_parallel_size()));
+      }
+      const std::optional<engine::Forecast> f = try_forecast(s);
+      return f && f->fits();
+    };
+    if (!fits_at(1)) return 0;
+    int64_t lo = 1;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits_at(mid)) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  int64_t evaluated() const { return evaluated_; }
+
+ private:
+  const PlanCommandOptions& o_;
+  int64_t world_size_;
+  engine::DeviceModel device_;
+  double host_bytes_per_s_;
+  int64_t evaluated_ = 0;
+};
+
+int plan_fit(const PlanCommandOptions& o, const config::Config& cfg, int64_t world_size,
+             std::ostream& out, std::ostream& err) {
+  const engine::Forecast given = engine::forecast(cfg);
+  // The host update of optimizer offload is timed on this machine's memory bandwidth.
+  const int threads = given.run.device.threads > 0
+                          ? given.run.device.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  FitSearch search(o, world_size, given.device,
+                   engine::measure_host_copy_bytes_per_s(size_t{32} << 20, threads));
+  const std::vector<FitCandidate> fits = search.search(cfg, err);
+  struct Limit {
+    std::string policy;
+    int64_t micro_batch = 0, seq_len = 0;
+  };
+  std::vector<Limit> limits;
+  const int64_t seq_hi = std::max<int64_t>(cfg.porter.model.max_positions, cfg.porter.model.seq_len);
+  for (const char* policy : {"none", "selective", "full", "sqrt"}) {
+    std::vector<std::string> sets = {
+        std::string("porter.checkpointing.policy=\"") + policy + "\"",
+        "porter.checkpointing.memory_budget=null"};
+    // Checkpoint offload holds the inputs of recomputed stages: none there to hold.
+    if (std::string(policy) == "none") sets.push_back("activation_checkpointing.cpu_checkpointing=false");
+    Limit l;
+    l.policy = policy;
+    l.micro_batch = search.largest(cfg, sets, "train_micro_batch_size_per_gpu", 4096);
+    l.seq_len = search.largest(cfg, sets, "porter.model.seq_len", std::max<int64_t>(seq_hi, 1));
+    limits.push_back(l);
+  }
+  const size_t shown = std::min(fits.size(), static_cast<size_t>(std::max(o.top, 1)));
+  if (o.json) {
+    nlohmann::ordered_json j;
+    j["config"] = o.config_args.display();
+    j["world_size"] = world_size;
+    j["device"] = given.device.to_json();
+    j["given"] = {{"fits", given.capacity_bytes ? nlohmann::ordered_json(given.fits()) : nlohmann::ordered_json()},
+                  {"total_peak_bytes", given.total_peak_bytes},
+                  {"verdict", given.verdict()}};
+    j["evaluated"] = search.evaluated();
+    j["fitting"] = fits.size();
+    j["candidates"] = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < shown; ++i) {
+      const FitCandidate& c = fits[i];
+      j["candidates"].push_back({{"label", c.label}, {"tokens_per_s", c.tokens_per_s},
+                                 {"step_s", c.step_s}, {"mfu", c.mfu},
+                                 {"total_peak_bytes", c.total_peak_bytes},
+                                 {"margin_bytes", c.margin_bytes},
+                                 {"config", sets_fragment(c.sets)}});
+    }
+    j["largest"] = nlohmann::ordered_json::array();
+    for (const Limit& l : limits) {
+      j["largest"].push_back({{"policy", l.policy}, {"micro_batch", l.micro_batch},
+                              {"seq_len", l.seq_len}});
+    }
+    out << j.dump(2) << "\n";
+    return kExitOk;
+  }
+  out << "porter plan --fit: " << o.config_args.display() << "\n";
+  out << "  world: " << world_size << " rank" << (world_size == 1 ? "" : "s") << "; device "
+      << given.device.name << " (" << given.device.source << ")\n";
+  out << "  as given: " << given.plan.description << "; " << given.verdict() << "\n";
+  out << "  " << search.evaluated() << " configurations forecast, " << fits.size()
+      << " fit; the fastest (predicted tokens/s, a roofline floor on the step time):\n\n";
+  if (fits.empty()) {
+    out << "  none fits: the model states alone may exceed the device; try more ranks "
+           "(--world-size) or a device with more memory\n";
+  } else {
+    Table t({"#", "configuration", "tokens/s", "step", "MFU", "total peak", "free"});
+    for (size_t i = 0; i < shown; ++i) {
+      const FitCandidate& c = fits[i];
+      char mfu[32];
+      std::snprintf(mfu, sizeof mfu, "%.1f%%", 100.0 * c.mfu);
+      t.add({std::to_string(i + 1), c.label, format_count(c.tokens_per_s), format_seconds(c.step_s),
+             mfu, format_bytes(c.total_peak_bytes),
+             format_bytes(static_cast<uint64_t>(std::max<int64_t>(c.margin_bytes, 0)))});
+    }
+    t.print(out);
+    out << "\n  the first as a config fragment (merge it with --config, after yours):\n"
+        << sets_fragment(fits[0].sets).dump(2) << "\n";
+  }
+  out << "\n  the largest that fit, the rest of the config as given:\n";
+  Table lt({"policy", "micro-batch", "sequence length"});
+  for (const Limit& l : limits) {
+    lt.add({l.policy, l.micro_batch ? std::to_string(l.micro_batch) : "none fits",
+            l.seq_len ? std::to_string(l.seq_len) : "none fits"});
+  }
+  lt.print(out);
+  return kExitOk;
+}
+
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   // Note [Implied world size] in cli/common.h: at tensor_parallel t the world is t ranks at
   // least.
@@ -320,6 +597,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     cfg.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
     cfg.porter.checkpointing.memory_budget = parse_budget_flag(o.budget);
   }
+  if (o.fit) return plan_fit(o, cfg, world_size, out, err);  // Note [Plan fit]
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
   // Note [Forecast]: bytes from the analytic model, times from the device model.
@@ -508,6 +786,12 @@ void add_plan_command(CLI::App& app, CommandContext& context) {
   cmd->add_flag("--profile", o->profile,
                 "Plan from times measured by Engines on the configured device, one thread rank "
                 "per rank of the world (cpu device), instead of the device model's");
+  cmd->add_flag("--fit", o->fit,
+                "Search micro-batch, checkpoint policy and offload, ZeRO stage, optimizer and "
+                "parameter offload and tensor parallelism for the fastest configurations that "
+                "fit, and the largest micro-batch and sequence length per policy");
+  cmd->add_option("--top", o->top, "With --fit: how many configurations to list (default 8)")
+      ->check(CLI::Range(1, 1000));
   cmd->add_option("--budget", o->budget,
                   "Plan 'optimal' under this activation budget: bytes (\"6GiB\") or a fraction "
                   "of the none policy's peak (overrides the config's policy)");

@@ -43,6 +43,19 @@ DeviceModel forecast_device_model(const RunOptions& run, config::GpuModel defaul
   return run_device_model(run);
 }
 
+DeviceModel nominal_cpu_device_model(size_t memory_bytes) {
+  DeviceModel m;
+  m.name = "cpu";
+  m.source = "nominal";
+  m.f32_flops_per_s = 100e9;
+  m.bf16_flops_per_s = 100e9;
+  m.fp16_flops_per_s = 100e9;
+  m.hbm_bytes_per_s = 20e9;
+  m.host_link_bytes_per_s = 10e9;
+  m.memory_bytes = memory_bytes;
+  return m;
+}
+
 RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& costs, int dp_size) {
   TransformerModel model(run.shape.model);  // the layout only; allocates nothing
   RankStates s;
@@ -78,12 +91,14 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options) 
   f.host_states = states.host;
   f.batch_bytes = f.run.batch_bytes;
   f.total_peak_bytes = f.run.predicted_peak_bytes(f.model_states.total(), f.plan.prediction);
-  f.capacity_bytes = f.run.capacity_bytes;
+  f.capacity_bytes = options.capacity_bytes ? options.capacity_bytes : f.run.capacity_bytes;
   if (!f.capacity_bytes && f.device.memory_bytes > 0) f.capacity_bytes = f.device.memory_bytes;
   StepTimeInputs in;
   in.dp_size = f.dp_size;
   in.param_elems = f.param_elems;
-  if (f.run.optimizer.offload.enabled) {
+  if (f.run.optimizer.offload.enabled && options.host_memory_bytes_per_s) {
+    in.host_memory_bytes_per_s = *options.host_memory_bytes_per_s;
+  } else if (f.run.optimizer.offload.enabled && options.time_host_update) {
     const int threads = f.run.device.threads > 0
                             ? f.run.device.threads
                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -34,7 +34,20 @@ struct ForecastOptions {
   // with a cuda device that names none planned as `default_gpu`.
   std::optional<DeviceModel> device;
   config::GpuModel default_gpu = config::GpuModel::kH100Sxm;
+  // The device's memory when it is open (porter train's preflight); none: the configured
+  // limit, else the device model's memory.
+  std::optional<size_t> capacity_bytes;
+  // Measure the host's memory bandwidth for optimizer offload's host update (a few ms).
+  bool time_host_update = true;
+  // The host's memory bandwidth when already measured (skips the measurement).
+  std::optional<double> host_memory_bytes_per_s;
 };
+
+// Figures of the cpu device that need no measurement, for forecasts that want bytes, not
+// times (porter train's preflight): the plan's choices that depend on times (optimal,
+// offload) are made on them, so its peak may differ from the training run's profiled plan by
+// the choice, never by the accounting.
+DeviceModel nominal_cpu_device_model(size_t memory_bytes);
 
 struct Forecast {
   config::Config config;  // the config forecast (its world size, tensor parallelism)
