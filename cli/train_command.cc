@@ -28,6 +28,7 @@
 #include "comm/store.h"
 #include "io/data.h"
 #include "engine/engine.h"
+#include "engine/forecast.h"
 #include "engine/whole_params.h"
 #include "io/hf_checkpoint.h"
 #include "engine/model.h"
@@ -62,7 +63,31 @@ struct TrainOptions {
   std::string save_hf;  // a Hugging Face model directory written at the end
   std::string memory_page;  // the last step's, drawn by rank 0
   bool strict = false;
+  bool no_preflight = false;
 };
+
+// Note [Preflight]
+// Before anything is allocated, porter train forecasts the run's total peak per rank (Note
+// [Forecast] in engine/forecast.h) against the opened device's memory and refuses a run that
+// cannot fit, with the verdict and the way to find one that does, instead of failing in the
+// middle of step 1 (or of hour 3). The forecast plans on nominal device figures, so a plan
+// whose choice depends on times (optimal, offload) may differ from the profiled plan training
+// makes; the bytes of a given plan are exact. --no-preflight skips it.
+void preflight(const config::Config& cfg, const memory::Device& device, const ConfigArgs& args) {
+  engine::ForecastOptions fo;
+  fo.capacity_bytes = device.memory_capacity_bytes();
+  fo.device = engine::nominal_cpu_device_model(*fo.capacity_bytes);
+  fo.time_host_update = false;
+  const engine::Forecast f = engine::forecast(cfg, fo);
+  if (f.fits()) return;
+  throw OutOfMemoryError(
+      "preflight: " + f.plan.description + "; " + f.verdict() + " (model states " +
+          format_bytes(f.model_states.total()) + ", activations and the rest of the step " +
+          format_bytes(f.plan.prediction.peak_total_bytes) + "). `porter plan --fit " + args.command_args() + " --world-size " +
+          std::to_string(cfg.world_size) + "` lists configurations that fit; --no-preflight "
+          "skips this check",
+      f.total_peak_bytes);
+}
 
 // Note [Progress output]
 // On a terminal, one line rewritten in place (\r, erase to end of line) after every step; on
@@ -325,6 +350,7 @@ int train(const TrainOptions& o, CommandContext& ctx) {
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
   std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
+  if (!o.no_preflight) preflight(cfg, *device, o.config_args);  // Note [Preflight]
   const World w = join_world(env, cfg, *device);
   try {
     return train_rank(o, ctx, cfg, trace_path, *device, w, out, err);
@@ -592,6 +618,8 @@ void add_train_command(CLI::App& app, CommandContext& context) {
                   "(config.json and model.safetensors, in the compute dtype)")
       ->type_name("DIR");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
+  cmd->add_flag("--no-preflight", o->no_preflight,
+                "Start even when the forecast total peak per rank exceeds the device's memory");
   cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config or input, 3 out of "
               "memory; with --nproc, the code of the first rank that failed.");
   cmd->callback([o, &context] { context.exit_code = train(*o, context); });
