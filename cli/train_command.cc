@@ -28,6 +28,7 @@
 #include "comm/store.h"
 #include "io/data.h"
 #include "engine/engine.h"
+#include "engine/stage3.h"
 #include "engine/forecast.h"
 #include "engine/whole_params.h"
 #include "io/hf_checkpoint.h"
@@ -463,6 +464,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
         << cfg.zero_optimization.stage << "; memory figures are per rank\n";
   }
   if (run.start_step > 0) out << "  resumed from " << o.resume << " at step " << run.start_step << "\n";
+  if (const auto s3 = engine::stage3_report(eng)) { out << "  " << s3->line() << "\n"; if (!s3->warning.empty()) err << "warning: " << s3->warning << "\n"; }  // Note [Stage 3 sizing]
   out << std::flush;
   {
     const engine::MemoryReport mem = eng.memory_report();
