@@ -21,6 +21,7 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "engine/forecast.h"
 #include "engine/run_options.h"
 #include "engine/stage3.h"
 #include "models/factory.h"
@@ -309,7 +310,13 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const zero::HostStateBytes host = configured.host;
   const size_t model_state = ms.total();
   const size_t batch = run.batch_bytes;
-  const std::optional<size_t> capacity = run.capacity_bytes;
+  // A cuda device without a limit: the device model's memory (Note [Device models]; an H100
+  // SXM when porter.device.model is not set, as porter plan assumes).
+  bool default_gpu = false;
+  std::optional<size_t> capacity = run.capacity_bytes;
+  if (!capacity && run.device.kind != memory::DeviceKind::kCpu) {
+    capacity = engine::forecast_device_model(run, config::GpuModel::kH100Sxm, &default_gpu).memory_bytes;
+  }
   const int64_t layers = run.shape.model.layers;
 
   std::optional<config::MemoryBudget> budget = run.plan.checkpointing.memory_budget;
@@ -461,6 +468,17 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       }
       j["policies"].push_back(std::move(p));
     }
+    // The verdict: the configured policy's total against the device.
+    j["verdict"] = nullptr;
+    for (const PolicyEstimate& e : rows) {
+      if (e.policy != run.plan.checkpointing.policy || !e.error.empty() || !capacity) continue;
+      j["verdict"] = {{"policy", config::to_string(e.policy)},
+                      {"total_peak_bytes", e.total_peak_bytes},
+                      {"fits", e.total_peak_bytes <= *capacity},
+                      {"margin_bytes", static_cast<int64_t>(*capacity) -
+                                           static_cast<int64_t>(e.total_peak_bytes)}};
+      break;
+    }
     out << j.dump(2) << "\n";
     return kExitOk;
   }
@@ -477,7 +495,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       << run.shape.seq << " tokens, " << run.gradient_accumulation_steps
       << " per step; device memory "
       << (capacity ? format_bytes(*capacity) : std::string("(the GPU's, not known without it)"))
-      << "\n\n";
+      << (default_gpu ? " (an H100 SXM's: porter.device.model is not set)" : "") << "\n\n";
   print_zero(out, stages, part, num_params, state_dtypes, dtype, world_size, dp, tp);
   if (!tp_rows.empty()) print_tp(out, tp_rows, cfg, dtype);
   out << "  model states per rank (ZeRO stage " << config_stage << ", every policy): params "
@@ -541,8 +559,35 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     out << "  optimal: give --budget (bytes or a fraction of none's peak) or "
            "porter.checkpointing.memory_budget to include it\n";
   }
+  // The verdict: the configured policy's row against the device (Note [Forecast]).
+  const auto mine = std::find_if(rows.begin(), rows.end(), [&](const PolicyEstimate& e) {
+    return e.policy == run.plan.checkpointing.policy && e.error.empty();
+  });
+  if (capacity && mine != rows.end()) {
+    const int64_t margin =
+        static_cast<int64_t>(*capacity) - static_cast<int64_t>(mine->total_peak_bytes);
+    out << "\n  verdict (" << mine->label << ", the config's policy): "
+        << (margin >= 0 ? "fits: " + format_bytes(mine->total_peak_bytes) + " of " +
+                              format_bytes(*capacity) + " per rank (" +
+                              format_bytes(static_cast<uint64_t>(margin)) + " free)"
+                        : "does not fit: needs " + format_bytes(mine->total_peak_bytes) +
+                              " per rank, " + format_bytes(static_cast<uint64_t>(-margin)) +
+                              " more than the " + format_bytes(*capacity) + " device")
+        << "\n";
+    const bool any = std::any_of(rows.begin(), rows.end(), [&](const PolicyEstimate& e) {
+      return fits(e).value_or(false);
+    });
+    if (margin < 0) {
+      out << "  " << (any ? "another policy above fits; " : "no policy fits at this micro-batch, "
+                                                          "ZeRO stage and offload; ")
+          << "porter plan --fit " << o.config_args.command_args() << " --world-size "
+          << world_size << " searches the micro-batch, policy, offload, ZeRO stage and tensor "
+                           "parallelism for the fastest configurations that fit\n";
+    }
+  }
   out << "\n  total peak = model states + batch + the plan's predicted peak of activations, "
-         "checkpoints and workspace (requested bytes; the allocator's rounding adds a little).\n"
+         "checkpoints,\n  workspace, stage 3's gathered parameters and the gradient buckets (requested bytes; the\n"
+         "  allocator's rounding adds a little).\n"
          "  recompute = extra forward FLOPs over one step's forward + backward (3 x forward).\n";
   return kExitOk;
 }

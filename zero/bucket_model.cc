@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <unordered_map>
 
 #include "base/check.h"
 
@@ -20,7 +21,13 @@ class BucketReplay {
   BucketReplay(const std::vector<Bucket>& buckets, const Partition& part,
                const ReducerOptions& options)
       : buckets_(buckets), part_(part), options_(options), n_(part.world_size),
-        live_(buckets.size(), 0), issued_(buckets.size(), false) {}
+        live_(buckets.size(), 0), issued_(buckets.size(), false) {
+    // Each stage's buckets, in bucket order, so a replay is linear in stages and buckets.
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      allocated_before_[buckets[b].alloc_before].push_back(b);
+      ready_after_[buckets[b].ready_after].push_back(b);
+    }
+  }
 
   size_t alive() const { return alive_; }
   size_t peak() const { return peak_; }
@@ -30,8 +37,10 @@ class BucketReplay {
   // highest writer's backward comes next.
   void before_backward(int stage) {
     if (options_.zero_stage < 2) return;
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      if (buckets_[b].alloc_before != stage || live_[b] != 0) continue;
+    const auto it = allocated_before_.find(stage);
+    if (it == allocated_before_.end()) return;
+    for (size_t b : it->second) {
+      if (live_[b] != 0) continue;
       live_[b] = static_cast<size_t>(buckets_[b].elems()) * kF32;
       add(live_[b]);
     }
@@ -40,11 +49,10 @@ class BucketReplay {
   // after_backward: the buckets this backward completed are issued, unless the reduction
   // waits for the end of the micro-batch (overlap_comm off with more than one rank).
   void after_backward(int stage) {
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      if (buckets_[b].ready_after != stage) continue;
-      if (!options_.overlap_comm && n_ > 1) continue;
-      issue(b);
-    }
+    if (!options_.overlap_comm && n_ > 1) return;
+    const auto it = ready_after_.find(stage);
+    if (it == ready_after_.end()) return;
+    for (size_t b : it->second) issue(b);
   }
 
   // end_micro_batch: what was not issued is, then every reduction completes.
@@ -99,6 +107,7 @@ class BucketReplay {
   const Partition& part_;
   const ReducerOptions& options_;
   const int n_;
+  std::unordered_map<int, std::vector<size_t>> allocated_before_, ready_after_;
   std::vector<size_t> live_;     // contiguous buffers
   std::vector<bool> issued_;
   std::deque<size_t> pending_;   // bytes each pending reduction holds
