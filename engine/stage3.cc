@@ -203,7 +203,11 @@ std::vector<checkpoint::CommStage> bucket_costs(Model& model, const RunOptions& 
 
 void add_zero_costs(checkpoint::ChainCosts& costs, const RunOptions& run, int dp_size) {
   TransformerModel gpt(run.shape.model);  // layers and layout only; allocates nothing
-  if (run.zero_stage() == 3) costs.params = stage3_layout(gpt, run.stage3, run.compute_dtype).costs;
+  if (run.zero_stage() == 3) {
+    Stage3Options stage3 = run.stage3;
+    stage3.dp_size = dp_size;  // the knobs not given are sized for these ranks
+    costs.params = stage3_layout(gpt, stage3, run.compute_dtype).costs;
+  }
   costs.comm = bucket_costs(gpt, run, dp_size);
 }
 

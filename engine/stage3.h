@@ -115,8 +115,9 @@ void add_stage3_params(checkpoint::ChainCosts& costs, const RunOptions& run);
 // dp_size data-parallel ranks, as the Engine's reducer allocates them.
 std::vector<checkpoint::CommStage> bucket_costs(Model& model, const RunOptions& run, int dp_size);
 
-// For planning without an Engine: add_stage3_params, and costs.comm from bucket_costs of the
-// built-in model (tp rank 0's part) at dp_size ranks. Allocates nothing.
+// For planning without an Engine: add_stage3_params (the knobs not given sized for dp_size
+// ranks), and costs.comm from bucket_costs of the built-in model (tp rank 0's part) at dp_size
+// ranks. Allocates nothing.
 void add_zero_costs(checkpoint::ChainCosts& costs, const RunOptions& run, int dp_size);
 
 // The schedule of a pass that runs each of `num_stages` stages' forward once, in order,

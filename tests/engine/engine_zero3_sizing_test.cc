@@ -183,7 +183,7 @@ TEST(EngineZero3SizingTest, LeftOutAutoAndNullAreSizedANumberIsKept) {
   EXPECT_EQ(sized.stage3.max_reuse_distance_elems, 0);
   EXPECT_GT(sized.stage3.prefetch_elems, 0);
   EXPECT_EQ(sized.stage3.max_live_elems, 2 * sized.stage3.prefetch_elems);
-  for (const std::string knobs :
+  for (const std::string& knobs :
        {std::string(R"(, "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto")"),
         std::string(R"(, "stage3_max_live_parameters": null, "stage3_max_reuse_distance": null,
                         "stage3_prefetch_bucket_size": null)")}) {
