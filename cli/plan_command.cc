@@ -712,6 +712,12 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
   out << "\n  " << plan.description << "\n";
   if (plan.budget_bytes) out << "  budget " << format_bytes(*plan.budget_bytes) << "\n";
+  // Note [Stage 3 sizing]: the gather knobs in effect, and a warning when stage 3 would hold
+  // more parameter bytes than stage 2.
+  if (const std::optional<engine::Stage3Report> s3 = engine::stage3_report(run, plan.schedule)) {
+    out << "  " << s3->line() << "\n";
+    if (!s3->warning.empty()) err << "warning: " << s3->warning << "\n";
+  }
   out << "  costs: " << where_from << "\n";
   if (costs.params.enabled) {
     const checkpoint::ParamPrediction& pp = plan.prediction.params;

@@ -715,7 +715,12 @@ TEST_F(CliTrain, OutOfMemoryExitsThree) {
   text.replace(text.find("\"64MiB\""), 7, "\"560KiB\"");
   text.replace(text.find(uniform), uniform.size(), "\"policy\": \"none\"");
   const fs::path trace = dir_ / "oom-trace.json";
-  CliRun oom = porter({"train", "--config", config(text, "oom.json"), "--trace", trace.string()});
+  // The preflight refuses it before step 1 (Note [Preflight]); past it, the step runs out.
+  CliRun refused = porter({"train", "--config", config(text, "oom.json")});
+  EXPECT_EQ(refused.rc, kExitOom) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "preflight: ")) << refused.err;
+  CliRun oom = porter({"train", "--config", config(text, "oom.json"), "--trace", trace.string(),
+                       "--no-preflight"});
   EXPECT_EQ(oom.rc, kExitOom) << oom.err;
   EXPECT_TRUE(contains(oom.err, "error: out of memory on cpu:0")) << oom.err;
   EXPECT_TRUE(contains(oom.err, "hint: ")) << oom.err;
