@@ -82,7 +82,8 @@ void preflight(const config::Config& cfg, const memory::Device& device, const Co
   const engine::Forecast f = engine::forecast(cfg, fo);
   if (f.fits()) return;
   throw OutOfMemoryError(
-      "preflight: " + f.plan.description + "; " + f.verdict() + " (model states " +
+      "out of memory on " + device.description() + " before step 1 (preflight): " +
+          f.plan.description + "; " + f.verdict() + " (model states " +
           format_bytes(f.model_states.total()) + ", activations and the rest of the step " +
           format_bytes(f.plan.prediction.peak_total_bytes) + "). `porter plan --fit " + args.command_args() + " --world-size " +
           std::to_string(cfg.world_size) + "` lists configurations that fit; --no-preflight "

@@ -145,13 +145,13 @@ TEST_F(CliPlan, TrainRefusesBeforeStepOneWhatCannotFit) {
   const std::string limit = "porter.device.memory_limit=\"2MiB\"";
   CliRun r = porter({"train", "--config", cfg, "--set", limit});
   EXPECT_EQ(r.rc, kExitOom);
-  EXPECT_TRUE(contains(r.err, "preflight: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "before step 1 (preflight): ")) << r.err;
   EXPECT_TRUE(contains(r.err, "does not fit: needs ")) << r.err;
   EXPECT_TRUE(contains(r.err, "than the 2.00 MiB device")) << r.err;
   EXPECT_TRUE(contains(r.err, "porter plan --fit --config ")) << r.err;
   CliRun skip = porter({"train", "--config", cfg, "--set", limit, "--no-preflight"});
   EXPECT_EQ(skip.rc, kExitOom);
-  EXPECT_FALSE(contains(skip.err, "preflight: ")) << skip.err;
+  EXPECT_FALSE(contains(skip.err, "before step 1 (preflight): ")) << skip.err;
 }
 
 }  // namespace

@@ -718,7 +718,7 @@ TEST_F(CliTrain, OutOfMemoryExitsThree) {
   // The preflight refuses it before step 1 (Note [Preflight]); past it, the step runs out.
   CliRun refused = porter({"train", "--config", config(text, "oom.json")});
   EXPECT_EQ(refused.rc, kExitOom) << refused.err;
-  EXPECT_TRUE(contains(refused.err, "preflight: ")) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "before step 1 (preflight): ")) << refused.err;
   CliRun oom = porter({"train", "--config", config(text, "oom.json"), "--trace", trace.string(),
                        "--no-preflight"});
   EXPECT_EQ(oom.rc, kExitOom) << oom.err;
