@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 
 #include <nlohmann/json.hpp>
 
@@ -305,6 +307,21 @@ std::string describe_model(const config::ModelConfig& m) {
     out += " (" + std::to_string(m.kv_heads) + " key/value)";
   }
   return out + ", seq " + std::to_string(m.seq_len) + ", vocab " + std::to_string(m.vocab);
+}
+
+checkpoint::PlanProgressFn plan_progress_printer(std::ostream& err, const std::string& command) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = std::make_shared<Clock::time_point>(Clock::now());
+  const auto last = std::make_shared<Clock::time_point>(*start);
+  return [&err, command, start, last](const checkpoint::PlanProgress& p) {
+    const Clock::time_point now = Clock::now();
+    if (now - *start < std::chrono::seconds(1) || now - *last < std::chrono::seconds(1)) return;
+    *last = now;
+    char pct[16];
+    std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * p.fraction);
+    err << command << ": planning optimal: solve " << p.solve << ", " << pct << " ("
+        << format_seconds(std::chrono::duration<double>(now - *start).count()) << ")\n";
+  };
 }
 
 }  // namespace porter::cli

@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "checkpoint/planner.h"
 #include "config/config.h"
 #include "config/merge.h"
 
@@ -73,6 +74,11 @@ int64_t implied_world_size(const ConfigArgs& args,
                            std::optional<int64_t> tensor_parallel = std::nullopt);
 int64_t implied_world_size(const std::string& file,
                            std::optional<int64_t> tensor_parallel = std::nullopt);
+
+// A progress line on `err` for the optimal planner's solves ("porter plan: planning optimal:
+// solve 2, 40%"), at most once a second and only once the planning has taken a second, so
+// quick plans print nothing.
+checkpoint::PlanProgressFn plan_progress_printer(std::ostream& err, const std::string& command);
 
 // "--budget": a fraction in [0, 1] or bytes ("6GiB", "123456"). Throws InvalidArgument naming
 // the flag.

@@ -323,6 +323,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   if (!o.budget.empty()) budget = parse_budget_flag(o.budget);
 
   std::vector<PolicyEstimate> rows;
+  const checkpoint::PlanProgressFn progress = plan_progress_printer(err, "porter estimate");
   auto add = [&](config::CheckpointPolicy policy, std::string label,
                  const std::function<void(checkpoint::PlanOptions&)>& tweak) {
     PolicyEstimate e;
@@ -332,7 +333,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     po.checkpointing.policy = policy;
     tweak(po);
     try {
-      checkpoint::Plan plan = checkpoint::make_plan(po, costs);
+      checkpoint::Plan plan = checkpoint::make_plan(po, costs, progress);
       e.description = plan.description;
       e.activation_peak_bytes = plan.prediction.peak_activation_bytes;
       e.gathered_peak_bytes = plan.prediction.params.peak_gathered_bytes;

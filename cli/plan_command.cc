@@ -601,7 +601,9 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
   // Note [Forecast]: bytes from the analytic model, times from the device model.
-  engine::Forecast f = engine::forecast(cfg);
+  engine::ForecastOptions fo;
+  fo.progress = plan_progress_printer(err, "porter plan");
+  engine::Forecast f = engine::forecast(cfg, fo);
   const engine::RunOptions& run = f.run;
   const checkpoint::ChainCosts analytic = run.analytic_costs();
   checkpoint::ChainCosts costs = f.costs;

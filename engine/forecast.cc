@@ -84,7 +84,7 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options) 
                             : forecast_device_model(f.run, options.default_gpu, &f.default_device);
   f.costs = roofline_costs(f.run.analytic_costs(), f.device, f.run.compute_dtype);
   add_zero_costs(f.costs, f.run, f.dp_size);
-  f.plan = checkpoint::make_plan(timed_plan_options(f.run, f.device), f.costs);
+  f.plan = checkpoint::make_plan(timed_plan_options(f.run, f.device), f.costs, options.progress);
   const RankStates states = rank_states(f.run, f.costs, f.dp_size);
   f.param_elems = states.param_elems;
   f.model_states = states.device;

@@ -41,6 +41,8 @@ struct ForecastOptions {
   bool time_host_update = true;
   // The host's memory bandwidth when already measured (skips the measurement).
   std::optional<double> host_memory_bytes_per_s;
+  // Hears the optimal planner's solves (checkpoint::make_plan's progress).
+  checkpoint::PlanProgressFn progress;
 };
 
 // Figures of the cpu device that need no measurement, for forecasts that want bytes, not
