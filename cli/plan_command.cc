@@ -498,11 +498,8 @@ int plan_fit(const PlanCommandOptions& o, const config::Config& cfg, int64_t wor
              std::ostream& out, std::ostream& err) {
   const engine::Forecast given = engine::forecast(cfg);
   // The host update of optimizer offload is timed on this machine's memory bandwidth.
-  const int threads = given.run.device.threads > 0
-                          ? given.run.device.threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   FitSearch search(o, world_size, given.device,
-                   engine::measure_host_copy_bytes_per_s(size_t{32} << 20, threads));
+                   engine::measure_host_copy_bytes_per_s(size_t{32} << 20, engine::host_threads(given.run)));
   const std::vector<FitCandidate> fits = search.search(cfg, err);
   struct Limit {
     std::string policy;

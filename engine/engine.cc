@@ -18,7 +18,6 @@
 #include "engine/offload_trace.h"
 #include "engine/stage3.h"
 #include "engine/wall_clock.h"
-#include "zero/bucket_model.h"
 #include "zero/buckets.h"
 
 namespace porter::engine {
@@ -112,14 +111,7 @@ void Engine::build_model_states() {
   Model* m = model_.get();
   nn::FlatParams* flat = im.flat.get();
   std::vector<zero::Bucket> buckets = zero::plan_buckets(sl.ranges, writers, run_.reduce_bucket_elems);
-  for (const zero::BucketBytes& b :
-       zero::bucket_bytes(buckets, im.part, run_.reducer, model_->num_stages())) {
-    im.comm_costs.push_back({b.between, b.during, b.after});
-  }
-  if (std::all_of(im.comm_costs.begin(), im.comm_costs.end(),
-                  [](const checkpoint::CommStage& c) { return c.during == 0 && c.after == 0; })) {
-    im.comm_costs.clear();
-  }
+  im.comm_costs = bucket_costs(buckets, im.part, run_, model_->num_stages());
   im.reducer = std::make_unique<zero::GradReducer>(
       *im.flat, *kernels_, *allocator_, im.comm(), im.part, std::move(buckets),
       sl.entry_stage, run_.reducer, [m, flat] { m->bind(*flat); });

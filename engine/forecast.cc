@@ -56,6 +56,11 @@ DeviceModel nominal_cpu_device_model(size_t memory_bytes) {
   return m;
 }
 
+int host_threads(const RunOptions& run) {
+  return run.device.threads > 0 ? run.device.threads
+                                : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& costs, int dp_size) {
   TransformerModel model(run.shape.model);  // the layout only; allocates nothing
   RankStates s;
@@ -99,9 +104,7 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options) 
   if (f.run.optimizer.offload.enabled && options.host_memory_bytes_per_s) {
     in.host_memory_bytes_per_s = *options.host_memory_bytes_per_s;
   } else if (f.run.optimizer.offload.enabled && options.time_host_update) {
-    const int threads = f.run.device.threads > 0
-                            ? f.run.device.threads
-                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = host_threads(f.run);
     in.host_memory_bytes_per_s = measure_host_copy_bytes_per_s(size_t{32} << 20, threads);
   }
   f.time = predict_step_time(f.run, f.device, f.plan, f.costs, in);

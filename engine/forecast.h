@@ -84,6 +84,9 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options =
 DeviceModel forecast_device_model(const RunOptions& run, config::GpuModel default_gpu,
                                   bool* defaulted = nullptr);
 
+// The host threads a run's cpu work uses: porter.device.threads, else every hardware thread.
+int host_threads(const RunOptions& run);
+
 // Model states per rank on the device and the host for a run, as porter estimate lists them
 // (the optimizer and parameter offload of the config applied).
 struct RankStates {

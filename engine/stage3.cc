@@ -188,12 +188,16 @@ std::vector<checkpoint::CommStage> bucket_costs(Model& model, const RunOptions& 
     writers.push_back(model.grad_writers(s));
   }
   const zero::StageLayout sl = zero::stage_layout(model.layout(), stages);
-  const zero::Partition part = zero::make_partition(model.layout().total_elems(), dp_size);
-  const std::vector<zero::BucketBytes> b = zero::bucket_bytes(
-      zero::plan_buckets(sl.ranges, writers, run.reduce_bucket_elems), part, run.reducer, n);
+  return bucket_costs(zero::plan_buckets(sl.ranges, writers, run.reduce_bucket_elems),
+                      zero::make_partition(model.layout().total_elems(), dp_size), run, n);
+}
+
+std::vector<checkpoint::CommStage> bucket_costs(const std::vector<zero::Bucket>& buckets,
+                                                const zero::Partition& part,
+                                                const RunOptions& run, int num_stages) {
   std::vector<checkpoint::CommStage> out;
   bool any = false;
-  for (const zero::BucketBytes& x : b) {
+  for (const zero::BucketBytes& x : zero::bucket_bytes(buckets, part, run.reducer, num_stages)) {
     out.push_back({x.between, x.during, x.after});
     any = any || x.during > 0 || x.after > 0;
   }

@@ -60,6 +60,7 @@
 #include "engine/model.h"
 #include "engine/run_options.h"
 #include "tensor/dtype.h"
+#include "zero/buckets.h"
 #include "zero/param_gatherer.h"
 
 namespace porter::engine {
@@ -114,6 +115,10 @@ void add_stage3_params(checkpoint::ChainCosts& costs, const RunOptions& run);
 // checkpoint/costs.h) for `model`'s buckets (zero::plan_buckets at reduce_bucket_size) over
 // dp_size data-parallel ranks, as the Engine's reducer allocates them.
 std::vector<checkpoint::CommStage> bucket_costs(Model& model, const RunOptions& run, int dp_size);
+// The same from the reducer's own buckets (the Engine's): empty when no stage holds any.
+std::vector<checkpoint::CommStage> bucket_costs(const std::vector<zero::Bucket>& buckets,
+                                                const zero::Partition& part,
+                                                const RunOptions& run, int num_stages);
 
 // For planning without an Engine: add_stage3_params (the knobs not given sized for dp_size
 // ranks), and costs.comm from bucket_costs of the built-in model (tp rank 0's part) at dp_size
