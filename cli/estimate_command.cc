@@ -291,7 +291,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     // Note [Partial offload]: offload_optimizer.ratio of the shard's optimizer on the host.
     const double ratio = opt ? zo.offload.ratio : 1.0;
     e.device = zero::device_state_bytes(stages[static_cast<size_t>(config_stage)].exact, part,
-                                        state_dtypes, opt, ratio, params);
+                                        config_stage, state_dtypes, opt, ratio, params);
     e.device.params += persistent;
     e.host = zero::host_state_bytes(part, config_stage, state_dtypes, opt, params,
                                     zo.offload.pin_memory, zo.param_offload.pin_memory,

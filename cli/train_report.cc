@@ -90,7 +90,7 @@ ordered_json zero_json(engine::Engine& engine) {
   const zero::StateDTypes dtypes{engine.compute_dtype()};
   const zero::OptimizerOptions& oo = engine.run_options().optimizer;
   zero::StateBytes exact = zero::device_state_bytes(
-      zero::exact_bytes(part, z.zero_stage, dtypes), part, dtypes, oo.offload.enabled,
+      zero::exact_bytes(part, z.zero_stage, dtypes), part, z.zero_stage, dtypes, oo.offload.enabled,
       oo.offload.ratio, oo.param_offload.enabled);
   exact.params += z.persistent_bytes;
   return {

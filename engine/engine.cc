@@ -114,8 +114,8 @@ void Engine::build_model_states() {
   im.comm_costs = bucket_costs(buckets, im.part, run_, model_->num_stages());
   im.reducer = std::make_unique<zero::GradReducer>(
       *im.flat, *kernels_, *allocator_, im.comm(), im.part, std::move(buckets),
-      sl.entry_stage, run_.reducer, [m, flat] { m->bind(*flat); });
-  if (im.optimizer->offloaded()) {
+      sl.entry_stage, run_.reducer, [m, flat] { m->bind(*flat); }, im.optimizer->grad_sink());
+  if (im.optimizer->offloaded() && !im.reducer->streamed()) {
     // Note [Ready gradients]: each bucket's part of the shard goes to the host as it is final.
     zero::ShardedOptimizer* opt = im.optimizer.get();
     zero::GradReducer* red = im.reducer.get();

@@ -71,7 +71,7 @@ RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& cost
   const zero::OptimizerOptions& zo = run.optimizer;
   const bool opt = zo.offload.enabled, params = zo.param_offload.enabled;
   const double ratio = opt ? zo.offload.ratio : 1.0;
-  s.device = zero::device_state_bytes(zero::exact_bytes(part, stage, dtypes), part, dtypes, opt,
+  s.device = zero::device_state_bytes(zero::exact_bytes(part, stage, dtypes), part, stage, dtypes, opt,
                                       ratio, params);
   s.persistent_bytes = costs.params.enabled ? costs.params.persistent_bytes() : 0;
   s.device.params += s.persistent_bytes;

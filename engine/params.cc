@@ -61,7 +61,12 @@ std::vector<float> Engine::grads_host() const {
   const int64_t p = model_->layout().total_elems();
   if (run_.zero_stage() == 0) return tensor::to_host_f32(*device_, im.flat->grads().slice(0, p));
   std::vector<float> out(static_cast<size_t>(p), 0.0f);
-  const std::vector<float> shard = tensor::to_host_f32(*device_, im.reducer->shard());
+  // Note [Streamed gradients]: with the optimizer offloaded the shard may live on the host only.
+  const float* streamed = im.optimizer->streamed_grads();
+  const std::vector<float> shard =
+      streamed != nullptr
+          ? std::vector<float>(streamed, streamed + (im.optimizer->end() - im.optimizer->begin()))
+          : tensor::to_host_f32(*device_, im.reducer->shard());
   const int64_t lo = im.optimizer->begin();
   for (int64_t i = 0; i < static_cast<int64_t>(shard.size()) && lo + i < p; ++i) {
     out[static_cast<size_t>(lo + i)] = shard[static_cast<size_t>(i)];

@@ -73,6 +73,11 @@ HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const Sta
     b.optimizer = checked_mul(3, array(h, 4, optimizer_pinned), "the host's optimizer state",
                               "3 arrays of " + std::to_string(h) + " f32 elements");
     b.grads = array(h, 4, optimizer_pinned);
+    if (ratio >= 1.0 && zero_stage >= 2) {  // Note [Streamed gradients]: the staging block
+      const auto staging = static_cast<size_t>(std::min<int64_t>(part.shard_elems, kGradStagingElems));
+      b.grads = checked_add(b.grads, array(staging, 4, optimizer_pinned), "the host's model states",
+                            "the gradient shard and its staging block");
+    }
   }
   if (param_offload) {
     b.params = array(n, dtypes.param_bytes(), param_pinned);
@@ -92,11 +97,14 @@ int64_t offloaded_elems(int64_t n, double ratio) {
   return std::min<int64_t>(n, static_cast<int64_t>(static_cast<double>(n) * ratio));
 }
 
-StateBytes device_state_bytes(StateBytes exact, const Partition& part, const StateDTypes& dtypes,
-                              bool optimizer_offload, double ratio, bool param_offload) {
+StateBytes device_state_bytes(StateBytes exact, const Partition& part, int zero_stage,
+                              const StateDTypes& dtypes, bool optimizer_offload, double ratio,
+                              bool param_offload) {
   if (optimizer_offload) {
     exact.optimizer = dtypes.optimizer_bytes() *
                       static_cast<size_t>(part.shard_elems - offloaded_elems(part.shard_elems, ratio));
+    // Note [Streamed gradients] in zero/host_grads.h: the shard lives on the host only.
+    if (ratio >= 1.0 && zero_stage >= 2) exact.grads = 0;
   }
   if (param_offload) exact.params = 0;
   return exact;

@@ -63,10 +63,16 @@ struct StateBytes {
 // With the optimizer offloaded (Note [Optimizer offload]) the rank's range of S' elements (S
 // at stages 1-3) keeps on the host the f32 master, both f32 moments and an f32 copy of the
 // gradient shard, 16 S' bytes (the master even for f32 compute, where the device has none),
-// plus the working copy in the compute dtype, p S'. Parameter offload (stage 3, Note
+// plus the working copy in the compute dtype, p S'. When the gradients stream (ratio 1 at
+// stages 2 and 3, Note [Streamed gradients] in zero/host_grads.h) the f32 copy is the only
+// gradient shard, and a staging block of min(S, kGradStagingElems) f32 values joins it under
+// grads. Parameter offload (stage 3, Note
 // [Parameter offload]) keeps the working shard there, p S; with both, the working copy is the
 // shard, counted once (and pinned as offload_param.pin_memory says). Pinned arrays round up
 // to the pinned pool's granularity, each one.
+// The streamed gradients' staging block, at most (zero::HostGradients::kStagingElems).
+inline constexpr int64_t kGradStagingElems = int64_t{1} << 20;
+
 struct HostStateBytes {
   size_t optimizer = 0;  // master + exp_avg + exp_avg_sq
   size_t grads = 0;      // the gradient shard's host copy
@@ -80,11 +86,13 @@ HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const Sta
                                 bool optimizer_pinned, bool param_pinned, double ratio = 1.0);
 // floor(ratio * n), the elements of a range of n that a partial offload keeps on the host.
 int64_t offloaded_elems(int64_t n, double ratio);
-// The device's part of `exact` (exact_bytes at the stage) with the optimizer offloaded (the
-// optimizer's bytes for the S - offloaded_elems(S, ratio) elements left on the device) and/or
-// the parameters (no parameter shard on the device).
-StateBytes device_state_bytes(StateBytes exact, const Partition& part, const StateDTypes& dtypes,
-                              bool optimizer_offload, double ratio, bool param_offload);
+// The device's part of `exact` (exact_bytes at `zero_stage`) with the optimizer offloaded (the
+// optimizer's bytes for the S - offloaded_elems(S, ratio) elements left on the device, and no
+// gradient shard when the whole range is offloaded at stage 2 or 3: Note [Streamed gradients]
+// in zero/host_grads.h) and/or the parameters (no parameter shard on the device).
+StateBytes device_state_bytes(StateBytes exact, const Partition& part, int zero_stage,
+                              const StateDTypes& dtypes, bool optimizer_offload, double ratio,
+                              bool param_offload);
 
 // porter's exact per-rank bytes at `stage` (0..3).
 StateBytes exact_bytes(const Partition& part, int zero_stage, const StateDTypes& dtypes);

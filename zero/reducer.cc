@@ -25,7 +25,7 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
                          memory::CachingAllocator& allocator, comm::Communicator* dp,
                          const Partition& part, std::vector<Bucket> buckets,
                          std::vector<int> entry_stage, const ReducerOptions& options,
-                         std::function<void()> rebind)
+                         std::function<void()> rebind, GradSink* sink)
     : flat_(&flat),
       kernels_(&kernels),
       allocator_(&allocator),
@@ -33,7 +33,8 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
       part_(part),
       buckets_(std::move(buckets)),
       options_(options),
-      rebind_(std::move(rebind)) {
+      rebind_(std::move(rebind)),
+      sink_(sink) {
   PORTER_CHECK(options.zero_stage >= 0 && options.zero_stage <= 3, "GradReducer runs stages 0..3, got ",
                options.zero_stage);
   PORTER_CHECK(options.predivide_factor > 0.0,
@@ -43,6 +44,9 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
     rank_ = dp_->rank();
   }
   PORTER_CHECK_EQ(n_, part.world_size, "the partition's world size");
+  PORTER_CHECK(sink == nullptr || options.zero_stage >= 2,
+               "GradReducer: streamed gradients need ZeRO stage 2 or 3, got stage ",
+               options.zero_stage);
   PORTER_CHECK_EQ(flat.padded_elems(), part.padded_elems, "the flat buffers' padded size");
   const auto& entries = flat.layout().entries();
   PORTER_CHECK_EQ(entry_stage.size(), entries.size(), "entry_stage");
@@ -60,8 +64,10 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
   issued_.assign(buckets_.size(), false);
   if (options_.zero_stage >= 2) {
     shard_begin_ = part_.begin(rank_);
-    shard_ = tensor::Tensor::empty(allocator, tensor::Shape{part_.shard_elems}, tensor::DType::kF32,
-                               memory::Category::kGrads);
+    if (sink_ == nullptr) {  // Note [Streamed gradients]: no device shard otherwise
+      shard_ = tensor::Tensor::empty(allocator, tensor::Shape{part_.shard_elems},
+                                     tensor::DType::kF32, memory::Category::kGrads);
+    }
     // Every entry starts unbound: a gradient written outside a live bucket fails loudly.
     for (size_t i = 0; i < entries.size(); ++i) flat_->set_grad_view(i, tensor::Tensor());
   } else {
@@ -76,8 +82,27 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
 GradReducer::~GradReducer() { abort(); }
 
 void GradReducer::zero_grads() {
+  first_ = true;
+  if (sink_ != nullptr) return;  // the first micro-batch's parts replace the sink's copy
   tensor::Tensor all = options_.zero_stage >= 2 ? shard_ : flat_->grads();
   kernels_->fill(all, 0.0f);
+}
+
+std::optional<float> GradReducer::post_scale() const {
+  const double f = options_.predivide_factor;
+  if (!last_ || n_ == 1 || options_.prescale_gradients || f == static_cast<double>(n_)) {
+    return std::nullopt;
+  }
+  return static_cast<float>(f / n_);
+}
+
+void GradReducer::add_to_shard(const tensor::Tensor& part, int64_t at) {
+  if (sink_ != nullptr) {
+    sink_->add(part, at, first_, post_scale());
+    return;
+  }
+  tensor::Tensor dst = shard_.slice(at, at + part.numel());
+  kernels_->accumulate(dst, part);  // contiguous_gradients: micro-batches sum here
 }
 
 void GradReducer::begin_micro_batch(bool last) {
@@ -143,8 +168,7 @@ void GradReducer::issue(size_t b, tensor::Tensor contiguous) {
   // The local gradients of the bucket: stage 2's contiguous buffer, else the flat buffer.
   tensor::Tensor local = options_.zero_stage >= 2 ? contiguous : flat_->grads().slice(bk.lo, bk.hi);
   if (n_ == 1) {  // stage 2 on one rank: the bucket is the shard's [lo, hi)
-    tensor::Tensor dst = shard_.slice(bk.lo, bk.hi);
-    kernels_->accumulate(dst, local);
+    add_to_shard(local, bk.lo);
     finished(b);
     return;
   }
@@ -198,16 +222,13 @@ void GradReducer::issue(size_t b, tensor::Tensor contiguous) {
 
 // The post-scale of bucket b's part of the shard, then on_ready (Note [Ready gradients]).
 void GradReducer::finished(size_t b) {
-  if (!last_) return;
+  if (!last_ || sink_ != nullptr) return;  // a sink applied the post-scale itself
   const int64_t lo = std::max(buckets_[b].lo, shard_begin_) - shard_begin_;
   const int64_t hi = std::min(buckets_[b].hi, shard_begin_ + shard_.numel()) - shard_begin_;
   if (lo >= hi) return;
-  if (n_ > 1) {
-    const double f = options_.predivide_factor;
-    if (!options_.prescale_gradients && f != static_cast<double>(n_)) {
-      tensor::Tensor part = shard_.slice(lo, hi);
-      kernels_->scale(part, static_cast<float>(f / n_));
-    }
+  if (const std::optional<float> s = post_scale()) {
+    tensor::Tensor part = shard_.slice(lo, hi);
+    kernels_->scale(part, *s);
   }
   if (on_ready_) on_ready_(lo, hi);
 }
@@ -235,10 +256,10 @@ void GradReducer::complete(Pending& p) {
                         ? p.packed.slice(rank_ * bb.block, rank_ * bb.block + m)
                         : p.reduced.slice(from, from + m);
   const int64_t at = bb.lo[static_cast<size_t>(rank_)] - shard_begin_;
-  tensor::Tensor dst = shard_.slice(at, at + m);
   if (options_.zero_stage >= 2) {
-    kernels_->accumulate(dst, mine);  // contiguous_gradients: micro-batches sum here
+    add_to_shard(mine, at);
   } else {
+    tensor::Tensor dst = shard_.slice(at, at + m);
     allocator_->device().compute_stream().copy_async(dst.data(), mine.data(), mine.nbytes());
   }
 }
@@ -252,6 +273,7 @@ void GradReducer::end_micro_batch() {
       issue(b, std::move(contiguous));
     }
     while (!pending_.empty()) complete_oldest();
+    first_ = false;
   }
   for (tensor::Tensor& t : live_) t = tensor::Tensor();
   // The post-scale ran per bucket as each completed (finished()); with more than one rank

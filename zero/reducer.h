@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -73,6 +74,21 @@ struct ReducerOptions {
   double predivide_factor = 1.0;
 };
 
+// Where a streamed gradient shard goes (Note [Streamed gradients] in zero/host_grads.h): the
+// reducer then keeps no shard on the device and hands each reduced part to the sink instead.
+class GradSink {
+ public:
+  virtual ~GradSink() = default;
+  // `part` (f32, on the device, valid for work queued after the call on the compute stream)
+  // is this rank's reduced gradient of one micro-batch for shard elements [lo, lo +
+  // part.numel()). The sink adds it to its copy (`first`: the step's first micro-batch, whose
+  // part replaces the copy as 0 + part does), then multiplies by `scale` when given (the
+  // post-scale, in the step's last micro-batch). It keeps `part`'s storage alive for as long
+  // as it reads it (record_stream), so the reducer frees it as soon as the call returns.
+  virtual void add(const tensor::Tensor& part, int64_t lo, bool first,
+                   std::optional<float> scale) = 0;
+};
+
 // Communication figures of the reducer since the last take_stats().
 struct ReducerStats {
   double reduce_busy_s = 0.0;     // comm-stream time of the gradient reductions
@@ -84,16 +100,18 @@ class GradReducer {
  public:
   // `flat` has the padded layout (and a gradient buffer unless ZeRO stage 2); entry_stage[i]
   // is the chain stage owning layout entry i; `rebind` binds the model to `flat` again. dp may
-  // be null.
+  // be null. A `sink` (not owned; stages 2 and 3 only) streams the shard to it (Note [Streamed
+  // gradients] in zero/host_grads.h): the reducer then allocates no shard.
   GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels, memory::CachingAllocator& allocator,
               comm::Communicator* dp, const Partition& part, std::vector<Bucket> buckets,
               std::vector<int> entry_stage, const ReducerOptions& options,
-              std::function<void()> rebind);
+              std::function<void()> rebind, GradSink* sink = nullptr);
   ~GradReducer();
 
   // The gradients the optimizer reads: stage 2's shard buffer; else the flat buffer's
-  // [r*S, (r+1)*S) at stage 1, the whole flat buffer at stage 0.
+  // [r*S, (r+1)*S) at stage 1, the whole flat buffer at stage 0. Undefined when streamed.
   const tensor::Tensor& shard() const { return shard_; }
+  bool streamed() const { return sink_ != nullptr; }
   int64_t shard_begin() const { return shard_begin_; }  // flat index of shard()[0]
   bool distributed() const { return n_ > 1; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
@@ -131,6 +149,10 @@ class GradReducer {
   void complete(Pending& p);
   void prescale(tensor::Tensor& t);
   void bind_bucket(size_t b, const tensor::Tensor& buffer);
+  // The post-scale of the step's last micro-batch, if any (Note [Gradient reduction]).
+  std::optional<float> post_scale() const;
+  // Shard elements [at, at + part.numel()) of this micro-batch: into the shard, or the sink.
+  void add_to_shard(const tensor::Tensor& part, int64_t at);
 
   nn::FlatParams* flat_;
   kernels::Kernels* kernels_;
@@ -144,6 +166,8 @@ class GradReducer {
   ReducerOptions options_;
   std::function<void()> rebind_;
   std::function<void(int64_t, int64_t)> on_ready_;
+  GradSink* sink_ = nullptr;
+  bool first_ = true;  // the step's first micro-batch (the sink's `first`)
   tensor::Tensor shard_;
   int64_t shard_begin_ = 0;
   bool last_ = false;

@@ -12,6 +12,7 @@
 #include "base/error.h"
 #include "nn/ctx.h"
 #include "zero/cpu_adam.h"
+#include "zero/host_grads.h"
 
 namespace porter::zero {
 
@@ -46,12 +47,17 @@ struct ShardedOptimizer::Host {
   bool optimizer = false;  // master, exp_avg, exp_avg_sq, grad live here
   bool params = false;     // `out` is the parameter shard itself
   Array master, exp_avg, exp_avg_sq, grad, out;
+  Array staging;  // Note [Streamed gradients]: the copies' staging block
   std::unique_ptr<CpuAdam> adam;
   // The copies of the offloaded optimizer (Note [Optimizer offload]): gradients down as the
   // reducer finishes them, the working copy up after the update.
   std::unique_ptr<memory::HostLane> lane;
   std::vector<std::pair<int64_t, int64_t>> sent;  // this step's gradient parts already queued
   uint64_t sent_bytes = 0;
+  // Note [Streamed gradients]: the reducer's sink, over `grad` (the only gradient shard);
+  // null when the device keeps one (stage 1, a partial offload).
+  std::unique_ptr<HostGradients> streamed;
+  bool streamed_finished = false;  // this step's copies and accumulations are done
   static Array make(memory::HostTier& tier, size_t bytes, const char* key, const char* what) {
     Array a;
     a.bytes = bytes;
@@ -161,6 +167,14 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
       ao.threads = options.offload.threads;
       host_->adam = std::make_unique<CpuAdam>(ao);
       host_->lane = tier.open_lane("optimizer offload");
+      if (streams_gradients(options.zero_stage, options.offload)) {
+        host_->staging = Host::make(
+            tier, static_cast<size_t>(HostGradients::staging_elems(h)) * sizeof(float), key,
+            "gradient staging block");
+        host_->streamed = std::make_unique<HostGradients>(
+            *host_->lane, allocator.device(), static_cast<float*>(host_->grad.data), h,
+            static_cast<float*>(host_->staging.data), host_->adam->threads());
+      }
     }
   }
   // Stage 3 keeps only the shard of the working parameters, and owns it here: on the device,
@@ -209,7 +223,7 @@ HostStateBytes ShardedOptimizer::host_state() const {
   HostStateBytes b;
   if (!host_) return b;
   b.optimizer = host_->master.held + host_->exp_avg.held + host_->exp_avg_sq.held;
-  b.grads = host_->grad.held;
+  b.grads = host_->grad.held + host_->staging.held;
   b.params = host_->out.held;
   return b;
 }
@@ -226,6 +240,18 @@ void ShardedOptimizer::state_loaded() {
   allocator_->device().copy_sync(host_->master.data, working_.data(), host_->master.bytes);
 }
 
+bool streams_gradients(int zero_stage, const OptimizerOffloadOptions& offload) {
+  return offload.enabled && offload.ratio >= 1.0 && zero_stage >= 2;
+}
+
+GradSink* ShardedOptimizer::grad_sink() const {
+  return host_ != nullptr ? host_->streamed.get() : nullptr;
+}
+
+const float* ShardedOptimizer::streamed_grads() const {
+  return host_ != nullptr && host_->streamed ? host_->streamed->data() : nullptr;
+}
+
 void ShardedOptimizer::begin_step() {
   if (!offloaded()) return;
   try {
@@ -234,6 +260,18 @@ void ShardedOptimizer::begin_step() {
   }
   host_->sent.clear();
   host_->sent_bytes = 0;
+  host_->streamed_finished = false;
+  if (host_->streamed) host_->streamed->take_sent_bytes();
+}
+
+// Note [Streamed gradients]: waits for this step's copies and host accumulations, once.
+void ShardedOptimizer::finish_streamed_gradients() {
+  if (host_->streamed_finished) return;
+  offload_stats_.d2h_wait_s += host_->streamed->finish();
+  const uint64_t sent = host_->streamed->take_sent_bytes();
+  offload_stats_.d2h_bytes += sent;
+  offload_stats_.d2h_overlapped_bytes += sent;
+  host_->streamed_finished = true;
 }
 
 void ShardedOptimizer::gradients_ready(const tensor::Tensor& grads, int64_t lo, int64_t hi) {
@@ -299,8 +337,16 @@ GradNorm ShardedOptimizer::global_norm(const tensor::Tensor& grads) {
   const double loss_scale = scaler_.scale();
   tensor::Tensor sq = tensor::Tensor::empty(*allocator_, tensor::Shape{1}, tensor::DType::kF32,
                                     memory::Category::kWorkspace);
-  kernels_->squared_norm(grads, sq);
-  double total_sq = tensor::to_host_f32(device, sq).at(0);
+  // Note [Streamed gradients]: the host shard is the gradient, reduced on the host with the
+  // cpu device's own reductions.
+  HostGradients* streamed = host_ != nullptr ? host_->streamed.get() : nullptr;
+  if (streamed != nullptr) finish_streamed_gradients();
+  auto squares = [&](int64_t lo, int64_t hi) -> double {
+    if (streamed != nullptr) return streamed->squared_norm(lo, hi);
+    kernels_->squared_norm(lo == 0 && hi == grads.numel() ? grads : grads.slice(lo, hi), sq);
+    return tensor::to_host_f32(device, sq).at(0);
+  };
+  double total_sq = squares(0, end_ - begin_);
   if (tp_ != nullptr) {
     // Each tp rank counts 1/t of the replicated parameters, so the sum over the group
     // counts them once.
@@ -308,10 +354,11 @@ GradNorm ShardedOptimizer::global_norm(const tensor::Tensor& grads) {
     for (const auto& [first, second] : replicated_) {
       const int64_t b = std::max(first, begin_), e = std::min(second, end_);
       if (b >= e) continue;
-      kernels_->squared_norm(grads.slice(b - begin_, e - begin_), sq);
-      replicated_sq += tensor::to_host_f32(device, sq).at(0);
+      replicated_sq += squares(b - begin_, e - begin_);
     }
     total_sq -= replicated_sq * (1.0 - 1.0 / static_cast<double>(tp_->size()));
+  }
+  if (tp_ != nullptr || streamed != nullptr) {
     tensor::from_host_f32(device, std::vector<float>{static_cast<float>(total_sq)}, sq);
   }
   if (dp_ != nullptr && options_.zero_stage >= 1) {
@@ -327,7 +374,11 @@ GradNorm ShardedOptimizer::global_norm(const tensor::Tensor& grads) {
   GradNorm r;
   if (options_.fp16.enabled) {
     // This rank's count of inf/nan gradients, max over ranks.
-    kernels_->nonfinite_count(grads, sq);
+    if (streamed != nullptr) {
+      tensor::from_host_f32(device, std::vector<float>{streamed->nonfinite_count()}, sq);
+    } else {
+      kernels_->nonfinite_count(grads, sq);
+    }
     if (dp_ != nullptr) {
       const comm::CommLabel label(dp_, "overflow");
       wait(dp_->all_reduce(sq.data(), 1, comm::ElemType::kF32, comm::ReduceOp::kMax));
@@ -347,7 +398,9 @@ GradNorm ShardedOptimizer::global_norm(const tensor::Tensor& grads) {
 
 void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const GradNorm& norm) {
   const auto t0 = Clock::now();
-  if (offloaded()) {
+  if (offloaded() && host_->streamed) {
+    finish_streamed_gradients();  // global_norm normally has
+  } else if (offloaded()) {
     PORTER_CHECK(grads.dtype() == tensor::DType::kF32 && grads.numel() == end_ - begin_,
                  "ShardedOptimizer: the gradient shard is not f32 over the range");
     finish_gradient_copies(grads);

@@ -43,6 +43,7 @@
 #include "nn/layer.h"
 #include "zero/loss_scaler.h"
 #include "zero/partition.h"
+#include "zero/reducer.h"
 
 namespace porter::zero {
 
@@ -137,6 +138,10 @@ struct OffloadStats {
   }
 };
 
+// Whether the gradient shard streams to the host (Note [Streamed gradients] in
+// zero/host_grads.h): the optimizer wholly offloaded at stage 2 or 3.
+bool streams_gradients(int zero_stage, const OptimizerOffloadOptions& offload);
+
 struct OptimizerOptions {
   int zero_stage = 0;                  // zero_optimization.stage: 0..3
   config::OptimizerConfig adamw;       // lr (the schedule's base), betas, eps, weight_decay
@@ -230,6 +235,12 @@ class ShardedOptimizer {
   // on. Both do nothing without offload.
   void begin_step();
   void gradients_ready(const tensor::Tensor& grads, int64_t lo, int64_t hi);
+  // Note [Streamed gradients]: the reducer's sink when the gradient shard lives on the host
+  // only (streams_gradients), else null; global_norm() and update() then read that host shard
+  // and ignore their `grads` argument. streamed_grads() is the host shard (null otherwise),
+  // holding the step's gradients after global_norm().
+  GradSink* grad_sink() const;
+  const float* streamed_grads() const;
 
   // Phases 1-3 of Note [Sharded optimizer]. `grads` is the reducer's shard (the whole
   // buffer at stage 0).
@@ -277,6 +288,7 @@ class ShardedOptimizer {
   void wait(comm::Work work);
   void gather_params();  // Note [Bucketed parameter all-gather]
   void finish_gradient_copies(const tensor::Tensor& grads);
+  void finish_streamed_gradients();
 
   nn::FlatParams* flat_;                 // not owned; outlives this
   kernels::Kernels* kernels_;                 // not owned

@@ -4,8 +4,11 @@
 // per chunk.
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/host_reduce.h"
 
 namespace porter::kernels {
 namespace {
@@ -67,6 +70,20 @@ float reduce(int threads, const Tensor& x, double* partials) {
 }
 
 }  // namespace
+
+float host_squared_norm(const float* x, int64_t n, int threads) {
+  std::vector<double> partials(static_cast<size_t>(cpu::blocks_of(n)));
+  const Tensor t = Tensor::from_blob(const_cast<float*>(x), tensor::Shape{n}, tensor::DType::kF32,
+                                     memory::Category::kGrads);
+  return reduce<Reduce::kSquare>(std::max(1, threads), t, partials.data());
+}
+
+float host_nonfinite_count(const float* x, int64_t n, int threads) {
+  std::vector<double> partials(static_cast<size_t>(cpu::blocks_of(n)));
+  const Tensor t = Tensor::from_blob(const_cast<float*>(x), tensor::Shape{n}, tensor::DType::kF32,
+                                     memory::Category::kGrads);
+  return reduce<Reduce::kNonfinite>(std::max(1, threads), t, partials.data());
+}
 
 void CpuKernels::do_sum(const Tensor& x, Tensor& out) {
   const memory::DeviceBuffer partials =
