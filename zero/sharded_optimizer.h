@@ -56,18 +56,21 @@ namespace porter::zero {
 // zero/partition.h), all blocks of a host tier (Note [Host tier] in memory/host_tier.h: the
 // pinned one, or a pageable one without pin_memory), whose lane is the copy stream below.
 // A step then
-//   1. copies each bucket's part of the reduced gradient shard to the host on the optimizer's
-//      copy stream ("optimizer offload") as soon as the reducer reports it final
-//      (gradients_ready, Note [Ready gradients] in zero/reducer.h), while backward goes on;
-//      update() copies what is left and waits for the copies (a copy error throws there,
-//      before any state changed),
+//   1. at stages 2 and 3 (with the whole range offloaded) receives every micro-batch's reduced
+//      bucket parts on the host as the reducer produces them, and the device keeps no
+//      gradient shard (grad_sink(), Note [Streamed gradients] in zero/host_grads.h);
+//      global_norm() waits for the copies. At stage 1 and with a partial offload, copies each
+//      bucket's part of the reduced gradient shard to the host on the optimizer's copy stream
+//      ("optimizer offload") as soon as the reducer reports it final (gradients_ready, Note
+//      [Ready gradients] in zero/reducer.h), while backward goes on; update() copies what is
+//      left and waits for the copies. Either way a copy error throws before any state changed,
 //   2. runs AdamW there (zero::CpuAdam, bit-identical to the device kernel: Note [CpuAdam bit
 //      identity]) on the host threads, writing the working copy in the compute dtype,
 //   3. copies the working copy back into the device's range on the copy stream (with
 //      parameter offload the working copy is the host shard: nothing goes back), and
 //      all-gathers it as without offload (stages 1 and 2).
-// The global norm (clipping, fp16 overflow) is computed on the device before, as without
-// offload, so the update waits for it: nothing is speculative and nothing is rolled back; the
+// The global norm (clipping, fp16 overflow) is computed before (on the host from the host
+// shard when the gradients stream, on the device otherwise), so the update waits for it: nothing is speculative and nothing is rolled back; the
 // host update is on the step's critical path (exposed: OffloadStats). A run with the
 // optimizer offloaded is bitwise one without. With f32 compute the host master equals the
 // working copy, which is what a checkpoint stores, so checkpoints are the same with and

@@ -29,7 +29,7 @@ config::Config off_config(int world_size, int stage, bool offload, int64_t gas =
 using RankRun = DpRankRun;
 
 // Gradient clipping is on (offload_config) and clips in these runs; "fp16 overflow" starts at a
-// loss scale of 2^22, so the first step overflows and are skipped on every rank, from the
+// loss scale of 2^22, so the first step overflows and is skipped on every rank, from the
 // host's overflow count when the gradients stream (Note [Streamed gradients]).
 TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision) {
   struct Case {
