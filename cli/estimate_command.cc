@@ -21,7 +21,9 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "comm/env.h"
 #include "engine/forecast.h"
+#include "engine/host_fit.h"
 #include "engine/run_options.h"
 #include "engine/stage3.h"
 #include "models/factory.h"
@@ -35,6 +37,8 @@ struct EstimateOptions {
   std::optional<int64_t> world_size;
   std::optional<int64_t> tensor_parallel;  // overrides porter.model.tensor_parallel
   std::string budget;
+  std::optional<int64_t> ranks_per_node;   // Note [Host fit]: else the launcher's, else min(world, 8)
+  std::string host_memory;                 // the node's memory; empty: this machine's
   bool json = false;
   bool strict = false;
 };
@@ -47,6 +51,7 @@ struct PolicyEstimate {
   size_t activation_peak_bytes = 0;
   size_t gathered_peak_bytes = 0;  // ZeRO stage 3: gathered parameters alive at once, at most
   size_t total_peak_bytes = 0;  // model states + batch + activations + workspace
+  size_t stash_pinned_bytes = 0;  // activation offload's pinned slots (Note [Host fit])
   double recompute_flop_fraction = 0.0;
 };
 
@@ -338,6 +343,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       e.activation_peak_bytes = plan.prediction.peak_activation_bytes;
       e.gathered_peak_bytes = plan.prediction.params.peak_gathered_bytes;
       e.total_peak_bytes = run.predicted_peak_bytes(model_state, plan.prediction);
+      e.stash_pinned_bytes = plan.offload.pinned_bytes;
       e.recompute_flop_fraction = engine::recompute_flop_fraction(plan.prediction, costs);
     } catch (const porter::Error& ex) {
       e.error = ex.what();
@@ -385,6 +391,38 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
     if (!capacity || !e.error.empty()) return std::nullopt;
     return e.total_peak_bytes <= *capacity;
   };
+  const auto mine = std::find_if(rows.begin(), rows.end(), [&](const PolicyEstimate& e) {
+    return e.policy == run.plan.checkpointing.policy && e.error.empty();
+  });
+
+  // Note [Host fit]: the host's bytes per rank and per node, against the node's memory.
+  const comm::DistEnv launched = comm::dist_env_from_process();
+  int ranks_per_node = 0;
+  std::string ranks_source;
+  if (o.ranks_per_node) {
+    ranks_per_node = static_cast<int>(*o.ranks_per_node);
+    ranks_source = "--ranks-per-node";
+  } else if (launched.source != "none") {
+    ranks_per_node = std::max(1, launched.local_world_size);
+    ranks_source = "the launcher's local world size";
+  } else {
+    ranks_per_node = static_cast<int>(std::min<int64_t>(world_size, 8));
+    ranks_source = "assumed: min(world size, 8); --ranks-per-node sets it";
+  }
+  size_t machine = engine::machine_memory_bytes();
+  std::string machine_source = "this machine's";
+  if (!o.host_memory.empty()) {
+    const std::optional<uint64_t> b = parse_bytes(o.host_memory);
+    if (!b || *b == 0) {
+      throw InvalidArgument("--host-memory: expected a size such as \"512GiB\", got \"" +
+                            o.host_memory + "\"");
+    }
+    machine = static_cast<size_t>(*b);
+    machine_source = "--host-memory";
+  }
+  const engine::HostFit host_fit = engine::host_fit(
+      run, host, mine != rows.end() ? mine->stash_pinned_bytes : 0,
+      mine != rows.end() ? mine->total_peak_bytes : 0, ranks_per_node, machine);
 
   if (o.json) {
     nlohmann::ordered_json j;
@@ -469,6 +507,16 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       }
       j["policies"].push_back(std::move(p));
     }
+    j["host"] = {{"per_rank_bytes", host_fit.per_rank_bytes()},
+                 {"pinned_per_rank_bytes", host_fit.pinned_per_rank_bytes()},
+                 {"ranks_per_node", ranks_per_node},
+                 {"ranks_per_node_source", ranks_source},
+                 {"per_node_bytes", host_fit.per_node_bytes()},
+                 {"machine_bytes", machine},
+                 {"pinned_limit_bytes", host_fit.in.pinned_limit
+                                            ? nlohmann::ordered_json(*host_fit.in.pinned_limit)
+                                            : nlohmann::ordered_json()},
+                 {"fits", host_fit.fits()}};
     // The verdict: the configured policy's total against the device.
     j["verdict"] = nullptr;
     for (const PolicyEstimate& e : rows) {
@@ -561,9 +609,6 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
            "porter.checkpointing.memory_budget to include it\n";
   }
   // The verdict: the configured policy's row against the device (Note [Forecast]).
-  const auto mine = std::find_if(rows.begin(), rows.end(), [&](const PolicyEstimate& e) {
-    return e.policy == run.plan.checkpointing.policy && e.error.empty();
-  });
   if (capacity && mine != rows.end()) {
     const int64_t margin =
         static_cast<int64_t>(*capacity) - static_cast<int64_t>(mine->total_peak_bytes);
@@ -586,6 +631,20 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                            "parallelism for the fastest configurations that fit\n";
     }
   }
+  out << "  host per rank " << format_bytes(host_fit.per_rank_bytes()) << ": offloaded model states "
+      << format_bytes(host.total());
+  if (host_fit.in.stash_pinned_bytes > 0) {
+    out << ", offloaded activations " << format_bytes(host_fit.in.stash_pinned_bytes);
+  }
+  if (host_fit.in.simulated_device_bytes > 0) {
+    out << ", the simulated device's peak " << format_bytes(host_fit.in.simulated_device_bytes);
+  }
+  out << "; pinned " << format_bytes(host_fit.pinned_per_rank_bytes());
+  if (host_fit.in.pinned_limit) out << " of " << format_bytes(*host_fit.in.pinned_limit);
+  out << "\n  host per node " << format_bytes(host_fit.per_node_bytes()) << ": " << ranks_per_node
+      << " rank" << (ranks_per_node == 1 ? "" : "s") << " per node (" << ranks_source
+      << "), against " << machine_source << " memory, " << format_bytes(machine) << "\n  "
+      << host_fit.verdict() << "\n";
   out << "\n  total peak = model states + batch + the plan's predicted peak of activations, "
          "checkpoints,\n  workspace, stage 3's gathered parameters and the gradient buckets (requested bytes; the\n"
          "  allocator's rounding adds a little).\n"
@@ -612,6 +671,13 @@ void add_estimate_command(CLI::App& app, CommandContext& context) {
   cmd->add_option("--budget", o->budget,
                   "Also plan 'optimal' under this activation budget: bytes (\"6GiB\") or a "
                   "fraction of the none policy's peak");
+  cmd->add_option("--ranks-per-node", o->ranks_per_node,
+                  "Ranks on one node, for the host's bytes per node (default: the launcher's "
+                  "local world size, else min(world size, 8))")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+  cmd->add_option("--host-memory", o->host_memory,
+                  "The node's memory to check the host's bytes against (\"512GiB\"; default: "
+                  "this machine's)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->add_flag("--strict", o->strict, "Treat config warnings as errors");
   cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config.");

@@ -30,6 +30,7 @@
 #include "engine/engine.h"
 #include "engine/stage3.h"
 #include "engine/forecast.h"
+#include "engine/host_fit.h"
 #include "engine/whole_params.h"
 #include "io/hf_checkpoint.h"
 #include "engine/model.h"
@@ -73,13 +74,38 @@ struct TrainOptions {
 // cannot fit, with the verdict and the way to find one that does, instead of failing in the
 // middle of step 1 (or of hour 3). The forecast plans on nominal device figures, so a plan
 // whose choice depends on times (optimal, offload) may differ from the profiled plan training
-// makes; the bytes of a given plan are exact. --no-preflight skips it.
-void preflight(const config::Config& cfg, const memory::Device& device, const ConfigArgs& args) {
+// makes; the bytes of a given plan are exact. The host's side comes first (Note [Host fit]
+// in engine/host_fit.h): the ranks on this node (the launcher's local world size) must fit the
+// machine's memory with their offloaded states, and each rank's pinned bytes the pinned limit.
+// --no-preflight skips both.
+void preflight(const config::Config& cfg, const memory::Device& device, const ConfigArgs& args,
+               int ranks_per_node) {
   engine::ForecastOptions fo;
   fo.capacity_bytes = device.memory_capacity_bytes();
   fo.device = engine::nominal_cpu_device_model(*fo.capacity_bytes);
   fo.time_host_update = false;
   const engine::Forecast f = engine::forecast(cfg, fo);
+  const size_t machine = engine::machine_memory_bytes();
+  if (machine > 0) {
+    const engine::HostFit h = engine::host_fit(f, ranks_per_node, machine);
+    if (!h.fits()) {
+      throw OutOfMemoryError(
+          "out of host memory before step 1 (preflight): " + h.verdict() + ". Per rank: " +
+              format_bytes(h.in.states.total()) + " of offloaded model states (optimizer " +
+              format_bytes(h.in.states.optimizer) + ", grads " + format_bytes(h.in.states.grads) +
+              ", params " + format_bytes(h.in.states.params) + ")" +
+              (h.in.stash_pinned_bytes > 0
+                   ? ", " + format_bytes(h.in.stash_pinned_bytes) + " of offloaded activations"
+                   : "") +
+              (h.in.simulated_device_bytes > 0
+                   ? ", " + format_bytes(h.in.simulated_device_bytes) +
+                         " of simulated device memory"
+                   : "") +
+              ". `porter estimate " + args.command_args() +
+              " --ranks-per-node N` shows the host's figures; --no-preflight skips this check",
+          h.per_node_bytes());
+    }
+  }
   if (f.fits()) return;
   throw OutOfMemoryError(
       "out of memory on " + device.description() + " before step 1 (preflight): " +
@@ -352,7 +378,9 @@ int train(const TrainOptions& o, CommandContext& ctx) {
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
   std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
-  if (!o.no_preflight) preflight(cfg, *device, o.config_args);  // Note [Preflight]
+  if (!o.no_preflight) {  // Note [Preflight]
+    preflight(cfg, *device, o.config_args, std::max(1, env.local_world_size));
+  }
   const World w = join_world(env, cfg, *device);
   try {
     return train_rank(o, ctx, cfg, trace_path, *device, w, out, err);

@@ -132,23 +132,19 @@ void* CachingAllocator::raw_allocate(size_t bytes, Category category) {
   const size_t rounded = policy::round_size(bytes);
   const bool small = policy::is_small(rounded);
   std::lock_guard<std::mutex> lock(mu_);
-  collect_deferred();
-  Block* b = take_block(rounded, small);
+  // Rule 4 (Note [Deterministic reuse]): pending blocks join the pool only when the pool has
+  // no fit, all of them at once, after their streams finished with them.
+  FreeSet& pool = small ? small_free_ : large_free_;
+  Block* b = find_free_block(pool, rounded);
+  if (b == nullptr && !deferred_.empty()) {
+    drain_deferred();
+    b = find_free_block(pool, rounded);
+  }
+  if (b == nullptr) b = take_block(rounded, small);
   if (b == nullptr) {
     release_cached_segments();
     ++stats_.num_cache_flushes;
     b = take_block(rounded, small);
-  }
-  if (b == nullptr && !deferred_.empty()) {
-    deferred_.drain([this](Block* d) {
-      stats_.pending_free_bytes -= d->size;
-      release_block(d);
-    });
-    b = take_block(rounded, small);
-    if (b == nullptr) {
-      release_cached_segments();
-      b = take_block(rounded, small);
-    }
   }
   if (b == nullptr) throw_oom(bytes, category);
 
@@ -285,10 +281,10 @@ void CachingAllocator::release_block(Block* b) {
   pool.insert(b);
 }
 
-void CachingAllocator::collect_deferred() {
-  deferred_.collect([this](Block* b) {
-    stats_.pending_free_bytes -= b->size;
-    release_block(b);
+void CachingAllocator::drain_deferred() {
+  deferred_.drain([this](Block* d) {
+    stats_.pending_free_bytes -= d->size;
+    release_block(d);
   });
 }
 
@@ -315,7 +311,7 @@ void CachingAllocator::release_cached_segments() {
 
 void CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
-  collect_deferred();
+  drain_deferred();  // Note [Deterministic reuse]
   release_cached_segments();
 }
 

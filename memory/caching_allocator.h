@@ -8,11 +8,24 @@
 // 3. A freed block merges with its free neighbours in the same segment (coalescing), so
 //    freed space is reusable by larger requests.
 // 4. A block freed while another stream may use it is reusable only after that stream's
-//    event completes; see Note [Deferred free] in deferred_free.h.
-// 5. When no block fits and the device refuses a new segment, the allocator, in order:
-//    tries a segment of exactly the request; releases every fully free cached segment and
-//    retries; waits for pending deferred frees and retries. Only then does it throw
-//    OutOfMemoryError (Note [Out-of-memory message]) and it stays consistent afterwards.
+//    event completes; see Note [Deferred free] in deferred_free.h. Such pending blocks join
+//    the free pool only when a request finds no fit in it: then all of them, after waiting
+//    for their events (Note [Deterministic reuse]).
+// 5. When no block fits (pending blocks included) and the device refuses a new segment, the
+//    allocator tries a segment of exactly the request, then releases every fully free cached
+//    segment and retries. Only then does it throw OutOfMemoryError (Note [Out-of-memory
+//    message]) and it stays consistent afterwards.
+//
+// Note [Deterministic reuse]
+// Which block serves a request, and whether the device must give a new segment, depends only
+// on the order of allocations and frees on the allocating thread, never on how far another
+// stream has got: a block freed with record_stream stays pending (out of the pool) until a
+// request misses the pool, and then every pending block is waited for and returned, before any
+// segment is reserved. Picking up pending blocks whenever their events happened to have
+// completed (PyTorch's rule) makes the pool's layout, and so whether a tight device runs out of
+// memory, change from run to run: a run that fits at some capacity must fit every time. The
+// wait is for copies already queued (the gradients streamed to the host, an offloaded
+// checkpoint), and happens only where the pool would otherwise grow.
 // 6. Accounting is by Category; the invariants are written above MemoryStats.
 // Thread-safe: one mutex guards all state.
 #pragma once
@@ -130,7 +143,7 @@ class CachingAllocator {
   Block* take_block(size_t rounded, bool small);
   void release_block(Block* block);  // into the free pool, coalescing
   void release_cached_segments();
-  void collect_deferred();
+  void drain_deferred();  // waits for every pending block and returns it to the pool
   size_t largest_free_block() const;
   MemoryStats stats_locked() const;
   [[noreturn]] void throw_oom(size_t bytes, Category category);

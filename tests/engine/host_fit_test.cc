@@ -1,0 +1,58 @@
+// Note [Host fit]: the host's bytes per rank and per node, and the verdict against the
+// machine's memory and the pinned limit.
+#include <gtest/gtest.h>
+
+#include "engine/host_fit.h"
+#include "engine/run_options.h"
+
+namespace porter::engine {
+namespace {
+
+RunOptions offload_run(bool pin_opt, bool pin_params, memory::DeviceKind kind) {
+  RunOptions r;
+  r.device.kind = kind;
+  r.optimizer.zero_stage = 3;
+  r.optimizer.offload.enabled = true;
+  r.optimizer.offload.pin_memory = pin_opt;
+  r.optimizer.param_offload.enabled = true;
+  r.optimizer.param_offload.pin_memory = pin_params;
+  return r;
+}
+
+constexpr size_t kGiB = size_t{1} << 30;
+
+TEST(HostFit, PerNodeIsRanksTimesPerRankWithTheSimulatedDeviceOnCpuOnly) {
+  const zero::HostStateBytes states{12 * kGiB, 4 * kGiB, 2 * kGiB};
+  const HostFit cpu =
+      host_fit(offload_run(true, false, memory::DeviceKind::kCpu), states, kGiB, kGiB, 8, 512 * kGiB);
+  EXPECT_EQ(cpu.per_rank_bytes(), 20 * kGiB);  // states 18 + stash 1 + device 1
+  EXPECT_EQ(cpu.pinned_per_rank_bytes(), 17 * kGiB);  // optimizer, grads and the stash
+  EXPECT_EQ(cpu.per_node_bytes(), 160 * kGiB);
+  EXPECT_TRUE(cpu.fits());
+  EXPECT_EQ(cpu.verdict(), "host fits: 160.00 GiB per node (8 ranks x 20.00 GiB) of the machine's 512.00 GiB");
+  const HostFit gpu =
+      host_fit(offload_run(true, true, memory::DeviceKind::kCuda), states, 0, kGiB, 8, 128 * kGiB);
+  EXPECT_EQ(gpu.per_rank_bytes(), 18 * kGiB);  // the GPU's memory is not the host's
+  EXPECT_EQ(gpu.pinned_per_rank_bytes(), 18 * kGiB);
+  EXPECT_FALSE(gpu.fits());
+  EXPECT_EQ(gpu.verdict(), "host does not fit: needs 144.00 GiB per node (8 ranks x 18.00 GiB), "
+                           "16.00 GiB more than the machine's 128.00 GiB");
+}
+
+TEST(HostFit, PinnedBytesOverThePinnedLimitDoNotFit) {
+  RunOptions r = offload_run(true, true, memory::DeviceKind::kCuda);
+  r.pinned_limit_bytes = 16 * kGiB;
+  const HostFit h = host_fit(r, zero::HostStateBytes{12 * kGiB, 4 * kGiB, 2 * kGiB}, 0, 0, 1, 64 * kGiB);
+  EXPECT_TRUE(h.fits_machine());
+  EXPECT_FALSE(h.fits());
+  EXPECT_NE(h.verdict().find("18.00 GiB pinned per rank, over porter.device.pinned_limit 16.00 GiB"),
+            std::string::npos)
+      << h.verdict();
+  r.optimizer.offload.pin_memory = false;  // pageable optimizer arrays
+  EXPECT_TRUE(host_fit(r, zero::HostStateBytes{12 * kGiB, 4 * kGiB, 2 * kGiB}, 0, 0, 1, 64 * kGiB).fits());
+}
+
+TEST(HostFit, ThisMachineHasMemory) { EXPECT_GT(machine_memory_bytes(), size_t{1} << 28); }
+
+}  // namespace
+}  // namespace porter::engine
