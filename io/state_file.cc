@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "base/error.h"
+#include "kernels/cpu/isa.h"
 
 namespace porter::io {
 namespace {
@@ -91,10 +92,38 @@ bool valid_section_name(const std::string& name) {
 
 }  // namespace
 
+namespace {
+
+uint32_t crc32c_table(const std::byte* p, size_t n, uint32_t c) {
+  for (size_t i = 0; i < n; ++i) c = kCrc32cTable[(c ^ static_cast<uint8_t>(p[i])) & 0xffu] ^ (c >> 8);
+  return c;
+}
+
+#if PORTER_CPU_X86
+// SSE4.2's crc32 instruction computes CRC-32C (the Castagnoli polynomial) eight bytes at a
+// time, about twenty times the table's speed; the same value (Note [Cpu ISA dispatch]).
+PORTER_CPU_TARGET(PORTER_ISA_CRC32) uint32_t crc32c_sse42(const std::byte* p, size_t n, uint32_t c) {
+  uint64_t c64 = c;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    c64 = _mm_crc32_u64(c64, v);
+  }
+  auto c32 = static_cast<uint32_t>(c64);
+  for (; i < n; ++i) c32 = _mm_crc32_u8(c32, static_cast<uint8_t>(p[i]));
+  return c32;
+}
+#endif
+
+}  // namespace
+
 uint32_t crc32c(std::span<const std::byte> bytes, uint32_t crc) {
-  uint32_t c = ~crc;
-  for (std::byte b : bytes) c = kCrc32cTable[(c ^ static_cast<uint8_t>(b)) & 0xffu] ^ (c >> 8);
-  return ~c;
+#if PORTER_CPU_X86
+  static const bool hw = kernels::cpu::cpu_runs(PORTER_ISA_CRC32);
+  if (hw) return ~crc32c_sse42(bytes.data(), bytes.size(), ~crc);
+#endif
+  return ~crc32c_table(bytes.data(), bytes.size(), ~crc);
 }
 
 void write_state(const fs::path& dir, nlohmann::json meta,

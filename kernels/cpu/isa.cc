@@ -12,7 +12,8 @@ namespace {
 using Field = bool CpuFeatures::*;
 
 // Each feature's name in the target attribute's spelling, and its field.
-constexpr std::array<std::pair<std::string_view, Field>, 10> kFeatures{{
+constexpr std::array<std::pair<std::string_view, Field>, 11> kFeatures{{
+    {"sse4.2", &CpuFeatures::sse42},
     {"avx2", &CpuFeatures::avx2},
     {"fma", &CpuFeatures::fma},
     {"f16c", &CpuFeatures::f16c},
@@ -30,6 +31,7 @@ CpuFeatures read_features() {
 #if PORTER_CPU_X86
   // __builtin_cpu_supports takes only literals, hence one line per feature.
   __builtin_cpu_init();
+  f.sse42 = __builtin_cpu_supports("sse4.2");
   f.avx2 = __builtin_cpu_supports("avx2");
   f.fma = __builtin_cpu_supports("fma");
   f.f16c = __builtin_cpu_supports("f16c");

@@ -16,7 +16,8 @@
 //   cpu_runs(isa) said yes for the same string, so the attribute and the run-time check cannot
 //   disagree: the host AdamW's AVX2 and AVX-512 kernels (PORTER_ISA_AVX2, PORTER_ISA_AVX512)
 //   and the attention head tiles (PORTER_ISA_TILES_F32, PORTER_ISA_TILES_BF16, Note [Attention
-//   head tiles] in kernels/cpu/attention_heads.cc).
+//   head tiles] in kernels/cpu/attention_heads.cc), and the state files' CRC-32C
+//   (PORTER_ISA_CRC32, io/state_file.cc).
 // cpu_features() reads the cpu's feature bits once (__builtin_cpu_supports) for both and for
 // anything that reports them. The matmul (kernels/cpu/matmul.cc) runs oneDNN, which
 // dispatches on the same cpu itself (AMX, AVX512-BF16, AVX-512, AVX2); its implementation
@@ -50,6 +51,7 @@
 
 // The feature lists porter's intrinsics code is written for, in the target attribute's
 // spelling; cpu_runs() takes the same strings.
+#define PORTER_ISA_CRC32 "sse4.2"
 #define PORTER_ISA_AVX2 "avx2"
 #define PORTER_ISA_AVX512 "avx512f,avx512bw"
 #define PORTER_ISA_TILES_F32 "avx512f,avx512dq,avx512bw,avx512vl,fma"
@@ -64,6 +66,7 @@ namespace porter::kernels::cpu {
 // The instruction-set features porter's code and oneDNN choose between, as this cpu reports
 // them. All false off x86-64.
 struct CpuFeatures {
+  bool sse42 = false;  // crc32 (the training-state files' CRC-32C, io/state_file.cc)
   bool avx2 = false;
   bool fma = false;
   bool f16c = false;
