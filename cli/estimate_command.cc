@@ -108,7 +108,7 @@ void print_zero(std::ostream& out, const std::vector<StageEstimate>& stages,
       << " elements (tensors aligned to " << nn::kParamAlignElems << "), padded to "
       << part.padded_elems << " = " << dp << " shard" << (dp == 1 ? "" : "s") << " of "
       << part.shard_elems << ";\n  p = " << d.param_bytes() << " (" << tensor::dtype_name(dtype)
-      << " params), g = " << d.grad_bytes() << " (f32 grads), k = " << d.optimizer_bytes()
+      << " params), g = " << d.grad_bytes() << " (" << tensor::dtype_name(d.grad) << " grads), k = " << d.optimizer_bytes()
       << " (AdamW moments" << (d.optimizer_bytes() == 12 ? " + f32 master" : "") << ")\n";
   Table t({"stage", "params", "grads", "optimizer", "total", "paper formula", "paper", "padding"});
   for (const StageEstimate& e : stages) {
@@ -194,7 +194,7 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
           elems_t = t;
         }
         e.model_states = zero::exact_bytes(zero::make_partition(elems, static_cast<int>(dp)),
-                                           run.zero_stage(), zero::StateDTypes{run.compute_dtype});
+                                           run.zero_stage(), run.state_dtypes());
       } catch (const porter::Error& ex) {
         e.error = ex.what();
       }
@@ -266,7 +266,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const int dp = static_cast<int>(cfg.data_parallel_size());
   const zero::Partition part = zero::make_partition(gpt.layout().total_elems(), dp);
   const int64_t num_params = gpt.layout().num_params();
-  const zero::StateDTypes state_dtypes{dtype};
+  const zero::StateDTypes state_dtypes = run.state_dtypes();
   std::vector<StageEstimate> stages;
   for (int stage = 0; stage <= 3; ++stage) {
     StageEstimate e;

@@ -87,7 +87,7 @@ ordered_json zero_json(engine::Engine& engine) {
       zero::make_partition(engine.model().layout().total_elems(), engine.dp_size());
   // Offloaded states are on the host (docs/zero.md, "Optimizer offload", "Parameter offload");
   // stage 3's device params hold the persistent stages beside the shard ("Stage 3").
-  const zero::StateDTypes dtypes{engine.compute_dtype()};
+  const zero::StateDTypes dtypes = engine.run_options().state_dtypes();
   const zero::OptimizerOptions& oo = engine.run_options().optimizer;
   zero::StateBytes exact = zero::device_state_bytes(
       zero::exact_bytes(part, z.zero_stage, dtypes), part, z.zero_stage, dtypes, oo.offload.enabled,

@@ -18,6 +18,7 @@ std::string_view to_string(CheckpointPolicy v) { return enum_name(detail::kCheck
 std::string_view to_string(CommBackend v) { return enum_name(detail::kCommBackends, v); }
 std::string_view to_string(KernelChoice v) { return enum_name(detail::kKernelChoices, v); }
 std::string_view to_string(GpuModel v) { return enum_name(detail::kGpuModels, v); }
+std::string_view to_string(GradDType v) { return enum_name(detail::kGradDTypes, v); }
 
 const std::vector<std::string>& selective_op_kinds() {
   // The ops of one GPT block, in forward order.

@@ -68,6 +68,15 @@ struct Bf16Config {
   bool operator==(const Bf16Config&) const = default;
 };
 
+// The dtype gradients are kept and reduced in: data_types.grad_accum_dtype and
+// communication_data_type ("fp32", "bf16", "fp16"). Note [Gradient dtype] in
+// engine/run_options.h says which combinations run.
+enum class GradDType { kFp32, kBf16, kFp16 };
+struct DataTypesConfig {
+  std::optional<GradDType> grad_accum_dtype;  // none: communication_data_type's, else fp32
+  bool operator==(const DataTypesConfig&) const = default;
+};
+
 // "nvme" is read but not implemented yet: it resolves to kCpu with a warning.
 enum class OffloadDevice { kNone, kCpu };
 
@@ -295,6 +304,8 @@ struct Config {
   std::optional<SchedulerConfig> scheduler;
   Fp16Config fp16;
   Bf16Config bf16;
+  DataTypesConfig data_types;
+  std::optional<GradDType> communication_data_type;  // none: the gradients' dtype
   ZeroConfig zero_optimization;
   std::optional<ActivationCheckpointingConfig> activation_checkpointing;
   PorterSection porter;
@@ -315,6 +326,7 @@ std::string_view to_string(CheckpointPolicy v);
 std::string_view to_string(CommBackend v);
 std::string_view to_string(KernelChoice v);
 std::string_view to_string(GpuModel v);
+std::string_view to_string(GradDType v);
 
 // The op kinds `porter.checkpointing.selective_ops` may name.
 const std::vector<std::string>& selective_op_kinds();

@@ -282,6 +282,37 @@ void read_precision(ObjectReader& root, Config& c) {
     fail(has_old ? "bfloat16.enabled" : "bf16.enabled",
          "true, but fp16.enabled is true too; enable one of fp16 and bf16");
   }
+  // The gradients' dtype (Note [Gradient dtype] in engine/run_options.h): fp32 or the compute
+  // dtype, reduced in that same dtype.
+  if (std::optional<ObjectReader> r = root.object("data_types")) {
+    if (!r->is_null("grad_accum_dtype")) {
+      c.data_types.grad_accum_dtype = r->enumeration("grad_accum_dtype", kGradDTypes);
+    }
+    r->finish();
+  }
+  if (!root.is_null("communication_data_type")) {
+    c.communication_data_type = root.enumeration("communication_data_type", kGradDTypes);
+  }
+  const GradDType compute = c.bf16.enabled   ? GradDType::kBf16
+                            : c.fp16.enabled ? GradDType::kFp16
+                                             : GradDType::kFp32;
+  const GradDType grads =
+      c.data_types.grad_accum_dtype.value_or(c.communication_data_type.value_or(GradDType::kFp32));
+  if (grads != GradDType::kFp32 && grads != compute) {
+    fail(c.data_types.grad_accum_dtype ? "data_types.grad_accum_dtype" : "communication_data_type",
+         "\"" + std::string(to_string(grads)) + "\" with " +
+             (compute == GradDType::kFp32 ? std::string("fp32 compute")
+                                          : std::string(to_string(compute)) + ".enabled") +
+             ": porter keeps gradients in fp32 or in the compute dtype; use \"fp32\"" +
+             (compute == GradDType::kFp32 ? "" : " or \"" + std::string(to_string(compute)) + "\""));
+  }
+  if (c.communication_data_type && *c.communication_data_type != grads) {
+    fail("communication_data_type",
+         "\"" + std::string(to_string(*c.communication_data_type)) + "\" with gradients kept in " +
+             std::string(to_string(grads)) +
+             " (data_types.grad_accum_dtype): porter reduces the gradients in the dtype it keeps "
+             "them in; set both to the same dtype, or leave communication_data_type out");
+  }
 }
 
 // ---- zero_optimization --------------------------------------------------------------------
@@ -592,7 +623,6 @@ void read_not_implemented_top_level(ObjectReader& root) {
   root.not_implemented("dump_state", false, "DeepSpeed's state dump");
   root.not_implemented("sparse_gradients", false, "sparse gradients");
   root.not_implemented("dataloader_drop_last", false, "DeepSpeed's data loader");
-  root.not_implemented("communication_data_type", nullptr, "a separate communication dtype");
   root.not_implemented("disable_allgather", false, "disabling all-gather");
   struct Section {
     const char* key;
@@ -616,7 +646,6 @@ void read_not_implemented_top_level(ObjectReader& root) {
       {"pipeline", "pipeline parallelism"},
       {"sparse_attention", "sparse attention"},
       {"checkpoint", "DeepSpeed's checkpoint options"},
-      {"data_types", "separate gradient-accumulation dtypes"},
       {"eigenvalue", "eigenvalue computation"},
       {"progressive_layer_drop", "progressive layer drop"},
       {"quantize_training", "quantized training"},

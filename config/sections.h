@@ -34,6 +34,8 @@ inline constexpr EnumName<DeviceType> kDeviceTypes[] = {
     {"auto", DeviceType::kAuto}, {"cpu", DeviceType::kCpu}, {"cuda", DeviceType::kCuda}};
 inline constexpr EnumName<KernelChoice> kKernelChoices[] = {{"exact", KernelChoice::kExact},
                                                             {"fastest", KernelChoice::kFastest}};
+inline constexpr EnumName<GradDType> kGradDTypes[] = {
+    {"fp32", GradDType::kFp32}, {"bf16", GradDType::kBf16}, {"fp16", GradDType::kFp16}};
 inline constexpr EnumName<GpuModel> kGpuModels[] = {{"h100-sxm", GpuModel::kH100Sxm},
                                                     {"h200", GpuModel::kH200},
                                                     {"a100-80gb", GpuModel::kA100_80gb},

@@ -73,6 +73,11 @@ nlohmann::ordered_json to_json(const Config& c) {
   }
   j["fp16"] = keys_json(c.fp16);
   j["bf16"] = keys_json(c.bf16);
+  j["data_types"] = {{"grad_accum_dtype", c.data_types.grad_accum_dtype
+                                               ? OJson(to_string(*c.data_types.grad_accum_dtype))
+                                               : OJson()}};
+  j["communication_data_type"] =
+      c.communication_data_type ? OJson(to_string(*c.communication_data_type)) : OJson();
   j["zero_optimization"] = zero_json(c.zero_optimization);
   if (c.activation_checkpointing) {
     j["activation_checkpointing"] = keys_json(*c.activation_checkpointing);

@@ -352,7 +352,7 @@ checkpoint::ChainCosts Engine::profile() {
       const zero::StageRange& r = sl.ranges[static_cast<size_t>(j)];
       tensor::Tensor& buf = scratch_of[static_cast<size_t>(j)];
       if (on && r.hi > r.lo) {
-        buf = tensor::Tensor::empty(*allocator_, tensor::Shape{r.hi - r.lo}, tensor::DType::kF32,
+        buf = tensor::Tensor::empty(*allocator_, tensor::Shape{r.hi - r.lo}, run_.grad_dtype,
                                 memory::Category::kComm);
         kernels_->fill(buf, 0.0f);
       }

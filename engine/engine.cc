@@ -86,7 +86,7 @@ void Engine::build_model_states() {
   // Stage 3 keeps no full parameter buffer: the optimizer owns the working shard and the
   // gatherer binds each stage to its gathered buffer (Note [Stage 3 gather]).
   im.flat = std::make_unique<nn::FlatParams>(*allocator_, layout, run_.compute_dtype,
-                                             tensor::DType::kF32, im.part.padded_elems,
+                                             run_.grad_dtype, im.part.padded_elems,
                                              zero_stage < 2, zero_stage < 3);
   im.optimizer = std::make_unique<zero::ShardedOptimizer>(
       *im.flat, *kernels_, *allocator_, im.comm(), im.part, run_.optimizer, im.host.get());

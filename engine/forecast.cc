@@ -66,7 +66,7 @@ RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& cost
   RankStates s;
   s.param_elems = model.layout().total_elems();
   const zero::Partition part = zero::make_partition(s.param_elems, dp_size);
-  const zero::StateDTypes dtypes{run.compute_dtype};
+  const zero::StateDTypes dtypes = run.state_dtypes();
   const int stage = run.zero_stage();
   const zero::OptimizerOptions& zo = run.optimizer;
   const bool opt = zo.offload.enabled, params = zo.param_offload.enabled;

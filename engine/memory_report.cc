@@ -40,7 +40,7 @@ MemoryReport Engine::memory_report() const {
   const zero::OptimizerOptions& o = run_.optimizer;
   if (o.offload.enabled || o.param_offload.enabled) {
     r.predicted_host_state = zero::host_state_bytes(
-        im.part, o.zero_stage, zero::StateDTypes{run_.compute_dtype}, o.offload.enabled,
+        im.part, o.zero_stage, run_.state_dtypes(), o.offload.enabled,
         o.param_offload.enabled, o.offload.pin_memory, o.param_offload.pin_memory, o.offload.ratio);
   }
   r.pinned_in_use_bytes = im.pinned->stats().in_use_bytes;

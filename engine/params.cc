@@ -62,10 +62,14 @@ std::vector<float> Engine::grads_host() const {
   if (run_.zero_stage() == 0) return tensor::to_host_f32(*device_, im.flat->grads().slice(0, p));
   std::vector<float> out(static_cast<size_t>(p), 0.0f);
   // Note [Streamed gradients]: with the optimizer offloaded the shard may live on the host only.
-  const float* streamed = im.optimizer->streamed_grads();
+  const void* streamed = im.optimizer->streamed_grads();
+  const int64_t n = im.optimizer->end() - im.optimizer->begin();
   const std::vector<float> shard =
       streamed != nullptr
-          ? std::vector<float>(streamed, streamed + (im.optimizer->end() - im.optimizer->begin()))
+          ? tensor::to_host_f32(*device_, tensor::Tensor::from_blob(const_cast<void*>(streamed),
+                                                                    tensor::Shape{n},
+                                                                    im.flat->grad_dtype(),
+                                                                    memory::Category::kGrads))
           : tensor::to_host_f32(*device_, im.reducer->shard());
   const int64_t lo = im.optimizer->begin();
   for (int64_t i = 0; i < static_cast<int64_t>(shard.size()) && lo + i < p; ++i) {

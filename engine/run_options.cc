@@ -87,6 +87,15 @@ RunOptions make_run_options(const config::Config& config) {
   r.compute_dtype = config.fp16.enabled   ? tensor::DType::kF16
                     : config.bf16.enabled ? tensor::DType::kBF16
                                           : tensor::DType::kF32;
+  {
+    // Note [Gradient dtype]: the parser allows fp32 or the compute dtype.
+    const std::optional<config::GradDType> g =
+        config.data_types.grad_accum_dtype ? config.data_types.grad_accum_dtype
+                                           : config.communication_data_type;
+    r.grad_dtype = !g || *g == config::GradDType::kFp32 ? tensor::DType::kF32
+                   : *g == config::GradDType::kBf16     ? tensor::DType::kBF16
+                                                        : tensor::DType::kF16;
+  }
   r.shape.model = p.model;
   r.shape.micro_batch = config.train_micro_batch_size_per_gpu;
   r.shape.seq = p.model.seq_len;
@@ -108,6 +117,7 @@ RunOptions make_run_options(const config::Config& config) {
 
   const config::ZeroConfig& z = config.zero_optimization;
   r.reducer.zero_stage = z.stage;
+  r.reducer.grad_dtype = r.grad_dtype;
   r.reducer.overlap_comm = z.overlap_comm;
   r.reducer.reduce_scatter = z.reduce_scatter;
   r.reducer.prescale_gradients = config.prescale_gradients;
@@ -287,6 +297,7 @@ nlohmann::ordered_json RunOptions::to_json() const {
                 {"synchronize_boundary", stash.synchronize_boundary}};
   j["keep_all_copy_records"] = keep_all_copy_records;
   j["reducer"] = {{"zero_stage", reducer.zero_stage},
+                  {"grad_dtype", tensor::dtype_name(reducer.grad_dtype)},
                   {"overlap_comm", reducer.overlap_comm},
                   {"reduce_scatter", reducer.reduce_scatter},
                   {"prescale_gradients", reducer.prescale_gradients},

@@ -92,6 +92,20 @@ struct RunOptions {
   DeviceModelOptions device_model;
   // fp16.enabled: f16, else bf16.enabled: bf16, else f32 (the parser refuses both).
   tensor::DType compute_dtype = tensor::DType::kF32;
+  // Note [Gradient dtype]
+  // data_types.grad_accum_dtype, else communication_data_type, else fp32: the dtype of the
+  // gradients wherever they are kept (the flat gradient buffer of stages 0 and 1, the reduce
+  // buckets, the shard, the host copy under offload) and reduced (every gradient collective),
+  // as DeepSpeed's two keys define them. The parser allows fp32 or the compute dtype (the
+  // kernels' parameter gradients are f32 or the activations' 16-bit type, Note [Cpu dtype
+  // combinations]) and a communication_data_type equal to it. With 16 bits, every gradient
+  // byte halves (g = 2 in Note [Model-state bytes per rank]: buckets, shard, communication,
+  // host copy), the backward accumulates each parameter's gradient in 16 bits (rounded on every
+  // add, as in DeepSpeed's bf16/fp16 gradients), the reductions sum in 16 bits, and the
+  // optimizer widens each gradient to f32 as it reads it (the master weights and moments stay
+  // f32). docs/zero.md, "Gradient dtype", has the loss against f32 gradients.
+  tensor::DType grad_dtype = tensor::DType::kF32;
+  zero::StateDTypes state_dtypes() const { return {compute_dtype, grad_dtype}; }
   // One micro-batch of the built-in GPT for the analytic model (porter.model, the micro-batch
   // size, the sequence length, the dtype and the device kind).
   models::TransformerShape shape;

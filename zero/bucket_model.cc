@@ -14,13 +14,13 @@ namespace porter::zero {
 namespace {
 
 constexpr size_t kMaxInFlight = 2;  // GradReducer's packed buckets in flight
-constexpr size_t kF32 = 4;
 
 class BucketReplay {
  public:
   BucketReplay(const std::vector<Bucket>& buckets, const Partition& part,
                const ReducerOptions& options)
       : buckets_(buckets), part_(part), options_(options), n_(part.world_size),
+        elem_(tensor::dtype_size(options.grad_dtype)),
         live_(buckets.size(), 0), issued_(buckets.size(), false) {
     // Each stage's buckets, in bucket order, so a replay is linear in stages and buckets.
     for (size_t b = 0; b < buckets.size(); ++b) {
@@ -41,7 +41,7 @@ class BucketReplay {
     if (it == allocated_before_.end()) return;
     for (size_t b : it->second) {
       if (live_[b] != 0) continue;
-      live_[b] = static_cast<size_t>(buckets_[b].elems()) * kF32;
+      live_[b] = static_cast<size_t>(buckets_[b].elems()) * elem_;
       add(live_[b]);
     }
   }
@@ -97,7 +97,7 @@ class BucketReplay {
       pending_.push_back(contiguous);  // the reduced buffer (a flat-buffer view below stage 2)
       return;
     }
-    const size_t packed = static_cast<size_t>(bb.block) * static_cast<size_t>(n_) * kF32;
+    const size_t packed = static_cast<size_t>(bb.block) * static_cast<size_t>(n_) * elem_;
     add(packed);
     sub(contiguous);
     pending_.push_back(packed);
@@ -107,6 +107,7 @@ class BucketReplay {
   const Partition& part_;
   const ReducerOptions& options_;
   const int n_;
+  const size_t elem_;  // bytes of a gradient element
   std::unordered_map<int, std::vector<size_t>> allocated_before_, ready_after_;
   std::vector<size_t> live_;     // contiguous buffers
   std::vector<bool> issued_;

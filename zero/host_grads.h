@@ -21,6 +21,8 @@
 //         the step's last micro-batch:    g = g * s         (the reducer's post-scale s, when
 //                                                          Note [Gradient reduction] has one)
 //      each an f32 operation rounded on its own (this file is compiled without contraction),
+//      on 16-bit gradients (Note [Gradient dtype] in engine/run_options.h) widened first and
+//      rounded to their dtype after each operation, as the device kernels store them,
 //      in micro-batch order, which is the device path's order (kernels' accumulate, then
 //      scale), so the shard's bits are the device path's.
 // The device therefore holds, of the gradients, only the reducer's buckets in flight (category
@@ -31,7 +33,7 @@
 // device the norm, the clip coefficient and the fp16 overflow verdict are those of the device
 // path bit for bit, and there is no second pass over device memory. (On cuda the device path's
 // norm is the cuda kernel's sum, whose order differs: the two agree to rounding.)
-// Host bytes: the f32 shard (4 S) and the staging block, both in the tier pin_memory names
+// Host bytes: the shard (4 S in f32, 2 S in 16 bits) and the staging block, both in the tier pin_memory names
 // (Note [Host-state bytes per rank] in zero/partition.h). A partial offload (ratio < 1) and
 // stage 1 keep their device gradient buffers: stage 1 accumulates in the whole flat buffer by
 // definition, and a partial offload updates part of the range on the device.
@@ -49,16 +51,17 @@ namespace porter::zero {
 
 class HostGradients final : public GradSink {
  public:
-  // The most f32 elements one staged copy moves (4 MiB).
+  // The most elements one staged copy moves (4 MiB in f32).
   static constexpr int64_t kStagingElems = kGradStagingElems;
   // The staging block's elements for a shard of `shard_elems`.
   static int64_t staging_elems(int64_t shard_elems);
 
-  // `grad` is the host shard of `elems` f32 values (zeroed here: elements no bucket covers,
-  // the partition's padding, stay zero); `staging` a block of the lane's tier holding
-  // staging_elems(elems) f32 values. Neither is owned; both outlive this, as does the lane.
-  HostGradients(memory::HostLane& lane, memory::Device& device, float* grad, int64_t elems,
-                float* staging, int threads);
+  // `grad` is the host shard of `elems` values of `dtype` (the gradients' dtype: f32, bf16 or
+  // f16; zeroed here: elements no bucket covers, the partition's padding, stay zero); `staging`
+  // a block of the lane's tier holding staging_elems(elems) of them. Neither is owned; both
+  // outlive this, as does the lane.
+  HostGradients(memory::HostLane& lane, memory::Device& device, tensor::DType dtype, void* grad,
+                int64_t elems, void* staging, int threads);
 
   // GradSink: Note [Streamed gradients], steps 1 and 2.
   void add(const tensor::Tensor& part, int64_t lo, bool first, std::optional<float> scale) override;
@@ -66,7 +69,8 @@ class HostGradients final : public GradSink {
   // Waits for every queued copy and accumulation (rethrowing a copy's error); returns the
   // seconds it waited. After it, data() holds the step's reduced gradients.
   double finish();
-  const float* data() const { return grad_; }
+  const void* data() const { return grad_; }
+  tensor::DType dtype() const { return dtype_; }
   int64_t size() const { return elems_; }
   // Of the host shard's [lo, hi), after finish(): the sum of squares and the count of inf/NaN
   // values, as the cpu device's kernels compute them.
@@ -78,17 +82,20 @@ class HostGradients final : public GradSink {
  private:
   memory::HostLane* lane_;
   memory::Device* device_;
-  float* grad_;
+  tensor::DType dtype_;
+  size_t elem_;  // its bytes
+  void* grad_;
   int64_t elems_;
-  float* staging_;
+  void* staging_;
   int64_t staging_elems_;
   int threads_;
   uint64_t sent_bytes_ = 0;
 };
 
-// Note [Streamed gradients], step 2 over n values: dst = (first ? 0 + src : dst + src), then
-// dst *= scale when there is one; f32 operations, each rounded.
-void accumulate_host_grads(float* dst, const float* src, int64_t n, bool first,
+// Note [Streamed gradients], step 2 over n values of `dtype`: dst = (first ? 0 + src : dst +
+// src), then dst *= scale when there is one; f32 operations on the widened values, each
+// rounded to `dtype` on store, as the cpu kernels' add and scale round.
+void accumulate_host_grads(tensor::DType dtype, void* dst, const void* src, int64_t n, bool first,
                            std::optional<float> scale);
 
 }  // namespace porter::zero

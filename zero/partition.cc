@@ -72,10 +72,11 @@ HostStateBytes host_state_bytes(const Partition& part, int zero_stage, const Sta
   if (optimizer_offload) {
     b.optimizer = checked_mul(3, array(h, 4, optimizer_pinned), "the host's optimizer state",
                               "3 arrays of " + std::to_string(h) + " f32 elements");
-    b.grads = array(h, 4, optimizer_pinned);
+    b.grads = array(h, dtypes.grad_bytes(), optimizer_pinned);
     if (ratio >= 1.0 && zero_stage >= 2) {  // Note [Streamed gradients]: the staging block
       const auto staging = static_cast<size_t>(std::min<int64_t>(part.shard_elems, kGradStagingElems));
-      b.grads = checked_add(b.grads, array(staging, 4, optimizer_pinned), "the host's model states",
+      b.grads = checked_add(b.grads, array(staging, dtypes.grad_bytes(), optimizer_pinned),
+                            "the host's model states",
                             "the gradient shard and its staging block");
     }
   }

@@ -12,7 +12,8 @@
 //
 // Note [Model-state bytes per rank]
 // With p = bytes of a working parameter (2 for bf16/fp16, 4 for f32), g = bytes of a stored
-// gradient element (porter keeps gradients in f32: 4), and k = optimizer bytes per element
+// gradient element (4 for f32, the default; 2 with data_types.grad_accum_dtype bf16 or fp16,
+// Note [Gradient dtype] in engine/run_options.h), and k = optimizer bytes per element
 // (AdamW's two f32 moments, plus an f32 master copy when the parameters are not f32: 8 or
 // 12), porter holds per rank, in elements of the padded buffer:
 //   stage 0: params p*padded, grads g*padded, optimizer k*padded
@@ -47,8 +48,9 @@ Partition make_partition(int64_t total_elems, int world_size);
 // The dtypes that set p, g, k (Note [Model-state bytes per rank]).
 struct StateDTypes {
   tensor::DType param = tensor::DType::kF32;
+  tensor::DType grad = tensor::DType::kF32;  // data_types.grad_accum_dtype (Note [Gradient dtype])
   size_t param_bytes() const { return tensor::dtype_size(param); }
-  size_t grad_bytes() const { return 4; }
+  size_t grad_bytes() const { return tensor::dtype_size(grad); }
   size_t optimizer_bytes() const { return param == tensor::DType::kF32 ? 8 : 12; }
 };
 
@@ -63,7 +65,8 @@ struct StateBytes {
 // With the optimizer offloaded (Note [Optimizer offload]) the rank's range of S' elements (S
 // at stages 1-3) keeps on the host the f32 master, both f32 moments and an f32 copy of the
 // gradient shard, 16 S' bytes (the master even for f32 compute, where the device has none),
-// plus the working copy in the compute dtype, p S'. When the gradients stream (ratio 1 at
+// plus the working copy in the compute dtype, p S' (the gradient copy is g S' with 16-bit
+// gradients). When the gradients stream (ratio 1 at
 // stages 2 and 3, Note [Streamed gradients] in zero/host_grads.h) the f32 copy is the only
 // gradient shard, and a staging block of min(S, kGradStagingElems) f32 values joins it under
 // grads. Parameter offload (stage 3, Note

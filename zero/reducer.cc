@@ -7,6 +7,7 @@
 #include <string>
 
 #include "base/check.h"
+#include "nn/ctx.h"
 
 namespace porter::zero {
 
@@ -66,12 +67,15 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
     shard_begin_ = part_.begin(rank_);
     if (sink_ == nullptr) {  // Note [Streamed gradients]: no device shard otherwise
       shard_ = tensor::Tensor::empty(allocator, tensor::Shape{part_.shard_elems},
-                                     tensor::DType::kF32, memory::Category::kGrads);
+                                     options_.grad_dtype, memory::Category::kGrads);
     }
     // Every entry starts unbound: a gradient written outside a live bucket fails loudly.
     for (size_t i = 0; i < entries.size(); ++i) flat_->set_grad_view(i, tensor::Tensor());
   } else {
     PORTER_CHECK(flat.grads().defined(), "stages 0 and 1 need the flat gradient buffer");
+    PORTER_CHECK(flat.grad_dtype() == options_.grad_dtype, "GradReducer: the flat gradient buffer is ",
+                 tensor::dtype_name(flat.grad_dtype()), ", the options say ",
+                 tensor::dtype_name(options_.grad_dtype));
     shard_begin_ = options_.zero_stage == 1 ? part_.begin(rank_) : 0;
     shard_ = options_.zero_stage == 1
                  ? flat.grads().slice(part_.begin(rank_), part_.end(rank_))
@@ -131,7 +135,7 @@ void GradReducer::before_backward(int chain_stage) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].alloc_before != chain_stage || live_[b].defined()) continue;
     tensor::Tensor buf = tensor::Tensor::empty(*allocator_, tensor::Shape{buckets_[b].elems()},
-                                       tensor::DType::kF32, memory::Category::kComm);
+                                       options_.grad_dtype, memory::Category::kComm);
     kernels_->fill(buf, 0.0f);
     bind_bucket(b, buf);
     live_[b] = std::move(buf);
@@ -174,25 +178,26 @@ void GradReducer::issue(size_t b, tensor::Tensor contiguous) {
   }
   prescale(local);
   const comm::CommLabel label(dp_, "bucket " + std::to_string(b));  // Note [Comm records]
+  const comm::ElemType type = nn::comm_type(options_.grad_dtype);
   Pending p;
   p.bucket = b;
   // Stages 1-3 keep a shard; reduce_scatter false only changes the packed bucket's collective
   // (Note [Reduce-scatter off]).
   if (options_.zero_stage == 0) {
-    p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
-                             comm::ElemType::kF32, comm::ReduceOp::kSum);
+    p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()), type,
+                             comm::ReduceOp::kSum);
   } else if (blocks_[b].use_all_reduce(bk.elems())) {
     // Cheaper than the packed reduce-scatter (Note [Bucketed reduce-scatter]).
     while (pending_.size() >= kMaxInFlight) complete_oldest();
-    p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()),
-                             comm::ElemType::kF32, comm::ReduceOp::kSum);
+    p.work = dp_->all_reduce(local.data(), static_cast<size_t>(local.numel()), type,
+                             comm::ReduceOp::kSum);
     if (options_.zero_stage >= 2) local.record_stream(dp_->stream());  // a bucket buffer
     p.reduced = std::move(local);
     contiguous = tensor::Tensor();
   } else {
     while (pending_.size() >= kMaxInFlight) complete_oldest();
     const BucketBlocks& bb = blocks_[b];
-    p.packed = tensor::Tensor::empty(*allocator_, tensor::Shape{bb.block * n_}, tensor::DType::kF32,
+    p.packed = tensor::Tensor::empty(*allocator_, tensor::Shape{bb.block * n_}, options_.grad_dtype,
                                  memory::Category::kComm);
     kernels_->fill(p.packed, 0.0f);
     memory::Stream& compute = allocator_->device().compute_stream();
@@ -205,13 +210,14 @@ void GradReducer::issue(size_t b, tensor::Tensor contiguous) {
     }
     local = tensor::Tensor();
     contiguous = tensor::Tensor();  // stage 2: freed in compute-stream order, after the pack
-    auto* base = static_cast<float*>(p.packed.data());
+    auto* base = static_cast<char*>(p.packed.data());
+    const auto es = static_cast<int64_t>(tensor::dtype_size(options_.grad_dtype));
     if (options_.reduce_scatter) {
-      p.work = dp_->reduce_scatter(base, base + rank_ * bb.block, static_cast<size_t>(bb.block),
-                                   comm::ElemType::kF32, comm::ReduceOp::kSum);
+      p.work = dp_->reduce_scatter(base, base + rank_ * bb.block * es, static_cast<size_t>(bb.block),
+                                   type, comm::ReduceOp::kSum);
     } else {
       // Every block reduced on every rank; complete() keeps this rank's, as above.
-      p.work = dp_->all_reduce(base, static_cast<size_t>(bb.block * n_), comm::ElemType::kF32,
+      p.work = dp_->all_reduce(base, static_cast<size_t>(bb.block * n_), type,
                                comm::ReduceOp::kSum);
     }
     p.packed.record_stream(dp_->stream());

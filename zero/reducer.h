@@ -68,6 +68,9 @@ namespace porter::zero {
 
 struct ReducerOptions {
   int zero_stage = 0;             // 0..3 (3 reduces as 2)
+  // The gradients' dtype: buckets, reductions and the shard (Note [Gradient dtype] in
+  // engine/run_options.h). The flat gradient buffer of stages 0 and 1 has it too.
+  tensor::DType grad_dtype = tensor::DType::kF32;
   bool overlap_comm = false;
   bool reduce_scatter = true;     // stages 1-3: false all-reduces (Note [Reduce-scatter off])
   bool prescale_gradients = false;

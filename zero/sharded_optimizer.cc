@@ -154,7 +154,8 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
       host_->master = Host::make(tier, f32, key, "master weights");
       host_->exp_avg = Host::make(tier, f32, key, "AdamW exp_avg");
       host_->exp_avg_sq = Host::make(tier, f32, key, "AdamW exp_avg_sq");
-      host_->grad = Host::make(tier, f32, key, "gradient shard");
+      const size_t gbytes = static_cast<size_t>(h) * tensor::dtype_size(flat.grad_dtype());
+      host_->grad = Host::make(tier, gbytes, key, "gradient shard");
       if (!offload_params) {
         host_->out = Host::make(tier, static_cast<size_t>(h) * tensor::dtype_size(flat.param_dtype()),
                                 key, "working copy");
@@ -169,11 +170,12 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
       host_->lane = tier.open_lane("optimizer offload");
       if (streams_gradients(options.zero_stage, options.offload)) {
         host_->staging = Host::make(
-            tier, static_cast<size_t>(HostGradients::staging_elems(h)) * sizeof(float), key,
-            "gradient staging block");
+            tier,
+            static_cast<size_t>(HostGradients::staging_elems(h)) * tensor::dtype_size(flat.grad_dtype()),
+            key, "gradient staging block");
         host_->streamed = std::make_unique<HostGradients>(
-            *host_->lane, allocator.device(), static_cast<float*>(host_->grad.data), h,
-            static_cast<float*>(host_->staging.data), host_->adam->threads());
+            *host_->lane, allocator.device(), flat.grad_dtype(), host_->grad.data, h,
+            host_->staging.data, host_->adam->threads());
       }
     }
   }
@@ -248,7 +250,7 @@ GradSink* ShardedOptimizer::grad_sink() const {
   return host_ != nullptr ? host_->streamed.get() : nullptr;
 }
 
-const float* ShardedOptimizer::streamed_grads() const {
+const void* ShardedOptimizer::streamed_grads() const {
   return host_ != nullptr && host_->streamed ? host_->streamed->data() : nullptr;
 }
 
@@ -275,15 +277,16 @@ void ShardedOptimizer::finish_streamed_gradients() {
 }
 
 void ShardedOptimizer::gradients_ready(const tensor::Tensor& grads, int64_t lo, int64_t hi) {
-  PORTER_CHECK(lo >= 0 && hi <= grads.numel() && grads.dtype() == tensor::DType::kF32,
+  PORTER_CHECK(lo >= 0 && hi <= grads.numel() && grads.dtype() == flat_->grad_dtype(),
                "ShardedOptimizer::gradients_ready: [", lo, ", ", hi, ") of a shard of ",
                grads.numel());
   hi = std::min(hi, host_elems_);  // Note [Partial offload]: the host's part only
   if (!offloaded() || lo >= hi) return;
   host_->lane->after(allocator_->device().compute_stream());
-  const size_t bytes = static_cast<size_t>(hi - lo) * sizeof(float);
-  host_->lane->to_host(static_cast<float*>(host_->grad.data) + lo,
-                       static_cast<const float*>(grads.data()) + lo, bytes);
+  const size_t es = tensor::dtype_size(grads.dtype());
+  const size_t bytes = static_cast<size_t>(hi - lo) * es;
+  host_->lane->to_host(static_cast<char*>(host_->grad.data) + static_cast<size_t>(lo) * es,
+                       static_cast<const char*>(grads.data()) + static_cast<size_t>(lo) * es, bytes);
   host_->sent.emplace_back(lo, hi);
   host_->sent_bytes += bytes;
 }
@@ -295,11 +298,12 @@ void ShardedOptimizer::finish_gradient_copies(const tensor::Tensor& grads) {
   std::sort(sent.begin(), sent.end());
   host_->lane->after(allocator_->device().compute_stream());
   int64_t at = 0;
+  const size_t es = tensor::dtype_size(grads.dtype());
   auto copy = [&](int64_t lo, int64_t hi) {
     if (lo >= hi) return;
-    host_->lane->to_host(static_cast<float*>(host_->grad.data) + lo,
-                         static_cast<const float*>(grads.data()) + lo,
-                         static_cast<size_t>(hi - lo) * sizeof(float));
+    host_->lane->to_host(static_cast<char*>(host_->grad.data) + static_cast<size_t>(lo) * es,
+                         static_cast<const char*>(grads.data()) + static_cast<size_t>(lo) * es,
+                         static_cast<size_t>(hi - lo) * es);
   };
   for (const auto& [lo, hi] : sent) {
     copy(at, lo);
@@ -401,8 +405,8 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
   if (offloaded() && host_->streamed) {
     finish_streamed_gradients();  // global_norm normally has
   } else if (offloaded()) {
-    PORTER_CHECK(grads.dtype() == tensor::DType::kF32 && grads.numel() == end_ - begin_,
-                 "ShardedOptimizer: the gradient shard is not f32 over the range");
+    PORTER_CHECK(grads.dtype() == flat_->grad_dtype() && grads.numel() == end_ - begin_,
+                 "ShardedOptimizer: the gradient shard is not the range in the gradients' dtype");
     finish_gradient_copies(grads);
   }
   if (norm.overflow) return;
@@ -427,7 +431,7 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
     a.exp_avg = static_cast<float*>(host_->exp_avg.data);
     a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data);
     a.grad = host_->grad.data;
-    a.grad_dtype = tensor::DType::kF32;
+    a.grad_dtype = flat_->grad_dtype();
     a.out = host_->out.data;
     a.out_dtype = params.dtype();
     a.elems = h;

@@ -243,7 +243,7 @@ class ShardedOptimizer {
   // and ignore their `grads` argument. streamed_grads() is the host shard (null otherwise),
   // holding the step's gradients after global_norm().
   GradSink* grad_sink() const;
-  const float* streamed_grads() const;
+  const void* streamed_grads() const;  // in the flat buffer's grad_dtype()
 
   // Phases 1-3 of Note [Sharded optimizer]. `grads` is the reducer's shard (the whole
   // buffer at stage 0).

@@ -71,16 +71,16 @@ float reduce(int threads, const Tensor& x, double* partials) {
 
 }  // namespace
 
-float host_squared_norm(const float* x, int64_t n, int threads) {
+float host_squared_norm(const void* x, tensor::DType dtype, int64_t n, int threads) {
   std::vector<double> partials(static_cast<size_t>(cpu::blocks_of(n)));
-  const Tensor t = Tensor::from_blob(const_cast<float*>(x), tensor::Shape{n}, tensor::DType::kF32,
+  const Tensor t = Tensor::from_blob(const_cast<void*>(x), tensor::Shape{n}, dtype,
                                      memory::Category::kGrads);
   return reduce<Reduce::kSquare>(std::max(1, threads), t, partials.data());
 }
 
-float host_nonfinite_count(const float* x, int64_t n, int threads) {
+float host_nonfinite_count(const void* x, tensor::DType dtype, int64_t n, int threads) {
   std::vector<double> partials(static_cast<size_t>(cpu::blocks_of(n)));
-  const Tensor t = Tensor::from_blob(const_cast<float*>(x), tensor::Shape{n}, tensor::DType::kF32,
+  const Tensor t = Tensor::from_blob(const_cast<void*>(x), tensor::Shape{n}, dtype,
                                      memory::Category::kGrads);
   return reduce<Reduce::kNonfinite>(std::max(1, threads), t, partials.data());
 }

@@ -106,6 +106,18 @@ const std::vector<InvalidCase>& invalid_cases() {
       {"fp16_scale_power_huge", with("\"fp16\": {\"initial_scale_power\": 200}"),
        "fp16.initial_scale_power", "got 200"},
       {"bf16_with_old_name", with("\"bf16\": {}, \"bfloat16\": {}"), "bfloat16", "\"bf16\""},
+      // Note [Gradient dtype]: fp32 or the compute dtype, reduced in that dtype.
+      {"grad_dtype_not_compute", with("\"data_types\": {\"grad_accum_dtype\": \"bf16\"}"),
+       "data_types.grad_accum_dtype", "\"bf16\" with fp32 compute"},
+      {"grad_dtype_other_16_bit",
+       with("\"fp16\": {\"enabled\": true}, \"data_types\": {\"grad_accum_dtype\": \"bf16\"}"),
+       "data_types.grad_accum_dtype", "use \"fp32\" or \"fp16\""},
+      {"grad_dtype_unknown", with("\"data_types\": {\"grad_accum_dtype\": \"fp8\"}"),
+       "data_types.grad_accum_dtype", "\"fp8\""},
+      {"comm_dtype_not_grad_dtype",
+       with("\"bf16\": {\"enabled\": true}, \"data_types\": {\"grad_accum_dtype\": \"bf16\"}, "
+            "\"communication_data_type\": \"fp32\""),
+       "communication_data_type", "\"fp32\" with gradients kept in bf16"},
       // --- zero_optimization ----------------------------------------------------------------
       {"zero_stage_word", with("\"zero_optimization\": {\"stage\": \"two\"}"), "zero_optimization.stage",
        "expected an integer in 0..3, got \"two\""},

@@ -42,13 +42,17 @@ TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision
                         Case{2, 3, 1, "f32"}, Case{2, 2, 1, "bf16"}, Case{2, 3, 2, "bf16"},
                         Case{2, 2, 1, "fp16"}, Case{1, 2, 2, "bf16"}, Case{1, 2, 4, "f32"},
                         Case{2, 3, 4, "fp16 overflow"}, Case{2, 3, 1, "bf16", 0.5},
-                        Case{1, 3, 4, "bf16"}}) {
+                        Case{1, 3, 4, "bf16"}, Case{2, 2, 2, "bf16 grads"},
+                        Case{1, 3, 2, "bf16 grads"}}) {
     const std::string precision = k.precision;
     const std::string what = "ws " + std::to_string(k.ws) + " stage " + std::to_string(k.stage) +
                              " gas " + std::to_string(k.gas) + " " + precision + " ratio " +
                              std::to_string(k.ratio);
     config::Config c = off_config(k.ws, k.stage, false, k.gas);
-    if (precision == "bf16") c.bf16.enabled = true;
+    if (precision.starts_with("bf16")) c.bf16.enabled = true;
+    if (precision == "bf16 grads") {  // Note [Gradient dtype]: kept, reduced and streamed in bf16
+      c.data_types.grad_accum_dtype = config::GradDType::kBf16;
+    }
     if (precision.starts_with("fp16")) {
       c.fp16.enabled = true;
       c.fp16.loss_scale = 0.0;
@@ -61,7 +65,8 @@ TEST(EngineOptimizerOffload, BitwiseTheRunWithoutOffloadAtEveryStageAndPrecision
     expect_bitwise_runs(host, device, what);
     const bool streamed = k.stage >= 2 && k.ratio == 1.0;
     for (const RankRun& r : host) {
-      const uint64_t shard_bytes = static_cast<uint64_t>(r.total.shard_elems) * 4;
+      const uint64_t g = precision == "bf16 grads" ? 2 : 4;
+      const uint64_t shard_bytes = static_cast<uint64_t>(r.total.shard_elems) * g;
       if (k.ratio == 1.0) {
         // nothing of the optimizer on the device
         EXPECT_EQ(r.current(memory::Category::kOptimizer), 0u) << what;

@@ -438,8 +438,15 @@ TEST(EngineZeroTest, PredictedTotalAndCommPeaksEqualTheMeasuredOnes) {
                         Case{2, 1, false, false, 5000, 1}, Case{2, 2, true, true, 5000, 1},
                         Case{2, 2, false, true, 5000, 2}, Case{2, 2, true, true, 500'000'000, 1},
                         Case{1, 2, true, true, 5000, 1}, Case{2, 3, true, true, 5000, 2},
-                        Case{4, 2, true, true, 3000, 1}}) {
-    config::Config c = zero_config(k.ranks, k.stage, k.accumulation);
+                        Case{4, 2, true, true, 3000, 1}, Case{2, 2, true, true, 5000, -2},
+                        Case{2, 1, true, true, 5000, -1}, Case{2, 3, true, true, 5000, -1}}) {
+    // A negative accumulation: |k.accumulation| micro-batches with bf16 gradients (Note
+    // [Gradient dtype]), whose buckets and shard are half the bytes.
+    config::Config c = zero_config(k.ranks, k.stage, std::abs(k.accumulation));
+    if (k.accumulation < 0) {
+      c.bf16.enabled = true;
+      c.data_types.grad_accum_dtype = config::GradDType::kBf16;
+    }
     c.zero_optimization.overlap_comm = k.overlap;
     c.zero_optimization.reduce_scatter = k.reduce_scatter;
     c.zero_optimization.reduce_bucket_size_elems = k.bucket;
@@ -447,12 +454,62 @@ TEST(EngineZeroTest, PredictedTotalAndCommPeaksEqualTheMeasuredOnes) {
                              (k.overlap ? ", overlap" : "") + (k.reduce_scatter ? "" : ", all-reduce") +
                              ", bucket " + std::to_string(k.bucket) + ", " +
                              std::to_string(k.accumulation) + " micro-batches";
+    const zero::Partition part =
+        zero::make_partition(TransformerModel(c.porter.model).layout().total_elems(), k.ranks);
     for (const RankRun& r : run_ranks(c, 2)) {
       EXPECT_EQ(r.memory.predicted_peak_bytes, r.memory.peak_bytes) << what;
       EXPECT_EQ(r.predicted_comm_bytes,
                 r.memory.peak_by_category[memory::index_of(memory::Category::kComm)])
           << what;
+      const size_t g = k.accumulation < 0 ? 2 : 4;
+      const auto elems = static_cast<size_t>(k.stage >= 2 ? part.shard_elems : part.padded_elems);
+      EXPECT_EQ(r.memory.peak_by_category[memory::index_of(memory::Category::kGrads)], g * elems)
+          << what;
     }
+  }
+}
+
+// Note [Gradient dtype]: with bf16 gradients each rank's backward accumulates its gradients in
+// bf16, the reduce-scatter sums the two ranks' in bf16 and the post-scale halves the sum in
+// bf16: the shard each rank ends with is round(round(g0 + g1) * 0.5) of the two ranks' local
+// bf16 gradients, which a one-rank run of each rank's micro-batch gives (stage 0 on one rank
+// neither reduces nor scales).
+TEST(EngineZeroTest, Bf16GradientsAreTheBf16ReductionOfEachRanksBf16Gradients) {
+  for (int stage : {1, 2}) {
+    config::Config c = zero_config(2, stage);
+    c.bf16.enabled = true;
+    c.data_types.grad_accum_dtype = config::GradDType::kBf16;
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                              c.porter.model.seq_len);
+    std::vector<std::vector<float>> reduced(2), local(2);
+    for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+      Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
+      e.train_step(data.rank_batches(0, 1, rank, 2));
+      reduced[static_cast<size_t>(rank)] = e.grads_host();
+    });
+    config::Config one = c;
+    one.world_size = 1;
+    one.train_batch_size = c.train_micro_batch_size_per_gpu;
+    one.zero_optimization.stage = 0;
+    for (int rank = 0; rank < 2; ++rank) {
+      auto device = cpu_device();
+      Engine e(*device, std::make_unique<TransformerModel>(one.porter.model), one);
+      e.train_step(data.rank_batches(0, 1, rank, 2));
+      local[static_cast<size_t>(rank)] = e.grads_host();
+    }
+    const zero::Partition part = zero::make_partition(static_cast<int64_t>(local[0].size()), 2);
+    size_t differ = 0, nonzero = 0;
+    for (int rank = 0; rank < 2; ++rank) {
+      for (int64_t i = part.begin(rank); i < std::min<int64_t>(part.end(rank), static_cast<int64_t>(local[0].size())); ++i) {
+        const auto u = static_cast<size_t>(i);
+        const float sum = tensor::bf16_to_f32(tensor::f32_to_bf16(local[0][u] + local[1][u]));
+        const float want = tensor::bf16_to_f32(tensor::f32_to_bf16(sum * 0.5f));
+        differ += std::memcmp(&want, &reduced[static_cast<size_t>(rank)][u], 4) != 0 ? 1 : 0;
+        nonzero += want != 0.0f ? 1 : 0;
+      }
+    }
+    EXPECT_EQ(differ, 0u) << "stage " << stage;
+    EXPECT_GT(nonzero, local[0].size() / 2) << "stage " << stage;
   }
 }
 

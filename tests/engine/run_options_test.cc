@@ -273,6 +273,10 @@ TEST(RunOptions, EveryConfigKeyReachesAnOption) {
       {"porter.train.seed", {none, at("porter.train.seed", 7)}},
       {"porter.comm.sim_tp_gbps", {none, at("porter.comm.sim_tp_gbps", 25)}},
       {"scheduler.type", {none, {{"scheduler", {{"type", "WarmupLR"}}}}}},
+      {"data_types.grad_accum_dtype",
+       {{{"bf16", {{"enabled", true}}}}, at("data_types.grad_accum_dtype", "bf16")}},
+      {"communication_data_type",
+       {{{"bf16", {{"enabled", true}}}}, at("communication_data_type", "bf16")}},
   };
   // Keys of other layers: the data, the training loop and its outputs, the launch and
   // rendezvous, and DeepSpeed keys porter reads without effect (their warning says so).
@@ -449,6 +453,27 @@ TEST(RunOptions, UnsupportedSaysSoNamingTheKeyAndWhatToUse) {
   l2["optimizer"] = {{"type", "Adam"},
                      {"params", {{"lr", 1e-3}, {"adam_w_mode", false}, {"weight_decay", 0.1}}}};
   expect_refused(l2, "optimizer.params.adam_w_mode: false with weight_decay");
+}
+
+// Note [Gradient dtype]: data_types.grad_accum_dtype, else communication_data_type, else f32,
+// for the flat buffer, the reducer and the byte counts.
+TEST(RunOptions, GradientDtypeComesFromGradAccumDtypeThenCommunicationDataType) {
+  nlohmann::json j = base_json();
+  EXPECT_EQ(options_of(j).grad_dtype, tensor::DType::kF32);
+  j["bf16"] = {{"enabled", true}};
+  EXPECT_EQ(options_of(j).grad_dtype, tensor::DType::kF32);  // DeepSpeed's bf16 default: f32 grads
+  j["communication_data_type"] = "bf16";
+  EXPECT_EQ(options_of(j).grad_dtype, tensor::DType::kBF16);
+  j.erase("communication_data_type");
+  j["data_types"] = {{"grad_accum_dtype", "bf16"}};
+  const RunOptions r = options_of(j);
+  EXPECT_EQ(r.grad_dtype, tensor::DType::kBF16);
+  EXPECT_EQ(r.reducer.grad_dtype, tensor::DType::kBF16);
+  EXPECT_EQ(r.state_dtypes().grad_bytes(), 2u);
+  EXPECT_EQ(r.to_json()["reducer"]["grad_dtype"], "bf16");
+  j["data_types"] = {{"grad_accum_dtype", "fp32"}};
+  j["communication_data_type"] = "fp32";
+  EXPECT_EQ(options_of(j).grad_dtype, tensor::DType::kF32);
 }
 
 }  // namespace

@@ -90,5 +90,24 @@ TEST(PartitionTest, PaperBytesUseTheUnpaddedCount) {
   EXPECT_EQ(exact_bytes(p, 2, half).total(), paper_bytes(1024, 4, 2, half).total());
 }
 
+// The ZeRO paper's Figure 1 (Rajbhandari et al. 2020): Psi = 7.5B parameters on 64 devices
+// with fp16 parameters and gradients and K = 12 hold 120 GB (stage 0), 31.4 GB (stage 1),
+// 16.6 GB (stage 2) and 1.9 GB (stage 3) of model states per device. With 16-bit gradients
+// (Note [Gradient dtype]) porter's exact bytes are those, padding aside.
+TEST(PartitionTest, SixteenBitGradientsGiveTheZeroPapersFigureOne) {
+  const StateDTypes fp16{tensor::DType::kF16, tensor::DType::kF16};
+  EXPECT_EQ(fp16.grad_bytes(), 2u);
+  const int64_t psi = 7'500'000'000;
+  const Partition p = make_partition(psi, 64);
+  const double figure[] = {120.0, 31.4, 16.6, 1.9};
+  for (int stage = 0; stage <= 3; ++stage) {
+    const double gb = static_cast<double>(exact_bytes(p, stage, fp16).total()) / 1e9;
+    EXPECT_NEAR(gb, figure[stage], 0.05) << "stage " << stage;
+    // The padding: at most 64 ranks x 64 alignment elements x 16 bytes.
+    EXPECT_LE(exact_bytes(p, stage, fp16).total() - paper_bytes(psi, 64, stage, fp16).total(),
+              size_t{64} * 64 * 16);
+  }
+}
+
 }  // namespace
 }  // namespace porter::zero
