@@ -425,23 +425,35 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
   if (h > 0) {
     // Note [Optimizer offload]: the gradients are down (finish_gradient_copies), AdamW on the
     // host, the working copy up (with parameter offload it is the host shard: nothing goes up).
+    // Note [Pipelined host update]: in pieces of the range, each piece's working copy going up
+    // while the host updates the next.
     const auto t1 = Clock::now();
-    CpuAdamArrays a;
-    a.params = static_cast<float*>(host_->master.data);
-    a.exp_avg = static_cast<float*>(host_->exp_avg.data);
-    a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data);
-    a.grad = host_->grad.data;
-    a.grad_dtype = flat_->grad_dtype();
-    a.out = host_->out.data;
-    a.out_dtype = params.dtype();
-    a.elems = h;
-    host_->adam->update(a, args);
+    const size_t gs = tensor::dtype_size(flat_->grad_dtype());
+    const size_t ps = tensor::dtype_size(params.dtype());
+    const int64_t piece = host_->params ? h : std::max<int64_t>(kHostUpdatePieceElems, (h + 7) / 8);
+    for (int64_t lo = 0; lo < h; lo += piece) {
+      const int64_t n_piece = std::min(piece, h - lo);
+      const auto at = static_cast<size_t>(lo);
+      CpuAdamArrays a;
+      a.params = static_cast<float*>(host_->master.data) + lo;
+      a.exp_avg = static_cast<float*>(host_->exp_avg.data) + lo;
+      a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data) + lo;
+      a.grad = static_cast<const char*>(host_->grad.data) + at * gs;
+      a.grad_dtype = flat_->grad_dtype();
+      a.out = static_cast<char*>(host_->out.data) + at * ps;
+      a.out_dtype = params.dtype();
+      a.elems = n_piece;
+      host_->adam->update(a, args);
+      if (!host_->params) {
+        // Over the link, on the offload stream, behind the host's update of the piece.
+        host_->lane->to_device(static_cast<char*>(params.data()) + at * ps, a.out,
+                               static_cast<size_t>(n_piece) * ps);
+      }
+    }
     const auto t2 = Clock::now();
-    const size_t out_bytes = static_cast<size_t>(h) * tensor::dtype_size(params.dtype());
+    const size_t out_bytes = static_cast<size_t>(h) * ps;
     if (!host_->params) {
-      // Over the link, on the offload stream; compute (the all-gather below) waits for it.
-      host_->lane->to_device(params.data(), host_->out.data, out_bytes);
-      host_->lane->synchronize();
+      host_->lane->synchronize();  // compute (the all-gather below) reads the working copy
       offload_stats_.h2d_bytes += out_bytes;
     }
     offload_stats_.cpu_update_s += std::chrono::duration<double>(t2 - t1).count();

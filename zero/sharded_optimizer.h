@@ -66,8 +66,9 @@ namespace porter::zero {
 //      left and waits for the copies. Either way a copy error throws before any state changed,
 //   2. runs AdamW there (zero::CpuAdam, bit-identical to the device kernel: Note [CpuAdam bit
 //      identity]) on the host threads, writing the working copy in the compute dtype,
-//   3. copies the working copy back into the device's range on the copy stream (with
-//      parameter offload the working copy is the host shard: nothing goes back), and
+//   3. copies the working copy back into the device's range on the copy stream, piece by piece
+//      as the update writes it (Note [Pipelined host update]; with parameter offload the
+//      working copy is the host shard: nothing goes back), and
 //      all-gathers it as without offload (stages 1 and 2).
 // The global norm (clipping, fp16 overflow) is computed before (on the host from the host
 // shard when the gradients stream, on the device otherwise), so the update waits for it: nothing is speculative and nothing is rolled back; the
@@ -76,6 +77,19 @@ namespace porter::zero {
 // working copy, which is what a checkpoint stores, so checkpoints are the same with and
 // without offload.
 //
+// Note [Pipelined host update]
+// The host AdamW runs over the offloaded range in pieces, in flat-layout order (the model's
+// order: embeddings and the first layers first), of max(kHostUpdatePieceElems, h / 8)
+// elements; each piece's working copy is queued to the device on the optimizer's copy lane as
+// soon as the host has written it, so the upload of the first pieces overlaps the update of
+// the later ones and the step waits, after the last piece, only for that piece's copy rather
+// than the whole working copy's. Each element is updated by the same formula whatever the
+// pieces (Note [CpuAdam bit identity]), so the result is bitwise the unpipelined one. The next
+// forward still starts after the whole update and its upload: a forward whose first stages
+// start while the host updates the later pieces would need each stage to wait for its own
+// piece, which porter does not do.
+inline constexpr int64_t kHostUpdatePieceElems = int64_t{1} << 22;
+
 // Note [Partial offload]
 // offload_optimizer.ratio r < 1 (stage 3; DeepSpeed's ZeRO-Offload++): of the rank's range of
 // n elements the first h = offloaded_elems(n, r) = floor(r n) are the host's (master, moments,
