@@ -7,6 +7,7 @@
 
 #include "base/checked.h"
 #include "base/units.h"
+#include "memory/device.h"
 
 namespace porter::engine {
 
@@ -64,7 +65,9 @@ HostFit host_fit(const RunOptions& run, const zero::HostStateBytes& states,
   if (run.device.kind == memory::DeviceKind::kCpu) h.in.simulated_device_bytes = device_peak_bytes;
   h.in.ranks_per_node = std::max(1, ranks_per_node);
   h.in.machine_bytes = machine_bytes;
-  if (run.pinned_limit_bytes > 0) h.in.pinned_limit = run.pinned_limit_bytes;
+  // Unset, both devices bound their pinned pool by kDefaultPinnedLimitBytes.
+  h.in.pinned_limit = run.pinned_limit_bytes > 0 ? run.pinned_limit_bytes
+                                                 : memory::kDefaultPinnedLimitBytes;
   return h;
 }
 

@@ -12,7 +12,7 @@
 //            a bound, not an allocation).
 // and a node holds ranks_per_node of them. The node's total must fit the machine's memory
 // (MemTotal: what the kernel can give, swap aside), and each rank's pinned bytes the pinned
-// limit (porter.device.pinned_limit) when one is set. Ranks per node come from the launcher
+// limit (porter.device.pinned_limit, 8 GiB when unset, as the devices bound it). Ranks per node come from the launcher
 // (LOCAL_WORLD_SIZE, OpenMPI's local size, porter train --nproc), else --ranks-per-node.
 // `porter estimate` prints the figures and the verdict; `porter train` refuses a run that does
 // not fit before step 1, naming the node's total and the machine's memory.
@@ -33,7 +33,7 @@ struct HostFitInput {
   size_t simulated_device_bytes = 0;  // cpu device: its memory per rank; 0 on cuda
   int ranks_per_node = 1;
   size_t machine_bytes = 0;            // the node's memory
-  std::optional<size_t> pinned_limit;  // per rank
+  std::optional<size_t> pinned_limit;  // per rank; none: unbounded
 };
 
 struct HostFit {

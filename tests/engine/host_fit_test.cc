@@ -16,6 +16,7 @@ RunOptions offload_run(bool pin_opt, bool pin_params, memory::DeviceKind kind) {
   r.optimizer.offload.pin_memory = pin_opt;
   r.optimizer.param_offload.enabled = true;
   r.optimizer.param_offload.pin_memory = pin_params;
+  r.pinned_limit_bytes = size_t{1} << 40;
   return r;
 }
 
@@ -50,6 +51,12 @@ TEST(HostFit, PinnedBytesOverThePinnedLimitDoNotFit) {
       << h.verdict();
   r.optimizer.offload.pin_memory = false;  // pageable optimizer arrays
   EXPECT_TRUE(host_fit(r, zero::HostStateBytes{12 * kGiB, 4 * kGiB, 2 * kGiB}, 0, 0, 1, 64 * kGiB).fits());
+  // Unset, the limit is the devices' default (8 GiB): 9 GiB pinned does not fit.
+  r.pinned_limit_bytes = 0;
+  r.optimizer.offload.pin_memory = true;
+  const HostFit d = host_fit(r, zero::HostStateBytes{6 * kGiB, 2 * kGiB, kGiB}, 0, 0, 1, 64 * kGiB);
+  EXPECT_EQ(d.in.pinned_limit, memory::kDefaultPinnedLimitBytes);
+  EXPECT_FALSE(d.fits_pinned());
 }
 
 TEST(HostFit, ThisMachineHasMemory) { EXPECT_GT(machine_memory_bytes(), size_t{1} << 28); }
