@@ -553,7 +553,8 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       << format_bytes(batch) << "\n";
   if (offload_rows.size() > 1) {
     out << "  offload (model states per rank; host: optimizer = master + moments, grads = the "
-           "gradient shard's copy, params = working copy / shard):\n";
+           "gradient shard (streamed at stages 2 and 3) and its staging, params = working copy / "
+           "shard):\n";
     for (const OffloadEstimate& e : offload_rows) {
       const bool mine = e.optimizer == offload_optimizer && e.params == offload_param;
       std::string name = e.optimizer && e.params ? "optimizer + params"
