@@ -33,36 +33,13 @@ else
   out=$(mktemp -d)
   trap 'rm -rf "$out"' EXIT
 fi
+idle_indent="  "
+# shellcheck source=bench/idle.sh
+source bench/idle.sh  # the script runs from the repository root (cd above)
 [[ -x $porter ]] || { echo "$porter not found: cmake --build build/release --target porter" >&2; exit 1; }
-
-# The machine is shared: wait (up to idle_wait seconds) until one second of /proc/stat shows
-# both cores at least 90% idle, and print what the wait ended on.
-wait_idle() {
-  local deadline=$((SECONDS + idle_wait)) idle
-  while :; do
-    idle=$(
-      # cpu user nice system idle iowait irq softirq steal ...
-      read -r _ a b c d e f g h _ < /proc/stat
-      sleep 1
-      read -r _ A B C D E F G H _ < /proc/stat
-      busy=$(((A - a) + (B - b) + (C - c) + (F - f) + (G - g) + (H - h)))
-      idle=$(((D - d) + (E - e)))
-      echo $((100 * idle / (busy + idle)))
-    )
-    if ((idle >= 90 || SECONDS >= deadline)); then
-      echo "  [idle ${idle}% over 1 s; load average $(cut -d' ' -f1-3 /proc/loadavg)]"
-      return
-    fi
-  done
-}
 
 # Runs one command under /usr/bin/time, then prints the CPU-seconds that other processes used
 # while it ran: /proc/stat's busy time over both cores, less the command's own.
-cpu_busy_ticks() {
-  local _ a b c d e f g h
-  read -r _ a b c d e f g h _ < /proc/stat
-  echo $((a + b + c + f + g + h))
-}
 timed() {  # timed NAME COMMAND...   (output in $out/NAME.log)
   local name=$1 t0 t1 rc wall user sys
   shift
