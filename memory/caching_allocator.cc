@@ -136,8 +136,11 @@ void* CachingAllocator::raw_allocate(size_t bytes, Category category) {
   // no fit, all of them at once, after their streams finished with them.
   FreeSet& pool = small ? small_free_ : large_free_;
   Block* b = find_free_block(pool, rounded);
-  if (b == nullptr && !deferred_.empty()) {
-    drain_deferred();
+  while (b == nullptr && !deferred_.empty()) {
+    deferred_.drain_oldest([this](Block* d) {
+      stats_.pending_free_bytes -= d->size;
+      release_block(d);
+    });
     b = find_free_block(pool, rounded);
   }
   if (b == nullptr) b = take_block(rounded, small);

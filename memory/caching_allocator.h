@@ -9,8 +9,8 @@
 //    freed space is reusable by larger requests.
 // 4. A block freed while another stream may use it is reusable only after that stream's
 //    event completes; see Note [Deferred free] in deferred_free.h. Such pending blocks join
-//    the free pool only when a request finds no fit in it: then all of them, after waiting
-//    for their events (Note [Deterministic reuse]).
+//    the free pool only when a request finds no fit in it: then the oldest first, each after
+//    waiting for its events, until the request fits (Note [Deterministic reuse]).
 // 5. When no block fits (pending blocks included) and the device refuses a new segment, the
 //    allocator tries a segment of exactly the request, then releases every fully free cached
 //    segment and retries. Only then does it throw OutOfMemoryError (Note [Out-of-memory
@@ -20,8 +20,9 @@
 // Which block serves a request, and whether the device must give a new segment, depends only
 // on the order of allocations and frees on the allocating thread, never on how far another
 // stream has got: a block freed with record_stream stays pending (out of the pool) until a
-// request misses the pool, and then every pending block is waited for and returned, before any
-// segment is reserved. Picking up pending blocks whenever their events happened to have
+// request misses the pool, and then pending blocks are waited for and returned oldest first,
+// one at a time, until the request fits, before any segment is reserved. (The oldest is the
+// likeliest to be done already, so the wait is usually none.) Picking up pending blocks whenever their events happened to have
 // completed (PyTorch's rule) makes the pool's layout, and so whether a tight device runs out of
 // memory, change from run to run: a run that fits at some capacity must fit every time. The
 // wait is for copies already queued (the gradients streamed to the host, an offloaded

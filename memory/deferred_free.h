@@ -63,6 +63,16 @@ class DeferredFrees {
     return n;
   }
 
+  // Waits for the oldest parked item's events, then releases it. Nothing when empty.
+  template <typename Release>
+  void drain_oldest(Release&& release) {
+    if (entries_.empty()) return;
+    Entry& e = entries_.front();
+    for (auto& ev : e.events) ev->synchronize();
+    finish(e, release);
+    entries_.pop_front();
+  }
+
   bool empty() const { return entries_.empty(); }
   size_t size() const { return entries_.size(); }
 
