@@ -14,11 +14,16 @@ std::string_view category_hint(Category c) {
   switch (c) {
     case Category::kParams:
       return "partition parameters with zero_optimization.stage=3 (with "
-             "zero_optimization.offload_param.device=\"cpu\" the shard stays in host memory), "
-             "or use a smaller porter.model";
+             "zero_optimization.offload_param.device=\"cpu\" the shard stays in host memory); "
+             "at stage 3 the device holds the gathered layers: lower "
+             "stage3_max_live_parameters and stage3_prefetch_bucket_size; or use a smaller "
+             "porter.model";
     case Category::kGrads:
       return "partition gradients with zero_optimization.stage>=2 (the shard is 4 bytes per "
-             "parameter over the data-parallel ranks: at stage 2 or 3, add ranks)";
+             "parameter over the data-parallel ranks: at stage 2 or 3, add ranks), keep them in "
+             "16 bits with data_types.grad_accum_dtype, or, at stage 2 or 3, set "
+             "zero_optimization.offload_optimizer.device=\"cpu\" (the gradients then stream to "
+             "host memory)";
     case Category::kOptimizer:
       return "partition optimizer state with zero_optimization.stage>=1, or set "
              "zero_optimization.offload_optimizer.device=\"cpu\"";
