@@ -81,16 +81,26 @@ class InMemoryStore final : public Store {
   Seconds default_timeout_;
 };
 
+// The longest store token (PORTER_STORE_TOKEN): its hello must fit the small frame the server
+// reads from a connection that has not proven itself yet.
+constexpr size_t kMaxStoreTokenBytes = 1024;
+
 struct TcpStoreOptions {
-  std::string host = "127.0.0.1";  // MASTER_ADDR
+  std::string host = "127.0.0.1";  // MASTER_ADDR; the server listens on this address only
   uint16_t port = 29500;           // MASTER_PORT; 0 with is_server: pick a free port
   bool is_server = false;          // rank 0 runs the server (and is also a client)
   Seconds timeout{300};            // default for every blocking call, connecting included
   int world_size = 0;              // > 0: the constructor waits until that many clients joined
+  // The shared secret every connection proves first (PORTER_STORE_TOKEN; the same on every
+  // rank). Empty: the server admits any connection, and warns once.
+  std::string token;
+  // How long the server waits for a new connection's hello before closing it (token set).
+  Seconds hello_timeout{5};
 };
 
 // The client (and, with is_server, the server on a background thread). Connecting retries
-// until the timeout, so clients may start before the server.
+// until the timeout, so clients may start before the server. Who may connect, and what a
+// connection may cost the server: Note [Store authentication] in comm/tcp_store.cc.
 class TcpStore final : public Store {
  public:
   explicit TcpStore(const TcpStoreOptions& options);

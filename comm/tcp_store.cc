@@ -1,5 +1,6 @@
 // TcpStore: the rendezvous key/value server (Boost.Asio, one io_context thread on rank 0) and
-// its client on every rank. Protocol and failure behaviour: Note [TcpStore protocol] below.
+// its client on every rank. Protocol and failure behaviour: Note [TcpStore protocol] below;
+// who may connect and what a connection may cost: Note [Store authentication].
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -30,8 +31,9 @@
 // Every message is a frame: a u32 little-endian byte count, then that many bytes.
 //   request: u64 id | u8 op | u32 nfields | nfields x (u32 length | bytes)
 //            kSet [key, value]  kGet [key]  kWait [key...]  kAdd [key, i64 delta]  kCheck [key]
+//            kHello [token]: the first frame of every connection when the store has a token
 //   reply:   u64 id | u8 status (0 ok, 1 error) | payload
-//            set, wait: empty; get: the value; add: the new i64; check: one byte 0/1;
+//            set, wait, hello: empty; get: the value; add: the new i64; check: one byte 0/1;
 //            error: a message (add on a value that is not an 8-byte counter).
 // All integers are little-endian. The server answers set/add/check at once. get and wait are
 // deferred replies: the server parks a waiter and answers when the last missing key is set, so
@@ -47,6 +49,30 @@
 // operation, and any later call does too (a refused reconnect is not retried once the server
 // had been reached). Only a silent network partition waits out the timeout.
 
+// Note [Store authentication]
+// The store holds the run's addresses and NCCL's unique id, so whoever joins it can join the
+// run or derail it. The server admits only the world:
+// 1. It listens on the address MASTER_ADDR resolves to (the first of them that belongs to this
+//    host), not on every interface: a store on 127.0.0.1 is unreachable from other hosts, one
+//    on a cluster network is unreachable from the internet-facing interface. A MASTER_ADDR
+//    that is no address of this host is an error naming it.
+// 2. With a token (TcpStoreOptions::token, PORTER_STORE_TOKEN), every connection's first frame
+//    must be kHello carrying it. A connection that sends anything else first, a wrong token,
+//    or nothing within hello_timeout (5 s) is closed and logged once with its remote address;
+//    at most kMaxRefusalLines such lines a minute, then one line counting the rest, so that a
+//    flood cannot fill the log. Tokens are compared in time that depends only on their
+//    lengths. Clients send the hello on every connection they open and wait for its reply, so
+//    a wrong token is a PeerError that says so, at once. Without a token the server admits
+//    anyone, as before, and warns once.
+// 3. A stranger's word never allocates: before its hello a connection may send one frame of
+//    at most kMaxHelloBytes (a larger header is refused before any body is read). After it,
+//    a frame's body is read in pieces of kReadPieceBytes and the buffer grows only as bytes
+//    arrive, so a header claiming 1 GiB costs nothing until the bytes come; a frame is at
+//    most kMaxFrameBytes, and a buffer grown for a large frame is released after it.
+// Not protected: the token and all keys travel in clear text (TCP, no TLS), so anyone who can
+// read the network can read the token; and a flood of connections can still exhaust the
+// server's file descriptors (each stranger holds one for at most hello_timeout).
+
 namespace porter::comm {
 namespace {
 
@@ -55,10 +81,16 @@ using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using boost::system::error_code;
 
-enum class Op : uint8_t { kSet = 1, kGet = 2, kWait = 3, kAdd = 4, kCheck = 5 };
+enum class Op : uint8_t { kSet = 1, kGet = 2, kWait = 3, kAdd = 4, kCheck = 5, kHello = 6 };
 constexpr uint8_t kStatusOk = 0;
 constexpr uint8_t kStatusError = 1;
 constexpr uint32_t kMaxFrameBytes = 1u << 30;  // 1 GiB: larger frames are corrupt streams
+// Note [Store authentication]: the largest frame before a hello, and the piece a body is read in.
+constexpr uint32_t kMaxHelloBytes = 4096;
+constexpr size_t kReadPieceBytes = 64 << 10;
+static_assert(8 + 1 + 4 + 4 + kMaxStoreTokenBytes <= kMaxHelloBytes, "a hello must fit");
+constexpr int kMaxRefusalLines = 10;  // per kRefusalWindow
+constexpr auto kRefusalWindow = std::chrono::seconds(60);
 const std::string kJoinedKey = "porter.tcp_store/joined";
 const std::string kAllJoinedKey = "porter.tcp_store/all_joined";
 
@@ -122,30 +154,98 @@ auto whole(size_t total) {
 
 std::string quoted(std::string_view key) { return str_cat("\"", std::string(key), "\""); }
 
+// Whether two tokens are equal, in time that depends only on their lengths: timing the
+// server's answer must not tell a guesser how many leading bytes were right.
+bool same_token(std::string_view expected, std::string_view got) {
+  volatile unsigned char diff = expected.size() == got.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const char g = i < got.size() ? got[i] : '\0';
+    diff = diff | static_cast<unsigned char>(expected[i] ^ g);
+  }
+  return diff == 0;
+}
+
+std::string endpoint_string(const tcp::endpoint& ep) {
+  const auto a = ep.address();
+  return a.is_v6() ? str_cat("[", a.to_string(), "]:", ep.port())
+                   : str_cat(a.to_string(), ":", ep.port());
+}
+
+// The hello frame: a request with op kHello and the token as its one field.
+std::vector<char> hello_frame(uint64_t id, const std::string& token) {
+  std::vector<char> frame(4);
+  put_u64(frame, id);
+  frame.push_back(static_cast<char>(Op::kHello));
+  put_u32(frame, 1);
+  put_field(frame, token);
+  finish_frame(frame);
+  return frame;
+}
+
+// One log line per refused connection, at most kMaxRefusalLines per kRefusalWindow; the rest
+// are counted and reported in one line when the next window opens or the server stops.
+class RefusalLog {
+ public:
+  explicit RefusalLog(std::string where) : where_(std::move(where)) {}
+  ~RefusalLog() { flush(); }
+
+  void note(const std::string& peer, const std::string& why) {
+    const auto now = Clock::now();
+    if (now - window_start_ >= kRefusalWindow) {
+      flush();
+      window_start_ = now;
+    }
+    if (logged_ < kMaxRefusalLines) {
+      ++logged_;
+      PORTER_LOG_WARN("TcpStore server on {}: refused the connection from {}: it {}{}", where_,
+                      peer, why,
+                      logged_ == kMaxRefusalLines
+                          ? " (further refusals this minute are counted, not logged)"
+                          : "");
+    } else {
+      ++suppressed_;
+    }
+  }
+
+ private:
+  void flush() {
+    if (suppressed_ > 0) {
+      PORTER_LOG_WARN("TcpStore server on {}: refused {} more connections that were not logged "
+                      "one by one",
+                      where_, suppressed_);
+    }
+    logged_ = 0;
+    suppressed_ = 0;
+  }
+
+  std::string where_;
+  Clock::time_point window_start_ = Clock::now();
+  int logged_ = 0;
+  int64_t suppressed_ = 0;
+};
+
 // --- server ------------------------------------------------------------------------------
 
 // Lock rule: none needed. Every member below the thread is touched only by the io thread
 // (the constructor runs before the thread starts; the destructor posts its shutdown).
 class Server {
  public:
-  Server(const std::string& host, uint16_t port) : acceptor_(io_) {
-    error_code ec;
-    tcp::resolver resolver(io_);
-    auto results = resolver.resolve(host, std::to_string(port), ec);
-    PORTER_CHECK(!ec && !results.empty(), "TcpStore: cannot resolve MASTER_ADDR \"", host,
-                 "\" (", ec.message(), "); set MASTER_ADDR to this host's name or address");
-    // Listen on every interface of the resolved family, so that ranks on other hosts reach
-    // the server by MASTER_ADDR whatever interface that name maps to.
-    const bool v6 = results.begin()->endpoint().address().is_v6();
-    tcp::endpoint ep(v6 ? tcp::v6() : tcp::v4(), port);
-    acceptor_.open(ep.protocol(), ec);
-    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(ep, ec);
-    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-    PORTER_CHECK(!ec, "TcpStore: cannot listen on port ", port, " (", ec.message(),
-                 "); another job may hold MASTER_PORT: pick a free MASTER_PORT (or port 0 in "
-                 "tests)");
+  explicit Server(const TcpStoreOptions& o)
+      : acceptor_(io_),
+        accept_retry_(io_),
+        token_(o.token),
+        hello_timeout_(std::chrono::duration_cast<Clock::duration>(o.hello_timeout)) {
+    listen(o.host, o.port);
     port_ = acceptor_.local_endpoint().port();
+    where_ = endpoint_string(acceptor_.local_endpoint());
+    refusals_ = std::make_unique<RefusalLog>(where_);
+    if (token_.empty()) {
+      PORTER_LOG_WARN("TcpStore server on {} is unauthenticated: any process that reaches this "
+                      "address can join the run and read or change its keys. Set "
+                      "PORTER_STORE_TOKEN (or PORTER_STORE_TOKEN_FILE) to the same secret on "
+                      "every rank, e.g. export PORTER_STORE_TOKEN=$(openssl rand -hex 32)",
+                      where_);
+    }
     accept();
     thread_ = std::thread([this] {
       try {
@@ -160,8 +260,11 @@ class Server {
     asio::post(io_, [this] {
       error_code ec;
       acceptor_.close(ec);
+      accept_retry_.cancel();
       for (auto& [ptr, weak] : sessions_) {
         if (auto s = weak.lock()) {
+          s->closed = true;  // its aborted reads are not refusals
+          s->hello_timer.cancel();
           s->socket.shutdown(tcp::socket::shutdown_both, ec);
           s->socket.close(ec);
         }
@@ -177,10 +280,19 @@ class Server {
 
  private:
   struct Session {
-    explicit Session(tcp::socket s) : socket(std::move(s)) {}
+    Session(tcp::socket s, std::string remote, bool admitted)
+        : socket(std::move(s)),
+          hello_timer(socket.get_executor()),
+          peer(std::move(remote)),
+          authenticated(admitted) {}
     tcp::socket socket;
+    asio::steady_timer hello_timer;  // closes a connection that sends no hello in time
+    std::string peer;                // the remote address, for the refusal log
+    bool authenticated;              // sent the right hello (or the store has no token)
+    bool closed = false;             // dropped: later handlers only unwind
     char header[4] = {};
-    std::vector<char> body;
+    uint32_t frame_bytes = 0;        // the body length the header announced
+    std::vector<char> body;          // the bytes of it received so far
     std::deque<std::vector<char>> outbox;  // replies not yet written; front() in flight
     bool writing = false;
   };
@@ -192,38 +304,192 @@ class Server {
     size_t missing = 0;     // keys not yet set
   };
 
+  // Listens on `host`'s address only (Note [Store authentication], rule 1): the first of the
+  // addresses it resolves to that this host owns.
+  void listen(const std::string& host, uint16_t port) {
+    error_code ec;
+    tcp::resolver resolver(io_);
+    auto results = resolver.resolve(host, std::to_string(port),
+                                    tcp::resolver::numeric_service, ec);
+    PORTER_CHECK(!ec && !results.empty(), "TcpStore: cannot resolve MASTER_ADDR \"", host,
+                 "\" (", ec.message(), "); set MASTER_ADDR to this host's name or address");
+    std::string foreign;  // resolved addresses that are not this host's
+    for (const auto& entry : results) {
+      const tcp::endpoint ep = entry.endpoint();
+      acceptor_.close(ec);
+      acceptor_.open(ep.protocol(), ec);
+      if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+      if (!ec) acceptor_.bind(ep, ec);
+      if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+      if (!ec) {
+        warn_if_loopback(host, ep.address());
+        return;
+      }
+      if (ec != boost::system::errc::address_not_available) {
+        PORTER_CHECK(false, "TcpStore: cannot listen on ", endpoint_string(ep), " (",
+                     ec.message(), "); another job may hold MASTER_PORT: pick a free "
+                     "MASTER_PORT (or port 0 in tests)");
+      }
+      foreign += (foreign.empty() ? "" : ", ") + ep.address().to_string();
+    }
+    acceptor_.close(ec);
+    PORTER_CHECK(false, "TcpStore: MASTER_ADDR \"", host, "\" resolves to ", foreign,
+                 ", which is not an address of this host; rank 0 runs the store server and "
+                 "listens on MASTER_ADDR: set MASTER_ADDR to rank 0's host name or address (or "
+                 "start rank 0 on the host it names)");
+  }
+
+  // A host name that maps to a loopback address on rank 0 (Debian maps its own name to
+  // 127.0.1.1) works on one host but hides the store from every other host.
+  static void warn_if_loopback(const std::string& host, const asio::ip::address& a) {
+    error_code ec;
+    asio::ip::make_address(host, ec);
+    const bool literal = !ec || host == "localhost";
+    if (a.is_loopback() && !literal) {
+      PORTER_LOG_WARN("TcpStore: MASTER_ADDR \"{}\" resolves to {} on this host, a loopback "
+                      "address: only ranks on this host can reach the store. If the run spans "
+                      "hosts, set MASTER_ADDR to an address the other hosts reach",
+                      host, a.to_string());
+    }
+  }
+
   void accept() {
     acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
       if (!acceptor_.is_open()) return;
-      if (!ec) {
-        socket.set_option(tcp::no_delay(true), ec);
-        auto s = std::make_shared<Session>(std::move(socket));
-        sessions_[s.get()] = s;
-        read_frame(s);
+      if (ec) {
+        // Out of file descriptors (or memory): accepting again at once would spin. Wait, so
+        // that connections that close (strangers time out) free some.
+        if (accept_errors_++ % 100 == 0) {
+          PORTER_LOG_WARN("TcpStore server on {}: accepting a connection failed ({}); "
+                          "retrying in 100 ms",
+                          where_, ec.message());
+        }
+        accept_retry_.expires_after(std::chrono::milliseconds(100));
+        accept_retry_.async_wait([this](error_code ec2) {
+          if (!ec2 && acceptor_.is_open()) accept();
+        });
+        return;
       }
+      socket.set_option(tcp::no_delay(true), ec);
+      error_code pe;
+      const tcp::endpoint remote = socket.remote_endpoint(pe);
+      auto s = std::make_shared<Session>(std::move(socket),
+                                         pe ? std::string("an unknown address")
+                                            : endpoint_string(remote),
+                                         token_.empty());
+      sessions_[s.get()] = s;
+      if (!s->authenticated) arm_hello_deadline(s);
+      read_frame(s);
       accept();
+    });
+  }
+
+  void arm_hello_deadline(const std::shared_ptr<Session>& s) {
+    s->hello_timer.expires_after(hello_timeout_);
+    std::weak_ptr<Session> weak = s;  // the timer must not keep a dropped session alive
+    s->hello_timer.async_wait([this, weak](error_code ec) {
+      if (ec) return;  // cancelled: the hello came, or the session closed
+      auto alive = weak.lock();
+      if (alive != nullptr && !alive->authenticated) {
+        refuse(alive, str_cat("sent no hello within ",
+                          std::chrono::duration<double>(hello_timeout_).count(), " s"));
+      }
     });
   }
 
   void drop(const std::shared_ptr<Session>& s) {
     error_code ec;
+    s->closed = true;
+    s->hello_timer.cancel();
     s->socket.close(ec);
     sessions_.erase(s.get());
   }
 
+  // Closes a connection that did not prove itself, logging it once (Note [Store
+  // authentication]).
+  void refuse(const std::shared_ptr<Session>& s, const std::string& why) {
+    if (s->closed) return;
+    refusals_->note(s->peer, why);
+    drop(s);
+  }
+
+  // A read failed: the peer left (or we closed it). Before its hello that is a refusal too.
+  void on_read_error(const std::shared_ptr<Session>& s) {
+    if (!s->authenticated) return refuse(s, "closed the connection before its hello");
+    drop(s);
+  }
+
   void read_frame(std::shared_ptr<Session> s) {
     asio::async_read(s->socket, asio::buffer(s->header), [this, s](error_code ec, size_t) {
-      if (ec) return drop(s);
+      if (ec) return on_read_error(s);
       const auto n = static_cast<uint32_t>(load_le(s->header, 4));
+      if (!s->authenticated) {
+        // Note [Store authentication]: the only frame before a hello is a small hello.
+        if (n > kMaxHelloBytes) {
+          return refuse(s, str_cat("announced a first frame of ", n,
+                                   " bytes, more than a hello's ", kMaxHelloBytes));
+        }
+        s->body.resize(n);
+        asio::async_read(s->socket, asio::buffer(s->body), [this, s](error_code ec2, size_t) {
+          if (ec2) return on_read_error(s);
+          if (!handle_hello(s)) return;
+          read_frame(s);
+        });
+        return;
+      }
       if (n > kMaxFrameBytes) return drop(s);
-      s->body.resize(n);
-      auto on_body = [this, s](error_code ec2, size_t) {
-        if (ec2) return drop(s);
-        if (!handle(s)) return drop(s);
-        read_frame(s);
-      };
-      asio::async_read(s->socket, asio::buffer(s->body), whole(n), std::move(on_body));
+      s->frame_bytes = n;
+      s->body.clear();
+      read_body(s);
     });
+  }
+
+  // Reads the body in pieces of at most kReadPieceBytes, growing the buffer only by what
+  // arrived (Note [Store authentication], rule 3).
+  void read_body(std::shared_ptr<Session> s) {
+    const size_t have = s->body.size();
+    if (have == s->frame_bytes) {
+      if (!handle(s)) return drop(s);
+      // A buffer grown for a large value would stay with an idle connection: release it.
+      if (s->body.capacity() > 4 * kReadPieceBytes) std::vector<char>().swap(s->body);
+      return read_frame(s);
+    }
+    const size_t piece = std::min(kReadPieceBytes, s->frame_bytes - have);
+    s->body.resize(have + piece);
+    s->socket.async_read_some(asio::buffer(s->body.data() + have, piece),
+                              [this, s, have](error_code ec, size_t got) {
+                                if (ec) return drop(s);
+                                s->body.resize(have + got);
+                                read_body(s);
+                              });
+  }
+
+  // The first frame of a connection to a store with a token: a hello with that token, or
+  // the connection is refused. False when refused.
+  bool handle_hello(const std::shared_ptr<Session>& s) {
+    Reader r{s->body.data(), s->body.size()};
+    const uint64_t id = r.u(8);
+    const auto op = static_cast<Op>(r.u(1));
+    const auto nfields = r.u(4);
+    if (!r.ok || op != Op::kHello) {
+      refuse(s, "sent a request before its hello (it has no token, or it is not a porter "
+                "rank)");
+      return false;
+    }
+    const std::string_view token = r.field();
+    if (nfields != 1 || !r.ok || r.n != 0) {
+      refuse(s, "sent a malformed hello");
+      return false;
+    }
+    if (!same_token(token_, token)) {
+      refuse(s, "sent a wrong token (PORTER_STORE_TOKEN differs from rank 0's)");
+      return false;
+    }
+    s->authenticated = true;
+    s->hello_timer.cancel();
+    std::vector<char>().swap(s->body);
+    reply(s, id, kStatusOk, {});
+    return true;
   }
 
   void reply(const std::shared_ptr<Session>& s, uint64_t id, uint8_t status,
@@ -349,13 +615,27 @@ class Server {
         reply(s, id, kStatusOk, std::string_view(&found, 1));
         return true;
       }
+      case Op::kHello: {
+        // A second hello, or one to a store without a token (a client that has one while
+        // rank 0 has none: the server already warned that it is unauthenticated).
+        if (f.size() != 1) return false;
+        if (!token_.empty() && !same_token(token_, f[0])) return false;
+        reply(s, id, kStatusOk, {});
+        return true;
+      }
     }
     return false;  // unknown op
   }
 
   asio::io_context io_;
   tcp::acceptor acceptor_;
+  asio::steady_timer accept_retry_;  // the pause after a failed accept
+  const std::string token_;           // empty: admit every connection
+  const Clock::duration hello_timeout_;
   uint16_t port_ = 0;
+  std::string where_;  // the listening address, for log lines
+  std::unique_ptr<RefusalLog> refusals_;
+  uint64_t accept_errors_ = 0;
   std::map<std::string, Bytes> values_;
   std::map<std::string, std::vector<std::shared_ptr<Waiter>>> waiters_;  // by missing key
   std::map<Session*, std::weak_ptr<Session>> sessions_;
@@ -437,9 +717,47 @@ struct TcpStore::Impl {
   std::string address() const { return str_cat(options.host, ":", port); }
 
   [[noreturn]] void peer_error(const std::string& what, const std::string& cause) const {
+    // A store with a token closes a connection without one at its first request, which
+    // looks the same as a server that went away.
+    const char* hint = options.token.empty()
+                           ? ", or it requires a token this rank lacks: set PORTER_STORE_TOKEN "
+                             "to rank 0's"
+                           : "";
     throw PeerError(str_cat("TcpStore: lost the store server at ", address(), " during ", what,
                             " (", cause, "); rank 0 hosts the server: it exited or failed, "
-                            "see its log"));
+                            "see its log", hint));
+  }
+
+  // Proves a new connection with the token before its first request (Note [Store
+  // authentication]) and waits for the answer, so that a refusal names its cause.
+  void hello(Conn& c, const std::string& what, Clock::time_point deadline) {
+    const uint64_t id = c.next_id++;
+    IoResult res = write_all(c, hello_frame(id, options.token), deadline);
+    char header[4];
+    if (res == IoResult::kOk) res = read_all(c, header, 4, deadline);
+    Bytes body;
+    if (res == IoResult::kOk) {
+      const auto n = static_cast<uint32_t>(load_le(header, 4));
+      if (n != 9) peer_error(what, str_cat("corrupt reply of ", n, " bytes to the hello"));
+      body.resize(n);
+      res = read_all(c, body.data(), n, deadline);
+    }
+    if (res == IoResult::kClosed) {
+      throw PeerError(str_cat(
+          "TcpStore: the store server at ", address(), " closed the connection after this "
+          "rank's hello during ", what, " (", c.error, "): it refused this rank's token. Every "
+          "rank needs the same PORTER_STORE_TOKEN (or PORTER_STORE_TOKEN_FILE contents) as "
+          "rank 0; the server's log names the refused address"));
+    }
+    if (res == IoResult::kTimeout) {
+      throw TimeoutError(str_cat("TcpStore: the store server at ", address(),
+                                 " did not answer this rank's hello during ", what,
+                                 " within the timeout; rank 0 (the server) is hung or "
+                                 "overloaded"));
+    }
+    if (load_le(body.data(), 8) != id || static_cast<uint8_t>(body[8]) != kStatusOk) {
+      peer_error(what, "corrupt reply to the hello");
+    }
   }
 
   // One connection attempt to every resolved address; empty on success, else the error.
@@ -495,6 +813,7 @@ struct TcpStore::Impl {
     while (true) {
       std::string err = try_connect(*c, deadline);
       if (err.empty()) {
+        if (!options.token.empty()) hello(*c, what, deadline);
         std::lock_guard<std::mutex> lock(mu);
         reached = true;
         return c;
@@ -599,9 +918,14 @@ TcpStore::TcpStore(const TcpStoreOptions& options)
   PORTER_CHECK(!options.host.empty(), "TcpStore: MASTER_ADDR is empty");
   PORTER_CHECK(options.is_server || options.port != 0,
                "TcpStore: a client needs the server's port; MASTER_PORT is 0");
+  PORTER_CHECK_LE(options.token.size(), kMaxStoreTokenBytes,
+                  "TcpStore: the token (PORTER_STORE_TOKEN) is too long; 32 random bytes (64 hex "
+                  "digits) are plenty");
+  PORTER_CHECK(options.hello_timeout.count() > 0, "TcpStore: hello_timeout must be > 0 s, got ",
+               options.hello_timeout.count(), " s");
   impl_->port = options.port;
   if (options.is_server) {
-    impl_->server = std::make_unique<Server>(options.host, options.port);
+    impl_->server = std::make_unique<Server>(options);
     impl_->port = impl_->server->port();
   }
   // The first connection retries until the timeout: the server may not be up yet.
