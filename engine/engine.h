@@ -61,6 +61,8 @@
 
 namespace porter::engine {
 
+struct CheckpointSnapshot;  // engine/checkpoint_snapshot.h
+
 // ZeRO and data-parallel figures of one step, or cumulative (Engine::zero_stats()).
 struct ZeroStats {
   int zero_stage = 0;
@@ -289,7 +291,11 @@ class Engine {
   // continues bit-identically.
   // The checkpoint also holds the kernel table (Note [Kernel table] in kernels/kernel_table.cc);
   // load_checkpoint pins it unless porter.device.kernel_table pins another.
+  // save_checkpoint is write_snapshot(snapshot_checkpoint(), dir): the snapshot copies the
+  // state to host memory (a collective at stage 3 with stage3_gather_16bit_weights_on_model_save),
+  // after which training may go on while another thread writes it (engine/checkpointer.h).
   void save_checkpoint(const std::filesystem::path& dir) const;
+  CheckpointSnapshot snapshot_checkpoint() const;
   void load_checkpoint(const std::filesystem::path& dir);
 
   // The kernel choices of this run (Note [Kernel table]): measured, pinned from

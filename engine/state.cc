@@ -34,26 +34,13 @@
 #include "config/parse.h"
 #include "engine/engine.h"
 #include "engine/engine_impl.h"
+#include "engine/checkpoint_snapshot.h"
 #include "io/state_file.h"
 #include "io/weights_file.h"
 
 namespace porter::engine {
 
 namespace {
-
-std::vector<std::byte> download(memory::Device& device, const tensor::Tensor& t) {
-  std::vector<std::byte> bytes(t.nbytes());
-  if (!bytes.empty()) device.copy_sync(bytes.data(), t.data(), bytes.size());
-  return bytes;
-}
-
-nlohmann::json layout_json(const nn::ParamLayout& layout) {
-  nlohmann::json params = nlohmann::json::array();
-  for (const nn::ParamEntry& e : layout.entries()) {
-    params.push_back({{"name", e.name}, {"shape", e.shape.to_vector()}, {"offset", e.offset_elems}});
-  }
-  return {{"total_elems", layout.total_elems()}, {"params", params}};
-}
 
 std::string shape_string(const nlohmann::json& shape) {
   std::string s = "(";
@@ -133,64 +120,6 @@ nlohmann::json read_kernel_table(const std::filesystem::path& path, int world_ra
                         "kernel_table names a table, a report or a checkpoint directory");
 }
 
-void Engine::save_checkpoint(const std::filesystem::path& dir_in) const {
-  const Impl& im = *impl_;
-  const std::filesystem::path dir = rank_dir(dir_in, world_rank(), dp_size() * tp_size());
-  const nlohmann::ordered_json cfg = config::to_json(config_);
-  nlohmann::json meta;
-  meta["kind"] = "porter.engine";
-  meta["step"] = step_;
-  meta["compute_dtype"] = std::string(tensor::dtype_name(compute_dtype()));
-  meta["seed"] = run_.seed;
-  meta["layout"] = layout_json(model_->layout());
-  meta["dp_size"] = dp_size();
-  meta["zero_stage"] = run_.zero_stage();
-  meta["optimizer_steps"] = im.optimizer->steps();
-  const zero::LossScaler::State ls = im.optimizer->loss_scaler().state();
-  meta["loss_scaler"] = {{"scale", ls.scale},
-                         {"iteration", ls.iteration},
-                         {"last_overflow", ls.last_overflow_iteration},
-                         {"hysteresis_left", ls.hysteresis_left},
-                         {"skipped", ls.skipped}};
-  nlohmann::json sections_config;
-  sections_config["model"] = nlohmann::json::parse(cfg.at("porter").at("model").dump());
-  if (cfg.contains("optimizer")) {
-    sections_config["optimizer"] = nlohmann::json::parse(cfg.at("optimizer").dump());
-  }
-  meta["config"] = sections_config;
-  meta["kernel_table"] = kernels_->kernel_table().to_json();  // Note [Kernel table]
-  // Stage 3 holds only the rank's shard of the working parameters (Note [Stage 3 gather]).
-  if (im.gatherer) meta["params_range"] = {im.optimizer->begin(), im.optimizer->end()};
-  std::vector<io::StateSection> sections;
-  sections.push_back({"params", download(*device_, im.gatherer ? im.optimizer->working()
-                                                                : im.flat->params())});
-  for (const zero::ShardedOptimizer::StateTensor& t : im.optimizer->state_tensors()) {
-    std::vector<std::byte> bytes = download(*device_, t.tensor);
-    if (t.rest.defined()) {  // Note [Partial offload]: the host's part, then the device's
-      const std::vector<std::byte> rest = download(*device_, t.rest);
-      bytes.insert(bytes.end(), rest.begin(), rest.end());
-    }
-    sections.push_back({t.name, std::move(bytes)});
-  }
-  io::write_state(dir, std::move(meta), sections);
-  // zero_optimization.stage3_gather_16bit_weights_on_model_save: the working weights of the
-  // whole model (this tp rank's part), gathered from the shards, in one safetensors file that
-  // dp rank 0 writes beside the rank directories. A collective: every rank gathers.
-  if (im.gatherer && run_.stage3.gather_16bit_weights_on_model_save) {
-    const std::vector<float> full = params_host();
-    if (dp_rank() == 0) {
-      tensor::Tensor host = tensor::Tensor::empty(*allocator_, tensor::Shape{static_cast<int64_t>(full.size())},
-                                          compute_dtype(), memory::Category::kWorkspace);
-      tensor::from_host_f32(*device_, full, host);
-      const std::vector<std::byte> bytes = download(*device_, host);
-      const std::string name = tp_size() > 1 ? "model-tp" + std::to_string(tp_rank()) + ".safetensors"
-                                             : std::string("model.safetensors");
-      io::write_safetensors(dir_in / name, io::layout_tensors(model_->layout(), compute_dtype(), bytes),
-                        {{"format", "pt"}, {"porter.step", std::to_string(step_)}});
-    }
-  }
-}
-
 void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
   Impl& im = *impl_;
   const std::filesystem::path dir = rank_dir(dir_in, world_rank(), dp_size() * tp_size());
@@ -209,7 +138,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
     throw InvalidArgument(where + "compute dtype differs: the checkpoint was trained in " + dtype +
                           ", this engine computes in " + mine + " (bf16.enabled must match)");
   }
-  check_layout(dir, meta.at("layout"), layout_json(model_->layout()));
+  check_layout(dir, meta.at("layout"), checkpoint_layout_json(model_->layout()));
   const int64_t step = meta.at("step").get<int64_t>();
   if (step < 0) throw InvalidArgument(where + "step " + std::to_string(step) + " is negative");
   const int saved_dp = meta.value("dp_size", 1);
