@@ -1,6 +1,8 @@
 // `porter consolidate --checkpoint DIR --out FILE [--dtype working|f32] [--tp-rank K]`: the
-// full model's weights from a training checkpoint's per-rank files, as one safetensors file
-// (io/consolidate.h, Note [Consolidating a checkpoint]; docs/engine.md).
+// full model's weights from a training checkpoint's per-rank files, at any data-parallel
+// size, ZeRO stage and tensor-parallel degree, as one safetensors file (io/consolidate.h,
+// Note [Consolidating a checkpoint]; docs/engine.md). A tensor-parallel checkpoint gives the
+// whole model, its tp ranks joined, or with --tp-rank one rank's part.
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,7 +39,7 @@ int consolidate(const ConsolidateCommandOptions& o, std::ostream& out, std::ostr
   io::WeightMetadata metadata = {{"format", "pt"},
                                      {"porter.step", std::to_string(r.step)},
                                      {"porter.source", o.checkpoint}};
-  if (r.tp_size > 1) metadata["porter.tp_rank"] = std::to_string(r.tp_rank);
+  if (r.tp_size > 1 && !r.whole) metadata["porter.tp_rank"] = std::to_string(r.tp_rank);
   io::write_safetensors(o.out, r.tensors, metadata);
 
   const std::string dtype(tensor::dtype_name(r.dtype));
@@ -50,7 +52,10 @@ int consolidate(const ConsolidateCommandOptions& o, std::ostream& out, std::ostr
     origin = "the " + std::string(tensor::dtype_name(r.compute_dtype)) + " working parameters, widened";
   }
   std::string ranks = std::to_string(r.rank_dirs.size());
-  if (r.tp_size > 1) {
+  if (r.tp_size > 1 && r.whole) {
+    ranks += " (dp " + std::to_string(r.dp_size) + " x tp " + std::to_string(r.tp_size) +
+             ": the tp ranks' parts joined into the whole model";
+  } else if (r.tp_size > 1) {
     ranks += " of " + std::to_string(r.dp_size * r.tp_size) + " (dp " + std::to_string(r.dp_size) +
              " x tp " + std::to_string(r.tp_size) + ": tp rank " + std::to_string(r.tp_rank) + "'s";
   } else {
@@ -92,7 +97,8 @@ void add_consolidate_command(CLI::App& app, CommandContext& context) {
       ->check(CLI::IsMember({"working", "f32"}))
       ->capture_default_str();
   cmd->add_option("--tp-rank", o->tp_rank,
-                  "Of a tensor-parallel checkpoint, write this tensor-parallel rank's part")
+                  "Of a tensor-parallel checkpoint, write this tensor-parallel rank's part "
+                  "(without it: the whole model, every rank's part joined)")
       ->check(CLI::NonNegativeNumber);
   cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid or incomplete checkpoint, or a "
               "file that cannot be written.");

@@ -1,18 +1,20 @@
-// Consolidated weights from a training checkpoint's per-rank files (Note [Consolidating a
-// checkpoint] in io/consolidate.h).
+// Reading a training checkpoint's sections at any layout, and consolidated weights from its
+// per-rank files (Notes [Consolidating a checkpoint] and [Tensor-parallel parts in bytes] in
+// io/consolidate.h).
 #include "io/consolidate.h"
 
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <tuple>
 
-#include <nlohmann/json.hpp>
-
+#include "base/check.h"
 #include "base/error.h"
+#include "config/parse.h"
 #include "io/state_file.h"
-#include "zero/partition.h"
+#include "models/factory.h"
 
 namespace porter::io {
 namespace {
@@ -21,6 +23,8 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 std::string quoted(const fs::path& p) { return "\"" + p.string() + "\""; }
+
+std::string prefix(std::string_view who) { return std::string(who) + ": "; }
 
 std::string shape_string(const json& shape) {
   std::string s = "(";
@@ -32,45 +36,45 @@ fs::path rank_path(const fs::path& dir, int rank, int world) {
   return world > 1 ? dir / ("rank" + std::to_string(rank)) : dir;
 }
 
-// meta.json alone (no sections), to learn the world size before reading anything large.
-json peek_meta(const fs::path& dir) {
+// meta.json alone (no sections).
+json peek_meta(const fs::path& dir, std::string_view who) {
   const fs::path path = dir / "meta.json";
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError("consolidate: cannot read " + quoted(path));
+  if (!in) throw IoError(prefix(who) + "cannot read " + quoted(path));
   json meta;
   try {
     meta = json::parse(in);
   } catch (const json::exception& e) {
-    throw IoError("consolidate: " + quoted(path) + ": unparsable JSON: " + e.what());
+    throw IoError(prefix(who) + quoted(path) + ": unparsable JSON: " + e.what());
   }
   return meta;
 }
 
 // Throws IoError unless `meta` is an engine checkpoint's (Note [Engine state] in state.cc).
-void check_kind(const json& meta, const fs::path& dir) {
+void check_kind(const json& meta, const fs::path& dir, std::string_view who) {
   const fs::path path = dir / "meta.json";
   if (!meta.is_object() || !meta.contains("kind") || meta["kind"] != "porter.engine") {
-    throw IoError("consolidate: " + quoted(path) + " is not a porter training checkpoint: kind is " +
+    throw IoError(prefix(who) + quoted(path) + " is not a porter training checkpoint: kind is " +
                   (meta.is_object() && meta.contains("kind") ? meta["kind"].dump() : "absent") +
                   ", expected \"porter.engine\"");
   }
   for (const char* key : {"step", "compute_dtype", "layout"}) {
     if (!meta.contains(key)) {
-      throw IoError("consolidate: " + quoted(path) + " is not a porter training checkpoint: it has no \"" +
+      throw IoError(prefix(who) + quoted(path) + " is not a porter training checkpoint: it has no \"" +
                     key + "\"");
     }
   }
   if (!meta["step"].is_number_integer()) {
-    throw IoError("consolidate: " + quoted(path) + ": step " + meta["step"].dump() +
-                  " is not an integer");
+    throw IoError(prefix(who) + quoted(path) + ": step " + meta["step"].dump() + " is not an integer");
   }
 }
 
-int int_field(const json& meta, const char* key, int fallback, const fs::path& dir) {
+int int_field(const json& meta, const char* key, int fallback, const fs::path& dir,
+              std::string_view who) {
   if (!meta.contains(key)) return fallback;
   const json& v = meta[key];
   if (!v.is_number_integer()) {
-    throw IoError("consolidate: " + quoted(dir / "meta.json") + ": \"" + key + "\" is " + v.dump() +
+    throw IoError(prefix(who) + quoted(dir / "meta.json") + ": \"" + key + "\" is " + v.dump() +
                   ", not an integer");
   }
   return v.get<int>();
@@ -86,11 +90,11 @@ json tensor_parallel_of(const json& meta) {
   return *p;
 }
 
-tensor::DType parse_compute_dtype(const json& v, const fs::path& dir) {
+tensor::DType parse_compute_dtype(const json& v, const fs::path& dir, std::string_view who) {
   for (tensor::DType t : {tensor::DType::kF32, tensor::DType::kBF16, tensor::DType::kF16}) {
     if (v == std::string(tensor::dtype_name(t))) return t;
   }
-  throw IoError("consolidate: " + quoted(dir / "meta.json") + ": compute_dtype " + v.dump() +
+  throw IoError(prefix(who) + quoted(dir / "meta.json") + ": compute_dtype " + v.dump() +
                 " is not one of \"f32\", \"bf16\", \"f16\"");
 }
 
@@ -118,40 +122,67 @@ std::string layout_difference(const json& a, const fs::path& a_dir, const json& 
 // Throws IoError naming the first field on which rank `b` disagrees with rank `a`. The layout
 // is compared only between the dp ranks of one tp rank (tp ranks hold different parts).
 void check_agree(const json& a, const fs::path& a_dir, const json& b, const fs::path& b_dir,
-                 bool compare_layout) {
+                 bool compare_layout, std::string_view who) {
   const std::string rule = " (every rank saves the same training state: these directories do "
                            "not come from one save)";
   for (const char* key : {"step", "dp_size", "zero_stage", "compute_dtype"}) {
     const json va = a.contains(key) ? a[key] : json("absent");
     const json vb = b.contains(key) ? b[key] : json("absent");
     if (va != vb) {
-      throw IoError("consolidate: checkpoint ranks disagree on " + std::string(key) + ": " +
+      throw IoError(prefix(who) + "checkpoint ranks disagree on " + std::string(key) + ": " +
                     quoted(a_dir) + " has " + va.dump() + ", " + quoted(b_dir) + " has " +
                     vb.dump() + rule);
     }
   }
   const json ta = tensor_parallel_of(a), tb = tensor_parallel_of(b);
   if (ta != tb) {
-    throw IoError("consolidate: checkpoint ranks disagree on config.model.tensor_parallel: " +
+    throw IoError(prefix(who) + "checkpoint ranks disagree on config.model.tensor_parallel: " +
                   quoted(a_dir) + " has " + ta.dump() + ", " + quoted(b_dir) + " has " + tb.dump() +
                   rule);
   }
   if (compare_layout) {
     const std::string diff = layout_difference(a["layout"], a_dir, b["layout"], b_dir);
-    if (!diff.empty()) throw IoError("consolidate: checkpoint ranks disagree on " + diff + rule);
+    if (!diff.empty()) throw IoError(prefix(who) + "checkpoint ranks disagree on " + diff + rule);
   }
 }
 
-// The padded flat buffer being assembled from the ranks' ranges (elements of `elem_bytes`).
+json layout_json(const nn::ParamLayout& layout) {
+  json params = json::array();
+  for (const nn::ParamEntry& e : layout.entries()) {
+    params.push_back({{"name", e.name}, {"shape", e.shape.to_vector()}, {"offset", e.offset_elems}});
+  }
+  return {{"total_elems", layout.total_elems()}, {"params", params}};
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// A window [base, base + n) of a padded flat buffer being assembled from the ranks' ranges
+// (elements of `elem_bytes`).
 class FlatAssembly {
  public:
-  FlatAssembly(int64_t padded_elems, size_t elem_bytes, const std::vector<FlatTensorSpec>& specs,
-               std::string section)
-      : bytes_(static_cast<size_t>(padded_elems) * elem_bytes), elem_bytes_(elem_bytes),
-        specs_(specs), section_(std::move(section)) {}
+  FlatAssembly(int64_t base, int64_t elems, size_t elem_bytes, std::vector<FlatTensorSpec> specs,
+               std::string section, std::string who)
+      : bytes_(static_cast<size_t>(elems) * elem_bytes), base_(base), end_(base + elems),
+        elem_bytes_(elem_bytes), specs_(std::move(specs)), section_(std::move(section)),
+        who_(std::move(who)) {}
 
-  // Lays `src` (elements [begin, end)) in; where another rank already placed elements, they
-  // must be equal byte for byte.
+  int64_t begin() const { return base_; }
+  int64_t end() const { return end_; }
+
+  // The first element at or after `at` in the window that no rank placed yet (end() if none).
+  int64_t first_uncovered(int64_t at) const {
+    for (const Piece& p : pieces_) {
+      if (p.begin <= at && p.end > at) at = p.end;
+    }
+    return std::min(at, end_);
+  }
+
+  // Lays `src` (elements [begin, end), within the window) in; where another rank already
+  // placed elements, they must be equal byte for byte.
   void place(int64_t begin, int64_t end, std::span<const std::byte> src, const fs::path& from) {
     std::vector<Piece> added;
     int64_t at = begin;
@@ -175,25 +206,22 @@ class FlatAssembly {
               [](const Piece& x, const Piece& y) { return x.begin < y.begin; });
   }
 
-  // Throws IoError naming the first parameter with elements no rank placed.
+  // Throws IoError naming the first parameter with elements in the window no rank placed.
   void check_covered(const fs::path& dir) const {
     for (const FlatTensorSpec& s : specs_) {
-      int64_t n = 1;
-      for (int64_t d : s.shape) n *= d;
-      int64_t at = s.offset_elems;
-      const int64_t end = s.offset_elems + n;
-      for (const Piece& p : pieces_) {
-        if (p.begin <= at && p.end > at) at = p.end;
-      }
-      if (at < end) {
-        throw IoError("consolidate: " + quoted(dir) + ": elements [" + std::to_string(at) + ", " +
-                      std::to_string(end) + ") of the flat buffer (parameter '" + s.name +
+      const int64_t lo = std::max(base_, s.offset_elems);
+      const int64_t hi = std::min(end_, s.offset_elems + numel(s.shape));
+      if (lo >= hi) continue;
+      const int64_t at = first_uncovered(lo);
+      if (at < hi) {
+        throw IoError(who_ + quoted(dir) + ": elements [" + std::to_string(at) + ", " +
+                      std::to_string(hi) + ") of the flat buffer (parameter '" + s.name +
                       "') are in no rank's " + section_ + " section");
       }
     }
   }
 
-  std::vector<std::byte>& bytes() { return bytes_; }
+  std::vector<std::byte> take() { return std::move(bytes_); }
 
  private:
   struct Piece {
@@ -201,33 +229,30 @@ class FlatAssembly {
     fs::path from;
   };
 
+  std::byte* at(int64_t elem) { return bytes_.data() + static_cast<size_t>(elem - base_) * elem_bytes_; }
+  const std::byte* at(int64_t elem) const {
+    return bytes_.data() + static_cast<size_t>(elem - base_) * elem_bytes_;
+  }
+
   void copy(int64_t lo, int64_t hi, int64_t src_begin, std::span<const std::byte> src) {
-    std::memcpy(bytes_.data() + static_cast<size_t>(lo) * elem_bytes_,
-                src.data() + static_cast<size_t>(lo - src_begin) * elem_bytes_,
+    std::memcpy(at(lo), src.data() + static_cast<size_t>(lo - src_begin) * elem_bytes_,
                 static_cast<size_t>(hi - lo) * elem_bytes_);
   }
 
   void compare(int64_t lo, int64_t hi, int64_t src_begin, std::span<const std::byte> src,
                const fs::path& from, const fs::path& first) const {
-    const std::byte* mine = bytes_.data() + static_cast<size_t>(lo) * elem_bytes_;
-    const std::byte* theirs = src.data() + static_cast<size_t>(lo - src_begin) * elem_bytes_;
-    if (std::memcmp(mine, theirs, static_cast<size_t>(hi - lo) * elem_bytes_) == 0) return;
+    auto theirs = [&](int64_t i) { return src.data() + static_cast<size_t>(i - src_begin) * elem_bytes_; };
+    if (std::memcmp(at(lo), theirs(lo), static_cast<size_t>(hi - lo) * elem_bytes_) == 0) return;
     int64_t i = lo;
-    while (std::memcmp(bytes_.data() + static_cast<size_t>(i) * elem_bytes_,
-                       src.data() + static_cast<size_t>(i - src_begin) * elem_bytes_,
-                       elem_bytes_) == 0) {
-      ++i;
-    }
-    throw IoError("consolidate: " + quoted(from) + ": " + section_ + " element " + std::to_string(i) +
-                  " (" + where(i) + ") differs from " + quoted(first) + "'s: the ranks' copies of "
+    while (std::memcmp(at(i), theirs(i), elem_bytes_) == 0) ++i;
+    throw IoError(who_ + quoted(from) + ": " + section_ + " element " + std::to_string(i) + " (" +
+                  where(i) + ") differs from " + quoted(first) + "'s: the ranks' copies of "
                   "the same elements must be equal (the directories do not come from one save)");
   }
 
   std::string where(int64_t elem) const {
     for (const FlatTensorSpec& s : specs_) {
-      int64_t n = 1;
-      for (int64_t d : s.shape) n *= d;
-      if (elem >= s.offset_elems && elem < s.offset_elems + n) {
+      if (elem >= s.offset_elems && elem < s.offset_elems + numel(s.shape)) {
         return "parameter '" + s.name + "' element " + std::to_string(elem - s.offset_elems);
       }
     }
@@ -235,74 +260,131 @@ class FlatAssembly {
   }
 
   std::vector<std::byte> bytes_;
+  int64_t base_, end_;
   size_t elem_bytes_;
-  const std::vector<FlatTensorSpec>& specs_;  // not owned: the caller's, outlives this
+  std::vector<FlatTensorSpec> specs_;
   std::string section_;
+  std::string who_;  // the messages' prefix
   std::vector<Piece> pieces_;  // disjoint, sorted by begin
 };
 
-// A rank's "params_range" [begin, end] when meta.json has one.
-std::optional<std::pair<int64_t, int64_t>> params_range(const json& meta, int64_t padded,
-                                                        const fs::path& dir) {
-  if (!meta.contains("params_range")) return std::nullopt;
-  const json& r = meta["params_range"];
-  auto count = [](const json& j) { return j.is_number_integer() && j.get<int64_t>() >= 0; };
-  if (!r.is_array() || r.size() != 2 || !count(r[0]) || !count(r[1]) ||
-      r[0].get<int64_t>() > r[1].get<int64_t>() || r[1].get<int64_t>() > padded) {
-    throw IoError("consolidate: " + quoted(dir / "meta.json") + ": params_range " + r.dump() +
-                  " is not [begin, end] within the padded flat buffer of " + std::to_string(padded) +
-                  " elements");
+// The section's entry in meta.json's table ({"name", "file", "bytes", "crc32c"}).
+const json& section_entry(const json& meta, std::string_view section, const fs::path& dir,
+                          std::string_view who) {
+  if (meta.contains("sections") && meta["sections"].is_array()) {
+    for (const json& e : meta["sections"]) {
+      if (e.is_object() && e.value("name", std::string()) == section) {
+        if (!e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32c") ||
+            !e["crc32c"].is_number_unsigned()) {
+          throw IoError(prefix(who) + "training state " + quoted(dir / "meta.json") +
+                        ": malformed section entry " + e.dump());
+        }
+        return e;
+      }
+    }
   }
-  return std::make_pair(r[0].get<int64_t>(), r[1].get<int64_t>());
+  throw IoError(prefix(who) + "training state " + quoted(dir) + ": no section \"" +
+                std::string(section) + "\" in this checkpoint");
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+// Reads `path` whole in blocks, checking its size and CRC-32C against meta.json's `entry`,
+// and returns the bytes [lo, hi) of it.
+std::vector<std::byte> read_checked(const fs::path& path, const json& entry, uint64_t lo,
+                                    uint64_t hi, std::string_view who) {
+  const uint64_t expected_bytes = entry["bytes"].get<uint64_t>();
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec) {
+    throw IoError(prefix(who) + "training state " + quoted(path) + ": section \"" +
+                  entry.value("name", std::string()) + "\" is missing (" + ec.message() + ")");
+  }
+  if (size != expected_bytes) {
+    throw IoError(prefix(who) + "training state " + quoted(path) + ": " +
+                  (size < expected_bytes ? "truncated" : "oversized") + ": " +
+                  std::to_string(size) + " bytes, meta.json says " + std::to_string(expected_bytes));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw IoError(prefix(who) + "training state " + quoted(path) + ": cannot open it");
+  std::vector<std::byte> out(static_cast<size_t>(hi - lo));
+  std::vector<std::byte> block(std::min<uint64_t>(size, uint64_t{4} << 20));
+  uint32_t crc = 0;
+  for (uint64_t at = 0; at < size;) {
+    const uint64_t n = std::min<uint64_t>(block.size(), size - at);
+    if (!in.read(reinterpret_cast<char*>(block.data()), static_cast<std::streamsize>(n))) {
+      throw IoError(prefix(who) + "training state " + quoted(path) + ": cannot read " +
+                    std::to_string(size) + " bytes");
+    }
+    crc = crc32c(std::span<const std::byte>(block.data(), static_cast<size_t>(n)), crc);
+    const uint64_t a = std::max(at, lo), b = std::min(at + n, hi);
+    if (a < b) std::memcpy(out.data() + (a - lo), block.data() + (a - at), static_cast<size_t>(b - a));
+    at += n;
+  }
+  const uint32_t expected_crc = entry["crc32c"].get<uint32_t>();
+  if (crc != expected_crc) {
+    throw IoError(prefix(who) + "training state " + quoted(path) + ": checksum mismatch: crc32c " +
+                  hex32(crc) + ", meta.json says " + hex32(expected_crc) + " (the file is corrupt)");
+  }
+  return out;
 }
 
 }  // namespace
 
-ConsolidateResult consolidate_checkpoint(const fs::path& dir, const ConsolidateOptions& options) {
+int64_t CheckpointInfo::total_elems(int tp_rank) const {
+  return meta(tp_rank).at("layout").at("total_elems").get<int64_t>();
+}
+
+zero::Partition CheckpointInfo::partition(int tp_rank) const {
+  return zero::make_partition(total_elems(tp_rank), dp_size);
+}
+
+bool CheckpointInfo::has_section(std::string_view name) const {
+  const json& m = meta(0);
+  if (!m.contains("sections") || !m["sections"].is_array()) return false;
+  return std::any_of(m["sections"].begin(), m["sections"].end(), [&](const json& e) {
+    return e.is_object() && e.value("name", std::string()) == name;
+  });
+}
+
+CheckpointInfo inspect_checkpoint(const fs::path& dir, std::string_view who) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw IoError("consolidate: " + quoted(dir) + ": no such directory");
+  if (!fs::is_directory(dir, ec)) throw IoError(prefix(who) + quoted(dir) + ": no such directory");
 
   // Where the states are: dir itself (one rank) or dir/rank<r>.
   const bool has_meta = fs::exists(dir / "meta.json", ec);
   const bool has_rank0 = fs::exists(dir / "rank0" / "meta.json", ec);
   if (!has_meta && !has_rank0) {
-    throw IoError("consolidate: " + quoted(dir) + " is not a porter training checkpoint: it has "
+    throw IoError(prefix(who) + quoted(dir) + " is not a porter training checkpoint: it has "
                   "neither meta.json nor rank0/meta.json (porter train --save DIR, or "
                   "Engine::save_checkpoint, writes one)");
   }
   const fs::path first_dir = has_rank0 ? dir / "rank0" : dir;
-  const json m0 = peek_meta(first_dir);
-  check_kind(m0, first_dir);
-  const int dp = int_field(m0, "dp_size", 1, first_dir);
+  const json m0 = peek_meta(first_dir, who);
+  check_kind(m0, first_dir, who);
+  const int dp = int_field(m0, "dp_size", 1, first_dir, who);
   const json tp_json = tensor_parallel_of(m0);
   if (!tp_json.is_number_integer() || tp_json.get<int>() < 1 || dp < 1) {
-    throw IoError("consolidate: " + quoted(first_dir / "meta.json") + ": dp_size " +
+    throw IoError(prefix(who) + quoted(first_dir / "meta.json") + ": dp_size " +
                   std::to_string(dp) + " and config.model.tensor_parallel " + tp_json.dump() +
                   " must be positive integers");
   }
   const int tp = tp_json.get<int>();
   const int world = dp * tp;
   if (has_rank0 && world == 1) {
-    throw IoError("consolidate: " + quoted(first_dir / "meta.json") + " was written by one rank, "
+    throw IoError(prefix(who) + quoted(first_dir / "meta.json") + " was written by one rank, "
                   "so its state is the directory itself: pass " + quoted(first_dir));
   }
   if (!has_rank0 && world > 1) {
-    throw IoError("consolidate: " + quoted(dir / "meta.json") + " is one rank's state of a "
+    throw IoError(prefix(who) + quoted(dir / "meta.json") + " is one rank's state of a "
                   "checkpoint written by " + std::to_string(world) + " ranks (dp " +
                   std::to_string(dp) + " x tp " + std::to_string(tp) + "): pass the directory "
-                  "that holds rank0 .. rank" + std::to_string(world - 1));
-  }
-  if (tp > 1 && !options.tp_rank) {
-    throw InvalidArgument("consolidating a tensor-parallel checkpoint is not supported: each tp "
-                          "rank holds a different part of the model; pass --tp-rank K to write "
-                          "that rank's part (" + quoted(dir) + " has tensor_parallel " +
-                          std::to_string(tp) + ", K in 0.." + std::to_string(tp - 1) + ")");
-  }
-  const int tp_rank = options.tp_rank.value_or(0);
-  if (tp_rank < 0 || tp_rank >= tp) {
-    throw InvalidArgument("consolidate: tp rank " + std::to_string(tp_rank) + " is not in " +
-                          quoted(dir) + ", whose tensor-parallel ranks are 0.." +
-                          std::to_string(tp - 1));
+                  "that holds rank0 .. rank" +
+                  std::to_string(world - 1));
   }
 
   // Every rank saves its own state: name all that are missing before reading any.
@@ -315,81 +397,276 @@ ConsolidateResult consolidate_checkpoint(const fs::path& dir, const ConsolidateO
     }
   }
   if (!missing.empty()) {
-    throw IoError("consolidate: " + quoted(dir) + " was written by " + std::to_string(world) +
+    throw IoError(prefix(who) + quoted(dir) + " was written by " + std::to_string(world) +
                   " ranks (dp " + std::to_string(dp) + " x tp " + std::to_string(tp) +
                   ") but lacks " + missing + "; copy every rank's directory into it");
   }
 
-  ConsolidateResult res;
-  res.dp_size = dp;
-  res.tp_size = tp;
-  res.tp_rank = tp_rank;
-  res.step = m0["step"].get<int64_t>();
-  res.zero_stage = int_field(m0, "zero_stage", 0, first_dir);
-  res.compute_dtype = parse_compute_dtype(m0["compute_dtype"], first_dir);
-
-  std::optional<FlatAssembly> flat;
-  std::vector<FlatTensorSpec> specs;
-  zero::Partition part;
-  json ref_meta;
-  fs::path ref_dir;
-  tensor::DType section_dtype = res.compute_dtype;  // of the section's elements on disk
-  for (int d = 0; d < dp; ++d) {
-    const fs::path rd = rank_path(dir, d * tp + tp_rank, world);
-    const LoadedState state = read_state(rd);  // verifies the checksums
-    const json& meta = state.meta;
-    check_kind(meta, rd);
-    check_agree(m0, first_dir, meta, rd, /*compare_layout=*/tp == 1);
-    if (d == 0) {
-      ref_meta = meta;
-      ref_dir = rd;
-      specs = layout_specs(meta["layout"], quoted(rd / "meta.json"));
-      part = zero::make_partition(meta["layout"]["total_elems"].get<int64_t>(), dp);
-      const bool has_master = std::any_of(state.sections.begin(), state.sections.end(),
-                                          [](const StateSection& s) { return s.name == "master"; });
-      if (options.dtype == WeightsDType::kWorking) {
-        res.section = "params";
-        res.dtype = res.compute_dtype;
-      } else {
-        res.section = has_master && res.compute_dtype != tensor::DType::kF32 ? "master" : "params";
-        res.dtype = tensor::DType::kF32;
-        if (res.section == "master") section_dtype = tensor::DType::kF32;
-      }
-      flat.emplace(part.padded_elems, tensor::dtype_size(res.dtype), specs, res.section);
-    } else {
-      check_agree(ref_meta, ref_dir, meta, rd, /*compare_layout=*/true);
+  CheckpointInfo info;
+  info.dir = dir;
+  info.dp_size = dp;
+  info.tp_size = tp;
+  info.step = m0["step"].get<int64_t>();
+  info.zero_stage = int_field(m0, "zero_stage", 0, first_dir, who);
+  info.compute_dtype = parse_compute_dtype(m0["compute_dtype"], first_dir, who);
+  for (int r = 0; r < world; ++r) {
+    const fs::path rd = rank_path(dir, r, world);
+    json meta = r == 0 ? m0 : peek_meta(rd, who);
+    check_kind(meta, rd, who);
+    // Rank 0 for the run's fields; dp rank 0 of the same tp rank for the layout.
+    check_agree(m0, first_dir, meta, rd, /*compare_layout=*/tp == 1, who);
+    if (r >= tp) {
+      const int k = r % tp;
+      check_agree(info.metas[static_cast<size_t>(k)], info.rank_dirs[static_cast<size_t>(k)], meta,
+                  rd, /*compare_layout=*/true, who);
     }
-
-    // The rank's range of the padded buffer (Note [Consolidating a checkpoint]).
-    int64_t begin = 0, end = part.padded_elems;
-    if (res.section == "params") {
-      if (const auto r = params_range(meta, part.padded_elems, rd)) std::tie(begin, end) = *r;
-    } else if (res.zero_stage >= 1) {
-      begin = part.begin(d);
-      end = part.end(d);
-    }
-    const StateSection& s = state.section(res.section);
-    const uint64_t need = static_cast<uint64_t>(end - begin) * tensor::dtype_size(section_dtype);
-    if (s.bytes.size() != need) {
-      throw IoError("consolidate: " + quoted(rd) + ": section '" + res.section + "' has " +
-                    std::to_string(s.bytes.size()) + " bytes, expected " + std::to_string(need) +
-                    ": elements [" + std::to_string(begin) + ", " + std::to_string(end) +
-                    ") of the padded flat buffer (" + std::to_string(part.padded_elems) +
-                    " elements) in " + std::string(tensor::dtype_name(section_dtype)) +
-                    ", dp rank " + std::to_string(d) + " of " + std::to_string(dp) +
-                    " at ZeRO stage " + std::to_string(res.zero_stage));
-    }
-    if (section_dtype != res.dtype) {
-      const std::vector<std::byte> wide = to_f32_bytes(section_dtype, s.bytes);
-      flat->place(begin, end, wide, rd);
-    } else {
-      flat->place(begin, end, s.bytes, rd);
-    }
-    res.rank_dirs.push_back(rd);
-    if (options.on_rank_read) options.on_rank_read(d + 1, dp, rd);
+    info.rank_dirs.push_back(rd);
+    info.metas.push_back(std::move(meta));
   }
-  flat->check_covered(dir);
-  res.tensors = layout_tensors(specs, res.dtype, flat->bytes());
+  return info;
+}
+
+size_t section_elem_bytes(const CheckpointInfo& info, std::string_view section) {
+  return section == "params" ? tensor::dtype_size(info.compute_dtype) : 4;
+}
+
+std::pair<int64_t, int64_t> section_range(const CheckpointInfo& info, int rank,
+                                          std::string_view section) {
+  const int tp_rank = rank % info.tp_size, dp_rank = rank / info.tp_size;
+  const zero::Partition part = info.partition(tp_rank);
+  const json& meta = info.metas.at(static_cast<size_t>(rank));
+  const fs::path& dir = info.rank_dirs.at(static_cast<size_t>(rank));
+  if (section == "params") {
+    if (!meta.contains("params_range")) return {0, part.padded_elems};
+    const json& r = meta["params_range"];
+    auto count = [](const json& j) { return j.is_number_integer() && j.get<int64_t>() >= 0; };
+    if (!r.is_array() || r.size() != 2 || !count(r[0]) || !count(r[1]) ||
+        r[0].get<int64_t>() > r[1].get<int64_t>() || r[1].get<int64_t>() > part.padded_elems) {
+      throw IoError("training state " + quoted(dir / "meta.json") + ": params_range " + r.dump() +
+                    " is not [begin, end] within the padded flat buffer of " +
+                    std::to_string(part.padded_elems) + " elements");
+    }
+    return {r[0].get<int64_t>(), r[1].get<int64_t>()};
+  }
+  if (info.zero_stage >= 1) return {part.begin(dp_rank), part.end(dp_rank)};
+  return {0, part.padded_elems};
+}
+
+std::vector<std::byte> read_flat_section(
+    const CheckpointInfo& info, int tp_rank, std::string_view section, int64_t begin, int64_t end,
+    Replicas replicas, const std::function<void(const fs::path&)>& on_rank_read,
+    std::string_view who) {
+  PORTER_CHECK(tp_rank >= 0 && tp_rank < info.tp_size && begin <= end, "read_flat_section: tp rank ",
+               tp_rank, " of ", info.tp_size, ", elements [", begin, ", ", end, ")");
+  const size_t elem = section_elem_bytes(info, section);
+  const zero::Partition part = info.partition(tp_rank);
+  const fs::path& first = info.rank_dirs.at(static_cast<size_t>(tp_rank));
+  FlatAssembly flat(begin, end - begin, elem,
+                    layout_specs(info.meta(tp_rank)["layout"], quoted(first / "meta.json")),
+                    std::string(section), prefix(who));
+  const int64_t saved_end = std::min(end, part.padded_elems);  // past it: 0
+  for (int d = 0; d < info.dp_size; ++d) {
+    const int rank = d * info.tp_size + tp_rank;
+    const fs::path& rd = info.rank_dirs[static_cast<size_t>(rank)];
+    const auto [rb, re] = section_range(info, rank, section);
+    const json& entry = section_entry(info.metas[static_cast<size_t>(rank)], section, rd, who);
+    const uint64_t need = static_cast<uint64_t>(re - rb) * elem;
+    if (entry["bytes"].get<uint64_t>() != need) {
+      throw IoError(prefix(who) + quoted(rd) + ": section '" + std::string(section) + "' has " +
+                    std::to_string(entry["bytes"].get<uint64_t>()) + " bytes, expected " +
+                    std::to_string(need) + ": elements [" + std::to_string(rb) + ", " +
+                    std::to_string(re) + ") of the padded flat buffer (" +
+                    std::to_string(part.padded_elems) + " elements) in " +
+                    (elem == 4 ? "f32" : std::string(tensor::dtype_name(info.compute_dtype))) +
+                    ", dp rank " + std::to_string(d) + " of " + std::to_string(info.dp_size) +
+                    " at ZeRO stage " + std::to_string(info.zero_stage));
+    }
+    // What this rank adds to the window: all of its part (kCompare), or from the first element
+    // not yet covered to the end of its range (kReadOnce; ranges are intervals).
+    int64_t lo = std::max(begin, rb), hi = std::min(saved_end, re);
+    if (replicas == Replicas::kReadOnce && lo < hi) lo = flat.first_uncovered(lo);
+    if (lo >= hi) {
+      if (replicas == Replicas::kReadOnce) continue;
+      lo = hi = rb;  // read (and checked) all the same
+    }
+    const std::vector<std::byte> bytes =
+        read_checked(rd / (std::string(section) + ".bin"), entry,
+                     static_cast<uint64_t>(lo - rb) * elem, static_cast<uint64_t>(hi - rb) * elem, who);
+    if (lo < hi) flat.place(lo, hi, bytes, rd);
+    if (on_rank_read) on_rank_read(rd);
+  }
+  flat.check_covered(info.dir);
+  return flat.take();
+}
+
+config::ModelConfig checkpoint_model_config(const CheckpointInfo& info, std::string_view who) {
+  const json& meta = info.meta(0);
+  const fs::path path = info.rank_dirs.at(0) / "meta.json";
+  if (!meta.contains("config") || !meta["config"].is_object() ||
+      !meta["config"].contains("model") || !meta["config"]["model"].is_object()) {
+    throw IoError(prefix(who) + quoted(path) + " holds no config.model, from which the "
+                  "tensor-parallel parts would be joined");
+  }
+  // Parsed at tensor_parallel 1 (the batch sizes it checks are not the checkpoint's), the
+  // degree set after; `from` names weights to start from, not the layout.
+  json model = meta["config"]["model"];
+  for (const char* key : {"tensor_parallel", "sequence_parallel", "from"}) model.erase(key);
+  try {
+    config::ModelConfig c =
+        config::parse_config_string(
+            json{{"train_micro_batch_size_per_gpu", 1}, {"porter", {{"model", model}}}}.dump())
+            .config.porter.model;
+    c.tensor_parallel = info.tp_size;
+    return c;
+  } catch (const Error& e) {
+    throw IoError(prefix(who) + quoted(path) + ": config.model does not describe a model porter "
+                  "builds: " + e.what());
+  }
+}
+
+namespace {
+
+// Note [Tensor-parallel parts in bytes]: elements as f32 codes and back.
+std::vector<float> to_codes(std::span<const std::byte> bytes, size_t elem_bytes, int64_t elems) {
+  PORTER_CHECK(elem_bytes == 2 || elem_bytes == 4, "tensor-parallel parts of ", elem_bytes,
+               "-byte elements");
+  PORTER_CHECK(static_cast<int64_t>(bytes.size()) >= elems * static_cast<int64_t>(elem_bytes),
+               "a tensor-parallel part of ", bytes.size(), " bytes for ", elems, " elements");
+  std::vector<float> codes(static_cast<size_t>(elems));
+  if (elem_bytes == 4) {
+    std::memcpy(codes.data(), bytes.data(), codes.size() * 4);
+  } else {
+    for (size_t i = 0; i < codes.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes.data() + 2 * i, 2);
+      codes[i] = static_cast<float>(h);
+    }
+  }
+  return codes;
+}
+
+std::vector<std::byte> from_codes(const std::vector<float>& codes, size_t elem_bytes) {
+  std::vector<std::byte> out(codes.size() * elem_bytes);
+  if (elem_bytes == 4) {
+    std::memcpy(out.data(), codes.data(), out.size());
+  } else {
+    for (size_t i = 0; i < codes.size(); ++i) {
+      const auto h = static_cast<uint16_t>(codes[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::byte> join_tensor_parallel(const config::ModelConfig& model,
+                                            std::vector<std::vector<std::byte>> parts,
+                                            size_t elem_bytes) {
+  PORTER_CHECK_EQ(static_cast<int64_t>(parts.size()), model.tensor_parallel,
+                  "join_tensor_parallel: one part per tensor-parallel rank");
+  const std::unique_ptr<models::Transformer> any = models::build_model(model, 0);
+  std::vector<std::vector<float>> codes;
+  for (std::vector<std::byte>& p : parts) {
+    codes.push_back(to_codes(p, elem_bytes, any->layout().total_elems()));
+    std::vector<std::byte>().swap(p);
+  }
+  std::vector<float> whole = any->merge_shards(codes);
+  codes.clear();
+  return from_codes(whole, elem_bytes);
+}
+
+std::vector<std::byte> split_tensor_parallel(const config::ModelConfig& model, int tp_rank,
+                                             std::span<const std::byte> whole, size_t elem_bytes) {
+  config::ModelConfig one = model;
+  one.tensor_parallel = 1;
+  one.sequence_parallel = false;
+  const int64_t whole_elems = models::build_model(one)->layout().total_elems();
+  const std::unique_ptr<models::Transformer> part = models::build_model(model, tp_rank);
+  return from_codes(part->shard_values(to_codes(whole, elem_bytes, whole_elems)), elem_bytes);
+}
+
+ConsolidateResult consolidate_checkpoint(const fs::path& dir, const ConsolidateOptions& options) {
+  const CheckpointInfo info = inspect_checkpoint(dir);
+  const int tp = info.tp_size;
+  if (options.tp_rank && (*options.tp_rank < 0 || *options.tp_rank >= tp)) {
+    throw InvalidArgument("consolidate: tp rank " + std::to_string(*options.tp_rank) +
+                          " is not in " + quoted(dir) + ", whose tensor-parallel ranks are 0.." +
+                          std::to_string(tp - 1));
+  }
+
+  ConsolidateResult res;
+  res.dp_size = info.dp_size;
+  res.tp_size = tp;
+  res.tp_rank = options.tp_rank.value_or(0);
+  res.whole = tp == 1 || !options.tp_rank;
+  res.step = info.step;
+  res.zero_stage = info.zero_stage;
+  res.compute_dtype = info.compute_dtype;
+  if (options.dtype == WeightsDType::kWorking) {
+    res.section = "params";
+    res.dtype = res.compute_dtype;
+  } else {
+    res.section = info.has_section("master") && res.compute_dtype != tensor::DType::kF32
+                      ? "master" : "params";
+    res.dtype = tensor::DType::kF32;
+  }
+  const tensor::DType section_dtype = res.section == "master" ? tensor::DType::kF32 : res.compute_dtype;
+
+  // The tp ranks to read, each from its dp ranks (every one: replicas are compared).
+  std::vector<int> tp_ranks;
+  if (!res.whole) tp_ranks.push_back(res.tp_rank);
+  for (int k = 0; res.whole && k < tp; ++k) tp_ranks.push_back(k);
+  const int count = static_cast<int>(tp_ranks.size()) * info.dp_size;
+  // The model the parts join into, checked against the parts' layouts before reading any.
+  std::optional<config::ModelConfig> model;
+  if (tp > 1 && res.whole) {
+    for (int k = 0; k < tp; ++k) {
+      std::string built;
+      try {
+        if (!model) model = checkpoint_model_config(info);
+        built = layout_difference(info.meta(k)["layout"], info.rank_dirs[static_cast<size_t>(k)],
+                                  layout_json(models::build_model(*model, k)->layout()),
+                                  "config.model");
+      } catch (const Error& e) {
+        built = e.what();
+      }
+      if (!built.empty()) {
+        throw IoError("consolidate: " + quoted(dir) + "'s tp rank " + std::to_string(k) +
+                      " does not hold the part of the model its config.model describes (" + built +
+                      "), so the tp ranks cannot be joined into the whole model; pass --tp-rank K "
+                      "to write one rank's part (K in 0.." + std::to_string(tp - 1) + ")");
+      }
+    }
+  }
+
+  std::vector<std::vector<std::byte>> parts;
+  for (int k : tp_ranks) {
+    const zero::Partition part = info.partition(k);
+    std::vector<std::byte> flat = read_flat_section(
+        info, k, res.section, 0, part.padded_elems, Replicas::kCompare, [&](const fs::path& rd) {
+          res.rank_dirs.push_back(rd);
+          if (options.on_rank_read) {
+            options.on_rank_read(static_cast<int>(res.rank_dirs.size()), count, rd);
+          }
+        });
+    parts.push_back(std::move(flat));
+  }
+  std::vector<FlatTensorSpec> specs;
+  std::vector<std::byte> flat;
+  const size_t elem = tensor::dtype_size(section_dtype);
+  if (model) {
+    flat = join_tensor_parallel(*model, std::move(parts), elem);
+    config::ModelConfig one = *model;
+    one.tensor_parallel = 1;
+    specs = layout_specs(models::build_model(one)->layout());
+  } else {
+    flat = std::move(parts.at(0));
+    specs = layout_specs(info.meta(res.tp_rank)["layout"],
+                         quoted(info.rank_dirs[static_cast<size_t>(res.tp_rank)] / "meta.json"));
+  }
+  if (section_dtype != res.dtype) flat = to_f32_bytes(section_dtype, flat);
+  res.tensors = layout_tensors(specs, res.dtype, flat);
   for (const WeightTensor& t : res.tensors) {
     res.num_params += t.numel();
     res.data_bytes += t.bytes.size();

@@ -1,8 +1,10 @@
 // `porter consolidate` in-process: a checkpoint from `porter train --save` becomes a
-// safetensors file with the layout's names and shapes, the metadata and a summary; bad
-// arguments and tensor-parallel checkpoints get their exit codes and messages.
+// safetensors file with the layout's names and shapes, the metadata and a summary; a
+// tensor-parallel checkpoint becomes the whole model (its ranks joined) or one rank's part;
+// bad arguments and ranks that are not the model's parts get their exit codes and messages.
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -10,8 +12,11 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/app.h"
+#include "io/consolidate.h"
 #include "io/state_file.h"
 #include "io/weights_file.h"
+#include "models/factory.h"
+#include "zero/partition.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace porter::cli {
@@ -111,9 +116,90 @@ TEST_F(CliConsolidate, WritesTheLayoutsTensorsAndASummary) {
   }
 }
 
-TEST_F(CliConsolidate, TensorParallelCheckpointsNeedTpRank) {
+// The one-rank checkpoint `ckpt` as two tensor-parallel ranks would have saved it: every
+// section split into the parts of tensor_parallel 2 (io::split_tensor_parallel), with those
+// parts' layouts.
+fs::path as_tensor_parallel(const fs::path& ckpt, const fs::path& tp) {
+  const io::CheckpointInfo info = io::inspect_checkpoint(ckpt);
+  config::ModelConfig model = io::checkpoint_model_config(info);
+  model.tensor_parallel = 2;
+  const io::LoadedState one = io::read_state(ckpt);
+  for (int k = 0; k < 2; ++k) {
+    const std::unique_ptr<models::Transformer> part_model = models::build_model(model, k);
+    const nn::ParamLayout& layout = part_model->layout();
+    const int64_t padded = zero::make_partition(layout.total_elems(), 1).padded_elems;
+    json meta = one.meta;
+    meta.erase("sections");
+    meta.erase("format_version");
+    meta["config"]["model"]["tensor_parallel"] = 2;
+    json params = json::array();
+    for (const nn::ParamEntry& e : layout.entries()) {
+      params.push_back({{"name", e.name}, {"shape", e.shape.to_vector()}, {"offset", e.offset_elems}});
+    }
+    meta["layout"] = {{"total_elems", layout.total_elems()}, {"params", params}};
+    std::vector<io::StateSection> sections;
+    for (const io::StateSection& s : one.sections) {
+      const size_t elem = io::section_elem_bytes(info, s.name);
+      std::vector<std::byte> part = io::split_tensor_parallel(model, k, s.bytes, elem);
+      part.resize(static_cast<size_t>(padded) * elem);
+      sections.push_back({s.name, std::move(part)});
+    }
+    io::write_state(tp / ("rank" + std::to_string(k)), meta, sections);
+  }
+  return tp;
+}
+
+TEST_F(CliConsolidate, TensorParallelCheckpointsGiveTheWholeModelOrOneRanksPart) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "f32");
+    const fs::path ckpt = train(bf16);
+    const fs::path tp = as_tensor_parallel(ckpt, dir_ / "tp");
+    for (const std::string dtype : {"working", "f32"}) {
+      SCOPED_TRACE(dtype);
+      // The tp ranks joined are the one-rank checkpoint's weights, bit for bit.
+      const fs::path want = dir_ / "one.safetensors", got = dir_ / "joined.safetensors";
+      ASSERT_EQ(porter({"consolidate", "--checkpoint", ckpt.string(), "--out", want.string(),
+                        "--dtype", dtype}).rc, kExitOk);
+      const CliRun r = porter({"consolidate", "--checkpoint", tp.string(), "--out", got.string(),
+                               "--dtype", dtype});
+      ASSERT_EQ(r.rc, kExitOk) << r.err;
+      EXPECT_TRUE(contains(r.out, "  ranks read  2 (dp 1 x tp 2: the tp ranks' parts joined into "
+                                  "the whole model, ZeRO stage 0)\n")) << r.out;
+      io::WeightMetadata meta;
+      const std::vector<io::WeightTensor> joined = io::read_safetensors(got, &meta);
+      const std::vector<io::WeightTensor> whole = io::read_safetensors(want);
+      EXPECT_EQ(meta.count("porter.tp_rank"), 0u);
+      ASSERT_EQ(joined.size(), whole.size());
+      for (size_t i = 0; i < whole.size(); ++i) {
+        EXPECT_EQ(joined[i].name, whole[i].name);
+        EXPECT_EQ(joined[i].shape, whole[i].shape) << whole[i].name;
+        EXPECT_EQ(joined[i].dtype, whole[i].dtype) << whole[i].name;
+        EXPECT_TRUE(joined[i].bytes == whole[i].bytes) << whole[i].name;
+      }
+    }
+    // One rank's part with --tp-rank: its layout's (split) shapes.
+    const fs::path out = dir_ / "tp1.safetensors";
+    CliRun r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "1"});
+    ASSERT_EQ(r.rc, kExitOk) << r.err;
+    EXPECT_TRUE(contains(r.out, "  ranks read  1 of 2 (dp 1 x tp 2: tp rank 1's, ZeRO stage 0)\n")) << r.out;
+    io::WeightMetadata meta;
+    const std::vector<io::WeightTensor> part = io::read_safetensors(out, &meta);
+    EXPECT_EQ(meta["porter.tp_rank"], "1");
+    const json layout = read_json(tp / "rank1" / "meta.json")["layout"];
+    ASSERT_EQ(part.size(), layout["params"].size());
+    for (size_t i = 0; i < part.size(); ++i) EXPECT_EQ(json(part[i].shape), layout["params"][i]["shape"]);
+    r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "2"});
+    EXPECT_EQ(r.rc, kExitInvalid);
+    EXPECT_TRUE(contains(r.err, "tp rank 2 is not in")) << r.err;
+    fs::remove_all(ckpt);
+    fs::remove_all(tp);
+  }
+}
+
+TEST_F(CliConsolidate, TensorParallelRanksThatAreNotTheModelsPartsAreNotJoined) {
   const fs::path ckpt = train(false);
-  // Two tensor-parallel ranks of one data-parallel rank: rank1 a copy of rank0 here.
+  // Two "tensor-parallel ranks" that are copies of the one-rank state: not tensor_parallel 2's
+  // parts of the model.
   const fs::path tp = dir_ / "tp";
   for (const char* r : {"rank0", "rank1"}) {
     io::LoadedState s = io::read_state(ckpt);
@@ -123,19 +209,13 @@ TEST_F(CliConsolidate, TensorParallelCheckpointsNeedTpRank) {
   const fs::path out = dir_ / "tp.safetensors";
   CliRun r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string()});
   EXPECT_EQ(r.rc, kExitInvalid);
-  EXPECT_TRUE(contains(r.err, "error: consolidating a tensor-parallel checkpoint is not supported: "
-                              "each tp rank holds a different part of the model; pass --tp-rank K "
-                              "to write that rank's part")) << r.err;
+  EXPECT_TRUE(contains(r.err, "'s tp rank 0 does not hold the part of the model its config.model "
+                              "describes (the model layout at parameter 0: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "so the tp ranks cannot be joined into the whole model; pass "
+                              "--tp-rank K to write one rank's part (K in 0..1)")) << r.err;
   EXPECT_FALSE(fs::exists(out));
   r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "1"});
   ASSERT_EQ(r.rc, kExitOk) << r.err;
-  EXPECT_TRUE(contains(r.out, "  ranks read  1 of 2 (dp 1 x tp 2: tp rank 1's, ZeRO stage 0)\n")) << r.out;
-  io::WeightMetadata meta;
-  EXPECT_FALSE(io::read_safetensors(out, &meta).empty());
-  EXPECT_EQ(meta["porter.tp_rank"], "1");
-  r = porter({"consolidate", "--checkpoint", tp.string(), "--out", out.string(), "--tp-rank", "2"});
-  EXPECT_EQ(r.rc, kExitInvalid);
-  EXPECT_TRUE(contains(r.err, "tp rank 2 is not in")) << r.err;
 }
 
 TEST_F(CliConsolidate, BadArgumentsAndMissingCheckpoints) {

@@ -1,8 +1,9 @@
 // Consolidated weights (io/consolidate.h): checkpoints the Engine wrote at one and two
 // ranks (ZeRO stages 0, 1, 2; f32 and bf16) give back exactly the engine's parameters and
-// master weights, the same at every stage; synthetic stage-3 and tensor-parallel rank directories are assembled from
-// their shards; incomplete, mixed and foreign directories are refused with messages that
-// name the problem.
+// master weights, the same at every stage; synthetic stage-3 and tensor-parallel rank
+// directories are assembled from their shards (the whole model from tensor-parallel ranks is
+// tests/cli/consolidate_test.cc's and tests/engine/reshard_test.cc's); incomplete, mixed and
+// foreign directories are refused with messages that name the problem.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -352,13 +353,15 @@ TEST(ConsolidateTest, StageThreeShardsAreAssembled) {
   fs::remove_all(dir);
 }
 
-TEST(ConsolidateTest, TensorParallelNeedsATpRank) {
+TEST(ConsolidateTest, TensorParallelRanksOneAtATimeOrJoinedThroughTheModel) {
   const fs::path dir = temp_dir("tp");
   write_synthetic(dir, {.dp = 2, .tp = 2, .stage = 1});
-  const std::string msg = error_of<InvalidArgument>([&] { consolidate(dir, io::WeightsDType::kWorking); });
-  EXPECT_THAT(msg, HasSubstr("consolidating a tensor-parallel checkpoint is not supported: each tp "
-                             "rank holds a different part of the model; pass --tp-rank K to write "
-                             "that rank's part"));
+  // Without tp_rank the parts are joined into the whole model that config.model describes,
+  // which these synthetic layouts are not the parts of.
+  const std::string msg = error_of<IoError>([&] { consolidate(dir, io::WeightsDType::kWorking); });
+  EXPECT_THAT(msg, HasSubstr("'s tp rank 0 does not hold the part of the model its config.model "
+                             "describes (the model layout at parameter 0: "));
+  EXPECT_THAT(msg, HasSubstr("pass --tp-rank K to write one rank's part (K in 0..1)"));
   for (int k : {0, 1}) {
     SCOPED_TRACE(k);
     io::ConsolidateOptions o;
