@@ -1,5 +1,6 @@
 // The rendezvous stores (comm/store.h): InMemoryStore and PrefixStore semantics, TcpStore with
-// clients on threads and in forked processes, timeouts, and a server that goes away.
+// clients on threads and in forked processes (with and without the token), timeouts, and a
+// server that goes away. Admission and a stranger's cost: store_security_test.cc.
 #include "comm/store.h"
 
 #include <arpa/inet.h>
@@ -430,6 +431,67 @@ TEST(TcpStoreProcesses, ChildrenAndParentSetGetWaitAdd) {
   for (int i = 0; i < kChildren; ++i) acks.push_back("ack/" + std::to_string(i));
   server.wait(acks, 5s);
   for (int i = 0; i < kChildren; ++i) EXPECT_EQ(child_exit_code(pids[i]), 0) << "child " << i;
+}
+
+// Exit codes: 0 refused with a PeerError naming the token, 1 admitted, 2 another error.
+int run_stranger(uint16_t port, const std::string& token) {
+  try {
+    TcpStoreOptions o = client_options(port, 5s);
+    o.token = token;
+    TcpStore c(o);
+    c.set_string("stranger", "was here");
+    return 1;
+  } catch (const PeerError& e) {
+    return std::string(e.what()).find("PORTER_STORE_TOKEN") != std::string::npos ? 0 : 2;
+  } catch (const std::exception&) {
+    return 2;
+  }
+}
+
+TEST(TcpStoreProcesses, OnlyProcessesWithTheTokenJoin) {
+  const uint16_t port = free_port();
+  const std::string token = "a shared secret";
+  constexpr int kChildren = 2;
+  std::vector<pid_t> members;
+  for (int i = 0; i < kChildren; ++i) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      // run_child with the token: the world joins and works as without one.
+      try {
+        TcpStoreOptions o = client_options(port, 5s);
+        o.world_size = kChildren + 1;
+        o.token = token;
+        TcpStore c(o);
+        c.add("count", 1);
+        c.set_string("child/" + std::to_string(i), "ok");
+        ::_exit(c.get_string("from_parent", 5s) == "hello" ? 0 : 2);
+      } catch (...) {
+        ::_exit(1);
+      }
+    }
+    members.push_back(pid);
+  }
+  std::vector<pid_t> strangers;
+  for (const std::string& t : {std::string(), std::string("a guess")}) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) ::_exit(run_stranger(port, t));
+    strangers.push_back(pid);
+  }
+  TcpStoreOptions o = server_options();
+  o.port = port;
+  o.world_size = kChildren + 1;
+  o.token = token;
+  TcpStore server(o);
+  server.wait({"child/0", "child/1"}, 5s);
+  EXPECT_EQ(server.add("count", 0), kChildren);
+  server.set_string("from_parent", "hello");
+  for (size_t i = 0; i < strangers.size(); ++i) {
+    EXPECT_EQ(child_exit_code(strangers[i]), 0) << "stranger " << i;
+  }
+  for (int i = 0; i < kChildren; ++i) EXPECT_EQ(child_exit_code(members[i]), 0) << "child " << i;
+  EXPECT_FALSE(server.check("stranger"));
 }
 
 TEST(TcpStoreProcesses, ServerKilledWhileTheParentWaitsGivesPeerError) {
