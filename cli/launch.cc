@@ -6,7 +6,9 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <fstream>
 #include <optional>
+#include <stdexcept>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -145,7 +147,8 @@ void signal_children(std::vector<Child>& children, int sig) {
 
 // Starts one child. Returns its pid; throws UsageError when it cannot start.
 pid_t spawn_child(const LaunchOptions& o, int rank, uint16_t port,
-                  const std::vector<std::string>& base_env, Child& child) {
+                  const std::vector<std::string>& base_env,
+                  const std::vector<std::string>& extra_env, Child& child) {
   int out_pipe[2], err_pipe[2];
   if (::pipe2(out_pipe, O_CLOEXEC) != 0) throw IoError("launch: pipe: " + errno_text(errno));
   Fd out_read(out_pipe[0]), out_write(out_pipe[1]);
@@ -153,7 +156,8 @@ pid_t spawn_child(const LaunchOptions& o, int rank, uint16_t port,
   Fd err_read(err_pipe[0]), err_write(err_pipe[1]);
 
   const std::vector<std::string> env =
-      child_environment(base_env, rank, o.nproc, o.master_addr, port);
+      child_environment(base_env, o.node_rank * o.nproc + rank, o.nnodes * o.nproc,
+                        o.master_addr, port, rank, o.nproc, extra_env);
   std::vector<char*> envp, argv;
   for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
@@ -189,8 +193,8 @@ pid_t spawn_child(const LaunchOptions& o, int rank, uint16_t port,
   }
   child.pid = pid;
   child.alive = true;
-  child.exit.rank = rank;
-  const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+  child.exit.rank = o.node_rank * o.nproc + rank;  // the world rank
+  const std::string prefix = "[rank " + std::to_string(child.exit.rank) + "] ";
   child.streams[0].fd = std::move(out_read);
   child.streams[1].fd = std::move(err_read);
   for (Stream& s : child.streams) s.prefix = prefix;
@@ -199,9 +203,16 @@ pid_t spawn_child(const LaunchOptions& o, int rank, uint16_t port,
 
 }  // namespace
 
+const RankExit& LaunchResult::first_failure() const {
+  for (const RankExit& e : ranks) {
+    if (e.rank == first_failed_rank) return e;
+  }
+  throw std::logic_error("LaunchResult: no rank failed");
+}
+
 int LaunchResult::exit_code() const {
   if (ok()) return 0;
-  const RankExit& first = ranks.at(static_cast<size_t>(first_failed_rank));
+  const RankExit& first = first_failure();
   return first.signaled ? 128 + first.code : first.code;
 }
 
@@ -229,7 +240,9 @@ uint16_t free_port() {
 
 std::vector<std::string> child_environment(const std::vector<std::string>& base, int rank,
                                            int world_size, const std::string& master_addr,
-                                           uint16_t master_port) {
+                                           uint16_t master_port, int local_rank,
+                                           int local_world_size,
+                                           const std::vector<std::string>& extra) {
   static const char* const kSet[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                      "MASTER_ADDR", "MASTER_PORT"};
   std::vector<std::string> env;
@@ -241,10 +254,16 @@ std::vector<std::string> child_environment(const std::vector<std::string>& base,
   }
   env.push_back("RANK=" + std::to_string(rank));
   env.push_back("WORLD_SIZE=" + std::to_string(world_size));
-  env.push_back("LOCAL_RANK=" + std::to_string(rank));
-  env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(world_size));
+  env.push_back("LOCAL_RANK=" + std::to_string(local_rank < 0 ? rank : local_rank));
+  env.push_back("LOCAL_WORLD_SIZE=" +
+                std::to_string(local_world_size < 0 ? world_size : local_world_size));
   env.push_back("MASTER_ADDR=" + master_addr);
   env.push_back("MASTER_PORT=" + std::to_string(master_port));
+  for (const std::string& e : extra) {
+    const std::string name = e.substr(0, e.find('='));
+    std::erase_if(env, [&](const std::string& x) { return x.compare(0, name.size() + 1, name + "=") == 0; });
+    env.push_back(e);
+  }
   return env;
 }
 
@@ -258,26 +277,39 @@ std::string self_executable() {
   return path;
 }
 
-LaunchResult launch(const LaunchOptions& o, std::ostream& out, std::ostream& err) {
-  if (o.nproc < 1) throw UsageError("launch: -n must be at least 1, got " + std::to_string(o.nproc));
-  if (o.command.empty() || o.command[0].empty()) {
-    throw UsageError("launch: no command: give it after --, e.g. porter launch -n 2 -- porter "
-                     "train --config cfg.json");
+namespace {
+
+// 32 hex digits from /dev/urandom (Note [Store token]).
+std::string random_token() {
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  unsigned char bytes[16];
+  if (!in.read(reinterpret_cast<char*>(bytes), sizeof bytes)) {
+    throw IoError("launch: cannot read /dev/urandom for the store token; set PORTER_STORE_TOKEN");
   }
-  if (o.master_addr.empty()) throw UsageError("launch: --master-addr is empty");
-  if (!(o.timeout_s >= 0)) throw UsageError("launch: --timeout must be >= 0 seconds");
+  static const char* const kHex = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token += kHex[b >> 4];
+    token += kHex[b & 15];
+  }
+  return token;
+}
 
+bool has_variable(const std::vector<std::string>& env, const std::string& name) {
+  for (const std::string& e : env) {
+    if (e.compare(0, name.size() + 1, name + "=") == 0) return true;
+  }
+  return false;
+}
+
+// One world: starts the children and waits for all of them. With end_at_failure, the first
+// failure ends the others at once (Note [Restarts]); else they get o.timeout_s.
+LaunchResult run_world(const LaunchOptions& o, uint16_t port,
+                       const std::vector<std::string>& base_env,
+                       const std::vector<std::string>& extra_env, bool end_at_failure,
+                       std::ostream& out, std::ostream& err) {
   LaunchResult result;
-  result.master_port = o.master_port != 0 ? o.master_port : free_port();
-  std::vector<std::string> base_env;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) base_env.emplace_back(*e);
-
-  std::string shown;
-  for (const std::string& a : o.command) shown += (shown.empty() ? "" : " ") + a;
-  err << "launch: " << o.nproc << " rank" << (o.nproc == 1 ? "" : "s") << ", MASTER_ADDR="
-      << o.master_addr << " MASTER_PORT=" << result.master_port << ": " << shown << "\n"
-      << std::flush;
-
+  result.master_port = port;
   SignalForwarding forwarding;
   std::vector<Child> children(static_cast<size_t>(o.nproc));
   for (int r = 0; r < o.nproc; ++r) {
@@ -285,7 +317,7 @@ LaunchResult launch(const LaunchOptions& o, std::ostream& out, std::ostream& err
     c.streams[0].sink = &out;
     c.streams[1].sink = &err;
     try {
-      spawn_child(o, r, result.master_port, base_env, c);
+      spawn_child(o, r, result.master_port, base_env, extra_env, c);
     } catch (...) {
       signal_children(children, SIGKILL);
       for (Child& k : children) {
@@ -356,7 +388,13 @@ LaunchResult launch(const LaunchOptions& o, std::ostream& out, std::ostream& err
       if (result.first_failed_rank < 0) {
         result.first_failed_rank = c.exit.rank;
         err << "launch: rank " << c.exit.rank << " failed (" << c.exit.describe() << ")";
-        if (alive > 0) {
+        if (alive > 0 && end_at_failure) {
+          err << "; ending the other " << alive << " rank" << (alive == 1 ? "" : "s");
+          for (Child& k : children) {
+            if (k.alive) k.exit.killed = true;
+          }
+          signal_children(children, SIGKILL);
+        } else if (alive > 0) {
           err << "; giving the other " << alive << " rank" << (alive == 1 ? "" : "s")
               << " up to " << o.timeout_s << " s to exit";
           if (!fail_deadline) {
@@ -414,6 +452,80 @@ LaunchResult launch(const LaunchOptions& o, std::ostream& out, std::ostream& err
     err << " first failure: rank " << result.first_failed_rank << "\n" << std::flush;
   }
   return result;
+}
+
+// Note [Restarts]: whether a failed world is started again.
+bool restartable(const LaunchResult& r) {
+  if (r.ok() || r.forwarded_signal != 0) return false;
+  const RankExit& first = r.first_failure();
+  return first.signaled || (first.code != 1 && first.code != kExitPreempted);
+}
+
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o, std::ostream& out, std::ostream& err) {
+  if (o.nproc < 1) throw UsageError("launch: -n must be at least 1, got " + std::to_string(o.nproc));
+  if (o.command.empty() || o.command[0].empty()) {
+    throw UsageError("launch: no command: give it after --, e.g. porter launch -n 2 -- porter "
+                     "train --config cfg.json");
+  }
+  if (o.master_addr.empty()) throw UsageError("launch: --master-addr is empty");
+  if (!(o.timeout_s >= 0)) throw UsageError("launch: --timeout must be >= 0 seconds");
+  if (o.max_restarts < 0) throw UsageError("launch: --max-restarts must be >= 0");
+  if (o.nnodes < 1) throw UsageError("launch: --nnodes must be at least 1");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes) {
+    throw UsageError("launch: --node-rank " + std::to_string(o.node_rank) + " must be in 0.." +
+                     std::to_string(o.nnodes - 1) + " (--nnodes " + std::to_string(o.nnodes) + ")");
+  }
+  if (o.nnodes > 1 && o.master_port == 0) {
+    throw UsageError("launch: --nnodes " + std::to_string(o.nnodes) + " needs --master-port: "
+                     "every node's ranks must meet rank 0's store at the same port");
+  }
+  if (o.nnodes > 1 && (o.master_addr == "127.0.0.1" || o.master_addr == "localhost")) {
+    err << "launch: warning: --master-addr " << o.master_addr << " with --nnodes " << o.nnodes
+        << ": the other nodes cannot reach a loopback address; give node 0's address\n";
+  }
+  std::vector<std::string> base_env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) base_env.emplace_back(*e);
+  std::vector<std::string> extra_env;
+  if (!has_variable(base_env, "PORTER_STORE_TOKEN") &&
+      !has_variable(base_env, "PORTER_STORE_TOKEN_FILE")) {
+    if (o.nnodes == 1) {
+      extra_env.push_back("PORTER_STORE_TOKEN=" + random_token());  // Note [Store token]
+    } else {
+      err << "launch: warning: no PORTER_STORE_TOKEN or PORTER_STORE_TOKEN_FILE: rank 0's store "
+             "will admit any connection; give every node the same token\n";
+    }
+  }
+  for (int attempt = 0;; ++attempt) {
+    std::vector<std::string> env = extra_env;
+    env.push_back("PORTER_RESTART=" + std::to_string(attempt));
+    const uint16_t port = o.master_port != 0 ? o.master_port : free_port();
+    std::string shown;
+    for (const std::string& a : o.command) shown += (shown.empty() ? "" : " ") + a;
+    err << "launch: " << o.nproc << " rank" << (o.nproc == 1 ? "" : "s");
+    if (o.nnodes > 1) {
+      err << " (" << o.node_rank * o.nproc << ".." << (o.node_rank + 1) * o.nproc - 1 << " of "
+          << o.nnodes * o.nproc << ", node " << o.node_rank << " of " << o.nnodes << ")";
+    }
+    err << ", MASTER_ADDR=" << o.master_addr << " MASTER_PORT=" << port
+        << (attempt > 0 ? ", restart " + std::to_string(attempt) + " of " +
+                              std::to_string(o.max_restarts)
+                        : std::string())
+        << ": " << shown << "\n" << std::flush;
+    LaunchResult r =
+        run_world(o, port, base_env, env, attempt < o.max_restarts, out, err);
+    r.restarts = attempt;
+    if (attempt >= o.max_restarts || !restartable(r)) {
+      if (!r.ok() && attempt > 0) {
+        err << "launch: gave up after " << attempt << " restart" << (attempt == 1 ? "" : "s")
+            << " (--max-restarts " << o.max_restarts << ")\n" << std::flush;
+      }
+      return r;
+    }
+    err << "launch: restarting the world from its latest checkpoint (restart " << attempt + 1
+        << " of " << o.max_restarts << ")\n" << std::flush;
+  }
 }
 
 }  // namespace porter::cli

@@ -5,6 +5,7 @@
 // memory page, tensor dump, training checkpoint and Hugging Face export; on one rank, or as
 // one rank of a launched world (Note [Distributed train]).
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,17 +23,20 @@
 #include "cli/launch.h"
 #include "cli/memory_page.h"
 #include "cli/train_report.h"
+#include "cli/train_resilience.h"
 #include "cli/train_trace.h"
 #include "comm/communicator.h"
 #include "comm/env.h"
 #include "comm/store.h"
 #include "io/data.h"
+#include "engine/checkpointer.h"
 #include "engine/engine.h"
 #include "engine/stage3.h"
 #include "engine/forecast.h"
 #include "engine/host_fit.h"
 #include "engine/whole_params.h"
 #include "io/hf_checkpoint.h"
+#include "io/run_dir.h"
 #include "engine/model.h"
 #include "engine/trace.h"
 #include "kernels/kernel_table.h"
@@ -56,6 +60,19 @@ std::string describe_kernel_table(const kernels::KernelTable& table) {
                            "report's kernel_table to repeat its bits (porter.device.kernel_table)");
 }
 
+// PORTER_RESTART, set by porter launch (Note [Restarts] in cli/launch.h); 0 when absent.
+int restart_count() {
+  const char* v = std::getenv("PORTER_RESTART");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 0 || n > 1'000'000) {
+    throw InvalidArgument(std::string("environment variable PORTER_RESTART=\"") + v +
+                          "\" is not a restart count (porter launch sets it); unset it");
+  }
+  return static_cast<int>(n);
+}
+
 struct TrainOptions {
   ConfigArgs config_args;  // --config files and --set overrides
   std::optional<int> nproc;
@@ -63,6 +80,8 @@ struct TrainOptions {
   std::optional<int> trace_rank;
   std::string report, trace, dump_dir, save, resume;
   std::string save_hf;  // a Hugging Face model directory written at the end
+  std::optional<int64_t> save_every;  // porter.train.save_every
+  std::optional<int> max_restarts;    // with --nproc: the launcher's
   std::string memory_page;  // the last step's, drawn by rank 0
   bool strict = false;
   bool no_preflight = false;
@@ -212,11 +231,11 @@ class Progress {
 std::vector<std::string> without_nproc(const std::vector<std::string>& args) {
   std::vector<std::string> kept;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--nproc") {
+    if (args[i] == "--nproc" || args[i] == "--max-restarts") {
       ++i;  // and its value
       continue;
     }
-    if (args[i].rfind("--nproc=", 0) == 0) continue;
+    if (args[i].rfind("--nproc=", 0) == 0 || args[i].rfind("--max-restarts=", 0) == 0) continue;
     kept.push_back(args[i]);
   }
   return kept;
@@ -232,6 +251,7 @@ int train_nproc(const TrainOptions& o, const CommandContext& ctx) {
   }
   LaunchOptions lo;
   lo.nproc = *o.nproc;
+  lo.max_restarts = o.max_restarts.value_or(0);
   lo.command = {self_executable()};
   for (std::string& a : without_nproc(ctx.args)) lo.command.push_back(std::move(a));
   return launch(lo, *ctx.out, *ctx.err).exit_code();  // the first failed rank's code
@@ -259,6 +279,7 @@ World join_world(const comm::DistEnv& env, const config::Config& cfg, memory::De
   so.is_server = env.rank == 0;
   so.timeout = timeout;
   so.world_size = env.world_size;
+  so.token = env.store_token;
   w.store = std::make_shared<comm::TcpStore>(so);
   comm::CommOptions co;
   co.group_name = "world";
@@ -375,6 +396,28 @@ int train(const TrainOptions& o, CommandContext& ctx) {
   std::ostream& err = env.rank == 0 ? *ctx.err : quiet;
   config::Config cfg = load_config(o.config_args, o.strict, err, env.world_size);
   if (o.steps) cfg.porter.train.steps = *o.steps;
+  if (o.max_restarts) {
+    throw UsageError("--max-restarts: only with --nproc (porter train starts the world then); "
+                     "under another launcher give it to porter launch");
+  }
+  if (o.save_every) cfg.porter.train.save_every = *o.save_every;
+  if (cfg.porter.train.save_every > 0 && o.save.empty()) {
+    err << "warning: porter.train.save_every " << cfg.porter.train.save_every
+        << " without --save: no checkpoint is written; give --save DIR\n";
+  }
+  // Every output is checked before anything is built (Note [Preemption]'s sibling: a run
+  // must not train for hours and then find it cannot write). Rank 0 writes the files; every
+  // rank writes its part of --save.
+  std::vector<OutputPath> outputs = {{"--save", o.save, true}};
+  if (env.rank == 0) {
+    const std::string trace_file = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
+    outputs.push_back({"--save-hf", o.save_hf, true});
+    outputs.push_back({"--report", o.report, false});
+    outputs.push_back({"--trace", trace_file, false});
+    outputs.push_back({"--memory-page", o.memory_page, false});
+    outputs.push_back({"--dump-dir", o.dump_dir, true});
+  }
+  check_output_paths(outputs);
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
   std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
@@ -430,18 +473,31 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     throw UsageError("--trace-rank: there is no trace to write; give --trace FILE (or set "
                      "porter.trace.path)");
   }
+  // Note [Restarts] in cli/launch.h: a restarted world resumes from its own run directory.
+  const int restart = restart_count();
+  std::string resume_arg = o.resume;
+  if (resume_arg.empty() && restart > 0 && !o.save.empty() &&
+      (io::is_run_dir(o.save) || io::is_checkpoint(o.save))) {
+    resume_arg = o.save;
+  }
+  std::string resume_dir;
+  if (!resume_arg.empty()) {
+    resume_dir = choose_resume(resume_arg, w.store.get(), w.env.rank, w.env.world_size,
+                               comm::Seconds(cfg.porter.comm.timeout_s), err)
+                     .string();
+  }
   std::string weights_line;
   nlohmann::json hf_source;  // the config.json that --save-hf carries token ids over from
   if (cfg.porter.model.from) {
-    if (o.resume.empty()) {
+    if (resume_dir.empty()) {
       weights_line = load_hf_weights(cfg, eng, w.tp_rank);
     } else {
-      weights_line = "  weights: from --resume " + o.resume + " (" + *cfg.porter.model.from +
+      weights_line = "  weights: from --resume " + resume_dir + " (" + *cfg.porter.model.from +
                      " gave the model's shape)\n";
     }
     if (!o.save_hf.empty()) hf_source = io::read_hf_config(*cfg.porter.model.from).json;
   }
-  if (!o.resume.empty()) eng.load_checkpoint(o.resume);
+  if (!resume_dir.empty()) eng.load_checkpoint(resume_dir);
   // Every rank records its steps: rank 0's last one is --memory-page's, and any rank's step
   // that runs out of memory is drawn up to the failure (Note [Out-of-memory page]).
   eng.record_step_memory(true);
@@ -455,6 +511,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     run.validation_micro_batches = val->micro_batches();
   }
   run.start_step = eng.step();
+  run.restarts = restart;
+  run.resumed_from = resume_dir;
   run.world_size = w.env.world_size;
   if (w.world) run.comm_backend = std::string(w.world->backend());
   const int64_t last = cfg.porter.train.steps;
@@ -492,7 +550,27 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
         << (w.world ? ", " + run.comm_backend : std::string()) << "), ZeRO stage "
         << cfg.zero_optimization.stage << "; memory figures are per rank\n";
   }
-  if (run.start_step > 0) out << "  resumed from " << o.resume << " at step " << run.start_step << "\n";
+  if (!resume_dir.empty()) {
+    out << "  resumed from " << resume_dir << " at step " << run.start_step
+        << (restart > 0 ? " (restart " + std::to_string(restart) + ")" : std::string()) << "\n";
+  } else if (restart > 0) {
+    out << "  restart " << restart << ": no checkpoint in " << (o.save.empty() ? "--save" : o.save)
+        << " yet, starting from step 0\n";
+  }
+  const int64_t save_every = cfg.porter.train.save_every;
+  std::unique_ptr<engine::Checkpointer> checkpointer;
+  if (!o.save.empty() && save_every > 0) {
+    engine::CheckpointerOptions co;
+    co.run_dir = o.save;
+    co.keep = cfg.porter.train.keep_checkpoints;
+    co.store = w.store.get();
+    co.rank = w.env.rank;
+    co.world_size = w.env.world_size;
+    co.timeout = comm::Seconds(cfg.porter.comm.timeout_s);
+    checkpointer = std::make_unique<engine::Checkpointer>(co);
+    out << "  checkpoints: " << o.save << "/step-<N> every " << save_every
+        << " steps and after the last, the newest " << co.keep << " kept\n";
+  }
   if (const auto s3 = engine::stage3_report(eng)) { out << "  " << s3->line() << "\n"; if (!s3->warning.empty()) err << "warning: " << s3->warning << "\n"; }  // Note [Stage 3 sizing]
   out << std::flush;
   {
@@ -515,6 +593,8 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     trace->write_file(trace_path);
     return true;
   };
+  StopSignals stop;  // Note [Preemption]
+  int stopped_by = 0;
   try {
     while (eng.step() < last) {
       const int64_t step = eng.step();
@@ -541,6 +621,14 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
                       eng.dp_size() > 1 ? " on each data-parallel rank" : "");
         progress.note(line);
       }
+      if (checkpointer && r.step % save_every == 0 && r.step < last) {
+        checkpointer->save(eng);
+      }
+      if (stop.stop_agreed(w.store.get(), w.env.world_size, r.step,
+                           comm::Seconds(cfg.porter.comm.timeout_s))) {
+        stopped_by = stop.signal() != 0 ? stop.signal() : SIGTERM;
+        break;
+      }
     }
   } catch (...) {
     progress.interrupt();
@@ -559,7 +647,27 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
   run.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // Every rank saves its own state (engine/state.cc: `dir`/rank<r> with several ranks).
-  if (!o.save.empty()) eng.save_checkpoint(o.save);
+  if (checkpointer) {
+    checkpointer->save(eng);
+    checkpointer->wait();
+    run.checkpoints = checkpointer->records();
+  } else if (!o.save.empty()) {
+    eng.save_checkpoint(o.save);
+  }
+  if (stopped_by != 0) {
+    progress.interrupt();
+    run.stopped_by = signal_name(stopped_by);
+    if (w.leader()) {
+      err << "porter train: stopped by " << run.stopped_by << " after step " << eng.step()
+          << " of " << last;
+      if (o.save.empty()) {
+        err << "; nothing saved (no --save)\n";
+      } else {
+        err << "; saved " << (checkpointer ? checkpointer->records().back().path.string() : o.save)
+            << ". Resume with the same command and --resume " << o.save << "\n";
+      }
+    }
+  }
   std::optional<io::HfExport> hf_export;
   if (!o.save_hf.empty()) {
     // Every rank takes part in the gather; rank 0 writes.
@@ -605,7 +713,12 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       out << "dump: " << o.dump_dir << " (step " << run.steps.back().step - 1 << ")\n";
     }
   }
-  if (!o.save.empty()) {
+  if (checkpointer) {
+    const engine::CheckpointRecord& c = checkpointer->records().back();
+    out << "saved: " << c.path.string() << " (step " << c.step << "; latest in " << o.save
+        << "; snapshot " << format_seconds(c.snapshot_s) << ", write " << format_seconds(c.write_s)
+        << ")" << "\n";
+  } else if (!o.save.empty()) {
     out << "saved: " << o.save << " (step " << eng.step() << ")"
         << (w.distributed() ? ", one rank<r> folder per rank" : "") << "\n";
   }
@@ -617,7 +730,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
         << " parameters, " << tensor::dtype_name(eng.compute_dtype()) << ", "
         << format_bytes(hf_export->bytes) << ")\n";
   }
-  return kExitOk;
+  return stopped_by != 0 ? kExitPreempted : kExitOk;
 }
 
 }  // namespace
@@ -642,8 +755,19 @@ void add_train_command(CLI::App& app, CommandContext& context) {
                   "Write the last step's memory, measured and predicted, as one HTML page");
   cmd->add_option("--dump-dir", o->dump_dir,
                   "Dump the last step's parameters, gradients and inputs as .npy (docs/dump-format.md)");
-  cmd->add_option("--save", o->save, "Save a training checkpoint to this directory at the end");
-  cmd->add_option("--resume", o->resume, "Resume from a training checkpoint directory");
+  cmd->add_option("--save", o->save,
+                  "Save a training checkpoint to this directory at the end (with --save-every, "
+                  "DIR/step-<N> every N steps, DIR/latest naming the newest)");
+  cmd->add_option("--save-every", o->save_every,
+                  "With --save: a checkpoint every N steps and at the end (porter.train.save_every)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  cmd->add_option("--resume", o->resume,
+                  "Resume from a training checkpoint, or from the newest good one of a --save "
+                  "run directory");
+  cmd->add_option("--max-restarts", o->max_restarts,
+                  "With --nproc: start the world again after a rank fails, at most N times, "
+                  "from --save's latest checkpoint")
+      ->check(CLI::Range(0, 1000000));
   cmd->add_option("--save-hf", o->save_hf,
                   "Write the trained model to this directory at the end as a Hugging Face model "
                   "(config.json and model.safetensors, in the compute dtype)")
@@ -652,7 +776,8 @@ void add_train_command(CLI::App& app, CommandContext& context) {
   cmd->add_flag("--no-preflight", o->no_preflight,
                 "Start even when the forecast total peak per rank exceeds the device's memory");
   cmd->footer("Exit codes: 0 success, 1 usage error, 2 invalid config or input, 3 out of "
-              "memory; with --nproc, the code of the first rank that failed.");
+              "memory, 5 stopped by SIGTERM or SIGINT after saving (resume with --resume); with "
+              "--nproc, the code of the first rank that failed.");
   cmd->callback([o, &context] { context.exit_code = train(*o, context); });
 }
 

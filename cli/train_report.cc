@@ -184,6 +184,22 @@ ordered_json train_report(const TrainRun& run, engine::Engine& engine) {
   j["kernel_table"] = ordered_json::parse(engine.kernel_table().to_json().dump());
   j["num_params"] = engine.model().layout().num_params();
   j["start_step"] = run.start_step;
+  j["resumed_from"] = run.resumed_from.empty() ? ordered_json() : ordered_json(run.resumed_from);
+  j["restarts"] = run.restarts;
+  j["stopped_by"] = run.stopped_by.empty() ? ordered_json() : ordered_json(run.stopped_by);
+  {
+    // Note [Background checkpoints]: the step waits only for the snapshot.
+    ordered_json saves = ordered_json::array();
+    for (const engine::CheckpointRecord& c : run.checkpoints) {
+      saves.push_back({{"step", c.step},
+                       {"path", c.path.string()},
+                       {"bytes", c.bytes},
+                       {"snapshot_s", c.snapshot_s},
+                       {"write_s", c.write_s},
+                       {"publish_s", c.publish_s}});
+    }
+    j["checkpoints"] = saves;
+  }
   j["steps"] = run.steps.size();
   j["tokens_per_step"] = run.steps.empty() ? 0 : run.steps.front().tokens;
   ordered_json losses = ordered_json::array(), lrs = ordered_json::array(),

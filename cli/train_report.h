@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/checkpointer.h"
 #include "engine/engine.h"
 
 namespace porter::cli {
@@ -37,6 +38,10 @@ struct TrainRun {
   // Every rank's rank_json(), by rank (this rank's alone when it runs alone); Note [Per-rank
   // report].
   std::vector<nlohmann::ordered_json> ranks;
+  int restarts = 0;          // worlds started before this one (PORTER_RESTART)
+  std::string resumed_from;  // the checkpoint loaded; empty when none
+  std::vector<engine::CheckpointRecord> checkpoints;  // rank 0's saves, oldest first
+  std::string stopped_by;    // "SIGTERM" when preempted; empty when the run finished
 };
 
 struct StepTimes {

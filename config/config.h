@@ -252,6 +252,11 @@ struct TrainConfig {
   // last step only), over eval_micro_batches micro-batches of the training shape.
   int64_t eval_every = 0;
   int64_t eval_micro_batches = 8;
+  // With --save DIR: a checkpoint DIR/step-<N> every save_every steps and after the last
+  // (0: after the last only), of which the newest keep_checkpoints stay (Note [Run
+  // directory] in io/run_dir.h).
+  int64_t save_every = 0;
+  int64_t keep_checkpoints = 2;
   bool operator==(const TrainConfig&) const = default;
 };
 

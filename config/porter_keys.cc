@@ -268,6 +268,8 @@ constexpr Key<TrainConfig> kTrainKeys[] = {
     {"log_every", &TrainConfig::log_every, kPositive},
     {"eval_every", &TrainConfig::eval_every, IntRange{0, kInt64Max}},
     {"eval_micro_batches", &TrainConfig::eval_micro_batches, IntRange{1, 1 << 20}},
+    {"save_every", &TrainConfig::save_every, IntRange{0, kInt64Max}},
+    {"keep_checkpoints", &TrainConfig::keep_checkpoints, IntRange{1, 1'000'000}},
 };
 
 constexpr Key<TraceConfig> kTraceKeys[] = {

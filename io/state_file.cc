@@ -42,6 +42,8 @@ std::string hex32(uint32_t v) {
 
 std::string errno_text() { return std::strerror(errno); }
 
+}  // namespace
+
 // Writes `size` bytes to `path` (created or truncated) and fsyncs it.
 void write_and_sync(const fs::path& path, const void* data, size_t size) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -81,6 +83,8 @@ void rename_into_place(const fs::path& from, const fs::path& to) {
                   ec.message());
   }
 }
+
+namespace {
 
 bool valid_section_name(const std::string& name) {
   if (name.empty()) return false;

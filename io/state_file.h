@@ -24,6 +24,15 @@ struct StateSection {
   std::vector<std::byte> bytes;
 };
 
+// The durable-write steps the checkpoint files are made of (Note [Atomic state writes] in
+// state_file.cc), for writers of other files in a checkpoint directory. Each throws IoError
+// naming the path, except sync_dir, which is best effort (some filesystems refuse it).
+// Writes `size` bytes to `path` (created or truncated) and fsyncs it.
+void write_and_sync(const std::filesystem::path& path, const void* data, size_t size);
+// fsync of a directory, which makes the renames in it durable.
+void sync_dir(const std::filesystem::path& dir);
+void rename_into_place(const std::filesystem::path& from, const std::filesystem::path& to);
+
 // CRC-32C (Castagnoli) of `bytes`.
 uint32_t crc32c(std::span<const std::byte> bytes, uint32_t crc = 0);
 
