@@ -37,8 +37,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -356,6 +358,13 @@ class Engine {
   // Overwrites the parameters (and the f32 master copy for bf16) with `values` in layout
   // order, e.g. pretrained weights or a finite-difference probe. Moments and step stay.
   void set_params_host(const std::vector<float>& values);
+  // set_params_host without the whole model in host memory (Note [Sharded loading] in
+  // engine/params.cc): `fill` is called once with the part of the padded flat buffer this
+  // rank holds, elements [begin, begin + values.size()): all of them at stages 0-2, the
+  // rank's shard [optimizer begin, end) at stage 3. It writes their values (layout order, 0
+  // past the layout), which are loaded as set_params_host loads the same elements. Every
+  // rank calls it (a collective at stage 3).
+  void set_params_host_range(const std::function<void(int64_t begin, std::span<float> values)>& fill);
 
  private:
   struct Impl;

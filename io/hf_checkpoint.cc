@@ -11,6 +11,10 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <utility>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "base/check.h"
 #include "base/error.h"
@@ -19,6 +23,7 @@
 #include "io/weights_file.h"
 #include "nn/ctx.h"
 #include "models/factory.h"
+#include "models/transformer.h"
 #include "tensor/tensor.h"
 
 namespace porter::io {
@@ -186,9 +191,9 @@ std::string index_string(int64_t flat, const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// `e`'s values as f32 in porter's orientation into `out` (shape p.shape), checked finite.
-void read_tensor(const SafetensorsFile& file, const SafetensorsEntry& e, const HfParam& p,
-                 float* out) {
+// The checks of `e` that need only its header: a dtype porter reads and the shape config.json
+// implies for `p`.
+void check_tensor(const SafetensorsFile& file, const SafetensorsEntry& e, const HfParam& p) {
   const std::string what = quoted(file.path()) + ": tensor '" + e.name + "': ";
   if (!e.porter_dtype || *e.porter_dtype == tensor::DType::kI32) {
     throw IoError(what + "dtype " + e.dtype + ": porter loads weights stored as F32, BF16 or "
@@ -201,76 +206,171 @@ void read_tensor(const SafetensorsFile& file, const SafetensorsEntry& e, const H
                   shape_string(p.shape) + (p.transposed ? ", stored transposed" : "") +
                   "); the weights are not config.json's model");
   }
+}
+
+[[noreturn]] void throw_not_finite(const SafetensorsFile& file, const SafetensorsEntry& e,
+                                   int64_t i, float v) {
+  throw IoError(quoted(file.path()) + ": tensor '" + e.name + "': element " + std::to_string(i) +
+                " " + index_string(i, e.shape) + " is " +
+                (std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf") +
+                "; porter refuses weights that are not finite");
+}
+
+// Note [Sharded loading] in io/hf_checkpoint.h: the pages of a mapped tensor that have been
+// read leave this process's resident set every kReleaseBytes (madvise MADV_DONTNEED; they
+// stay in the page cache, and a later touch maps them in again), and all of them when it is
+// done. The mapping is read-only, so nothing is lost; a failing madvise only leaves the pages
+// resident.
+constexpr size_t kReleaseBytes = size_t{16} << 20;
+
+class PageRelease {
+ public:
+  explicit PageRelease(std::span<const std::byte> bytes)
+      : page_(static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE))),
+        done_(down(reinterpret_cast<uintptr_t>(bytes.data()))),
+        end_(reinterpret_cast<uintptr_t>(bytes.data() + bytes.size())) {}
+  PageRelease(const PageRelease&) = delete;
+  PageRelease& operator=(const PageRelease&) = delete;
+  ~PageRelease() { release((end_ + page_ - 1) / page_ * page_); }
+  // Every byte before `p` has been read.
+  void read_to(const std::byte* p) {
+    const uintptr_t to = down(reinterpret_cast<uintptr_t>(p));
+    if (to >= done_ + kReleaseBytes) release(to);
+  }
+
+ private:
+  uintptr_t down(uintptr_t a) const { return a / page_ * page_; }
+  void release(uintptr_t to) {
+    if (to > done_) ::madvise(reinterpret_cast<void*>(done_), to - done_, MADV_DONTNEED);
+    done_ = std::max(done_, to);
+  }
+  uintptr_t page_;
+  uintptr_t done_;  // pages before it are released
+  uintptr_t end_;
+};
+
+// `n` elements of `dtype` from `src` as f32 into dst[0], dst[stride], ...; `first` is the
+// first one's index in the file's tensor, for the message when one is not finite.
+template <tensor::DType D>
+void convert_run(const std::byte* src, int64_t n, float* dst, int64_t stride,
+                 const SafetensorsFile& file, const SafetensorsEntry& e, int64_t first) {
+  constexpr size_t size = D == tensor::DType::kF32 ? 4 : 2;
+  for (int64_t k = 0; k < n; ++k) {
+    const float v = element(src + static_cast<size_t>(k) * size, D);
+    if (!std::isfinite(v)) throw_not_finite(file, e, first + k, v);
+    dst[k * stride] = v;
+  }
+}
+
+void convert(const std::byte* src, tensor::DType dtype, int64_t n, float* dst, int64_t stride,
+             const SafetensorsFile& file, const SafetensorsEntry& e, int64_t first) {
+  switch (dtype) {
+    case tensor::DType::kF32:
+      return convert_run<tensor::DType::kF32>(src, n, dst, stride, file, e, first);
+    case tensor::DType::kBF16:
+      return convert_run<tensor::DType::kBF16>(src, n, dst, stride, file, e, first);
+    default:
+      return convert_run<tensor::DType::kF16>(src, n, dst, stride, file, e, first);
+  }
+}
+
+// One porter parameter to read: its tensor in the files, and where its values go in the
+// buffer being filled (a rank's part, Transformer::shard_map; the whole parameter at
+// tensor_parallel 1).
+struct Target {
+  const HfParam* param = nullptr;  // at tensor_parallel 1
+  Found found;
+  int64_t offset_elems = 0;  // of the parameter in the buffer
+  int64_t rows = 0, cols = 1;  // of the parameter in the buffer
+  std::vector<models::ParamShard::Block> blocks;
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; }
+
+// The values of `t`'s elements that lie in [begin, begin + out.size()) of the buffer into
+// `out` (indexed from begin), converted from the mapping and checked finite, in the file's
+// order (so the first element that is not finite is the one reported).
+void read_target(const Target& t, int64_t begin, std::span<float> out) {
+  const int64_t end = begin + static_cast<int64_t>(out.size());
+  const int64_t off = t.offset_elems, cols = t.cols;
+  const int64_t lo = std::max(begin, off), hi = std::min(end, off + t.rows * cols);
+  if (lo >= hi) return;
+  const SafetensorsFile& file = *t.found.file;
+  const SafetensorsEntry& e = *t.found.entry;
   const tensor::DType dtype = *e.porter_dtype;
   const size_t size = tensor::dtype_size(dtype);
   const std::span<const std::byte> bytes = file.bytes(e);
-  const int64_t n = e.numel;
-  const int64_t rows = p.transposed ? e.shape[0] : 1;  // the file's (in, out)
-  const int64_t cols = p.transposed ? e.shape[1] : n;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = element(bytes.data() + static_cast<size_t>(i) * size, dtype);
-    if (!std::isfinite(v)) {
-      throw IoError(what + "element " + std::to_string(i) + " " + index_string(i, e.shape) +
-                    " is " + (std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf") +
-                    "; porter refuses weights that are not finite");
+  PageRelease pages(bytes);
+  const HfParam& p = *t.param;
+  const int64_t whole_rows = p.shape[0];
+  const int64_t whole_cols = p.shape.size() == 2 ? p.shape[1] : 1;
+  // This rank's rows with an element in [lo, hi).
+  const int64_t row_lo = (lo - off) / cols, row_hi = ceil_div(hi - off, cols);
+  // Element (i, c) of the parameter is out[at(i, c)].
+  auto at = [&](int64_t i, int64_t c) { return out.data() + (off + i * cols + c - begin); };
+  if (!p.transposed) {
+    // File element (R, C) of (whole_rows, whole_cols): R * whole_cols + C.
+    for (const models::ParamShard::Block& b : t.blocks) {
+      for (int64_t i = std::max(b.row, row_lo); i < std::min(b.row + b.rows, row_hi); ++i) {
+        const int64_t c0 = std::max<int64_t>(0, lo - off - i * cols);
+        const int64_t c1 = std::min<int64_t>(cols, hi - off - i * cols);
+        if (c0 >= c1) continue;
+        const int64_t from = (b.whole_row + i - b.row) * whole_cols + b.whole_col + c0;
+        const std::byte* src = bytes.data() + static_cast<size_t>(from) * size;
+        convert(src, dtype, c1 - c0, at(i, c0), 1, file, e, from);
+        pages.read_to(src + static_cast<size_t>(c1 - c0) * size);
+      }
     }
-    // File element (a, b) of (in, out) is porter's (b, a) of (out, in).
-    out[p.transposed ? (i % cols) * rows + i / cols : i] = v;
+    return;
+  }
+  // Transposed (GPT-2's Conv1D): file element (C, R) of (whole_cols, whole_rows) is porter's
+  // (R, C), at C * whole_rows + R. Column by column, then the blocks' rows: the file's order.
+  for (int64_t c = 0; c < cols; ++c) {
+    // The rows i whose element (i, c) lies in [lo, hi).
+    const int64_t i_lo = std::max(row_lo, ceil_div(lo - off - c, cols));
+    const int64_t i_hi = std::min(row_hi, ceil_div(hi - off - c, cols));
+    for (const models::ParamShard::Block& b : t.blocks) {
+      const int64_t i0 = std::max(b.row, i_lo), i1 = std::min(b.row + b.rows, i_hi);
+      if (i0 >= i1) continue;
+      const int64_t C = b.whole_col + c;
+      const int64_t from = C * whole_rows + b.whole_row + i0 - b.row;
+      const std::byte* src = bytes.data() + static_cast<size_t>(from) * size;
+      convert(src, dtype, i1 - i0, at(i0, c), cols, file, e, from);
+      pages.read_to(src + static_cast<size_t>(i1 - i0) * size);
+    }
   }
 }
 
-}  // namespace
-
-std::vector<HfParam> hf_param_map(const config::ModelConfig& m) {
-  return models::arch_spec(m.type).hf_params(m);
-}
-
-HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
-                          const nn::ParamLayout& layout) {
-  const std::vector<HfParam> params = hf_param_map(model);
-  // The layout must be the map's model (a bug or a model of another architecture otherwise).
+// The files' tensors checked against the model's: what every read does before any value.
+struct Prepared {
+  WeightFiles w;
+  std::vector<HfParam> params;
   std::map<std::string, const HfParam*> by_porter;
-  for (const HfParam& p : params) by_porter[p.porter_name] = &p;
-  for (const nn::ParamEntry& e : layout.entries()) {
-    auto it = by_porter.find(e.name);
-    if (it == by_porter.end()) {
-      throw InvalidArgument("Hugging Face weights: porter's layout has a parameter '" + e.name +
-                            "' that the " + std::string(models::arch_spec(model.type).hf_class()) +
-                            " name map does not know (the model built is not the one "
-                            "porter.model describes)");
-    }
-    if (e.shape.to_vector() != it->second->shape) {
-      throw InvalidArgument("Hugging Face weights: porter's layout has '" + e.name + "' " +
-                            shape_string(e.shape.to_vector()) + ", config.json's model " +
-                            shape_string(it->second->shape) + " (the model built is not the "
-                            "one porter.model describes)");
-    }
-  }
-  if (layout.entries().size() != params.size()) {
-    std::vector<std::string> absent;
-    for (const HfParam& p : params) {
-      bool found = false;
-      for (const nn::ParamEntry& e : layout.entries()) found = found || e.name == p.porter_name;
-      if (!found) absent.push_back(p.porter_name);
-    }
-    throw InvalidArgument("Hugging Face weights: porter's layout lacks " + join(absent));
-  }
+  bool tied_head = false;  // tie_embeddings, and the files have lm_head.weight
+  HfWeights info;          // skipped so far
+};
 
-  WeightFiles w = open_weights(dir, model.type);
+void prepare(const config::ModelConfig& model, Prepared& r) {
+  r.params = hf_param_map(model);
+  for (const HfParam& p : r.params) r.by_porter[p.porter_name] = &p;
+}
+
+void open_and_match(const fs::path& dir, const config::ModelConfig& model, Prepared& r) {
+  r.w = open_weights(dir, model.type);
+  const WeightFiles& w = r.w;
   // One message for every tensor missing and every one porter does not know.
   std::vector<std::string> missing, unexpected;
   std::set<std::string> wanted;
-  for (const HfParam& p : params) {
+  for (const HfParam& p : r.params) {
     const std::string bare = bare_name(p.hf_name, model.type);
     wanted.insert(bare);
     if (!w.tensors.count(bare)) missing.push_back(p.hf_name);
   }
-  HfWeights out;
-  const bool tied_head = model.tie_embeddings && w.tensors.count(kLmHead);
+  r.tied_head = model.tie_embeddings && w.tensors.count(kLmHead);
   for (const auto& [bare, found] : w.tensors) {
-    if (wanted.count(bare) || (tied_head && bare == kLmHead)) continue;
+    if (wanted.count(bare) || (r.tied_head && bare == kLmHead)) continue;
     if (is_buffer(bare, model.type)) {
-      ++out.skipped;
+      ++r.info.skipped;
       continue;
     }
     unexpected.push_back(found.entry->name);
@@ -289,44 +389,125 @@ HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
     }
     throw IoError(msg + " (docs/formats.md lists the names porter reads)");
   }
+}
 
-  out.values.assign(static_cast<size_t>(layout.total_elems()), 0.0f);
+// Reads `targets` (in layout order; each one's header checked first, as the old whole read
+// did) into out, then checks a tied lm_head.weight against the embedding, and returns the
+// counts.
+HfWeights read_targets(Prepared& r, const config::ModelConfig& model,
+                       const std::vector<Target>& targets, int64_t begin, std::span<float> out) {
+  HfWeights result = std::move(r.info);
   std::set<std::string> dtypes;
-  for (const nn::ParamEntry& e : layout.entries()) {
-    const HfParam& p = *by_porter.at(e.name);
-    const Found& f = w.tensors.at(bare_name(p.hf_name, model.type));
-    read_tensor(*f.file, *f.entry, p, out.values.data() + e.offset_elems);
-    dtypes.insert(f.entry->dtype);
-    out.bytes += f.entry->end - f.entry->begin;
-    ++out.tensors;
+  for (const Target& t : targets) {
+    check_tensor(*t.found.file, *t.found.entry, *t.param);
+    read_target(t, begin, out);
+    dtypes.insert(t.found.entry->dtype);
+    result.bytes += t.found.entry->end - t.found.entry->begin;
+    ++result.tensors;
   }
-  if (tied_head) {
-    // The file's lm_head.weight must be the embedding porter ties it to.
+  if (r.tied_head) {
+    // The file's lm_head.weight must be the embedding porter ties it to. Both are read here
+    // whole, from the files (a rank holds only part of the embedding), page by page.
     const std::string embedding = models::arch_spec(model.type).token_table_name();
-    const nn::ParamEntry& emb = layout.find(embedding);
-    const HfParam& p = *by_porter.at(embedding);
-    const Found& f = w.tensors.at(kLmHead);
-    std::vector<float> head(static_cast<size_t>(emb.shape.numel()));
+    const HfParam& p = *r.by_porter.at(embedding);
+    const Found& head = r.w.tensors.at(kLmHead);
+    const Found& table = r.w.tensors.at(bare_name(p.hf_name, model.type));
     HfParam as_head = p;
     as_head.porter_name = kLmHead;
-    read_tensor(*f.file, *f.entry, as_head, head.data());
-    const float* wte = out.values.data() + emb.offset_elems;
-    for (size_t i = 0; i < head.size(); ++i) {
-      if (std::memcmp(&head[i], &wte[i], sizeof(float)) != 0) {
-        throw IoError(quoted(f.file->path()) + ": tensor '" + f.entry->name + "' differs from '" +
-                      w.tensors.at(bare_name(p.hf_name, model.type)).entry->name +
-                      "' at element " + std::to_string(i) + " " +
-                      index_string(static_cast<int64_t>(i), f.entry->shape) + " (" +
-                      std::to_string(head[i]) + " against " + std::to_string(wte[i]) +
-                      "), but config.json has tie_word_embeddings true: porter would train "
-                      "one matrix for both; set tie_word_embeddings false in config.json to "
-                      "keep them apart");
+    check_tensor(*head.file, *head.entry, as_head);
+    PORTER_ASSERT(!p.transposed, "the token table is never stored transposed");
+    const std::span<const std::byte> hb = head.file->bytes(*head.entry);
+    const std::span<const std::byte> tb = table.file->bytes(*table.entry);
+    const tensor::DType hd = *head.entry->porter_dtype, td = *table.entry->porter_dtype;
+    const size_t hs = tensor::dtype_size(hd), ts = tensor::dtype_size(td);
+    PageRelease head_pages(hb), table_pages(tb);
+    // As the whole read reported them: a table element that is not finite (it was read
+    // first), then a head element that is not, then the first difference.
+    const int64_t n = head.entry->numel;
+    int64_t differs = -1;
+    float hv_at = 0.0f, tv_at = 0.0f;
+    std::optional<std::pair<int64_t, float>> head_bad;
+    for (int64_t i = 0; i < n; ++i) {
+      const float hv = element(hb.data() + static_cast<size_t>(i) * hs, hd);
+      const float tv = element(tb.data() + static_cast<size_t>(i) * ts, td);
+      if (!std::isfinite(tv)) throw_not_finite(*table.file, *table.entry, i, tv);
+      if (!std::isfinite(hv) && !head_bad) head_bad = std::make_pair(i, hv);
+      if (differs < 0 && std::memcmp(&hv, &tv, sizeof(float)) != 0) {
+        differs = i;
+        hv_at = hv;
+        tv_at = tv;
+      }
+      if ((i & 0xfffff) == 0xfffff) {
+        head_pages.read_to(hb.data() + static_cast<size_t>(i + 1) * hs);
+        table_pages.read_to(tb.data() + static_cast<size_t>(i + 1) * ts);
       }
     }
-    ++out.skipped;
+    if (head_bad) throw_not_finite(*head.file, *head.entry, head_bad->first, head_bad->second);
+    if (differs >= 0) {
+      throw IoError(quoted(head.file->path()) + ": tensor '" + head.entry->name + "' differs from '" +
+                    table.entry->name + "' at element " + std::to_string(differs) + " " +
+                    index_string(differs, head.entry->shape) + " (" + std::to_string(hv_at) +
+                    " against " + std::to_string(tv_at) + "), but config.json has "
+                    "tie_word_embeddings true: porter would train one matrix for both; set "
+                    "tie_word_embeddings false in config.json to keep them apart");
+    }
+    ++result.skipped;
   }
-  for (const auto& f : w.files) out.files.push_back(f->path());
-  out.dtypes.assign(dtypes.begin(), dtypes.end());
+  for (const auto& f : r.w.files) result.files.push_back(f->path());
+  result.dtypes.assign(dtypes.begin(), dtypes.end());
+  return result;
+}
+
+}  // namespace
+
+std::vector<HfParam> hf_param_map(const config::ModelConfig& m) {
+  return models::arch_spec(m.type).hf_params(m);
+}
+
+HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model,
+                          const nn::ParamLayout& layout) {
+  Prepared r;
+  prepare(model, r);
+  // The layout must be the map's model (a bug or a model of another architecture otherwise).
+  for (const nn::ParamEntry& e : layout.entries()) {
+    auto it = r.by_porter.find(e.name);
+    if (it == r.by_porter.end()) {
+      throw InvalidArgument("Hugging Face weights: porter's layout has a parameter '" + e.name +
+                            "' that the " + std::string(models::arch_spec(model.type).hf_class()) +
+                            " name map does not know (the model built is not the one "
+                            "porter.model describes)");
+    }
+    if (e.shape.to_vector() != it->second->shape) {
+      throw InvalidArgument("Hugging Face weights: porter's layout has '" + e.name + "' " +
+                            shape_string(e.shape.to_vector()) + ", config.json's model " +
+                            shape_string(it->second->shape) + " (the model built is not the "
+                            "one porter.model describes)");
+    }
+  }
+  if (layout.entries().size() != r.params.size()) {
+    std::vector<std::string> absent;
+    for (const HfParam& p : r.params) {
+      bool found = false;
+      for (const nn::ParamEntry& e : layout.entries()) found = found || e.name == p.porter_name;
+      if (!found) absent.push_back(p.porter_name);
+    }
+    throw InvalidArgument("Hugging Face weights: porter's layout lacks " + join(absent));
+  }
+  open_and_match(dir, model, r);
+  std::vector<Target> targets;
+  for (const nn::ParamEntry& e : layout.entries()) {
+    Target t;
+    t.param = r.by_porter.at(e.name);
+    t.found = r.w.tensors.at(bare_name(t.param->hf_name, model.type));
+    t.offset_elems = e.offset_elems;
+    t.rows = e.shape.rank() >= 1 ? e.shape[0] : 1;
+    t.cols = e.shape.rank() == 2 ? e.shape[1] : 1;
+    t.blocks.push_back({0, 0, t.rows, 0});
+    targets.push_back(std::move(t));
+  }
+  std::vector<float> values(static_cast<size_t>(layout.total_elems()), 0.0f);
+  HfWeights out = read_targets(r, model, targets, 0, values);
+  out.values = std::move(values);
   return out;
 }
 
@@ -336,6 +517,36 @@ HfWeights read_hf_weights(const fs::path& dir, const config::ModelConfig& model)
   whole.sequence_parallel = false;
   const std::unique_ptr<models::Transformer> built = models::build_model(whole);
   return read_hf_weights(dir, whole, built->layout());
+}
+
+HfWeights read_hf_weights_part(const fs::path& dir, const models::Transformer& part,
+                               int64_t begin, std::span<float> out) {
+  PORTER_CHECK(begin >= 0, "read_hf_weights_part: begin ", begin);
+  std::fill(out.begin(), out.end(), 0.0f);  // the padding, and rows no block holds
+  config::ModelConfig whole = part.config();
+  whole.tensor_parallel = 1;
+  whole.sequence_parallel = false;
+  Prepared r;
+  prepare(whole, r);
+  open_and_match(dir, whole, r);
+  std::vector<Target> targets;
+  for (models::ParamShard& s : part.shard_map()) {
+    const nn::ParamEntry& e = *s.entry;
+    Target t;
+    auto it = r.by_porter.find(e.name);
+    PORTER_ASSERT(it != r.by_porter.end() && it->second->shape == s.whole_shape,
+                  "read_hf_weights_part: '", e.name, "' is not the name map's");
+    t.param = it->second;
+    t.found = r.w.tensors.at(bare_name(t.param->hf_name, whole.type));
+    t.offset_elems = e.offset_elems;
+    t.rows = e.shape.rank() >= 1 ? e.shape[0] : 1;
+    t.cols = s.cols;
+    t.blocks = std::move(s.blocks);
+    targets.push_back(std::move(t));
+  }
+  PORTER_ASSERT(targets.size() == r.params.size(), "read_hf_weights_part: ", targets.size(),
+                " parameters in the part, ", r.params.size(), " in the name map");
+  return read_targets(r, whole, targets, begin, out);
 }
 
 HfExport write_hf_checkpoint(const fs::path& dir, const config::ModelConfig& model,

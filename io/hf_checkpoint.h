@@ -43,6 +43,9 @@
 namespace porter::comm {
 class Communicator;
 }
+namespace porter::models {
+class Transformer;
+}
 
 namespace porter::io {
 
@@ -121,6 +124,27 @@ HfWeights read_hf_weights(const std::filesystem::path& dir, const config::ModelC
                           const nn::ParamLayout& layout);
 // The same into the layout of models::build_model(model at tensor_parallel 1).
 HfWeights read_hf_weights(const std::filesystem::path& dir, const config::ModelConfig& model);
+
+// Note [Sharded loading]
+// read_hf_weights holds the whole model in f32, which every rank of a run would then hold at
+// once (a 7B model is 28 GB a rank). read_hf_weights_part reads only what one rank keeps: a
+// range [begin, begin + out.size()) of the padded flat buffer of its tensor-parallel part,
+// `part` (models::build_model(model, tp_rank)): the whole buffer below ZeRO stage 3, the
+// rank's shard of it at stage 3 (Engine::set_params_host_range calls for one or the other).
+// Each element is converted from the memory-mapped file's dtype straight into its place in
+// `out`, through Transformer::shard_map, which says where shard_values takes each parameter's
+// rows and columns from: the values are those of shard_values(read_hf_weights(...).values)
+// in that range, bit for bit, and nothing of the model is held besides `out`. The pages of the
+// files that have been read are dropped from the resident set as the read goes (madvise
+// MADV_DONTNEED on the read-only mapping; they stay in the page cache), at most 16 MiB behind
+// it, so a rank's peak host memory is its part plus a few MiB, whatever the model's size.
+// Every check of read_hf_weights is made, with the same messages, on every rank (the names,
+// dtypes and shapes of all tensors from the headers; a tied lm_head.weight against the whole
+// embedding), except that a rank finds only the values that are not finite within what it
+// reads (some rank reads each element, so a run still refuses them). The counts returned (files,
+// tensors, skipped, dtypes, bytes) are those of read_hf_weights; `values` stays empty.
+HfWeights read_hf_weights_part(const std::filesystem::path& dir, const models::Transformer& part,
+                               int64_t begin, std::span<float> out);
 
 struct HfExport {
   std::filesystem::path config_file, weights_file;

@@ -196,6 +196,44 @@ std::vector<float> Transformer::shard_values(std::span<const float> whole) const
   return out;
 }
 
+std::vector<ParamShard> Transformer::shard_map() const {
+  // The cases of shard_values, as blocks of rows.
+  std::unique_ptr<Transformer> whole_model;
+  if (tp_.size > 1) {
+    config::ModelConfig whole_config = config_;
+    whole_config.tensor_parallel = 1;
+    whole_config.sequence_parallel = false;
+    whole_model = std::make_unique<Transformer>(whole_config);
+  }
+  const ParamLayout& full = whole_model ? whole_model->layout() : layout_;
+  const int64_t t = tp_.size, r = tp_.rank;
+  std::vector<ParamShard> out;
+  out.reserve(layout_.entries().size());
+  for (const ParamEntry& e : layout_.entries()) {
+    const ParamEntry& w = full.find(e.name);
+    ParamShard s;
+    s.entry = &e;
+    s.whole_shape = w.shape.to_vector();
+    s.cols = e.shape.rank() == 2 ? e.shape[1] : 1;
+    const int64_t rows = e.shape.rank() >= 1 ? e.shape[0] : 1;
+    if (e.shape == w.shape) {
+      s.blocks.push_back({0, 0, rows, 0});
+    } else if (ends_with(e.name, "qkv.weight") || ends_with(e.name, "qkv.bias")) {
+      const int64_t part = rows / 3, c = w.shape[0] / 3;  // this rank's heads of q, k, v
+      for (int64_t j = 0; j < 3; ++j) s.blocks.push_back({j * part, j * c + r * part, part, 0});
+    } else if (vocab_parallel(e.name)) {
+      if (tp_.vocab_valid() > 0) s.blocks.push_back({0, tp_.vocab_begin(), tp_.vocab_valid(), 0});
+    } else if (e.shape.rank() == 2 && e.shape[0] == w.shape[0]) {
+      s.blocks.push_back({0, 0, rows, r * s.cols});  // row-parallel: this rank's columns
+    } else {
+      PORTER_CHECK_EQ(rows * t, w.shape[0], "Transformer::shard_map: ", e.name);
+      s.blocks.push_back({0, r * rows, rows, 0});  // column-parallel: this rank's rows
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 std::vector<float> Transformer::merge_shards(const std::vector<std::vector<float>>& shards) const {
   const int64_t t = tp_.size;
   PORTER_CHECK_EQ(static_cast<int64_t>(shards.size()), t, "Transformer::merge_shards: one part per "

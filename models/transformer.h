@@ -175,6 +175,21 @@ class TransformerHead : public Layer {
   float loss_scale_ = 1.0f;
 };
 
+// One parameter of a rank's part and where its values lie in the same parameter at
+// tensor_parallel 1 (Transformer::shard_map): each block's rows [row, row + rows) of the
+// rank's parameter, all of its columns (cols, 1 for a vector), are the t = 1 parameter's rows
+// [whole_row, whole_row + rows), columns [whole_col, whole_col + cols). Rows in no block are
+// padding (the vocabulary rows past V): 0. Blocks are in increasing whole_row order.
+struct ParamShard {
+  struct Block {
+    int64_t row = 0, whole_row = 0, rows = 0, whole_col = 0;
+  };
+  const ParamEntry* entry = nullptr;  // the rank's, in Transformer::layout()
+  std::vector<int64_t> whole_shape;   // at t = 1
+  int64_t cols = 1;                   // of the rank's parameter (1 for a vector)
+  std::vector<Block> blocks;
+};
+
 // How one stage runs in Transformer::forward_backward.
 struct StagePlan {
   SaveMode mode = SaveMode::kSaveAll;  // kSaveAll or kCheckpoint (then recompute)
@@ -208,6 +223,10 @@ class Transformer {
   // This rank's part (in layout() order) of `whole`, values in the layout of the same model
   // at tensor_parallel 1 (Note [GPT tensor parallelism]).
   std::vector<float> shard_values(std::span<const float> whole) const;
+  // Where shard_values takes each parameter's values from, for reading them from a file
+  // without the t = 1 values in memory (io::read_hf_weights_part). One ParamShard per entry
+  // of layout(), in its order.
+  std::vector<ParamShard> shard_map() const;
   // The inverse: the t = 1 values from every rank's (shards[r] in rank r's layout order, as
   // Engine::params_host gives them). Replicated parameters are taken from rank 0.
   std::vector<float> merge_shards(const std::vector<std::vector<float>>& shards) const;
