@@ -371,12 +371,16 @@ OutOfMemoryError with_memory_page(const OutOfMemoryError& e, engine::Engine& eng
 }
 
 // porter.model.from's weights in place of the random init: this rank's tensor-parallel part
-// of them (every rank calls set_params_host: a collective at ZeRO stage 3). Returns the
-// header line that says so.
+// of them, and at ZeRO stage 3 only its shard of that, read straight from the files (Note
+// [Sharded loading] in io/hf_checkpoint.h; every rank calls set_params_host_range: a
+// collective at ZeRO stage 3). Returns the header line that says so.
 std::string load_hf_weights(const config::Config& cfg, engine::Engine& eng, int tp_rank) {
   const std::string& dir = *cfg.porter.model.from;
-  const io::HfWeights hf = io::read_hf_weights(dir, cfg.porter.model);
-  eng.set_params_host(models::build_model(cfg.porter.model, tp_rank)->shard_values(hf.values));
+  const std::unique_ptr<models::Transformer> part = models::build_model(cfg.porter.model, tp_rank);
+  io::HfWeights hf;
+  eng.set_params_host_range([&](int64_t begin, std::span<float> values) {
+    hf = io::read_hf_weights_part(dir, *part, begin, values);
+  });
   std::string dtypes;
   for (const std::string& d : hf.dtypes) dtypes += (dtypes.empty() ? "" : "+") + d;
   return "  weights: " + dir + " (Hugging Face, " + std::to_string(hf.tensors) + " tensors in " +
