@@ -246,7 +246,10 @@ int train_nproc(const TrainOptions& o, const CommandContext& ctx) {
   if (env.source != "none") {
     throw UsageError("--nproc " + std::to_string(*o.nproc) + ": this process is already rank " +
                      std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
-                     " (a launcher set " + (env.source == "openmpi" ? "OMPI_COMM_WORLD_*" : "RANK") +
+                     " (a launcher set " +
+                     (env.source == "openmpi" ? "OMPI_COMM_WORLD_*"
+                      : env.source == "slurm" ? "SLURM_PROCID (srun)"
+                                              : "RANK") +
                      "); drop --nproc");
   }
   LaunchOptions lo;

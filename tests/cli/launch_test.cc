@@ -86,6 +86,68 @@ TEST(Launch, LauncherVariablesReplaceInheritedOnes) {
   EXPECT_EQ(env, expected);
 }
 
+// Note [Restarts]: a failed world starts again with PORTER_RESTART counting the restarts.
+TEST(Launch, AFailedWorldRestartsUpToMaxRestarts) {
+  CliRun r = porter({"launch", "-n", "2", "--max-restarts", "2", "--", "sh", "-c",
+                     "if [ \"$RANK\" = 1 ] && [ \"$PORTER_RESTART\" = 0 ]; then exit 7; fi; "
+                     "echo ok-$RANK-$PORTER_RESTART"});
+  EXPECT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: rank 1 failed (exit code 7)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "restarting the world from its latest checkpoint (restart 1 of 2)"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "restart 1 of 2: sh -c")) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] ok-0-1\n")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 1] ok-1-1\n")) << r.out;
+}
+
+TEST(Launch, RestartsEndAfterMaxRestartsWithTheLastWorldsCode) {
+  CliRun r = porter({"launch", "-n", "2", "--max-restarts", "2", "--timeout", "0.5", "--", "sh",
+                     "-c", "if [ \"$RANK\" = 0 ]; then exit 9; fi; exec sleep 60"});
+  EXPECT_EQ(r.rc, 9) << r.err;
+  EXPECT_TRUE(contains(r.err, "(restart 2 of 2)")) << r.err;
+  EXPECT_FALSE(contains(r.err, "(restart 3 of 2)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "launch: gave up after 2 restarts (--max-restarts 2)")) << r.err;
+  // In the worlds that restart, the sleeping rank is ended at once, not after --timeout.
+  EXPECT_TRUE(contains(r.err, "ending the other 1 rank")) << r.err;
+}
+
+TEST(Launch, UsageErrorsAndPreemptionAreNotRestarted) {
+  for (int code : {1, kExitPreempted}) {
+    CliRun r = porter({"launch", "-n", "1", "--max-restarts", "3", "--", "sh", "-c",
+                       "exit " + std::to_string(code)});
+    EXPECT_EQ(r.rc, code) << r.err;
+    EXPECT_FALSE(contains(r.err, "restarting")) << r.err;
+  }
+}
+
+// Note [Store token]: a fresh token per launch unless the environment gives one.
+TEST(Launch, RanksGetAStoreToken) {
+  CliRun r = porter({"launch", "-n", "2", "--", "sh", "-c",
+                     "printf 'token=%s\\n' \"$PORTER_STORE_TOKEN\" | wc -c"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  // "token=" + 32 hex digits + newline.
+  EXPECT_TRUE(contains(r.out, "[rank 0] 39\n")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 1] 39\n")) << r.out;
+}
+
+TEST(Launch, NodesTakeTheirRanksOfTheWorld) {
+  CliRun r = porter({"launch", "--nnodes", "2", "--node-rank", "1", "-n", "2", "--master-addr",
+                     "10.1.2.3", "--master-port", "29555", "--", "sh", "-c",
+                     "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$MASTER_ADDR"});
+  ASSERT_EQ(r.rc, kExitOk) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 2] 2/4/0/2/10.1.2.3\n")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 3] 3/4/1/2/10.1.2.3\n")) << r.out;
+  EXPECT_TRUE(contains(r.err, "2 ranks (2..3 of 4, node 1 of 2)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "give every node the same token")) << r.err;
+  CliRun no_port = porter({"launch", "--nnodes", "2", "-n", "1", "--", "true"});
+  EXPECT_EQ(no_port.rc, kExitUsage);
+  EXPECT_TRUE(contains(no_port.err, "--nnodes 2 needs --master-port")) << no_port.err;
+  CliRun bad_rank = porter({"launch", "--nnodes", "2", "--node-rank", "2", "-n", "1",
+                            "--master-port", "29555", "--", "true"});
+  EXPECT_EQ(bad_rank.rc, kExitUsage);
+  EXPECT_TRUE(contains(bad_rank.err, "--node-rank 2 must be in 0..1")) << bad_rank.err;
+}
+
 TEST(Launch, FreePortIsBindable) {
   const uint16_t port = free_port();
   EXPECT_GT(port, 0);
