@@ -95,10 +95,11 @@ struct TrainOptions {
 // whose choice depends on times (optimal, offload) may differ from the profiled plan training
 // makes; the bytes of a given plan are exact. The host's side comes first (Note [Host fit]
 // in engine/host_fit.h): the ranks on this node (the launcher's local world size) must fit the
-// machine's memory with their offloaded states, and each rank's pinned bytes the pinned limit.
+// machine's memory with their offloaded states (and, with periodic checkpoints, the snapshot
+// a background write holds), and each rank's pinned bytes the pinned limit.
 // --no-preflight skips both.
 void preflight(const config::Config& cfg, const memory::Device& device, const ConfigArgs& args,
-               int ranks_per_node) {
+               int ranks_per_node, bool periodic_saves) {
   engine::ForecastOptions fo;
   fo.capacity_bytes = device.memory_capacity_bytes();
   fo.device = engine::nominal_cpu_device_model(*fo.capacity_bytes);
@@ -106,7 +107,8 @@ void preflight(const config::Config& cfg, const memory::Device& device, const Co
   const engine::Forecast f = engine::forecast(cfg, fo);
   const size_t machine = engine::machine_memory_bytes();
   if (machine > 0) {
-    const engine::HostFit h = engine::host_fit(f, ranks_per_node, machine);
+    engine::HostFit h = engine::host_fit(f, ranks_per_node, machine);
+    if (periodic_saves) h.in.checkpoint_snapshot_bytes = engine::checkpoint_snapshot_bytes(f);
     if (!h.fits()) {
       throw OutOfMemoryError(
           "out of host memory before step 1 (preflight): " + h.verdict() + ". Per rank: " +
@@ -119,6 +121,10 @@ void preflight(const config::Config& cfg, const memory::Device& device, const Co
               (h.in.simulated_device_bytes > 0
                    ? ", " + format_bytes(h.in.simulated_device_bytes) +
                          " of simulated device memory"
+                   : "") +
+              (h.in.checkpoint_snapshot_bytes > 0
+                   ? ", " + format_bytes(h.in.checkpoint_snapshot_bytes) +
+                         " of checkpoint snapshot (porter.train.save_every)"
                    : "") +
               ". `porter estimate " + args.command_args() +
               " --ranks-per-node N` shows the host's figures; --no-preflight skips this check",
@@ -429,7 +435,8 @@ int train(const TrainOptions& o, CommandContext& ctx) {
 
   std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
   if (!o.no_preflight) {  // Note [Preflight]
-    preflight(cfg, *device, o.config_args, std::max(1, env.local_world_size));
+    preflight(cfg, *device, o.config_args, std::max(1, env.local_world_size),
+              !o.save.empty() && cfg.porter.train.save_every > 0);
   }
   const World w = join_world(env, cfg, *device);
   try {

@@ -16,6 +16,7 @@ size_t HostFit::per_rank_bytes() const {
       .add(in.states.total(), "model states")
       .add(in.stash_pinned_bytes, "the activation stash")
       .add(in.simulated_device_bytes, "the simulated device")
+      .add(in.checkpoint_snapshot_bytes, "the checkpoint snapshot")
       .value();
 }
 
@@ -74,6 +75,15 @@ HostFit host_fit(const RunOptions& run, const zero::HostStateBytes& states,
 HostFit host_fit(const Forecast& f, int ranks_per_node, size_t machine_bytes) {
   return host_fit(f.run, f.host_states, f.plan.offload.pinned_bytes, f.total_peak_bytes,
                   ranks_per_node, machine_bytes);
+}
+
+size_t checkpoint_snapshot_bytes(const Forecast& f) {
+  return CheckedSum("the checkpoint snapshot's bytes")
+      .add(f.model_states.params, "device params")
+      .add(f.model_states.optimizer, "device optimizer state")
+      .add(f.host_states.params, "host params")
+      .add(f.host_states.optimizer, "host optimizer state")
+      .value();
 }
 
 size_t machine_memory_bytes() {

@@ -9,7 +9,11 @@
 //   stash    activation offload's pinned slots (the plan's OffloadLayout);
 //   device   on the cpu device, the simulated device's memory itself, which the process takes
 //            from host memory as the step needs it: the forecast's total peak (the capacity is
-//            a bound, not an allocation).
+//            a bound, not an allocation);
+//   snapshot with periodic checkpoints (porter.train.save_every), the copy of the rank's
+//            checkpointed state that a background write holds (Note [Background checkpoints]
+//            in engine/checkpointer.h): its parameters, master weights and moments, wherever
+//            they live (checkpoint_snapshot_bytes).
 // and a node holds ranks_per_node of them. The node's total must fit the machine's memory
 // (MemTotal: what the kernel can give, swap aside), and each rank's pinned bytes the pinned
 // limit (porter.device.pinned_limit, 8 GiB when unset, as the devices bound it). Ranks per node come from the launcher
@@ -31,6 +35,7 @@ struct HostFitInput {
   size_t pinned_state_bytes = 0;   // of which pinned
   size_t stash_pinned_bytes = 0;   // activation offload's pinned slots per rank
   size_t simulated_device_bytes = 0;  // cpu device: its memory per rank; 0 on cuda
+  size_t checkpoint_snapshot_bytes = 0;  // per rank, with periodic checkpoints
   int ranks_per_node = 1;
   size_t machine_bytes = 0;            // the node's memory
   std::optional<size_t> pinned_limit;  // per rank; none: unbounded
@@ -57,6 +62,10 @@ HostFit host_fit(const RunOptions& run, const zero::HostStateBytes& states,
                  size_t machine_bytes);
 // The same from a forecast (its host states, its plan's stash, its total peak).
 HostFit host_fit(const Forecast& f, int ranks_per_node, size_t machine_bytes);
+
+// The bytes of one rank's checkpoint snapshot: the working parameters and the optimizer
+// state (master, moments) the rank holds, on the device and on the host.
+size_t checkpoint_snapshot_bytes(const Forecast& f);
 
 // This machine's memory (MemTotal), 0 when unknown.
 size_t machine_memory_bytes();

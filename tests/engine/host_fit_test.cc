@@ -59,6 +59,23 @@ TEST(HostFit, PinnedBytesOverThePinnedLimitDoNotFit) {
   EXPECT_FALSE(d.fits_pinned());
 }
 
+// With periodic checkpoints the snapshot a background write holds is host memory too: the
+// rank's parameters and optimizer state, on the device and on the host (not its gradients).
+TEST(HostFit, ACheckpointSnapshotCountsParamsAndOptimizerStateWhereverTheyLive) {
+  Forecast f;
+  f.model_states.params = 2 * kGiB;
+  f.model_states.grads = 2 * kGiB;
+  f.model_states.optimizer = 3 * kGiB;
+  f.host_states = zero::HostStateBytes{5 * kGiB, 7 * kGiB, 11 * kGiB};  // optimizer, grads, params
+  EXPECT_EQ(checkpoint_snapshot_bytes(f), (2 + 3 + 5 + 11) * kGiB);
+  HostFit h = host_fit(offload_run(true, true, memory::DeviceKind::kCuda), f.host_states, 0, 0, 2,
+                       512 * kGiB);
+  const size_t without = h.per_rank_bytes();
+  h.in.checkpoint_snapshot_bytes = checkpoint_snapshot_bytes(f);
+  EXPECT_EQ(h.per_rank_bytes(), without + 21 * kGiB);
+  EXPECT_EQ(h.per_node_bytes(), 2 * (without + 21 * kGiB));
+}
+
 TEST(HostFit, ThisMachineHasMemory) { EXPECT_GT(machine_memory_bytes(), size_t{1} << 28); }
 
 }  // namespace
