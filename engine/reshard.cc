@@ -187,15 +187,17 @@ std::vector<std::vector<std::byte>> reshard_sections(const io::CheckpointInfo& s
                                           io::Replicas::kReadOnce, {}, "load_checkpoint"));
       continue;
     }
-    std::vector<std::vector<std::byte>> parts;
-    for (int k = 0; k < saved.tp_size; ++k) {
-      parts.push_back(io::read_flat_section(saved, k, t.section, 0, saved.total_elems(k),
-                                            io::Replicas::kReadOnce, {}, "load_checkpoint"));
-    }
+    // The section's whole model, the saved parts placed in it one at a time.
     std::vector<std::byte> part;
     {
-      const std::vector<std::byte> whole =
-          io::join_tensor_parallel(at_degree(mine.model, saved.tp_size), std::move(parts), elem);
+      const config::ModelConfig saved_model = at_degree(mine.model, saved.tp_size);
+      std::vector<std::byte> whole(static_cast<size_t>(io::whole_model_elems(saved_model)) * elem);
+      for (int k = 0; k < saved.tp_size; ++k) {
+        const std::vector<std::byte> saved_part = io::read_flat_section(
+            saved, k, t.section, 0, saved.total_elems(k), io::Replicas::kReadOnce, {},
+            "load_checkpoint");
+        io::place_tensor_parallel_part(saved_model, k, saved_part, whole, elem);
+      }
       part = io::split_tensor_parallel(mine.model, mine.tp_rank, whole, elem);
     }
     out.push_back(window(part, mine.layout->total_elems(), elem, t.begin, t.end));

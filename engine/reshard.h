@@ -19,24 +19,26 @@
 //      (io::read_flat_section, Replicas::kReadOnce: each element from the first rank holding
 //      it, every file it reads checked whole against its size and CRC-32C). The tail past the
 //      checkpoint's padded buffer is padding, 0.
-//   2. another degree (the built-in transformer only): every saved tp rank's part [0,
-//      total_elems) is read and joined into the whole model, the layout at tensor_parallel 1
-//      (io::join_tensor_parallel: the inverse of models::Transformer::shard_values, replicated
-//      parameters from tp rank 0); this rank's part of it is shard_values for its tp rank
+//   2. another degree (the built-in transformer only): the section's whole model, the layout
+//      at tensor_parallel 1, is assembled from every saved tp rank's part [0, total_elems),
+//      read one part at a time and placed through the inverse of
+//      models::Transformer::shard_values (io::place_tensor_parallel_part; replicated
+//      parameters from tp rank 0); this rank's part of it is shard_values' for its tp rank
 //      (io::split_tensor_parallel), and its targets' ranges are cut from that. Elements move
 //      as raw bytes (Note [Tensor-parallel parts in bytes] in io/consolidate.h): bf16 params
-//      stay the same bf16 bits, nothing is rounded.
+//      stay the same bf16 bits, nothing is converted or rounded.
 // The targets are those the fast path fills: params over the whole padded buffer (stages
 // 0-2) or the rank's shard (stage 3, Note [Stage 3 gather]), and the optimizer's sections
 // over its range (host part then device part with a partial offload). The step,
-// optimizer_steps and loss scaler come from rank 0's meta.json (every rank saves the same).
-// Every section is read and checked before anything is written to the engine, as on the
-// fast path.
-// Host memory: the rank's own targets (its whole training state, as the fast path reads its
-// rank directory whole) plus, while a section is read, one 4 MiB block of a file; with
-// another tensor-parallel degree also that section of the whole model, at most about
-// 8 bytes per element of the whole model (each tp part's elements as f32, then the whole
-// model's as f32, Note [Tensor-parallel parts in bytes]), freed before the next section.
+// optimizer_steps, loss scaler and kernel table come from world rank 0's meta.json (every
+// rank saves the same). Every section is read and checked before anything is written to the
+// engine, as on the fast path.
+// Host memory at the peak: the rank's own targets (its whole training state, which the fast
+// path holds too, reading its rank directory whole) plus one 4 MiB block of the file being
+// read; with another tensor-parallel degree also, while one section is resharded, that
+// section of the whole model, one saved part and this rank's part (for a section of e-byte
+// elements and a model of P elements at tensor_parallel 1, about e * P * (1 + 1/t_saved +
+// 1/t)), all freed before the next section.
 // What must match: the model (its layout at the checkpoint's degree, checked parameter by
 // parameter against every saved tp rank's) and the compute dtype. What may differ: dp size,
 // tp degree (1 or more, dividing the heads as always), ZeRO stage, optimizer offload and its

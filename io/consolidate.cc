@@ -526,64 +526,87 @@ config::ModelConfig checkpoint_model_config(const CheckpointInfo& info, std::str
 
 namespace {
 
-// Note [Tensor-parallel parts in bytes]: elements as f32 codes and back.
-std::vector<float> to_codes(std::span<const std::byte> bytes, size_t elem_bytes, int64_t elems) {
-  PORTER_CHECK(elem_bytes == 2 || elem_bytes == 4, "tensor-parallel parts of ", elem_bytes,
-               "-byte elements");
-  PORTER_CHECK(static_cast<int64_t>(bytes.size()) >= elems * static_cast<int64_t>(elem_bytes),
-               "a tensor-parallel part of ", bytes.size(), " bytes for ", elems, " elements");
-  std::vector<float> codes(static_cast<size_t>(elems));
-  if (elem_bytes == 4) {
-    std::memcpy(codes.data(), bytes.data(), codes.size() * 4);
-  } else {
-    for (size_t i = 0; i < codes.size(); ++i) {
-      uint16_t h;
-      std::memcpy(&h, bytes.data() + 2 * i, 2);
-      codes[i] = static_cast<float>(h);
-    }
-  }
-  return codes;
+config::ModelConfig whole_config(config::ModelConfig model) {
+  model.tensor_parallel = 1;
+  model.sequence_parallel = false;
+  return model;
 }
 
-std::vector<std::byte> from_codes(const std::vector<float>& codes, size_t elem_bytes) {
-  std::vector<std::byte> out(codes.size() * elem_bytes);
-  if (elem_bytes == 4) {
-    std::memcpy(out.data(), codes.data(), out.size());
-  } else {
-    for (size_t i = 0; i < codes.size(); ++i) {
-      const auto h = static_cast<uint16_t>(codes[i]);
-      std::memcpy(out.data() + 2 * i, &h, 2);
+// Note [Tensor-parallel parts in bytes]: fn(part_elem, whole_elem, elems) for every run of
+// elements that rank tp_rank's part (of `model`, in its layout) shares with the whole model
+// (the layout at tensor_parallel 1), but the replicated parameters when `skip_replicated`.
+template <typename Fn>
+void for_each_run(const config::ModelConfig& model, int tp_rank, bool skip_replicated, Fn fn) {
+  const std::unique_ptr<models::Transformer> rank_model = models::build_model(model, tp_rank);
+  const std::unique_ptr<models::Transformer> whole_model = models::build_model(whole_config(model));
+  for (const models::ParamShard& s : rank_model->shard_map()) {
+    const nn::ParamEntry& w = whole_model->layout().find(s.entry->name);
+    if (skip_replicated && s.entry->shape == w.shape) continue;
+    const int64_t whole_cols = w.shape.rank() == 2 ? w.shape[1] : 1;
+    for (const models::ParamShard::Block& b : s.blocks) {
+      const int64_t p = s.entry->offset_elems + b.row * s.cols;
+      const int64_t q = w.offset_elems + b.whole_row * whole_cols + b.whole_col;
+      if (s.cols == whole_cols) {  // the block's rows are whole: one run
+        fn(p, q, b.rows * s.cols);
+        continue;
+      }
+      for (int64_t i = 0; i < b.rows; ++i) fn(p + i * s.cols, q + i * whole_cols, s.cols);
     }
   }
-  return out;
+}
+
+int64_t layout_elems(const config::ModelConfig& model, int tp_rank) {
+  return models::build_model(model, tp_rank)->layout().total_elems();
 }
 
 }  // namespace
+
+int64_t whole_model_elems(const config::ModelConfig& model) {
+  return layout_elems(whole_config(model), 0);
+}
+
+void place_tensor_parallel_part(const config::ModelConfig& model, int tp_rank,
+                                std::span<const std::byte> part, std::span<std::byte> whole,
+                                size_t elem_bytes) {
+  const int64_t part_elems = layout_elems(model, tp_rank);
+  PORTER_CHECK(static_cast<int64_t>(part.size()) >= part_elems * static_cast<int64_t>(elem_bytes) &&
+                   static_cast<int64_t>(whole.size()) >=
+                       whole_model_elems(model) * static_cast<int64_t>(elem_bytes),
+               "place_tensor_parallel_part: ", part.size(), " bytes of tp rank ", tp_rank,
+               "'s part and ", whole.size(), " of the whole model, in ", elem_bytes,
+               "-byte elements");
+  // Replicated parameters from rank 0 (they are equal on every rank).
+  for_each_run(model, tp_rank, /*skip_replicated=*/tp_rank != 0, [&](int64_t p, int64_t q, int64_t n) {
+    std::memcpy(whole.data() + static_cast<size_t>(q) * elem_bytes,
+                part.data() + static_cast<size_t>(p) * elem_bytes, static_cast<size_t>(n) * elem_bytes);
+  });
+}
 
 std::vector<std::byte> join_tensor_parallel(const config::ModelConfig& model,
                                             std::vector<std::vector<std::byte>> parts,
                                             size_t elem_bytes) {
   PORTER_CHECK_EQ(static_cast<int64_t>(parts.size()), model.tensor_parallel,
                   "join_tensor_parallel: one part per tensor-parallel rank");
-  const std::unique_ptr<models::Transformer> any = models::build_model(model, 0);
-  std::vector<std::vector<float>> codes;
-  for (std::vector<std::byte>& p : parts) {
-    codes.push_back(to_codes(p, elem_bytes, any->layout().total_elems()));
-    std::vector<std::byte>().swap(p);
+  std::vector<std::byte> whole(static_cast<size_t>(whole_model_elems(model)) * elem_bytes);
+  for (size_t k = 0; k < parts.size(); ++k) {
+    place_tensor_parallel_part(model, static_cast<int>(k), parts[k], whole, elem_bytes);
+    std::vector<std::byte>().swap(parts[k]);
   }
-  std::vector<float> whole = any->merge_shards(codes);
-  codes.clear();
-  return from_codes(whole, elem_bytes);
+  return whole;
 }
 
 std::vector<std::byte> split_tensor_parallel(const config::ModelConfig& model, int tp_rank,
                                              std::span<const std::byte> whole, size_t elem_bytes) {
-  config::ModelConfig one = model;
-  one.tensor_parallel = 1;
-  one.sequence_parallel = false;
-  const int64_t whole_elems = models::build_model(one)->layout().total_elems();
-  const std::unique_ptr<models::Transformer> part = models::build_model(model, tp_rank);
-  return from_codes(part->shard_values(to_codes(whole, elem_bytes, whole_elems)), elem_bytes);
+  PORTER_CHECK(static_cast<int64_t>(whole.size()) >=
+                   whole_model_elems(model) * static_cast<int64_t>(elem_bytes),
+               "split_tensor_parallel: ", whole.size(), " bytes of the whole model in ",
+               elem_bytes, "-byte elements");
+  std::vector<std::byte> part(static_cast<size_t>(layout_elems(model, tp_rank)) * elem_bytes);
+  for_each_run(model, tp_rank, /*skip_replicated=*/false, [&](int64_t p, int64_t q, int64_t n) {
+    std::memcpy(part.data() + static_cast<size_t>(p) * elem_bytes,
+                whole.data() + static_cast<size_t>(q) * elem_bytes, static_cast<size_t>(n) * elem_bytes);
+  });
+  return part;
 }
 
 ConsolidateResult consolidate_checkpoint(const fs::path& dir, const ConsolidateOptions& options) {
@@ -657,9 +680,7 @@ ConsolidateResult consolidate_checkpoint(const fs::path& dir, const ConsolidateO
   const size_t elem = tensor::dtype_size(section_dtype);
   if (model) {
     flat = join_tensor_parallel(*model, std::move(parts), elem);
-    config::ModelConfig one = *model;
-    one.tensor_parallel = 1;
-    specs = layout_specs(models::build_model(one)->layout());
+    specs = layout_specs(models::build_model(whole_config(*model))->layout());
   } else {
     flat = std::move(parts.at(0));
     specs = layout_specs(info.meta(res.tp_rank)["layout"],

@@ -28,13 +28,15 @@
 //
 // Note [Tensor-parallel parts in bytes]
 // A tensor-parallel rank's part of the model maps onto the whole model (the layout at
-// tensor_parallel 1) through models::Transformer::shard_values and merge_shards, which move
-// f32 values and never compute with them. join_tensor_parallel and split_tensor_parallel carry
-// raw elements through them unchanged: an f32 element as itself (std::copy moves its bits), a
-// 16-bit element (bf16, f16) as the f32 whose value is its bit pattern 0..65535 (exact in
-// f32, back with a cast), so a working copy in bf16 stays the same bf16 bits and no value is
-// rounded. Replicated parameters come from tp rank 0 (merge_shards). The model config must be
-// the checkpoint's (each part's layout is checked against the model's part).
+// tensor_parallel 1) in blocks of rows and columns, the cases of
+// models::Transformer::shard_values that Transformer::shard_map lists (column-parallel rows,
+// row-parallel columns, the q, k and v rows of a fused qkv, the vocabulary rows with the
+// padding past V, replicated parameters whole). split_tensor_parallel copies a rank's blocks
+// out of the whole model's buffer and place_tensor_parallel_part copies them back in (the
+// inverse, as merge_shards; replicated parameters from tp rank 0), element bytes as they are:
+// a working copy in bf16 stays the same bf16 bits, nothing is converted or rounded. The model
+// config must be the checkpoint's (each part's layout is checked against the model's part
+// before anything is read).
 #pragma once
 
 #include <cstdint>
@@ -111,14 +113,20 @@ std::vector<std::byte> read_flat_section(
 config::ModelConfig checkpoint_model_config(const CheckpointInfo& info,
                                             std::string_view who = "consolidate");
 
-// Note [Tensor-parallel parts in bytes]. join: `parts` are the model's tp ranks' flat buffers
-// (each at least its layout's total_elems elements of elem_bytes, 2 or 4; taken, so they can
-// be freed as they are used); returns the whole model's (the layout at tensor_parallel 1).
-// split: rank tp_rank's part of the whole model's buffer, in its layout. `model` is the model
-// at the tensor_parallel of the parts. Throw InvalidArgument for sizes that do not fit.
+// Note [Tensor-parallel parts in bytes]. `model` is the model at the tensor_parallel of the
+// parts; buffers hold elements of elem_bytes, at least their layout's total_elems. The whole
+// model's elements (total_elems of the layout at tensor_parallel 1):
+int64_t whole_model_elems(const config::ModelConfig& model);
+// Copies rank tp_rank's `part` (its layout) into `whole`; replicated parameters only from
+// rank 0. Throws InvalidArgument for buffers too small.
+void place_tensor_parallel_part(const config::ModelConfig& model, int tp_rank,
+                                std::span<const std::byte> part, std::span<std::byte> whole,
+                                size_t elem_bytes);
+// The whole model's buffer from every rank's part (taken, each freed once placed).
 std::vector<std::byte> join_tensor_parallel(const config::ModelConfig& model,
                                             std::vector<std::vector<std::byte>> parts,
                                             size_t elem_bytes);
+// Rank tp_rank's part of the whole model's buffer, in its layout (the vocabulary padding 0).
 std::vector<std::byte> split_tensor_parallel(const config::ModelConfig& model, int tp_rank,
                                              std::span<const std::byte> whole, size_t elem_bytes);
 

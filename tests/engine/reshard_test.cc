@@ -24,6 +24,7 @@
 #include "engine/reshard.h"
 #include "io/consolidate.h"
 #include "io/weights_file.h"
+#include "models/transformer.h"
 #include "tests/engine/engine_test_util.h"
 
 namespace porter::engine {
@@ -262,15 +263,15 @@ TEST_P(Reshard, TheLoadedStateIsTheSavedOneAndTrainsOnAsARunThatStayed) {
   EXPECT_EQ(b.dp_size, p.to.dp);
   EXPECT_EQ(b.tp_size, p.to.tp);
   EXPECT_EQ(b.zero_stage, p.to.stage);
-  // Every rank's working parameters: its part of the saved whole model.
-  config::ModelConfig to_model = layout_config(p.to, p.bf16).porter.model;
+  // Every rank's working parameters: its part of the saved whole model, as the model itself
+  // splits it (models::Transformer::shard_values, not the resharding's own code).
+  const config::ModelConfig to_model = layout_config(p.to, p.bf16).porter.model;
+  const std::vector<float> whole = widened(whole_params.bytes, whole_params.elem_bytes, p.bf16);
   for (const Resumed& r : got) {
     SCOPED_TRACE("rank " + std::to_string(r.world_rank));
     EXPECT_EQ(r.step, 2);
     EXPECT_EQ(r.kernel_table_origin, "resumed from " + saved.string());
-    const std::vector<std::byte> part =
-        io::split_tensor_parallel(to_model, r.tp_rank, whole_params.bytes, whole_params.elem_bytes);
-    EXPECT_TRUE(bitwise_equal(r.params, widened(part, whole_params.elem_bytes, p.bf16)));
+    EXPECT_TRUE(bitwise_equal(r.params, models::Transformer(to_model, r.tp_rank).shard_values(whole)));
   }
 
   // Two more steps: bitwise those of a run at the new layout that loaded the same state from a
