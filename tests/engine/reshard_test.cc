@@ -318,6 +318,26 @@ TEST(ReshardErrors, WhatCannotBeReshardedSaysWhatDiffersAndWhatToDo) {
                                "data-parallel size, tensor_parallel, ZeRO stage and offload may "
                                "differ)"));
   }
+  // A model of the user's own layers cannot change its tensor-parallel degree: porter does not
+  // know its parts.
+  {
+    const config::Config c = layout_config({1, 1, 0}, true);
+    const models::Transformer one(c.porter.model);
+    RankLayout mine;
+    mine.model = c.porter.model;
+    mine.layout = &one.layout();
+    mine.transformer = false;
+    mine.compute_dtype = tensor::DType::kBF16;
+    const std::string msg = error_of<InvalidArgument>([&] {
+      reshard_sections(io::inspect_checkpoint(dir), mine, {{"params", 0, one.layout().total_elems()}});
+    });
+    EXPECT_THAT(msg, HasSubstr(": written by 2 data-parallel x 2 tensor-parallel ranks at ZeRO "
+                               "stage 2, this engine runs 1 data-parallel x 1 tensor-parallel "
+                               "ranks at ZeRO stage 0: changing the tensor-parallel degree is "
+                               "supported for the built-in transformer (porter.model) only, whose "
+                               "parts porter knows; resume this model at tensor_parallel 2 (the "
+                               "data-parallel size and ZeRO stage may differ)"));
+  }
   // One rank's directory of the four.
   {
     const config::Config c = layout_config({1, 1, 0}, true);
