@@ -171,6 +171,7 @@ kernels::KernelTable& Engine::kernel_table() const { return kernels_->kernel_tab
 
 StepResult Engine::train_step(const std::vector<io::HostBatch>& micro_batches) {
   Impl& im = *impl_;
+  check_states_on_device("train_step");  // Note [Offloaded model states]
   check_batches(run_, *model_, micro_batches,
                 static_cast<size_t>(run_.gradient_accumulation_steps));
   const auto t0 = Clock::now();

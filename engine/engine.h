@@ -215,6 +215,31 @@ struct MemoryReport {
   std::string format() const;                 // a table for the terminal
 };
 
+// What Engine::offload_states and reload_states did (Note [Offloaded model states] in
+// engine/states_offload.cc): the last call of each, and the counts since construction.
+struct StatesOffloadStats {
+  bool offloaded = false;  // the model states are in host memory now
+  bool pinned = true;      // the last offload's host memory: the pinned pool, or pageable
+  int64_t offloads = 0;
+  int64_t reloads = 0;
+  // The last offload_states(): the device's model-state bytes (params + grads + optimizer)
+  // and the allocator's reserved bytes, before and after it (after: 0, and the cache
+  // emptied); the bytes copied to the host, the host bytes holding them (block sizes), and
+  // its wall time.
+  size_t device_bytes_before = 0;
+  size_t device_bytes_after = 0;
+  size_t reserved_bytes_before = 0;
+  size_t reserved_bytes_after = 0;
+  uint64_t offload_bytes = 0;
+  size_t host_bytes = 0;
+  double offload_s = 0.0;
+  // The last reload_states(): the bytes copied back, the device's model-state bytes after it
+  // and its wall time.
+  uint64_t reload_bytes = 0;
+  size_t device_bytes_reloaded = 0;
+  double reload_s = 0.0;
+};
+
 // The kernel table held by `path`: a table (as KernelTable::to_json writes it), a report
 // written by `porter train --report` (its "kernel_table"), or a training checkpoint directory
 // (its meta.json, or rank<world_rank>/meta.json). Throws IoError when it cannot be read and
@@ -366,6 +391,23 @@ class Engine {
   // rank calls it (a collective at stage 3).
   void set_params_host_range(const std::function<void(int64_t begin, std::span<float> values)>& fill);
 
+  // Offloading the model states between phases (docs/engine.md, "Offloading the model states
+  // between phases"; Note [Offloaded model states] in engine/states_offload.cc), as
+  // DeepSpeed's engine.offload_states / reload_states: offload_states copies every parameter,
+  // gradient and optimizer-state buffer that lives on the device to host memory (pinned,
+  // within porter.device.pinned_limit, with pin_memory; pageable otherwise), frees the device
+  // blocks and empties the allocator's cache, so the device's params, grads and optimizer
+  // categories read 0; reload_states copies them back, bit for bit, and training goes on as
+  // if nothing happened. Neither communicates: each rank calls them for itself. While the
+  // states are away, train_step, evaluate, profile, checkpoints and the host copies of the
+  // parameters and gradients throw UsageError (call reload_states() first); so do
+  // offload_states when they are away already and reload_states when they are not. A host
+  // shortfall throws OutOfMemoryError with nothing moved.
+  void offload_states(bool pin_memory = true);
+  void reload_states();
+  bool states_offloaded() const;
+  StatesOffloadStats states_offload_stats() const;
+
  private:
   struct Impl;
   // Construction, in order (the costs in costs.cc).
@@ -377,6 +419,8 @@ class Engine {
   void agree_max(std::vector<double>& values, const char* label);
   double agree_bandwidth(double bytes_per_s, const char* label);
   double measure_tp_bytes_per_s(size_t bytes);
+  // Throws UsageError naming `what` while the model states are offloaded (offload_states).
+  void check_states_on_device(const char* what) const;
   // The phases of train_step (Note [One engine step]).
   void begin_step();
   zero::ReducerStats forward_backward_and_reduce(const std::vector<io::HostBatch>& micro_batches,
@@ -397,8 +441,15 @@ class Engine {
   int64_t step_ = 0;
   std::vector<io::HostBatch> last_batches_;
   TraceRecorder* trace_ = nullptr;  // not owned; may be null
-  // Last: destroyed first, while the allocator its buffers came from is still alive.
+  // Destroyed before the members above, while the allocator its buffers came from is alive.
   std::unique_ptr<Impl> impl_;
+  // The model states' host copies while offloaded, and the statistics (states_offload.cc).
+  // After impl_, so destroyed before it: its blocks come from impl_'s pinned pool.
+  struct StatesOffload;
+  struct StatesOffloadDeleter {
+    void operator()(StatesOffload* s) const;
+  };
+  std::unique_ptr<StatesOffload, StatesOffloadDeleter> states_offload_;
 };
 
 }  // namespace porter::engine

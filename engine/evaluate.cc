@@ -6,6 +6,7 @@ namespace porter::engine {
 
 double Engine::evaluate(const std::vector<io::HostBatch>& micro_batches) {
   Impl& im = *impl_;
+  check_states_on_device("evaluate");  // Note [Offloaded model states]
   check_batches(run_, *model_, micro_batches, 0);
   const int n = model_->num_stages();
   double sum = 0.0;

@@ -95,6 +95,13 @@ void FlatParams::clear_grad_view(size_t i) {
   has_view_[i] = false;
 }
 
+void FlatParams::for_each_buffer(const std::function<void(Tensor&)>& f) {
+  f(params_);
+  f(grads_);
+}
+
+void FlatParams::throw_away(const char* what) const { throw UsageError(std::string(what) + ": " + away_); }
+
 void bind_layer(Layer& layer, const std::string& prefix, const FlatParams& flat) {
   std::vector<Tensor> p, g;
   const auto& entries = flat.layout().entries();

@@ -15,6 +15,7 @@
 //   undefined Tensor.
 #pragma once
 
+#include <functional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -101,8 +102,15 @@ class FlatParams {
   FlatParams(memory::CachingAllocator& allocator, const ParamLayout& layout, DType param_dtype,
              DType grad_dtype, int64_t padded_elems = 0, bool allocate_grads = true,
              bool allocate_params = true);
-  const Tensor& params() const { return params_; }  // (padded_elems), undefined without
-  const Tensor& grads() const { return grads_; }    // (padded_elems), undefined without
+  // (padded_elems), undefined without. Both throw UsageError while the buffers are away.
+  const Tensor& params() const {
+    if (!away_.empty()) throw_away("FlatParams::params");
+    return params_;
+  }
+  const Tensor& grads() const {
+    if (!away_.empty()) throw_away("FlatParams::grads");
+    return grads_;
+  }
   int64_t padded_elems() const { return padded_elems_; }
   DType param_dtype() const { return param_dtype_; }
   DType grad_dtype() const { return grad_dtype_; }
@@ -119,7 +127,16 @@ class FlatParams {
   void clear_param_view(size_t i);
   const ParamLayout& layout() const { return *layout_; }
 
+  // Moving the buffers to host memory and back (Note [Offloaded model states] in
+  // engine/states_offload.cc): for_each_buffer calls `f` on the parameter buffer, then the
+  // gradient buffer (defined or not), which it may replace or drop; set_away(why) marks them
+  // away (params() and grads() then throw UsageError(why)), set_away("") back. Views taken
+  // before (param(i), grad(i), the layers' bindings) keep the old storage: bind again after.
+  void for_each_buffer(const std::function<void(Tensor&)>& f);
+  void set_away(std::string why) { away_ = std::move(why); }
+
  private:
+  [[noreturn]] void throw_away(const char* what) const;
   const ParamLayout* layout_;  // not owned; outlives this
   DType param_dtype_;
   DType grad_dtype_;
@@ -130,6 +147,7 @@ class FlatParams {
   std::vector<bool> has_view_;
   std::vector<Tensor> param_views_;  // per entry: the override, when has_param_view_[i]
   std::vector<bool> has_param_view_;
+  std::string away_;  // non-empty: the buffers are in host memory (set_away)
 };
 
 // Binds `layer`, whose params() were added to the layout under `prefix`, to views of `flat`.

@@ -136,6 +136,7 @@ void ParamGatherer::issue(int u, tensor::Tensor buffer) {
 }
 
 void ParamGatherer::gather(int u) {
+  if (!away_.empty()) throw_away("ParamGatherer::gather");
   PORTER_CHECK(u >= 0 && u < num_units(), "ParamGatherer::gather: no unit ", u);
   const ParamUnit& un = units_[static_cast<size_t>(u)];
   UnitState& st = state_[static_cast<size_t>(u)];
@@ -223,6 +224,7 @@ void ParamGatherer::release(int u) {
 }
 
 void ParamGatherer::refresh_persistent() {
+  if (!away_.empty()) throw_away("ParamGatherer::refresh_persistent");
   for (int u = 0; u < num_units(); ++u) {
     const ParamUnit& un = units_[static_cast<size_t>(u)];
     if (!un.persistent || un.elems() == 0) continue;
@@ -238,6 +240,7 @@ void ParamGatherer::refresh_persistent() {
 }
 
 void ParamGatherer::gather_all() {
+  if (!away_.empty()) throw_away("ParamGatherer::gather_all");
   for (int u = 0; u < num_units(); ++u) {
     if (units_[static_cast<size_t>(u)].persistent || live(u) || units_[static_cast<size_t>(u)].elems() == 0) continue;
     gather(u);
@@ -270,6 +273,49 @@ void ParamGatherer::abort() {
     live_bytes_ -= st.buffer.nbytes();
     st.buffer = tensor::Tensor();
   }
+}
+
+void ParamGatherer::for_each_state(const std::function<void(tensor::Tensor&)>& f) {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].persistent) f(state_[u].buffer);
+  }
+}
+
+void ParamGatherer::set_away(std::string why, tensor::Tensor shard) {
+  PORTER_CHECK(live_elems_ == 0, "ParamGatherer::set_away: ", live_elems_,
+               " gathered elements are live (only between steps)");
+  away_ = std::move(why);
+  bool changed = false;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    UnitState& st = state_[u];
+    if (!units_[u].persistent || st.buffer.defined() == st.bound) continue;
+    // Bound to a buffer that went away, or a buffer back that is not bound yet.
+    if (st.bound) {
+      for (size_t i : units_[u].entries) flat_->clear_param_view(i);
+    } else {
+      for (size_t i : units_[u].entries) {
+        const nn::ParamEntry& e = flat_->layout().entries().at(i);
+        const int64_t off = e.offset_elems - units_[u].lo;
+        flat_->set_param_view(i, st.buffer.slice(off, off + e.shape.numel()).reshape(e.shape));
+      }
+    }
+    st.bound = !st.bound;
+    changed = true;
+  }
+  if (!away_.empty()) {
+    if (shard_.owns_memory()) shard_ = tensor::Tensor();  // the optimizer moves it
+  } else {
+    PORTER_CHECK(shard.defined() && shard.numel() == part_.shard_elems,
+                 "ParamGatherer::set_away: the working shard back has ",
+                 shard.defined() ? shard.numel() : 0, " elements, the partition's shard ",
+                 part_.shard_elems);
+    shard_ = std::move(shard);
+  }
+  if (changed) rebind_();
+}
+
+void ParamGatherer::throw_away(const char* what) const {
+  throw UsageError(std::string(what) + ": " + away_);
 }
 
 void ParamGatherer::check() {

@@ -112,6 +112,16 @@ class ParamGatherer {
   void check();
 
   GatherStats take_stats();
+
+  // Moving the persistent units to host memory and back (Note [Offloaded model states] in
+  // engine/states_offload.cc), between steps only (no other unit live): for_each_state calls
+  // `f` on every persistent unit's buffer, gathered or not, which it may replace or drop.
+  // set_away(why) unbinds them and drops the working shard when it is device memory (the
+  // optimizer's, which moves it); gather(), gather_all() and refresh_persistent() then throw
+  // UsageError(why). set_away("", shard) takes the shard back (ShardedOptimizer::working(),
+  // returned first) and binds the units whose buffers are back.
+  void for_each_state(const std::function<void(tensor::Tensor&)>& f);
+  void set_away(std::string why, tensor::Tensor shard = {});
   // The upload lane's traffic and waits since construction (zero with the shard on the device).
   memory::HostTierStats host_tier_stats() const;
 
@@ -131,6 +141,7 @@ class ParamGatherer {
   void issue(int u, tensor::Tensor buffer);
   void bind(int u);
   void unbind(int u);
+  [[noreturn]] void throw_away(const char* what) const;
 
   nn::FlatParams* flat_;                 // not owned
   memory::CachingAllocator* allocator_;  // not owned
@@ -148,6 +159,7 @@ class ParamGatherer {
   std::unique_ptr<memory::HostLane> h2d_;  // shard on the host; null otherwise
   uint64_t h2d_taken_bytes_ = 0;  // h2d_'s bytes up to the last take_stats()
   GatherStats stats_;
+  std::string away_;  // non-empty: the persistent units are in host memory (set_away)
 };
 
 }  // namespace porter::zero

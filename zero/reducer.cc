@@ -85,7 +85,30 @@ GradReducer::GradReducer(nn::FlatParams& flat, kernels::Kernels& kernels,
 
 GradReducer::~GradReducer() { abort(); }
 
+void GradReducer::for_each_state(const std::function<void(tensor::Tensor&)>& f) {
+  if (options_.zero_stage >= 2 && sink_ == nullptr) f(shard_);
+}
+
+void GradReducer::set_away(std::string why) {
+  PORTER_CHECK(pending_.empty() && std::none_of(live_.begin(), live_.end(),
+                                                [](const tensor::Tensor& t) { return t.defined(); }),
+               "GradReducer::set_away: a reduction is in flight (only between steps)");
+  away_ = std::move(why);
+  if (options_.zero_stage >= 2) return;  // the shard is the reducer's own
+  if (!away_.empty()) {
+    shard_ = tensor::Tensor();  // a view of the flat gradient buffer, which is away too
+  } else {
+    shard_ = options_.zero_stage == 1 ? flat_->grads().slice(part_.begin(rank_), part_.end(rank_))
+                                      : flat_->grads();
+  }
+}
+
+void GradReducer::throw_away(const char* what) const {
+  throw UsageError(std::string(what) + ": " + away_);
+}
+
 void GradReducer::zero_grads() {
+  if (!away_.empty()) throw_away("GradReducer::zero_grads");
   first_ = true;
   if (sink_ != nullptr) return;  // the first micro-batch's parts replace the sink's copy
   tensor::Tensor all = options_.zero_stage >= 2 ? shard_ : flat_->grads();

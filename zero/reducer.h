@@ -55,6 +55,7 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -113,7 +114,11 @@ class GradReducer {
 
   // The gradients the optimizer reads: stage 2's shard buffer; else the flat buffer's
   // [r*S, (r+1)*S) at stage 1, the whole flat buffer at stage 0. Undefined when streamed.
-  const tensor::Tensor& shard() const { return shard_; }
+  // Throws UsageError while the gradients are away (set_away).
+  const tensor::Tensor& shard() const {
+    if (!away_.empty()) throw_away("GradReducer::shard");
+    return shard_;
+  }
   bool streamed() const { return sink_ != nullptr; }
   int64_t shard_begin() const { return shard_begin_; }  // flat index of shard()[0]
   bool distributed() const { return n_ > 1; }
@@ -137,7 +142,17 @@ class GradReducer {
   void abort() noexcept;
   ReducerStats take_stats();
 
+  // Moving the gradient shard to host memory and back (Note [Offloaded model states] in
+  // engine/states_offload.cc), between steps only (no bucket live, no reduction pending):
+  // for_each_state calls `f` on the shard the reducer owns (stages 2 and 3 unless streamed;
+  // none otherwise), which it may replace or drop. set_away(why) marks it away: shard() (at
+  // stages 0 and 1 a view of the flat gradient buffer, then dropped) and zero_grads() throw
+  // UsageError(why). set_away("") brings it back, after the flat buffer's own return.
+  void for_each_state(const std::function<void(tensor::Tensor&)>& f);
+  void set_away(std::string why);
+
  private:
+  [[noreturn]] void throw_away(const char* what) const;
   struct Pending {  // a reduction in flight
     size_t bucket = 0;
     comm::Work work;
@@ -179,6 +194,7 @@ class GradReducer {
   std::vector<bool> issued_;
   std::deque<Pending> pending_;
   ReducerStats stats_;
+  std::string away_;  // non-empty: the gradients are in host memory (set_away)
 };
 
 }  // namespace porter::zero

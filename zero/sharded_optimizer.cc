@@ -251,10 +251,33 @@ GradSink* ShardedOptimizer::grad_sink() const {
 }
 
 const void* ShardedOptimizer::streamed_grads() const {
+  if (!away_.empty()) throw_away("ShardedOptimizer::streamed_grads");
   return host_ != nullptr && host_->streamed ? host_->streamed->data() : nullptr;
 }
 
+void ShardedOptimizer::for_each_state(const std::function<void(tensor::Tensor&)>& f) {
+  f(master_);
+  f(exp_avg_);
+  f(exp_avg_sq_);
+  if (options_.zero_stage == 3 && !params_offloaded()) f(working_);
+}
+
+void ShardedOptimizer::set_away(std::string why) {
+  away_ = std::move(why);
+  if (options_.zero_stage == 3) return;  // working_ is one of the states
+  if (!away_.empty()) {
+    working_ = tensor::Tensor();  // a view of the flat buffer, which is away too
+  } else {
+    working_ = flat_->params().slice(begin_, end_);
+  }
+}
+
+void ShardedOptimizer::throw_away(const char* what) const {
+  throw UsageError(std::string(what) + ": " + away_);
+}
+
 void ShardedOptimizer::begin_step() {
+  if (!away_.empty()) throw_away("ShardedOptimizer::begin_step");
   if (!offloaded()) return;
   try {
     host_->lane->stream().synchronize();  // a failed step's copies are done before they are forgotten
@@ -533,6 +556,7 @@ void ShardedOptimizer::finish_step(bool overflow) {
 }
 
 void ShardedOptimizer::set_params(const std::vector<float>& padded) {
+  if (!away_.empty()) throw_away("ShardedOptimizer::set_params");
   PORTER_CHECK_EQ(static_cast<int64_t>(padded.size()), part_.padded_elems,
                   "ShardedOptimizer::set_params: values for the padded buffer");
   memory::Device& device = allocator_->device();
@@ -552,6 +576,7 @@ void ShardedOptimizer::set_params(const std::vector<float>& padded) {
 }
 
 std::vector<ShardedOptimizer::StateTensor> ShardedOptimizer::state_tensors() const {
+  if (!away_.empty()) throw_away("ShardedOptimizer::state_tensors");
   // The host's part first, then the device's (Note [Partial offload]); either may be absent.
   auto state = [](const char* name, const tensor::Tensor& host, const tensor::Tensor& device) {
     return host.defined() ? StateTensor{name, host, device} : StateTensor{name, device, {}};

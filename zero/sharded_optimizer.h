@@ -30,7 +30,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -242,7 +244,22 @@ class ShardedOptimizer {
   // The working parameters of the range: a view of the flat buffer at stages 0-2, the rank's
   // own shard (category params) at stage 3, from which zero/param_gatherer.h gathers; in host
   // memory with parameter offload (Note [Parameter offload]).
-  const tensor::Tensor& working() const { return working_; }
+  // Throws UsageError while the states are away (set_away).
+  const tensor::Tensor& working() const {
+    if (!away_.empty()) throw_away("ShardedOptimizer::working");
+    return working_;
+  }
+
+  // Moving the device state to host memory and back (Note [Offloaded model states] in
+  // engine/states_offload.cc), between steps only. for_each_state calls `f` on every device
+  // tensor this optimizer owns, defined or not, in a fixed order (master, exp_avg, exp_avg_sq,
+  // and at stage 3 the working shard unless it is in host memory), which it may replace or
+  // drop. set_away(why) marks them away: working() (at stages 0-2 a view of the flat buffer,
+  // which is dropped), state_tensors(), streamed_grads(), set_params() and begin_step() then
+  // throw UsageError(why). set_away("") brings them back, after the flat buffer's own return (the
+  // view is taken again).
+  void for_each_state(const std::function<void(tensor::Tensor&)>& f);
+  void set_away(std::string why);
 
   // The scale the loss stage multiplies the gradients by this step (1 without fp16).
   double loss_scale() const { return scaler_.scale(); }
@@ -302,6 +319,7 @@ class ShardedOptimizer {
                    memory::CachingAllocator& allocator, comm::Communicator* dp,
                    const Partition& part, const OptimizerOptions& options,
                    std::unique_ptr<memory::HostTier> owned_pinned, memory::HostTier* pinned);
+  [[noreturn]] void throw_away(const char* what) const;
   void wait(comm::Work work);
   void gather_params();  // Note [Bucketed parameter all-gather]
   void finish_gradient_copies(const tensor::Tensor& grads);
@@ -329,6 +347,7 @@ class ShardedOptimizer {
   LossScaler scaler_;
   int64_t steps_ = 0;      // steps that updated (fp16 overflow skips)
   double exposed_s_ = 0.0;
+  std::string away_;  // non-empty: the device state is in host memory (set_away)
 };
 
 }  // namespace porter::zero
