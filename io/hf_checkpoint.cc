@@ -48,10 +48,6 @@ bool starts_with(const std::string& s, std::string_view prefix) {
   return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
 }
 
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // A file's tensor name without the spec's prefix (Note [Hugging Face checkpoints]).
 std::string bare_name(const std::string& name, config::ModelType type) {
   const std::string_view prefix = models::arch_spec(type).hf_prefix();
@@ -302,7 +298,7 @@ void read_target(const Target& t, int64_t begin, std::span<float> out) {
   const std::span<const std::byte> bytes = file.bytes(e);
   PageRelease pages(bytes);
   const HfParam& p = *t.param;
-  const int64_t whole_rows = p.shape[0];
+  const int64_t whole_rows = p.shape.empty() ? 1 : p.shape[0];
   const int64_t whole_cols = p.shape.size() == 2 ? p.shape[1] : 1;
   // This rank's rows with an element in [lo, hi).
   const int64_t row_lo = (lo - off) / cols, row_hi = ceil_div(hi - off, cols);
