@@ -1,7 +1,8 @@
 // porter.model.from and `porter train --save-hf` through the command line: config.json applied
 // to config check, estimate and train (contradictions naming both sources), the weights
 // loaded instead of the init, and the trained model written back in Hugging Face's layout,
-// bitwise the input after no step on one rank and on 2 x 2 launched ranks at ZeRO stage 3.
+// bitwise the input after no step on one rank, on 2 x 2 launched ranks at ZeRO stage 3 and
+// on 2 ranks reading their shards of a checkpoint sharded over two files.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -206,6 +207,45 @@ TEST_F(CliHf, TensorParallelZero3RanksLoadAndGatherTheWholeModel) {
   }
   EXPECT_GT(max_step, 1e-4);  // it trained
   EXPECT_LT(max_diff, 1e-5) << "largest step " << max_step;
+}
+
+// A checkpoint sharded over two files with model.safetensors.index.json, loaded by 2 launched
+// ranks at ZeRO stage 3, each reading only its shard of the model from the files (Note
+// [Sharded loading] in io/hf_checkpoint.h): the header counts both files, and the model
+// gathered back after no step is the input, bitwise.
+TEST_F(CliHf, Zero3RanksReadTheirShardsOfAnIndexedCheckpoint) {
+  io::WeightMetadata meta;
+  const std::vector<io::WeightTensor> all = io::read_safetensors(model_ / "model.safetensors", &meta);
+  const size_t half = all.size() / 2;
+  Json index;
+  std::vector<io::WeightTensor> part;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const std::string file = i < half ? "model-00001-of-00002.safetensors"
+                                      : "model-00002-of-00002.safetensors";
+    index["weight_map"][all[i].name] = file;
+    part.push_back(all[i]);
+    if (i + 1 == half || i + 1 == all.size()) {
+      io::write_safetensors(model_ / file, part, meta);
+      part.clear();
+    }
+  }
+  std::ofstream(model_ / "model.safetensors.index.json") << index.dump();
+  fs::remove(model_ / "model.safetensors");
+
+  const std::string extra = R"("train_batch_size": 4, "gradient_accumulation_steps": 1,
+      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},)";
+  const fs::path out = dir_ / "out";
+  CliRun r = porter({"launch", "-n", "2", "--", PORTER_EXE, "train", "--config", config("", extra),
+                     "--steps", "0", "--save-hf", out.string()});
+  ASSERT_EQ(r.rc, kExitOk) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("  weights: " + model_.string() + " (Hugging Face, 29 tensors in 2 "
+                               "files, F32, "));
+  const std::vector<io::WeightTensor> back = tensors(out);
+  ASSERT_EQ(back.size(), all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(back[i].name, all[i].name);
+    EXPECT_EQ(back[i].bytes, all[i].bytes) << all[i].name;
+  }
 }
 
 }  // namespace
