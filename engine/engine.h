@@ -313,9 +313,11 @@ class Engine {
   // Training checkpoints (io/state_file.h): parameters, master weights, AdamW moments,
   // the step, and the config they belong to. With N > 1 ranks every rank calls both with
   // the same dir and uses dir/rank<r> (Note [Data-parallel checkpoints] in state.cc).
-  // load_checkpoint checks that the model layout and dtypes (and the world size and stage)
-  // match this engine's and throws IoError / InvalidArgument otherwise; after it, training
-  // continues bit-identically.
+  // load_checkpoint checks that the model and the compute dtype match this engine's and
+  // throws IoError / InvalidArgument otherwise; a checkpoint of another data-parallel size,
+  // tensor-parallel degree, ZeRO stage or offload is resharded into this rank's part (Note
+  // [Resharding a checkpoint] in engine/reshard.h). After it, training continues as from the
+  // saved state, bit-identically at the same layout.
   // The checkpoint also holds the kernel table (Note [Kernel table] in kernels/kernel_table.cc);
   // load_checkpoint pins it unless porter.device.kernel_table pins another.
   // save_checkpoint is write_snapshot(snapshot_checkpoint(), dir): the snapshot copies the
