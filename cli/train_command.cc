@@ -638,8 +638,9 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       if (checkpointer && r.step % save_every == 0 && r.step < last) {
         checkpointer->save(eng);
       }
-      if (stop.stop_agreed(w.store.get(), w.env.world_size, r.step,
-                           comm::Seconds(cfg.porter.comm.timeout_s))) {
+      // After the last step the run is complete: a signal then changes nothing.
+      if (r.step < last && stop.stop_agreed(w.store.get(), w.env.world_size, r.step,
+                                            comm::Seconds(cfg.porter.comm.timeout_s))) {
         stopped_by = stop.signal() != 0 ? stop.signal() : SIGTERM;
         break;
       }
