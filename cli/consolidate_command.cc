@@ -14,6 +14,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "io/consolidate.h"
+#include "io/run_dir.h"
 #include "io/weights_file.h"
 
 namespace porter::cli {
@@ -34,11 +35,18 @@ int consolidate(const ConsolidateCommandOptions& o, std::ostream& out, std::ostr
   co.on_rank_read = [&err](int done, int count, const std::filesystem::path& dir) {
     if (count > 1) err << "read " << dir.string() << " (" << done << "/" << count << ")\n";
   };
-  const io::ConsolidateResult r = io::consolidate_checkpoint(o.checkpoint, co);
+  // A run directory (porter train --save DIR --save-every N) stands for its newest checkpoint
+  // (Note [Run directory] in io/run_dir.h); the checks below refuse a damaged one.
+  std::string checkpoint = o.checkpoint;
+  if (!io::is_checkpoint(checkpoint) && io::is_run_dir(checkpoint)) {
+    checkpoint = io::resume_candidates(checkpoint).front().string();
+    err << "run directory " << o.checkpoint << ": its newest checkpoint is " << checkpoint << "\n";
+  }
+  const io::ConsolidateResult r = io::consolidate_checkpoint(checkpoint, co);
 
   io::WeightMetadata metadata = {{"format", "pt"},
                                      {"porter.step", std::to_string(r.step)},
-                                     {"porter.source", o.checkpoint}};
+                                     {"porter.source", checkpoint}};
   if (r.tp_size > 1 && !r.whole) metadata["porter.tp_rank"] = std::to_string(r.tp_rank);
   io::write_safetensors(o.out, r.tensors, metadata);
 
@@ -63,7 +71,7 @@ int consolidate(const ConsolidateCommandOptions& o, std::ostream& out, std::ostr
   }
   ranks += ", ZeRO stage " + std::to_string(r.zero_stage) + ")";
 
-  out << "consolidated " << o.checkpoint << " -> " << o.out << "\n";
+  out << "consolidated " << checkpoint << " -> " << o.out << "\n";
   const std::pair<const char*, std::string> rows[] = {
       {"step", std::to_string(r.step)},
       {"ranks read", ranks},
@@ -88,7 +96,8 @@ void add_consolidate_command(CLI::App& app, CommandContext& context) {
       "Write the full model's weights from a training checkpoint's per-rank files as one "
       "safetensors file");
   cmd->add_option("--checkpoint", o->checkpoint,
-                  "The training checkpoint directory (porter train --save DIR)")
+                  "The training checkpoint directory (porter train --save DIR), or a run "
+                  "directory (--save-every), for its newest checkpoint")
       ->required();
   cmd->add_option("--out", o->out, "The safetensors file to write")->required();
   cmd->add_option("--dtype", o->dtype,

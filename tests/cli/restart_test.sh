@@ -137,7 +137,7 @@ data_of() {  # a safetensors file's tensor bytes (its header names its source)
   n=$(od -An -t u8 -N 8 "$f" | tr -d ' ')
   tail -c +$((9 + n)) "$f"
 }
-"$porter" consolidate --checkpoint "$work/ref/step-$steps" --out "$work/ref.safetensors" --dtype f32 > /dev/null 2>&1
+"$porter" consolidate --checkpoint "$work/ref" --out "$work/ref.safetensors" --dtype f32 > /dev/null 2>&1
 "$porter" train --config "$config" --steps "$steps" --resume "$work/ref/step-$steps" \
   --set zero_optimization.stage=0 --save "$work/one-rank" > "$work/one-rank.log" 2>&1 ||
   { cat "$work/one-rank.log"; fail "resuming on 1 rank at stage 0 failed"; }
