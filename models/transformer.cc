@@ -149,6 +149,56 @@ std::vector<float> Transformer::init_values(uint64_t seed) const {
   return v;
 }
 
+void Transformer::init_values_range(uint64_t seed, int64_t begin, std::span<float> out) const {
+  // init_values' element by element (Note [Transformer init]): element w of a parameter at
+  // tensor_parallel 1 is one half of the Box-Muller pair (w % 4) / 2 of Philox block w / 4.
+  std::fill(out.begin(), out.end(), 0.0f);
+  config::ModelConfig whole = config_;
+  whole.tensor_parallel = 1;
+  whole.sequence_parallel = false;
+  const int64_t end = begin + static_cast<int64_t>(out.size());
+  for (const ParamShard& s : shard_map()) {
+    const ParamEntry& e = *s.entry;
+    const int64_t off = e.offset_elems;
+    const int64_t lo = std::max(begin, off), hi = std::min(end, off + e.shape.numel());
+    if (lo >= hi) continue;
+    const InitRule rule = spec_->init_rule(e.name, whole);
+    if (rule.kind == InitRule::kZero) continue;
+    const float std_dev = rule.std_dev;
+    const uint64_t h = fnv1a(e.name);
+    PhiloxKey key;
+    key.seed = seed;
+    key.stream[0] = static_cast<uint32_t>(h);
+    key.stream[1] = static_cast<uint32_t>(h >> 32);
+    key.stream[2] = 0x494e4954u;  // "INIT", as init_values
+    const int64_t whole_cols = s.whole_shape.size() == 2 ? s.whole_shape[1] : 1;
+    uint64_t block = ~uint64_t{0};
+    float u[4];
+    for (const ParamShard::Block& b : s.blocks) {
+      for (int64_t i = b.row; i < b.row + b.rows; ++i) {
+        const int64_t c0 = std::max<int64_t>(0, lo - off - i * s.cols);
+        const int64_t c1 = std::min<int64_t>(s.cols, hi - off - i * s.cols);
+        for (int64_t c = c0; c < c1; ++c) {
+          float& v = out[static_cast<size_t>(off + i * s.cols + c - begin)];
+          if (rule.kind == InitRule::kOne) {
+            v = 1.0f;
+            continue;
+          }
+          const int64_t w = (b.whole_row + i - b.row) * whole_cols + b.whole_col + c;
+          if (static_cast<uint64_t>(w / 4) != block) {
+            block = static_cast<uint64_t>(w / 4);
+            philox_uniform4(key, block, u);
+          }
+          const int j = static_cast<int>(w % 4) / 2 * 2;
+          const double r = std::sqrt(-2.0 * std::log(1.0 - static_cast<double>(u[j])));
+          const double theta = 2.0 * M_PI * static_cast<double>(u[j + 1]);
+          v = static_cast<float>(std_dev * r * (w % 2 == 0 ? std::cos(theta) : std::sin(theta)));
+        }
+      }
+    }
+  }
+}
+
 std::vector<float> Transformer::shard_values(std::span<const float> whole) const {
   if (tp_.size == 1) {
     PORTER_CHECK_EQ(static_cast<int64_t>(whole.size()), layout_.total_elems(),

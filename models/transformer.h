@@ -220,6 +220,9 @@ class Transformer {
   // Deterministic initial values in layout order, padding zero (docs/layers.md, "Init"):
   // this rank's part of the t = 1 values.
   std::vector<float> init_values(uint64_t seed) const;
+  // Elements [begin, begin + out.size()) of init_values(seed) (0 past the layout), computed
+  // for those elements only, through shard_map: no buffer of the whole model or of the part.
+  void init_values_range(uint64_t seed, int64_t begin, std::span<float> out) const;
   // This rank's part (in layout() order) of `whole`, values in the layout of the same model
   // at tensor_parallel 1 (Note [GPT tensor parallelism]).
   std::vector<float> shard_values(std::span<const float> whole) const;

@@ -165,6 +165,30 @@ TEST(HfShardedLoad, EveryRanksRangeIsShardValuesOfTheWholeReadBitForBit) {
   fs::remove_all(root);
 }
 
+// The init by range (what an engine can load instead of the whole model's init at tensor
+// parallel t): init_values' elements, bit for bit, in any range.
+TEST(HfShardedLoad, InitValuesRangeIsInitValuesBitForBit) {
+  for (const ArchCase& a : arch_cases()) {
+    for (int tp : a.tps) {
+      for (int r = 0; r < tp; ++r) {
+        const std::string at = a.name + " tp " + std::to_string(tp) + " rank " + std::to_string(r);
+        const auto part = part_of(a.model, tp, r);
+        const std::vector<float> want = part->init_values(17);
+        const int64_t n = static_cast<int64_t>(want.size()), padded = n + 9;
+        const int64_t cuts[] = {0, n / 4 + 3, n / 2 + 1, padded};
+        std::vector<float> got;
+        for (int k = 0; k < 3; ++k) {
+          std::vector<float> piece(static_cast<size_t>(cuts[k + 1] - cuts[k]), -1.0f);
+          part->init_values_range(17, cuts[k], piece);
+          got.insert(got.end(), piece.begin(), piece.end());
+        }
+        EXPECT_TRUE(bitwise_equal(std::vector<float>(got.begin(), got.begin() + n), want)) << at;
+        EXPECT_TRUE(std::all_of(got.begin() + n, got.end(), [](float v) { return v == 0.0f; })) << at;
+      }
+    }
+  }
+}
+
 TEST(HfShardedLoad, ShardedCheckpointsWithAnIndexReadTheSame) {
   const fs::path root = temp_dir("index");
   for (const ArchCase& a : arch_cases()) {
