@@ -1,10 +1,10 @@
 // Sharded Hugging Face loading (Note [Sharded loading] in io/hf_checkpoint.h): each rank's
 // range read straight from the files is shard_values of the whole read, bit for bit, for every
 // architecture, tensor-parallel size, dtype, range and sharded checkpoint; the errors are the
-// whole read's; Transformer::init_values_range is init_values in any range; engines loaded through Engine::set_params_host_range hold the training state
-// set_params_host gives (tensor parallel 2, ZeRO stage 3 over 2 ranks, bf16 with a partial
-// optimizer offload); and a rank's peak resident memory grows by its part plus a few MiB,
-// not by the model.
+// whole read's; Transformer::init_values_range is init_values in any range; engines loaded
+// through Engine::set_params_host_range hold the training state set_params_host gives (tensor
+// parallel 2, ZeRO stage 3 over 2 ranks, bf16 with a partial optimizer offload); and a rank's
+// peak resident memory grows by its part plus a few MiB, not by the model.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
