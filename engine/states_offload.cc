@@ -294,7 +294,6 @@ void Engine::reload_states() {
   st.offloaded = false;
   ++st.reloads;
   st.reload_bytes = bytes;
-  st.host_bytes = 0;
   st.device_bytes_reloaded = model_state_bytes(allocator_->stats());
   st.reload_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (trace_ != nullptr) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -211,18 +212,23 @@ TEST(StatesOffload, UseWhileAwayIsRefused) {
     const std::string early = error_of<UsageError>([&] { e.reload_states(); });
     EXPECT_NE(early.find("Engine::reload_states: the model states are on the device"),
               std::string::npos) << early;
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                      ("porter_states_offload_" + std::to_string(getpid()));
+    const std::filesystem::path saved = dir / "saved";
+    e.save_checkpoint(saved);
     e.offload_states();
     EXPECT_TRUE(e.states_offloaded());
     const std::string fix = "call reload_states() first";
-    const std::filesystem::path dir =
-        std::filesystem::temp_directory_path() / ("porter_states_offload_" + std::to_string(getpid()));
+    int filled = 0;
     std::vector<std::pair<std::string, std::function<void()>>> calls = {
         {"Engine::train_step", [&] { e.train_step(data.rank_batches(1, 2, 0, 1)); }},
         {"Engine::evaluate", [&] { e.evaluate(data.rank_batches(1, 1, 0, 1)); }},
         {"", [&] { e.params_host(); }},
         {"", [&] { e.grads_host(); }},
         {"", [&] { e.set_params_host(params); }},
-        {"", [&] { e.save_checkpoint(dir); }},
+        {"", [&] { e.set_params_host_range([&](int64_t, std::span<float>) { ++filled; }); }},
+        {"", [&] { e.save_checkpoint(dir / "away"); }},
+        {"", [&] { e.load_checkpoint(saved); }},
         {"", [&] { e.snapshot_checkpoint(); }},
         {"", [&] { e.profile(); }},
         {"Engine::offload_states", [&] { e.offload_states(); }},
@@ -232,7 +238,8 @@ TEST(StatesOffload, UseWhileAwayIsRefused) {
       EXPECT_NE(msg.find(fix), std::string::npos) << msg;
       EXPECT_EQ(msg.rfind(prefix, 0), 0u) << msg;
     }
-    EXPECT_FALSE(std::filesystem::exists(dir / "meta.json"));
+    EXPECT_FALSE(std::filesystem::exists(dir / "away"));
+    std::filesystem::remove_all(dir);
     // The memory report and the statistics still answer.
     EXPECT_EQ(e.memory_report().model_state_bytes, 0u);
     EXPECT_EQ(e.states_offload_stats().offloads, 1);
