@@ -11,10 +11,27 @@ namespace porter::engine {
 
 namespace {
 
-std::vector<std::byte> download(memory::Device& device, const tensor::Tensor& t) {
-  std::vector<std::byte> bytes(t.nbytes());
-  if (!bytes.empty()) device.copy_sync(bytes.data(), t.data(), bytes.size());
-  return bytes;
+// `t`'s bytes into `into` from byte `offset` on; `into` already has the room.
+void download(memory::Device& device, const tensor::Tensor& t, std::vector<std::byte>& into,
+              size_t offset = 0) {
+  if (t.nbytes() > 0) device.copy_sync(into.data() + offset, t.data(), t.nbytes());
+}
+
+// The section `name` of `snap`, `bytes` long: the one a previous snapshot left (its memory
+// reused: resizing to the size it has touches nothing), else a new one.
+std::vector<std::byte>& section_buffer(CheckpointSnapshot& snap,
+                                       std::vector<io::StateSection>& previous,
+                                       const std::string& name, size_t bytes) {
+  std::vector<std::byte> buffer;
+  for (io::StateSection& s : previous) {
+    if (s.name == name) {
+      buffer = std::move(s.bytes);
+      break;
+    }
+  }
+  buffer.resize(bytes);
+  snap.sections.push_back({name, std::move(buffer)});
+  return snap.sections.back().bytes;
 }
 
 }  // namespace
@@ -35,8 +52,16 @@ uint64_t CheckpointSnapshot::bytes() const {
 }
 
 CheckpointSnapshot Engine::snapshot_checkpoint() const {
-  const Impl& im = *impl_;
   CheckpointSnapshot snap;
+  snapshot_checkpoint(snap);
+  return snap;
+}
+
+void Engine::snapshot_checkpoint(CheckpointSnapshot& snap) const {
+  check_states_on_device("snapshot_checkpoint");
+  const Impl& im = *impl_;
+  std::vector<io::StateSection> previous = std::move(snap.sections);
+  snap = CheckpointSnapshot{};
   if (dp_size() * tp_size() > 1) snap.rank_subdir = "rank" + std::to_string(world_rank());
   const nlohmann::ordered_json cfg = config::to_json(config_);
   nlohmann::json& meta = snap.meta;
@@ -66,15 +91,15 @@ CheckpointSnapshot Engine::snapshot_checkpoint() const {
   meta["kernel_table"] = kernels_->kernel_table().to_json();  // Note [Kernel table]
   // Stage 3 holds only the rank's shard of the working parameters (Note [Stage 3 gather]).
   if (im.gatherer) meta["params_range"] = {im.optimizer->begin(), im.optimizer->end()};
-  snap.sections.push_back({"params", download(*device_, im.gatherer ? im.optimizer->working()
-                                                                     : im.flat->params())});
+  const tensor::Tensor& params = im.gatherer ? im.optimizer->working() : im.flat->params();
+  download(*device_, params, section_buffer(snap, previous, "params", params.nbytes()));
   for (const zero::ShardedOptimizer::StateTensor& t : im.optimizer->state_tensors()) {
-    std::vector<std::byte> bytes = download(*device_, t.tensor);
-    if (t.rest.defined()) {  // Note [Partial offload]: the host's part, then the device's
-      const std::vector<std::byte> rest = download(*device_, t.rest);
-      bytes.insert(bytes.end(), rest.begin(), rest.end());
-    }
-    snap.sections.push_back({t.name, std::move(bytes)});
+    const size_t first = t.tensor.nbytes();
+    const size_t rest = t.rest.defined() ? t.rest.nbytes() : 0;
+    std::vector<std::byte>& bytes = section_buffer(snap, previous, t.name, first + rest);
+    download(*device_, t.tensor, bytes);
+    // Note [Partial offload]: the host's part, then the device's.
+    if (t.rest.defined()) download(*device_, t.rest, bytes, first);
   }
   // zero_optimization.stage3_gather_16bit_weights_on_model_save: the working weights of the
   // whole model (this tp rank's part), gathered from the shards, in one safetensors file that
@@ -86,14 +111,14 @@ CheckpointSnapshot Engine::snapshot_checkpoint() const {
           *allocator_, tensor::Shape{static_cast<int64_t>(full.size())}, compute_dtype(),
           memory::Category::kWorkspace);
       tensor::from_host_f32(*device_, full, host);
-      const std::vector<std::byte> bytes = download(*device_, host);
+      std::vector<std::byte> bytes(host.nbytes());
+      download(*device_, host, bytes);
       snap.weights_file = tp_size() > 1 ? "model-tp" + std::to_string(tp_rank()) + ".safetensors"
                                         : std::string("model.safetensors");
       snap.weights = io::layout_tensors(model_->layout(), compute_dtype(), bytes);
       snap.weights_metadata = {{"format", "pt"}, {"porter.step", std::to_string(step_)}};
     }
   }
-  return snap;
 }
 
 void write_snapshot(const CheckpointSnapshot& snapshot, const std::filesystem::path& dir) {

@@ -49,7 +49,9 @@ void Checkpointer::save(const Engine& engine) {
   if (step == last_step_) return;
   wait();  // 1.
   const auto t0 = std::chrono::steady_clock::now();
-  auto snapshot = std::make_shared<CheckpointSnapshot>(engine.snapshot_checkpoint());  // 2.
+  if (!snapshot_) snapshot_ = std::make_shared<CheckpointSnapshot>();
+  engine.snapshot_checkpoint(*snapshot_);  // 2.
+  std::shared_ptr<CheckpointSnapshot> snapshot = snapshot_;
   CheckpointRecord rec;
   rec.step = step;
   rec.snapshot_s = seconds_since(t0);

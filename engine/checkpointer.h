@@ -6,7 +6,10 @@
 //    snapshot is held at a time;
 // 2. takes the snapshot (Engine::snapshot_checkpoint): the device-to-host copy of this rank's
 //    state into host memory. Only this part holds up training: the snapshot is the state
-//    after the step, and the next step does not change it;
+//    after the step, and the next step does not change it. The snapshot's buffers are kept
+//    from one save to the next (pageable host memory: the whole state may exceed the pinned
+//    limit), so after the first save the copy touches pages that are already there; the
+//    host-memory preflight counts them (Note [Host fit] in engine/host_fit.h);
 // 3. rank 0 clears and creates DIR/.step-<N>.tmp and tells the others through the store
 //    ("ckpt/<N>/open"), so that no rank writes into a directory rank 0 is about to remove;
 // 4. starts a thread that writes the snapshot into DIR/.step-<N>.tmp (io/state_file.h: every
@@ -33,6 +36,7 @@
 namespace porter::engine {
 
 class Engine;
+struct CheckpointSnapshot;
 
 struct CheckpointerOptions {
   std::filesystem::path run_dir;  // --save DIR
@@ -68,6 +72,7 @@ class Checkpointer {
  private:
   CheckpointerOptions options_;
   std::vector<CheckpointRecord> records_;
+  std::shared_ptr<CheckpointSnapshot> snapshot_;  // reused: the writer holds it until joined
   std::thread writer_;
   std::exception_ptr error_;
   int64_t last_step_ = -1;

@@ -139,7 +139,10 @@ void Engine::build_model_states() {
     kernels_->fill(grads, 0.0f);
   }
   im.reducer->zero_grads();
-  set_params_host(model_->init_values(run_.seed));
+  // The rank's range only (its shard at stage 3): no whole-model buffer on the host.
+  set_params_host_range([&](int64_t begin, std::span<float> values) {
+    model_->init_values_range(run_.seed, begin, values);
+  });
   model_->bind(*im.flat);
 }
 

@@ -325,6 +325,9 @@ class Engine {
   // after which training may go on while another thread writes it (engine/checkpointer.h).
   void save_checkpoint(const std::filesystem::path& dir) const;
   CheckpointSnapshot snapshot_checkpoint() const;
+  // The same into `into`, reusing its sections' host buffers where they have the size: a
+  // periodic save copies into the memory of the previous one instead of faulting in new pages.
+  void snapshot_checkpoint(CheckpointSnapshot& into) const;
   void load_checkpoint(const std::filesystem::path& dir);
 
   // The kernel choices of this run (Note [Kernel table]): measured, pinned from

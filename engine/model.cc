@@ -67,6 +67,14 @@ void ChainModel::bind(const nn::FlatParams& flat) {
   for (size_t i = 0; i < stages_.size(); ++i) nn::bind_layer(*stages_[i], std::to_string(i), flat);
 }
 
+void Model::init_values_range(uint64_t seed, int64_t begin, std::span<float> out) const {
+  const std::vector<float> all = init_values(seed);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t at = begin + static_cast<int64_t>(i);
+    out[i] = at < static_cast<int64_t>(all.size()) ? all[static_cast<size_t>(at)] : 0.0f;
+  }
+}
+
 std::vector<float> ChainModel::init_values(uint64_t seed) const {
   std::vector<float> v(static_cast<size_t>(layout_.total_elems()), 0.0f);
   for (size_t i = 0; i < stages_.size(); ++i) {

@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <span>
 #include <vector>
 
 #include "checkpoint/costs.h"
@@ -42,6 +43,11 @@ class Model {
   virtual void bind(const nn::FlatParams& flat) = 0;
   // Initial parameter values in layout order (padding zero).
   virtual std::vector<float> init_values(uint64_t seed) const = 0;
+  // Elements [begin, begin + out.size()) of init_values(seed), 0 past the layout. The engine
+  // initialises through it (set_params_host_range), so a model that computes a range without
+  // the whole (the built-in transformer) never holds the whole model in host memory; the
+  // default computes init_values and copies the range.
+  virtual void init_values_range(uint64_t seed, int64_t begin, std::span<float> out) const;
   // The micro-batch's targets, for the loss stage; called before every forward of it.
   virtual void set_targets(const tensor::Tensor& targets) = 0;
   // The gradient scale of the loss stage (1 / gradient_accumulation_steps, times the fp16
@@ -78,6 +84,9 @@ class TransformerModel : public Model {
   void bind(const nn::FlatParams& flat) override { model_->bind(flat); }
   std::vector<float> init_values(uint64_t seed) const override {
     return model_->init_values(seed);
+  }
+  void init_values_range(uint64_t seed, int64_t begin, std::span<float> out) const override {
+    model_->init_values_range(seed, begin, out);
   }
   void set_targets(const tensor::Tensor& targets) override { model_->head().set_targets(targets); }
   void set_loss_scale(float scale) override { model_->head().set_loss_scale(scale); }
