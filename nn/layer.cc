@@ -100,7 +100,9 @@ void FlatParams::for_each_buffer(const std::function<void(Tensor&)>& f) {
   f(grads_);
 }
 
-void FlatParams::throw_away(const char* what) const { throw UsageError(std::string(what) + ": " + away_); }
+void FlatParams::throw_away(const char* what) const {
+  throw UsageError(std::string(what) + ": " + away_);
+}
 
 void bind_layer(Layer& layer, const std::string& prefix, const FlatParams& flat) {
   std::vector<Tensor> p, g;

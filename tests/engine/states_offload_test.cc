@@ -4,9 +4,14 @@
 // offload, on one and two thread ranks; the device's model-state categories read 0 while they
 // are away; misuse is refused with the fix.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -20,6 +25,7 @@
 #include "engine/checkpoint_snapshot.h"
 #include "engine/trace.h"
 #include "engine_test_util.h"
+#include "faulty_device.h"
 
 namespace porter::engine::testing {
 namespace {
@@ -67,35 +73,144 @@ struct RankRun {
   SavedState state;
   std::vector<StatesOffloadStats> offloads;  // after each offload_states()
   std::vector<MemoryReport> away;            // memory_report() while the states are away
+  int back_at_old_addresses = 0;             // model-state blocks reloaded where they were
 };
 
 constexpr int kSteps = 3;
+
+// A cpu device that never hands out an address twice: a freed segment stays mapped, filled
+// with 0xFF bytes (NaN), until the device goes. States reloaded after empty_cache() land at
+// new addresses, and a pointer left at an old one reads NaN instead of the right values by
+// luck.
+class QuarantineDevice final : public memory::Device {
+ public:
+  QuarantineDevice() : inner_(cpu_device()) {}
+  ~QuarantineDevice() override {
+    for (const auto& [ptr, bytes] : freed_) inner_->free_segment(ptr, bytes);
+  }
+  memory::DeviceKind kind() const override { return inner_->kind(); }
+  int index() const override { return inner_->index(); }
+  std::string description() const override { return "quarantine " + inner_->description(); }
+  bool host_accessible() const override { return inner_->host_accessible(); }
+  size_t memory_capacity_bytes() const override { return inner_->memory_capacity_bytes(); }
+  size_t segment_alignment() const override { return inner_->segment_alignment(); }
+  void* allocate_segment(size_t bytes) override { return inner_->allocate_segment(bytes); }
+  void free_segment(void* ptr, size_t bytes) override {
+    std::memset(ptr, 0xFF, bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    freed_.emplace_back(ptr, bytes);
+  }
+  size_t pinned_capacity_bytes() const override { return inner_->pinned_capacity_bytes(); }
+  void* allocate_pinned(size_t bytes) override { return inner_->allocate_pinned(bytes); }
+  void free_pinned(void* ptr, size_t bytes) override { inner_->free_pinned(ptr, bytes); }
+  memory::Stream& compute_stream() override { return inner_->compute_stream(); }
+  std::unique_ptr<memory::Stream> create_stream(std::string name) override {
+    return inner_->create_stream(std::move(name));
+  }
+  std::unique_ptr<memory::Event> create_event() override { return inner_->create_event(); }
+  int threads() const override { return inner_->threads(); }
+
+ private:
+  std::unique_ptr<memory::Device> inner_;
+  std::mutex mu_;  // guards freed_
+  std::vector<std::pair<void*, size_t>> freed_;
+};
+
+// Takes every free block the allocator caches, filled with 0xFF bytes: another phase using
+// the device. Small-pool space goes in pieces of at most 1 MiB (a larger request would be
+// served from the large pool), large-pool blocks whole.
+void take_cached_blocks(memory::CachingAllocator& a, std::vector<memory::DeviceBuffer>& out) {
+  constexpr size_t kSmall = size_t{1} << 20;
+  for (int guard = 0; guard < 100000; ++guard) {
+    size_t small = 0, large = 0;
+    for (const memory::SegmentInfo& s : a.snapshot()) {
+      for (const memory::SegmentInfo::BlockInfo& b : s.blocks) {
+        if (b.allocated || b.pending) continue;
+        size_t& m = s.small_pool ? small : large;
+        m = std::max(m, b.size_bytes);
+      }
+    }
+    if (small == 0 && large == 0) return;
+    const size_t bytes = small > 0 ? std::min(small, kSmall) : large;
+    memory::DeviceBuffer& b = out.emplace_back(a.allocate(bytes, Category::kWorkspace));
+    std::memset(b.data(), 0xFF, bytes);
+  }
+  ADD_FAILURE() << "take_cached_blocks: the free blocks do not run out";
+}
+
+// Runs fn(rank, device, dp) on c.world_size thread ranks, each with its own QuarantineDevice
+// and a Gloo communicator on it (one rank: on the calling thread, dp null).
+void for_each_rank(const config::Config& c,
+                   const std::function<void(int rank, memory::Device& device,
+                                            std::shared_ptr<comm::Communicator> dp)>& fn) {
+  const int ws = static_cast<int>(c.world_size);
+  if (ws == 1) {
+    QuarantineDevice device;
+    fn(0, device, nullptr);
+    return;
+  }
+  auto errors = comm::run_thread_ranks(ws, [&](int rank, std::shared_ptr<comm::Store> store) {
+    QuarantineDevice device;
+    comm::CommOptions o;
+    o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+    fn(rank, device, comm::make_communicator(device, store, rank, ws, o));
+  });
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
+}
+
+// The allocator's live blocks: address -> requested bytes.
+std::map<uintptr_t, size_t> allocated_blocks(Engine& e) {
+  std::map<uintptr_t, size_t> out;
+  for (const memory::SegmentInfo& s : e.allocator().snapshot()) {
+    for (const memory::SegmentInfo::BlockInfo& b : s.blocks) {
+      if (b.allocated) out[b.address] = b.requested_bytes;
+    }
+  }
+  return out;
+}
 
 // kSteps steps on every rank; with `offload`, the states go to host memory and back before
 // every step and before the final reads.
 std::vector<RankRun> run(const Case& k, bool offload) {
   const config::Config c = k.config();
   std::vector<RankRun> runs(static_cast<size_t>(k.world_size));
-  for_each_dp_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
+  for_each_rank(c, [&](int rank, memory::Device& device, std::shared_ptr<comm::Communicator> dp) {
     Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c, data_parallel(dp));
     RankRun& r = runs[static_cast<size_t>(rank)];
     const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
                               c.porter.model.seq_len);
     auto away_and_back = [&] {
+      const std::map<uintptr_t, size_t> before = allocated_blocks(e);
       e.offload_states(k.pin_memory);
-      const StatesOffloadStats& st = r.offloads.emplace_back(e.states_offload_stats());
+      r.offloads.push_back(e.states_offload_stats());
       r.away.push_back(e.memory_report());
-      // Another phase takes the device meanwhile, where the states were: they come back at
-      // other addresses, and whatever still pointed at the old ones would read NaN.
-      const size_t filler_bytes = st.reserved_bytes_before - st.reserved_bytes_after;
-      memory::DeviceBuffer filler = e.allocator().allocate(filler_bytes, Category::kWorkspace);
-      std::memset(filler.data(), 0xFF, filler_bytes);
+      // Another phase takes the device meanwhile: every block the allocator kept, so the
+      // states come back in new segments, at new addresses (QuarantineDevice).
+      std::set<uintptr_t> old;
+      const std::map<uintptr_t, size_t> away = allocated_blocks(e);
+      for (const auto& [at, bytes] : before) {
+        if (away.count(at) == 0) old.insert(at);
+      }
+      std::vector<memory::DeviceBuffer> phase;
+      take_cached_blocks(e.allocator(), phase);
+      std::set<uintptr_t> taken;
+      for (const memory::DeviceBuffer& b : phase) {
+        taken.insert(reinterpret_cast<uintptr_t>(b.data()));
+      }
       e.reload_states();
+      int back_at_old = 0;
+      for (const auto& [at, bytes] : allocated_blocks(e)) {
+        back_at_old += old.count(at) != 0 && taken.count(at) == 0 ? 1 : 0;
+      }
+      r.back_at_old_addresses += back_at_old;
     };
     for (int s = 0; s < kSteps; ++s) {
       if (offload) away_and_back();
-      r.losses.push_back(
-          e.train_step(data.rank_batches(s, c.gradient_accumulation_steps, rank, k.world_size)).loss);
+      const std::vector<io::HostBatch> mbs =
+          data.rank_batches(s, c.gradient_accumulation_steps, rank, k.world_size);
+      r.losses.push_back(e.train_step(mbs).loss);
     }
     if (offload) away_and_back();
     r.grads = e.grads_host();
@@ -121,6 +236,7 @@ void expect_same_runs(const Case& k) {
     EXPECT_EQ(p.eval_loss, m.eval_loss);
     a.push_back(p.state);
     b.push_back(m.state);
+    EXPECT_EQ(m.back_at_old_addresses, 0);
     ASSERT_EQ(m.offloads.size(), static_cast<size_t>(kSteps + 1));
     for (size_t i = 0; i < m.offloads.size(); ++i) {
       const StatesOffloadStats& st = m.offloads[i];
@@ -296,6 +412,48 @@ TEST(StatesOffload, FreesTheDeviceForAnotherPhase) {
   EXPECT_TRUE(bitwise_equal(e.params_host(), params));
   EXPECT_EQ(e.states_offload_stats().device_bytes_reloaded, st.device_bytes_before);
   e.train_step(data.rank_batches(1, 2, 0, 1));
+}
+
+// A copy that fails on the way out puts every buffer back as it was; one that fails on the
+// way back leaves the states in host memory, intact, for another try. Either way the run goes
+// on bitwise.
+TEST(StatesOffload, CopyFailures) {
+  for (int stage : {1, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    Case k;
+    k.stage = stage;
+    const config::Config c = k.config();
+    FaultyDevice device(cpu_device());
+    Engine e(device, std::make_unique<TransformerModel>(c.porter.model), c);
+    const io::DataSource data(c.porter.data, c.porter.model.vocab, c.train_micro_batch_size_per_gpu,
+                              c.porter.model.seq_len);
+    e.train_step(data.rank_batches(0, 2, 0, 1));
+    const size_t states = e.memory_report().model_state_bytes;
+    device.fail_copy("states offload", 2);
+    EXPECT_NE(error_of<std::exception>([&] { e.offload_states(); }).find("injected copy failure"),
+              std::string::npos);
+    EXPECT_EQ(device.failures(), 1);
+    EXPECT_FALSE(e.states_offloaded());
+    EXPECT_EQ(e.memory_report().model_state_bytes, states);
+    EXPECT_EQ(e.pinned_pool().stats().in_use_bytes, 0u);
+    e.train_step(data.rank_batches(1, 2, 0, 1));
+
+    e.offload_states();
+    device.fail_copy("states offload", 1);
+    EXPECT_NE(error_of<std::exception>([&] { e.reload_states(); }).find("injected copy failure"),
+              std::string::npos);
+    EXPECT_EQ(device.failures(), 2);
+    EXPECT_TRUE(e.states_offloaded());
+    EXPECT_EQ(e.memory_report().model_state_bytes, 0u);
+    e.reload_states();
+    const double loss = e.train_step(data.rank_batches(2, 2, 0, 1)).loss;
+
+    auto plain_device = cpu_device();
+    Engine ref(*plain_device, std::make_unique<TransformerModel>(c.porter.model), c);
+    for (int s = 0; s < 2; ++s) ref.train_step(data.rank_batches(s, 2, 0, 1));
+    EXPECT_EQ(ref.train_step(data.rank_batches(2, 2, 0, 1)).loss, loss);
+    expect_same_state(saved_state(e), saved_state(ref), "after the failed copies");
+  }
 }
 
 // Pinned blocks come from the engine's pool within porter.device.pinned_limit; a shortfall is
