@@ -310,6 +310,60 @@ TEST(StatesOffload, Bf16) {
   }
 }
 
+// Tensor parallelism changes nothing of the above: each rank's part of the model moves.
+TEST(StatesOffload, TensorParallel) {
+  for (int stage : {1, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    config::Config c = zero_config(4, stage, 1);
+    c.porter.model.tensor_parallel = 2;
+    c.train_batch_size = c.train_micro_batch_size_per_gpu * 2;
+    struct TpRun {
+      std::vector<double> losses;
+      std::vector<float> params;
+      SavedState state;
+    };
+    auto run_tp = [&](bool offload) {
+      std::vector<TpRun> runs(4);
+      auto errors = comm::run_thread_ranks(4, [&](int rank, std::shared_ptr<comm::Store> store) {
+        QuarantineDevice device;
+        comm::CommOptions o;
+        o.timeout = comm::Seconds{c.porter.comm.timeout_s};
+        comm::ProcessGroups g =
+            comm::make_process_groups(comm::make_communicator(device, store, rank, 4, o), 2);
+        Engine e(device, std::make_unique<TransformerModel>(c.porter.model, g.tp_rank), c, g);
+        const io::DataSource data(c.porter.data, c.porter.model.vocab,
+                                  c.train_micro_batch_size_per_gpu, c.porter.model.seq_len);
+        TpRun& r = runs[static_cast<size_t>(rank)];
+        for (int s = 0; s < kSteps; ++s) {
+          if (offload) {
+            e.offload_states(rank % 2 == 0);
+            EXPECT_EQ(e.memory_report().model_state_bytes, 0u);
+            e.reload_states();
+          }
+          r.losses.push_back(e.train_step(data.rank_batches(s, 1, g.dp_rank, g.dp_size)).loss);
+        }
+        r.params = e.params_host();
+        r.state = saved_state(e);
+      });
+      for (auto& err : errors) {
+        if (err) std::rethrow_exception(err);
+      }
+      return runs;
+    };
+    const std::vector<TpRun> plain = run_tp(false);
+    const std::vector<TpRun> moved = run_tp(true);
+    std::vector<SavedState> a, b;
+    for (size_t rank = 0; rank < plain.size(); ++rank) {
+      SCOPED_TRACE("rank " + std::to_string(rank));
+      EXPECT_EQ(plain[rank].losses, moved[rank].losses);
+      EXPECT_TRUE(bitwise_equal(plain[rank].params, moved[rank].params));
+      a.push_back(plain[rank].state);
+      b.push_back(moved[rank].state);
+    }
+    expect_same_state(a, b, "tensor parallel");
+  }
+}
+
 // Everything that reads or writes the states while they are away is refused with the fix, and
 // changes nothing: the run goes on bitwise after reload_states().
 TEST(StatesOffload, UseWhileAwayIsRefused) {
