@@ -639,8 +639,7 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
         checkpointer->save(eng);
       }
       // After the last step the run is complete: a signal then changes nothing.
-      if (r.step < last && stop.stop_agreed(w.store.get(), w.env.world_size, r.step,
-                                            comm::Seconds(cfg.porter.comm.timeout_s))) {
+      if (r.step < last && stop.stop_agreed(w.store.get(), r.step)) {
         stopped_by = stop.signal() != 0 ? stop.signal() : SIGTERM;
         break;
       }

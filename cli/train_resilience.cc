@@ -124,11 +124,16 @@ StopSignals::~StopSignals() {
 
 int StopSignals::signal() const { return g_stop_signal.load(); }
 
-bool StopSignals::stop_agreed(comm::Store* store, int world_size, int64_t step,
-                              comm::Seconds timeout) const {
-  const bool mine = signal() != 0;
-  if (!store) return mine;
-  return comm::count_votes(*store, "stop/" + std::to_string(step), world_size, mine, timeout) > 0;
+bool StopSignals::stop_agreed(comm::Store* store, int64_t step) {
+  if (!store) return signal() != 0;
+  if (signal() != 0 && !requested_) {  // Note [Preemption]: the first request sets the step
+    requested_ = true;
+    if (store->add("preempt/requests", 1) == 1) {
+      store->set_string("preempt/stop_after", std::to_string(step + 1));
+    }
+  }
+  if (!store->check("preempt/stop_after")) return false;
+  return step >= std::stoll(store->get_string("preempt/stop_after"));
 }
 
 std::string signal_name(int sig) {

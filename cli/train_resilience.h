@@ -37,10 +37,18 @@ std::filesystem::path choose_resume(const std::string& path, comm::Store* store,
 
 // Note [Preemption]
 // While a StopSignals lives, the first SIGTERM or SIGINT only sets a flag; the training loop
-// asks stop_agreed() after every step, and when any rank got a signal the world stops there
-// together (comm::count_votes under "stop/<step>": the launcher forwards a signal to every
-// rank, but not necessarily before the same step), saves, and exits kExitPreempted. A second
-// signal restores the default action and raises it again: the process stops at once.
+// asks stop_agreed() after every step, and the world stops together, saves, and exits
+// kExitPreempted. A second signal restores the default action and raises it again: the
+// process stops at once.
+// The ranks must stop after the same step, but the launcher's signal does not reach them in
+// the same step, and a barrier per step would wait on a rank that has left (the store cannot
+// tell, while a collective fails at once). So a rank that got a signal after finishing step s
+// asks for a stop after step s + 1: the first such request (store add on "preempt/requests")
+// sets "preempt/stop_after" = s + 1, and every rank checks for that key (one non-blocking
+// check per step) and stops once its step reaches it. The request is set before its rank
+// starts step s + 1, and no rank can finish step s + 1 without that rank's part in its
+// collectives, so every rank sees the key by the end of step s + 1: all stop there. The cost
+// is one step more than the signalled rank's (none with one rank).
 class StopSignals {
  public:
   StopSignals();
@@ -48,8 +56,11 @@ class StopSignals {
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
   int signal() const;  // the first signal received, 0 for none
-  // Whether the world stops after `step`; a collective over the store with several ranks.
-  bool stop_agreed(comm::Store* store, int world_size, int64_t step, comm::Seconds timeout) const;
+  // Whether the world stops after `step` (every rank calls it after every step).
+  bool stop_agreed(comm::Store* store, int64_t step);
+
+ private:
+  bool requested_ = false;  // this rank asked the world to stop
 };
 
 // The name of `sig` as a shell user writes it: "SIGTERM".

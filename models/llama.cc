@@ -152,9 +152,7 @@ std::vector<HfParam> LlamaSpec::hf_params(const config::ModelConfig& m) const {
   const int64_t c = m.hidden;
   const int64_t d = c / m.heads;
   const int64_t kv = kv_heads(m);
-  const int64_t f = m.intermediate;
-  PORTER_CHECK(f > 0, "hf_param_map: a ", display_name(), " needs porter.model.intermediate "
-               "(config.json's intermediate_size), got ", f);
+  const int64_t f = intermediate(m);  // the width rule when porter.model.intermediate is unset
   std::vector<HfParam> out;
   const std::string prefix(hf_prefix());
   auto linear = [&](const std::string& name, std::vector<int64_t> shape) {

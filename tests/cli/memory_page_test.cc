@@ -484,11 +484,11 @@ TEST(MemoryPageCli, OutOfMemoryStepWritesItsPage) {
   EXPECT_TRUE(testing::contains(r3.err, "memory page of the failed step: porter-oom-memory.html"))
       << r3.err;
   EXPECT_TRUE(fs::exists(dir / "porter-oom-memory.html"));
-  // A page that cannot be written says so; the error is still out of memory.
+  // A page that cannot be written is refused before step 1, not found out after the failure.
   const testing::CliRun r4 = with({"--memory-page", "/nonexistent-dir/page.html"});
-  EXPECT_EQ(r4.rc, 3);
-  EXPECT_TRUE(testing::contains(r4.err, "the failed step's memory page was not written: "
-                                        "--memory-page: cannot write \"/nonexistent-dir/page.html\""))
+  EXPECT_EQ(r4.rc, 2);
+  EXPECT_TRUE(testing::contains(r4.err, "--memory-page \"/nonexistent-dir/page.html\": the "
+                                        "directory \"/nonexistent-dir\" does not exist"))
       << r4.err;
 }
 

@@ -25,6 +25,7 @@
 #include "io/hf_checkpoint.h"
 #include "io/weights_file.h"
 #include "tensor/dtype.h"
+#include "models/factory.h"
 #include "models/transformer.h"
 
 namespace porter::engine {
@@ -865,6 +866,18 @@ TEST(HfLlamaMap, NamesAndShapesAreHuggingFacesWithGroupedQueryAttention) {
   config::ModelConfig mha = tiny_llama(false);
   mha.kv_heads = 0;
   EXPECT_EQ(io::hf_param_map(mha)[3].shape, (std::vector<int64_t>{16, 16}));
+  // intermediate 0 means the width rule's, as the model itself is built (a config that gives
+  // only the hidden size can be exported with --save-hf).
+  config::ModelConfig derived = tiny_llama(false);
+  derived.intermediate = 0;
+  const std::vector<io::HfParam> dmap = io::hf_param_map(derived);
+  const nn::ParamLayout built = models::build_model(derived)->layout();
+  ASSERT_EQ(dmap.size(), built.entries().size());
+  for (size_t i = 0; i < dmap.size(); ++i) {
+    EXPECT_EQ(dmap[i].porter_name, built.entries()[i].name) << i;
+    EXPECT_EQ(tensor::Shape(dmap[i].shape).numel(), built.entries()[i].shape.numel())
+        << dmap[i].hf_name;
+  }
 }
 
 TEST_F(HfCheckpoint, LlamaImportsIntoItsLayoutAndRoundTrips) {

@@ -283,6 +283,7 @@ TEST(RunOptions, EveryConfigKeyReachesAnOption) {
   const std::set<std::string> elsewhere = {
       "steps_per_print", "porter.data.type", "porter.data.seed", "porter.train.steps",
       "porter.train.log_every", "porter.train.eval_every", "porter.train.eval_micro_batches",
+      "porter.train.save_every", "porter.train.keep_checkpoints",
       "porter.trace.path", "porter.comm.backend", "porter.comm.timeout_s",
       "zero_optimization.contiguous_gradients", "zero_optimization.round_robin_gradients",
       "zero_optimization.allgather_partitions", "zero_optimization.sub_group_size",
