@@ -582,6 +582,12 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
     co.world_size = w.env.world_size;
     co.timeout = comm::Seconds(cfg.porter.comm.timeout_s);
     checkpointer = std::make_unique<engine::Checkpointer>(co);
+    // Resumed from this run directory's own checkpoint: that step is saved already.
+    std::error_code ec;
+    if (!resume_dir.empty() &&
+        fs::equivalent(fs::path(resume_dir).parent_path(), fs::path(o.save), ec)) {
+      checkpointer->mark_saved(eng.step());
+    }
     out << "  checkpoints: " << o.save << "/step-<N> every " << save_every
         << " steps and after the last, the newest " << co.keep << " kept\n";
   }
@@ -677,8 +683,10 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       if (o.save.empty()) {
         err << "; nothing saved (no --save)\n";
       } else {
-        err << "; saved " << (checkpointer ? checkpointer->records().back().path.string() : o.save)
-            << ". Resume with the same command and --resume " << o.save << "\n";
+        const std::string where =
+            checkpointer ? (fs::path(o.save) / io::step_dir_name(eng.step())).string() : o.save;
+        err << "; saved " << where << ". Resume with the same command and --resume " << o.save
+            << "\n";
       }
     }
   }
@@ -727,11 +735,15 @@ int train_rank(const TrainOptions& o, const CommandContext& ctx, const config::C
       out << "dump: " << o.dump_dir << " (step " << run.steps.back().step - 1 << ")\n";
     }
   }
-  if (checkpointer) {
+  if (checkpointer && !checkpointer->records().empty() &&
+      checkpointer->records().back().step == eng.step()) {
     const engine::CheckpointRecord& c = checkpointer->records().back();
     out << "saved: " << c.path.string() << " (step " << c.step << "; latest in " << o.save
         << "; snapshot " << format_seconds(c.snapshot_s) << ", write " << format_seconds(c.write_s)
         << ")" << "\n";
+  } else if (checkpointer) {
+    out << "saved: " << (fs::path(o.save) / io::step_dir_name(eng.step())).string()
+        << " already holds step " << eng.step() << " (resumed from it; no step ran)\n";
   } else if (!o.save.empty()) {
     out << "saved: " << o.save << " (step " << eng.step() << ")"
         << (w.distributed() ? ", one rank<r> folder per rank" : "") << "\n";

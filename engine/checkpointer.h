@@ -64,6 +64,9 @@ class Checkpointer {
   Checkpointer& operator=(const Checkpointer&) = delete;
 
   void save(const Engine& engine);  // Note [Background checkpoints]
+  // The engine's state at `step` is already in the run directory (it was resumed from there):
+  // a save at that step writes nothing.
+  void mark_saved(int64_t step) { last_step_ = step; }
   void wait();                      // the write in flight; rethrows its error
   // Finished saves, oldest first (write_s and publish_s are final after wait()).
   const std::vector<CheckpointRecord>& records() const { return records_; }
