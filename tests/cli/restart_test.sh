@@ -59,8 +59,12 @@ common=(train --config "$config" --steps "$steps" --save-every 2)
 
 # The pid of world rank $2 among the children of launcher $1.
 rank_pid() {
-  local launcher=$1 rank=$2 pid
-  for pid in $(pgrep -P "$launcher" || true); do
+  local launcher=$1 rank=$2 pid stat
+  for stat in /proc/[0-9]*/stat; do
+    pid=${stat#/proc/}
+    pid=${pid%/stat}
+    # Field 4 of /proc/<pid>/stat is the parent's pid (the name in field 2 has no spaces here).
+    [ "$(cut -d' ' -f4 "$stat" 2> /dev/null)" = "$launcher" ] || continue
     if { tr '\0' '\n' < "/proc/$pid/environ"; } 2>/dev/null | grep -qx "RANK=$rank"; then
       echo "$pid"
       return 0
