@@ -73,6 +73,19 @@ size_t model_state_bytes(const memory::MemoryStats& s) {
          s[memory::Category::kOptimizer].current_bytes;
 }
 
+// The span of an offload or a reload, from `start_us` to now, on the compute lane.
+TraceSpan states_span(const TraceRecorder& trace, const char* name, int64_t start_us,
+                      int64_t step) {
+  TraceSpan span;
+  span.name = name;
+  span.category = "states";
+  span.lane = "compute";
+  span.start_us = start_us;
+  span.dur_us = trace.now_us() - start_us;
+  span.step = step;
+  return span;
+}
+
 }  // namespace
 
 struct Engine::StatesOffload {
@@ -229,13 +242,7 @@ void Engine::offload_states(bool pin_memory) {
                     format_bytes(st.device_bytes_after));
   }
   if (trace_ != nullptr) {
-    TraceSpan span;
-    span.name = "offload states";
-    span.category = "states";
-    span.lane = "compute";
-    span.start_us = start_us;
-    span.dur_us = trace_->now_us() - start_us;
-    span.step = step_;
+    TraceSpan span = states_span(*trace_, "offload states", start_us, step_);
     span.args = {{"bytes", static_cast<double>(bytes)},
                  {"device_bytes_before", static_cast<double>(st.device_bytes_before)},
                  {"device_bytes_after", static_cast<double>(st.device_bytes_after)},
@@ -297,13 +304,7 @@ void Engine::reload_states() {
   st.device_bytes_reloaded = model_state_bytes(allocator_->stats());
   st.reload_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (trace_ != nullptr) {
-    TraceSpan span;
-    span.name = "reload states";
-    span.category = "states";
-    span.lane = "compute";
-    span.start_us = start_us;
-    span.dur_us = trace_->now_us() - start_us;
-    span.step = step_;
+    TraceSpan span = states_span(*trace_, "reload states", start_us, step_);
     span.args = {{"bytes", static_cast<double>(bytes)},
                  {"device_bytes", static_cast<double>(st.device_bytes_reloaded)}};
     trace_->span(std::move(span));

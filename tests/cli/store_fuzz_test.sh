@@ -9,33 +9,20 @@ rm -rf "$work"
 mkdir -p "$work"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-config="$work/config.json"
-cat > "$config" <<'JSON'
-{
-  "train_micro_batch_size_per_gpu": 2,
-  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-  "zero_optimization": {"stage": 2, "reduce_bucket_size": 100000},
-  "porter": {
-    "model": {"layers": 2, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 256},
-    "data": {"type": "synthetic", "seed": 1},
-    "device": {"type": "cpu", "threads": 1},
-    "comm": {"backend": "gloo", "timeout_s": 60},
-    "train": {"steps": 6, "seed": 42}
-  }
-}
-JSON
+config="$(dirname "$0")/small_zero2.json"
+steps=(--steps 6)
 
 # The report's "losses" array, whitespace removed.
 losses() {
   tr -d ' \n' < "$1" | grep -o '"losses":\[[^]]*\]' || true
 }
 
-"$porter" train --config "$config" --nproc 2 --report "$work/alone.json" > "$work/alone.log" 2>&1 ||
+"$porter" train --config "$config" "${steps[@]}" --nproc 2 --report "$work/alone.json" > "$work/alone.log" 2>&1 ||
   { cat "$work/alone.log"; fail "the run left alone failed"; }
 
 port=$(( 20000 + $$ % 20000 ))
 "$porter" launch -n 2 --master-port "$port" -- \
-  "$porter" train --config "$config" --report "$work/fuzzed.json" > "$work/fuzzed.log" 2>&1 &
+  "$porter" train --config "$config" "${steps[@]}" --report "$work/fuzzed.json" > "$work/fuzzed.log" 2>&1 &
 launcher=$!
 sent=0
 while kill -0 "$launcher" 2> /dev/null; do

@@ -35,24 +35,10 @@ done
 ip -n "$ns_a" link set "va$$" up
 ip -n "$ns_b" link set "vb$$" up
 
-config="$work/config.json"
-cat > "$config" <<'JSON'
-{
-  "train_micro_batch_size_per_gpu": 2,
-  "gradient_accumulation_steps": 1,
-  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-  "zero_optimization": {"stage": 2, "reduce_bucket_size": 100000},
-  "porter": {
-    "model": {"layers": 2, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 256},
-    "data": {"type": "synthetic", "seed": 1},
-    "device": {"type": "cpu", "threads": 1},
-    "comm": {"backend": "gloo", "timeout_s": 60},
-    "train": {"steps": 4, "seed": 42}
-  }
-}
-JSON
+config="$(dirname "$0")/small_zero2.json"
+steps=(--steps 4)
 
-"$porter" train --config "$config" --nproc 2 --report "$work/one-node.json" > "$work/one-node.log" 2>&1 ||
+"$porter" train --config "$config" "${steps[@]}" --nproc 2 --report "$work/one-node.json" > "$work/one-node.log" 2>&1 ||
   { cat "$work/one-node.log"; fail "the one-node run failed"; }
 
 export PORTER_STORE_TOKEN=two-node-test-token-$$
@@ -63,7 +49,7 @@ for r in 0 1; do
   [ "$r" = 0 ] && report=(--report "$work/two-nodes.json")
   ip netns exec "$ns" "$porter" launch --nnodes 2 --node-rank "$r" -n 1 \
     --master-addr 10.213.0.1 --master-port "$port" -- \
-    "$porter" train --config "$config" "${report[@]}" > "$work/node$r.log" 2>&1 &
+    "$porter" train --config "$config" "${steps[@]}" "${report[@]}" > "$work/node$r.log" 2>&1 &
   eval "pid$r=$!"
 done
 # A stranger on node 1's side knocks on rank 0's store without the token while they train.
