@@ -22,13 +22,20 @@ using cuda::GemmArgs;
 
 DevPtr dev(const Tensor& t) { return DevPtr{t.data(), t.dtype()}; }
 
+// The query heads per key/value slot of a rotary qkv (Note [Rotary qkv] in kernels.cc):
+// heads / kv_heads when its row is 3 * heads * d (k and v expanded), 1 when it is packed.
+int64_t rope_group(const Tensor& qkv, int64_t d, int heads, int kv_heads) {
+  return qkv.dim(2) == 3 * heads * d ? heads / kv_heads : 1;
+}
+
 // Note [Cuda kernel workspace]
 // Attention needs per-head copies of q, k, v (and their gradients, and dP) that do not fit
 // the packed (B, T, 3C) layout cuBLASLt's strided batches need, and reductions need a
 // partials buffer. Each call takes one buffer from the kernels' allocator, category
 // workspace (Note [Kernel workspace] in kernels.h), carved as kernels/workspace.h lays out:
 // attention forward 4 padded (B, H, T, hd) f32 matrices, backward 7 and a padded dP
-// (B, H, T, T) f32, reductions 1024 f32 partials. The buffer is freed as the call returns,
+// (B, H, T, T) f32, flash attention backward the padded (B, H, T) f32 rows' sum(dout * out),
+// reductions 1024 f32 partials. The buffer is freed as the call returns,
 // with its kernels still queued on the compute stream: the allocator only hands the block
 // out again to later compute-stream work (or to a copy stream that first waits on the
 // compute stream), so no kernel reads memory another one reuses, and nothing synchronises.
@@ -84,16 +91,20 @@ class CudaKernels final : public Kernels {
     cuda::rmsnorm_backward(launch(), dev(dy), dev(x), dev(gamma), rstd.data_as<float>(), dev(dx),
                            dev(dgamma), cols ? x.numel() / cols : 0, cols);
   }
+  // D comes from q (or dq); qkv's row tells the expanded layout from the packed one.
   void do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
                            int heads, int kv_heads, double theta) override {
+    const int64_t d = q.dim(2) / heads;
     cuda::rope_qkv_forward(launch(), dev(q), dev(k), dev(v), dev(qkv), qkv.dim(0) * qkv.dim(1),
-                           qkv.dim(1), heads, kv_heads, qkv.dim(2) / 3 / heads, theta);
+                           qkv.dim(1), heads, kv_heads, d,
+                           rope_group(qkv, d, heads, kv_heads), theta);
   }
   void do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv, int heads,
                             int kv_heads, double theta) override {
+    const int64_t d = dq.dim(2) / heads;
     cuda::rope_qkv_backward(launch(), dev(dqkv), dev(dq), dev(dk), dev(dv),
-                            dqkv.dim(0) * dqkv.dim(1), dqkv.dim(1), heads, kv_heads,
-                            dqkv.dim(2) / 3 / heads, theta);
+                            dqkv.dim(0) * dqkv.dim(1), dqkv.dim(1), heads, kv_heads, d,
+                            rope_group(dqkv, d, heads, kv_heads), theta);
   }
   void do_swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& y) override {
     cuda::swiglu_forward(launch(), dev(gate), dev(up), dev(y), gate.numel());
@@ -112,6 +123,11 @@ class CudaKernels final : public Kernels {
   void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override;
   void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                              Tensor& dqkv, int heads) override;
+  void do_flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse, int heads,
+                                  int kv_heads) override;
+  void do_flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                   const Tensor& lse, Tensor& dqkv, int heads,
+                                   int kv_heads) override;
   void do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) override {
     cuda::dropout(launch(), dev(x), dev(y), x.numel(), p, key);
   }
@@ -364,6 +380,55 @@ void CudaKernels::do_attention_backward(const Tensor& dout, const Tensor& qkv, c
   cuda::merge_heads(l, dq, dev(dqkv), 3 * channels, 0, batch, seq, heads, hd);
   cuda::merge_heads(l, dk, dev(dqkv), 3 * channels, channels, batch, seq, heads, hd);
   cuda::merge_heads(l, dv, dev(dqkv), 3 * channels, 2 * channels, batch, seq, heads, hd);
+}
+
+FlashAttentionCall flash_call_of(const Tensor& qkv, const Tensor& out, const Tensor* dqkv,
+                                 int heads, int kv_heads) {
+  return FlashAttentionCall{qkv.dim(0),
+                            qkv.dim(1),
+                            qkv.dim(2) / (heads + 2 * int64_t{kv_heads}),
+                            heads,
+                            kv_heads,
+                            qkv.dtype(),
+                            out.dtype(),
+                            dqkv != nullptr ? dqkv->dtype() : DType::kF32};
+}
+
+// The limits of the cuda flash kernels (kernels/cuda/launch.h): bad input, so a typed error.
+void check_cuda_flash(const char* op, const FlashAttentionCall& c) {
+  PORTER_CHECK(c.head_dim <= cuda::kFlashMaxHeadDim, op, ": head_dim ", c.head_dim,
+               " is more than the cuda kernel's ", cuda::kFlashMaxHeadDim);
+  PORTER_CHECK(c.batch * c.heads * c.seq < (int64_t{1} << 31), op, ": batch ", c.batch,
+               " * heads ", c.heads, " * seq ", c.seq, " is 2^31 or more rows");
+}
+
+// Note [Cuda flash attention] in kernels/cuda/flash_attention.cu. Forward needs no workspace;
+// backward's is the rows' D = sum(dout * out), (B, H, T) f32.
+void CudaKernels::do_flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse,
+                                             int heads, int kv_heads) {
+  const FlashAttentionCall call = flash_call_of(qkv, out, nullptr, heads, kv_heads);
+  if (call.batch == 0 || call.seq == 0 || call.head_dim == 0) return;
+  check_cuda_flash("flash_attention_forward", call);
+  PORTER_ASSERT(flash_attention_forward_workspace_bytes(kind(), call) == 0,
+                "flash_attention_forward takes no cuda workspace");
+  cuda::flash_attention_forward(launch(), dev(qkv), dev(out), lse.data_as<float>(), call.batch,
+                                call.seq, heads, kv_heads, call.head_dim);
+}
+
+void CudaKernels::do_flash_attention_backward(const Tensor& dout, const Tensor& qkv,
+                                              const Tensor& out, const Tensor& lse, Tensor& dqkv,
+                                              int heads, int kv_heads) {
+  const FlashAttentionCall call = flash_call_of(qkv, dout, &dqkv, heads, kv_heads);
+  if (call.batch == 0 || call.seq == 0 || call.head_dim == 0) return;
+  check_cuda_flash("flash_attention_backward", call);
+  const memory::DeviceBuffer buffer = workspace(
+      flash_attention_backward_workspace_bytes(kind(), call), "flash_attention_backward");
+  const size_t rows = static_cast<size_t>(call.batch * heads * call.seq);
+  PORTER_ASSERT(buffer.size_bytes() == workspace_layout::cuda_padded_elems(rows) * 4,
+                "flash_attention_backward workspace layout");
+  cuda::flash_attention_backward(launch(), dev(dout), dev(qkv), dev(out), lse.data_as<float>(),
+                                 buffer.as<float>(), dev(dqkv), call.batch, call.seq, heads,
+                                 kv_heads, call.head_dim);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Host-side launchers for porter's own cuda kernels (kernels/cuda/elementwise.cu, kernels/cuda/rowwise.cu,
-// kernels/cuda/attention.cu). They take raw device pointers, so the nvcc-compiled files need neither
+// kernels/cuda/attention.cu, kernels/cuda/flash_attention.cu, kernels/cuda/rmsnorm_rope_swiglu.cu). They take raw device pointers, so the nvcc-compiled files need neither
 // Tensor nor the allocator headers; kernels/cuda/cuda_kernels.cc turns Tensors into these arguments.
 //
 // Note [Runtime dtypes in cuda kernels]
@@ -75,13 +75,15 @@ void rmsnorm_forward(const Launch& l, DevPtr x, DevPtr gamma, DevPtr y, float* r
                      int64_t rows, int64_t cols, float eps);
 void rmsnorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, const float* rstd,
                       DevPtr dx, DevPtr dgamma, int64_t rows, int64_t cols);
-// Note [Rotary qkv] in kernels.cc; rows = B * T, position = row % seq.
+// Note [Rotary qkv] in kernels.cc; rows = B * T, position = row % seq. group: the query heads
+// sharing one key/value head in qkv's layout, heads / kv_heads when k and v are expanded
+// (qkv's row 3 * heads * head_dim), 1 when they are packed ((heads + 2 kv_heads) head_dim).
 void rope_qkv_forward(const Launch& l, DevPtr q, DevPtr k, DevPtr v, DevPtr qkv, int64_t rows,
                       int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      double theta);
+                      int64_t group, double theta);
 void rope_qkv_backward(const Launch& l, DevPtr dqkv, DevPtr dq, DevPtr dk, DevPtr dv,
                        int64_t rows, int64_t seq, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, double theta);
+                       int64_t head_dim, int64_t group, double theta);
 void swiglu_forward(const Launch& l, DevPtr gate, DevPtr up, DevPtr y, int64_t n);
 void swiglu_backward(const Launch& l, DevPtr gate, DevPtr up, DevPtr dy, DevPtr dgate,
                      DevPtr dup, int64_t n);
@@ -146,5 +148,17 @@ void causal_softmax_forward(const Launch& l, float* s, int64_t batch_heads, int6
 // In place: dp (batch_heads, T, T) becomes dS = P * (dP - rowsum(dP * P)).
 void softmax_backward(const Launch& l, const float* probs, float* dp, int64_t batch_heads,
                       int64_t seq);
+
+// --- kernels/cuda/flash_attention.cu ---------------------------------------------------------------
+// Note [Flash attention] in kernels.cc, Note [Cuda flash attention] in the .cu: qkv (B, T,
+// (heads + 2 kv_heads) head_dim), out and dout (B, T, heads head_dim), lse (B, heads, T) f32.
+// head_dim <= kFlashMaxHeadDim, and B * heads * T < 2^31 (one block per query block).
+inline constexpr int64_t kFlashMaxHeadDim = 2048;
+void flash_attention_forward(const Launch& l, DevPtr qkv, DevPtr out, float* lse, int64_t batch,
+                             int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim);
+// dqkv overwritten. drow: B * heads * T floats of workspace, the rows' sum(dout * out).
+void flash_attention_backward(const Launch& l, DevPtr dout, DevPtr qkv, DevPtr out,
+                              const float* lse, float* drow, DevPtr dqkv, int64_t batch,
+                              int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim);
 
 }  // namespace porter::kernels::cuda

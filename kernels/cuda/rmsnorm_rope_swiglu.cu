@@ -74,40 +74,53 @@ __device__ __forceinline__ void rope_angle(int64_t t, int64_t i, int64_t d, doub
   *s = static_cast<float>(sin(a));
 }
 
-// One thread per (row, query head, pair i): writes q's, k's and v's pair of that head.
+// qkv's row is [q: heads heads | k: group * kv slots | v: group * kv slots] of d channels; slot
+// s holds key/value head s / group (group = heads / kv expanded, 1 packed).
+struct RopeLayout {
+  int64_t heads, kv, d, group;
+  __device__ __forceinline__ int64_t slots() const { return group * kv; }
+  __device__ __forceinline__ int64_t width() const { return (heads + 2 * slots()) * d; }
+  __device__ __forceinline__ int64_t koff() const { return heads * d; }
+  __device__ __forceinline__ int64_t voff() const { return (heads + slots()) * d; }
+};
+
+// One thread per (row, query head h, pair i): writes q's pair of head h and, when h is a k/v
+// slot (h < group * kv), k's and v's pair of that slot.
 __global__ void rope_qkv_forward_kernel(DevPtr q, DevPtr k, DevPtr v, DevPtr qkv, int64_t n,
-                                        int64_t seq, int64_t heads, int64_t kv, int64_t d,
-                                        double theta) {
-  const int64_t half = d / 2, c = heads * d, ckv = kv * d, group = heads / kv;
+                                        int64_t seq, RopeLayout y, double theta) {
+  const int64_t d = y.d, half = d / 2, c = y.heads * d, ckv = y.kv * d;
   PORTER_GRID_STRIDE(idx, n) {
-    const int64_t i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
+    const int64_t i = idx % half, h = (idx / half) % y.heads, row = idx / (half * y.heads);
     float cs, sn;
     rope_angle(row % seq, i, d, theta, &cs, &sn);
-    const int64_t out = row * 3 * c + h * d + i;
+    const int64_t out = row * y.width() + h * d + i;
     const int64_t qi = row * c + h * d + i;
-    const int64_t ki = row * ckv + (h / group) * d + i;
     float a = ld(q, qi), b = ld(q, qi + half);
     st(qkv, out, a * cs - b * sn);
     st(qkv, out + half, b * cs + a * sn);
+    if (h >= y.slots()) continue;
+    const int64_t ki = row * ckv + (h / y.group) * d + i;
+    const int64_t ko = row * y.width() + y.koff() + h * d + i;
+    const int64_t vo = row * y.width() + y.voff() + h * d + i;
     a = ld(k, ki);
     b = ld(k, ki + half);
-    st(qkv, out + c, a * cs - b * sn);
-    st(qkv, out + c + half, b * cs + a * sn);
-    st(qkv, out + 2 * c, ld(v, ki));
-    st(qkv, out + 2 * c + half, ld(v, ki + half));
+    st(qkv, ko, a * cs - b * sn);
+    st(qkv, ko + half, b * cs + a * sn);
+    st(qkv, vo, ld(v, ki));
+    st(qkv, vo + half, ld(v, ki + half));
   }
 }
 
 // One thread per (row, query head, pair) for dq; per (row, kv head, pair) for dk and dv, each
-// summing its group's query heads in order.
+// summing its group's slots in order.
 __global__ void rope_q_backward_kernel(DevPtr dqkv, DevPtr dq, int64_t n, int64_t seq,
-                                       int64_t heads, int64_t d, double theta) {
-  const int64_t half = d / 2, c = heads * d;
+                                       RopeLayout y, double theta) {
+  const int64_t d = y.d, half = d / 2, c = y.heads * d;
   PORTER_GRID_STRIDE(idx, n) {
-    const int64_t i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
+    const int64_t i = idx % half, h = (idx / half) % y.heads, row = idx / (half * y.heads);
     float cs, sn;
     rope_angle(row % seq, i, d, theta, &cs, &sn);
-    const int64_t g = row * 3 * c + h * d + i, o = row * c + h * d + i;
+    const int64_t g = row * y.width() + h * d + i, o = row * c + h * d + i;
     const float a = ld(dqkv, g), b = ld(dqkv, g + half);
     st(dq, o, a * cs + b * sn);
     st(dq, o + half, b * cs - a * sn);
@@ -115,20 +128,20 @@ __global__ void rope_q_backward_kernel(DevPtr dqkv, DevPtr dq, int64_t n, int64_
 }
 
 __global__ void rope_kv_backward_kernel(DevPtr dqkv, DevPtr dk, DevPtr dv, int64_t n,
-                                        int64_t seq, int64_t heads, int64_t kv, int64_t d,
-                                        double theta) {
-  const int64_t half = d / 2, c = heads * d, ckv = kv * d, group = heads / kv;
+                                        int64_t seq, RopeLayout y, double theta) {
+  const int64_t d = y.d, half = d / 2, ckv = y.kv * d;
   PORTER_GRID_STRIDE(idx, n) {
-    const int64_t i = idx % half, g = (idx / half) % kv, row = idx / (half * kv);
+    const int64_t i = idx % half, g = (idx / half) % y.kv, row = idx / (half * y.kv);
     float cs, sn;
     rope_angle(row % seq, i, d, theta, &cs, &sn);
-    const int64_t base = row * 3 * c + g * group * d + i;
+    const int64_t kbase = row * y.width() + y.koff() + g * y.group * d + i;
+    const int64_t vbase = row * y.width() + y.voff() + g * y.group * d + i;
     float ka = 0.0f, kb = 0.0f, va = 0.0f, vb = 0.0f;
-    for (int64_t j = 0; j < group; ++j) {
-      ka += ld(dqkv, base + c + j * d);
-      kb += ld(dqkv, base + c + j * d + half);
-      va += ld(dqkv, base + 2 * c + j * d);
-      vb += ld(dqkv, base + 2 * c + j * d + half);
+    for (int64_t j = 0; j < y.group; ++j) {
+      ka += ld(dqkv, kbase + j * d);
+      kb += ld(dqkv, kbase + j * d + half);
+      va += ld(dqkv, vbase + j * d);
+      vb += ld(dqkv, vbase + j * d + half);
     }
     const int64_t o = row * ckv + g * d + i;
     st(dk, o, ka * cs + kb * sn);
@@ -180,24 +193,24 @@ void rmsnorm_backward(const Launch& l, DevPtr dy, DevPtr x, DevPtr gamma, const 
 
 void rope_qkv_forward(const Launch& l, DevPtr q, DevPtr k, DevPtr v, DevPtr qkv, int64_t rows,
                       int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      double theta) {
+                      int64_t group, double theta) {
   const int64_t n = rows * heads * (head_dim / 2);
   if (n == 0) return;
-  rope_qkv_forward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(q, k, v, qkv, n, seq, heads,
-                                                                kv_heads, head_dim, theta);
+  const RopeLayout y{heads, kv_heads, head_dim, group};
+  rope_qkv_forward_kernel<<<grid_for(n), kBlock, 0, l.stream>>>(q, k, v, qkv, n, seq, y, theta);
   PORTER_GPU_CHECK_LAUNCH("rope_qkv_forward_kernel", l.device);
 }
 
 void rope_qkv_backward(const Launch& l, DevPtr dqkv, DevPtr dq, DevPtr dk, DevPtr dv,
                        int64_t rows, int64_t seq, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, double theta) {
+                       int64_t head_dim, int64_t group, double theta) {
   const int64_t nq = rows * heads * (head_dim / 2), nkv = rows * kv_heads * (head_dim / 2);
   if (nq == 0) return;
-  rope_q_backward_kernel<<<grid_for(nq), kBlock, 0, l.stream>>>(dqkv, dq, nq, seq, heads,
-                                                                head_dim, theta);
+  const RopeLayout y{heads, kv_heads, head_dim, group};
+  rope_q_backward_kernel<<<grid_for(nq), kBlock, 0, l.stream>>>(dqkv, dq, nq, seq, y, theta);
   PORTER_GPU_CHECK_LAUNCH("rope_q_backward_kernel", l.device);
-  rope_kv_backward_kernel<<<grid_for(nkv), kBlock, 0, l.stream>>>(dqkv, dk, dv, nkv, seq, heads,
-                                                                  kv_heads, head_dim, theta);
+  rope_kv_backward_kernel<<<grid_for(nkv), kBlock, 0, l.stream>>>(dqkv, dk, dv, nkv, seq, y,
+                                                                  theta);
   PORTER_GPU_CHECK_LAUNCH("rope_kv_backward_kernel", l.device);
 }
 

@@ -316,24 +316,32 @@ TEST_F(CudaKernelsTest, RopeQkvForwardBackward) {
     int64_t d;
     double theta;
   };
+  // Both qkv layouts (Note [Rotary qkv]): k and v expanded to every query head, or packed.
   for (Case c : {Case{2, 9, 4, 2, 8, 1e4}, Case{1, 33, 8, 1, 64, 5e5}, Case{3, 4, 2, 2, 6, 1e4}}) {
-    for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16}) {
-      const int64_t C = c.heads * c.d, Ckv = c.kv * c.d;
-      Pair q = random(tensor::Shape{c.b, c.t, C}, dt), k = random(tensor::Shape{c.b, c.t, Ckv}, dt);
-      Pair v = random(tensor::Shape{c.b, c.t, Ckv}, dt), qkv = empty(tensor::Shape{c.b, c.t, 3 * C}, dt);
-      both([&](kernels::Kernels& kk, bool gpu) {
-        kk.rope_qkv_forward(side(q, gpu), side(k, gpu), side(v, gpu), side(qkv, gpu), c.heads, c.kv, c.theta);
-      });
-      expect_close(qkv, tol_for(dt, kF32Tol), "rope_qkv forward");
-      Pair g = random(tensor::Shape{c.b, c.t, 3 * C}, dt);
-      Pair dq = empty(tensor::Shape{c.b, c.t, C}, dt), dk = empty(tensor::Shape{c.b, c.t, Ckv}, dt);
-      Pair dv = empty(tensor::Shape{c.b, c.t, Ckv}, dt);
-      both([&](kernels::Kernels& kk, bool gpu) {
-        kk.rope_qkv_backward(side(g, gpu), side(dq, gpu), side(dk, gpu), side(dv, gpu), c.heads, c.kv, c.theta);
-      });
-      expect_close(dq, tol_for(dt, kF32Tol), "rope_qkv dq");
-      expect_close(dk, tol_for(dt, kChainTol), "rope_qkv dk");
-      expect_close(dv, tol_for(dt, kChainTol), "rope_qkv dv");
+    for (bool packed : {false, true}) {
+      for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16}) {
+        const int64_t C = c.heads * c.d, Ckv = c.kv * c.d;
+        const int64_t width = packed ? C + 2 * Ckv : 3 * C;
+        const std::string what = std::string("rope_qkv ") + (packed ? "packed " : "expanded ") +
+                                 std::string(tensor::dtype_name(dt)) + " H=" +
+                                 std::to_string(c.heads) + " Hkv=" + std::to_string(c.kv);
+        Pair q = random(tensor::Shape{c.b, c.t, C}, dt), k = random(tensor::Shape{c.b, c.t, Ckv}, dt);
+        Pair v = random(tensor::Shape{c.b, c.t, Ckv}, dt);
+        Pair qkv = random(tensor::Shape{c.b, c.t, width}, dt);  // every element overwritten
+        both([&](kernels::Kernels& kk, bool gpu) {
+          kk.rope_qkv_forward(side(q, gpu), side(k, gpu), side(v, gpu), side(qkv, gpu), c.heads, c.kv, c.theta);
+        });
+        expect_close(qkv, tol_for(dt, kF32Tol), what + " forward");
+        Pair g = random(tensor::Shape{c.b, c.t, width}, dt);
+        Pair dq = empty(tensor::Shape{c.b, c.t, C}, dt), dk = empty(tensor::Shape{c.b, c.t, Ckv}, dt);
+        Pair dv = empty(tensor::Shape{c.b, c.t, Ckv}, dt);
+        both([&](kernels::Kernels& kk, bool gpu) {
+          kk.rope_qkv_backward(side(g, gpu), side(dq, gpu), side(dk, gpu), side(dv, gpu), c.heads, c.kv, c.theta);
+        });
+        expect_close(dq, tol_for(dt, kF32Tol), what + " dq");
+        expect_close(dk, tol_for(dt, kChainTol), what + " dk");
+        expect_close(dv, tol_for(dt, kChainTol), what + " dv");
+      }
     }
   }
 }
@@ -389,6 +397,93 @@ TEST_F(CudaKernelsTest, AttentionForwardBackward) {
         k.attention_backward(side(dout, gpu), side(qkv, gpu), side(probs, gpu), side(dqkv, gpu), c.heads);
       });
       expect_close(dqkv, tol_for(dt, kChainTol), what + " dqkv");
+    }
+  }
+}
+
+// ---- flash attention ------------------------------------------------------------------------
+
+struct FlashCase {
+  int64_t batch, seq;
+  int heads, kv_heads;
+  int64_t head_dim;
+};
+
+// The cuda flash kernels against the cpu's (Note [Flash attention]): odd sequence lengths that
+// end mid-tile, grouped-query attention and head_dim up to 256 (one tile row per 8 on cuda).
+// Backward gets the same out and lse on both devices (the cpu's), so it is compared as a
+// function of its inputs alone.
+TEST_F(CudaKernelsTest, FlashAttentionForwardBackward) {
+  for (FlashCase c : {FlashCase{1, 1, 4, 2, 64}, FlashCase{2, 65, 4, 2, 64},
+                      FlashCase{1, 257, 4, 2, 128}, FlashCase{1, 40, 2, 1, 256},
+                      FlashCase{2, 9, 3, 3, 8}}) {
+    for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16}) {
+      const std::string what = "flash attention B=" + std::to_string(c.batch) + " T=" +
+                               std::to_string(c.seq) + " H=" + std::to_string(c.heads) +
+                               " Hkv=" + std::to_string(c.kv_heads) + " D=" +
+                               std::to_string(c.head_dim) + " " +
+                               std::string(tensor::dtype_name(dt));
+      const int64_t width = (c.heads + 2 * c.kv_heads) * c.head_dim;
+      const tensor::Shape out_shape{c.batch, c.seq, c.heads * c.head_dim};
+      const tensor::Shape lse_shape{c.batch, c.heads, c.seq};
+      Pair qkv = random(tensor::Shape{c.batch, c.seq, width}, dt, -2.0f, 2.0f);
+      Pair out = random(out_shape, dt), lse = random(lse_shape, tensor::DType::kF32);
+      both([&](kernels::Kernels& k, bool gpu) {
+        k.flash_attention_forward(side(qkv, gpu), side(out, gpu), side(lse, gpu), c.heads, c.kv_heads);
+      });
+      expect_close(out, tol_for(dt, kChainTol), what + " out");
+      expect_close(lse, kChainTol, what + " lse");
+
+      Pair same_out = from(host(out.cpu, false), out_shape, dt);
+      Pair same_lse = from(host(lse.cpu, false), lse_shape, tensor::DType::kF32);
+      Pair dout = random(out_shape, dt);
+      Pair dqkv = random(tensor::Shape{c.batch, c.seq, width}, dt);  // overwritten
+      both([&](kernels::Kernels& k, bool gpu) {
+        k.flash_attention_backward(side(dout, gpu), side(qkv, gpu), side(same_out, gpu),
+                                   side(same_lse, gpu), side(dqkv, gpu), c.heads, c.kv_heads);
+      });
+      expect_close(dqkv, tol_for(dt, kChainTol), what + " dqkv");
+
+      // No atomics: a second backward gives the same bits.
+      tensor::Tensor again = tensor::Tensor::empty(*cuda_alloc_, dqkv.gpu.shape(), dt,
+                                                   memory::Category::kWorkspace);
+      gpu_->flash_attention_backward(dout.gpu, qkv.gpu, same_out.gpu, same_lse.gpu, again,
+                                     c.heads, c.kv_heads);
+      cuda_dev_->compute_stream().synchronize();
+      std::vector<unsigned char> first(dqkv.gpu.nbytes()), second(again.nbytes());
+      cuda_dev_->copy_sync(first.data(), dqkv.gpu.data(), first.size());
+      cuda_dev_->copy_sync(second.data(), again.data(), second.size());
+      EXPECT_TRUE(first == second) << what << ": two cuda backwards differ";
+    }
+  }
+}
+
+// Forward takes no workspace; backward takes exactly the published bytes, freed as it returns.
+TEST_F(CudaKernelsTest, FlashAttentionWorkspaceIsThePublishedBytes) {
+  for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16, tensor::DType::kF16}) {
+    const FlashAttentionCall call{2, 33, 16, 4, 2, dt, dt, dt};
+    const tensor::Shape qkv_shape{2, 33, (4 + 2 * 2) * 16}, out_shape{2, 33, 4 * 16};
+    Pair qkv = random(qkv_shape, dt), dout = random(out_shape, dt);
+    Pair out = empty(out_shape, dt), dqkv = empty(qkv_shape, dt);
+    Pair lse = empty(tensor::Shape{2, 4, 33}, tensor::DType::kF32);
+    const size_t forward_bytes =
+        kernels::flash_attention_forward_workspace_bytes(memory::DeviceKind::kCuda, call);
+    const size_t backward_bytes =
+        kernels::flash_attention_backward_workspace_bytes(memory::DeviceKind::kCuda, call);
+    EXPECT_EQ(forward_bytes, 0u);
+    EXPECT_GE(backward_bytes, size_t{2 * 4 * 33} * sizeof(float));
+    const std::pair<size_t, std::function<void()>> calls[] = {
+        {forward_bytes, [&] { gpu_->flash_attention_forward(qkv.gpu, out.gpu, lse.gpu, 4, 2); }},
+        {backward_bytes, [&] {
+           gpu_->flash_attention_backward(dout.gpu, qkv.gpu, out.gpu, lse.gpu, dqkv.gpu, 4, 2);
+         }}};
+    for (const auto& [bytes, run] : calls) {
+      const size_t before = cuda_alloc_->stats().requested_bytes;
+      cuda_alloc_->reset_peak();
+      run();
+      cuda_dev_->compute_stream().synchronize();
+      EXPECT_EQ(cuda_alloc_->stats().peak_requested_bytes - before, bytes) << tensor::dtype_name(dt);
+      EXPECT_EQ(cuda_alloc_->stats().requested_bytes, before);
     }
   }
 }
