@@ -112,6 +112,18 @@ class TimingKernels : public kernels::Kernels {
                              Tensor& dqkv, int heads) override {
     timed("attention_backward", [&] { inner_->attention_backward(dout, qkv, probs, dqkv, heads); });
   }
+  void do_flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse, int heads,
+                                  int kv_heads) override {
+    timed("flash_attention_forward",
+          [&] { inner_->flash_attention_forward(qkv, out, lse, heads, kv_heads); });
+  }
+  void do_flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                   const Tensor& lse, Tensor& dqkv, int heads,
+                                   int kv_heads) override {
+    timed("flash_attention_backward", [&] {
+      inner_->flash_attention_backward(dout, qkv, out, lse, dqkv, heads, kv_heads);
+    });
+  }
   void do_dropout_forward(const Tensor& x, Tensor& y, float p, const tensor::PhiloxKey& key) override {
     timed("dropout_forward", [&] { inner_->dropout_forward(x, y, p, key); });
   }

@@ -269,7 +269,9 @@ namespace {
 // (B, T, 3C) qkv attention_forward takes, C = H*D: q rotated, k rotated and v, with each of
 // the Hkv key/value heads repeated for the H / Hkv query heads of its group (grouped-query
 // attention, Hugging Face's repeat_kv). The expansion costs the same activation bytes as the
-// GPT's qkv and lets Llama use the GPT's attention kernels unchanged. The angles are t *
+// GPT's qkv and lets Llama use the GPT's attention kernels unchanged. flash_attention_forward
+// reads the shared heads in place, so for it the op writes (B, T, (H + 2 Hkv) D), k and v
+// unexpanded, and its backward's group sums are the flash kernel's (Note [Flash attention]). The angles are t *
 // theta^(-2i/D) computed in double and rounded once to f32 cos and sin, on both devices.
 // Backward is the transpose: a rotation by -angle, and for k and v a sum over the group's
 // query heads in head order, so the result does not depend on threads or device.
@@ -280,12 +282,15 @@ void check_rope_shapes(const char* op, const Tensor& qkv, const Tensor& q, const
   PORTER_CHECK(theta > 0.0 && std::isfinite(theta), op, ": theta ", theta, " must be positive");
   check_float(op, "qkv", qkv);
   check_rank(op, "qkv", qkv, 3, 3);
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
-  PORTER_CHECK(qkv.dim(2) % 3 == 0 && c % heads == 0 && (c / heads) % 2 == 0, op, ": qkv ",
-               qkv.shape().to_string(), " is not (B, T, 3 * heads * D) with heads ", heads,
-               " and an even D");
-  const int64_t d = c / heads;
   check_float(op, "q", q);
+  check_rank(op, "q", q, 3, 3);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), d = q.dim(2) / heads;
+  PORTER_CHECK(q.dim(2) % heads == 0 && d % 2 == 0, op, ": q ", q.shape().to_string(),
+               " is not (B, T, heads * D) with heads ", heads, " and an even D");
+  PORTER_CHECK(qkv.dim(2) == 3 * heads * d || qkv.dim(2) == (heads + 2 * int64_t{kv_heads}) * d,
+               op, ": qkv ", qkv.shape().to_string(), " is neither (B, T, 3 * heads * D) nor (B, "
+               "T, (heads + 2 * kv_heads) * D) with heads ", heads, ", kv_heads ", kv_heads,
+               " and D ", d);
   check_float(op, "k", k);
   check_float(op, "v", v);
   check_shape(op, "q", q, Shape{b, t, heads * d});
@@ -398,6 +403,76 @@ void Kernels::attention_backward(const Tensor& dout, const Tensor& qkv, const Te
   check_shape(op, "dqkv", dqkv, qkv.shape());
   for (const Tensor* in : {&dout, &qkv, &probs}) check_no_alias(op, "dqkv", dqkv, "an input", *in);
   do_attention_backward(dout, qkv, probs, dqkv, heads);
+}
+
+// Note [Flash attention]
+// The memory-efficient attention of Dao et al. (FlashAttention, 2022; FlashAttention-2, 2023),
+// with porter's exactness rules. Per (batch, query head) and per block of query rows, the
+// keys go in tiles; each tile's scores S = Q K^T / sqrt(D) update a running row maximum m,
+// a running sum l of exp(S - m) and an f32 output accumulator rescaled by exp(m_old - m_new)
+// (the online softmax). After the diagonal tile, out = acc / l and lse = m + log l. Only out
+// (B, T, H D) and lse (B, H, T) f32 are kept for backward, against the (B, H, T, T) f32
+// probabilities of attention_forward: with T = 4096 and D = 128 that is 4 bytes per row and
+// head instead of 16 KiB.
+// - Backward first computes each row's D = sum(dout * out) (the workspace), then per tile
+//   recomputes P = exp(S - lse), dP = dout V^T, dS = P (dP - D) / sqrt(D), and accumulates
+//   dQ += dS K, dK += dS^T Q, dV += P^T dout in f32, rounded once into dqkv.
+// - Causality: a query block reads the key tiles up to its diagonal; tiles right of it are
+//   never computed, and the diagonal tile masks j > i.
+// - Grouped-query attention: query head h reads key/value head h / (H / Hkv) in the packed
+//   qkv; dK and dV of a key/value head sum over its group's query heads in head order.
+// - Order: every sum runs in a fixed order that depends on the call's shapes alone (tiles in
+//   key order, group heads in head order), so the bits do not depend on the thread count.
+//   They differ from attention_forward's in the last bits (different summation order and a
+//   rescaled accumulator): for one choice of attention the bits are fixed, across checkpoint
+//   policies too, since recompute runs the same kernel on the same input.
+// - The kernels' tile sizes and packing are theirs (kernels/cpu/attention_flash.cc,
+//   kernels/cuda/flash_attention.cu); the only device workspace is backward's D.
+namespace {
+
+void check_flash(const char* op, const Tensor& qkv, const Tensor& out, const char* out_name,
+                 const Tensor& lse, int heads, int kv_heads) {
+  check_float(op, "qkv", qkv);
+  check_float(op, out_name, out);
+  check_rank(op, "qkv", qkv, 3, 3);
+  PORTER_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, op, ": kv_heads ",
+               kv_heads, " must be >= 1 and divide heads ", heads);
+  const int64_t parts = heads + 2 * int64_t{kv_heads};
+  PORTER_CHECK(qkv.dim(2) % parts == 0 && qkv.dim(2) > 0, op, ": qkv ", qkv.shape().to_string(),
+               " last dimension must be (heads + 2 * kv_heads) * D with heads ", heads,
+               " and kv_heads ", kv_heads);
+  check_dtype(op, "lse", lse, DType::kF32);
+  check_shape(op, "lse", lse, Shape{qkv.dim(0), heads, qkv.dim(1)});
+}
+
+}  // namespace
+
+void Kernels::flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse, int heads,
+                                      int kv_heads) {
+  const char* op = "flash_attention_forward";
+  check_flash(op, qkv, out, "out", lse, heads, kv_heads);
+  const int64_t d = qkv.dim(2) / (heads + 2 * int64_t{kv_heads});
+  check_shape(op, "out", out, Shape{qkv.dim(0), qkv.dim(1), heads * d});
+  check_no_alias(op, "out", out, "qkv", qkv);
+  check_no_alias(op, "lse", lse, "qkv", qkv);
+  check_no_alias(op, "lse", lse, "out", out);
+  do_flash_attention_forward(qkv, out, lse, heads, kv_heads);
+}
+
+void Kernels::flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                       const Tensor& lse, Tensor& dqkv, int heads, int kv_heads) {
+  const char* op = "flash_attention_backward";
+  check_flash(op, qkv, dqkv, "dqkv", lse, heads, kv_heads);
+  const int64_t d = qkv.dim(2) / (heads + 2 * int64_t{kv_heads});
+  check_float(op, "dout", dout);
+  check_float(op, "out", out);
+  check_shape(op, "dout", dout, Shape{qkv.dim(0), qkv.dim(1), heads * d});
+  check_shape(op, "out", out, Shape{qkv.dim(0), qkv.dim(1), heads * d});
+  check_shape(op, "dqkv", dqkv, qkv.shape());
+  for (const Tensor* in : {&dout, &qkv, &out, &lse}) {
+    check_no_alias(op, "dqkv", dqkv, "an input", *in);
+  }
+  do_flash_attention_backward(dout, qkv, out, lse, dqkv, heads, kv_heads);
 }
 
 namespace {

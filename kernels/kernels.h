@@ -133,15 +133,18 @@ class Kernels {
   void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                         const Tensor& rstd, Tensor& dx, Tensor& dgamma);
   // Llama's attention input (Note [Rotary qkv] in kernels.cc): q (B, T, H*D), k and v (B, T,
-  // Hkv*D) with H = heads, Hkv = kv_heads dividing H, D even. qkv (B, T, 3*H*D) = [rope(q) |
-  // rope(k) | v], k and v expanded so that query head h reads key/value head h / (H / Hkv):
-  // the layout attention_forward takes with `heads` = H. Position of row (b, t) is t; rope
-  // rotates the channel pairs (i, i + D/2) of each head by t * theta^(-2i/D) (Hugging Face's
-  // rotate_half convention).
+  // Hkv*D) with H = heads, Hkv = kv_heads dividing H, D even. qkv is [rope(q) | rope(k) | v] in
+  // one of two layouts, told apart by its last dimension: (B, T, 3*H*D) with k and v expanded
+  // so that query head h reads key/value head h / (H / Hkv), the layout attention_forward
+  // takes with `heads` = H; or (B, T, (H + 2 Hkv) D), k and v as they are, the layout
+  // flash_attention_forward takes (the two are one when Hkv = H). Position of row (b, t) is t;
+  // rope rotates the channel pairs (i, i + D/2) of each head by t * theta^(-2i/D) (Hugging
+  // Face's rotate_half convention).
   void rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& qkv,
                         int heads, int kv_heads, double theta);
-  // The transpose: dq = rope^-1(dqkv's q part); dk, dv = the sums over each group's query
-  // heads (in head order) of dqkv's k and v parts, dk rotated back. Overwrites dq, dk, dv.
+  // The transpose: dq = rope^-1(dqkv's q part); dk, dv = dqkv's k and v parts, each summed
+  // over its group's query heads (in head order) in the expanded layout, dk rotated back.
+  // Overwrites dq, dk, dv.
   void rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv, int heads,
                          int kv_heads, double theta);
   // SwiGLU (Llama's MLP): y = silu(gate) * up, silu(g) = g / (1 + exp(-g)); same shapes.
@@ -158,6 +161,19 @@ class Kernels {
   void attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads);
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                           Tensor& dqkv, int heads);
+  // Memory-efficient causal attention (Note [Flash attention] in kernels.cc): the same
+  // softmax(QK^T / sqrt(D)) V, computed over key tiles with an online softmax, so the (T, T)
+  // probabilities never exist. qkv (B, T, (H + 2 Hkv) D) holds the H query heads, then the Hkv
+  // key heads, then the Hkv value heads (H = heads, Hkv = kv_heads dividing H); query head h
+  // reads key/value head h / (H / Hkv) in place, nothing expanded. With Hkv = H that is the
+  // (B, T, 3C) qkv attention_forward takes. out (B, T, H D) any float dtype; lse (B, H, T) f32
+  // is each row's log-sum-exp of its scaled scores, all backward needs besides qkv and out.
+  void flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse, int heads,
+                               int kv_heads);
+  // dqkv (qkv's shape, overwritten) from dout (B, T, H D) and the forward's out and lse; each
+  // tile's scores are recomputed. dK and dV sum over the group's query heads in head order.
+  void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                const Tensor& lse, Tensor& dqkv, int heads, int kv_heads);
   // y = x * mask / (1 - p), mask_i = (uniform(key, i) >= p). Nothing is saved: backward
   // regenerates the mask from the key (Note [Dropout keys] in philox.h). p in [0, 1). With
   // key.group_offset = o / 4, x is taken to be elements [o, o + n) of a larger tensor and
@@ -259,6 +275,11 @@ class Kernels {
   virtual void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) = 0;
   virtual void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                                      Tensor& dqkv, int heads) = 0;
+  virtual void do_flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse, int heads,
+                                          int kv_heads) = 0;
+  virtual void do_flash_attention_backward(const Tensor& dout, const Tensor& qkv,
+                                           const Tensor& out, const Tensor& lse, Tensor& dqkv,
+                                           int heads, int kv_heads) = 0;
   virtual void do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) = 0;
   virtual void do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) = 0;
   virtual void do_add(const Tensor& a, const Tensor& b, Tensor& out) = 0;
@@ -323,6 +344,24 @@ struct AttentionCall {
 // (Note [Kernel workspace]); 0 when it takes none.
 size_t attention_forward_workspace_bytes(memory::DeviceKind kind, const AttentionCall& call);
 size_t attention_backward_workspace_bytes(memory::DeviceKind kind, const AttentionCall& call);
+// The shapes and dtypes of one flash attention call: qkv (batch, seq, (heads + 2 kv_heads)
+// head_dim).
+struct FlashAttentionCall {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t head_dim = 0;
+  int heads = 1;
+  int kv_heads = 1;
+  DType qkv = DType::kF32;
+  DType out = DType::kF32;   // out and dout
+  DType dqkv = DType::kF32;  // backward only
+};
+// Forward takes none; backward takes the rows' D = sum(dout * out), (B, H, T) f32 (padded to
+// 256 bytes on cuda), on both devices.
+size_t flash_attention_forward_workspace_bytes(memory::DeviceKind kind,
+                                               const FlashAttentionCall& call);
+size_t flash_attention_backward_workspace_bytes(memory::DeviceKind kind,
+                                                const FlashAttentionCall& call);
 // sum, squared_norm and nonfinite_count of a tensor of `numel` elements.
 size_t reduction_workspace_bytes(memory::DeviceKind kind, int64_t numel);
 

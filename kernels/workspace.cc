@@ -54,6 +54,24 @@ size_t attention_backward_workspace_bytes(memory::DeviceKind kind, const Attenti
   return 0;
 }
 
+size_t flash_attention_forward_workspace_bytes(memory::DeviceKind, const FlashAttentionCall&) {
+  return 0;
+}
+
+size_t flash_attention_backward_workspace_bytes(memory::DeviceKind kind,
+                                                const FlashAttentionCall& call) {
+  if (call.batch == 0 || call.seq == 0 || call.head_dim == 0) return 0;
+  const size_t rows = static_cast<size_t>(call.batch * call.heads * call.seq);
+  switch (kind) {
+    case memory::DeviceKind::kCpu:
+      return rows * sizeof(float);
+    case memory::DeviceKind::kCuda:
+      return workspace_layout::cuda_padded_elems(rows) * sizeof(float);
+  }
+  PORTER_ASSERT(false, "unknown device kind ", static_cast<int>(kind));
+  return 0;
+}
+
 size_t matmul_workspace_bytes(memory::DeviceKind kind, const MatmulCall& call) {
   switch (kind) {
     case memory::DeviceKind::kCpu:

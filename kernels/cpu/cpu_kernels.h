@@ -74,6 +74,11 @@ class CpuKernels final : public Kernels {
   void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override;
   void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                              Tensor& dqkv, int heads) override;
+  void do_flash_attention_forward(const Tensor& qkv, Tensor& out, Tensor& lse, int heads,
+                                  int kv_heads) override;
+  void do_flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                   const Tensor& lse, Tensor& dqkv, int heads,
+                                   int kv_heads) override;
   void do_dropout_forward(const Tensor& x, Tensor& y, float p, const PhiloxKey& key) override;
   void do_dropout_backward(const Tensor& dy, Tensor& dx, float p, const PhiloxKey& key) override;
   void do_add(const Tensor& a, const Tensor& b, Tensor& out) override;

@@ -120,14 +120,20 @@ PORTER_CPU_CLONES void swiglu_bwd(const TG* g, const TU* u, const TD* dy, TO* dg
   }
 }
 
+// group: the query heads of one key/value head in qkv's layout (Note [Rotary qkv]): H / Hkv
+// when k and v are expanded, 1 when they are packed. width: qkv's row, the v part's offset:
+// voff.
 struct RopeDims {
-  int64_t b, t, heads, kv, d, half, group;
+  int64_t b, t, heads, kv, d, half, group, width, voff;
 };
 
-RopeDims rope_dims(const Tensor& qkv, int heads, int kv_heads) {
-  RopeDims r{qkv.dim(0), qkv.dim(1), heads, kv_heads, qkv.dim(2) / 3 / heads, 0, 0};
+// q (or dq): (B, T, H D), which gives D.
+RopeDims rope_dims(const Tensor& qkv, const Tensor& q, int heads, int kv_heads) {
+  RopeDims r{qkv.dim(0), qkv.dim(1), heads, kv_heads, q.dim(2) / heads, 0, 0, qkv.dim(2), 0};
   r.half = r.d / 2;
-  r.group = r.heads / r.kv;
+  const bool expanded = qkv.dim(2) == 3 * heads * r.d;
+  r.group = expanded ? r.heads / r.kv : 1;
+  r.voff = (r.heads + r.group * r.kv) * r.d;
   return r;
 }
 
@@ -179,7 +185,7 @@ void CpuKernels::do_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Te
 
 void CpuKernels::do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                      Tensor& qkv, int heads, int kv_heads, double theta) {
-  const RopeDims r = rope_dims(qkv, heads, kv_heads);
+  const RopeDims r = rope_dims(qkv, q, heads, kv_heads);
   const int64_t c = r.heads * r.d, ckv = r.kv * r.d;
   const std::vector<float> table = rope_table(threads_, r.t, r.half, theta);
   cpu::with_typed(
@@ -187,14 +193,14 @@ void CpuKernels::do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Ten
         cpu::parallel_rows(threads_, r.b * r.t, [&](int64_t row) {
           const float* cs = table.data() + (row % r.t) * 2 * r.half;
           const float* sn = cs + r.half;
-          auto* o = op + row * 3 * c;
+          auto* o = op + row * r.width;
           for (int64_t h = 0; h < r.heads; ++h) {
             rotate_head(qp + row * c + h * r.d, o + h * r.d, cs, sn, r.half, 1.0f);
           }
           for (int64_t g = 0; g < r.kv; ++g) {
             // The group's first query head gets the rotated head; the others copy it.
             auto* k0 = o + c + g * r.group * r.d;
-            auto* v0 = o + 2 * c + g * r.group * r.d;
+            auto* v0 = o + r.voff + g * r.group * r.d;
             rotate_head(kp + row * ckv + g * r.d, k0, cs, sn, r.half, 1.0f);
             copy_head(vp + row * ckv + g * r.d, v0, r.d);
             for (int64_t j = 1; j < r.group; ++j) {
@@ -209,7 +215,7 @@ void CpuKernels::do_rope_qkv_forward(const Tensor& q, const Tensor& k, const Ten
 
 void CpuKernels::do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk, Tensor& dv,
                                       int heads, int kv_heads, double theta) {
-  const RopeDims r = rope_dims(dqkv, heads, kv_heads);
+  const RopeDims r = rope_dims(dqkv, dq, heads, kv_heads);
   const int64_t c = r.heads * r.d, ckv = r.kv * r.d;
   const std::vector<float> table = rope_table(threads_, r.t, r.half, theta);
   // Per row, the group sum of one k or v head before it is rotated back (host, D floats).
@@ -220,14 +226,14 @@ void CpuKernels::do_rope_qkv_backward(const Tensor& dqkv, Tensor& dq, Tensor& dk
           const float* cs = table.data() + (row % r.t) * 2 * r.half;
           const float* sn = cs + r.half;
           float* acc = sums.data() + row * r.d;
-          const auto* g = gp + row * 3 * c;
+          const auto* g = gp + row * r.width;
           for (int64_t h = 0; h < r.heads; ++h) {
             rotate_head(g + h * r.d, dqp + row * c + h * r.d, cs, sn, r.half, -1.0f);
           }
           for (int64_t kvh = 0; kvh < r.kv; ++kvh) {
             sum_group(g + c + kvh * r.group * r.d, r.d, r.group, acc);
             rotate_head(acc, dkp + row * ckv + kvh * r.d, cs, sn, r.half, -1.0f);
-            sum_group(g + 2 * c + kvh * r.group * r.d, r.d, r.group, acc);
+            sum_group(g + r.voff + kvh * r.group * r.d, r.d, r.group, acc);
             copy_head(acc, dvp + row * ckv + kvh * r.d, r.d);
           }
         });
