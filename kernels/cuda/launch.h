@@ -1,6 +1,8 @@
-// Host-side launchers for porter's own cuda kernels (kernels/cuda/elementwise.cu, kernels/cuda/rowwise.cu,
-// kernels/cuda/attention.cu, kernels/cuda/flash_attention.cu, kernels/cuda/rmsnorm_rope_swiglu.cu). They take raw device pointers, so the nvcc-compiled files need neither
-// Tensor nor the allocator headers; kernels/cuda/cuda_kernels.cc turns Tensors into these arguments.
+// Host-side launchers for porter's own cuda kernels (kernels/cuda/elementwise.cu,
+// kernels/cuda/rowwise.cu, kernels/cuda/attention.cu, kernels/cuda/flash_attention.cu,
+// kernels/cuda/rmsnorm_rope_swiglu.cu). They take raw device pointers, so the nvcc-compiled
+// files need neither Tensor nor the allocator headers; kernels/cuda/cuda_kernels.cc turns
+// Tensors into these arguments.
 //
 // Note [Runtime dtypes in cuda kernels]
 // Every floating tensor argument is a DevPtr: a pointer and its dtype (f32, bf16 or f16).
