@@ -306,7 +306,11 @@ std::string describe_model(const config::ModelConfig& m) {
   if (m.kv_heads != 0 && m.kv_heads != m.heads) {  // grouped-query attention
     out += " (" + std::to_string(m.kv_heads) + " key/value)";
   }
-  return out + ", seq " + std::to_string(m.seq_len) + ", vocab " + std::to_string(m.vocab);
+  out += ", seq " + std::to_string(m.seq_len) + ", vocab " + std::to_string(m.vocab);
+  if (m.attention != config::AttentionKind::kAuto) {
+    out += ", " + std::string(config::to_string(m.attention)) + " attention";
+  }
+  return out;
 }
 
 checkpoint::PlanProgressFn plan_progress_printer(std::ostream& err, const std::string& command) {

@@ -204,6 +204,79 @@ std::vector<TpEstimate> tp_estimates(const config::Config& cfg) {
   return rows;
 }
 
+// Note [Estimate attention]
+// One block's activations and the none and full activation peaks per micro-batch with each
+// attention (Note [Attention choice] in engine/forecast.h), beside Korthikanti et al.'s
+// formula with its 5as/h term (materialised) and without it (flash). The policy table below
+// is the chosen attention's.
+struct AttentionEstimate {
+  config::AttentionKind kind = config::AttentionKind::kMaterialized;
+  std::string error;
+  size_t layer_bytes = 0;
+  double korthikanti_layer_bytes = 0.0;
+  size_t none_peak_bytes = 0, full_peak_bytes = 0;
+};
+
+std::vector<AttentionEstimate> attention_estimates(const config::Config& cfg) {
+  std::vector<AttentionEstimate> rows;
+  for (config::AttentionKind kind :
+       {config::AttentionKind::kMaterialized, config::AttentionKind::kFlash}) {
+    AttentionEstimate e;
+    e.kind = kind;
+    config::Config c = cfg;
+    c.porter.model.attention = kind;
+    try {
+      const engine::RunOptions run = engine::make_run_options(c);
+      e.layer_bytes = models::layer_bytes(run.shape);
+      e.korthikanti_layer_bytes = models::korthikanti_layer_bytes(run.shape);
+      const checkpoint::ChainCosts costs = run.analytic_costs();
+      for (auto [policy, into] : {std::pair{config::CheckpointPolicy::kNone, &e.none_peak_bytes},
+                                  std::pair{config::CheckpointPolicy::kFull, &e.full_peak_bytes}}) {
+        checkpoint::PlanOptions po = run.plan;
+        po.checkpointing.policy = policy;
+        po.budget.reset();
+        *into = checkpoint::make_plan(po, costs).prediction.peak_activation_bytes;
+      }
+    } catch (const porter::Error& ex) {
+      e.error = ex.what();
+    }
+    rows.push_back(std::move(e));
+  }
+  return rows;
+}
+
+void print_attention(std::ostream& out, const std::vector<AttentionEstimate>& rows,
+                     config::AttentionKind asked, config::AttentionKind chosen) {
+  out << "  attention: " << config::to_string(chosen);
+  if (asked == config::AttentionKind::kAuto) {
+    out << " (porter.model.attention auto: "
+        << (chosen == config::AttentionKind::kFlash
+                ? "the run does not fit with the materialised probabilities"
+                : "the run fits with the materialised probabilities")
+        << ")";
+  }
+  out << "\n";
+  Table t({"attention", "layer", "Korthikanti", "none peak", "full peak"});
+  for (const AttentionEstimate& e : rows) {
+    const std::string name =
+        std::string(config::to_string(e.kind)) + (e.kind == chosen ? " *" : "");
+    if (!e.error.empty()) {
+      t.add({name, "-", "-", "-", "-"});
+      continue;
+    }
+    t.add({name, format_bytes(e.layer_bytes),
+           format_bytes(static_cast<uint64_t>(std::llround(e.korthikanti_layer_bytes))),
+           format_bytes(e.none_peak_bytes), format_bytes(e.full_peak_bytes)});
+  }
+  t.print(out);
+  for (const AttentionEstimate& e : rows) {
+    if (!e.error.empty()) out << "  " << config::to_string(e.kind) << ": " << e.error << "\n";
+  }
+  out << "  * the run's. layer = one block's activations kept for backward, its input included;\n"
+         "  materialized keeps the (B, H, T, T) f32 probabilities, flash the (B, H, T) f32 row\n"
+         "  log-sum-exp. Korthikanti = sbh(34 + 5as/h), flash without the 5as/h term.\n\n";
+}
+
 void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const config::Config& cfg,
               tensor::DType dtype) {
   const config::ModelConfig& m = cfg.porter.model;
@@ -242,10 +315,18 @@ void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const conf
 
 int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const int64_t world_size = o.world_size.value_or(implied_world_size(o.config_args, o.tensor_parallel));
-  const config::Config cfg =
+  config::Config cfg =
       o.tensor_parallel
           ? load_config(o.config_args, o.strict, err, world_size, *o.tensor_parallel, "--tensor-parallel")
           : load_config(o.config_args, o.strict, err, world_size);
+  // Note [Attention choice]: every figure below is the chosen attention's.
+  const config::AttentionKind asked_attention = cfg.porter.model.attention;
+  {
+    engine::ForecastOptions fo;
+    fo.time_host_update = false;
+    cfg.porter.model.attention = engine::resolve_attention(cfg, fo);
+  }
+  const std::vector<AttentionEstimate> attention_rows = attention_estimates(cfg);
   const engine::RunOptions run = engine::make_run_options(cfg);
   const tensor::DType dtype = run.compute_dtype;
   checkpoint::ChainCosts costs = run.analytic_costs();
@@ -484,6 +565,24 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       }
     }
     j["tensor_parallel"] = std::move(tj);
+    nlohmann::ordered_json aj;
+    aj["asked"] = config::to_string(asked_attention);
+    aj["chosen"] = config::to_string(model.attention);
+    aj["table"] = nlohmann::ordered_json::array();
+    for (const AttentionEstimate& e : attention_rows) {
+      nlohmann::ordered_json r;
+      r["attention"] = config::to_string(e.kind);
+      if (!e.error.empty()) {
+        r["error"] = e.error;
+      } else {
+        r["layer_bytes"] = e.layer_bytes;
+        r["korthikanti_layer_bytes"] = e.korthikanti_layer_bytes;
+        r["none_activation_peak_bytes"] = e.none_peak_bytes;
+        r["full_activation_peak_bytes"] = e.full_peak_bytes;
+      }
+      aj["table"].push_back(std::move(r));
+    }
+    j["attention"] = std::move(aj);
     j["batch_bytes"] = batch;
     j["capacity_bytes"] = capacity ? nlohmann::ordered_json(*capacity) : nlohmann::ordered_json();
     j["policies"] = nlohmann::ordered_json::array();
@@ -546,6 +645,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
       << (capacity ? format_bytes(*capacity) : std::string("(the GPU's, not known without it)"))
       << (default_gpu ? " (an H100 SXM's: porter.device.model is not set)" : "") << "\n\n";
   print_zero(out, stages, part, num_params, state_dtypes, dtype, world_size, dp, tp);
+  print_attention(out, attention_rows, asked_attention, model.attention);
   if (!tp_rows.empty()) print_tp(out, tp_rows, cfg, dtype);
   out << "  model states per rank (ZeRO stage " << config_stage << ", every policy): params "
       << format_bytes(ms.params) << ", grads " << format_bytes(ms.grads) << ", optimizer "

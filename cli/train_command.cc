@@ -98,13 +98,17 @@ struct TrainOptions {
 // machine's memory with their offloaded states (and, with periodic checkpoints, the snapshot
 // a background write holds), and each rank's pinned bytes the pinned limit.
 // --no-preflight skips both.
-void preflight(const config::Config& cfg, const memory::Device& device, const ConfigArgs& args,
-               int ranks_per_node, bool periodic_saves) {
+engine::ForecastOptions preflight_options(const memory::Device& device) {
   engine::ForecastOptions fo;
   fo.capacity_bytes = device.memory_capacity_bytes();
   fo.device = engine::nominal_cpu_device_model(*fo.capacity_bytes);
   fo.time_host_update = false;
-  const engine::Forecast f = engine::forecast(cfg, fo);
+  return fo;
+}
+
+void preflight(const config::Config& cfg, const memory::Device& device, const ConfigArgs& args,
+               int ranks_per_node, bool periodic_saves) {
+  const engine::Forecast f = engine::forecast(cfg, preflight_options(device));
   const size_t machine = engine::machine_memory_bytes();
   if (machine > 0) {
     engine::HostFit h = engine::host_fit(f, ranks_per_node, machine);
@@ -434,6 +438,8 @@ int train(const TrainOptions& o, CommandContext& ctx) {
   const std::string trace_path = !o.trace.empty() ? o.trace : cfg.porter.trace.path.value_or("");
 
   std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
+  // Note [Attention choice]: decided before the model is built, the same on every rank.
+  cfg.porter.model.attention = engine::resolve_attention(cfg, preflight_options(*device));
   if (!o.no_preflight) {  // Note [Preflight]
     preflight(cfg, *device, o.config_args, std::max(1, env.local_world_size),
               !o.save.empty() && cfg.porter.train.save_every > 0);

@@ -12,6 +12,7 @@ std::string_view to_string(SchedulerType v) { return enum_name(detail::kSchedule
 std::string_view to_string(WarmupType v) { return enum_name(detail::kWarmupTypes, v); }
 std::string_view to_string(OffloadDevice v) { return enum_name(detail::kOffloadDevices, v); }
 std::string_view to_string(ModelType v) { return enum_name(detail::kModelTypes, v); }
+std::string_view to_string(AttentionKind v) { return enum_name(detail::kAttentionKinds, v); }
 std::string_view to_string(DataType v) { return enum_name(detail::kDataTypes, v); }
 std::string_view to_string(DeviceType v) { return enum_name(detail::kDeviceTypes, v); }
 std::string_view to_string(CheckpointPolicy v) { return enum_name(detail::kCheckpointPolicies, v); }

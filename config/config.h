@@ -136,6 +136,12 @@ struct ActivationCheckpointingConfig {
 
 enum class ModelType { kGpt, kLlama, kQwen2 };
 
+// porter.model.attention: which attention kernels the blocks run (Note [Attention choice] in
+// engine/forecast.h). kMaterialized keeps the (B, H, T, T) probabilities for backward;
+// kFlash keeps only each row's log-sum-exp and recomputes the scores (Note [Flash attention]
+// in kernels/kernels.cc); kAuto takes kMaterialized where the run fits with it, else kFlash.
+enum class AttentionKind { kAuto, kFlash, kMaterialized };
+
 // porter.model: the built-in decoder. `type` is the architecture (the key porter.model.arch;
 // "type" is its older spelling): the pre-LN GPT (GPT-2's layout), the Llama or Qwen2 (a Llama
 // with q, k and v biases); each is a spec in models/ (docs/models.md). With `from` set, the
@@ -170,6 +176,11 @@ struct ModelConfig {
   // Megatron's sequence parallelism: layernorm, dropout and the residual stream hold 1/t of
   // the token rows (docs/tensor-parallel.md). No effect at tensor_parallel 1.
   bool sequence_parallel = false;
+  AttentionKind attention = AttentionKind::kAuto;
+  // porter.model.loss_tiles: the head and cross-entropy run over this many contiguous tiles
+  // of the token rows, so only one tile's logits exist at a time (Note [Loss tiles] in
+  // models/transformer.cc). 1 computes the whole (B*T, V) logits at once.
+  int64_t loss_tiles = 1;
   bool operator==(const ModelConfig&) const = default;
 };
 
@@ -325,6 +336,7 @@ std::string_view to_string(SchedulerType v);
 std::string_view to_string(WarmupType v);
 std::string_view to_string(OffloadDevice v);
 std::string_view to_string(ModelType v);
+std::string_view to_string(AttentionKind v);
 std::string_view to_string(DataType v);
 std::string_view to_string(DeviceType v);
 std::string_view to_string(CheckpointPolicy v);

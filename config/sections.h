@@ -32,6 +32,10 @@ inline constexpr EnumName<CommBackend> kCommBackends[] = {
     {"auto", CommBackend::kAuto}, {"gloo", CommBackend::kGloo}, {"nccl", CommBackend::kNccl}};
 inline constexpr EnumName<DeviceType> kDeviceTypes[] = {
     {"auto", DeviceType::kAuto}, {"cpu", DeviceType::kCpu}, {"cuda", DeviceType::kCuda}};
+inline constexpr EnumName<AttentionKind> kAttentionKinds[] = {
+    {"auto", AttentionKind::kAuto},
+    {"flash", AttentionKind::kFlash},
+    {"materialized", AttentionKind::kMaterialized}};
 inline constexpr EnumName<KernelChoice> kKernelChoices[] = {{"exact", KernelChoice::kExact},
                                                             {"fastest", KernelChoice::kFastest}};
 inline constexpr EnumName<GradDType> kGradDTypes[] = {

@@ -80,7 +80,24 @@ RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& cost
   return s;
 }
 
-Forecast forecast(const config::Config& config, const ForecastOptions& options) {
+config::AttentionKind resolve_attention(const config::Config& config,
+                                        const ForecastOptions& options) {
+  const config::AttentionKind asked = config.porter.model.attention;
+  if (asked != config::AttentionKind::kAuto) return asked;
+  config::Config materialized = config;
+  materialized.porter.model.attention = config::AttentionKind::kMaterialized;
+  try {
+    const Forecast f = forecast(materialized, options);
+    if (!f.capacity_bytes || f.fits()) return config::AttentionKind::kMaterialized;
+  } catch (const InvalidArgument&) {
+    // A budget below the smallest materialised plan, or probabilities that overflow.
+  }
+  return config::AttentionKind::kFlash;
+}
+
+Forecast forecast(const config::Config& given, const ForecastOptions& options) {
+  config::Config config = given;
+  config.porter.model.attention = resolve_attention(given, options);
   Forecast f;
   f.config = config;
   f.run = make_run_options(config);

@@ -76,8 +76,26 @@ struct Forecast {
 };
 
 // Note [Forecast]. Throws InvalidArgument for what the planner refuses (a budget below the
-// smallest plan, an overflowing shape).
+// smallest plan, an overflowing shape). With porter.model.attention "auto" the forecast is
+// of the resolved choice (Note [Attention choice]), which f.config holds.
 Forecast forecast(const config::Config& config, const ForecastOptions& options = {});
+
+// Note [Attention choice]
+// porter.model.attention says which attention kernels the blocks run: "materialized" keeps
+// each block's (B, H, T, T) f32 probabilities for backward, "flash" keeps its (B, H, T) row
+// log-sum-exp and recomputes the scores tile by tile in backward (Note [Flash attention] in
+// kernels/kernels.cc). "auto" is resolved once, from the config, before a model is built
+// (porter train, plan and estimate, and the Engine's callers through this function): the
+// run is forecast with the materialised attention under its own policy, ZeRO stage, offload
+// and budget; where that total fits the device (or the capacity is unknown) the choice is
+// "materialized", the faster of the two at the lengths where it fits (docs/benchmarks.md,
+// "Flash attention"), otherwise "flash". The bytes compared are the analytic model's exact
+// figures for both. The choice depends on the config and the capacity alone, never on a
+// timing, so every rank and every restart of a run makes the same one, and the report names
+// it (run.attention). The two give different bits (Note [Flash attention]); a run resumed
+// under the other choice continues within f32 rounding.
+config::AttentionKind resolve_attention(const config::Config& config,
+                                        const ForecastOptions& options = {});
 
 // The device model a forecast of `config` times with (Note [Device models]; a cuda device
 // without porter.device.model is `default_gpu`, and *defaulted says so).

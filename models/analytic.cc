@@ -27,6 +27,23 @@ kernels::AttentionCall attention_call(const TransformerDims& d) {
                                 d.dtype, d.dtype};
 }
 
+kernels::FlashAttentionCall flash_attention_call(const TransformerDims& d) {
+  return kernels::FlashAttentionCall{static_cast<int64_t>(d.b), static_cast<int64_t>(d.t),
+                                     static_cast<int64_t>(d.c / d.h), static_cast<int>(d.hs),
+                                     static_cast<int>(d.kvs / (d.c / d.h)), d.dtype, d.dtype,
+                                     d.dtype};
+}
+
+size_t attention_forward_workspace(const TransformerDims& d) {
+  return d.flash ? kernels::flash_attention_forward_workspace_bytes(d.device, flash_attention_call(d))
+                 : kernels::attention_forward_workspace_bytes(d.device, attention_call(d));
+}
+
+size_t attention_backward_workspace(const TransformerDims& d) {
+  return d.flash ? kernels::flash_attention_backward_workspace_bytes(d.device, flash_attention_call(d))
+                 : kernels::attention_backward_workspace_bytes(d.device, attention_call(d));
+}
+
 TransformerDims dims_of(const TransformerShape& shape) {
   const config::ModelConfig& m = shape.model;
   PORTER_CHECK(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.vocab >= 1 && m.seq_len >= 1,
@@ -64,9 +81,12 @@ TransformerDims dims_of(const TransformerShape& shape) {
                           "a block's key/value channels") /
           d.tp;
   d.fs = static_cast<size_t>(spec.intermediate(m)) / d.tp;
+  d.flash = m.attention == config::AttentionKind::kFlash;
+  PORTER_CHECK(m.loss_tiles >= 1, "porter.model.loss_tiles = ", m.loss_tiles, " must be >= 1");
+  d.loss_tiles = static_cast<size_t>(m.loss_tiles);
   // Note [Checked sizes]: the largest tensors first, so that an overflow names their keys
   // rather than a sum's.
-  (void)d.probs();
+  (void)d.attn_saved();
   (void)d.logits();
   (void)d.mlp();
   (void)d.kv_col();
@@ -124,6 +144,49 @@ StageGraph embedding_graph(const TransformerDims& d) {
   return g;
 }
 
+// TiledLossHead (Note [Loss tiles] in models/transformer.cc): after the norm `lnf`, one op of
+// kind loss whose outputs are the loss and the rows' log-sum-exp (N) f32; inside, lnf
+// gathered (sequence parallelism), the (N) losses, then per tile its logits, its stats and
+// every rank's gathered stats, freed with the tile, and the sum's partials at the end.
+StageGraph tiled_head_graph(const TransformerDims& d, GraphBuilder& gb, Ref lnf,
+                            const std::vector<Ref>& norm_saves) {
+  const std::string terms = d.shape_terms();
+  const size_t m = d.tile_rows();
+  WorkspaceTrace fw;
+  if (d.sp) fw.alloc(d.whole());
+  fw.alloc(d.times(4, d.n));  // the losses
+  const int tile_logits = fw.alloc(d.logits_tile());
+  const int stats = fw.alloc(d.times(12, m));
+  fw.transient(d.tp > 1 ? checked_mul(d.times(12, d.tp), m, "a loss tile's gathered stats", terms) : 0);
+  fw.free(stats);
+  fw.free(tile_logits);
+  fw.transient(kernels::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n)));
+  const double nc = static_cast<double>(d.n) * static_cast<double>(d.c);
+  Ref loss = gb.op(nn::OpKind::kLoss, {4, d.times(4, d.n)}, {lnf, kExternal, kExternal},
+                   2.0 * nc * static_cast<double>(d.vs), fw.peak());
+  StageGraph& g = gb.graph();
+  g.saves = {kStageInput};
+  g.saves.insert(g.saves.end(), norm_saves.begin(), norm_saves.end());
+  g.saves.insert(g.saves.end(), {kExternal, GraphBuilder::slot(loss, 1)});
+  g.output = loss;
+  // TiledLossHead::backward: lnf gathered again (sp), dlnf of every row, one tile's dlogits at
+  // a time; under sp dlnf's reduce-scatter into this rank's rows frees both; then dx and the
+  // norm's partial weight gradients (sp).
+  WorkspaceTrace w;
+  const int xg = d.sp ? w.alloc(d.whole()) : WorkspaceTrace::kNone;
+  const int dlnf = w.alloc(d.whole());
+  w.transient(d.logits_tile());
+  if (d.sp) {
+    w.alloc(d.res());
+    w.free(xg);
+    w.free(dlnf);
+  }
+  w.alloc(d.res());  // dx
+  if (d.sp) w.alloc(d.times((norm_saves.size() - 1) * 4, d.c));
+  g.backward_workspace_peak = w.peak();
+  return g;
+}
+
 // TransformerHead: the final norm (a LayerNorm has two statistics, mean and rstd; an RMSNorm
 // one), the projection and the loss.
 StageGraph head_graph(const TransformerDims& d, Norm norm) {
@@ -134,14 +197,15 @@ StageGraph head_graph(const TransformerDims& d, Norm norm) {
   Ref lnf = rms ? gb.op(nn::OpKind::kLayerNorm, {d.res(), st}, {kStageInput, kExternal})
                 : gb.op(nn::OpKind::kLayerNorm, {d.res(), st, st},
                         {kStageInput, kExternal, kExternal});
+  std::vector<Ref> norm_saves = {lnf, GraphBuilder::slot(lnf, 1)};
+  if (!rms) norm_saves.push_back(GraphBuilder::slot(lnf, 2));
+  if (d.loss_tiles > 1) return tiled_head_graph(d, gb, lnf, norm_saves);
   Ref logits = gb.op(nn::OpKind::kMatmul, {logits_bytes}, {lnf, kExternal},
                      2.0 * nc * static_cast<double>(d.vs), d.sp_gather());
   // The per-row losses are workspace inside the op, and so are the partials of their sum.
   const size_t sum_ws = kernels::reduction_workspace_bytes(d.device, static_cast<int64_t>(d.n));
   Ref loss;
   StageGraph& g = gb.graph();
-  std::vector<Ref> norm_saves = {lnf, GraphBuilder::slot(lnf, 1)};
-  if (!rms) norm_saves.push_back(GraphBuilder::slot(lnf, 2));
   if (d.tp == 1) {
     loss = gb.op(nn::OpKind::kLoss, {4}, {logits, kExternal}, 0.0,
                  checked_add(d.times(4, d.n), sum_ws, "the loss's workspace", d.shape_terms()));
@@ -272,9 +336,13 @@ double korthikanti_layer_bytes(const TransformerShape& shape) {
   const double s = static_cast<double>(d.t), b = static_cast<double>(d.b);
   const double h = static_cast<double>(d.c), a = static_cast<double>(d.h);
   const double t = static_cast<double>(d.tp);
-  if (d.tp == 1) return s * b * h * (34.0 + 5.0 * a * s / h);
-  if (d.sp) return s * b * h * (34.0 + 5.0 * a * s / h) / t;
-  return s * b * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+  // Flash attention keeps no (s, s) matrix: their 5as/h term, the softmax's input and output
+  // and the dropout mask, is gone (FlashAttention's own accounting keeps 4 bytes per row and
+  // head, which their units do not count).
+  const double attn = d.flash ? 0.0 : 5.0 * a * s / h;
+  if (d.tp == 1) return s * b * h * (34.0 + attn);
+  if (d.sp) return s * b * h * (34.0 + attn) / t;
+  return s * b * h * (10.0 + 24.0 / t + attn / t);
 }
 
 size_t layer_bytes(const TransformerShape& shape) {

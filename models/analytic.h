@@ -51,6 +51,8 @@ struct TransformerDims {
   memory::DeviceKind device;
   size_t kvs = 0;               // this rank's key/value channels Hkv * D / tp
   size_t fs = 0;                // this rank's MLP width F / tp
+  bool flash = false;           // porter.model.attention "flash" (auto counts as materialized)
+  size_t loss_tiles = 1;        // porter.model.loss_tiles (Note [Loss tiles] in models/transformer.cc)
   size_t kv_col() const {  // (B, T, Hkv D / tp)
     return checked_product({kB(), kT(), {"porter.model.kv_heads x head dim / tensor_parallel", kvs}, kDt()},
                            "a block's key/value projection");
@@ -78,9 +80,28 @@ struct TransformerDims {
     return checked_product({kB(), {"porter.model.heads / tensor_parallel", hs}, kT(), kT(), {"bytes (f32)", 4}},
                            "the attention probabilities (B, H / tp, T, T) of one block");
   }
+  size_t lse() const {  // flash attention's row log-sum-exp (B, H / tp, T) f32
+    return checked_product({kB(), {"porter.model.heads / tensor_parallel", hs}, kT(), {"bytes (f32)", 4}},
+                           "the attention's row log-sum-exp (B, H / tp, T) of one block");
+  }
+  // What the attention keeps for backward besides its output: probs(), or lse() with flash.
+  size_t attn_saved() const { return flash ? lse() : probs(); }
+  // The attention's input: (B, T, 3C / tp), or with flash (B, T, (C + 2 Hkv D) / tp), the key
+  // and value heads not expanded (Note [Rotary qkv] in kernels/kernels.cc). One for the GPT.
+  size_t qkv() const {
+    return flash ? checked_add(times(2, kv_col()), col(), "a block's qkv", shape_terms())
+                 : times(3, col());
+  }
   size_t logits() const {  // (B, T, V / tp)
     return checked_product({kB(), kT(), {"porter.model.vocab / tensor_parallel", vs}, kDt()},
                            "the logits (B, T, V / tp)");
+  }
+  // The rows of the largest loss tile, ceil(N / loss_tiles) (models::loss_tile_rows).
+  size_t tile_rows() const { return (n + loss_tiles - 1) / loss_tiles; }
+  size_t logits_tile() const {  // one loss tile's logits (ceil(N / k), V / tp)
+    return checked_product({{"token rows per loss tile (porter.model.loss_tiles)", tile_rows()},
+                            {"porter.model.vocab / tensor_parallel", vs}, kDt()},
+                           "one loss tile's logits");
   }
   // Inside a sequence-parallel matmul: its gathered input (column-parallel) or its partial
   // output (row-parallel), both (N, C).
@@ -103,6 +124,10 @@ TransformerDims dims_of(const TransformerShape& shape);
 // The attention call of a block: this rank's heads, qkv, out, dout and dqkv all in the
 // compute dtype.
 kernels::AttentionCall attention_call(const TransformerDims& d);
+kernels::FlashAttentionCall flash_attention_call(const TransformerDims& d);
+// The workspace of the block's attention calls, materialised or flash as d.flash says.
+size_t attention_forward_workspace(const TransformerDims& d);
+size_t attention_backward_workspace(const TransformerDims& d);
 
 // models/blocks.cc's backward helpers as workspace traces: each returns its result, dx, whose
 // input x has x_bytes; the gathered tensors of sequence parallelism are freed when the helper
@@ -131,7 +156,8 @@ size_t layer_bytes(const TransformerShape& shape);
 // b = micro-batch, h = hidden, a = heads, t = tensor_parallel:
 //   sbh(34 + 5as/h)                 without tensor parallelism,
 //   sbh(10 + 24/t + 5as/(ht))       with it,
-//   sbh(34 + 5as/h) / t             with sequence parallelism too.
+//   sbh(34 + 5as/h) / t             with sequence parallelism too;
+// with porter.model.attention "flash" the 5as/h term (the (s, s) matrices) is dropped.
 // For reports beside layer_bytes; docs/memory-model.md ("Against Korthikanti et al.") says
 // why the two differ.
 double korthikanti_layer_bytes(const TransformerShape& shape);

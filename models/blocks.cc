@@ -282,8 +282,9 @@ enum BlockParam : size_t {
   kLn1W, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2W, kLn2B, kFc1W, kFc1B, kFc2W, kFc2B
 };
 
-GptBlock::GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp, float norm_eps)
-    : hidden_(hidden), heads_(heads), dropout_(dropout), tp_(tp), eps_(norm_eps) {}
+GptBlock::GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp, float norm_eps,
+                   bool flash)
+    : hidden_(hidden), heads_(heads), dropout_(dropout), tp_(tp), eps_(norm_eps), flash_(flash) {}
 
 std::vector<ParamSpec> GptBlock::params() const {
   const int64_t c = hidden_, cs = hidden_ / tp_.size;  // cs: this rank's channels
@@ -307,7 +308,9 @@ Tensor GptBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, 
                  run.seq, " for ", qkv.dim(0), " token rows");
     qkv = qkv.reshape({run.batch, run.seq, qkv.dim(1)});
   }
-  auto [att, probs] = ctx.attention("attn", qkv, heads);  // (B, T, C/t), (B, H/t, T, T)
+  // (B, T, C/t), and (B, H/t, T, T) probabilities or, with flash, (B, H/t, T) lse
+  auto [att, probs] = flash_ ? ctx.flash_attention("attn", qkv, heads, heads)
+                             : ctx.attention("attn", qkv, heads);
   Tensor proj = row_linear(ctx, "proj", att, param(kProjW), param(kProjB), tp_);
   const int64_t offset = shard_offset(tp_, x);
   Tensor x2 = ctx.add("res1", x, ctx.dropout("drop1", proj, dropout_, offset));
@@ -322,7 +325,7 @@ Tensor GptBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, 
   ctx.save("rstd1", rstd1);
   ctx.save("qkv", qkv);
   ctx.save("att", att);
-  ctx.save("probs", probs);
+  ctx.save(flash_ ? "lse" : "probs", probs);
   ctx.save("x2", x2);
   ctx.save("ln2", ln2);
   ctx.save("mean2", mean2);
@@ -361,7 +364,11 @@ Tensor GptBlock::backward(Ctx& ctx, const Tensor& dy) {
   dproj = Tensor();
   const Tensor& qkv = ctx.saved("qkv");
   Tensor dqkv = ctx.workspace(qkv.shape(), qkv.dtype());
-  k.attention_backward(datt, qkv, ctx.saved("probs"), dqkv, heads);
+  if (flash_) {
+    k.flash_attention_backward(datt, qkv, ctx.saved("att"), ctx.saved("lse"), dqkv, heads, heads);
+  } else {
+    k.attention_backward(datt, qkv, ctx.saved("probs"), dqkv, heads);
+  }
   datt = Tensor();
   Tensor dln1 = column_linear_backward(ctx, dqkv, ctx.saved("ln1"), param(kQkvW), grad(kQkvW),
                                        &grad(kQkvB), tp_);
@@ -422,10 +429,15 @@ Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t
   PORTER_CHECK(b * t == q.numel() / q.dim(-1), "LlamaBlock: ", b, " x ", t, " token rows for ",
                q.numel() / q.dim(-1), " (under sequence parallelism the micro-batch's (batch, "
                "seq) come from RunInfo, Ctx::set_run)");
+  // (B, T, 3C/t) with k and v expanded to every query head, or with flash (B, T, (H + 2 Hkv)
+  // D / t) as they are (Note [Rotary qkv] in kernels/kernels.cc).
   Tensor qkv = ctx.rope_qkv("rope", q.reshape({b, t, q.dim(-1)}), k.reshape({b, t, k.dim(-1)}),
-                            v.reshape({b, t, v.dim(-1)}), heads, kv, shape_.rope_theta);
+                            v.reshape({b, t, v.dim(-1)}), heads, kv, shape_.rope_theta,
+                            shape_.flash);
   q = k = v = Tensor();
-  auto [att, probs] = ctx.attention("attn", qkv, heads);  // (B, T, C/t), (B, H/t, T, T)
+  // (B, T, C/t), and (B, H/t, T, T) probabilities or, with flash, (B, H/t, T) lse
+  auto [att, probs] = shape_.flash ? ctx.flash_attention("attn", qkv, heads, kv)
+                                   : ctx.attention("attn", qkv, heads);
   Tensor o = row_linear(ctx, "o_proj", att, param(kO), none, tp_);
   const int64_t offset = shard_offset(tp_, x);
   Tensor x2 = ctx.add("res1", x, ctx.dropout("drop1", o, dropout_, offset));
@@ -440,7 +452,7 @@ Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t
   ctx.save("r1", r1);
   ctx.save("qkv", qkv);
   ctx.save("att", att);
-  ctx.save("probs", probs);
+  ctx.save(shape_.flash ? "lse" : "probs", probs);
   ctx.save("x2", x2);
   ctx.save("n2", n2);
   ctx.save("r2", r2);
@@ -485,7 +497,11 @@ Tensor LlamaBlock::backward(Ctx& ctx, const Tensor& dy) {
   dproj = Tensor();
   const Tensor& qkv = ctx.saved("qkv");
   Tensor dqkv = ctx.workspace(qkv.shape(), qkv.dtype());
-  k.attention_backward(datt, qkv, ctx.saved("probs"), dqkv, heads);
+  if (shape_.flash) {
+    k.flash_attention_backward(datt, qkv, ctx.saved("att"), ctx.saved("lse"), dqkv, heads, kv);
+  } else {
+    k.attention_backward(datt, qkv, ctx.saved("probs"), dqkv, heads);
+  }
   datt = Tensor();
   const int64_t b = qkv.dim(0), t = qkv.dim(1), d = shape_.hidden / shape_.heads;
   Tensor dq = ctx.workspace(Shape{b, t, heads * d}, qkv.dtype());

@@ -49,7 +49,8 @@ std::unique_ptr<nn::Layer> GptSpec::make_block(const config::ModelConfig& m,
                                                const TpShard& tp) const {
   return std::make_unique<GptBlock>(m.hidden, static_cast<int>(m.heads),
                                     static_cast<float>(m.dropout), tp,
-                                    static_cast<float>(m.norm_eps));
+                                    static_cast<float>(m.norm_eps),
+                                    m.attention == config::AttentionKind::kFlash);
 }
 
 // Note [GPT init]: GPT-2's scheme. Matrices ~ normal(0, 0.02), with the residual projections
@@ -78,12 +79,12 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   const double cs = static_cast<double>(d.cs);
   const double ncs = static_cast<double>(d.n) * cs;
   Ref ln1 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {kStageInput, kExternal, kExternal});
-  Ref qkv = gb.op(nn::OpKind::kMatmul, {d.times(3, u)}, {ln1, kExternal, kExternal}, 2.0 * nc * 3.0 * cs,
+  Ref qkv = gb.op(nn::OpKind::kMatmul, {d.qkv()}, {ln1, kExternal, kExternal}, 2.0 * nc * 3.0 * cs,
                   d.sp_gather());
   // The kernel's scratch is workspace inside the op (Note [Kernel workspace]).
-  Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
+  Ref att = gb.op(nn::OpKind::kAttention, {u, d.attn_saved()}, {qkv},
                   4.0 * ncs * static_cast<double>(d.t),
-                  kernels::attention_forward_workspace_bytes(d.device, attention_call(d)));
+                  attention_forward_workspace(d));
   Ref proj = gb.op(nn::OpKind::kMatmul, {r}, {att, kExternal, kExternal}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kStageInput, gb.dropout(proj, r, d.drop, true)});
   Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {x2, kExternal, kExternal});
@@ -114,8 +115,8 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   const int dproj = dropout_backward(w, d, r);
   const int datt = row_linear_backward(w, d, u);
   w.free(dproj);
-  const int dqkv = w.alloc(d.times(3, u));
-  w.transient(kernels::attention_backward_workspace_bytes(d.device, attention_call(d)));
+  const int dqkv = w.alloc(d.qkv());
+  w.transient(attention_backward_workspace(d));
   w.free(datt);
   column_linear_backward(w, d, r);  // dln1
   w.free(dqkv);

@@ -52,6 +52,7 @@ std::unique_ptr<nn::Layer> LlamaSpec::make_block(const config::ModelConfig& m,
   shape.norm_eps = static_cast<float>(m.norm_eps);
   shape.rope_theta = m.rope_theta;
   shape.qkv_bias = qkv_bias();
+  shape.flash = m.attention == config::AttentionKind::kFlash;
   return std::make_unique<LlamaBlock>(shape, static_cast<float>(m.dropout), tp);
 }
 
@@ -85,12 +86,12 @@ StageGraph LlamaSpec::block_graph(const TransformerDims& d) const {
   Ref q = gb.op(nn::OpKind::kMatmul, {u}, proj_in, 2.0 * nc * cs, d.sp_gather());
   Ref k = gb.op(nn::OpKind::kMatmul, {kvb}, proj_in, 2.0 * nc * kvs, d.sp_gather());
   Ref v = gb.op(nn::OpKind::kMatmul, {kvb}, proj_in, 2.0 * nc * kvs, d.sp_gather());
-  Ref qkv = gb.op(nn::OpKind::kOther, {d.times(3, u)}, {q, k, v});
+  Ref qkv = gb.op(nn::OpKind::kOther, {d.qkv()}, {q, k, v});
   // The forward drops q, k and v once the rotary op has read them.
   for (Ref t : {q, k, v}) gb.graph().ops[t.op].dies_after = qkv.op;
-  Ref att = gb.op(nn::OpKind::kAttention, {u, d.probs()}, {qkv},
+  Ref att = gb.op(nn::OpKind::kAttention, {u, d.attn_saved()}, {qkv},
                   4.0 * ncs * static_cast<double>(d.t),
-                  kernels::attention_forward_workspace_bytes(d.device, attention_call(d)));
+                  attention_forward_workspace(d));
   Ref o = gb.op(nn::OpKind::kMatmul, {r}, {att, kExternal}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kStageInput, gb.dropout(o, r, d.drop, true)});
   Ref n2 = gb.op(nn::OpKind::kLayerNorm, {r, st}, {x2, kExternal});
@@ -122,8 +123,8 @@ StageGraph LlamaSpec::block_graph(const TransformerDims& d) const {
   const int dproj = dropout_backward(w, d, r);
   const int datt = row_linear_backward(w, d, u);
   w.free(dproj);
-  const int dqkv = w.alloc(d.times(3, u));
-  w.transient(kernels::attention_backward_workspace_bytes(d.device, attention_call(d)));
+  const int dqkv = w.alloc(d.qkv());
+  w.transient(attention_backward_workspace(d));
   w.free(datt);
   const int dq = w.alloc(u);
   const int dk = w.alloc(kvb);

@@ -97,8 +97,10 @@ class TransformerEmbedding : public Layer {
 // One pre-LN block: x + drop(proj(attn(qkv(ln1(x))))), then + drop(fc2(gelu(fc1(ln2(.))))).
 class GptBlock : public Layer {
  public:
+  // flash: the block runs flash_attention (its saves hold each row's log-sum-exp, not the
+  // (B, H, T, T) probabilities; Note [Flash attention] in kernels/kernels.cc).
   GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp = {},
-           float norm_eps = 1e-5f);
+           float norm_eps = 1e-5f, bool flash = false);
   std::vector<ParamSpec> params() const override;
   // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
   Tensor forward(Ctx& ctx, const Tensor& x) override;
@@ -110,6 +112,7 @@ class GptBlock : public Layer {
   float dropout_;
   TpShard tp_;
   float eps_;
+  bool flash_;
 };
 
 // One Llama block (Note [Llama]).
@@ -123,6 +126,8 @@ struct LlamaShape {
   // Biases on q_proj, k_proj and v_proj (Qwen2), after the block's weights in its
   // parameters.
   bool qkv_bias = false;
+  // Flash attention on the packed (B, T, (H + 2 Hkv) D) qkv, as GptBlock's flash.
+  bool flash = false;
 };
 
 class LlamaBlock : public Layer {
@@ -162,7 +167,7 @@ class TransformerHead : public Layer {
   // (Ctx::begin); saves nothing.
   Tensor logits(Ctx& ctx, const Tensor& x);
 
- private:
+ protected:
   int64_t vocab_, hidden_;
   bool tied_;
   TpShard tp_;
@@ -174,6 +179,25 @@ class TransformerHead : public Layer {
   Tensor targets_;                    // the current micro-batch's input, not a saved tensor
   float loss_scale_ = 1.0f;
 };
+
+// The head with porter.model.loss_tiles = k > 1 (Note [Loss tiles] in models/transformer.cc):
+// the logits and the cross-entropy run over k contiguous tiles of the token rows, so only one
+// tile's (rows, V) logits, or (rows, Vs) under tensor parallelism, exist at a time; it keeps
+// the rows' f32 log-sum-exp instead of the logits, and backward recomputes each tile's logits.
+// The same parameters, layout and loss as TransformerHead.
+class TiledLossHead final : public TransformerHead {
+ public:
+  TiledLossHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp, Norm norm,
+                float norm_eps, std::string norm_name, std::string head_name, int64_t tiles);
+  Tensor forward(Ctx& ctx, const Tensor& x) override;  // (B, T, C) -> (1)
+  Tensor backward(Ctx& ctx, const Tensor& dy) override;
+
+ private:
+  int64_t tiles_;  // k >= 1
+};
+
+// The rows of each loss tile but the last (Note [Loss tiles]): ceil(rows / tiles).
+inline int64_t loss_tile_rows(int64_t rows, int64_t tiles) { return (rows + tiles - 1) / tiles; }
 
 // One parameter of a rank's part and where its values lie in the same parameter at
 // tensor_parallel 1 (Transformer::shard_map): each block's rows [row, row + rows) of the

@@ -386,8 +386,8 @@ Tensor Ctx::swiglu(std::string_view name, const Tensor& gate, const Tensor& up) 
 }
 
 Tensor Ctx::rope_qkv(std::string_view name, const Tensor& q, const Tensor& k, const Tensor& v,
-                     int heads, int kv_heads, double theta) {
-  const Shape shape{q.dim(0), q.dim(1), 3 * q.dim(2)};
+                     int heads, int kv_heads, double theta, bool packed) {
+  const Shape shape{q.dim(0), q.dim(1), packed ? q.dim(2) + 2 * k.dim(2) : 3 * q.dim(2)};
   return op(OpKind::kOther, name, {q, k, v}, {{shape, q.dtype()}}, [&](std::span<Tensor> out) {
     kernels_->rope_qkv_forward(q, k, v, out[0], heads, kv_heads, theta);
   })[0];
@@ -404,6 +404,18 @@ std::array<Tensor, 2> Ctx::attention(std::string_view name, const Tensor& qkv, i
                  {{Shape{b, t, c}, qkv.dtype()}, {Shape{b, heads, t, t}, DType::kF32}},
                  [&](std::span<Tensor> out) {
                    kernels_->attention_forward(qkv, out[0], out[1], heads);
+                 });
+  return {outs[0], outs[1]};
+}
+
+std::array<Tensor, 2> Ctx::flash_attention(std::string_view name, const Tensor& qkv, int heads,
+                                           int kv_heads) {
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  const int64_t d = qkv.dim(2) / (heads + 2 * int64_t{kv_heads});
+  auto outs = op(OpKind::kAttention, name, {qkv},
+                 {{Shape{b, t, heads * d}, qkv.dtype()}, {Shape{b, heads, t}, DType::kF32}},
+                 [&](std::span<Tensor> out) {
+                   kernels_->flash_attention_forward(qkv, out[0], out[1], heads, kv_heads);
                  });
   return {outs[0], outs[1]};
 }

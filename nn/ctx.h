@@ -229,13 +229,17 @@ class Ctx {
                                 float eps);
   // silu(gate) * up; kind gelu (the MLP's activation).
   Tensor swiglu(std::string_view name, const Tensor& gate, const Tensor& up);
-  // Kernels::rope_qkv_forward: q (B, T, H*D), k and v (B, T, Hkv*D) -> (B, T, 3*H*D); kind
-  // other.
+  // Kernels::rope_qkv_forward: q (B, T, H*D), k and v (B, T, Hkv*D) -> (B, T, 3*H*D), or with
+  // `packed` (B, T, (H + 2 Hkv) D), flash attention's layout; kind other.
   Tensor rope_qkv(std::string_view name, const Tensor& q, const Tensor& k, const Tensor& v,
-                  int heads, int kv_heads, double theta);
+                  int heads, int kv_heads, double theta, bool packed = false);
   Tensor gelu(std::string_view name, const Tensor& x);
   // Returns {out (B, T, C), probs (B, heads, T, T) f32}.
   std::array<Tensor, 2> attention(std::string_view name, const Tensor& qkv, int heads);
+  // Flash attention (Note [Flash attention] in kernels/kernels.cc): qkv (B, T, (H + 2 Hkv) D)
+  // -> {out (B, T, H D), lse (B, H, T) f32}; an op of kind kAttention like attention().
+  std::array<Tensor, 2> flash_attention(std::string_view name, const Tensor& qkv, int heads,
+                                        int kv_heads);
   // The mask's key is this stage's next dropout site (Note [Save context]). p == 0, or an
   // evaluation run (RunInfo::eval), copies nothing: it returns x itself without an op.
   Tensor dropout(std::string_view name, const Tensor& x, float p, int64_t element_offset = 0);

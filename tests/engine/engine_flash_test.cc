@@ -1,0 +1,192 @@
+// porter.model.attention "flash" through the Engine: every checkpoint policy gives the same
+// bits, the predicted peaks equal the measured ones and the profiled bytes the analytic
+// model, for the GPT and the grouped-query Llama, f32 and bf16; the losses follow the
+// materialised attention's within f32 rounding; a block saves (B, H, T) f32 instead of
+// (B, H, T, T).
+#include <algorithm>
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "engine/forecast.h"
+#include "engine_test_util.h"
+#include "models/analytic.h"
+
+namespace porter::engine {
+namespace {
+
+using namespace porter::engine::testing;
+using config::AttentionKind;
+using config::CheckpointPolicy;
+
+const std::vector<CheckpointPolicy> kPolicies = {
+    CheckpointPolicy::kNone,  CheckpointPolicy::kFull, CheckpointPolicy::kUniform,
+    CheckpointPolicy::kBlock, CheckpointPolicy::kSqrt, CheckpointPolicy::kSelective,
+    CheckpointPolicy::kOptimal};
+
+// The tiny model at a sequence length that spans several of the kernels' query blocks and
+// key tiles (odd, so the last ones are partial).
+config::Config flash_config(CheckpointPolicy p, bool llama, bool bf16,
+                            AttentionKind attention = AttentionKind::kFlash) {
+  config::Config c = tiny_config(p, 0.1, 2, bf16);
+  c.porter.model.seq_len = 67;
+  c.porter.model.attention = attention;
+  if (llama) {
+    c.porter.model.type = config::ModelType::kLlama;
+    c.porter.model.kv_heads = 2;
+    c.porter.model.intermediate = 96;
+  }
+  c.porter.checkpointing.every_n_layers = 2;
+  c.porter.checkpointing.block_layers = 2;
+  c.porter.checkpointing.memory_budget = config::MemoryBudget{0.6};
+  return c;
+}
+
+std::string what(CheckpointPolicy p, bool llama, bool bf16) {
+  return std::string(config::to_string(p)) + (llama ? " llama" : " gpt") + (bf16 ? " bf16" : " f32");
+}
+
+models::TransformerShape shape_of(const config::Config& c, tensor::DType dtype) {
+  return {c.porter.model, c.train_micro_batch_size_per_gpu, c.porter.model.seq_len, dtype};
+}
+
+TEST(EngineFlashTest, EveryPolicyGivesTheSameBitsAndItsPredictedPeaks) {
+  for (bool llama : {false, true}) {
+    for (bool bf16 : {false, true}) {
+      std::vector<double> ref_losses;
+      std::vector<float> ref_grads;
+      SavedState ref_state;
+      for (CheckpointPolicy p : kPolicies) {
+        SCOPED_TRACE(what(p, llama, bf16));
+        const config::Config c = flash_config(p, llama, bf16);
+        auto device = cpu_device();
+        auto e = gpt_engine(*device, c);
+        const size_t baseline = e->allocator().stats().requested_bytes;
+        std::vector<double> losses;
+        std::vector<float> grads;
+        size_t peak = 0, total = 0;
+        for (int s = 0; s < 3; ++s) {
+          const StepResult r = e->train_step(batches(c, s));
+          losses.push_back(r.loss);
+          peak = std::max(peak, r.peak_activation_bytes);
+          total = std::max(total, r.peak_bytes);
+          if (s == 0) grads = e->grads_host();
+          EXPECT_EQ(e->allocator().stats().requested_bytes, baseline);
+        }
+        const MemoryReport m = e->memory_report();
+        EXPECT_EQ(m.predicted_activation_bytes, peak) << e->plan().schedule.to_string();
+        EXPECT_EQ(m.predicted_peak_bytes, total);
+        if (p == CheckpointPolicy::kNone) {
+          EXPECT_EQ(peak, models::none_peak_bytes(shape_of(c, e->compute_dtype())));
+          ref_losses = losses;
+          ref_grads = grads;
+          ref_state = saved_state(*e);
+          continue;
+        }
+        EXPECT_EQ(losses, ref_losses);
+        EXPECT_TRUE(bitwise_equal(grads, ref_grads));
+        expect_same_state(saved_state(*e), ref_state, what(p, llama, bf16));
+      }
+    }
+  }
+}
+
+TEST(EngineFlashTest, ProfiledBytesEqualTheAnalyticModel) {
+  for (bool llama : {false, true}) {
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(what(CheckpointPolicy::kFull, llama, bf16));
+      const config::Config c = flash_config(CheckpointPolicy::kFull, llama, bf16);
+      auto device = cpu_device();
+      auto e = gpt_engine(*device, c);
+      const checkpoint::ChainCosts prof = e->profile();
+      const checkpoint::ChainCosts ana =
+          models::analytic_transformer_costs(shape_of(c, e->compute_dtype()));
+      ASSERT_EQ(prof.num_stages(), ana.num_stages());
+      for (int i = 0; i < prof.num_stages(); ++i) {
+        const auto& a = ana.stages[i];
+        const auto& b = prof.stages[i];
+        SCOPED_TRACE(a.name);
+        EXPECT_EQ(b.backward_total_peak_bytes, a.backward_total_peak_bytes);
+        for (int o = 0; o < checkpoint::kNumSaveOptions; ++o) {
+          const auto& x = a.options[o];
+          const auto& y = b.options[o];
+          EXPECT_EQ(y.available, x.available);
+          if (!x.available) continue;
+          EXPECT_EQ(y.forward_peak_bytes, x.forward_peak_bytes);
+          EXPECT_EQ(y.forward_total_peak_bytes, x.forward_total_peak_bytes);
+          EXPECT_EQ(y.saved_bytes, x.saved_bytes);
+          EXPECT_EQ(y.recompute_peak_bytes, x.recompute_peak_bytes);
+          EXPECT_EQ(y.recompute_total_peak_bytes, x.recompute_total_peak_bytes);
+        }
+      }
+    }
+  }
+}
+
+TEST(EngineFlashTest, FollowsTheMaterialisedAttentionWithinRounding) {
+  for (bool llama : {false, true}) {
+    SCOPED_TRACE(llama ? "llama" : "gpt");
+    std::vector<std::vector<double>> losses;
+    std::vector<std::vector<float>> grads;
+    for (AttentionKind kind : {AttentionKind::kMaterialized, AttentionKind::kFlash}) {
+      const config::Config c = flash_config(CheckpointPolicy::kNone, llama, false, kind);
+      auto device = cpu_device();
+      auto e = gpt_engine(*device, c);
+      std::vector<double> l;
+      for (int s = 0; s < 3; ++s) {
+        l.push_back(e->train_step(batches(c, s)).loss);
+        if (s == 0) grads.push_back(e->grads_host());
+      }
+      losses.push_back(l);
+    }
+    for (size_t s = 0; s < losses[0].size(); ++s) {
+      EXPECT_NEAR(losses[1][s], losses[0][s], 2e-5 * std::abs(losses[0][s])) << "step " << s;
+    }
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    double max_abs = 0.0, max_diff = 0.0;
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      max_abs = std::max(max_abs, static_cast<double>(std::abs(grads[0][i])));
+      max_diff = std::max(max_diff, static_cast<double>(std::abs(grads[0][i] - grads[1][i])));
+    }
+    EXPECT_LT(max_diff, 1e-4 * max_abs);
+    EXPECT_NE(losses[0], losses[1]) << "the two attentions sum in different orders";
+  }
+}
+
+TEST(EngineFlashTest, ABlockKeepsRowStatisticsInsteadOfTheProbabilities) {
+  for (bool llama : {false, true}) {
+    config::Config c = flash_config(CheckpointPolicy::kNone, llama, false);
+    const models::TransformerShape flash = shape_of(c, tensor::DType::kF32);
+    c.porter.model.attention = AttentionKind::kMaterialized;
+    const models::TransformerShape mat = shape_of(c, tensor::DType::kF32);
+    const size_t b = 2, h = 4, t = 67, d = 8;
+    // The probabilities go, the row log-sum-exp comes; the Llama's qkv also loses the
+    // expanded key and value heads (4 query heads over 2 key/value heads).
+    size_t expected = b * h * t * t * 4 - b * h * t * 4;
+    if (llama) expected += b * t * 2 * (h - 2) * d * 4;
+    EXPECT_EQ(models::layer_bytes(mat) - models::layer_bytes(flash), expected);
+    EXPECT_LT(models::korthikanti_layer_bytes(flash), models::korthikanti_layer_bytes(mat));
+  }
+}
+
+TEST(EngineFlashTest, AutoTakesTheMaterialisedAttentionWhereItFitsAndFlashWhereNot) {
+  config::Config c = flash_config(CheckpointPolicy::kNone, true, false, AttentionKind::kAuto);
+  c.porter.model.seq_len = 1024;
+  c.porter.model.layers = 2;
+  ForecastOptions fo;
+  fo.time_host_update = false;
+  fo.device = nominal_cpu_device_model(size_t{1} << 30);
+  fo.capacity_bytes = size_t{1} << 30;
+  EXPECT_EQ(resolve_attention(c, fo), AttentionKind::kMaterialized);
+  // Two layers' (2, 4, 1024, 1024) f32 probabilities are 64 MiB: not in 48 MiB.
+  fo.capacity_bytes = size_t{48} << 20;
+  EXPECT_EQ(resolve_attention(c, fo), AttentionKind::kFlash);
+  const Forecast f = forecast(c, fo);
+  EXPECT_EQ(f.config.porter.model.attention, AttentionKind::kFlash);
+  EXPECT_TRUE(f.fits()) << f.verdict();
+  c.porter.model.attention = AttentionKind::kMaterialized;  // asked for: kept
+  EXPECT_EQ(resolve_attention(c, fo), AttentionKind::kMaterialized);
+}
+
+}  // namespace
+}  // namespace porter::engine
