@@ -197,6 +197,27 @@ TEST_F(ExactTest, ZeroStage2And3OnTwoRanksGiveOneState) {
   }
 }
 
+// Flash attention (porter.model.attention "flash") on two ranks: a run that keeps every
+// activation and one that recomputes every block end in one state, bit for bit, for a
+// grouped-query Llama in bf16 (the recompute runs the same flash kernel on the same input).
+TEST_F(ExactTest, FlashAttentionAcrossPoliciesOnTwoRanksGivesOneState) {
+  nlohmann::json c = real_size_config("llama", true);
+  c["porter"]["model"]["attention"] = "flash";
+  c["porter"]["device"]["threads"] = 1;
+  c["zero_optimization"] = {{"stage", 2}};
+  c["porter"]["checkpointing"]["policy"] = "none";
+  const fs::path none = write_config("none", c);
+  c["porter"]["checkpointing"]["policy"] = "full";
+  const fs::path full = write_config("full", c);
+  const std::string out = train(none, "--nproc 2 --save " + (dir_ / "none").string(), "none");
+  EXPECT_THAT(out, HasSubstr("flash attention"));
+  train(full, "--nproc 2 --save " + (dir_ / "full").string(), "full");
+  for (const char* rank : {"rank0", "rank1"}) {
+    expect_whole_state(dir_ / "none" / rank, true);
+    expect_same_state(dir_ / "full" / rank, dir_ / "none" / rank);
+  }
+}
+
 // kernel_choice fastest times every candidate, whose choices change bits; a second run that
 // pins the first one's table (from its report) computes the same state.
 TEST_F(ExactTest, PinnedTableRepeatsAFastestRun) {
