@@ -3,7 +3,8 @@
 // 64, f32 and bf16, T from 512 to 8192. Counters: the bytes each keeps for backward (the
 // (B, H, T, T) f32 probabilities against the (B, H, T) f32 lse) and the causal GFLOP/s of the
 // materialised products (flash recomputes the scores in backward on top). Each benchmark checks
-// once that flash and the materialised path agree on out.
+// once that flash and the materialised path agree on out. Medians: --benchmark_repetitions=5
+// --benchmark_report_aggregates_only=true.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -122,8 +123,6 @@ void shapes(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_AttentionFwdBwd)
     ->Apply(shapes)
     ->ArgNames({"T", "flash", "bf16"})
-    ->Repetitions(3)
-    ->ReportAggregatesOnly(true)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -7,11 +7,12 @@
 //   key/value head are summed by one thread. Tasks go to `threads_` OpenMP threads; each
 //   output element is computed by one thread in a fixed order, and the bits do not depend on
 //   the thread count (Note [Cpu determinism]).
-// - Tiling. Query rows go in blocks of kQueryBlock (64), keys in tiles of kKeyTile (128)
+// - Tiling. Query rows go in blocks of kQueryBlock (64), keys in tiles of kKeyTile (256)
 //   starting at multiples of kKeyTile; a block reads the tiles that start at or before its
 //   first row (kKeyTile is a multiple of kQueryBlock, so each such tile has a key at or before
 //   every row of the block), the last one cut at the block's last row. Entries above the
-//   diagonal are never used: they are zero in P and dS.
+//   diagonal are never used: they are zero in P and dS, and the tiles' causal limits skip
+//   most of them (Gemm::col_causal, step_causal in kernels/cpu/head_tiles.h).
 // - Forward, per block: for each tile in key order, S = scale * Q K^T (f32), the tile's row
 //   maximum m' = max(m, max S), alpha = exp(m - m'), P = exp(S - m'), l = alpha l + sum P (in
 //   key order), acc = alpha acc + P V; after the last tile out = acc / l, rounded once into
@@ -31,12 +32,14 @@
 //   dout, a cpu without AVX-512) runs the portable loops: the same tiling and order of tiles
 //   in plain f32 loops, operands widened to f32 while packing. The paths differ in the last
 //   bits; each gives the same bits on every thread count.
-// - Packing and scratch (per thread, TileScratch owned by CpuKernels, not device memory):
-//   forward K^T and V of the head, (T, D) each (pairs of bf16 in the bf16 path), a Q block,
-//   the scores of one tile (kQueryBlock x kKeyTile f32) and the block's accumulator; backward
-//   K, K^T, V^T, f32 dK and dV ((T, D) each), Q and dout blocks, S/P and dP/dS tiles and the
-//   dQ block. With T = 4096 and D = 64 that is about 5 MiB per thread in backward, O(T D); the
-//   only device workspace is backward's D, (B, H, T) f32.
+// - Packing and scratch (per thread, the TileScratch CpuKernels owns, host memory outside the
+//   device's capacity like the head tiles' own): forward K^T and V of the head (T D f32 each,
+//   or T D bf16 pairs), the scores of one tile (kQueryBlock x kKeyTile f32, and bf16 P) and
+//   the block's f32 accumulator; backward K^T, K, V^T and the f32 dK and dV of the key/value
+//   head (5 T D f32), the S/P and dP/dS tiles (f32, and bf16 with their row-pair copies), the
+//   Q and dout blocks and the f32 dQ block. With T = 4096 and D = 64 that is 2.2 MiB per thread
+//   forward and 5.3 MiB backward, O(T D); nothing is O(T^2). The only device workspace is
+//   backward's D, (B, H, T) f32, one buffer of flash_attention_backward_workspace_bytes.
 #include <omp.h>
 
 #include <algorithm>
@@ -56,7 +59,7 @@ using cpu::tiles::Carver;
 using cpu::tiles::round64;
 
 constexpr int64_t kQueryBlock = 64;
-constexpr int64_t kKeyTile = 128;
+constexpr int64_t kKeyTile = 256;
 static_assert(kKeyTile % kQueryBlock == 0, "a block's tiles must start at or before its rows");
 
 // Sizes of one flash call: qkv (b, t, (h + 2 hkv) d).

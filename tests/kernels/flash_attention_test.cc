@@ -167,11 +167,11 @@ void expect_near_reference(const Result& r, const Ref& want, const Dims& d, doub
   }
 }
 
-// Lengths around the 64-row blocks and 128-key tiles, head sizes 64 and odd or small, grouped
-// query heads.
+// Lengths around the 64-row blocks and 256-key tiles (520: three tiles, the last partial), head
+// sizes 64 and odd or small, grouped query heads.
 const Dims kDims[] = {{2, 1, 4, 2, 24},  {2, 7, 4, 1, 24},   {1, 63, 2, 2, 64},
                       {2, 65, 4, 2, 64}, {1, 200, 4, 1, 24}, {1, 257, 4, 2, 64},
-                      {1, 130, 3, 3, 17}, {1, 129, 2, 1, 8}};
+                      {1, 130, 3, 3, 17}, {1, 129, 2, 1, 8},  {1, 520, 2, 1, 32}};
 
 TEST(FlashAttentionTest, F32MatchesReference) {
   Env env;
