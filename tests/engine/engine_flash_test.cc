@@ -123,6 +123,51 @@ TEST(EngineFlashTest, ProfiledBytesEqualTheAnalyticModel) {
   }
 }
 
+// Tensor parallelism 2, with and without sequence parallelism, offloaded and partitioned
+// checkpoints included: the losses of one rank within rounding, the ranks in step, every
+// policy bit-identical to none, the peaks as predicted.
+TEST(EngineFlashTest, TensorParallelMatchesOneRankAndIsBitwiseAcrossPolicies) {
+  auto tp_config = [](int tp, bool sp, CheckpointPolicy policy) {
+    config::Config c = flash_config(policy, /*llama=*/true, false);
+    c.gradient_accumulation_steps = 1;
+    c.world_size = tp;
+    c.train_batch_size = c.train_micro_batch_size_per_gpu;
+    c.porter.model.tensor_parallel = tp;
+    c.porter.model.sequence_parallel = sp;
+    c.porter.model.seq_len = 34;  // 2 x 34 token rows split evenly under sequence parallelism
+    c.porter.comm.timeout_s = 30.0;
+    c.porter.checkpointing.partition_min_bytes = 0;
+    return c;
+  };
+  const std::vector<TpRankRun> one = run_tp_ranks(tp_config(1, false, CheckpointPolicy::kNone), 3);
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
+    const std::vector<TpRankRun> two = run_tp_ranks(tp_config(2, sp, CheckpointPolicy::kNone), 3);
+    for (size_t s = 0; s < one[0].steps.size(); ++s) {
+      EXPECT_NEAR(two[0].steps[s].loss, one[0].steps[s].loss,
+                  1e-5 * std::fabs(one[0].steps[s].loss))
+          << "step " << s;
+      EXPECT_EQ(two[1].steps[s].loss, two[0].steps[s].loss);
+    }
+    for (CheckpointPolicy policy : {CheckpointPolicy::kFull, CheckpointPolicy::kSelective}) {
+      config::Config c = tp_config(2, sp, policy);
+      if (policy == CheckpointPolicy::kFull) {
+        config::ActivationCheckpointingConfig ac;
+        ac.partition_activations = !sp;
+        ac.cpu_checkpointing = true;
+        c.activation_checkpointing = ac;
+        c.porter.checkpointing.keep_last_on_device = 0;
+      }
+      const std::vector<TpRankRun> got = run_tp_ranks(c, 3);
+      expect_bitwise_runs(got, two, std::string(config::to_string(policy)));
+      for (size_t r = 0; r < got.size(); ++r) {
+        EXPECT_EQ(got[r].memory.peak_activation_bytes, got[r].memory.predicted_activation_bytes)
+            << "rank " << r;
+      }
+    }
+  }
+}
+
 TEST(EngineFlashTest, FollowsTheMaterialisedAttentionWithinRounding) {
   for (bool llama : {false, true}) {
     SCOPED_TRACE(llama ? "llama" : "gpt");
