@@ -55,9 +55,18 @@ Transformer::Transformer(const config::ModelConfig& config, int tp_rank)
     layout_.add(spec_->block_prefix() + std::to_string(l), block->params());
     stages_.push_back(std::move(block));
   }
-  auto head = std::make_unique<TransformerHead>(config.vocab, config.hidden,
-                                                config.tie_embeddings, tp_, spec_->norm(), eps,
-                                                spec_->final_norm_name(), spec_->head_name());
+  PORTER_CHECK(config.loss_tiles >= 1, "porter.model.loss_tiles = ", config.loss_tiles,
+               " must be >= 1");
+  std::unique_ptr<TransformerHead> head;
+  if (config.loss_tiles > 1) {
+    head = std::make_unique<TiledLossHead>(config.vocab, config.hidden, config.tie_embeddings,
+                                           tp_, spec_->norm(), eps, spec_->final_norm_name(),
+                                           spec_->head_name(), config.loss_tiles);
+  } else {
+    head = std::make_unique<TransformerHead>(config.vocab, config.hidden, config.tie_embeddings,
+                                             tp_, spec_->norm(), eps, spec_->final_norm_name(),
+                                             spec_->head_name());
+  }
   head_ = head.get();
   layout_.add("", head->params());
   stages_.push_back(std::move(head));
@@ -331,6 +340,193 @@ std::vector<float> Transformer::merge_shards(const std::vector<std::vector<float
     }
   }
   return out;
+}
+
+// Note [Loss tiles]
+// With porter.model.loss_tiles = k > 1 the head (TiledLossHead) never holds the logits of
+// every token row: it splits the N = B*T rows (all of them under sequence parallelism, whose
+// head gathers its input rows as the untiled head's matmul does) into contiguous tiles of
+// R = ceil(N/k) rows, [i*R, min((i+1)*R, N)), the last one shorter. When R*(k-1) >= N the
+// tiles past N are empty and skipped: k > N runs N tiles of one row, and e.g. N = 10, k = 7
+// runs 5 tiles of 2. Per tile, in one op of kind loss:
+//   forward:  logits (R, Vs) = lnf[tile] @ W^T, workspace freed at the end of the tile; the
+//             tile's (max, sum of exp, target logit) rows (cross_entropy_partial), all-gathered
+//             over the tensor-parallel group, give the rows' log-sum-exp (cross_entropy_combine,
+//             a group of one at t = 1) and their losses; at t = 1 the losses are then
+//             overwritten by cross_entropy_forward, the untiled head's kernel.
+//   backward: logits recomputed from the saved lnf, dlogits = cross_entropy_backward_partial
+//             in place (from the saved log-sum-exp), dW += dlogits^T lnf[tile] and
+//             dlnf[tile] = dlogits W, tile after tile in row order; then, as untiled, the
+//             all-reduce (or reduce-scatter under sequence parallelism) of dlnf and the norm's
+//             backward over the whole rows.
+// The stage saves its input, lnf, the norm's statistics and the log-sum-exp (N x 4 bytes) but
+// no logits; forward's workspace is one tile's logits and stats beside the (N) losses, and
+// backward's dlnf beside one tile's logits (models/analytic.cc, head_graph, to the byte).
+// The cost is the head's matmul run twice more per tile: once in backward to rebuild the
+// logits (the untiled head reads its saved ones) on top of the two backward matmuls.
+//
+// What is bit-identical: every per-row loss is computed by the same kernels on the same row
+// of lnf, and the (N) losses are summed once by the same reduction as untiled, so the loss is
+// the same bits for every k > 1 and, given matmul rows that do not depend on how many rows are
+// multiplied with them (the cpu kernels' case), the same as k = 1's: at t = 1 through
+// cross_entropy_forward, at t > 1 because the untiled head runs the same partial and combine.
+// The log-sum-exp of a row, and so dlogits, is likewise the same for every k > 1; it differs
+// from k = 1's cross_entropy_backward at t = 1 in the last bits. dW sums over the rows in
+// tiles (the matmul's inner dimension split, partial sums added in tile order), so dW, and
+// through it every gradient upstream of the tied table, agree across k only within f32
+// rounding; the order is fixed, so each k is deterministic and bit-identical across
+// checkpoint policies.
+
+namespace {
+
+// TiledLossHead's per-rank view of the group, as the other layers check it.
+void check_head_group(const Ctx& ctx, const TpShard& tp) {
+  PORTER_CHECK(ctx.tp_size() == tp.size && ctx.tp_rank() == tp.rank,
+               "TiledLossHead was built as tensor-parallel rank ", tp.rank, " of ", tp.size,
+               ", but the ctx's group is rank ", ctx.tp_rank(), " of ", ctx.tp_size(),
+               " (Ctx::set_tensor_parallel)");
+}
+
+Tensor as_rows(const Tensor& t) { return t.reshape({t.numel() / t.dim(-1), t.dim(-1)}); }
+
+}  // namespace
+
+TiledLossHead::TiledLossHead(int64_t vocab, int64_t hidden, bool tied, const TpShard& tp,
+                             Norm norm, float norm_eps, std::string norm_name,
+                             std::string head_name, int64_t tiles)
+    : TransformerHead(vocab, hidden, tied, tp, norm, norm_eps, std::move(norm_name),
+                      std::move(head_name)),
+      tiles_(tiles) {
+  PORTER_CHECK(tiles >= 1, "porter.model.loss_tiles = ", tiles, " must be >= 1");
+}
+
+Tensor TiledLossHead::forward(Ctx& ctx, const Tensor& x) {
+  check_head_group(ctx, tp_);
+  const int64_t n = targets_.defined() ? targets_.numel() : 0;
+  const int64_t rows_here = tp_.sequence_parallel ? n / tp_.size : n;
+  PORTER_CHECK(targets_.defined() && rows_here * hidden_ == x.numel(),
+               "TransformerHead: set_targets with the micro-batch's (B, T) targets before forward");
+  Tensor lnf, mean, rstd;
+  if (norm_ == Norm::kRmsNorm) {
+    auto outs = ctx.rmsnorm(norm_name_, x, lnf_w_, eps_);
+    lnf = outs[0];
+    rstd = outs[1];
+  } else {
+    auto outs = ctx.layernorm(norm_name_, x, lnf_w_, lnf_b_, eps_);
+    lnf = outs[0];
+    mean = outs[1];
+    rstd = outs[2];
+  }
+  Tensor targets = targets_.reshape({n});
+  const Tensor w = head_w_;
+  const int64_t tile = loss_tile_rows(n, tiles_), vs = w.dim(0);
+  auto outs = ctx.op(
+      OpKind::kLoss, "loss", {lnf, w, targets}, {{Shape{1}, DType::kF32}, {Shape{n}, DType::kF32}},
+      [&](std::span<Tensor> out) {
+        Kernels& k = ctx.kernels();
+        Tensor xg = as_rows(lnf);  // (N, C): under sequence parallelism gathered
+        if (tp_.sequence_parallel) {
+          xg = ctx.workspace(Shape{n, hidden_}, lnf.dtype());
+          comm::Work gather = ctx.tp_all_gather(as_rows(lnf), xg);
+          ctx.tp_wait(gather);
+        }
+        Tensor losses = ctx.workspace(Shape{n}, DType::kF32);
+        for (int64_t r0 = 0; r0 < n; r0 += tile) {
+          const int64_t r1 = std::min(n, r0 + tile), m = r1 - r0;
+          Tensor logits = ctx.workspace(Shape{m, vs}, lnf.dtype());
+          k.matmul(xg.slice(r0, r1), w, logits, MatmulSpec{false, true});
+          const Tensor rows_targets = targets.slice(r0, r1);
+          Tensor rows_losses = losses.slice(r0, r1), rows_lse = out[1].slice(r0, r1);
+          Tensor stats = ctx.workspace(Shape{m, 3}, DType::kF32);
+          k.cross_entropy_partial(logits, rows_targets, tp_.vocab_begin(),
+                                  tp_.size == 1 ? vocab_ : tp_.vocab_valid(), stats);
+          if (tp_.size == 1) {
+            k.cross_entropy_combine(stats.reshape({1, m, 3}), rows_losses, rows_lse);
+            k.cross_entropy_forward(logits, rows_targets, rows_losses);
+          } else {
+            Tensor all = ctx.workspace(Shape{tp_.size, m, 3}, DType::kF32);
+            comm::Work gather = ctx.tp_all_gather(stats, all);
+            ctx.tp_wait(gather);
+            k.cross_entropy_combine(all, rows_losses, rows_lse);
+          }
+        }
+        k.sum(losses, out[0]);
+        k.scale(out[0], 1.0f / static_cast<float>(n));
+      });
+  ctx.save("x", x);
+  ctx.save("lnf", lnf);
+  if (mean.defined()) ctx.save("mean", mean);
+  ctx.save("rstd", rstd);
+  ctx.save("targets", targets);
+  ctx.save("lse", outs[1]);
+  return outs[0];
+}
+
+Tensor TiledLossHead::backward(Ctx& ctx, const Tensor& /*dy*/) {
+  Kernels& k = ctx.kernels();
+  const Tensor& targets = ctx.saved("targets");
+  const Tensor& lse = ctx.saved("lse");
+  const Tensor& lnf = ctx.saved("lnf");
+  const int64_t n = targets.numel();
+  const float scale = loss_scale_ / static_cast<float>(n);
+  const int64_t tile = loss_tile_rows(n, tiles_), vs = head_w_.dim(0);
+  const int64_t valid = tp_.size == 1 ? vocab_ : tp_.vocab_valid();
+  Tensor xg = as_rows(lnf);  // (N, C): under sequence parallelism gathered again
+  if (tp_.sequence_parallel) {
+    xg = ctx.workspace(Shape{n, hidden_}, lnf.dtype());
+    comm::Work gather = ctx.tp_all_gather(as_rows(lnf), xg);
+    ctx.tp_wait(gather);
+  }
+  Tensor dlnf = ctx.workspace(Shape{n, hidden_}, lnf.dtype());  // every row's, this rank's part
+  for (int64_t r0 = 0; r0 < n; r0 += tile) {
+    const int64_t r1 = std::min(n, r0 + tile), m = r1 - r0;
+    const Tensor x_rows = xg.slice(r0, r1);
+    Tensor dlogits = ctx.workspace(Shape{m, vs}, lnf.dtype());
+    k.matmul(x_rows, head_w_, dlogits, MatmulSpec{false, true});
+    k.cross_entropy_backward_partial(dlogits, targets.slice(r0, r1), tp_.vocab_begin(), valid,
+                                     lse.slice(r0, r1), dlogits, scale);
+    k.matmul(dlogits, x_rows, dhead_w_, MatmulSpec{true, false, 1.0f, 1.0f});
+    Tensor dlnf_rows = dlnf.slice(r0, r1);
+    k.matmul(dlogits, head_w_, dlnf_rows);
+  }
+  if (tp_.sequence_parallel) {
+    Tensor shard = ctx.workspace(Shape{n / tp_.size, hidden_}, lnf.dtype());
+    comm::Work sum = ctx.tp_reduce_scatter(dlnf, shard);
+    ctx.tp_wait(sum);
+    xg = Tensor();
+    dlnf = shard;
+  } else if (tp_.size > 1) {
+    comm::Work sum = ctx.tp_all_reduce(dlnf);
+    ctx.tp_wait(sum);
+  }
+  const Tensor& x = ctx.saved("x");
+  Tensor dx = ctx.grad_like(x);
+  Tensor dx_rows = as_rows(dx);
+  // Under sequence parallelism the norm's weight gradients are partial over this rank's rows:
+  // into one zeroed buffer, summed over the group, then accumulated (as the other layers).
+  const bool rms = norm_ == Norm::kRmsNorm;
+  Tensor partial;
+  Tensor dgamma = dlnf_w_, dbeta = dlnf_b_;
+  if (tp_.sequence_parallel) {
+    const int64_t c = dlnf_w_.numel();
+    partial = ctx.workspace(Shape{rms ? c : 2 * c}, dlnf_w_.dtype());
+    k.fill(partial, 0.0f);
+    dgamma = partial.slice(0, c);
+    if (!rms) dbeta = partial.slice(c, 2 * c);
+  }
+  if (rms) {
+    k.rmsnorm_backward(as_rows(dlnf), as_rows(x), lnf_w_, ctx.saved("rstd"), dx_rows, dgamma);
+  } else {
+    k.layernorm_backward(as_rows(dlnf), as_rows(x), lnf_w_, ctx.saved("mean"), ctx.saved("rstd"),
+                         dx_rows, dgamma, dbeta);
+  }
+  if (partial.defined()) {
+    comm::Work sum = ctx.tp_all_reduce(partial);
+    ctx.tp_wait(sum);
+    k.accumulate(dlnf_w_, dgamma);
+    if (!rms) k.accumulate(dlnf_b_, dbeta);
+  }
+  return dx;
 }
 
 Tensor Transformer::forward_logits(Ctx& ctx, const Tensor& tokens) {
