@@ -310,6 +310,7 @@ std::string describe_model(const config::ModelConfig& m) {
   if (m.attention != config::AttentionKind::kAuto) {
     out += ", " + std::string(config::to_string(m.attention)) + " attention";
   }
+  if (m.loss_tiles > 1) out += ", loss in " + std::to_string(m.loss_tiles) + " tiles";
   return out;
 }
 

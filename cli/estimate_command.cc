@@ -324,7 +324,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   {
     engine::ForecastOptions fo;
     fo.time_host_update = false;
-    cfg.porter.model.attention = engine::resolve_attention(cfg, fo);
+    cfg = engine::resolve_model_choices(cfg, fo);
   }
   const std::vector<AttentionEstimate> attention_rows = attention_estimates(cfg);
   const engine::RunOptions run = engine::make_run_options(cfg);

@@ -439,7 +439,7 @@ int train(const TrainOptions& o, CommandContext& ctx) {
 
   std::unique_ptr<memory::Device> device = memory::make_device(engine::make_run_options(cfg).device);
   // Note [Attention choice]: decided before the model is built, the same on every rank.
-  cfg.porter.model.attention = engine::resolve_attention(cfg, preflight_options(*device));
+  cfg = engine::resolve_model_choices(cfg, preflight_options(*device));
   if (!o.no_preflight) {  // Note [Preflight]
     preflight(cfg, *device, o.config_args, std::max(1, env.local_world_size),
               !o.save.empty() && cfg.porter.train.save_every > 0);

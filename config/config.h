@@ -179,7 +179,9 @@ struct ModelConfig {
   AttentionKind attention = AttentionKind::kAuto;
   // porter.model.loss_tiles: the head and cross-entropy run over this many contiguous tiles
   // of the token rows, so only one tile's logits exist at a time (Note [Loss tiles] in
-  // models/transformer.cc). 1 computes the whole (B*T, V) logits at once.
+  // models/transformer.cc). 1 computes the whole (B*T, V) logits at once; 0 lets porter
+  // choose the fewest tiles (1, 2, 4, ...) with which the run fits its device (Note [Attention
+  // choice] in engine/forecast.h); an Engine built without that choice takes 0 as 1.
   int64_t loss_tiles = 1;
   bool operator==(const ModelConfig&) const = default;
 };

@@ -95,9 +95,37 @@ config::AttentionKind resolve_attention(const config::Config& config,
   return config::AttentionKind::kFlash;
 }
 
+int64_t resolve_loss_tiles(const config::Config& config, const ForecastOptions& options) {
+  const int64_t asked = config.porter.model.loss_tiles;
+  if (asked != 0) return asked;
+  config::Config c = config;
+  const int64_t rows = std::max<int64_t>(1, config.train_micro_batch_size_per_gpu *
+                                                config.porter.model.seq_len);
+  int64_t tiles = 1;
+  for (int64_t k = 1; k <= 256; k *= 2) {
+    tiles = std::min(k, rows);
+    c.porter.model.loss_tiles = tiles;
+    try {
+      const Forecast f = forecast(c, options);
+      if (!f.capacity_bytes || f.fits()) return tiles;
+    } catch (const InvalidArgument&) {
+      // A budget below this count's smallest plan: try more tiles.
+    }
+    if (tiles == rows) break;
+  }
+  return tiles;
+}
+
+config::Config resolve_model_choices(const config::Config& config,
+                                     const ForecastOptions& options) {
+  config::Config c = config;
+  c.porter.model.attention = resolve_attention(config, options);
+  c.porter.model.loss_tiles = resolve_loss_tiles(c, options);
+  return c;
+}
+
 Forecast forecast(const config::Config& given, const ForecastOptions& options) {
-  config::Config config = given;
-  config.porter.model.attention = resolve_attention(given, options);
+  const config::Config config = resolve_model_choices(given, options);
   Forecast f;
   f.config = config;
   f.run = make_run_options(config);

@@ -92,10 +92,20 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options =
 // "Flash attention"), otherwise "flash". The bytes compared are the analytic model's exact
 // figures for both. The choice depends on the config and the capacity alone, never on a
 // timing, so every rank and every restart of a run makes the same one, and the report names
-// it (run.attention). The two give different bits (Note [Flash attention]); a run resumed
+// it (resolved_config). porter.model.loss_tiles 0 is chosen the same way, after the
+// attention: the fewest loss tiles with which the forecast fits (resolve_loss_tiles). With
+// both left to porter, the materialised attention is forecast with its own fewest tiles. The two give different bits (Note [Flash attention]); a run resumed
 // under the other choice continues within f32 rounding.
 config::AttentionKind resolve_attention(const config::Config& config,
                                         const ForecastOptions& options = {});
+// porter.model.loss_tiles 0 (Note [Loss tiles] in models/transformer.cc), resolved like the
+// attention and after it: the fewest of 1, 2, 4, ... 256 tiles (at most the token rows) with
+// which the forecast total fits the device, else the most of them. Another value is returned
+// as it is.
+int64_t resolve_loss_tiles(const config::Config& config, const ForecastOptions& options = {});
+// Both choices, in that order, into a copy of `config`.
+config::Config resolve_model_choices(const config::Config& config,
+                                     const ForecastOptions& options = {});
 
 // The device model a forecast of `config` times with (Note [Device models]; a cuda device
 // without porter.device.model is `default_gpu`, and *defaulted says so).

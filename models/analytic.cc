@@ -82,8 +82,8 @@ TransformerDims dims_of(const TransformerShape& shape) {
           d.tp;
   d.fs = static_cast<size_t>(spec.intermediate(m)) / d.tp;
   d.flash = m.attention == config::AttentionKind::kFlash;
-  PORTER_CHECK(m.loss_tiles >= 1, "porter.model.loss_tiles = ", m.loss_tiles, " must be >= 1");
-  d.loss_tiles = static_cast<size_t>(m.loss_tiles);
+  PORTER_CHECK(m.loss_tiles >= 0, "porter.model.loss_tiles = ", m.loss_tiles, " must be >= 0");
+  d.loss_tiles = static_cast<size_t>(std::max<int64_t>(1, m.loss_tiles));  // 0: not chosen, 1
   // Note [Checked sizes]: the largest tensors first, so that an overflow names their keys
   // rather than a sum's.
   (void)d.attn_saved();

@@ -55,8 +55,9 @@ Transformer::Transformer(const config::ModelConfig& config, int tp_rank)
     layout_.add(spec_->block_prefix() + std::to_string(l), block->params());
     stages_.push_back(std::move(block));
   }
-  PORTER_CHECK(config.loss_tiles >= 1, "porter.model.loss_tiles = ", config.loss_tiles,
-               " must be >= 1");
+  // 0 is porter's choice (engine::resolve_loss_tiles); not made, it is 1.
+  PORTER_CHECK(config.loss_tiles >= 0, "porter.model.loss_tiles = ", config.loss_tiles,
+               " must be >= 0");
   std::unique_ptr<TransformerHead> head;
   if (config.loss_tiles > 1) {
     head = std::make_unique<TiledLossHead>(config.vocab, config.hidden, config.tie_embeddings,

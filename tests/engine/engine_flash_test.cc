@@ -233,5 +233,30 @@ TEST(EngineFlashTest, AutoTakesTheMaterialisedAttentionWhereItFitsAndFlashWhereN
   EXPECT_EQ(resolve_attention(c, fo), AttentionKind::kMaterialized);
 }
 
+// porter.model.loss_tiles 0: the fewest tiles with which the run fits.
+TEST(EngineFlashTest, LossTilesZeroTakesTheFewestTilesThatFit) {
+  config::Config c = flash_config(CheckpointPolicy::kFull, true, false, AttentionKind::kFlash);
+  c.porter.model.seq_len = 512;
+  c.porter.model.vocab = 8192;  // (2 x 512, 8192) f32 logits: 32 MiB, and their gradient
+  c.porter.model.loss_tiles = 0;
+  ForecastOptions fo;
+  fo.time_host_update = false;
+  fo.device = nominal_cpu_device_model(size_t{1} << 30);
+  fo.capacity_bytes = size_t{1} << 30;
+  EXPECT_EQ(resolve_loss_tiles(c, fo), 1);
+  fo.capacity_bytes = size_t{48} << 20;
+  const int64_t k = resolve_loss_tiles(c, fo);
+  EXPECT_GT(k, 1);
+  config::Config at = c;
+  at.porter.model.loss_tiles = k;
+  EXPECT_TRUE(forecast(at, fo).fits());
+  at.porter.model.loss_tiles = k / 2;
+  EXPECT_FALSE(forecast(at, fo).fits());
+  const Forecast f = forecast(c, fo);
+  EXPECT_EQ(f.config.porter.model.loss_tiles, k);
+  c.porter.model.loss_tiles = 3;  // asked for: kept
+  EXPECT_EQ(resolve_loss_tiles(c, fo), 3);
+}
+
 }  // namespace
 }  // namespace porter::engine

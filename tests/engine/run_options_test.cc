@@ -251,6 +251,8 @@ TEST(RunOptions, EveryConfigKeyReachesAnOption) {
       {"porter.model.norm_eps", {none, at("porter.model.norm_eps", 1e-6)}},
       {"porter.model.rope_theta", {llama, at("porter.model.rope_theta", 500000.0)}},
       {"porter.model.max_positions", {none, at("porter.model.max_positions", 32)}},
+      {"porter.model.attention", {none, at("porter.model.attention", "flash")}},
+      {"porter.model.loss_tiles", {none, at("porter.model.loss_tiles", 4)}},
       {"porter.device.type", {none, at("porter.device.type", "cuda")}},
       {"porter.device.memory_limit", {none, at("porter.device.memory_limit", "64MiB")}},
       {"porter.device.pinned_limit", {none, at("porter.device.pinned_limit", "32MiB")}},
