@@ -84,6 +84,13 @@ config::AttentionKind resolve_attention(const config::Config& config,
                                         const ForecastOptions& options) {
   const config::AttentionKind asked = config.porter.model.attention;
   if (asked != config::AttentionKind::kAuto) return asked;
+  // Measured on the cpu (docs/benchmarks.md, "Flash attention"): from T = 8192 the flash
+  // kernels are faster as well as smaller, the probabilities no longer staying in cache.
+  constexpr int64_t kCpuFlashFasterFrom = 8192;
+  if (make_run_options(config).device.kind == memory::DeviceKind::kCpu &&
+      config.porter.model.seq_len >= kCpuFlashFasterFrom) {
+    return config::AttentionKind::kFlash;
+  }
   config::Config materialized = config;
   materialized.porter.model.attention = config::AttentionKind::kMaterialized;
   try {

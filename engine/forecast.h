@@ -88,8 +88,10 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options =
 // (porter train, plan and estimate, and the Engine's callers through this function): the
 // run is forecast with the materialised attention under its own policy, ZeRO stage, offload
 // and budget; where that total fits the device (or the capacity is unknown) the choice is
-// "materialized", the faster of the two at the lengths where it fits (docs/benchmarks.md,
-// "Flash attention"), otherwise "flash". The bytes compared are the analytic model's exact
+// "materialized", otherwise "flash". On the cpu device, from porter.model.seq_len 8192 the
+// choice is "flash" either way: there the flash kernels measured faster too, below it the
+// materialised ones 2-15% faster in f32 and level in bf16 (docs/benchmarks.md, "Flash
+// attention"). On cuda the speeds have not been measured on a GPU, so only the bytes decide. The bytes compared are the analytic model's exact
 // figures for both. The choice depends on the config and the capacity alone, never on a
 // timing, so every rank and every restart of a run makes the same one, and the report names
 // it (resolved_config). porter.model.loss_tiles 0 is chosen the same way, after the

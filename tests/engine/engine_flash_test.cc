@@ -231,6 +231,11 @@ TEST(EngineFlashTest, AutoTakesTheMaterialisedAttentionWhereItFitsAndFlashWhereN
   EXPECT_TRUE(f.fits()) << f.verdict();
   c.porter.model.attention = AttentionKind::kMaterialized;  // asked for: kept
   EXPECT_EQ(resolve_attention(c, fo), AttentionKind::kMaterialized);
+  // From 8192 tokens on the cpu, flash also where the materialised attention would fit.
+  c.porter.model.attention = AttentionKind::kAuto;
+  c.porter.model.seq_len = 8192;
+  fo.capacity_bytes = size_t{16} << 30;
+  EXPECT_EQ(resolve_attention(c, fo), AttentionKind::kFlash);
 }
 
 // porter.model.loss_tiles 0: the fewest tiles with which the run fits.
