@@ -183,6 +183,11 @@ struct ModelConfig {
   // choose the fewest tiles (1, 2, 4, ...) with which the run fits its device (Note [Attention
   // choice] in engine/forecast.h); an Engine built without that choice takes 0 as 1.
   int64_t loss_tiles = 1;
+  // porter.model.mlp_tiles: each block's MLP runs as one op over this many contiguous tiles of
+  // the token rows, so only one tile's intermediates (4C, or the Llama's gate, up and SwiGLU)
+  // exist at a time and backward recomputes them from the kept MLP input (Note [MLP tiles]
+  // in models/blocks.cc). 1 computes the whole intermediates at once and keeps them.
+  int64_t mlp_tiles = 1;
   bool operator==(const ModelConfig&) const = default;
 };
 

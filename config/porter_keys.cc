@@ -33,6 +33,7 @@ constexpr Key<ModelConfig> kModelKeys[] = {
     {"max_positions", &ModelConfig::max_positions, IntRange{0, 1 << 24}},
     {"attention", enum_key<&ModelConfig::attention, kAttentionKinds>()},
     {"loss_tiles", &ModelConfig::loss_tiles, IntRange{0, 1 << 20}},
+    {"mlp_tiles", &ModelConfig::mlp_tiles, IntRange{1, 1 << 20}},
 };
 
 // After the whole porter section: the data type is read after the model.
@@ -347,6 +348,14 @@ void check_tensor_parallel(const Config& c, Diagnostics& diag) {
     diag.warn("activation_checkpointing.partition_activations",
               "true has no effect under porter.model.sequence_parallel: the checkpoints are "
               "already 1/t of the token rows on each rank and are not partitioned again");
+  }
+  if (m.sequence_parallel && m.mlp_tiles > 1) {
+    fail("porter.model.mlp_tiles",
+         std::to_string(m.mlp_tiles) + " MLP tiles with porter.model.sequence_parallel: a rank "
+         "holds only its 1/" + std::to_string(m.tensor_parallel) + " of the token rows there, "
+         "which the tiled MLP does not gather; use porter.model.mlp_tiles 1 with "
+         "sequence_parallel, or turn sequence_parallel off (Note [MLP tiles] in "
+         "models/blocks.cc)");
   }
   if (m.sequence_parallel) {
     const int64_t rows = c.train_micro_batch_size_per_gpu * m.seq_len;

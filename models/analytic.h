@@ -53,6 +53,7 @@ struct TransformerDims {
   size_t fs = 0;                // this rank's MLP width F / tp
   bool flash = false;           // porter.model.attention "flash" (auto counts as materialized)
   size_t loss_tiles = 1;        // porter.model.loss_tiles (Note [Loss tiles] in models/transformer.cc)
+  size_t mlp_tiles = 1;         // porter.model.mlp_tiles (Note [MLP tiles] in models/blocks.cc)
   size_t kv_col() const {  // (B, T, Hkv D / tp)
     return checked_product({kB(), kT(), {"porter.model.kv_heads x head dim / tensor_parallel", kvs}, kDt()},
                            "a block's key/value projection");
@@ -102,6 +103,15 @@ struct TransformerDims {
     return checked_product({{"token rows per loss tile (porter.model.loss_tiles)", tile_rows()},
                             {"porter.model.vocab / tensor_parallel", vs}, kDt()},
                            "one loss tile's logits");
+  }
+  // The rows of the largest MLP tile, ceil(N / mlp_tiles).
+  size_t mlp_tile_rows() const { return (n + mlp_tiles - 1) / mlp_tiles; }
+  // One MLP tile's (ceil(N / mlp_tiles), width) tensor: width 4C / tp for the GPT's h and g,
+  // F / tp for the Llama's gate, up and SwiGLU, C for a row block of the input gradient.
+  size_t mlp_tile(size_t width) const {
+    return checked_product({{"token rows per MLP tile (porter.model.mlp_tiles)", mlp_tile_rows()},
+                            {"the MLP tile's width", width}, kDt()},
+                           "one MLP tile's intermediate");
   }
   // Inside a sequence-parallel matmul: its gathered input (column-parallel) or its partial
   // output (row-parallel), both (N, C).

@@ -180,6 +180,207 @@ class RowPartialGrads {
   Tensor buffer_;
 };
 
+// ---- the MLP over tiles of the token rows (Note [MLP tiles]) ----
+
+// Note [MLP tiles]
+// With porter.model.mlp_tiles = k > 1 a block's MLP (GPT: fc1, GELU, fc2; Llama: gate, up,
+// SwiGLU, down) is one op, "mlp", over contiguous tiles of the N = B*T token rows:
+// R = ceil(N/k) rows each, [i*R, min((i+1)*R, N)), the last one shorter; tiles past N are
+// empty and not run (k > N runs N tiles of one row), as Note [Loss tiles] splits the head.
+//   forward:  per tile, its intermediates ((R, 4C/t) h and GELU g; or (R, F/t) gate, up and
+//             SwiGLU a) are workspace, computed from the tile's rows of the MLP input (ln2 or
+//             n2), and the tile's output rows written by the last matmul; the workspace is
+//             freed before the next tile. At t > 1 the row-parallel partial outputs of every
+//             tile are summed by one all-reduce of the whole (N, C) output after the last
+//             tile, then the fc2 bias is added, as the untiled row_linear does.
+//   backward: per tile, the intermediates are recomputed from the saved MLP input; then
+//             dW2 += dy[tile]^T g (down: dy^T a), dg = dy[tile] W2, dh from the activation's
+//             backward (written over g, or a, which is no longer read), dW1 += dh^T x[tile]
+//             (the Llama: gate and up each), db1 += the tile's row sums, and dx[tile] = dh W1
+//             (the Llama: dgate Wg, plus dup Wu added after). Weight gradients accumulate
+//             tile by tile in row order; the fc2 bias gradient is one sum over all rows after
+//             the loop, as untiled. At t > 1 one all-reduce of the whole dx follows.
+// The block saves the MLP input and its norm's statistics (as untiled) but none of the
+// intermediates: 2 x (B, T, 4C/t) fewer bytes for the GPT, 3 x (B, T, F/t) for the Llama.
+// Inside the op, forward holds 2 (GPT) or 3 (Llama) tile-sized intermediates; backward holds
+// 3 (GPT: h, g, dg) or 5 then 4 and a (R, C) product (Llama: gate, up, a, da, dup; then da
+// freed and dup Wu computed) besides the whole dx (models/gpt.cc and models/llama.cc,
+// block_graph, to the byte). The cost is the first matmul(s) run again in backward (GPT: fc1,
+// 2 N C 4C/t FLOPs; Llama: gate and up, 4 N C F/t), beside the recompute a checkpoint policy
+// already pays.
+//
+// Kind: the op is kMatmul, its time being its matmuls. Its output is never saved (only the
+// MLP input is), so under every checkpoint policy a recompute skips it; its kind decides only
+// what an op-kind list such as "keep {matmul}" says of it, and `selective` (which recomputes
+// only attention) keeps it like the untiled fc1 and fc2. The block's op sequence is the same
+// in every mode: ..., ln2 (post_norm), mlp, drop2, res2.
+//
+// What is bit-identical: every row of the intermediates and of the output is computed by the
+// same kernels on the same row of the input as untiled; with matmul rows that do not depend
+// on how many rows are multiplied with them (the cpu kernels' case; tests/engine/
+// engine_mlp_tiles_test.cc checks it), the block's output, and so every activation and every
+// loss, is the same bits for every k, and so is dx: the activation gradients, and with them
+// every gradient but the MLP's own weights, agree across k. dW1, db1 and dW2 (the Llama's
+// gate, up and down) sum over the rows tile by tile (the matmul's inner dimension split,
+// partials added in tile order), so they agree across k only within f32 rounding; the order
+// is fixed, so each k is deterministic and bit-identical across checkpoint policies. At
+// t > 1 the Llama sums dgate Wg + dup Wu before its one all-reduce where untiled all-reduces
+// each, so there dx agrees with untiled within rounding too.
+//
+// Sequence parallelism is refused (config check and the block): its MLP input is this rank's
+// N/t rows, and a tile would need its rows gathered from every rank.
+
+// Rows of each MLP tile but the last: ceil(rows / tiles).
+int64_t mlp_tile_rows(int64_t rows, int64_t tiles) { return (rows + tiles - 1) / tiles; }
+
+void check_mlp_tiles(const TpShard& tp, int64_t tiles, const char* layer) {
+  PORTER_CHECK(tiles >= 1, layer, ": porter.model.mlp_tiles = ", tiles, " must be >= 1");
+  PORTER_CHECK(tiles == 1 || !tp.sequence_parallel, layer, ": porter.model.mlp_tiles = ", tiles,
+               " is not supported with porter.model.sequence_parallel; use mlp_tiles 1");
+}
+
+// The GPT's MLP: y = gelu(x @ w1^T + b1) @ w2^T + b2 over tiles; x (.., C), w1 this rank's
+// rows (4C/t, C), w2 its columns (C, 4C/t); y whole (.., C).
+Tensor gelu_mlp_tiles(Ctx& ctx, const Tensor& x, const Tensor& w1, const Tensor& b1,
+                      const Tensor& w2, const Tensor& b2, const TpShard& tp, int64_t tiles) {
+  const int64_t n = x.numel() / x.dim(-1), f = w1.dim(0);
+  std::vector<int64_t> dims = x.shape().to_vector();
+  dims.back() = w2.dim(0);
+  return ctx.op(OpKind::kMatmul, "mlp", {x, w1, b1, w2, b2}, {{Shape(dims), x.dtype()}},
+                [&](std::span<Tensor> o) {
+                  Kernels& k = ctx.kernels();
+                  const Tensor xr = rows(x);
+                  Tensor y = rows(o[0]);
+                  const int64_t tile = mlp_tile_rows(n, tiles);
+                  for (int64_t r0 = 0; r0 < n; r0 += tile) {
+                    const int64_t r1 = std::min(n, r0 + tile), m = r1 - r0;
+                    Tensor h = ctx.workspace(Shape{m, f}, x.dtype());
+                    k.matmul(xr.slice(r0, r1), w1, h, MatmulSpec{false, true});
+                    k.bias_add(h, b1);
+                    Tensor g = ctx.workspace(Shape{m, f}, x.dtype());
+                    k.gelu_forward(h, g);
+                    Tensor yt = y.slice(r0, r1);
+                    k.matmul(g, w2, yt, MatmulSpec{false, true});
+                  }
+                  if (tp.size > 1) {
+                    comm::Work ar = ctx.tp_all_reduce(y);
+                    ctx.tp_wait(ar);
+                  }
+                  k.bias_add(y, b2);
+                })[0];
+}
+
+// Backward of gelu_mlp_tiles from its saved input x: returns dx (x's shape, summed over the
+// group) and accumulates the four gradients.
+Tensor gelu_mlp_tiles_backward(Ctx& ctx, const Tensor& dy, const Tensor& x, const Tensor& w1,
+                               const Tensor& b1, const Tensor& w2, Tensor& dw1, Tensor& db1,
+                               Tensor& dw2, Tensor& db2, const TpShard& tp, int64_t tiles) {
+  Kernels& k = ctx.kernels();
+  const int64_t n = x.numel() / x.dim(-1), f = w1.dim(0);
+  const Tensor xr = rows(x), dyr = rows(dy);
+  Tensor dx = ctx.workspace(x.shape(), x.dtype());
+  Tensor dxr = rows(dx);
+  const int64_t tile = mlp_tile_rows(n, tiles);
+  for (int64_t r0 = 0; r0 < n; r0 += tile) {
+    const int64_t r1 = std::min(n, r0 + tile), m = r1 - r0;
+    const Tensor xt = xr.slice(r0, r1), dyt = dyr.slice(r0, r1);
+    Tensor h = ctx.workspace(Shape{m, f}, x.dtype());
+    k.matmul(xt, w1, h, MatmulSpec{false, true});
+    k.bias_add(h, b1);
+    Tensor g = ctx.workspace(Shape{m, f}, x.dtype());
+    k.gelu_forward(h, g);
+    k.matmul(dyt, g, dw2, MatmulSpec{true, false, 1.0f, 1.0f});  // (C, m) @ (m, 4C/t), +=
+    Tensor dg = ctx.workspace(Shape{m, f}, x.dtype());
+    k.matmul(dyt, w2, dg);  // (m, C) @ (C, 4C/t)
+    Tensor& dh = g;         // g is read no more
+    k.gelu_backward(h, dg, dh);
+    Tensor dxt = dxr.slice(r0, r1);
+    k.matmul(dh, w1, dxt);  // (m, 4C/t) @ (4C/t, C)
+    k.matmul(dh, xt, dw1, MatmulSpec{true, false, 1.0f, 1.0f});
+    k.bias_backward(dh, db1);
+  }
+  k.bias_backward(dyr, db2);
+  if (tp.size > 1) {
+    comm::Work sum = ctx.tp_all_reduce(dxr);
+    ctx.tp_wait(sum);
+  }
+  return dx;
+}
+
+// The Llama's MLP: y = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T over tiles; wg and wu this rank's
+// rows (F/t, C), wd its columns (C, F/t); y whole (.., C).
+Tensor swiglu_mlp_tiles(Ctx& ctx, const Tensor& x, const Tensor& wg, const Tensor& wu,
+                        const Tensor& wd, const TpShard& tp, int64_t tiles) {
+  const int64_t n = x.numel() / x.dim(-1), f = wg.dim(0);
+  std::vector<int64_t> dims = x.shape().to_vector();
+  dims.back() = wd.dim(0);
+  return ctx.op(OpKind::kMatmul, "mlp", {x, wg, wu, wd}, {{Shape(dims), x.dtype()}},
+                [&](std::span<Tensor> o) {
+                  Kernels& k = ctx.kernels();
+                  const Tensor xr = rows(x);
+                  Tensor y = rows(o[0]);
+                  const int64_t tile = mlp_tile_rows(n, tiles);
+                  for (int64_t r0 = 0; r0 < n; r0 += tile) {
+                    const int64_t r1 = std::min(n, r0 + tile), m = r1 - r0;
+                    const Tensor xt = xr.slice(r0, r1);
+                    Tensor gate = ctx.workspace(Shape{m, f}, x.dtype());
+                    k.matmul(xt, wg, gate, MatmulSpec{false, true});
+                    Tensor up = ctx.workspace(Shape{m, f}, x.dtype());
+                    k.matmul(xt, wu, up, MatmulSpec{false, true});
+                    Tensor a = ctx.workspace(Shape{m, f}, x.dtype());
+                    k.swiglu_forward(gate, up, a);
+                    Tensor yt = y.slice(r0, r1);
+                    k.matmul(a, wd, yt, MatmulSpec{false, true});
+                  }
+                  if (tp.size > 1) {
+                    comm::Work ar = ctx.tp_all_reduce(y);
+                    ctx.tp_wait(ar);
+                  }
+                })[0];
+}
+
+// Backward of swiglu_mlp_tiles from its saved input x: returns dx (x's shape, summed over
+// the group) and accumulates the three weight gradients.
+Tensor swiglu_mlp_tiles_backward(Ctx& ctx, const Tensor& dy, const Tensor& x, const Tensor& wg,
+                                 const Tensor& wu, const Tensor& wd, Tensor& dwg, Tensor& dwu,
+                                 Tensor& dwd, const TpShard& tp, int64_t tiles) {
+  Kernels& k = ctx.kernels();
+  const int64_t n = x.numel() / x.dim(-1), f = wg.dim(0), c = x.dim(-1);
+  const Tensor xr = rows(x), dyr = rows(dy);
+  Tensor dx = ctx.workspace(x.shape(), x.dtype());
+  Tensor dxr = rows(dx);
+  const int64_t tile = mlp_tile_rows(n, tiles);
+  for (int64_t r0 = 0; r0 < n; r0 += tile) {
+    const int64_t r1 = std::min(n, r0 + tile), m = r1 - r0;
+    const Tensor xt = xr.slice(r0, r1), dyt = dyr.slice(r0, r1);
+    Tensor gate = ctx.workspace(Shape{m, f}, x.dtype());
+    k.matmul(xt, wg, gate, MatmulSpec{false, true});
+    Tensor up = ctx.workspace(Shape{m, f}, x.dtype());
+    k.matmul(xt, wu, up, MatmulSpec{false, true});
+    Tensor a = ctx.workspace(Shape{m, f}, x.dtype());
+    k.swiglu_forward(gate, up, a);
+    k.matmul(dyt, a, dwd, MatmulSpec{true, false, 1.0f, 1.0f});  // (C, m) @ (m, F/t), +=
+    Tensor da = ctx.workspace(Shape{m, f}, x.dtype());
+    k.matmul(dyt, wd, da);  // (m, C) @ (C, F/t)
+    Tensor& dgate = a;      // a is read no more
+    Tensor dup = ctx.workspace(Shape{m, f}, x.dtype());
+    k.swiglu_backward(gate, up, da, dgate, dup);
+    da = Tensor();
+    Tensor dxt = dxr.slice(r0, r1);
+    k.matmul(dgate, wg, dxt);  // (m, F/t) @ (F/t, C)
+    k.matmul(dgate, xt, dwg, MatmulSpec{true, false, 1.0f, 1.0f});
+    Tensor dx_up = ctx.workspace(Shape{m, c}, x.dtype());
+    k.matmul(dup, wu, dx_up);
+    k.accumulate(dxt, dx_up);
+    k.matmul(dup, xt, dwu, MatmulSpec{true, false, 1.0f, 1.0f});
+  }
+  if (tp.size > 1) {
+    comm::Work sum = ctx.tp_all_reduce(dxr);
+    ctx.tp_wait(sum);
+  }
+  return dx;
+}
+
 }  // namespace
 
 // ---- embedding ----
@@ -283,8 +484,16 @@ enum BlockParam : size_t {
 };
 
 GptBlock::GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp, float norm_eps,
-                   bool flash)
-    : hidden_(hidden), heads_(heads), dropout_(dropout), tp_(tp), eps_(norm_eps), flash_(flash) {}
+                   bool flash, int64_t mlp_tiles)
+    : hidden_(hidden),
+      heads_(heads),
+      dropout_(dropout),
+      tp_(tp),
+      eps_(norm_eps),
+      flash_(flash),
+      mlp_tiles_(mlp_tiles) {
+  check_mlp_tiles(tp_, mlp_tiles_, "GptBlock");
+}
 
 std::vector<ParamSpec> GptBlock::params() const {
   const int64_t c = hidden_, cs = hidden_ / tp_.size;  // cs: this rank's channels
@@ -315,9 +524,15 @@ Tensor GptBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, 
   const int64_t offset = shard_offset(tp_, x);
   Tensor x2 = ctx.add("res1", x, ctx.dropout("drop1", proj, dropout_, offset));
   auto [ln2, mean2, rstd2] = ctx.layernorm("ln2", x2, param(kLn2W), param(kLn2B), eps_);
-  Tensor h = column_linear(ctx, "fc1", ln2, param(kFc1W), param(kFc1B), tp_);  // (.., 4C/t)
-  Tensor g = ctx.gelu("gelu", h);
-  Tensor f = row_linear(ctx, "fc2", g, param(kFc2W), param(kFc2B), tp_);
+  Tensor h, g, f;  // (.., 4C/t), (.., 4C/t) untiled; (.., C)
+  if (mlp_tiles_ == 1) {
+    h = column_linear(ctx, "fc1", ln2, param(kFc1W), param(kFc1B), tp_);
+    g = ctx.gelu("gelu", h);
+    f = row_linear(ctx, "fc2", g, param(kFc2W), param(kFc2B), tp_);
+  } else {
+    f = gelu_mlp_tiles(ctx, ln2, param(kFc1W), param(kFc1B), param(kFc2W), param(kFc2B), tp_,
+                       mlp_tiles_);
+  }
   Tensor y = ctx.add("res2", x2, ctx.dropout("drop2", f, dropout_, offset));
   ctx.save("x", x);
   ctx.save("ln1", ln1);
@@ -330,8 +545,10 @@ Tensor GptBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t, 
   ctx.save("ln2", ln2);
   ctx.save("mean2", mean2);
   ctx.save("rstd2", rstd2);
-  ctx.save("h", h);
-  ctx.save("g", g);
+  if (mlp_tiles_ == 1) {
+    ctx.save("h", h);
+    ctx.save("g", g);
+  }
   return y;
 }
 
@@ -342,16 +559,23 @@ Tensor GptBlock::backward(Ctx& ctx, const Tensor& dy) {
   RowPartialGrads ln_grads(ctx, tp_, {&grad(kLn2W), &grad(kLn2B), &grad(kLn1W), &grad(kLn1B)});
   // Second half: y = x2 + drop2(fc2(gelu(fc1(ln2(x2))))).
   Tensor df = dropout_backward(ctx, dy, dropout_, 1, offset);
-  Tensor dg = row_linear_backward(ctx, df, ctx.saved("g"), param(kFc2W), grad(kFc2W),
-                                  &grad(kFc2B), tp_);
-  df = Tensor();
-  const Tensor& h = ctx.saved("h");
-  Tensor dh = ctx.workspace(h.shape(), h.dtype());
-  k.gelu_backward(h, dg, dh);
-  dg = Tensor();
-  Tensor dln2 = column_linear_backward(ctx, dh, ctx.saved("ln2"), param(kFc1W), grad(kFc1W),
-                                       &grad(kFc1B), tp_);
-  dh = Tensor();
+  Tensor dln2;
+  if (mlp_tiles_ == 1) {
+    Tensor dg = row_linear_backward(ctx, df, ctx.saved("g"), param(kFc2W), grad(kFc2W),
+                                    &grad(kFc2B), tp_);
+    df = Tensor();
+    const Tensor& h = ctx.saved("h");
+    Tensor dh = ctx.workspace(h.shape(), h.dtype());
+    k.gelu_backward(h, dg, dh);
+    dg = Tensor();
+    dln2 = column_linear_backward(ctx, dh, ctx.saved("ln2"), param(kFc1W), grad(kFc1W),
+                                  &grad(kFc1B), tp_);
+  } else {
+    dln2 = gelu_mlp_tiles_backward(ctx, df, ctx.saved("ln2"), param(kFc1W), param(kFc1B),
+                                   param(kFc2W), grad(kFc1W), grad(kFc1B), grad(kFc2W),
+                                   grad(kFc2B), tp_, mlp_tiles_);
+    df = Tensor();
+  }
   Tensor dx2 = ctx.grad_like(dy);
   Tensor dx2_rows = rows(dx2);
   k.layernorm_backward(rows(dln2), rows(ctx.saved("x2")), param(kLn2W), ctx.saved("mean2"),
@@ -390,7 +614,9 @@ enum LlamaParam : size_t {
 };
 
 LlamaBlock::LlamaBlock(const LlamaShape& shape, float dropout, const TpShard& tp)
-    : shape_(shape), dropout_(dropout), tp_(tp) {}
+    : shape_(shape), dropout_(dropout), tp_(tp) {
+  check_mlp_tiles(tp_, shape_.mlp_tiles, "LlamaBlock");
+}
 
 std::vector<ParamSpec> LlamaBlock::params() const {
   const int64_t c = shape_.hidden, d = c / shape_.heads;
@@ -442,10 +668,15 @@ Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t
   const int64_t offset = shard_offset(tp_, x);
   Tensor x2 = ctx.add("res1", x, ctx.dropout("drop1", o, dropout_, offset));
   auto [n2, r2] = ctx.rmsnorm("post_norm", x2, param(kPostNorm), shape_.norm_eps);
-  Tensor gate = column_linear(ctx, "gate_proj", n2, param(kGate), none, tp_);
-  Tensor up = column_linear(ctx, "up_proj", n2, param(kUp), none, tp_);
-  Tensor a = ctx.swiglu("swiglu", gate, up);
-  Tensor f = row_linear(ctx, "down_proj", a, param(kDown), none, tp_);
+  Tensor gate, up, a, f;  // (.., F/t) each untiled; (.., C)
+  if (shape_.mlp_tiles == 1) {
+    gate = column_linear(ctx, "gate_proj", n2, param(kGate), none, tp_);
+    up = column_linear(ctx, "up_proj", n2, param(kUp), none, tp_);
+    a = ctx.swiglu("swiglu", gate, up);
+    f = row_linear(ctx, "down_proj", a, param(kDown), none, tp_);
+  } else {
+    f = swiglu_mlp_tiles(ctx, n2, param(kGate), param(kUp), param(kDown), tp_, shape_.mlp_tiles);
+  }
   Tensor y = ctx.add("res2", x2, ctx.dropout("drop2", f, dropout_, offset));
   ctx.save("x", x);
   ctx.save("n1", n1);
@@ -456,9 +687,11 @@ Tensor LlamaBlock::forward(Ctx& ctx, const Tensor& x) {  // x (B, T, C), or (N/t
   ctx.save("x2", x2);
   ctx.save("n2", n2);
   ctx.save("r2", r2);
-  ctx.save("gate", gate);
-  ctx.save("up", up);
-  ctx.save("a", a);
+  if (shape_.mlp_tiles == 1) {
+    ctx.save("gate", gate);
+    ctx.save("up", up);
+    ctx.save("a", a);
+  }
   return y;
 }
 
@@ -469,21 +702,27 @@ Tensor LlamaBlock::backward(Ctx& ctx, const Tensor& dy) {
   RowPartialGrads norm_grads(ctx, tp_, {&grad(kPostNorm), &grad(kInNorm)});
   // Second half: y = x2 + drop2(down(silu(gate(n2)) * up(n2))).
   Tensor df = dropout_backward(ctx, dy, dropout_, 1, offset);
-  Tensor da = row_linear_backward(ctx, df, ctx.saved("a"), param(kDown), grad(kDown), nullptr,
-                                  tp_);
-  df = Tensor();
-  const Tensor& gate = ctx.saved("gate");
-  Tensor dgate = ctx.workspace(gate.shape(), gate.dtype());
-  Tensor dup = ctx.workspace(gate.shape(), gate.dtype());
-  k.swiglu_backward(gate, ctx.saved("up"), da, dgate, dup);
-  da = Tensor();
   const Tensor& n2 = ctx.saved("n2");
-  Tensor dn2 = column_linear_backward(ctx, dgate, n2, param(kGate), grad(kGate), nullptr, tp_);
-  dgate = Tensor();
-  Tensor dn2_up = column_linear_backward(ctx, dup, n2, param(kUp), grad(kUp), nullptr, tp_);
-  dup = Tensor();
-  k.accumulate(dn2, dn2_up);
-  dn2_up = Tensor();
+  Tensor dn2;
+  if (shape_.mlp_tiles == 1) {
+    Tensor da = row_linear_backward(ctx, df, ctx.saved("a"), param(kDown), grad(kDown), nullptr,
+                                    tp_);
+    df = Tensor();
+    const Tensor& gate = ctx.saved("gate");
+    Tensor dgate = ctx.workspace(gate.shape(), gate.dtype());
+    Tensor dup = ctx.workspace(gate.shape(), gate.dtype());
+    k.swiglu_backward(gate, ctx.saved("up"), da, dgate, dup);
+    da = Tensor();
+    dn2 = column_linear_backward(ctx, dgate, n2, param(kGate), grad(kGate), nullptr, tp_);
+    dgate = Tensor();
+    Tensor dn2_up = column_linear_backward(ctx, dup, n2, param(kUp), grad(kUp), nullptr, tp_);
+    dup = Tensor();
+    k.accumulate(dn2, dn2_up);
+  } else {
+    dn2 = swiglu_mlp_tiles_backward(ctx, df, n2, param(kGate), param(kUp), param(kDown),
+                                    grad(kGate), grad(kUp), grad(kDown), tp_, shape_.mlp_tiles);
+    df = Tensor();
+  }
   Tensor dx2 = ctx.grad_like(dy);
   Tensor dx2_rows = rows(dx2);
   k.rmsnorm_backward(rows(dn2), rows(ctx.saved("x2")), param(kPostNorm), ctx.saved("r2"),

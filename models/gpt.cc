@@ -50,7 +50,7 @@ std::unique_ptr<nn::Layer> GptSpec::make_block(const config::ModelConfig& m,
   return std::make_unique<GptBlock>(m.hidden, static_cast<int>(m.heads),
                                     static_cast<float>(m.dropout), tp,
                                     static_cast<float>(m.norm_eps),
-                                    m.attention == config::AttentionKind::kFlash);
+                                    m.attention == config::AttentionKind::kFlash, m.mlp_tiles);
 }
 
 // Note [GPT init]: GPT-2's scheme. Matrices ~ normal(0, 0.02), with the residual projections
@@ -88,9 +88,19 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
   Ref proj = gb.op(nn::OpKind::kMatmul, {r}, {att, kExternal, kExternal}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kStageInput, gb.dropout(proj, r, d.drop, true)});
   Ref ln2 = gb.op(nn::OpKind::kLayerNorm, {r, st, st}, {x2, kExternal, kExternal});
-  Ref h = gb.op(nn::OpKind::kMatmul, {d.times(4, u)}, {ln2, kExternal, kExternal}, 8.0 * nc * cs, d.sp_gather());
-  Ref gl = gb.op(nn::OpKind::kGelu, {d.times(4, u)}, {h});
-  Ref f = gb.op(nn::OpKind::kMatmul, {r}, {gl, kExternal, kExternal}, 8.0 * nc * cs, d.sp_gather());
+  const bool tiled = d.mlp_tiles > 1;
+  Ref h, gl, f;
+  if (!tiled) {
+    h = gb.op(nn::OpKind::kMatmul, {d.times(4, u)}, {ln2, kExternal, kExternal}, 8.0 * nc * cs,
+              d.sp_gather());
+    gl = gb.op(nn::OpKind::kGelu, {d.times(4, u)}, {h});
+    f = gb.op(nn::OpKind::kMatmul, {r}, {gl, kExternal, kExternal}, 8.0 * nc * cs, d.sp_gather());
+  } else {
+    // Note [MLP tiles] in models/blocks.cc: one op, a tile's h and g as its workspace.
+    const size_t tile = d.mlp_tile(4 * d.cs);
+    f = gb.op(nn::OpKind::kMatmul, {r}, {ln2, kExternal, kExternal, kExternal, kExternal},
+              16.0 * nc * cs, d.times(2, tile));
+  }
   Ref y = gb.op(nn::OpKind::kAdd, {r}, {x2, gb.dropout(f, r, d.drop, true)});
   StageGraph& g = gb.graph();
   g.saves = {kStageInput,
@@ -98,19 +108,25 @@ StageGraph GptSpec::block_graph(const TransformerDims& d) const {
              qkv,
              att, GraphBuilder::slot(att, 1),
              x2,
-             ln2, GraphBuilder::slot(ln2, 1), GraphBuilder::slot(ln2, 2),
-             h, gl};
+             ln2, GraphBuilder::slot(ln2, 1), GraphBuilder::slot(ln2, 2)};
+  if (!tiled) g.saves.insert(g.saves.end(), {h, gl});
   g.output = y;
   // GptBlock::backward (docs/memory-model.md, "porter's GPT, op by op").
   WorkspaceTrace w;
   if (d.sp) w.alloc(d.times(16, d.c));  // RowPartialGrads: the layernorms' f32 partial gradients
   const int df = dropout_backward(w, d, r);
-  const int dg = row_linear_backward(w, d, d.times(4, u));
-  w.free(df);
-  const int dh = w.alloc(d.times(4, u));
-  w.free(dg);
-  column_linear_backward(w, d, r);  // dln2
-  w.free(dh);
+  if (!tiled) {
+    const int dg = row_linear_backward(w, d, d.times(4, u));
+    w.free(df);
+    const int dh = w.alloc(d.times(4, u));
+    w.free(dg);
+    column_linear_backward(w, d, r);  // dln2
+    w.free(dh);
+  } else {
+    w.alloc(r);  // dln2
+    w.transient(d.times(3, d.mlp_tile(4 * d.cs)));  // one tile's h, g (then dh) and dg
+    w.free(df);
+  }
   w.alloc(r);  // dx2
   const int dproj = dropout_backward(w, d, r);
   const int datt = row_linear_backward(w, d, u);

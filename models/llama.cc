@@ -53,6 +53,7 @@ std::unique_ptr<nn::Layer> LlamaSpec::make_block(const config::ModelConfig& m,
   shape.rope_theta = m.rope_theta;
   shape.qkv_bias = qkv_bias();
   shape.flash = m.attention == config::AttentionKind::kFlash;
+  shape.mlp_tiles = m.mlp_tiles;
   return std::make_unique<LlamaBlock>(shape, static_cast<float>(m.dropout), tp);
 }
 
@@ -95,29 +96,53 @@ StageGraph LlamaSpec::block_graph(const TransformerDims& d) const {
   Ref o = gb.op(nn::OpKind::kMatmul, {r}, {att, kExternal}, 2.0 * nc * cs, d.sp_gather());
   Ref x2 = gb.op(nn::OpKind::kAdd, {r}, {kStageInput, gb.dropout(o, r, d.drop, true)});
   Ref n2 = gb.op(nn::OpKind::kLayerNorm, {r, st}, {x2, kExternal});
-  Ref gate = gb.op(nn::OpKind::kMatmul, {fb}, {n2, kExternal}, 2.0 * nc * fs, d.sp_gather());
-  Ref up = gb.op(nn::OpKind::kMatmul, {fb}, {n2, kExternal}, 2.0 * nc * fs, d.sp_gather());
-  Ref a = gb.op(nn::OpKind::kGelu, {fb}, {gate, up});
-  Ref f = gb.op(nn::OpKind::kMatmul, {r}, {a, kExternal}, 2.0 * nc * fs, d.sp_gather());
+  const bool tiled = d.mlp_tiles > 1;
+  Ref gate, up, a, f;
+  if (!tiled) {
+    gate = gb.op(nn::OpKind::kMatmul, {fb}, {n2, kExternal}, 2.0 * nc * fs, d.sp_gather());
+    up = gb.op(nn::OpKind::kMatmul, {fb}, {n2, kExternal}, 2.0 * nc * fs, d.sp_gather());
+    a = gb.op(nn::OpKind::kGelu, {fb}, {gate, up});
+    f = gb.op(nn::OpKind::kMatmul, {r}, {a, kExternal}, 2.0 * nc * fs, d.sp_gather());
+  } else {
+    // Note [MLP tiles] in models/blocks.cc: one op, a tile's gate, up and SwiGLU as its
+    // workspace.
+    f = gb.op(nn::OpKind::kMatmul, {r}, {n2, kExternal, kExternal, kExternal}, 6.0 * nc * fs,
+              d.times(3, d.mlp_tile(d.fs)));
+  }
   Ref y = gb.op(nn::OpKind::kAdd, {r}, {x2, gb.dropout(f, r, d.drop, true)});
   StageGraph& g = gb.graph();
   g.saves = {kStageInput, n1, GraphBuilder::slot(n1, 1), qkv, att, GraphBuilder::slot(att, 1),
-             x2,  n2, GraphBuilder::slot(n2, 1), gate, up, a};
+             x2,  n2, GraphBuilder::slot(n2, 1)};
+  if (!tiled) g.saves.insert(g.saves.end(), {gate, up, a});
   g.output = y;
   // LlamaBlock::backward.
   WorkspaceTrace w;
   if (d.sp) w.alloc(d.times(8, d.c));  // RowPartialGrads: the two RMSNorms' f32 partial gradients
   const int df = dropout_backward(w, d, r);
-  const int da = row_linear_backward(w, d, fb);
-  w.free(df);
-  const int dgate = w.alloc(fb);
-  const int dup = w.alloc(fb);
-  w.free(da);
-  const int dn2 = column_linear_backward(w, d, r);
-  w.free(dgate);
-  const int dn2_up = column_linear_backward(w, d, r);
-  w.free(dup);
-  w.free(dn2_up);
+  int dn2 = WorkspaceTrace::kNone;
+  if (!tiled) {
+    const int da = row_linear_backward(w, d, fb);
+    w.free(df);
+    const int dgate = w.alloc(fb);
+    const int dup = w.alloc(fb);
+    w.free(da);
+    dn2 = column_linear_backward(w, d, r);
+    w.free(dgate);
+    const int dn2_up = column_linear_backward(w, d, r);
+    w.free(dup);
+    w.free(dn2_up);
+  } else {
+    dn2 = w.alloc(r);
+    // One tile: gate, up, a (then dgate), da and dup; da freed before dup's product with
+    // up_proj, an (R, C) block of dn2's rows.
+    const size_t tf = d.mlp_tile(d.fs);
+    const int t_gate = w.alloc(tf), t_up = w.alloc(tf), t_a = w.alloc(tf);
+    const int t_da = w.alloc(tf), t_dup = w.alloc(tf);
+    w.free(t_da);
+    const int t_dx = w.alloc(d.mlp_tile(d.c));
+    for (int t : {t_gate, t_up, t_a, t_dup, t_dx}) w.free(t);
+    w.free(df);
+  }
   w.alloc(r);  // dx2
   w.free(dn2);
   const int dproj = dropout_backward(w, d, r);

@@ -98,9 +98,12 @@ class TransformerEmbedding : public Layer {
 class GptBlock : public Layer {
  public:
   // flash: the block runs flash_attention (its saves hold each row's log-sum-exp, not the
-  // (B, H, T, T) probabilities; Note [Flash attention] in kernels/kernels.cc).
+  // (B, H, T, T) probabilities; Note [Flash attention] in kernels/kernels.cc). mlp_tiles > 1:
+  // fc1, GELU and fc2 run as one op over that many tiles of the token rows and keep no
+  // (.., 4C/t) intermediate (Note [MLP tiles] in models/blocks.cc); not under sequence
+  // parallelism.
   GptBlock(int64_t hidden, int heads, float dropout, const TpShard& tp = {},
-           float norm_eps = 1e-5f, bool flash = false);
+           float norm_eps = 1e-5f, bool flash = false, int64_t mlp_tiles = 1);
   std::vector<ParamSpec> params() const override;
   // (B, T, C) -> (B, T, C); (N/t, C) -> (N/t, C) under sequence parallelism.
   Tensor forward(Ctx& ctx, const Tensor& x) override;
@@ -113,6 +116,7 @@ class GptBlock : public Layer {
   TpShard tp_;
   float eps_;
   bool flash_;
+  int64_t mlp_tiles_;  // >= 1
 };
 
 // One Llama block (Note [Llama]).
@@ -128,6 +132,9 @@ struct LlamaShape {
   bool qkv_bias = false;
   // Flash attention on the packed (B, T, (H + 2 Hkv) D) qkv, as GptBlock's flash.
   bool flash = false;
+  // gate, up, SwiGLU and down as one op over this many tiles of the token rows, as GptBlock's
+  // mlp_tiles (Note [MLP tiles] in models/blocks.cc).
+  int64_t mlp_tiles = 1;
 };
 
 class LlamaBlock : public Layer {

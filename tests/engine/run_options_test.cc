@@ -253,6 +253,7 @@ TEST(RunOptions, EveryConfigKeyReachesAnOption) {
       {"porter.model.max_positions", {none, at("porter.model.max_positions", 32)}},
       {"porter.model.attention", {none, at("porter.model.attention", "flash")}},
       {"porter.model.loss_tiles", {none, at("porter.model.loss_tiles", 4)}},
+      {"porter.model.mlp_tiles", {none, at("porter.model.mlp_tiles", 4)}},
       {"porter.device.type", {none, at("porter.device.type", "cuda")}},
       {"porter.device.memory_limit", {none, at("porter.device.memory_limit", "64MiB")}},
       {"porter.device.pinned_limit", {none, at("porter.device.pinned_limit", "32MiB")}},
