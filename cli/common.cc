@@ -311,6 +311,7 @@ std::string describe_model(const config::ModelConfig& m) {
     out += ", " + std::string(config::to_string(m.attention)) + " attention";
   }
   if (m.loss_tiles > 1) out += ", loss in " + std::to_string(m.loss_tiles) + " tiles";
+  if (m.mlp_tiles > 1) out += ", MLP in " + std::to_string(m.mlp_tiles) + " tiles";
   return out;
 }
 

@@ -603,6 +603,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   engine::Forecast f = engine::forecast(cfg, fo);
   cfg.porter.model.attention = f.config.porter.model.attention;  // Note [Attention choice]
   cfg.porter.model.loss_tiles = f.config.porter.model.loss_tiles;
+  cfg.porter.model.mlp_tiles = f.config.porter.model.mlp_tiles;
   const engine::RunOptions& run = f.run;
   const checkpoint::ChainCosts analytic = run.analytic_costs();
   checkpoint::ChainCosts costs = f.costs;

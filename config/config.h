@@ -186,7 +186,8 @@ struct ModelConfig {
   // porter.model.mlp_tiles: each block's MLP runs as one op over this many contiguous tiles of
   // the token rows, so only one tile's intermediates (4C, or the Llama's gate, up and SwiGLU)
   // exist at a time and backward recomputes them from the kept MLP input (Note [MLP tiles]
-  // in models/blocks.cc). 1 computes the whole intermediates at once and keeps them.
+  // in models/blocks.cc). 1 computes the whole intermediates at once and keeps them; 0 lets
+  // porter choose, as loss_tiles 0 does (1 with sequence parallelism).
   int64_t mlp_tiles = 1;
   bool operator==(const ModelConfig&) const = default;
 };

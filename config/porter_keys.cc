@@ -33,7 +33,7 @@ constexpr Key<ModelConfig> kModelKeys[] = {
     {"max_positions", &ModelConfig::max_positions, IntRange{0, 1 << 24}},
     {"attention", enum_key<&ModelConfig::attention, kAttentionKinds>()},
     {"loss_tiles", &ModelConfig::loss_tiles, IntRange{0, 1 << 20}},
-    {"mlp_tiles", &ModelConfig::mlp_tiles, IntRange{1, 1 << 20}},
+    {"mlp_tiles", &ModelConfig::mlp_tiles, IntRange{0, 1 << 20}},
 };
 
 // After the whole porter section: the data type is read after the model.

@@ -102,33 +102,38 @@ config::AttentionKind resolve_attention(const config::Config& config,
   return config::AttentionKind::kFlash;
 }
 
-int64_t resolve_loss_tiles(const config::Config& config, const ForecastOptions& options) {
-  const int64_t asked = config.porter.model.loss_tiles;
-  if (asked != 0) return asked;
+config::Config resolve_tiles(const config::Config& config, const ForecastOptions& options) {
+  const config::ModelConfig& m = config.porter.model;
+  const bool loss = m.loss_tiles == 0;
+  const bool mlp = m.mlp_tiles == 0;
   config::Config c = config;
-  const int64_t rows = std::max<int64_t>(1, config.train_micro_batch_size_per_gpu *
-                                                config.porter.model.seq_len);
-  int64_t tiles = 1;
+  if (mlp && m.sequence_parallel) c.porter.model.mlp_tiles = 1;
+  if (!loss && (!mlp || m.sequence_parallel)) return c;
+  const int64_t rows = std::max<int64_t>(1, config.train_micro_batch_size_per_gpu * m.seq_len);
   for (int64_t k = 1; k <= 256; k *= 2) {
-    tiles = std::min(k, rows);
-    c.porter.model.loss_tiles = tiles;
+    const int64_t tiles = std::min(k, rows);
+    if (loss) c.porter.model.loss_tiles = tiles;
+    if (mlp && !m.sequence_parallel) c.porter.model.mlp_tiles = tiles;
     try {
       const Forecast f = forecast(c, options);
-      if (!f.capacity_bytes || f.fits()) return tiles;
+      if (!f.capacity_bytes || f.fits()) return c;
     } catch (const InvalidArgument&) {
       // A budget below this count's smallest plan: try more tiles.
     }
     if (tiles == rows) break;
   }
-  return tiles;
+  return c;
+}
+
+int64_t resolve_loss_tiles(const config::Config& config, const ForecastOptions& options) {
+  return resolve_tiles(config, options).porter.model.loss_tiles;
 }
 
 config::Config resolve_model_choices(const config::Config& config,
                                      const ForecastOptions& options) {
   config::Config c = config;
   c.porter.model.attention = resolve_attention(config, options);
-  c.porter.model.loss_tiles = resolve_loss_tiles(c, options);
-  return c;
+  return resolve_tiles(c, options);
 }
 
 Forecast forecast(const config::Config& given, const ForecastOptions& options) {

@@ -100,10 +100,13 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options =
 // under the other choice continues within f32 rounding.
 config::AttentionKind resolve_attention(const config::Config& config,
                                         const ForecastOptions& options = {});
-// porter.model.loss_tiles 0 (Note [Loss tiles] in models/transformer.cc), resolved like the
-// attention and after it: the fewest of 1, 2, 4, ... 256 tiles (at most the token rows) with
-// which the forecast total fits the device, else the most of them. Another value is returned
-// as it is.
+// porter.model.loss_tiles and mlp_tiles 0 (Note [Loss tiles] in models/transformer.cc, Note
+// [MLP tiles] in models/blocks.cc), resolved like the attention and after it: both left to
+// porter take the same count, the fewest of 1, 2, 4, ... 256 (at most the token rows; mlp
+// tiles stay 1 under sequence parallelism) with which the forecast total fits the device,
+// else the most of them. A value the config gives is kept.
+config::Config resolve_tiles(const config::Config& config, const ForecastOptions& options = {});
+// resolve_tiles's loss tile count.
 int64_t resolve_loss_tiles(const config::Config& config, const ForecastOptions& options = {});
 // Both choices, in that order, into a copy of `config`.
 config::Config resolve_model_choices(const config::Config& config,

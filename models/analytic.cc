@@ -84,10 +84,10 @@ TransformerDims dims_of(const TransformerShape& shape) {
   d.flash = m.attention == config::AttentionKind::kFlash;
   PORTER_CHECK(m.loss_tiles >= 0, "porter.model.loss_tiles = ", m.loss_tiles, " must be >= 0");
   d.loss_tiles = static_cast<size_t>(std::max<int64_t>(1, m.loss_tiles));  // 0: not chosen, 1
-  PORTER_CHECK(m.mlp_tiles >= 1, "porter.model.mlp_tiles = ", m.mlp_tiles, " must be >= 1");
+  PORTER_CHECK(m.mlp_tiles >= 0, "porter.model.mlp_tiles = ", m.mlp_tiles, " must be >= 0");
   PORTER_CHECK(m.mlp_tiles == 1 || !d.sp, "porter.model.mlp_tiles = ", m.mlp_tiles,
                " is not supported with porter.model.sequence_parallel; use mlp_tiles 1");
-  d.mlp_tiles = static_cast<size_t>(m.mlp_tiles);
+  d.mlp_tiles = static_cast<size_t>(std::max<int64_t>(1, m.mlp_tiles));  // 0: not chosen, 1
   // Note [Checked sizes]: the largest tensors first, so that an overflow names their keys
   // rather than a sum's.
   (void)d.attn_saved();

@@ -50,7 +50,8 @@ std::unique_ptr<nn::Layer> GptSpec::make_block(const config::ModelConfig& m,
   return std::make_unique<GptBlock>(m.hidden, static_cast<int>(m.heads),
                                     static_cast<float>(m.dropout), tp,
                                     static_cast<float>(m.norm_eps),
-                                    m.attention == config::AttentionKind::kFlash, m.mlp_tiles);
+                                    m.attention == config::AttentionKind::kFlash,
+                                    std::max<int64_t>(1, m.mlp_tiles));  // 0: not chosen, 1
 }
 
 // Note [GPT init]: GPT-2's scheme. Matrices ~ normal(0, 0.02), with the residual projections

@@ -53,7 +53,7 @@ std::unique_ptr<nn::Layer> LlamaSpec::make_block(const config::ModelConfig& m,
   shape.rope_theta = m.rope_theta;
   shape.qkv_bias = qkv_bias();
   shape.flash = m.attention == config::AttentionKind::kFlash;
-  shape.mlp_tiles = m.mlp_tiles;
+  shape.mlp_tiles = std::max<int64_t>(1, m.mlp_tiles);  // 0: not chosen, 1
   return std::make_unique<LlamaBlock>(shape, static_cast<float>(m.dropout), tp);
 }
 

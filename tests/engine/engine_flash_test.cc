@@ -261,6 +261,20 @@ TEST(EngineFlashTest, LossTilesZeroTakesTheFewestTilesThatFit) {
   EXPECT_EQ(f.config.porter.model.loss_tiles, k);
   c.porter.model.loss_tiles = 3;  // asked for: kept
   EXPECT_EQ(resolve_loss_tiles(c, fo), 3);
+  // Both left to porter: one count for both, the fewest that fits.
+  c.porter.model.loss_tiles = 0;
+  c.porter.model.mlp_tiles = 0;
+  const config::Config both = resolve_tiles(c, fo);
+  const int64_t kb = both.porter.model.loss_tiles;
+  EXPECT_EQ(both.porter.model.mlp_tiles, kb);
+  EXPECT_GE(kb, 1);
+  EXPECT_LE(kb, k);
+  EXPECT_TRUE(forecast(both, fo).fits());
+  if (kb > 1) {
+    config::Config fewer = both;
+    fewer.porter.model.loss_tiles = fewer.porter.model.mlp_tiles = kb / 2;
+    EXPECT_FALSE(forecast(fewer, fo).fits());
+  }
 }
 
 }  // namespace
