@@ -25,7 +25,8 @@ const char* kConfig = R"({
   "gradient_accumulation_steps": 1,
   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
   "porter": {
-    "model": {"layers": 3, "hidden": 64, "heads": 4, "seq_len": 64, "vocab": 128},
+    "model": {"layers": 3, "hidden": 64, "heads": 4, "seq_len": 64, "vocab": 128,
+              "attention": "materialized"},
     "data": {"type": "synthetic", "seed": 3},
     "device": {"type": "cpu", "memory_limit": "64MiB", "threads": 1},
     "checkpointing": {"policy": "none"},

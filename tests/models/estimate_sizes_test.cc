@@ -53,9 +53,11 @@ class EstimateSizesTest : public ::testing::Test {
   fs::path dir_;
 };
 
-// seq_len 2^24 and 2^16 heads: the attention probabilities of one block are 2^66 bytes.
+// seq_len 2^24 and 2^16 heads: the attention probabilities of one block are 2^66 bytes (with
+// the materialised attention asked for; auto would take flash attention, which keeps none).
 TEST_F(EstimateSizesTest, OverflowingShapeIsAnInvalidConfigNamingTheKeys) {
   nlohmann::json c = tiny_zero2("full");
+  c["porter"]["model"]["attention"] = "materialized";
   c["porter"]["model"]["seq_len"] = 16777216;
   c["porter"]["model"]["heads"] = 65536;
   c["porter"]["model"]["hidden"] = 65536;
@@ -74,7 +76,8 @@ TEST_F(EstimateSizesTest, OverflowingShapeIsAnInvalidConfigNamingTheKeys) {
   const std::string ok = write("ok.json", tiny_zero2("full"));
   const testing::CliRun layers = porter({"estimate", "--config", ok, "--set", "porter.model.layers=100000",
                                          "--set", "porter.model.seq_len=65536", "--set", "porter.model.hidden=65536",
-                                         "--set", "porter.model.heads=512"});
+                                         "--set", "porter.model.heads=512",
+                                         "--set", "porter.model.attention=materialized"});
   EXPECT_EQ(layers.rc, kExitInvalid) << layers.out << layers.err;
   EXPECT_THAT(layers.err, HasSubstr("porter.model.layers 100000 x one block's"));
   EXPECT_THAT(layers.err, HasSubstr("porter.model.seq_len 65536"));
