@@ -80,6 +80,32 @@ RankStates rank_states(const RunOptions& run, const checkpoint::ChainCosts& cost
   return s;
 }
 
+namespace {
+
+// Whether `config` fits its device by the analytic model's bytes: the total peak per rank of
+// its plan made on untimed costs, as porter estimate's policy table makes it (no roofline and
+// no step-time prediction, which at 100,000 layers take minutes where this takes a second).
+// A plan whose choice depends on times (optimal, offload) may choose differently from the
+// timed forecast; a fixed policy's bytes are the same. Without a capacity, true.
+bool fits_by_bytes(const config::Config& config, const ForecastOptions& options) {
+  const RunOptions run = make_run_options(config);
+  std::optional<size_t> capacity = options.capacity_bytes ? options.capacity_bytes : run.capacity_bytes;
+  if (!capacity) {
+    const DeviceModel d =
+        options.device ? *options.device : forecast_device_model(run, options.default_gpu, nullptr);
+    if (d.memory_bytes > 0) capacity = d.memory_bytes;
+  }
+  if (!capacity) return true;
+  const int dp = static_cast<int>(config.data_parallel_size());
+  checkpoint::ChainCosts costs = run.analytic_costs();
+  add_zero_costs(costs, run, dp);
+  const checkpoint::Plan plan = checkpoint::make_plan(run.plan, costs);
+  const RankStates states = rank_states(run, costs, dp);
+  return run.predicted_peak_bytes(states.device.total(), plan.prediction) <= *capacity;
+}
+
+}  // namespace
+
 config::AttentionKind resolve_attention(const config::Config& config,
                                         const ForecastOptions& options) {
   const config::AttentionKind asked = config.porter.model.attention;
@@ -94,8 +120,9 @@ config::AttentionKind resolve_attention(const config::Config& config,
   config::Config materialized = config;
   materialized.porter.model.attention = config::AttentionKind::kMaterialized;
   try {
-    const Forecast f = forecast(materialized, options);
-    if (!f.capacity_bytes || f.fits()) return config::AttentionKind::kMaterialized;
+    if (fits_by_bytes(resolve_tiles(materialized, options), options)) {
+      return config::AttentionKind::kMaterialized;
+    }
   } catch (const InvalidArgument&) {
     // A budget below the smallest materialised plan, or probabilities that overflow.
   }
@@ -115,8 +142,7 @@ config::Config resolve_tiles(const config::Config& config, const ForecastOptions
     if (loss) c.porter.model.loss_tiles = tiles;
     if (mlp && !m.sequence_parallel) c.porter.model.mlp_tiles = tiles;
     try {
-      const Forecast f = forecast(c, options);
-      if (!f.capacity_bytes || f.fits()) return c;
+      if (fits_by_bytes(c, options)) return c;
     } catch (const InvalidArgument&) {
       // A budget below this count's smallest plan: try more tiles.
     }

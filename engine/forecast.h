@@ -87,7 +87,8 @@ Forecast forecast(const config::Config& config, const ForecastOptions& options =
 // kernels/kernels.cc). "auto" is resolved once, from the config, before a model is built
 // (porter train, plan and estimate, and the Engine's callers through this function): the
 // run is forecast with the materialised attention under its own policy, ZeRO stage, offload
-// and budget; where that total fits the device (or the capacity is unknown) the choice is
+// and budget (its plan made on the analytic bytes, untimed, as porter estimate makes it);
+// where that total fits the device (or the capacity is unknown) the choice is
 // "materialized", otherwise "flash". On the cpu device, from porter.model.seq_len 8192 the
 // choice is "flash" either way: there the flash kernels measured faster too, below it the
 // materialised ones 2-15% faster in f32 and level in bf16 (docs/benchmarks.md, "Flash
