@@ -101,24 +101,7 @@ TEST(EngineFlashTest, ProfiledBytesEqualTheAnalyticModel) {
       const checkpoint::ChainCosts prof = e->profile();
       const checkpoint::ChainCosts ana =
           models::analytic_transformer_costs(shape_of(c, e->compute_dtype()));
-      ASSERT_EQ(prof.num_stages(), ana.num_stages());
-      for (int i = 0; i < prof.num_stages(); ++i) {
-        const auto& a = ana.stages[i];
-        const auto& b = prof.stages[i];
-        SCOPED_TRACE(a.name);
-        EXPECT_EQ(b.backward_total_peak_bytes, a.backward_total_peak_bytes);
-        for (int o = 0; o < checkpoint::kNumSaveOptions; ++o) {
-          const auto& x = a.options[o];
-          const auto& y = b.options[o];
-          EXPECT_EQ(y.available, x.available);
-          if (!x.available) continue;
-          EXPECT_EQ(y.forward_peak_bytes, x.forward_peak_bytes);
-          EXPECT_EQ(y.forward_total_peak_bytes, x.forward_total_peak_bytes);
-          EXPECT_EQ(y.saved_bytes, x.saved_bytes);
-          EXPECT_EQ(y.recompute_peak_bytes, x.recompute_peak_bytes);
-          EXPECT_EQ(y.recompute_total_peak_bytes, x.recompute_total_peak_bytes);
-        }
-      }
+      expect_costs_match(prof, ana);
     }
   }
 }

@@ -85,6 +85,38 @@ inline std::unique_ptr<Engine> gpt_engine(memory::Device& device, const config::
   return std::make_unique<Engine>(device, std::make_unique<TransformerModel>(c.porter.model), c);
 }
 
+// A profiled chain's costs against the analytic model's (models/analytic.h): every stage's
+// name, sizes and backward peak, and every available save option's byte figures, equal.
+inline void expect_costs_match(const checkpoint::ChainCosts& profiled,
+                               const checkpoint::ChainCosts& analytic) {
+  ASSERT_EQ(profiled.num_stages(), analytic.num_stages());
+  for (int i = 0; i < profiled.num_stages(); ++i) {
+    const checkpoint::StageCost& a = analytic.stages[i];
+    const checkpoint::StageCost& b = profiled.stages[i];
+    SCOPED_TRACE(a.name);
+    EXPECT_EQ(b.name, a.name);
+    EXPECT_EQ(b.is_block, a.is_block);
+    EXPECT_EQ(b.input_bytes, a.input_bytes);
+    EXPECT_EQ(b.output_bytes, a.output_bytes);
+    EXPECT_EQ(b.backward_total_peak_bytes, a.backward_total_peak_bytes);
+    for (int o = 0; o < checkpoint::kNumSaveOptions; ++o) {
+      const checkpoint::OptionCost& x = a.options[o];
+      const checkpoint::OptionCost& y = b.options[o];
+      SCOPED_TRACE(std::string(checkpoint::save_option_name(static_cast<checkpoint::SaveOption>(o))));
+      EXPECT_EQ(y.available, x.available);
+      if (!x.available) continue;
+      EXPECT_EQ(y.forward_peak_bytes, x.forward_peak_bytes);
+      EXPECT_EQ(y.forward_total_peak_bytes, x.forward_total_peak_bytes);
+      EXPECT_EQ(y.saved_bytes, x.saved_bytes);
+      EXPECT_EQ(y.tape_refs_input, x.tape_refs_input);
+      EXPECT_EQ(y.tape_refs_output, x.tape_refs_output);
+      EXPECT_EQ(y.recompute_peak_bytes, x.recompute_peak_bytes);
+      EXPECT_EQ(y.recompute_total_peak_bytes, x.recompute_total_peak_bytes);
+      EXPECT_EQ(y.recompute_saved_bytes, x.recompute_saved_bytes);
+    }
+  }
+}
+
 inline bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
