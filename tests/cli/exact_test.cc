@@ -218,6 +218,31 @@ TEST_F(ExactTest, FlashAttentionAcrossPoliciesOnTwoRanksGivesOneState) {
   }
 }
 
+// Loss and MLP tiles on two ranks: a run that keeps every activation and one that recomputes
+// every block end in one state, bit for bit, for the same Llama (the tiles' recompute in
+// backward runs in the same fixed order under every policy).
+TEST_F(ExactTest, LossAndMlpTilesAcrossPoliciesOnTwoRanksGiveOneState) {
+  nlohmann::json c = real_size_config("llama", true);
+  c["porter"]["model"]["attention"] = "flash";
+  c["porter"]["model"]["loss_tiles"] = 3;
+  c["porter"]["model"]["mlp_tiles"] = 3;
+  c["porter"]["device"]["threads"] = 1;
+  c["zero_optimization"] = {{"stage", 2}};
+  c["porter"]["checkpointing"]["policy"] = "none";
+  const fs::path none = write_config("none", c);
+  c["porter"]["checkpointing"]["policy"] = "full";
+  const fs::path full = write_config("full", c);
+  const std::string out = train(none, "--nproc 2 --save " + (dir_ / "none").string(), "none");
+  EXPECT_THAT(out, HasSubstr("loss in 3 tiles, MLP in 3 tiles"));
+  train(full, "--nproc 2 --save " + (dir_ / "full").string(), "full");
+  for (const char* rank : {"rank0", "rank1"}) {
+    // A tile's head products (171 rows x vocab 256 x 768) are under the measurement
+    // threshold by construction; the blocks' are above it.
+    expect_whole_state(dir_ / "none" / rank, true, /*all_measured=*/false);
+    expect_same_state(dir_ / "full" / rank, dir_ / "none" / rank);
+  }
+}
+
 // kernel_choice fastest times every candidate, whose choices change bits; a second run that
 // pins the first one's table (from its report) computes the same state.
 TEST_F(ExactTest, PinnedTableRepeatsAFastestRun) {
