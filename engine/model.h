@@ -104,21 +104,8 @@ class TransformerModel : public Model {
   std::unique_ptr<models::Transformer> model_;
 };
 
-// The last layer of a user chain: its forward returns the loss (1) f32, and its backward
-// ignores dy and scales the gradient of the loss by loss_scale().
-class LossLayer : public nn::Layer {
- public:
-  void set_targets(const tensor::Tensor& targets) { targets_ = targets; }
-  void set_loss_scale(float s) { loss_scale_ = s; }
-
- protected:
-  const tensor::Tensor& targets() const { return targets_; }
-  float loss_scale() const { return loss_scale_; }
-
- private:
-  tensor::Tensor targets_;  // the current micro-batch's input, not saved state
-  float loss_scale_ = 1.0f;
-};
+// The last stage of a user chain (nn/layer.h).
+using LossLayer = nn::LossLayer;
 
 // A chain of user layers: stage i is layers[i], the last one a LossLayer. Parameter names
 // are prefixed "<i>." (e.g. "0.fc1.weight"). Every stage counts as a block. `init` gives

@@ -6,6 +6,8 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -17,6 +19,56 @@
 #include "tensor/philox.h"
 
 namespace porter::io {
+
+template <typename T>
+HostTensor HostTensor::of(std::string name, tensor::Shape shape, std::vector<T> values) {
+  using tensor::DType;
+  DType dtype;
+  if constexpr (std::is_same_v<T, float>) dtype = DType::kF32;
+  else if constexpr (std::is_same_v<T, int32_t>) dtype = DType::kI32;
+  else if constexpr (std::is_same_v<T, int64_t>) dtype = DType::kI64;
+  else dtype = DType::kBool;
+  PORTER_CHECK(static_cast<int64_t>(values.size()) == shape.numel(), "HostTensor \"", name,
+               "\": ", values.size(), " values for shape ", shape.to_string());
+  HostTensor t;
+  t.name = std::move(name);
+  t.shape = shape;
+  t.dtype = dtype;
+  if constexpr (std::is_same_v<T, bool>) {  // vector<bool> is packed: one byte each
+    auto bytes = std::make_shared<std::vector<uint8_t>>(values.begin(), values.end());
+    t.data = bytes->data();
+    t.owner = std::move(bytes);
+  } else {
+    auto owned = std::make_shared<std::vector<T>>(std::move(values));
+    t.data = owned->data();
+    t.owner = std::move(owned);
+  }
+  return t;
+}
+template HostTensor HostTensor::of<float>(std::string, tensor::Shape, std::vector<float>);
+template HostTensor HostTensor::of<int32_t>(std::string, tensor::Shape, std::vector<int32_t>);
+template HostTensor HostTensor::of<int64_t>(std::string, tensor::Shape, std::vector<int64_t>);
+template HostTensor HostTensor::of<bool>(std::string, tensor::Shape, std::vector<bool>);
+
+HostTensor HostTensor::of_bytes(std::string name, tensor::Shape shape, tensor::DType dtype,
+                                const void* bytes) {
+  HostTensor t;
+  t.name = std::move(name);
+  t.shape = shape;
+  t.dtype = dtype;
+  auto owned = std::make_shared<std::vector<std::byte>>(t.nbytes());
+  if (t.nbytes() > 0) std::memcpy(owned->data(), bytes, t.nbytes());
+  t.data = owned->data();
+  t.owner = std::move(owned);
+  return t;
+}
+
+const HostTensor* HostBatch::find(std::string_view name) const {
+  for (const HostTensor& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
 namespace {
 
 namespace fs = std::filesystem;

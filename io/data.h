@@ -15,19 +15,53 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "config/config.h"
+#include "tensor/tensor.h"
 #include "io/token_shards.h"
 
 namespace porter::io {
 
-// One micro-batch on the host: (batch, seq) token ids and targets, row-major.
+// Note [Batch tensors]
+// A micro-batch is a set of named host tensors of any shape and dtype (f32, bf16, i32, i64,
+// bool): a model's features, labels, masks, several inputs. The engine copies each to the
+// device (category workspace: the batch, not an activation) before the micro-batch's first
+// op and hands the stages an nn::Batch of them (Ctx::batch(name)); the model names which one
+// is its first stage's input and which one its loss stage's targets (Model::input_name,
+// Model::target_name), and which it expects (Model::batch_spec, checked before every step).
+// A token batch is the case the built-in models take: its `tokens` and `targets` vectors
+// become the (batch, seq) i32 tensors "tokens" and "targets". A HostTensor either owns its
+// bytes or views memory that `owner` keeps alive (a NumPy array: no copy before the device).
+struct HostTensor {
+  std::string name;
+  tensor::Shape shape;
+  tensor::DType dtype = tensor::DType::kF32;
+  const void* data = nullptr;          // shape.numel() elements of dtype, row-major
+  std::shared_ptr<const void> owner;   // keeps `data` alive
+
+  size_t nbytes() const { return static_cast<size_t>(shape.numel()) * tensor::dtype_size(dtype); }
+  // A tensor that owns a copy of `values` (their count must be shape.numel()). T is float
+  // (f32), int32_t, int64_t, or bool (bool).
+  template <typename T>
+  static HostTensor of(std::string name, tensor::Shape shape, std::vector<T> values);
+  // Raw bytes of `dtype` (bf16 as uint16 bit patterns), copied.
+  static HostTensor of_bytes(std::string name, tensor::Shape shape, tensor::DType dtype,
+                             const void* bytes);
+};
+
+// One micro-batch on the host: (batch, seq) token ids and targets, row-major, and any named
+// tensors besides (Note [Batch tensors]).
 struct HostBatch {
   int64_t batch = 0;
   int64_t seq = 0;
   std::vector<int32_t> tokens;
   std::vector<int32_t> targets;
+  std::vector<HostTensor> tensors;
+
+  // The named tensor, or null.
+  const HostTensor* find(std::string_view name) const;
 };
 
 // The files that the entries of porter.data.paths (or val_paths; `key` names which, for the

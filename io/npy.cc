@@ -88,6 +88,8 @@ std::string descr_of(tensor::DType t) {
   switch (t) {
     case tensor::DType::kF32: return "<f4";
     case tensor::DType::kI32: return "<i4";
+    case tensor::DType::kI64: return "<i8";
+    case tensor::DType::kBool: return "|b1";
     case tensor::DType::kBF16: return "<u2";
     case tensor::DType::kF16: return "<f2";
   }

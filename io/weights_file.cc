@@ -278,6 +278,8 @@ std::string_view safetensors_dtype_name(tensor::DType dtype) {
     case tensor::DType::kBF16: return "BF16";
     case tensor::DType::kF16: return "F16";
     case tensor::DType::kI32: return "I32";
+    case tensor::DType::kI64: return "I64";
+    case tensor::DType::kBool: return "BOOL";
   }
   return "?";
 }

@@ -303,13 +303,38 @@ PhiloxKey Ctx::dropout_key_for(int site, int64_t element_offset) const {
   return key;
 }
 
+const Tensor* Batch::find(std::string_view name) const {
+  for (const auto& [n, t] : tensors) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+const Tensor& Batch::get(std::string_view name) const {
+  if (const Tensor* t = find(name)) return *t;
+  std::string names;
+  for (const auto& [n, t] : tensors) names += (names.empty() ? "" : ", ") + n;
+  throw InvalidArgument("the micro-batch has no tensor \"" + std::string(name) + "\"; it has " +
+                        (names.empty() ? std::string("none") : names));
+}
+
+const Tensor& Ctx::batch(std::string_view name) const {
+  if (batch_ == nullptr) {
+    throw InvalidArgument("Ctx::batch(\"" + std::string(name) + "\"): no micro-batch is being run");
+  }
+  return batch_->get(name);
+}
+
 comm::ElemType comm_type(DType t) {
   switch (t) {
     case DType::kF32: return comm::ElemType::kF32;
     case DType::kBF16: return comm::ElemType::kBF16;
     case DType::kF16: return comm::ElemType::kF16;
     case DType::kI32: return comm::ElemType::kI32;
+    case DType::kI64:
+    case DType::kBool: break;
   }
+  PORTER_CHECK(false, "no collective takes ", dtype_name(t), " tensors");
   return comm::ElemType::kF32;
 }
 

@@ -153,6 +153,17 @@ struct RunInfo {
   bool eval = false;
 };
 
+// A micro-batch's tensors on the device, by name (Note [Batch tensors] in io/data.h): a token
+// batch is {"tokens", "targets"}. The engine sets it on the Ctx for every forward, recompute
+// and backward of the micro-batch, so a stage may read any of them (a mask, a second input)
+// besides the activation it is handed.
+struct Batch {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  const Tensor* find(std::string_view name) const;
+  // Throws InvalidArgument naming the batch's tensors when there is no `name`.
+  const Tensor& get(std::string_view name) const;
+};
+
 // The element type collectives use for a tensor of `dtype`.
 comm::ElemType comm_type(DType dtype);
 
@@ -199,6 +210,10 @@ class Ctx {
   // error.
   void tp_wait(comm::Work& work);
   const RunInfo& run() const { return run_; }
+  // The micro-batch being run (not owned; null outside a step). batch(name) throws
+  // InvalidArgument when there is none or it has no such tensor.
+  void set_batch(const Batch* batch) { batch_ = batch; }
+  const Tensor& batch(std::string_view name) const;
   SaveMode mode() const { return mode_; }
   int stage() const { return stage_; }
   DType compute_dtype() const { return dtype_; }
@@ -263,6 +278,7 @@ class Ctx {
   DType dtype_;
   RunInfo run_;
   comm::Communicator* tp_ = nullptr;       // not owned; null: no tensor parallelism
+  const Batch* batch_ = nullptr;           // not owned; the engine's micro-batch
   Tape* tape_ = nullptr;                   // not owned; the engine's, for the current stage
   SaveMode mode_ = SaveMode::kSaveAll;
   OpPolicy policy_ = OpPolicy::keep_none();

@@ -55,6 +55,24 @@ class Layer {
   std::vector<Tensor> grads_;   // views into the engine's flat gradient buffer
 };
 
+// The last layer of a chain: its forward returns the loss (1) f32, and its backward ignores dy
+// and scales the gradient of the loss by loss_scale() (1 / gradient_accumulation_steps, times
+// the fp16 loss scale). The engine sets the micro-batch's targets before every forward and
+// recompute of it.
+class LossLayer : public Layer {
+ public:
+  void set_targets(const Tensor& targets) { targets_ = targets; }
+  void set_loss_scale(float s) { loss_scale_ = s; }
+
+ protected:
+  const Tensor& targets() const { return targets_; }
+  float loss_scale() const { return loss_scale_; }
+
+ private:
+  Tensor targets_;  // the current micro-batch's input, not saved state
+  float loss_scale_ = 1.0f;
+};
+
 // Where each parameter lives in the flat buffers. Offsets are in elements; every tensor
 // starts at a multiple of kParamAlignElems (64 elements = 256 bytes in f32, 128 in bf16),
 // so each view is aligned for vector loads and cuBLAS.

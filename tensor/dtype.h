@@ -14,11 +14,21 @@
 
 namespace porter::tensor {
 
-// f32 everywhere; bf16 and f16 compute on both devices; i32 for token ids.
-enum class DType : uint8_t { kF32, kBF16, kF16, kI32 };
+// f32 everywhere; bf16 and f16 compute on both devices; i32 for token ids and class labels;
+// i64 and bool (one byte, 0 or 1) for a batch's tensors as a data pipeline writes them (Note
+// [Batch tensors] in io/data.h).
+enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kI64, kBool };
 
 constexpr size_t dtype_size(DType t) {
-  return t == DType::kBF16 || t == DType::kF16 ? 2 : 4;
+  switch (t) {
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kI64: return 8;
+    case DType::kBool: return 1;
+    case DType::kF32:
+    case DType::kI32: return 4;
+  }
+  return 4;
 }
 
 constexpr std::string_view dtype_name(DType t) {
@@ -27,6 +37,8 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
     case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+    case DType::kBool: return "bool";
   }
   return "?";
 }

@@ -131,6 +131,16 @@ std::vector<float> to_host_f32(memory::Device& device, const Tensor& t) {
         out[i] = static_cast<float>(v);
       }
       break;
+    case DType::kI64:
+      for (size_t i = 0; i < out.size(); ++i) {
+        int64_t v;
+        std::memcpy(&v, raw.data() + 8 * i, 8);
+        out[i] = static_cast<float>(v);
+      }
+      break;
+    case DType::kBool:
+      for (size_t i = 0; i < out.size(); ++i) out[i] = raw[i] != 0 ? 1.0f : 0.0f;
+      break;
   }
   return out;
 }
