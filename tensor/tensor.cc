@@ -139,7 +139,7 @@ std::vector<float> to_host_f32(memory::Device& device, const Tensor& t) {
       }
       break;
     case DType::kBool:
-      for (size_t i = 0; i < out.size(); ++i) out[i] = raw[i] != 0 ? 1.0f : 0.0f;
+      for (size_t i = 0; i < out.size(); ++i) out[i] = raw[i] != std::byte{0} ? 1.0f : 0.0f;
       break;
   }
   return out;

@@ -151,7 +151,9 @@ void dispatch_float(DType t, Fn&& fn) {
     case DType::kF32: fn(float{}); return;
     case DType::kBF16: fn(uint16_t{}); return;
     case DType::kF16: fn(Half{}); return;
-    case DType::kI32: break;
+    case DType::kI32:
+    case DType::kI64:
+    case DType::kBool: break;
   }
   PORTER_CHECK(false, "the cpu kernels take f32, bf16 or f16 tensors here, not ", dtype_name(t));
 }

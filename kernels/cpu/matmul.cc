@@ -104,6 +104,8 @@ dnnl::memory::data_type dnnl_type(DType t) {
     case DType::kBF16: return dnnl::memory::data_type::bf16;
     case DType::kF16: return dnnl::memory::data_type::f16;
     case DType::kI32: return dnnl::memory::data_type::s32;
+    case DType::kI64:
+    case DType::kBool: break;
   }
   return dnnl::memory::data_type::undef;
 }

@@ -27,7 +27,9 @@ cudaDataType_t cuda_type(DType t) {
     case DType::kF32: return CUDA_R_32F;
     case DType::kBF16: return CUDA_R_16BF;
     case DType::kF16: return CUDA_R_16F;
-    case DType::kI32: break;
+    case DType::kI32:
+    case DType::kI64:
+    case DType::kBool: break;
   }
   PORTER_ASSERT(false, "matmul on dtype ", dtype_name(t));
   return CUDA_R_32F;
