@@ -369,6 +369,75 @@ void Kernels::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
 
 namespace {
 
+// The checks of a unary activation (relu, silu): y is x's shape, any float dtypes, and y
+// is x itself or disjoint from it.
+void check_unary(const char* op, const Tensor& x, const Tensor& y) {
+  check_float(op, "x", x);
+  check_float(op, "y", y);
+  check_shape(op, "y", y, x.shape());
+  check_same_or_disjoint(op, "y", y, "x", x);
+}
+
+void check_unary_backward(const char* op, const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  check_float(op, "x", x);
+  check_float(op, "dy", dy);
+  check_float(op, "dx", dx);
+  check_shape(op, "dy", dy, x.shape());
+  check_shape(op, "dx", dx, x.shape());
+  check_same_or_disjoint(op, "dx", dx, "x", x);
+  check_same_or_disjoint(op, "dx", dx, "dy", dy);
+}
+
+}  // namespace
+
+void Kernels::relu_forward(const Tensor& x, Tensor& y) {
+  check_unary("relu_forward", x, y);
+  do_relu_forward(x, y);
+}
+
+void Kernels::relu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  check_unary_backward("relu_backward", x, dy, dx);
+  do_relu_backward(x, dy, dx);
+}
+
+void Kernels::silu_forward(const Tensor& x, Tensor& y) {
+  check_unary("silu_forward", x, y);
+  do_silu_forward(x, y);
+}
+
+void Kernels::silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  check_unary_backward("silu_backward", x, dy, dx);
+  do_silu_backward(x, dy, dx);
+}
+
+void Kernels::mse_forward(const Tensor& pred, const Tensor& target, Tensor& losses) {
+  const char* op = "mse_forward";
+  check_float(op, "pred", pred);
+  check_float(op, "target", target);
+  check_rank(op, "pred", pred, 1, kMaxRank);
+  check_shape(op, "target", target, pred.shape());
+  check_dtype(op, "losses", losses, DType::kF32);
+  PORTER_CHECK(losses.numel() == rows_of(pred), op, ": losses ", losses.shape().to_string(),
+               " must hold one value per row of pred ", pred.shape().to_string());
+  check_no_alias(op, "losses", losses, "pred", pred);
+  check_no_alias(op, "losses", losses, "target", target);
+  do_mse_forward(pred, target, losses);
+}
+
+void Kernels::mse_backward(const Tensor& pred, const Tensor& target, Tensor& dpred, float scale) {
+  const char* op = "mse_backward";
+  check_float(op, "pred", pred);
+  check_float(op, "target", target);
+  check_float(op, "dpred", dpred);
+  check_shape(op, "target", target, pred.shape());
+  check_shape(op, "dpred", dpred, pred.shape());
+  check_same_or_disjoint(op, "dpred", dpred, "pred", pred);
+  check_no_alias(op, "dpred", dpred, "target", target);
+  do_mse_backward(pred, target, dpred, scale);
+}
+
+namespace {
+
 // qkv (B, T, 3C), out (B, T, C), probs (B, heads, T, T).
 void check_attention(const char* op, const Tensor& qkv, const Tensor& out, const char* out_name,
                      const Tensor& probs, int heads) {

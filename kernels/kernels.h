@@ -155,6 +155,14 @@ class Kernels {
   // GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   void gelu_forward(const Tensor& x, Tensor& y);
   void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
+  // ReLU: y = max(x, 0); same shapes, any float dtypes. y may be x (in place).
+  void relu_forward(const Tensor& x, Tensor& y);
+  // dx = dy where x > 0, else 0 (overwrite).
+  void relu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
+  // SiLU: y = x * sigmoid(x) = x / (1 + exp(-x)); same shapes. y may be x (in place).
+  void silu_forward(const Tensor& x, Tensor& y);
+  // dx = dy * s (1 + x (1 - s)), s = sigmoid(x) (overwrite).
+  void silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
   // Causal softmax attention. qkv (B, T, 3C) holds q, k, v side by side, each split into
   // `heads` heads of C / heads. out (B, T, C); probs (B, heads, T, T) f32 are the softmax
   // probabilities backward needs (zero above the diagonal). Scale 1 / sqrt(C / heads).
@@ -205,6 +213,12 @@ class Kernels {
   // dlogits (N, V) = (softmax(logits) - onehot(targets)) * scale (overwrite).
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, Tensor& dlogits,
                               float scale);
+  // Squared error: losses (N) f32 = sum over the K columns of (pred - target)^2, per row of
+  // pred (N, K) (a leading (B, T) is flattened); target has pred's shape. Each row is summed
+  // in column order on cpu and by one block's fixed tree on cuda.
+  void mse_forward(const Tensor& pred, const Tensor& target, Tensor& losses);
+  // dpred = 2 (pred - target) * scale (overwrite); dpred may be pred itself.
+  void mse_backward(const Tensor& pred, const Tensor& target, Tensor& dpred, float scale);
   // Vocabulary-parallel cross-entropy: partial on each rank, an all-gather of the stats (the
   // caller's), combine, backward_partial (Note [Vocabulary-parallel kernels] in kernels.cc).
   // logits (N, Vs) are columns [v0, v0 + Vs) of the full (N, V) logits, v0 = vocab_begin;
@@ -272,6 +286,13 @@ class Kernels {
                                   Tensor& dgate, Tensor& dup) = 0;
   virtual void do_gelu_forward(const Tensor& x, Tensor& y) = 0;
   virtual void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  virtual void do_relu_forward(const Tensor& x, Tensor& y) = 0;
+  virtual void do_relu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  virtual void do_silu_forward(const Tensor& x, Tensor& y) = 0;
+  virtual void do_silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  virtual void do_mse_forward(const Tensor& pred, const Tensor& target, Tensor& losses) = 0;
+  virtual void do_mse_backward(const Tensor& pred, const Tensor& target, Tensor& dpred,
+                               float scale) = 0;
   virtual void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) = 0;
   virtual void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                                      Tensor& dqkv, int heads) = 0;

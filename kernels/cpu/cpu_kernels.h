@@ -1,5 +1,5 @@
 // The cpu Kernels: oneDNN matmul (kernels/cpu/matmul.cc) and vectorised OpenMP loops for the rest
-// (kernels/cpu/elementwise.cc, kernels/cpu/layernorm.cc, kernels/cpu/attention.cc, kernels/cpu/loss.cc, kernels/cpu/adamw.cc,
+// (kernels/cpu/elementwise.cc, kernels/cpu/relu_silu_mse.cc, kernels/cpu/layernorm.cc, kernels/cpu/attention.cc, kernels/cpu/loss.cc, kernels/cpu/adamw.cc,
 // kernels/cpu/reduce.cc). Shared helpers for those files live here.
 //
 // Note [Cpu determinism]
@@ -71,6 +71,13 @@ class CpuKernels final : public Kernels {
                           Tensor& dup) override;
   void do_gelu_forward(const Tensor& x, Tensor& y) override;
   void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void do_relu_forward(const Tensor& x, Tensor& y) override;
+  void do_relu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void do_silu_forward(const Tensor& x, Tensor& y) override;
+  void do_silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void do_mse_forward(const Tensor& pred, const Tensor& target, Tensor& losses) override;
+  void do_mse_backward(const Tensor& pred, const Tensor& target, Tensor& dpred,
+                       float scale) override;
   void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override;
   void do_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                              Tensor& dqkv, int heads) override;

@@ -12,6 +12,7 @@
 #include "memory/cuda_check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/matmul.h"
+#include "kernels/cuda/relu_silu_mse.h"
 #include "kernels/workspace.h"
 
 namespace porter::kernels {
@@ -113,6 +114,27 @@ class CudaKernels final : public Kernels {
                           Tensor& dup) override {
     cuda::swiglu_backward(launch(), dev(gate), dev(up), dev(dy), dev(dgate), dev(dup),
                           gate.numel());
+  }
+  void do_relu_forward(const Tensor& x, Tensor& y) override {
+    cuda::relu_forward(launch(), dev(x), dev(y), x.numel());
+  }
+  void do_relu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    cuda::relu_backward(launch(), dev(x), dev(dy), dev(dx), x.numel());
+  }
+  void do_silu_forward(const Tensor& x, Tensor& y) override {
+    cuda::silu_forward(launch(), dev(x), dev(y), x.numel());
+  }
+  void do_silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    cuda::silu_backward(launch(), dev(x), dev(dy), dev(dx), x.numel());
+  }
+  void do_mse_forward(const Tensor& pred, const Tensor& target, Tensor& losses) override {
+    const int64_t cols = pred.dim(-1);
+    cuda::mse_forward(launch(), dev(pred), dev(target), losses.data_as<float>(),
+                      cols ? pred.numel() / cols : 0, cols);
+  }
+  void do_mse_backward(const Tensor& pred, const Tensor& target, Tensor& dpred,
+                       float scale) override {
+    cuda::mse_backward(launch(), dev(pred), dev(target), dev(dpred), pred.numel(), scale);
   }
   void do_gelu_forward(const Tensor& x, Tensor& y) override {
     cuda::gelu_forward(launch(), dev(x), dev(y), x.numel());

@@ -362,6 +362,41 @@ TEST_F(CudaKernelsTest, Swiglu) {
   }
 }
 
+// ---- the layer library's ReLU, SiLU and squared error -------------------------------------
+
+TEST_F(CudaKernelsTest, ReluAndSilu) {
+  for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16, tensor::DType::kF16}) {
+    Pair x = random(tensor::Shape{1001}, dt, -6.0f, 6.0f), dy = random(tensor::Shape{1001}, dt);
+    Pair y = empty(tensor::Shape{1001}, dt), dx = empty(tensor::Shape{1001}, dt);
+    both([&](kernels::Kernels& k, bool gpu) { k.relu_forward(side(x, gpu), side(y, gpu)); });
+    expect_bitwise(y, "relu forward");
+    both([&](kernels::Kernels& k, bool gpu) { k.relu_backward(side(x, gpu), side(dy, gpu), side(dx, gpu)); });
+    expect_bitwise(dx, "relu backward");
+    both([&](kernels::Kernels& k, bool gpu) { k.silu_forward(side(x, gpu), side(y, gpu)); });
+    expect_close(y, tol_for(dt, kF32Tol), "silu forward");
+    both([&](kernels::Kernels& k, bool gpu) { k.silu_backward(side(x, gpu), side(dy, gpu), side(dx, gpu)); });
+    expect_close(dx, tol_for(dt, kF32Tol), "silu backward");
+  }
+}
+
+TEST_F(CudaKernelsTest, MseForwardBackward) {
+  for (int64_t cols : {int64_t{7}, int64_t{700}}) {
+    for (tensor::DType dt : {tensor::DType::kF32, tensor::DType::kBF16}) {
+      const int64_t rows = 11;
+      Pair pred = random(tensor::Shape{rows, cols}, dt, -3.0f, 3.0f);
+      Pair target = random(tensor::Shape{rows, cols}, tensor::DType::kF32);
+      Pair losses = empty(tensor::Shape{rows}, tensor::DType::kF32);
+      both([&](kernels::Kernels& k, bool gpu) { k.mse_forward(side(pred, gpu), side(target, gpu), side(losses, gpu)); });
+      expect_close(losses, kF32Tol, "mse losses");
+      Pair dpred = empty(tensor::Shape{rows, cols}, dt);
+      both([&](kernels::Kernels& k, bool gpu) {
+        k.mse_backward(side(pred, gpu), side(target, gpu), side(dpred, gpu), 0.25f);
+      });
+      expect_close(dpred, tol_for(dt, kF32Tol), "mse dpred");
+    }
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 struct AttentionCase {

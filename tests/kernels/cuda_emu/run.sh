@@ -26,7 +26,8 @@ FLAGS=(-std=c++20 -O1 -g -w -ffp-contract=off -I"$HERE/fake" -I"$ROOT" -I"$BUILD
 python3 - "$ROOT" "$WORK" <<'PY'
 import re, sys
 root, work = sys.argv[1], sys.argv[2]
-for f in ['elementwise', 'rowwise', 'attention', 'flash_attention', 'rmsnorm_rope_swiglu']:
+for f in ['elementwise', 'rowwise', 'attention', 'flash_attention', 'rmsnorm_rope_swiglu',
+          'relu_silu_mse']:
     s = open(f'{root}/kernels/cuda/{f}.cu').read()
     def rep(m):
         parts = [p.strip() for p in m.group(2).split(',')]
@@ -40,7 +41,7 @@ for f in ['elementwise', 'rowwise', 'attention', 'flash_attention', 'rmsnorm_rop
 PY
 
 pids=()
-for f in elementwise rowwise attention flash_attention rmsnorm_rope_swiglu; do
+for f in elementwise rowwise attention flash_attention rmsnorm_rope_swiglu relu_silu_mse; do
   g++ "${FLAGS[@]}" -c "$WORK/$f.cc" -o "$WORK/$f.o" & pids+=($!)
 done
 g++ "${FLAGS[@]}" -c "$HERE/emu_support.cc" -o "$WORK/emu_support.o" & pids+=($!)
@@ -51,7 +52,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 # Our objects come first, so the archives' real cuda objects are never pulled in.
 g++ -o "$WORK/cuda_kernels_emu_test" "$WORK/test.o" "$WORK/cuda_kernels.o" \
   "$WORK/elementwise.o" "$WORK/rowwise.o" "$WORK/attention.o" "$WORK/flash_attention.o" \
-  "$WORK/rmsnorm_rope_swiglu.o" \
+  "$WORK/rmsnorm_rope_swiglu.o" "$WORK/relu_silu_mse.o" \
   "$WORK/emu_support.o" "$BUILD/kernels/libporter_kernels.a" "$BUILD/tensor/libporter_tensor.a" \
   "$BUILD/config/libporter_config.a" "$BUILD/memory/libporter_memory.a" \
   "$BUILD/base/libporter_base.a" -ldnnl -lspdlog -lfmt -lgtest -lgtest_main -lgomp -lpthread
