@@ -297,6 +297,39 @@ struct TraceConfig {
   bool operator==(const TraceConfig&) const = default;
 };
 
+// porter.optimizer: which parameters decay and at what learning rate (Note [Parameter groups]
+// in zero/param_groups.h). A pattern is an fnmatch glob over a parameter's layout name
+// ("h.3.attn.qkv.bias", "wpe") or a rank selector "ndim<N" (also <=, ==, >=, >).
+struct ParamGroupConfig {
+  std::vector<std::string> params;     // patterns; a parameter matching any is in the group
+  std::optional<double> weight_decay;  // none: the optimizer's weight_decay
+  double lr_scale = 1.0;               // the group's lr = the schedule's lr x lr_scale
+  bool operator==(const ParamGroupConfig&) const = default;
+};
+
+struct PorterOptimizerConfig {
+  // Weight decay 0 for the parameters no group matched and that match one of these. The
+  // default decays only matrices, and not the GPT's position table (nanoGPT's and Hugging
+  // Face Trainer's rule); [] decays every parameter.
+  std::vector<std::string> no_decay = {"ndim<2", "wpe"};
+  std::vector<ParamGroupConfig> param_groups;  // first match wins
+  bool operator==(const PorterOptimizerConfig&) const = default;
+};
+
+// The rank selector of a parameter pattern ("ndim<2"): nullopt for a glob. Throws ConfigError
+// naming `path` for a malformed selector.
+struct RankSelector {
+  enum class Op { kLt, kLe, kEq, kGe, kGt } op = Op::kLt;
+  int64_t ndim = 0;
+  bool matches(int64_t rank) const;
+};
+std::optional<RankSelector> rank_selector(const std::string& pattern, const std::string& path);
+// Checks a pattern (a non-empty glob with balanced brackets, or a well-formed selector);
+// throws ConfigError naming `path`.
+void check_param_pattern(const std::string& pattern, const std::string& path);
+// Whether a parameter named `name` of rank `rank` matches a checked pattern.
+bool param_pattern_matches(const std::string& pattern, const std::string& name, int64_t rank);
+
 struct PorterSection {
   ModelConfig model;
   DataConfig data;
@@ -305,6 +338,7 @@ struct PorterSection {
   TrainConfig train;
   TraceConfig trace;
   CommConfig comm;
+  PorterOptimizerConfig optimizer;
   bool operator==(const PorterSection&) const = default;
 };
 

@@ -1,6 +1,6 @@
-// porter's own section ("porter": model, data, device, checkpointing, train, trace, comm): its
-// key tables, the checks within it, the checkpoint-policy resolution, and the checks that span
-// sections.
+// porter's own section ("porter": model, data, device, checkpointing, train, trace, comm,
+// optimizer): its key tables, the checks within it, the checkpoint-policy resolution, and the
+// checks that span sections.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -285,6 +285,83 @@ constexpr Key<CommConfig> kCommKeys[] = {
     {"sim_tp_gbps", &CommConfig::sim_tp_gbps, RealRange{0.0, 1e6, true, false}},
 };
 
+// porter.optimizer.no_decay: a list of parameter patterns.
+std::vector<std::string> read_patterns(const Json& v, const std::string& path) {
+  if (!v.is_array()) {
+    fail(path, "expected a list of parameter patterns (e.g. [\"ndim<2\", \"wpe\"]), got " +
+                   describe(v));
+  }
+  std::vector<std::string> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string item = path + "[" + std::to_string(i) + "]";
+    out.push_back(as_string(v[i], item));
+    check_param_pattern(out.back(), item);
+  }
+  return out;
+}
+
+void read_no_decay(const Json& v, const std::string& path, PorterOptimizerConfig& o,
+                   Diagnostics&) {
+  o.no_decay = read_patterns(v, path);
+}
+std::optional<OJson> write_no_decay(const PorterOptimizerConfig& o) { return OJson(o.no_decay); }
+
+// porter.optimizer.param_groups: a list of {"params": [...], "weight_decay": x, "lr_scale": y}.
+// A key a group does not know is an error, not a warning: a misspelt weight_decay would train
+// the group at the optimizer's decay.
+void read_param_groups(const Json& v, const std::string& path, PorterOptimizerConfig& o,
+                       Diagnostics&) {
+  if (!v.is_array()) fail(path, "expected a list of groups, got " + describe(v));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string item = path + "[" + std::to_string(i) + "]";
+    const Json& g = v[i];
+    if (!g.is_object()) {
+      fail(item, "expected a group {\"params\": [patterns], \"weight_decay\": x, "
+                 "\"lr_scale\": y}, got " + describe(g));
+    }
+    for (const auto& [key, value] : g.items()) {
+      if (key != "params" && key != "weight_decay" && key != "lr_scale") {
+        fail(child_path(item, key), "unknown key of a parameter group; a group takes "
+                                    "\"params\", \"weight_decay\" and \"lr_scale\"");
+      }
+    }
+    ParamGroupConfig group;
+    if (!g.contains("params")) {
+      fail(child_path(item, "params"), "missing; a group names its parameters with a list of "
+                                       "patterns");
+    }
+    group.params = read_patterns(g.at("params"), child_path(item, "params"));
+    if (group.params.empty()) {
+      fail(child_path(item, "params"), "[]: a group without patterns matches no parameter");
+    }
+    if (g.contains("weight_decay") && !g.at("weight_decay").is_null()) {
+      group.weight_decay = as_real(g.at("weight_decay"), child_path(item, "weight_decay"),
+                                   RealRange{0.0, 1e6});
+    }
+    if (g.contains("lr_scale")) {
+      group.lr_scale = as_real(g.at("lr_scale"), child_path(item, "lr_scale"), RealRange{0.0, 1e6});
+    }
+    o.param_groups.push_back(std::move(group));
+  }
+}
+
+std::optional<OJson> write_param_groups(const PorterOptimizerConfig& o) {
+  OJson out = OJson::array();
+  for (const ParamGroupConfig& g : o.param_groups) {
+    OJson j;
+    j["params"] = g.params;
+    j["weight_decay"] = g.weight_decay ? OJson(*g.weight_decay) : OJson(nullptr);
+    j["lr_scale"] = g.lr_scale;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+constexpr Key<PorterOptimizerConfig> kOptimizerKeys[] = {
+    {"param_groups", Custom<PorterOptimizerConfig>{&read_param_groups, &write_param_groups}},
+    {"no_decay", Custom<PorterOptimizerConfig>{&read_no_decay, &write_no_decay}},
+};
+
 // A section read by its table alone.
 template <typename S>
 void read_plain(ObjectReader& r, S& section, const Config& c) {
@@ -314,6 +391,7 @@ PorterReadState read_porter_section(ObjectReader& root, Config& c) {
     }
     if (std::optional<ObjectReader> s = r->object("trace")) read_plain(*s, p.trace, c);
     if (std::optional<ObjectReader> s = r->object("comm")) read_plain(*s, p.comm, c);
+    if (std::optional<ObjectReader> s = r->object("optimizer")) read_plain(*s, p.optimizer, c);
     r->finish();
   }
   check_model("porter.model", c);
@@ -504,7 +582,7 @@ void check_across_sections(const PorterReadState& state, Config& c, Diagnostics&
 
 const PorterKeyTables& porter_key_tables() {
   static const PorterKeyTables tables{kModelKeys, kDataKeys,  kDeviceKeys, kCheckpointingKeys,
-                                      kTrainKeys, kTraceKeys, kCommKeys};
+                                      kTrainKeys, kTraceKeys, kCommKeys, kOptimizerKeys};
   return tables;
 }
 

@@ -60,7 +60,7 @@ using DeepSpeedKeyTables =
 using PorterKeyTables =
     std::tuple<KeyTable<ModelConfig>, KeyTable<DataConfig>, KeyTable<DeviceConfig>,
                KeyTable<CheckpointingConfig>, KeyTable<TrainConfig>, KeyTable<TraceConfig>,
-               KeyTable<CommConfig>>;
+               KeyTable<CommConfig>, KeyTable<PorterOptimizerConfig>>;
 const DeepSpeedKeyTables& deepspeed_key_tables();
 const PorterKeyTables& porter_key_tables();
 

@@ -51,6 +51,7 @@ OJson porter_json(const PorterSection& p) {
   j["train"] = keys_json(p.train);
   j["trace"] = keys_json(p.trace);
   j["comm"] = keys_json(p.comm);
+  j["optimizer"] = keys_json(p.optimizer);
   return j;
 }
 

@@ -72,6 +72,11 @@ const std::vector<RoundTripCase>& round_trip_cases() {
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
         "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": "auto"}})", 3},
+      {"param_groups", R"({"train_batch_size": 1, "porter": {"optimizer": {
+        "param_groups": [{"params": ["h.0.*", "ndim==1"], "weight_decay": 0.3, "lr_scale": 0.5},
+                         {"params": ["lnf.*"]}],
+        "no_decay": ["*.bias", "ndim<=1", "w[pt]e"]}}})", 1},
+      {"no_decay_empty", R"({"train_batch_size": 1, "porter": {"optimizer": {"no_decay": []}}})", 1},
   };
   return kCases;
 }
@@ -116,6 +121,50 @@ TEST(RoundTrip, PrintsResolvedValues) {
   EXPECT_EQ(j["zero_optimization"]["overlap_comm"], true);
   EXPECT_EQ(j["porter"]["checkpointing"]["policy"], "none");
   EXPECT_TRUE(j["steps_per_print"].is_null());
+}
+
+TEST(RoundTrip, PrintsTheParameterGroupsAndTheDefaultNoDecay) {
+  const Config plain = parse_config_string(R"({"train_batch_size": 1})").config;
+  const nlohmann::ordered_json p = to_json(plain)["porter"]["optimizer"];
+  EXPECT_EQ(p["no_decay"], nlohmann::ordered_json({"ndim<2", "wpe"}));
+  EXPECT_EQ(p["param_groups"], nlohmann::ordered_json::array());
+
+  const Config c = parse_config_string(R"({"train_batch_size": 1, "porter": {"optimizer": {
+      "param_groups": [{"params": ["h.*.attn.*"], "lr_scale": 2}], "no_decay": []}}})").config;
+  ASSERT_EQ(c.porter.optimizer.param_groups.size(), 1u);
+  const ParamGroupConfig& g = c.porter.optimizer.param_groups[0];
+  EXPECT_EQ(g.params, std::vector<std::string>{"h.*.attn.*"});
+  EXPECT_FALSE(g.weight_decay.has_value());  // the optimizer's
+  EXPECT_EQ(g.lr_scale, 2.0);
+  EXPECT_TRUE(c.porter.optimizer.no_decay.empty());
+  const nlohmann::ordered_json j = to_json(c)["porter"]["optimizer"];
+  EXPECT_EQ(j["param_groups"][0]["params"][0], "h.*.attn.*");
+  EXPECT_TRUE(j["param_groups"][0]["weight_decay"].is_null());
+  EXPECT_EQ(j["param_groups"][0]["lr_scale"], 2.0);
+  EXPECT_EQ(j["no_decay"], nlohmann::ordered_json::array());
+}
+
+TEST(ParamPatterns, GlobsMatchLayoutNamesAndSelectorsMatchRanks) {
+  EXPECT_TRUE(param_pattern_matches("*.bias", "h.3.qkv.bias", 1));
+  EXPECT_FALSE(param_pattern_matches("*.bias", "h.3.qkv.weight", 2));
+  EXPECT_TRUE(param_pattern_matches("h.[0-2].*", "h.2.fc1.weight", 2));
+  EXPECT_FALSE(param_pattern_matches("h.[0-2].*", "h.3.fc1.weight", 2));
+  EXPECT_TRUE(param_pattern_matches("wpe", "wpe", 2));
+  EXPECT_FALSE(param_pattern_matches("wpe", "wpe.weight", 2));
+  EXPECT_TRUE(param_pattern_matches("ndim<2", "anything", 1));
+  EXPECT_FALSE(param_pattern_matches("ndim<2", "anything", 2));
+  EXPECT_TRUE(param_pattern_matches("ndim<=2", "x", 2));
+  EXPECT_TRUE(param_pattern_matches("ndim==0", "x", 0));
+  EXPECT_FALSE(param_pattern_matches("ndim==0", "x", 1));
+  EXPECT_TRUE(param_pattern_matches("ndim>=3", "x", 4));
+  EXPECT_FALSE(param_pattern_matches("ndim>3", "x", 3));
+  // A name that merely starts with "ndim" is a glob.
+  EXPECT_TRUE(param_pattern_matches("ndim_proj*", "ndim_proj.weight", 2));
+  EXPECT_NO_THROW(check_param_pattern("h.[!0].*", "p"));
+  EXPECT_NO_THROW(check_param_pattern("h.[]].*", "p"));
+  EXPECT_THROW(check_param_pattern("h.[0", "p"), ConfigError);
+  EXPECT_THROW(check_param_pattern("ndim<", "p"), ConfigError);
+  EXPECT_THROW(check_param_pattern("ndim<2x", "p"), ConfigError);
 }
 
 }  // namespace
