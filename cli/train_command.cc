@@ -30,6 +30,7 @@
 #include "comm/store.h"
 #include "io/data.h"
 #include "engine/checkpointer.h"
+#include "engine/distributed.h"
 #include "engine/engine.h"
 #include "engine/stage3.h"
 #include "engine/forecast.h"
@@ -270,7 +271,8 @@ int train_nproc(const TrainOptions& o, const CommandContext& ctx) {
   return launch(lo, *ctx.out, *ctx.err).exit_code();  // the first failed rank's code
 }
 
-// This process's place in the world and what connects it to the others.
+// This process's place in the world and what connects it to the others (Note [Joining the
+// world] in engine/distributed.h).
 struct World {
   comm::DistEnv env;
   std::shared_ptr<comm::Store> store;             // null for one rank
@@ -282,33 +284,18 @@ struct World {
 };
 
 World join_world(const comm::DistEnv& env, const config::Config& cfg, memory::Device& device) {
+  DistributedOptions o;
+  o.tensor_parallel = static_cast<int>(cfg.porter.model.tensor_parallel);
+  o.timeout_s = cfg.porter.comm.timeout_s;
+  Distributed d = init_distributed(device, env, o);
   World w;
   w.env = env;
-  if (!w.distributed()) return w;
-  const comm::Seconds timeout(cfg.porter.comm.timeout_s);
-  comm::TcpStoreOptions so;
-  so.host = env.master_addr;
-  so.port = env.master_port;
-  so.is_server = env.rank == 0;
-  so.timeout = timeout;
-  so.world_size = env.world_size;
-  so.token = env.store_token;
-  w.store = std::make_shared<comm::TcpStore>(so);
-  comm::CommOptions co;
-  co.group_name = "world";
-  co.timeout = timeout;
-  w.world = comm::make_communicator(device, w.store, env.rank, env.world_size, co);
-  const int64_t tp = cfg.porter.model.tensor_parallel;
-  if (tp == 1) {
-    w.dp = w.world;
-    w.groups = engine::data_parallel(w.world);
-  } else {
-    comm::ProcessGroups g = comm::make_process_groups(w.world, static_cast<int>(tp));
-    w.dp = g.dp;
-    w.tp = g.tp;
-    w.tp_rank = g.tp_rank;
-    w.groups = g;
-  }
+  w.store = std::move(d.store);
+  w.world = std::move(d.world);
+  w.groups = std::move(d.groups);
+  w.dp = w.groups.dp;
+  w.tp = w.groups.tp;
+  w.tp_rank = w.groups.tp_rank;
   return w;
 }
 

@@ -31,6 +31,7 @@
 #include "base/check.h"
 #include "engine/engine.h"
 #include "engine/engine_impl.h"
+#include "engine/executor.h"
 #include "offload/link_probe.h"
 
 namespace porter::engine {
@@ -322,17 +323,8 @@ void Engine::agree_kernel_table() {
 checkpoint::ChainCosts Engine::profile() {
   Impl& im = *impl_;
   im.fold_peaks(allocator_->stats());
-  const int64_t b = run_.shape.micro_batch;
-  const int64_t t = run_.shape.seq;
-  const int64_t vocab =
-      std::max<int64_t>(1, model_->vocab_size().value_or(run_.shape.model.vocab));
-  io::HostBatch mb;
-  mb.batch = b;
-  mb.seq = t;
-  for (int64_t i = 0; i < b * t; ++i) {
-    mb.tokens.push_back(static_cast<int32_t>((i * 7 + 3) % vocab));
-    mb.targets.push_back(static_cast<int32_t>((i * 5 + 1) % vocab));
-  }
+  const io::HostBatch mb = synthetic_batch(run_, *model_);
+  const std::vector<BatchField> spec = model_->batch_spec(run_);
   // Profiling runs real backwards: keep the gradient buffer as the last step left it. At
   // stages 2 and 3 there is none: while a stage is measured, the entries its backward writes
   // (its own and, for the head, the tied embedding's: Model::grad_writers) are bound to a
@@ -396,13 +388,17 @@ checkpoint::ChainCosts Engine::profile() {
   };
   checkpoint::ChainCosts costs;
   try {
-    tensor::Tensor tokens = upload_ids(*allocator_, mb.tokens, b, t);
-    tensor::Tensor targets = upload_ids(*allocator_, mb.targets, b, t);
-    im.ctx->set_run({run_.seed, 0, 0, static_cast<int64_t>(b), static_cast<int64_t>(t)});
+    const nn::Batch batch = upload_batch(*allocator_, mb, spec);
+    const tensor::Tensor& input = batch.get(model_->input_name());
+    const tensor::Tensor& targets = batch.get(model_->target_name());
+    im.ctx->set_run({run_.seed, 0, 0, input.dim(0), batch_positions(input)});
+    im.ctx->set_batch(&batch);
     model_->set_loss_scale(1.0f / static_cast<float>(run_.gradient_accumulation_steps));
-    costs = profile_chain(*model_, *im.ctx, tokens, targets, run_.selective_policy,
+    costs = profile_chain(*model_, *im.ctx, input, targets, run_.selective_policy,
                           run_.selective_name, stage_hook);
+    im.ctx->set_batch(nullptr);
   } catch (...) {
+    im.ctx->set_batch(nullptr);
     restore();
     allocator_->reset_peak();
     throw;

@@ -4,7 +4,7 @@
 // stats.cc, the wall-clock breakdown in wall_clock.cc, evaluation in evaluate.cc, the host
 // copies of parameters and gradients in params.cc, the micro-batches' checks and upload in
 // batches.cc, the memory report in memory_report.cc, training checkpoints in state.cc, the
-// schedule executor in executor.cc, the optimizer's phases in zero/sharded_optimizer.cc.
+// schedule executor in executor.cc, train_step and the step API in step.cc, the optimizer's phases in zero/sharded_optimizer.cc.
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -171,122 +171,6 @@ const checkpoint::Plan& Engine::plan() const { return impl_->plan; }
 const checkpoint::ChainCosts& Engine::costs() const { return impl_->costs; }
 
 kernels::KernelTable& Engine::kernel_table() const { return kernels_->kernel_table(); }
-
-StepResult Engine::train_step(const std::vector<io::HostBatch>& micro_batches) {
-  Impl& im = *impl_;
-  check_states_on_device("train_step");  // Note [Offloaded model states]
-  check_batches(run_, *model_, micro_batches,
-                static_cast<size_t>(run_.gradient_accumulation_steps));
-  const auto t0 = Clock::now();
-  TraceSpan step_trace;
-  step_trace.name = "step " + std::to_string(step_);
-  step_trace.category = "step";
-  step_trace.lane = "compute";
-  step_trace.step = step_;
-  ScopedSpan step_span(trace_, std::move(step_trace));
-  begin_step();
-  comm::Communicator* comm = im.comm();
-  const comm::CommStats comm0 = comm != nullptr ? comm->stats() : comm::CommStats{};
-  StepResult r;
-  zero::GradNorm norm;
-  zero::ReducerStats reduced;
-  try {
-    reduced = forward_backward_and_reduce(micro_batches, r);
-    norm = update(r);
-  } catch (const std::exception& e) {
-    // Note [Comm failure]: peers must not wait out the timeout for this rank.
-    if (comm != nullptr) {
-      comm->abort("rank " + std::to_string(comm->rank()) + ": train_step " +
-                  std::to_string(step_) + " failed: " + e.what());
-    }
-    if (comm::Communicator* tp = im.tp_comm(); tp != nullptr) {
-      tp->abort("rank " + std::to_string(tp->rank()) + " of " + tp->group_name() +
-                ": train_step " + std::to_string(step_) + " failed: " + e.what());
-    }
-    im.reducer->abort();
-    if (im.gatherer) im.gatherer->abort();
-    throw;
-  }
-  im.optimizer->finish_step(norm.overflow);
-  collect_offload(r);
-  collect_comm();
-  record(micro_batches, comm0, reduced, r);
-  r.time_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (!im.kernel_table_agreed) {
-    agree_kernel_table();
-    im.kernel_table_agreed = true;
-  }
-  return r;
-}
-
-// Phase 1: this step's statistics and records start empty (a failed step's are dropped).
-void Engine::begin_step() {
-  Impl& im = *impl_;
-  im.fold_peaks(allocator_->stats());
-  allocator_->reset_peak();
-  if (im.step_memory) im.step_memory->begin_step(step_ + 1);
-  im.stash->reset_stats();
-  (void)im.stash->take_copies();
-  (void)im.stash->take_waits();
-  (void)im.optimizer->take_exposed_s();
-  (void)im.optimizer->take_offload_stats();
-  im.optimizer->begin_step();
-  if (im.gatherer) (void)im.gatherer->take_stats();
-  if (comm::Communicator* comm = im.comm()) (void)comm->take_records();
-  if (comm::Communicator* tp = im.tp_comm()) {
-    (void)tp->take_records();
-    im.tp_comm0 = tp->stats();
-  }
-}
-
-// Phase 2: every micro-batch through the schedule, its gradient buckets reduced as Note
-// [Gradient reduction] says.
-zero::ReducerStats Engine::forward_backward_and_reduce(
-    const std::vector<io::HostBatch>& micro_batches, StepResult& r) {
-  Impl& im = *impl_;
-  const double loss_scale = im.optimizer->loss_scale();
-  im.reducer->zero_grads();
-  model_->set_loss_scale(
-      static_cast<float>(loss_scale / static_cast<double>(run_.gradient_accumulation_steps)));
-  double loss_sum = 0.0;
-  WallClockBreakdown& wc = r.wall_clock;
-  wc.enabled = run_.wall_clock_breakdown;
-  OpClock clock(wc, device_->compute_stream(), *im.stash);
-  for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const io::HostBatch& mb = micro_batches[i];
-    tensor::Tensor tokens = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
-    tensor::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
-    zero::GradReducer* reducer = im.reducer.get();
-    ExecEnv env;
-    env.model = model_.get();
-    env.ctx = im.ctx.get();
-    env.schedule = &im.plan.schedule;
-    env.selective_policy = im.plan.selective_policy;
-    env.trace = trace_;
-    env.step = step_;
-    env.micro_batch = static_cast<int>(i);
-    env.seed = run_.seed;
-    env.stash = im.stash.get();
-    env.before_backward = [reducer](int stage) { reducer->before_backward(stage); };
-    env.after_backward = [reducer](int stage) { reducer->after_backward(stage); };
-    env.memory = im.step_memory.get();
-    if (im.train_gathers.active()) {  // Note [Stage 3 driver]
-      const Stage3Driver* gathers = &im.train_gathers;
-      env.before_op = [gathers](size_t k) { gathers->before_op(k); };
-      env.after_op = [gathers](size_t k) { gathers->after_op(k); };
-    }
-    if (wc.enabled) clock.wrap(env, model_->num_stages());  // Note [Wall-clock breakdown]
-    reducer->begin_micro_batch(i + 1 == micro_batches.size());
-    const MicroBatchResult mr = run_schedule(env, tokens, targets);
-    const auto reduce_t0 = wc.enabled ? clock.now() : Clock::time_point{};
-    reducer->end_micro_batch();
-    if (wc.enabled) wc.reduce_ms += ms_between(reduce_t0, clock.now());
-    loss_sum += mr.loss;
-    r.recompute_s += mr.recompute_s;
-  }
-  r.loss = loss_sum / static_cast<double>(micro_batches.size());
-  return im.reducer->take_stats();
-}
 
 // Phases 3 and 4 (Note [Sharded optimizer]): the global norm, overflow and clipping, then
 // AdamW on the optimizer's range and the all-gather of the parameters.

@@ -291,6 +291,33 @@ class Engine {
   // step can be retried). StepResult::loss is this rank's mean loss.
   StepResult train_step(const std::vector<io::HostBatch>& micro_batches);
 
+  // DeepSpeed's step API (docs/engine.md, "The step API"): `loss = forward(batch)`,
+  // `backward()`, `optimizer_step()`, once per micro-batch, as engine(batch),
+  // engine.backward(loss) and engine.step() in DeepSpeed. train_step is these calls over its
+  // micro-batches, so the two give the same bits, with accumulation, clipping and fp16 alike.
+  // - forward(batch) runs the plan's schedule for the micro-batch up to the loss stage's
+  //   first forward (what it keeps is what the checkpoint policy keeps) and returns its loss;
+  //   the first forward of a step begins it (the gradients are zeroed). With keep_output the
+  //   loss stage's input, the model's outputs, is copied to the host (output()).
+  // - backward() runs the rest of the micro-batch's schedule: recomputes, backward, and the
+  //   gradient reduction of Note [Gradient reduction].
+  // - optimizer_step() at the accumulation boundary (after gradient_accumulation_steps
+  //   backward()s) runs the update and returns the step's result (loss: the mean of the
+  //   micro-batches'); before it, it does nothing and returns nullopt, as DeepSpeed's
+  //   engine.step() does between boundaries.
+  // Out of order (forward twice without backward, backward without forward, forward past the
+  // boundary, train_step inside a begun step) is a UsageError with nothing changed. A failure
+  // inside any of them drops the begun step (its gradients) and aborts the communicators as
+  // train_step does.
+  double forward(const io::HostBatch& batch, bool keep_output = false);
+  void backward();
+  std::optional<StepResult> optimizer_step();
+  // Whether the next optimizer_step() updates: every micro-batch of the step has run backward.
+  bool is_gradient_accumulation_boundary() const;
+  // The model's outputs of the last forward(batch, true), f32 on the host, named "output";
+  // throws UsageError when there is none.
+  const io::HostTensor& output() const;
+
   // Measures every stage's costs (checkpoint/costs.h) on a synthetic micro-batch of the
   // configured shape; leaves gradients and parameters unchanged.
   checkpoint::ChainCosts profile();
@@ -426,10 +453,14 @@ class Engine {
   double measure_tp_bytes_per_s(size_t bytes);
   // Throws UsageError naming `what` while the model states are offloaded (offload_states).
   void check_states_on_device(const char* what) const;
-  // The phases of train_step (Note [One engine step]).
+  // The phases of train_step (Note [One engine step]), in step.cc but update: a step begun
+  // (begin_step, and the step's state), each micro-batch's forward and backward halves, and
+  // its end (the update and the records); fail_step drops a begun step after an error.
   void begin_step();
-  zero::ReducerStats forward_backward_and_reduce(const std::vector<io::HostBatch>& micro_batches,
-                                                 StepResult& r);
+  void forward_micro_batch(const io::HostBatch& batch, bool keep_output);
+  void backward_micro_batch();
+  StepResult finish_step(const std::vector<io::HostBatch>& micro_batches);
+  void fail_step(const std::exception& e);
   zero::GradNorm update(StepResult& r);
   void collect_offload(StepResult& r);
   void collect_comm();
@@ -455,6 +486,14 @@ class Engine {
     void operator()(StatesOffload* s) const;
   };
   std::unique_ptr<StatesOffload, StatesOffloadDeleter> states_offload_;
+  // The step begun by train_step or forward() and not finished (step.cc). Last: destroyed
+  // first, while the stash and the allocator its tensors use are alive.
+  struct PendingStep;
+  struct PendingStepDeleter {
+    void operator()(PendingStep* p) const;
+  };
+  std::unique_ptr<PendingStep, PendingStepDeleter> pending_;
+  std::optional<io::HostTensor> last_output_;
 };
 
 }  // namespace porter::engine

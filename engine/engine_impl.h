@@ -91,12 +91,21 @@ struct Engine::Impl {
 // alignment padding between them holds zero gradients).
 std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const nn::ParamLayout& layout,
                                                            const std::vector<bool>& replicated);
-// One micro-batch's ids, (batch, seq) i32, on the device (workspace).
-tensor::Tensor upload_ids(memory::CachingAllocator& alloc, const std::vector<int32_t>& ids,
-                          int64_t batch, int64_t seq);
-// Throws InvalidArgument unless `micro_batches` are the shape `run` was planned for (and
-// expected_count of them; 0: any number but none) with ids within the model's vocabulary.
+// A micro-batch of the model's batch_spec for profiling: token ids spread over the
+// vocabulary, features in [-0.5, 0.5), integer labels 0, masks false.
+io::HostBatch synthetic_batch(const RunOptions& run, const Model& model);
+// A micro-batch's tensors on the device (workspace), named as Note [Batch tensors] says:
+// a token batch's "tokens" and "targets", then its named tensors. An i64 tensor the model
+// expects as i32 (class labels from a data pipeline) is narrowed on the way.
+nn::Batch upload_batch(memory::CachingAllocator& alloc, const io::HostBatch& mb,
+                       const std::vector<BatchField>& spec);
+// Throws InvalidArgument unless `micro_batches` hold the tensors of the model's batch_spec,
+// with their dtypes and shapes (and expected_count of them; 0: any number but none), and
+// token ids within the model's vocabulary.
 void check_batches(const RunOptions& run, Model& model,
                    const std::vector<io::HostBatch>& micro_batches, size_t expected_count);
+// One of them, micro-batch number `index` (for the messages), against model.batch_spec.
+void check_batch(const std::vector<BatchField>& spec, Model& model, const io::HostBatch& mb,
+                 size_t index);
 
 }  // namespace porter::engine

@@ -1,6 +1,7 @@
 // Engine::evaluate: the mean loss at the current parameters, forward only.
 #include "engine/engine.h"
 #include "engine/engine_impl.h"
+#include "engine/executor.h"
 
 namespace porter::engine {
 
@@ -10,10 +11,15 @@ double Engine::evaluate(const std::vector<io::HostBatch>& micro_batches) {
   check_batches(run_, *model_, micro_batches, 0);
   const int n = model_->num_stages();
   double sum = 0.0;
+  const std::vector<BatchField> spec = model_->batch_spec(run_);
   struct TargetsGuard {
     Model& m;
-    ~TargetsGuard() { m.set_targets(tensor::Tensor()); }
-  } guard{*model_};
+    nn::Ctx& ctx;
+    ~TargetsGuard() {
+      m.set_targets(tensor::Tensor());
+      ctx.set_batch(nullptr);
+    }
+  } guard{*model_, *im.ctx};
   // Stage 3: the forward pass's gather plan around each stage (Note [Stage 3 driver]);
   // nothing stays gathered however evaluate ends.
   const Stage3Driver& gathers = im.forward_gathers;
@@ -24,12 +30,12 @@ double Engine::evaluate(const std::vector<io::HostBatch>& micro_batches) {
     }
   } gather_guard{im.gatherer.get()};
   for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const io::HostBatch& mb = micro_batches[i];
-    tensor::Tensor x = upload_ids(*allocator_, mb.tokens, mb.batch, mb.seq);
-    tensor::Tensor targets = upload_ids(*allocator_, mb.targets, mb.batch, mb.seq);
+    const nn::Batch batch = upload_batch(*allocator_, micro_batches[i], spec);
+    tensor::Tensor x = batch.get(model_->input_name());
+    const tensor::Tensor& targets = batch.get(model_->target_name());
     im.ctx->set_run({run_.seed, static_cast<uint64_t>(step_), static_cast<uint32_t>(i),
-                     static_cast<int64_t>(mb.batch), static_cast<int64_t>(mb.seq),
-                     /*eval=*/true});
+                     x.dim(0), batch_positions(x), /*eval=*/true});
+    im.ctx->set_batch(&batch);
     for (int s = 0; s < n; ++s) {
       gathers.before_op(static_cast<size_t>(s));
       nn::Tape tape;  // a checkpointed forward keeps nothing; dropped at once
@@ -37,6 +43,7 @@ double Engine::evaluate(const std::vector<io::HostBatch>& micro_batches) {
       x = nn::forward_stage(*im.ctx, model_->stage(s), s, tape, nn::SaveMode::kCheckpoint, x);
       gathers.after_op(static_cast<size_t>(s));
     }
+    im.ctx->set_batch(nullptr);
     sum += static_cast<double>(tensor::to_host_f32(*device_, x).at(0));
   }
   return sum / static_cast<double>(micro_batches.size());

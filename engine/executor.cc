@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,13 +55,6 @@ void record(TraceRecorder* trace, const ExecEnv& env, const char* category, int 
   trace->counter(std::move(c));
 }
 
-// The stash calls of every op index, from the layout (Note [Offload semantics]).
-struct StashCalls {
-  std::vector<int> hold;                    // entry offloaded before the op, or -1
-  std::vector<int> use;                     // entry fetched before the op, or -1
-  std::vector<std::vector<int>> prefetch;   // entries prefetched before the op, by use_op
-  std::vector<std::vector<int>> release;    // entries released after the op
-};
 
 [[noreturn]] void bad_layout(size_t entry, const std::string& why) {
   throw InternalError("stash entry " + std::to_string(entry) + ": " + why +
@@ -123,59 +117,102 @@ StashCalls stash_calls(const checkpoint::OffloadLayout& layout,
 
 }  // namespace
 
-MicroBatchResult run_schedule(const ExecEnv& env, const tensor::Tensor& tokens,
-                              const tensor::Tensor& targets) {
+MicroBatchRun::MicroBatchRun(const ExecEnv& env, const nn::Batch& batch, bool keep_output)
+    : env_(env), batch_(&batch), keep_output_(keep_output) {
   Model& model = *env.model;
-  nn::Ctx& ctx = *env.ctx;
+  const int n = model.num_stages();
+  PORTER_ASSERT(env.schedule->num_stages == n, "schedule for ", env.schedule->num_stages,
+                " stages, model has ", n);
+  const tensor::Tensor& input = batch.get(model.input_name());
+  targets_ = batch.get(model.target_name());
+  run_ = {env.seed, static_cast<uint64_t>(env.step), static_cast<uint32_t>(env.micro_batch),
+          input.dim(0), batch_positions(input)};
+  tapes_.resize(static_cast<size_t>(n));
+  held_.resize(static_cast<size_t>(n));
+  is_held_.assign(static_cast<size_t>(n), false);
+  on_host_.assign(static_cast<size_t>(n), false);
+  forwards_.assign(static_cast<size_t>(n), 0);
+  cur_ = input;
+  g_ = n;
+  offloading_ = env.stash != nullptr && !env.stash->layout().empty();
+  if (offloading_) calls_ = stash_calls(env.stash->layout(), *env.schedule);
+  // The first forward of the loss stage ends the forward half (Engine::forward).
+  loss_end_ = env.schedule->ops.size();
+  for (size_t k = 0; k < env.schedule->ops.size(); ++k) {
+    const ScheduleOp& op = env.schedule->ops[k];
+    if (op.kind == ScheduleOp::Kind::kForward && op.stage == n - 1) {
+      loss_end_ = k + 1;
+      break;
+    }
+  }
+}
+
+MicroBatchRun::~MicroBatchRun() {
+  if (started_ && !done_) release();
+}
+
+void MicroBatchRun::release() noexcept {
+  // Drop every reference into staging slots before the stash frees them.
+  tapes_.clear();
+  held_.clear();
+  cur_ = tensor::Tensor();
+  grad_ = tensor::Tensor();
+  env_.model->set_targets(tensor::Tensor());
+  if (offloading_) env_.stash->abort();
+  done_ = true;
+}
+
+tensor::Tensor MicroBatchRun::input_of(size_t index, const ScheduleOp& op) {
+  if (has_cur_ && cur_stage_ == op.stage) return cur_;
+  const auto s = static_cast<size_t>(op.stage);
+  if (is_held_[s] && on_host_[s]) {
+    invalid_op(index, op, "it reads a host-held input before its use_op");
+  }
+  if (is_held_[s]) return held_[s];
+  invalid_op(index, op, "its input is neither the current activation nor held");
+}
+
+void MicroBatchRun::run_until(size_t end) {
+  PORTER_ASSERT(!done_, "MicroBatchRun::run_until after the micro-batch ended or failed");
+  Model& model = *env_.model;
+  nn::Ctx& ctx = *env_.ctx;
+  const ExecEnv& env = env_;
   const checkpoint::Schedule& schedule = *env.schedule;
   const int n = model.num_stages();
-  PORTER_ASSERT(schedule.num_stages == n, "schedule for ", schedule.num_stages,
-                " stages, model has ", n);
-  ctx.set_run({env.seed, static_cast<uint64_t>(env.step), static_cast<uint32_t>(env.micro_batch),
-               tokens.dim(0), tokens.dim(1)});
-
-  // Note [Schedule semantics]. Cleared on unwind (before the stash aborts), releasing every
-  // tape, held input and gradient of the micro-batch.
-  std::vector<nn::Tape> tapes(static_cast<size_t>(n));
-  std::vector<tensor::Tensor> held(static_cast<size_t>(n));
-  std::vector<bool> is_held(static_cast<size_t>(n), false);
-  // Held on the host and not fetched yet: held[i] is empty until its use_op.
-  std::vector<bool> on_host(static_cast<size_t>(n), false);
-  std::vector<int> forwards(static_cast<size_t>(n), 0);
-  tensor::Tensor cur = tokens;  // a_{cur_stage}
-  int cur_stage = 0;
-  bool has_cur = true;
-  tensor::Tensor grad;  // of a_g; the loss stage ignores its dy
-  int g = n;
-  std::optional<double> loss;
-  MicroBatchResult result;
   TraceRecorder* trace = env.trace;
-
   offload::CheckpointStash* stash = env.stash;
-  const bool offloading = stash != nullptr && !stash->layout().empty();
-  StashCalls calls;
-  if (offloading) calls = stash_calls(stash->layout(), schedule);
-
-  // The loss stage reads the micro-batch's targets on every forward and recompute; the
-  // reference is dropped however the micro-batch ends.
-  struct TargetsGuard {
-    Model& m;
-    ~TargetsGuard() { m.set_targets(tensor::Tensor()); }
-  } targets_guard{model};
-
-  auto input_of = [&](size_t index, const ScheduleOp& op) -> tensor::Tensor {
-    if (has_cur && cur_stage == op.stage) return cur;
-    const auto s = static_cast<size_t>(op.stage);
-    if (is_held[s] && on_host[s]) {
-      invalid_op(index, op, "it reads a host-held input before its use_op");
-    }
-    if (is_held[s]) return held[s];
-    invalid_op(index, op, "its input is neither the current activation nor held");
-  };
-
-  if (offloading) stash->begin(env.micro_batch);
+  const bool offloading = offloading_;
+  const StashCalls& calls = calls_;
+  const tensor::Tensor& targets = targets_;
+  auto& tapes = tapes_;
+  auto& held = held_;
+  auto& is_held = is_held_;
+  auto& on_host = on_host_;
+  auto& forwards = forwards_;
+  auto& cur = cur_;
+  auto& cur_stage = cur_stage_;
+  auto& has_cur = has_cur_;
+  auto& grad = grad_;
+  auto& g = g_;
+  auto& loss = loss_;
+  auto& result = result_;
+  auto input_of = [this](size_t index, const ScheduleOp& op) { return this->input_of(index, op); };
+  // The micro-batch's run identity and tensors are the Ctx's while its ops run; the loss
+  // stage reads the targets on every forward and recompute (Note [Batch tensors]).
+  ctx.set_run(run_);
+  ctx.set_batch(batch_);
+  struct BatchGuard {
+    nn::Ctx& c;
+    ~BatchGuard() { c.set_batch(nullptr); }
+  } batch_guard{ctx};
+  if (!started_) {
+    started_ = true;
+    if (offloading) stash->begin(env.micro_batch);
+  }
+  end = std::min(end, schedule.ops.size());
   try {
-    for (size_t k = 0; k < schedule.ops.size(); ++k) {
+    for (; next_ < end; ++next_) {
+      const size_t k = next_;
       const ScheduleOp& op = schedule.ops[k];
       if (op.stage < 0 || op.stage >= n) invalid_op(k, op, "no such stage");
       const auto s = static_cast<size_t>(op.stage);
@@ -228,7 +265,18 @@ MicroBatchResult run_schedule(const ExecEnv& env, const tensor::Tensor& tokens,
           } else if (hold_entry >= 0) {
             invalid_op(k, op, "the stash holds an input here that the schedule does not");
           }
-          if (op.stage == n - 1) model.set_targets(targets);
+          if (op.stage == n - 1) {
+            model.set_targets(targets);
+            if (keep_output_ && !output_) {  // the model's outputs, before the loss
+              output_.emplace();
+              output_->name = "output";
+              output_->shape = input.shape();
+              auto values = std::make_shared<std::vector<float>>(
+                  tensor::to_host_f32(ctx.allocator().device(), input));
+              output_->data = values->data();
+              output_->owner = std::move(values);
+            }
+          }
           const bool repeat = forwards[s]++ > 0;
           tensor::Tensor out;
           switch (op.save) {
@@ -303,23 +351,38 @@ MicroBatchResult run_schedule(const ExecEnv& env, const tensor::Tensor& tokens,
         env.memory->op_end(env.micro_batch, static_cast<int>(k), phase, op.stage, op_start_ns);
       }
     }
-    if (offloading) stash->end();
+    if (next_ == schedule.ops.size()) {
+      if (offloading) stash->end();
+      model.set_targets(tensor::Tensor());
+      done_ = true;
+    }
   } catch (...) {
-    // Drop every reference into staging slots before the stash frees them.
-    tapes.clear();
-    held.clear();
-    cur = tensor::Tensor();
-    grad = tensor::Tensor();
-    if (offloading) stash->abort();
+    release();
     throw;
   }
-  if (g != 0 || !loss) {
-    throw InternalError("schedule ended with gradient at stage " + std::to_string(g) +
-                        (loss ? "" : " and no forward of the loss stage") +
+}
+
+MicroBatchResult MicroBatchRun::finish() {
+  if (!done_) run_until(env_.schedule->ops.size());
+  if (g_ != 0 || !loss_) {
+    throw InternalError("schedule ended with gradient at stage " + std::to_string(g_) +
+                        (loss_ ? "" : " and no forward of the loss stage") +
                         " (Note [Schedule semantics])");
   }
-  result.loss = *loss;
-  return result;
+  result_.loss = *loss_;
+  return result_;
+}
+
+double MicroBatchRun::forward() {
+  run_until(loss_end_);
+  PORTER_ASSERT(loss_.has_value(), "the schedule's first ", loss_end_,
+                " ops ran no forward of the loss stage");
+  return *loss_;
+}
+
+MicroBatchResult run_schedule(const ExecEnv& env, const nn::Batch& batch) {
+  MicroBatchRun run(env, batch);
+  return run.finish();
 }
 
 }  // namespace porter::engine

@@ -7,6 +7,8 @@
 #include "base/check.h"
 #include "tensor/philox.h"
 
+#include <nlohmann/json.hpp>
+
 namespace porter::engine {
 
 namespace {
@@ -46,6 +48,11 @@ std::vector<bool> TransformerModel::tp_replicated() const {
     out.push_back(model_->replicated(e.name));
   }
   return out;
+}
+
+std::vector<BatchField> Model::batch_spec(const RunOptions& run) const {
+  const tensor::Shape ids{run.shape.micro_batch, run.shape.seq};
+  return {{"tokens", tensor::DType::kI32, ids}, {"targets", tensor::DType::kI32, ids}};
 }
 
 ChainModel::ChainModel(std::vector<std::unique_ptr<nn::Layer>> layers,
@@ -114,6 +121,145 @@ std::vector<float> ChainModel::default_init(int stage, const nn::ParamSpec& spec
     }
   }
   return out;
+}
+
+namespace {
+
+std::vector<std::unique_ptr<nn::Layer>> as_layers(std::vector<std::unique_ptr<nn::Module>>& stages) {
+  std::vector<std::unique_ptr<nn::Layer>> out;
+  for (auto& m : stages) out.push_back(std::move(m));
+  return out;
+}
+
+// Each stage's initial values come from its module (stage i of `modules`; the loss has none).
+ChainModel::Init module_init(std::vector<const nn::Module*> modules) {
+  return [modules = std::move(modules)](int stage, const nn::ParamSpec& spec, uint64_t seed) {
+    const nn::Module& m = *modules.at(static_cast<size_t>(stage));
+    const std::vector<nn::ParamSpec> specs = m.params();
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].name == spec.name) {
+        return m.init_param(i, std::to_string(stage) + "." + spec.name, seed);
+      }
+    }
+    throw InternalError("LayerModel: stage " + std::to_string(stage) + " has no parameter " +
+                        spec.name);
+  };
+}
+
+std::vector<const nn::Module*> module_pointers(const std::vector<std::unique_ptr<nn::Module>>& stages) {
+  std::vector<const nn::Module*> out;
+  for (const auto& m : stages) {
+    PORTER_CHECK(m != nullptr, "LayerModel: stage ", out.size(), " is null");
+    out.push_back(m.get());
+  }
+  return out;
+}
+
+}  // namespace
+
+LayerModel::Parts LayerModel::parts(std::vector<std::unique_ptr<nn::Module>>& stages) {
+  PORTER_CHECK(!stages.empty(), "LayerModel: no stages; give at least one module");
+  Parts p;
+  p.init = module_init(module_pointers(stages));  // the modules stay where they are
+  p.layers = as_layers(stages);
+  return p;
+}
+
+LayerModel::LayerModel(std::vector<std::unique_ptr<nn::Module>> stages,
+                       std::unique_ptr<nn::LossLayer> loss, std::vector<BatchField> batch,
+                       std::string input, std::string target)
+    : LayerModel(parts(stages), std::move(loss), std::move(batch), std::move(input),
+                 std::move(target)) {}
+
+LayerModel::LayerModel(Parts parts, std::unique_ptr<nn::LossLayer> loss,
+                       std::vector<BatchField> batch, std::string input, std::string target)
+    : ChainModel(std::move(parts.layers), std::move(loss), std::move(parts.init)),
+      batch_(std::move(batch)),
+      input_(std::move(input)),
+      target_(std::move(target)) {
+  bool has_input = false, has_target = false;
+  for (const BatchField& f : batch_) {
+    PORTER_CHECK(!f.name.empty(), "LayerModel: a batch tensor has no name");
+    has_input |= f.name == input_;
+    has_target |= f.name == target_;
+  }
+  PORTER_CHECK(has_input, "LayerModel: the input \"", input_, "\" is not one of the batch's tensors");
+  PORTER_CHECK(has_target, "LayerModel: the target \"", target_,
+               "\" is not one of the batch's tensors");
+}
+
+std::vector<BatchField> LayerModel::batch_spec(const RunOptions& run) const {
+  std::vector<BatchField> out;
+  for (const BatchField& f : batch_) {
+    std::vector<int64_t> dims{run.shape.micro_batch};
+    for (int64_t d : f.shape.to_vector()) dims.push_back(d);
+    out.push_back({f.name, f.dtype, tensor::Shape(dims)});
+  }
+  return out;
+}
+
+namespace {
+
+tensor::DType batch_dtype(const nlohmann::json& j, const std::string& path) {
+  PORTER_CHECK(j.is_string(), path, " must be a string: f32, bf16, i32, i64 or bool");
+  const std::string s = j.get<std::string>();
+  if (s == "f32" || s == "float32") return tensor::DType::kF32;
+  if (s == "bf16" || s == "bfloat16") return tensor::DType::kBF16;
+  if (s == "i32" || s == "int32") return tensor::DType::kI32;
+  if (s == "i64" || s == "int64") return tensor::DType::kI64;
+  if (s == "bool") return tensor::DType::kBool;
+  PORTER_CHECK(false, path, " is \"", s, "\"; the batch's dtypes are f32, bf16, i32, i64, bool");
+  return tensor::DType::kF32;
+}
+
+void only_keys(const nlohmann::json& j, const std::string& path,
+               std::initializer_list<const char*> keys) {
+  PORTER_CHECK(j.is_object(), path, " must be an object");
+  for (const auto& [k, v] : j.items()) {
+    bool known = false;
+    std::string list;
+    for (const char* key : keys) {
+      known |= k == key;
+      list += (list.empty() ? "" : ", ") + std::string(key);
+    }
+    PORTER_CHECK(known, path, ": unknown key \"", k, "\"; the keys are ", list);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<LayerModel> layer_model_from_json(const nlohmann::json& spec) {
+  only_keys(spec, "model", {"stages", "loss", "batch", "input", "target"});
+  for (const char* key : {"stages", "loss", "batch", "input", "target"}) {
+    PORTER_CHECK(spec.contains(key), "model: \"", key, "\" is missing");
+  }
+  PORTER_CHECK(spec["stages"].is_array() && !spec["stages"].empty(),
+               "model.stages must be a non-empty array of modules");
+  std::vector<std::unique_ptr<nn::Module>> stages;
+  for (const nlohmann::json& m : spec["stages"]) stages.push_back(nn::module_from_json(m));
+  std::unique_ptr<nn::LossLayer> loss = nn::loss_from_json(spec["loss"]);
+  PORTER_CHECK(spec["batch"].is_object() && !spec["batch"].empty(),
+               "model.batch must be an object of the batch's tensors: {\"x\": {\"dtype\": "
+               "\"f32\", \"shape\": [16]}, ...}");
+  std::vector<BatchField> batch;
+  for (const auto& [name, f] : spec["batch"].items()) {
+    const std::string path = "model.batch." + name;
+    only_keys(f, path, {"dtype", "shape"});
+    PORTER_CHECK(f.contains("dtype") && f.contains("shape"), path, " needs dtype and shape");
+    PORTER_CHECK(f["shape"].is_array(), path, ".shape must be an array of sizes per sample");
+    std::vector<int64_t> dims;
+    for (const nlohmann::json& d : f["shape"]) {
+      PORTER_CHECK(d.is_number_integer() && d.get<int64_t>() > 0, path,
+                   ".shape must hold positive integers");
+      dims.push_back(d.get<int64_t>());
+    }
+    batch.push_back({name, batch_dtype(f["dtype"], path + ".dtype"), tensor::Shape(dims)});
+  }
+  PORTER_CHECK(spec["input"].is_string() && spec["target"].is_string(),
+               "model.input and model.target must name tensors of model.batch");
+  return std::make_unique<LayerModel>(std::move(stages), std::move(loss), std::move(batch),
+                                      spec["input"].get<std::string>(),
+                                      spec["target"].get<std::string>());
 }
 
 }  // namespace porter::engine

@@ -12,6 +12,10 @@
 //                   (Note [Engine costs] in run_options.h) and takes the FLOPs from them
 //                   after a profile. Default: none, so the chain is profiled.
 //   vocab_size      token ids and targets must lie in [0, vocab); default: no check.
+//   batch_spec      the tensors of a micro-batch, by name (Note [Batch tensors] in
+//                   io/data.h), checked before every step; input_name and target_name say
+//                   which is the first stage's input and which the loss stage's targets.
+//                   Default: a token batch, "tokens" and "targets" (micro_batch, seq_len) i32.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +31,17 @@
 #include "engine/run_options.h"
 #include "models/factory.h"
 #include "nn/layer.h"
+#include "nn/library.h"
 
 namespace porter::engine {
+
+// One tensor of every micro-batch (Note [Batch tensors] in io/data.h): its name, dtype and
+// shape (the micro-batch's, leading dimension first).
+struct BatchField {
+  std::string name;
+  tensor::DType dtype = tensor::DType::kF32;
+  tensor::Shape shape;
+};
 
 class Model {
  public:
@@ -64,6 +77,9 @@ class Model {
     return std::nullopt;
   }
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
+  virtual std::vector<BatchField> batch_spec(const RunOptions& run) const;
+  virtual std::string input_name() const { return "tokens"; }
+  virtual std::string target_name() const { return "targets"; }
   // Under tensor parallelism (Note [GPT tensor parallelism] in models/transformer.h): per layout entry,
   // whether the parameter is the same on every rank of the tp group (the global gradient
   // norm counts those once). Empty: the model is not split.
@@ -136,5 +152,43 @@ class ChainModel : public Model {
   nn::ParamLayout layout_;
   Init init_;
 };
+
+// A model composed from the layer library (nn/library.h, docs/layers.md), fed by a batch of
+// named tensors (Note [Batch tensors] in io/data.h): each stage an nn::Module (a Sequential
+// of layers, usually), then a loss. Its backward is the modules' own: nothing is
+// hand-written, and every checkpoint policy, offload, ZeRO stage and the planner apply
+// (profiled costs, as for any ChainModel). Parameters are "<stage>.<module's name>",
+// initialised by each module's init_param. `batch` gives each tensor's dtype and its shape
+// per sample: the micro-batch's is (train_micro_batch_size_per_gpu, shape...). `input` names
+// the first stage's input and `target` the loss's targets.
+class LayerModel : public ChainModel {
+ public:
+  LayerModel(std::vector<std::unique_ptr<nn::Module>> stages, std::unique_ptr<nn::LossLayer> loss,
+             std::vector<BatchField> batch, std::string input, std::string target);
+  std::vector<BatchField> batch_spec(const RunOptions& run) const override;
+  std::string input_name() const override { return input_; }
+  std::string target_name() const override { return target_; }
+
+ private:
+  struct Parts {
+    std::vector<std::unique_ptr<nn::Layer>> layers;
+    Init init;  // each stage's module's init_param
+  };
+  static Parts parts(std::vector<std::unique_ptr<nn::Module>>& stages);
+  LayerModel(Parts parts, std::unique_ptr<nn::LossLayer> loss, std::vector<BatchField> batch,
+             std::string input, std::string target);
+
+  std::vector<BatchField> batch_;  // per-sample shapes
+  std::string input_;
+  std::string target_;
+};
+
+// The JSON form (docs/layers.md, "A model from JSON"), as the Python module passes it:
+//   {"stages": [<module>, ...], "loss": <loss>,
+//    "batch": {"x": {"dtype": "f32", "shape": [16]}, "y": {"dtype": "f32", "shape": [1]}},
+//    "input": "x", "target": "y"}
+// with modules and losses as nn::module_from_json and nn::loss_from_json read them. Throws
+// InvalidArgument naming the key for anything missing, mistyped or unknown.
+std::unique_ptr<LayerModel> layer_model_from_json(const nlohmann::json& spec);
 
 }  // namespace porter::engine

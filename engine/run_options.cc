@@ -140,6 +140,9 @@ RunOptions make_run_options(const config::Config& config) {
   r.optimizer.adamw = config.optimizer.value_or(config::OptimizerConfig{});
   r.optimizer.gradient_clipping = config.gradient_clipping;
   r.optimizer.fp16 = config.fp16;
+  // Note [Parameter groups] in zero/param_groups.h: resolved against the layout by the
+  // optimizer, once, when the engine builds it.
+  r.optimizer.param_groups = p.optimizer;
   // Note [Optimizer offload] ("nvme" reads as "cpu"); the host update uses porter.device.threads
   // threads (0: every core).
   r.optimizer.offload.enabled = z.offload_optimizer.device != config::OffloadDevice::kNone;
@@ -191,6 +194,16 @@ void check_supported(const config::Config& c, int dp_size, int tp_size) {
   PORTER_ASSERT(z.offload_optimizer.ratio >= 1.0 || z.stage == 3,
                 "a partial optimizer offload below ZeRO stage 3 passed the parser");
   const config::OptimizerConfig opt = c.optimizer.value_or(config::OptimizerConfig{});
+  for (size_t g = 0; g < c.porter.optimizer.param_groups.size(); ++g) {
+    const std::optional<double> wd = c.porter.optimizer.param_groups[g].weight_decay;
+    if (!opt.adam_w_mode && wd && *wd > 0.0) {
+      throw InvalidArgument("porter.optimizer.param_groups[" + std::to_string(g) +
+                            "].weight_decay: " + std::to_string(*wd) + " with optimizer.params."
+                            "adam_w_mode false asks for Adam with L2 decay added to the "
+                            "gradient; porter's optimizer implements decoupled decay only: set "
+                            "adam_w_mode to true (AdamW) or the group's weight_decay to 0");
+    }
+  }
   if (!opt.adam_w_mode && opt.weight_decay > 0.0) {
     throw InvalidArgument("optimizer.params.adam_w_mode: false with weight_decay " +
                           std::to_string(opt.weight_decay) +
@@ -338,6 +351,16 @@ nlohmann::ordered_json RunOptions::to_json() const {
                     {"param_offload",
                      {{"enabled", optimizer.param_offload.enabled},
                       {"pin_memory", optimizer.param_offload.pin_memory}}}};
+  {
+    J groups = J::array();
+    for (const config::ParamGroupConfig& g : optimizer.param_groups.param_groups) {
+      groups.push_back({{"params", g.params},
+                        {"weight_decay", opt(g.weight_decay)},
+                        {"lr_scale", g.lr_scale}});
+    }
+    j["optimizer"]["param_groups"] = groups;
+    j["optimizer"]["no_decay"] = optimizer.param_groups.no_decay;
+  }
   j["batch_bytes"] = batch_bytes;
   j["seed"] = seed;
   {

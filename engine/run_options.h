@@ -170,10 +170,11 @@ checkpoint::PartitionOptions partition_options(const config::Config& config);
 // held checkpoints over it (docs/tensor-parallel.md). fp16 runs with loss scaling
 // (zero/loss_scaler.h) on both devices; checkpoint offload
 // (activation_checkpointing.cpu_checkpointing) runs (docs/engine.md, Offload). Weight decay
-// is decoupled (AdamW) and applies to every parameter, biases and norms included (DeepSpeed
-// applies the optimizer's weight_decay to every parameter group it builds by default); Adam
-// with coupled L2 decay (adam_w_mode false) is refused when weight_decay > 0, because the
-// kernel implements only the decoupled form. The world size must be dp_size ranks times
+// is decoupled (AdamW) and applies to the parameters porter.optimizer says (Note [Parameter
+// groups] in zero/param_groups.h; by default the matrices except the GPT's position table,
+// as nanoGPT and Hugging Face's Trainer do); Adam with coupled L2 decay (adam_w_mode false)
+// is refused when weight_decay or a group's weight_decay is > 0, because the kernel
+// implements only the decoupled form. The world size must be dp_size ranks times
 // tensor_parallel, and the tp communicator's size (1 without one) tensor_parallel. Throws
 // InvalidArgument.
 void check_supported(const config::Config& config, int dp_size, int tp_size = 1);

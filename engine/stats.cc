@@ -154,8 +154,12 @@ void Engine::record(const std::vector<io::HostBatch>& micro_batches, const comm:
   tps.partitioned_bytes = r.offload.slice_peak_bytes;
   tps.predicted_partitioned_bytes = im.plan.prediction.offload.peak_slice_bytes;
   im.tp_total += tps;
-  r.tokens = static_cast<int64_t>(micro_batches.size()) * micro_batches[0].batch *
-             micro_batches[0].seq;
+  // Token batches count tokens; a batch of named tensors counts its input's rows (samples).
+  const int64_t per_micro_batch =
+      micro_batches[0].batch * micro_batches[0].seq > 0
+          ? micro_batches[0].batch * micro_batches[0].seq
+          : run_.shape.micro_batch;
+  r.tokens = static_cast<int64_t>(micro_batches.size()) * per_micro_batch;
   r.peak_activation_bytes = s.peak_activation_bytes;
   r.peak_bytes = s.peak_requested_bytes;
   im.recompute_s_per_step.push_back(r.recompute_s);
