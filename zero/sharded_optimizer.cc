@@ -112,6 +112,8 @@ ShardedOptimizer::ShardedOptimizer(nn::FlatParams& flat, kernels::Kernels& kerne
   const int rank = dp != nullptr ? dp->rank() : 0;
   begin_ = options.zero_stage >= 1 ? part.begin(rank) : 0;
   end_ = options.zero_stage >= 1 ? part.end(rank) : part.padded_elems;
+  runs_ = resolve_param_groups(flat.layout(), part.padded_elems, options.param_groups,
+                               options.adamw.weight_decay);
   const int64_t n = end_ - begin_;
   const bool offload_params = options.param_offload.enabled;
   // Note [Partial offload]: the first h elements of the range are the host's.
@@ -423,6 +425,27 @@ GradNorm ShardedOptimizer::global_norm(const tensor::Tensor& grads) {
   return r;
 }
 
+template <typename F>
+void ShardedOptimizer::for_each_group_run(int64_t lo, int64_t hi, const kernels::AdamWArgs& base,
+                                          double lr, F&& f) const {
+  // The last run starting at or before the range's element lo.
+  auto run = std::upper_bound(runs_.begin(), runs_.end(), begin_ + lo,
+                              [](int64_t at, const ParamRun& r) { return at < r.begin_elems; });
+  PORTER_ASSERT(run != runs_.begin(), "ShardedOptimizer: no parameter-group run at element ",
+                begin_ + lo);
+  --run;
+  while (lo < hi) {
+    const auto next = run + 1;
+    const int64_t run_end = next == runs_.end() ? hi : std::min(hi, next->begin_elems - begin_);
+    kernels::AdamWArgs args = base;
+    args.weight_decay = static_cast<float>(run->weight_decay);
+    args.lr = static_cast<float>(lr * run->lr_scale);
+    f(lo, run_end, args);
+    lo = run_end;
+    run = next;
+  }
+}
+
 void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const GradNorm& norm) {
   const auto t0 = Clock::now();
   if (offloaded() && host_->streamed) {
@@ -457,19 +480,23 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
     for (int64_t lo = 0; lo < h; lo += piece) {
       const int64_t n_piece = std::min(piece, h - lo);
       const auto at = static_cast<size_t>(lo);
-      CpuAdamArrays a;
-      a.params = static_cast<float*>(host_->master.data) + lo;
-      a.exp_avg = static_cast<float*>(host_->exp_avg.data) + lo;
-      a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data) + lo;
-      a.grad = static_cast<const char*>(host_->grad.data) + at * gs;
-      a.grad_dtype = flat_->grad_dtype();
-      a.out = static_cast<char*>(host_->out.data) + at * ps;
-      a.out_dtype = params.dtype();
-      a.elems = n_piece;
-      host_->adam->update(a, args);
+      for_each_group_run(lo, lo + n_piece, args, lr,
+                         [&](int64_t b, int64_t e, const kernels::AdamWArgs& run_args) {
+        CpuAdamArrays a;
+        a.params = static_cast<float*>(host_->master.data) + b;
+        a.exp_avg = static_cast<float*>(host_->exp_avg.data) + b;
+        a.exp_avg_sq = static_cast<float*>(host_->exp_avg_sq.data) + b;
+        a.grad = static_cast<const char*>(host_->grad.data) + static_cast<size_t>(b) * gs;
+        a.grad_dtype = flat_->grad_dtype();
+        a.out = static_cast<char*>(host_->out.data) + static_cast<size_t>(b) * ps;
+        a.out_dtype = params.dtype();
+        a.elems = e - b;
+        host_->adam->update(a, run_args);
+      });
       if (!host_->params) {
         // Over the link, on the offload stream, behind the host's update of the piece.
-        host_->lane->to_device(static_cast<char*>(params.data()) + at * ps, a.out,
+        host_->lane->to_device(static_cast<char*>(params.data()) + at * ps,
+                               static_cast<char*>(host_->out.data) + at * ps,
                                static_cast<size_t>(n_piece) * ps);
       }
     }
@@ -488,6 +515,25 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
     // The device's part [h, n): all of the range without optimizer offload (Note [Partial
     // offload]).
     tensor::Tensor g = h > 0 ? grads.slice(h, n) : grads;
+    // AdamW over the device's part, once per parameter-group run in it; every tensor here
+    // is indexed from the part's start h.
+    auto device_update = [&](tensor::Tensor& target, const tensor::Tensor& grad,
+                             tensor::Tensor* out) {
+      const int64_t len = n - h;
+      for_each_group_run(h, n, args, lr,
+                         [&](int64_t b, int64_t e, const kernels::AdamWArgs& run_args) {
+        if (b == h && e == n) {
+          kernels_->adamw(target, grad, exp_avg_, exp_avg_sq_, run_args, out);
+          return;
+        }
+        const int64_t lo = b - h, hi = e - h;
+        PORTER_ASSERT(hi <= len, "ShardedOptimizer: a run past the device part");
+        tensor::Tensor t = target.slice(lo, hi), m = exp_avg_.slice(lo, hi),
+                       v = exp_avg_sq_.slice(lo, hi);
+        tensor::Tensor w = out != nullptr ? out->slice(lo, hi) : tensor::Tensor();
+        kernels_->adamw(t, grad.slice(lo, hi), m, v, run_args, out != nullptr ? &w : nullptr);
+      });
+    };
     if (params_offloaded()) {
       // Note [Parameter offload]: AdamW on the device into a transient copy of the part, which
       // then goes to the host shard. f32 compute updates the parameters in place, so it starts
@@ -498,13 +544,13 @@ void ShardedOptimizer::update(const tensor::Tensor& grads, double lr, const Grad
       const size_t bytes = static_cast<size_t>(tmp.nbytes());
       if (!has_master()) device.copy_sync(tmp.data(), host_part.data(), bytes);
       tensor::Tensor target = has_master() ? master_ : tmp;
-      kernels_->adamw(target, g, exp_avg_, exp_avg_sq_, args, has_master() ? &tmp : nullptr);
+      device_update(target, g, has_master() ? &tmp : nullptr);
       device.copy_sync(host_part.data(), tmp.data(), bytes);
       offload_stats_.param_d2h_bytes += bytes;
     } else {
       tensor::Tensor p = h > 0 ? params.slice(h, n) : params;
       tensor::Tensor target = has_master() ? master_ : p;
-      kernels_->adamw(target, g, exp_avg_, exp_avg_sq_, args, has_master() ? &p : nullptr);
+      device_update(target, g, has_master() ? &p : nullptr);
     }
   }
   // Stage 3 gathers each stage's parameters when they are next needed (zero/param_gatherer.h).

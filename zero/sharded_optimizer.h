@@ -17,7 +17,8 @@
 //      rank's count) is an overflow for everyone. The clip coefficient is
 //      min(1, clip / (norm + 1e-6)) when gradient_clipping > 0 (DeepSpeed's rule).
 //   2. update(shard, lr, norm): unless the step overflowed, AdamW at `lr` for the count of
-//      updating steps, with the clip coefficient and 1 / loss_scale folded into its gradient
+//      updating steps, once per run of Note [Parameter groups] in the range (that run's weight
+//      decay, lr x its lr_scale), with the clip coefficient and 1 / loss_scale folded into its gradient
 //      scale (the gradients themselves stay unclipped and scaled, so they can be dumped); the
 //      bf16/fp16 working copy of the range is written in the same pass. At z = 1 and 2 the
 //      ranks' updated ranges are then all-gathered into every rank's working buffer; at z = 3
@@ -44,6 +45,7 @@
 #include "kernels/kernels.h"
 #include "nn/layer.h"
 #include "zero/loss_scaler.h"
+#include "zero/param_groups.h"
 #include "zero/partition.h"
 #include "zero/reducer.h"
 
@@ -170,6 +172,10 @@ struct OptimizerOptions {
   ParamOffloadOptions param_offload;   // Note [Parameter offload]; stage 3 only
   // zero_optimization.allgather_bucket_size: Note [Bucketed parameter all-gather].
   int64_t allgather_bucket_elems = 500'000'000;
+  // porter.optimizer (Note [Parameter groups] in zero/param_groups.h), resolved against the
+  // flat buffer's layout when the optimizer is built. Empty here, so every parameter decays;
+  // the config's default (only matrices decay) is filled in by engine/run_options.cc.
+  config::PorterOptimizerConfig param_groups{.no_decay = {}, .param_groups = {}};
   bool operator==(const OptimizerOptions&) const = default;
 };
 
@@ -324,6 +330,11 @@ class ShardedOptimizer {
   void gather_params();  // Note [Bucketed parameter all-gather]
   void finish_gradient_copies(const tensor::Tensor& grads);
   void finish_streamed_gradients();
+  // Calls f(lo, hi, args) for each piece of [lo, hi) (range-local) that one parameter-group
+  // run covers, with `base` at that run's weight decay and lr (Note [Parameter groups]).
+  template <typename F>
+  void for_each_group_run(int64_t lo, int64_t hi, const kernels::AdamWArgs& base, double lr,
+                          F&& f) const;
 
   nn::FlatParams* flat_;                 // not owned; outlives this
   kernels::Kernels* kernels_;                 // not owned
@@ -334,6 +345,7 @@ class ShardedOptimizer {
   Partition part_;
   OptimizerOptions options_;
   int64_t begin_ = 0, end_ = 0;
+  std::vector<ParamRun> runs_;  // Note [Parameter groups], over the whole padded buffer
   struct Host;                  // Note [Optimizer offload], Note [Parameter offload]
   std::unique_ptr<Host> host_;  // null without either offload
   OffloadStats offload_stats_;
