@@ -550,6 +550,9 @@ void Sequential::bind(std::span<const Tensor> params, std::span<const Tensor> gr
 
 Tensor Sequential::forward(Ctx& ctx, const Tensor& x) {
   PORTER_CHECK(!children_.empty(), "Sequential: no children");
+  // Children added to a nested container after it was added here shift the sites of those
+  // after it; handing the ranges out again keeps them right (Note [Library dropout sites]).
+  set_dropout_site(dropout_site());
   Tensor h = x;
   for (auto& [name, child] : children_) h = child->forward(ctx, h);
   return h;

@@ -642,6 +642,30 @@ TEST(LibraryTest, JsonBuildsTheSameModel) {
   EXPECT_NE(dynamic_cast<GELU*>(module_from_json({{"type", "gelu"}}).get()), nullptr);
 }
 
+// The examples of docs/layers.md, "Composing a model".
+TEST(LibraryTest, DocsExamplesBuild) {
+  const int64_t vocab = 50;
+  auto body = std::make_unique<Sequential>();
+  body->add("embed", std::make_unique<Embedding>(vocab, 64))
+      .add(std::make_unique<AttentionBlock>(64, 4, /*dropout=*/0.1f))
+      .add(std::make_unique<MlpBlock>(64, 256, /*dropout=*/0.1f))
+      .add("norm", std::make_unique<LayerNorm>(64))
+      .add("head", std::make_unique<Linear>(64, vocab));
+  const std::vector<ParamSpec> p = body->params();
+  EXPECT_EQ(p.front().name, "embed.weight");
+  EXPECT_EQ(p[1].name, "1.ln.weight");
+  EXPECT_EQ(p[12].name, "2.fc2.bias");
+  EXPECT_EQ(p.back().name, "head.bias");
+  EXPECT_EQ(body->dropout_sites(), 2);
+  std::unique_ptr<Module> m = module_from_json(nlohmann::json::parse(R"({"type": "sequential", "layers": [
+      {"type": "linear", "in": 16, "out": 64},
+      {"type": "relu"},
+      {"type": "residual", "inner": {"type": "mlp", "dim": 64, "hidden": 256}},
+      {"type": "linear", "in": 64, "out": 1, "name": "head"}]})"));
+  EXPECT_EQ(m->params().back().name, "head.bias");
+  EXPECT_EQ(m->params()[2].name, "2.ln.weight");
+}
+
 void expect_json_error(const std::string& text, const std::string& message) {
   EXPECT_THAT([&] { module_from_json(nlohmann::json::parse(text)); },
               ThrowsMessage<InvalidArgument>(HasSubstr(message)))
