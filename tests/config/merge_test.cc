@@ -172,6 +172,22 @@ TEST(Set, MalformedAssignmentsAreClearErrors) {
   EXPECT_THAT(e("a={\"b\": 1, \"b\": 2}"), ::testing::HasSubstr("duplicate key \"b\""));
 }
 
+TEST(Set, GivesTheOptimizerPatternListsAndRefusesATypoInTheirSection) {
+  SourcedParseResult r = parse_config_sources(
+      {source("ds.json", R"({"train_batch_size": 8})")},
+      sets({"porter.optimizer.no_decay=[]",
+            "porter.optimizer.param_groups=[{\"params\": [\"*.bias\"], \"lr_scale\": 2}]"}));
+  EXPECT_TRUE(r.config.porter.optimizer.no_decay.empty());
+  ASSERT_EQ(r.config.porter.optimizer.param_groups.size(), 1u);
+  EXPECT_EQ(r.config.porter.optimizer.param_groups[0].lr_scale, 2.0);
+  const std::string e = error_of([] {
+    parse_config_sources({source("ds.json", R"({"train_batch_size": 8})")},
+                         sets({"porter.optimizer.nodecay=[]"}));
+  });
+  EXPECT_THAT(e, ::testing::HasSubstr("porter.optimizer.nodecay"));
+  EXPECT_THAT(e, ::testing::HasSubstr("no_decay"));
+}
+
 TEST(Attribution, AWarningNamesTheFileOfItsKey) {
   SourcedParseResult r = parse_config_sources(
       {source("ds.json", R"({"train_batch_size": 8, "zero_optimization": {"stage": 2}})"),
