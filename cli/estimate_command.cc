@@ -21,6 +21,7 @@
 #include "cli/app.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "cli/reports.h"
 #include "comm/env.h"
 #include "engine/forecast.h"
 #include "engine/host_fit.h"
@@ -41,6 +42,7 @@ struct EstimateOptions {
   std::string host_memory;                 // the node's memory; empty: this machine's
   bool json = false;
   bool strict = false;
+  std::string config_name;  // the report's "config" in place of the files' names (estimate_report)
 };
 
 struct PolicyEstimate {
@@ -313,12 +315,22 @@ void print_tp(std::ostream& out, const std::vector<TpEstimate>& rows, const conf
          "  micro-batch. model states = params + grads + optimizer of tp rank 0's part.\n\n";
 }
 
+// The estimate of a loaded config: the table on `out`, or with o.json the report into
+// `*json_out` when it is given (estimate_report), else printed on `out`.
+int estimate_config(const EstimateOptions& o, config::Config cfg, int64_t world_size,
+                    std::ostream& out, std::ostream& err, nlohmann::ordered_json* json_out);
+
 int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
   const int64_t world_size = o.world_size.value_or(implied_world_size(o.config_args, o.tensor_parallel));
   config::Config cfg =
       o.tensor_parallel
           ? load_config(o.config_args, o.strict, err, world_size, *o.tensor_parallel, "--tensor-parallel")
           : load_config(o.config_args, o.strict, err, world_size);
+  return estimate_config(o, std::move(cfg), world_size, out, err, nullptr);
+}
+
+int estimate_config(const EstimateOptions& o, config::Config cfg, int64_t world_size,
+                    std::ostream& out, std::ostream& err, nlohmann::ordered_json* json_out) {
   // Note [Attention choice]: every figure below is the chosen attention's.
   const config::AttentionKind asked_attention = cfg.porter.model.attention;
   {
@@ -507,7 +519,7 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
 
   if (o.json) {
     nlohmann::ordered_json j;
-    j["config"] = o.config_args.display();
+    j["config"] = o.config_name.empty() ? o.config_args.display() : o.config_name;
     j["model"] = {{"layers", layers}, {"hidden", model.hidden},
                   {"heads", model.heads}, {"seq_len", model.seq_len},
                   {"vocab", model.vocab}, {"compute_dtype", tensor::dtype_name(dtype)},
@@ -627,7 +639,11 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
                                            static_cast<int64_t>(e.total_peak_bytes)}};
       break;
     }
-    out << j.dump(2) << "\n";
+    if (json_out) {
+      *json_out = std::move(j);
+    } else {
+      out << j.dump(2) << "\n";
+    }
     return kExitOk;
   }
 
@@ -754,6 +770,20 @@ int estimate(const EstimateOptions& o, std::ostream& out, std::ostream& err) {
 }
 
 }  // namespace
+
+nlohmann::ordered_json estimate_report(const config::Config& cfg,
+                                       const EstimateReportOptions& options, std::ostream& err) {
+  EstimateOptions o;
+  o.json = true;
+  o.config_name = options.config_name;
+  o.budget = options.budget;
+  o.ranks_per_node = options.ranks_per_node;
+  o.host_memory = options.host_memory;
+  std::ostream unused(nullptr);  // the table's stream; a JSON report prints nothing there
+  nlohmann::ordered_json j;
+  estimate_config(o, cfg, cfg.world_size, unused, err, &j);
+  return j;
+}
 
 void add_estimate_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<EstimateOptions>();

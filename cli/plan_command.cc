@@ -29,6 +29,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/memory_page.h"
+#include "cli/reports.h"
 #include "comm/communicator.h"
 #include "engine/run_options.h"
 #include "engine/engine.h"
@@ -52,9 +53,14 @@ struct PlanCommandOptions {
   bool strict = false;
   bool fit = false;
   int top = 8;
+  std::string config_name;  // the report's "config" in place of the files' names (plan_report)
 };
 
 int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err);
+// The plan of a loaded config: the text on `out`, or with o.json the report into `*json_out`
+// when it is given (plan_report), else printed on `out`.
+int plan_config(const PlanCommandOptions& o, config::Config cfg, std::ostream& out,
+                std::ostream& err, nlohmann::ordered_json* json_out);
 
 // The plan page (cli/memory_page.h) of a forecast (Note [Forecast]): model states are this
 // rank's at the configured ZeRO stage, world size and offload, of tensor-parallel rank 0's part
@@ -242,13 +248,25 @@ ProfiledPlan profile_plan(const config::Config& cfg, const engine::RunOptions& r
 }
 
 // Errors about the budget name the flag when the budget came from it.
-int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
+template <typename F>
+int naming_budget_flag(const PlanCommandOptions& o, F&& run) {
   try {
-    return plan_impl(o, out, err);
+    return run();
   } catch (const InvalidArgument& e) {
     if (o.budget.empty() || std::string(e.what()).find("memory_budget") == std::string::npos) throw;
     throw InvalidArgument("--budget " + o.budget + ": " + e.what());
   }
+}
+
+int plan(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
+  return naming_budget_flag(o, [&] { return plan_impl(o, out, err); });
+}
+
+// A budget only means something to the optimal planner.
+void apply_budget_flag(const PlanCommandOptions& o, config::Config& cfg) {
+  if (o.budget.empty()) return;
+  cfg.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
+  cfg.porter.checkpointing.memory_budget = parse_budget_flag(o.budget);
 }
 
 // The memory lines: each category's predicted peak, the total against the capacity, and the
@@ -589,12 +607,13 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       o.tensor_parallel ? load_config(o.config_args, o.strict, err, world_size, *o.tensor_parallel,
                                       "--tensor-parallel")
                         : load_config(o.config_args, o.strict, err, world_size);
-  if (!o.budget.empty()) {
-    // A budget only means something to the optimal planner.
-    cfg.porter.checkpointing.policy = config::CheckpointPolicy::kOptimal;
-    cfg.porter.checkpointing.memory_budget = parse_budget_flag(o.budget);
-  }
+  apply_budget_flag(o, cfg);
   if (o.fit) return plan_fit(o, cfg, world_size, out, err);  // Note [Plan fit]
+  return plan_config(o, std::move(cfg), out, err, nullptr);
+}
+
+int plan_config(const PlanCommandOptions& o, config::Config cfg, std::ostream& out,
+                std::ostream& err, nlohmann::ordered_json* json_out) {
   const int64_t micro_batches = cfg.gradient_accumulation_steps;
 
   // Note [Forecast]: bytes from the analytic model, times from the device model.
@@ -649,7 +668,7 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
 
   if (o.json) {
     nlohmann::ordered_json j;
-    j["config"] = o.config_args.display();
+    j["config"] = o.config_name.empty() ? o.config_args.display() : o.config_name;
     j["world_size"] = cfg.world_size;
     j["data_parallel_size"] = f.dp_size;
     j["zero_stage"] = run.zero_stage();
@@ -697,7 +716,11 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
                                                 plan.prediction.peak_budget_bytes}}
                       : nlohmann::ordered_json();
     j["schedule"] = plan.schedule.to_string();
-    out << j.dump(2) << "\n";
+    if (json_out) {
+      *json_out = std::move(j);
+    } else {
+      out << j.dump(2) << "\n";
+    }
     return kExitOk;
   }
 
@@ -779,6 +802,23 @@ int plan_impl(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
 }
 
 }  // namespace
+
+nlohmann::ordered_json plan_report(const config::Config& cfg, const PlanReportOptions& options,
+                                   std::ostream& err) {
+  PlanCommandOptions o;
+  o.json = true;
+  o.config_name = options.config_name;
+  o.budget = options.budget;
+  o.profile = options.profile;
+  std::ostream unused(nullptr);  // the text's stream; a JSON report prints nothing there
+  nlohmann::ordered_json j;
+  naming_budget_flag(o, [&] {
+    config::Config c = cfg;
+    apply_budget_flag(o, c);
+    return plan_config(o, std::move(c), unused, err, &j);
+  });
+  return j;
+}
 
 void add_plan_command(CLI::App& app, CommandContext& context) {
   auto o = std::make_shared<PlanCommandOptions>();
