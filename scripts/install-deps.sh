@@ -16,6 +16,8 @@ packages=(
   openmpi-bin
   # the example's scripts (token shards, a Hugging Face checkpoint): the standard library only
   python3
+  # the porter Python module (python/) and its pytest suite
+  pybind11-dev python3-dev python3-numpy python3-pytest
 )
 
 missing=()
