@@ -5,9 +5,11 @@
 // With N data-parallel ranks (dp; docs/zero.md) at ZeRO stage z in {0, 1, 2, 3}, train_step
 // runs these phases in order (docs/engine.md, "One step", names the file that owns each):
 // 1. begin_step: the allocator's and the stash's per-step statistics start empty.
-// 2. forward_backward_and_reduce: the reducer zeroes the gradients (the full flat buffer at
-//    stages 0 and 1, the rank's shard at stage 2); for each micro-batch its tokens and
-//    targets go to the device (workspace), then the plan's schedule runs (Note [Schedule
+// 2. forward_micro_batch and backward_micro_batch, per micro-batch (Note [Step API] in
+//    step.cc: the step API runs the same phases one call at a time): the reducer zeroes the
+//    gradients (the full flat buffer at stages 0 and 1, the rank's shard at stage 2); each
+//    micro-batch's tensors go to the device (workspace; Note [Batch tensors] in io/data.h),
+//    then the plan's schedule runs (Note [Schedule
 //    semantics] in checkpoint/schedule.h); host-held checkpoints go through the checkpoint
 //    stash at the ops plan.offload names (Note [Offload semantics] in
 //    checkpoint/offload_plan.h). The loss stage scales its gradient by loss_scale /
