@@ -105,6 +105,25 @@ class TimingKernels : public kernels::Kernels {
   void do_gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
     timed("gelu_backward", [&] { inner_->gelu_backward(x, dy, dx); });
   }
+  void do_relu_forward(const Tensor& x, Tensor& y) override {
+    timed("relu_forward", [&] { inner_->relu_forward(x, y); });
+  }
+  void do_relu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    timed("relu_backward", [&] { inner_->relu_backward(x, dy, dx); });
+  }
+  void do_silu_forward(const Tensor& x, Tensor& y) override {
+    timed("silu_forward", [&] { inner_->silu_forward(x, y); });
+  }
+  void do_silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    timed("silu_backward", [&] { inner_->silu_backward(x, dy, dx); });
+  }
+  void do_mse_forward(const Tensor& pred, const Tensor& target, Tensor& losses) override {
+    timed("mse_forward", [&] { inner_->mse_forward(pred, target, losses); });
+  }
+  void do_mse_backward(const Tensor& pred, const Tensor& target, Tensor& dpred,
+                       float scale) override {
+    timed("mse_backward", [&] { inner_->mse_backward(pred, target, dpred, scale); });
+  }
   void do_attention_forward(const Tensor& qkv, Tensor& out, Tensor& probs, int heads) override {
     timed("attention_forward", [&] { inner_->attention_forward(qkv, out, probs, heads); });
   }
