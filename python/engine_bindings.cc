@@ -1,6 +1,8 @@
 // porter.Engine: the Engine (engine/engine.h) on the config's device, training the built-in
-// model or a Hugging Face checkpoint's, from NumPy micro-batches (Note [NumPy batches] in
-// batch.cc). One rank: the process groups of a distributed run are not bound.
+// model, a Hugging Face checkpoint's or one composed from the layer library (porter.LayerModel),
+// from NumPy micro-batches (Note [NumPy batches] in batch.cc), with train_step or DeepSpeed's
+// step API; and porter.init_distributed, the process groups of a launched world.
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -12,6 +14,7 @@
 #include <pybind11/stl/filesystem.h>
 
 #include "base/error.h"
+#include "engine/distributed.h"
 #include "engine/engine.h"
 #include "engine/forecast.h"
 #include "engine/model.h"
@@ -29,27 +32,59 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
+// porter.LayerModel: a model spec of the layer library (engine::layer_model_from_json), checked
+// when it is made; every Engine builds its own model from it.
+struct PyLayerModel {
+  nlohmann::json spec;
+};
+
+// porter.init_distributed's result: the device the engine of this rank runs on and the
+// process groups (Note [Joining the world] in engine/distributed.h).
+struct PyDistributed {
+  std::shared_ptr<memory::Device> device;
+  Distributed dist;
+};
+
+// What porter.Engine's `model` names.
+struct ModelChoice {
+  std::optional<std::string> hf_dir;      // a Hugging Face model directory
+  std::optional<nlohmann::json> layers;   // a layer-library spec
+};
+
 class PyEngine {
  public:
-  PyEngine(const PyConfig& config, const std::optional<std::string>& hf_dir) {
+  PyEngine(const PyConfig& config, const ModelChoice& model,
+           const std::shared_ptr<PyDistributed>& dist)
+      : dist_(dist) {
     config::Config cfg = config.config;
-    if (hf_dir) {
+    if (model.hf_dir) {
       // As porter.model.from does (Note [Config from a Hugging Face model] in cli/common.cc):
       // config.json gives the model's shape, the config its training keys.
-      cfg.porter.model = io::hf_model_config(io::read_hf_config(*hf_dir), cfg.porter.model);
+      cfg.porter.model = io::hf_model_config(io::read_hf_config(*model.hf_dir), cfg.porter.model);
     }
-    // As `porter train` builds its device and engine (cli/train_command.cc).
-    device_ = memory::make_device(engine::make_run_options(cfg).device);
+    // As `porter train` builds its device and engine (cli/train_command.cc); a distributed
+    // run's device is the one its communicators were built on.
+    device_ = dist ? dist->device : std::shared_ptr<memory::Device>(
+                                        memory::make_device(engine::make_run_options(cfg).device));
+    const comm::ProcessGroups groups = dist ? dist->dist.groups : comm::ProcessGroups{};
+    if (model.layers) {
+      engine_ = std::make_unique<engine::Engine>(
+          *device_, engine::layer_model_from_json(*model.layers), cfg, groups);
+      return;
+    }
     engine::ForecastOptions fo;  // Note [Attention choice]: before the model is built
     fo.capacity_bytes = device_->memory_capacity_bytes();
     fo.device = engine::nominal_cpu_device_model(*fo.capacity_bytes);
     fo.time_host_update = false;
     cfg = engine::resolve_model_choices(cfg, fo);
     engine_ = std::make_unique<engine::Engine>(
-        *device_, std::make_unique<engine::TransformerModel>(cfg.porter.model), cfg);
+        *device_, std::make_unique<engine::TransformerModel>(cfg.porter.model, groups.tp_rank),
+        cfg, groups);
+    transformer_ = true;
     if (cfg.porter.model.from) {
       const std::string dir = *cfg.porter.model.from;
-      const std::unique_ptr<models::Transformer> part = models::build_model(cfg.porter.model);
+      const std::unique_ptr<models::Transformer> part =
+          models::build_model(cfg.porter.model, groups.tp_rank);
       engine_->set_params_host_range([&](int64_t begin, std::span<float> values) {
         io::read_hf_weights_part(dir, *part, begin, values);
       });
@@ -59,8 +94,15 @@ class PyEngine {
 
   engine::Engine& engine() { return *engine_; }
 
+  // Every rank calls it (the tensor-parallel parts are gathered); rank 0 writes.
   void save_hf(const std::filesystem::path& dir) {
-    const std::vector<float> whole = engine::whole_params_host(*engine_, nullptr);
+    if (!transformer_) {
+      throw UsageError("save_hf: only the built-in models have a Hugging Face layout; save a "
+                       "layer-library model with save(dir)");
+    }
+    const std::vector<float> whole =
+        engine::whole_params_host(*engine_, dist_ ? dist_->dist.groups.tp.get() : nullptr);
+    if (engine_->world_rank() != 0) return;
     config::ModelConfig model = engine_->config().porter.model;
     model.tensor_parallel = 1;
     model.sequence_parallel = false;
@@ -69,8 +111,10 @@ class PyEngine {
   }
 
  private:
-  std::unique_ptr<memory::Device> device_;          // outlives the engine
+  std::shared_ptr<PyDistributed> dist_;             // the process groups' communicators
+  std::shared_ptr<memory::Device> device_;          // outlives the engine
   std::unique_ptr<engine::Engine> engine_;
+  bool transformer_ = false;  // the built-in model (save_hf)
   nlohmann::json hf_source_;  // the config.json save_hf carries token ids over from
 };
 
@@ -146,33 +190,66 @@ PyConfig as_config(py::handle config) {
   return py::module_::import("porter._porter").attr("Config")(config).cast<PyConfig>();
 }
 
+std::string type_name(py::handle v) {
+  return py::str(v.get_type().attr("__name__")).cast<std::string>();
+}
+
+ModelChoice model_choice(py::handle model) {
+  ModelChoice c;
+  if (model.is_none()) return c;
+  if (py::isinstance<PyLayerModel>(model)) {
+    c.layers = model.cast<const PyLayerModel&>().spec;
+  } else if (py::isinstance<py::dict>(model)) {
+    c.layers = nlohmann::json(to_json(model, "model"));
+  } else if (py::isinstance<py::str>(model) ||
+             py::isinstance(model, py::module_::import("os").attr("PathLike"))) {
+    c.hf_dir = py::str(model).cast<std::string>();
+  } else {
+    throw InvalidArgument(
+        "porter.Engine: model must be None (the config's porter.model), a Hugging Face model "
+        "directory, a porter.LayerModel or its spec as a dict, got a " + type_name(model));
+  }
+  return c;
+}
+
+// A copy of a host tensor as an array of its shape (f32, i32, i64, bool; bf16 as uint16 bits).
+py::array host_tensor_to_numpy(const io::HostTensor& t) {
+  std::string dtype;
+  switch (t.dtype) {
+    case tensor::DType::kF32: dtype = "float32"; break;
+    case tensor::DType::kI32: dtype = "int32"; break;
+    case tensor::DType::kI64: dtype = "int64"; break;
+    case tensor::DType::kBool: dtype = "bool"; break;
+    case tensor::DType::kBF16:
+    case tensor::DType::kF16: dtype = "uint16"; break;
+  }
+  std::vector<py::ssize_t> shape;
+  for (int64_t d : t.shape.to_vector()) shape.push_back(static_cast<py::ssize_t>(d));
+  py::array a(py::dtype(dtype), shape);
+  std::memcpy(a.mutable_data(), t.data, t.nbytes());
+  return a;
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
   py::class_<PyEngine>(m, "Engine",
                        "Trains a model on one device under the config's memory plan "
                        "(porter::engine::Engine).")
-      .def(py::init([](py::handle config, py::object model) {
-             std::optional<std::string> hf_dir;
-             if (!model.is_none()) {
-               if (!py::isinstance<py::str>(model) &&
-                   !py::isinstance(model, py::module_::import("os").attr("PathLike"))) {
-                 throw InvalidArgument(
-                     "porter.Engine: model must be None (the config's porter.model) or a Hugging "
-                     "Face model directory, got a " +
-                     py::str(model.get_type().attr("__name__")).cast<std::string>());
-               }
-               hf_dir = py::str(model).cast<std::string>();
-             }
+      .def(py::init([](py::handle config, py::handle model,
+                       std::shared_ptr<PyDistributed> distributed) {
+             const ModelChoice choice = model_choice(model);
              const PyConfig c = as_config(config);
              py::gil_scoped_release release;
-             return std::make_unique<PyEngine>(c, hf_dir);
+             return std::make_unique<PyEngine>(c, choice, distributed);
            }),
-           py::arg("config"), py::arg("model") = py::none(),
+           py::arg("config"), py::arg("model") = py::none(), py::kw_only(),
+           py::arg("distributed") = py::none(),
            "config: a porter.Config or a dict. model: None for the config's porter.model (with "
-           "its weights when porter.model.from names a Hugging Face directory), or a Hugging "
+           "its weights when porter.model.from names a Hugging Face directory), a Hugging "
            "Face model directory whose config.json gives the model and whose safetensors its "
-           "weights.")
+           "weights, or a porter.LayerModel (or its spec as a dict). distributed: "
+           "porter.init_distributed()'s result, for one rank of a launched world.")
       .def(
           "train_step",
           [](PyEngine& e, py::handle batches) {
@@ -221,6 +298,41 @@ void bind_engine(py::module_& m) {
             e.save_hf(dir);
           },
           py::arg("dir"), "Writes the model in Hugging Face's layout (config.json, model.safetensors).")
+      .def(
+          "forward",
+          [](PyEngine& e, py::handle batch, bool keep_output) {
+            const io::HostBatch b = to_host_batch(batch, "batch");
+            py::gil_scoped_release release;
+            return e.engine().forward(b, keep_output);
+          },
+          py::arg("batch"), py::arg("keep_output") = false,
+          "DeepSpeed's engine(batch): runs one micro-batch's forward and returns its loss. "
+          "keep_output keeps the model's outputs for output().")
+      .def(
+          "backward",
+          [](PyEngine& e) {
+            py::gil_scoped_release release;
+            e.engine().backward();
+          },
+          "The backward of the last forward, its gradients accumulated (and reduced).")
+      .def(
+          "step",
+          [](PyEngine& e) -> py::object {
+            std::optional<engine::StepResult> r;
+            {
+              py::gil_scoped_release release;
+              r = e.engine().optimizer_step();
+            }
+            if (!r) return py::none();
+            return to_python(step_json(*r));
+          },
+          "DeepSpeed's engine.step(): at the accumulation boundary the optimizer update, "
+          "returning the step's figures as a dict; before it nothing, returning None.")
+      .def("is_gradient_accumulation_boundary",
+           [](PyEngine& e) { return e.engine().is_gradient_accumulation_boundary(); })
+      .def(
+          "output", [](PyEngine& e) { return host_tensor_to_numpy(e.engine().output()); },
+          "The model's outputs of the last forward(batch, keep_output=True), a copy.")
       .def_property_readonly("global_steps", [](PyEngine& e) { return e.engine().step(); },
                              "Optimizer steps completed.")
       .def(
@@ -237,7 +349,57 @@ void bind_engine(py::module_& m) {
       .def("config", [](PyEngine& e) { return to_python(config::to_json(e.engine().config())); },
            "The config the engine runs, with porter's choices resolved, as a dict.")
       .def("plan_description", [](PyEngine& e) { return e.engine().plan().description; },
-           "The checkpoint plan, in one line.");
+           "The checkpoint plan, in one line.")
+      .def_property_readonly("rank", [](PyEngine& e) { return e.engine().world_rank(); })
+      .def_property_readonly("world_size",
+                             [](PyEngine& e) { return e.engine().config().world_size; });
+
+  py::class_<PyLayerModel>(m, "LayerModel",
+                           "A model composed from the layer library (docs/layers.md), for "
+                           "porter.Engine(config, model=...).")
+      .def(py::init([](py::dict spec) {
+             PyLayerModel l{nlohmann::json(to_json(spec, "model"))};
+             engine::layer_model_from_json(l.spec);  // its errors now, not at the Engine
+             return l;
+           }),
+           py::arg("spec"),
+           "spec: {\"stages\": [module, ...], \"loss\": loss, \"batch\": {name: {\"dtype\", "
+           "\"shape\" (per sample)}}, \"input\": name, \"target\": name}.")
+      .def("to_dict", [](const PyLayerModel& l) { return to_python(l.spec); });
+
+  py::class_<PyDistributed, std::shared_ptr<PyDistributed>>(
+      m, "Distributed", "This process's place in a launched world and its process groups.")
+      .def_property_readonly("rank", [](const PyDistributed& d) { return d.dist.rank(); })
+      .def_property_readonly("world_size",
+                             [](const PyDistributed& d) { return d.dist.world_size(); })
+      .def_property_readonly("local_rank",
+                             [](const PyDistributed& d) { return d.dist.env.local_rank; })
+      .def_property_readonly("dp_rank", [](const PyDistributed& d) { return d.dist.groups.dp_rank; })
+      .def_property_readonly("dp_size", [](const PyDistributed& d) { return d.dist.groups.dp_size; })
+      .def_property_readonly("tp_rank", [](const PyDistributed& d) { return d.dist.groups.tp_rank; })
+      .def_property_readonly("tp_size", [](const PyDistributed& d) { return d.dist.groups.tp_size; })
+      .def_property_readonly("distributed",
+                             [](const PyDistributed& d) { return d.dist.distributed(); })
+      .def_property_readonly("source", [](const PyDistributed& d) { return d.dist.env.source; })
+      .def("__repr__", [](const PyDistributed& d) {
+        return "porter.Distributed(rank " + std::to_string(d.dist.rank()) + " of " +
+               std::to_string(d.dist.world_size()) + ")";
+      });
+
+  m.def(
+      "init_distributed",
+      [](py::handle config) {
+        const PyConfig c = as_config(config);
+        auto d = std::make_shared<PyDistributed>();
+        py::gil_scoped_release release;
+        d->device = memory::make_device(engine::make_run_options(c.config).device);
+        d->dist = porter::init_distributed(*d->device, c.config);
+        return d;
+      },
+      py::arg("config"),
+      "Joins the world a launcher started (porter launch, torchrun, mpirun, srun) on the "
+      "config's device, with its tensor_parallel and timeout; one process without a launcher "
+      "is a world of one. Pass the result to porter.Engine(..., distributed=...).");
 }
 
 }  // namespace porter::python
