@@ -540,6 +540,95 @@ TEST(LibraryTest, MseLoss) {
   for (size_t i = 0; i < dx1.size(); ++i) EXPECT_EQ(dx2[i], dx1[i] * 0.5f) << i;
 }
 
+// ---- analytic float64 backwards ----
+
+// The closed-form float64 gradients of the simple layers, besides the differenced ones above.
+TEST(LibraryTest, AnalyticFloat64Backward) {
+  auto expect_close = [](const std::vector<float>& got, const Vec& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 1e-5 * std::max(1.0, std::fabs(want[i]))) << what << "[" << i << "]";
+    }
+  };
+  {  // Linear: dx = dy W, dW = dy^T x, db = sum_rows dy.
+    Linear lin(5, 4);
+    Harness h(lin, inputs(15, 21), Shape{3, 5});
+    Harness::Result r = h.run_once(SaveMode::kSaveAll, OpPolicy::keep_none(), true);
+    const Params p = h.params_f64();
+    const Vec x = h.x_f64();
+    Vec dx(15, 0.0), dw(20, 0.0), db(4, 0.0);
+    for (int n = 0; n < 3; ++n) {
+      for (int o = 0; o < 4; ++o) {
+        const double dy = h.w[n * 4 + o];
+        db[o] += dy;
+        for (int i = 0; i < 5; ++i) {
+          dx[n * 5 + i] += dy * p[0][o * 5 + i];
+          dw[o * 5 + i] += dy * x[n * 5 + i];
+        }
+      }
+    }
+    expect_close(r.dx, dx, "linear dx");
+    const auto& e = h.layout.entries();
+    expect_close({r.grads.begin() + e[0].offset_elems, r.grads.begin() + e[0].offset_elems + 20}, dw,
+                 "linear dW");
+    expect_close({r.grads.begin() + e[1].offset_elems, r.grads.begin() + e[1].offset_elems + 4}, db,
+                 "linear db");
+  }
+  {  // Activations: dx = dy f'(x).
+    const std::vector<float> xv = inputs(20, 22, -4.0f, 4.0f);
+    GELU g;
+    ReLU r;
+    SiLU si;
+    for (Layer* layer : std::initializer_list<Layer*>{&g, &r, &si}) {
+      Harness h(*layer, xv, Shape{4, 5});
+      Harness::Result res = h.run_once(SaveMode::kSaveAll, OpPolicy::keep_none(), true);
+      Vec want(20);
+      for (size_t i = 0; i < 20; ++i) {
+        const double v = xv[i];
+        double d = 0;
+        if (layer == &g) {
+          const double u = std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v);
+          const double t = std::tanh(u);
+          d = 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * std::sqrt(2.0 / M_PI) * (1 + 3 * 0.044715 * v * v);
+        } else if (layer == &r) {
+          d = v > 0 ? 1.0 : 0.0;
+        } else {
+          const double sg = 1.0 / (1.0 + std::exp(-v));
+          d = sg * (1 + v * (1 - sg));
+        }
+        want[i] = h.w[i] * d;
+      }
+      expect_close(res.dx, want, "activation dx");
+    }
+  }
+  {  // MSE: dx = 2 (x - t) / numel; cross-entropy: (softmax - onehot) / rows.
+    MseLoss mse;
+    Harness h(mse, inputs(12, 23), Shape{4, 3});
+    const std::vector<float> t = inputs(12, 24);
+    mse.set_targets(h.env.from(t, Shape{4, 3}));
+    Harness::Result r = h.run_once(SaveMode::kSaveAll, OpPolicy::keep_none(), true);
+    const Vec x = h.x_f64();
+    Vec want(12);
+    for (size_t i = 0; i < 12; ++i) want[i] = 2.0 * (x[i] - t[i]) / 12.0;
+    expect_close(r.dx, want, "mse dx");
+    CrossEntropyLoss ce;
+    Harness h2(ce, inputs(12, 25, -3.0f, 3.0f), Shape{3, 4});
+    const std::vector<int32_t> ids = {3, 0, 2};
+    ce.set_targets(h2.env.ids(ids, Shape{3}));
+    Harness::Result r2 = h2.run_once(SaveMode::kSaveAll, OpPolicy::keep_none(), true);
+    const Vec l = h2.x_f64();
+    Vec want2(12);
+    for (int n = 0; n < 3; ++n) {
+      double sum = 0;
+      for (int j = 0; j < 4; ++j) sum += std::exp(l[n * 4 + j]);
+      for (int j = 0; j < 4; ++j) {
+        want2[n * 4 + j] = (std::exp(l[n * 4 + j]) / sum - (j == ids[n] ? 1.0 : 0.0)) / 3.0;
+      }
+    }
+    expect_close(r2.dx, want2, "cross-entropy dlogits");
+  }
+}
+
 // ---- bf16 compute ----
 
 // bf16 parameters and activations with f32 gradients, as a bf16 run lays them out: the
