@@ -272,9 +272,10 @@ void bind_engine(py::module_& m) {
             return e.engine().evaluate(b);
           },
           py::arg("batches"), "The mean loss of the micro-batches, forward only.")
-      .def("memory_report", [](const PyEngine& e) {
-        return to_python(memory_json(const_cast<PyEngine&>(e).engine().memory_report()));
-      }, "The memory report (per-category peaks, predictions) as a dict.")
+      .def(
+          "memory_report",
+          [](PyEngine& e) { return to_python(memory_json(e.engine().memory_report())); },
+          "The memory report (per-category peaks, predictions) as a dict.")
       .def("reset_peaks", [](PyEngine& e) { e.engine().reset_peaks(); })
       .def(
           "save",

@@ -9,22 +9,22 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 try:
-    import porter  # noqa: F401
-    import porter._porter  # noqa: F401
+    import porter as _porter
     IMPORT_ERROR = None
 except ImportError as e:  # the module was not built, or PYTHONPATH misses the build tree
+    _porter = None
     IMPORT_ERROR = e
 
+SKIP_REASON = (
+    "porter's Python module is not importable ({}): build it with pybind11-dev and python3-dev "
+    "installed (make build) and put build/release/python on PYTHONPATH; docs/python.md")
 
-def pytest_collection_modifyitems(config, items):
-    if IMPORT_ERROR is None:
-        return
-    skip = pytest.mark.skip(
-        reason="porter's Python module is not importable (" + str(IMPORT_ERROR) + "): build it "
-        "with pybind11-dev and python3-dev installed (make build) and put build/release/python "
-        "on PYTHONPATH; docs/python.md")
-    for item in items:
-        item.add_marker(skip)
+
+def require_porter():
+    """The porter module; the calling test module is skipped, saying why, without it."""
+    if IMPORT_ERROR is not None:
+        pytest.skip(SKIP_REASON.format(IMPORT_ERROR), allow_module_level=True)
+    return _porter
 
 
 VOCAB = 64

@@ -4,8 +4,9 @@ import subprocess
 
 import pytest
 
-import porter
-from conftest import tiny_gpt
+from conftest import require_porter, tiny_gpt
+
+porter = require_porter()
 
 
 def test_config_from_dict_round_trips():

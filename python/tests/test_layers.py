@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-import porter
+from conftest import require_porter
+
+porter = require_porter()
 
 FEATURES = 16
 MICRO_BATCH = 8

@@ -3,8 +3,9 @@
 import json
 import subprocess
 
-import porter
-from conftest import tiny_gpt
+from conftest import require_porter, tiny_gpt
+
+porter = require_porter()
 
 
 def test_estimate_is_the_clis_json(tmp_path, porter_cli):

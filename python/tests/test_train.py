@@ -5,8 +5,10 @@ import math
 import numpy as np
 import pytest
 
-import porter
-from conftest import MICRO_BATCH, SEQ, VOCAB, step_batches, tiny_gpt, token_batch
+from conftest import (MICRO_BATCH, SEQ, VOCAB, require_porter, step_batches, tiny_gpt,
+                      token_batch)
+
+porter = require_porter()
 
 
 def train(engine, steps, first=0):
