@@ -92,6 +92,17 @@ class PyEngine {
     }
   }
 
+  // The engine may drop views of NumPy arrays on its own threads, whose owners take the GIL
+  // (Note [NumPy batches] in batch.cc): it is torn down without holding it.
+  ~PyEngine() {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      engine_.reset();
+    }
+  }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+
   engine::Engine& engine() { return *engine_; }
 
   // Every rank calls it (the tensor-parallel parts are gathered); rank 0 writes.
