@@ -106,6 +106,36 @@ def test_batches_are_viewed_not_copied():
     assert ref.train_step([batch(0, 0), batch(0, 1)])["loss"].hex() == r["loss"].hex()
 
 
+def test_classifier_with_int64_labels():
+    # Sequences of features, attention, and int64 labels as a data pipeline writes them.
+    spec = {
+        "stages": [
+            {"type": "sequential", "layers": [{"type": "linear", "in": FEATURES, "out": 32},
+                                              {"type": "gelu"}]},
+            {"type": "attention", "dim": 32, "heads": 4},
+            {"type": "sequential", "layers": [{"type": "layernorm", "dim": 32},
+                                              {"type": "linear", "in": 32, "out": 4}]},
+        ],
+        "loss": {"type": "cross_entropy"},
+        "batch": {"x": {"dtype": "f32", "shape": [8, FEATURES]},
+                  "label": {"dtype": "i32", "shape": [8]}},
+        "input": "x",
+        "target": "label",
+    }
+    engine = porter.Engine(config(), model=porter.LayerModel(spec))
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(30):
+        micro = []
+        for _ in range(2):
+            x = rng.standard_normal((MICRO_BATCH, 8, FEATURES), dtype=np.float32)
+            label = (x[..., 0] > 0).astype(np.int64) + 2 * (x[..., 1] > 0).astype(np.int64)
+            micro.append({"x": x, "label": label})
+        losses.append(engine.train_step(micro)["loss"])
+    assert losses[0] == pytest.approx(math.log(4), rel=0.2)
+    assert np.mean(losses[-5:]) < 0.8 * losses[0], losses
+
+
 def test_batch_errors():
     engine = porter.Engine(config(), model=porter.LayerModel(SPEC))
     b = batch(0, 0)
