@@ -95,19 +95,37 @@ PyConfig config_from_files(const std::vector<std::string>& files,
   return c;
 }
 
+// Each of the parser's warnings as a porter.ConfigWarning (a UserWarning), where `porter
+// config check` prints "warning: ..." lines: an unknown key is otherwise easy to miss.
+void warn(const PyConfig& c) {
+  if (c.warnings.empty()) return;
+  const py::object category = py::module_::import("porter._porter").attr("ConfigWarning");
+  const py::object warnings = py::module_::import("warnings");
+  for (const std::string& w : c.warnings) warnings.attr("warn")(w, category, 1);
+}
+
 // porter.estimate(config) and porter.plan(config) take a Config or a dict.
 PyConfig as_config(py::handle config) {
   if (py::isinstance<PyConfig>(config)) return config.cast<PyConfig>();
-  return config_from_dict(config, std::nullopt, false);
+  PyConfig c = config_from_dict(config, std::nullopt, false);
+  warn(c);
+  return c;
 }
 
 }  // namespace
 
 void bind_config(py::module_& m) {
+  m.attr("ConfigWarning") = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
+      "porter.ConfigWarning",
+      "A config warning: a key porter does not read, a deprecated alias, a DeepSpeed feature "
+      "porter does not implement.",
+      PyExc_UserWarning, nullptr));
   py::class_<PyConfig>(m, "Config",
                        "A validated porter config (DeepSpeed's JSON with porter's section).")
       .def(py::init([](py::dict d, std::optional<int64_t> world_size, bool strict) {
-             return config_from_dict(d, world_size, strict);
+             PyConfig c = config_from_dict(d, world_size, strict);
+             warn(c);
+             return c;
            }),
            py::arg("config"), py::kw_only(), py::arg("world_size") = py::none(),
            py::arg("strict") = false,
@@ -124,7 +142,9 @@ void bind_config(py::module_& m) {
             } else {
               files.push_back(py::str(path).cast<std::string>());
             }
-            return config_from_files(files, sets, world_size, strict);
+            PyConfig c = config_from_files(files, sets, world_size, strict);
+            warn(c);
+            return c;
           },
           py::arg("path"), py::kw_only(), py::arg("world_size") = py::none(),
           py::arg("strict") = false, py::arg("set") = std::vector<std::string>{},

@@ -40,7 +40,8 @@ def test_config_from_file_with_overrides(repo):
 def test_unknown_key_warns_and_strict_raises():
     cfg = tiny_gpt()
     cfg["porter"]["model"]["layer"] = 3
-    c = porter.Config(cfg)
+    with pytest.warns(porter.ConfigWarning, match=r"porter\.model\.layer\b"):
+        c = porter.Config(cfg)
     assert any("porter.model.layer" in w and "layers" in w for w in c.warnings), c.warnings
     with pytest.raises(porter.InvalidArgument, match=r"porter\.model\.layer\b"):
         porter.Config(cfg, strict=True)
