@@ -82,6 +82,15 @@ def test_hugging_face_export_and_import(tmp_path):
     b = porter.Engine(cfg, model=tmp_path / "hf")
     assert np.array_equal(a.params(), b.params())
     assert b.evaluate(step_batches(5)) == a.evaluate(step_batches(5))
+    # porter.model.from in the config reads the same model and weights.
+    d = tiny_gpt()
+    d["porter"]["model"] = {"from": str(tmp_path / "hf"), "seq_len": SEQ}
+    c = porter.Engine(porter.Config(d))
+    assert np.array_equal(a.params(), c.params())
+    # A key set to another value than config.json's is porter's error.
+    d["porter"]["model"]["hidden"] = 48
+    with pytest.raises(porter.InvalidArgument, match="hidden"):
+        porter.Config(d)
 
 
 def test_gpt_tiny_example_config(repo):
