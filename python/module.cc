@@ -4,6 +4,7 @@
 
 PYBIND11_MODULE(_porter, m) {
   m.doc() = "porter: training within a memory budget (ZeRO, activation checkpointing, offload)";
+  m.attr("__version__") = PORTER_VERSION;
   porter::python::bind_errors(m);
   porter::python::bind_config(m);
   porter::python::bind_engine(m);
