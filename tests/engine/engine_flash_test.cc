@@ -177,7 +177,8 @@ TEST(EngineFlashTest, FollowsTheMaterialisedAttentionWithinRounding) {
       max_diff = std::max(max_diff, static_cast<double>(std::abs(grads[0][i] - grads[1][i])));
     }
     EXPECT_LT(max_diff, 1e-4 * max_abs);
-    EXPECT_NE(losses[0], losses[1]) << "the two attentions sum in different orders";
+    // The f32 losses may round alike; the gradients show the different orders of the sums.
+    EXPECT_GT(max_diff, 0.0) << "the two attentions sum in different orders";
   }
 }
 
