@@ -321,6 +321,7 @@ void Engine::agree_kernel_table() {
 }
 
 checkpoint::ChainCosts Engine::profile() {
+  if (pending_ != nullptr) throw_step_begun("profile");
   Impl& im = *impl_;
   im.fold_peaks(allocator_->stats());
   const io::HostBatch mb = synthetic_batch(run_, *model_);

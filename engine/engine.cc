@@ -147,6 +147,7 @@ void Engine::build_model_states() {
 }
 
 void Engine::set_plan(const checkpoint::Plan& plan) {
+  if (pending_ != nullptr) throw_step_begun("set_plan");
   PORTER_CHECK(plan.schedule.num_stages == model_->num_stages(), "set_plan: the plan's schedule has ",
                plan.schedule.num_stages, " stages, the model ", model_->num_stages());
   checkpoint::validate(plan.schedule);

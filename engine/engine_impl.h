@@ -94,6 +94,11 @@ std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const nn::ParamLayout
 // A micro-batch of the model's batch_spec for profiling: token ids spread over the
 // vocabulary, features in [-0.5, 0.5), integer labels 0, masks false.
 io::HostBatch synthetic_batch(const RunOptions& run, const Model& model);
+// Throws UsageError for `what` (evaluate, profile, set_plan, ...) called while a step begun
+// with Engine::forward is unfinished (Note [Step API] in step.cc): it would change the model,
+// the plan or the parameters under the micro-batch between its forward and its backward.
+[[noreturn]] void throw_step_begun(const char* what);
+
 // A micro-batch's tensors on the device (workspace), named as Note [Batch tensors] says:
 // a token batch's "tokens" and "targets", then its named tensors. An i64 tensor the model
 // expects as i32 (class labels from a data pipeline) is narrowed on the way.

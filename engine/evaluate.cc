@@ -6,6 +6,7 @@
 namespace porter::engine {
 
 double Engine::evaluate(const std::vector<io::HostBatch>& micro_batches) {
+  if (pending_ != nullptr) throw_step_begun("evaluate");
   Impl& im = *impl_;
   check_states_on_device("evaluate");  // Note [Offloaded model states]
   check_batches(run_, *model_, micro_batches, 0);

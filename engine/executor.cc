@@ -201,6 +201,7 @@ void MicroBatchRun::run_until(size_t end) {
   // stage reads the targets on every forward and recompute (Note [Batch tensors]).
   ctx.set_run(run_);
   ctx.set_batch(batch_);
+  model.set_targets(targets_);
   struct BatchGuard {
     nn::Ctx& c;
     ~BatchGuard() { c.set_batch(nullptr); }

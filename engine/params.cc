@@ -87,6 +87,7 @@ void Engine::set_params_host(const std::vector<float>& values) {
 
 void Engine::set_params_host_range(
     const std::function<void(int64_t begin, std::span<float> values)>& fill) {
+  if (pending_ != nullptr) throw_step_begun("set_params_host");
   Impl& im = *impl_;
   zero::ShardedOptimizer& opt = *im.optimizer;
   const bool stage3 = im.gatherer != nullptr;

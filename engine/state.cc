@@ -92,6 +92,7 @@ nlohmann::json read_kernel_table(const std::filesystem::path& path, int world_ra
 }
 
 void Engine::load_checkpoint(const std::filesystem::path& dir_in) {
+  if (pending_ != nullptr) throw_step_begun("load_checkpoint");
   Impl& im = *impl_;
   // What the checkpoint fills: the working parameters and the optimizer's state tensors.
   using Target = zero::ShardedOptimizer::StateTensor;

@@ -151,6 +151,7 @@ void Engine::check_states_on_device(const char* what) const {
 }
 
 void Engine::offload_states(bool pin_memory) {
+  if (pending_ != nullptr) throw_step_begun("offload_states");
   Impl& im = *impl_;
   if (!states_offload_) states_offload_.reset(new StatesOffload);
   StatesOffload& so = *states_offload_;

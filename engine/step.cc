@@ -2,6 +2,7 @@
 // optimizer_step) as the same phases (Note [One engine step] in engine.h; Note [Step API]).
 #include <chrono>
 #include <memory>
+#include <string>
 
 #include "base/check.h"
 #include "base/error.h"
@@ -42,6 +43,11 @@ struct Engine::PendingStep {
 };
 
 void Engine::PendingStepDeleter::operator()(PendingStep* p) const { delete p; }
+
+void throw_step_begun(const char* what) {
+  throw UsageError(std::string(what) + ": a step begun with forward() is unfinished; finish it "
+                   "with backward() and optimizer_step() first");
+}
 
 // Phase 1: this step's statistics and records start empty (a failed step's are dropped), and
 // the step's state begins.

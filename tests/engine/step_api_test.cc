@@ -138,6 +138,13 @@ TEST(StepApi, MisuseIsAUsageErrorThatChangesNothing) {
   EXPECT_THAT(error_of<UsageError>([&] { (void)a->forward(mbs[1]); }), HasSubstr("call backward()"));
   EXPECT_THAT(error_of<UsageError>([&] { (void)a->optimizer_step(); }), HasSubstr("call backward() first"));
   EXPECT_THAT(error_of<UsageError>([&] { (void)a->train_step(mbs); }), HasSubstr("is unfinished"));
+  // Nothing may change the model, plan or parameters between a forward and its backward.
+  EXPECT_THAT(error_of<UsageError>([&] { (void)a->evaluate(mbs); }), HasSubstr("evaluate: a step"));
+  EXPECT_THAT(error_of<UsageError>([&] { (void)a->profile(); }), HasSubstr("profile: a step"));
+  EXPECT_THAT(error_of<UsageError>([&] { a->set_plan(a->plan()); }), HasSubstr("set_plan: a step"));
+  EXPECT_THAT(error_of<UsageError>([&] { a->set_params_host(a->params_host()); }),
+              HasSubstr("set_params_host: a step"));
+  EXPECT_THAT(error_of<UsageError>([&] { a->offload_states(); }), HasSubstr("offload_states: a step"));
   a->backward();
   EXPECT_FALSE(a->optimizer_step().has_value());  // 1 of 2 micro-batches
   (void)a->forward(mbs[1]);
