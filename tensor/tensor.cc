@@ -110,8 +110,9 @@ Tensor Tensor::slice(int64_t begin, int64_t end) const {
 
 std::vector<float> to_host_f32(memory::Device& device, const Tensor& t) {
   std::vector<std::byte> raw(t.nbytes());
-  if (!raw.empty()) device.copy_sync(raw.data(), t.data(), raw.size());
   std::vector<float> out(static_cast<size_t>(t.numel()));
+  if (raw.empty()) return out;  // an empty tensor (no data pointer to copy from)
+  device.copy_sync(raw.data(), t.data(), raw.size());
   switch (t.dtype()) {
     case DType::kF32:
       std::memcpy(out.data(), raw.data(), raw.size());
