@@ -43,17 +43,22 @@ io::HostBatch synthetic_batch(const RunOptions& run, const Model& model) {
 
 namespace {
 
-// The host tensor of field `f` in `mb`: a token batch's vectors as (batch, seq) i32, else
-// the named tensor; null when missing.
-std::optional<io::HostTensor> host_tensor(const io::HostBatch& mb, const std::string& name) {
-  if (const io::HostTensor* t = mb.find(name)) return *t;
-  const std::vector<int32_t>* ids = name == "tokens" ? &mb.tokens : name == "targets" ? &mb.targets : nullptr;
-  if (ids == nullptr || ids->empty()) return std::nullopt;
+// Whether field `f` comes from a token batch's `tokens` / `targets` vector (no named tensor
+// of that name): the (batch, seq) i32 fields of Model::batch_spec's default.
+bool is_token_vector(const io::HostBatch& mb, const BatchField& f) {
+  return (f.name == "tokens" || f.name == "targets") && f.dtype == tensor::DType::kI32 &&
+         f.shape.rank() == 2 && mb.find(f.name) == nullptr;
+}
+
+// The host tensor of field `f` in `mb`: a token batch's vector as (batch, seq) i32, else the
+// named tensor (check_batch has found it).
+io::HostTensor host_tensor(const io::HostBatch& mb, const BatchField& f) {
+  if (!is_token_vector(mb, f)) return *mb.find(f.name);
   io::HostTensor t;
-  t.name = name;
+  t.name = f.name;
   t.shape = tensor::Shape{mb.batch, mb.seq};
   t.dtype = tensor::DType::kI32;
-  t.data = ids->data();
+  t.data = f.name == "tokens" ? mb.tokens.data() : mb.targets.data();
   return t;
 }
 
@@ -72,8 +77,8 @@ nn::Batch upload_batch(memory::CachingAllocator& alloc, const io::HostBatch& mb,
                        const std::vector<BatchField>& spec) {
   nn::Batch out;
   for (const BatchField& f : spec) {
-    const std::optional<io::HostTensor> h = host_tensor(mb, f.name);
-    PORTER_CHECK(h.has_value(), "the micro-batch has no tensor \"", f.name, "\"");
+    const io::HostTensor host = host_tensor(mb, f);  // check_batch has found it
+    const io::HostTensor* h = &host;
     tensor::Tensor t = tensor::Tensor::empty(alloc, f.shape, f.dtype, memory::Category::kWorkspace);
     if (h->dtype == f.dtype) {
       if (t.nbytes() > 0) alloc.device().copy_sync(t.data(), h->data, t.nbytes());
@@ -107,20 +112,8 @@ void check_batch(const std::vector<BatchField>& spec, Model& model, const io::Ho
   const std::optional<int64_t> vocab = model.vocab_size();
   {
     for (const BatchField& f : spec) {
-      const std::optional<io::HostTensor> h = host_tensor(mb, f.name);
-      if (!h && (f.name == "tokens" || f.name == "targets")) {
-        // A token batch: the engine was planned for (micro_batch, seq_len).
-        PORTER_CHECK(mb.batch == f.shape[0] && mb.seq == f.shape[1], "micro-batch ", i, " is (",
-                     mb.batch, ", ", mb.seq, "), the engine was planned for "
-                     "(train_micro_batch_size_per_gpu, porter.model.seq_len) = (", f.shape[0],
-                     ", ", f.shape[1], ")");
-        PORTER_CHECK(false, "micro-batch ", i, " has ", mb.tokens.size(), " tokens and ",
-                     mb.targets.size(), " targets; (", f.shape[0], ", ", f.shape[1], ") needs ",
-                     f.shape.numel(), " of each");
-      }
-      PORTER_CHECK(h.has_value(), "micro-batch ", i, " has no tensor \"", f.name,
-                   "\"; the model takes ", field_names(spec));
-      if (h->data == mb.tokens.data() || h->data == mb.targets.data()) {
+      if (is_token_vector(mb, f)) {
+        // A token batch's vectors: (micro_batch, seq_len) i32 each, as the engine was planned.
         PORTER_CHECK(mb.batch == f.shape[0] && mb.seq == f.shape[1], "micro-batch ", i, " is (",
                      mb.batch, ", ", mb.seq, "), the engine was planned for "
                      "(train_micro_batch_size_per_gpu, porter.model.seq_len) = (", f.shape[0],
@@ -130,7 +123,11 @@ void check_batch(const std::vector<BatchField>& spec, Model& model, const io::Ho
                      "micro-batch ", i, " has ", mb.tokens.size(), " tokens and ",
                      mb.targets.size(), " targets; (", f.shape[0], ", ", f.shape[1], ") needs ",
                      f.shape.numel(), " of each");
+        continue;
       }
+      const io::HostTensor* h = mb.find(f.name);
+      PORTER_CHECK(h != nullptr, "micro-batch ", i, " has no tensor \"", f.name,
+                   "\"; the model takes ", field_names(spec));
       const bool narrows = h->dtype == tensor::DType::kI64 && f.dtype == tensor::DType::kI32;
       PORTER_CHECK(h->dtype == f.dtype || narrows, "micro-batch ", i, " tensor \"", f.name,
                    "\" is ", tensor::dtype_name(h->dtype), "; the model takes ",
@@ -150,13 +147,14 @@ void check_batch(const std::vector<BatchField>& spec, Model& model, const io::Ho
       }
     }
     if (!vocab) return;
-    for (const char* name : {"tokens", "targets"}) {
-      const std::optional<io::HostTensor> h = host_tensor(mb, name);
-      if (!h || h->dtype != tensor::DType::kI32) continue;
-      const auto* ids = static_cast<const int32_t*>(h->data);
-      for (int64_t j = 0; j < h->shape.numel(); ++j) {
+    for (const BatchField& f : spec) {
+      if (f.name != "tokens" && f.name != "targets") continue;
+      const io::HostTensor h = host_tensor(mb, f);
+      if (h.dtype != tensor::DType::kI32) continue;
+      const auto* ids = static_cast<const int32_t*>(h.data);
+      for (int64_t j = 0; j < h.shape.numel(); ++j) {
         PORTER_CHECK(ids[j] >= 0 && ids[j] < *vocab, "micro-batch ", i, " position ", j, ": ",
-                     name == std::string("tokens") ? "token " : "target ", ids[j],
+                     f.name == "tokens" ? "token " : "target ", ids[j],
                      " outside the vocabulary [0, ", *vocab, ")");
       }
     }
