@@ -346,6 +346,21 @@ GlooCommunicator::GlooCommunicator(memory::Device& device, std::shared_ptr<comm:
       throw PeerError(str_cat("rank ", rank_, " of ", options_.group_name,
                               ": gloo could not connect ", size_, " ranks: ", e.what()));
     }
+    // connectFullMesh returns on a rank once its own pairs are up, which may be before a
+    // peer's are: a rank that failed and closed its connections at once would then break the
+    // peer's rendezvous instead of its first collective. Every rank waits for all to connect.
+    const std::string connected = str_cat(options_.group_name, "/", generation, "/connected/");
+    store_->set_string(str_cat(connected, rank_), "1");
+    std::vector<std::string> keys;
+    for (int r = 0; r < size_; ++r) keys.push_back(str_cat(connected, r));
+    try {
+      store_->wait(keys, options_.timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(str_cat("rank ", rank_, " of ", options_.group_name,
+                                 ": gloo connected, but not every rank confirmed within ",
+                                 options_.timeout.count(),
+                                 " s (the limit is porter.comm.timeout_s): ", e.what()));
+    }
     context_ = std::move(ctx);
   }
   open_stream();
