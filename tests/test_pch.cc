@@ -1,0 +1,2 @@
+// The translation unit that builds the tests' precompiled header (Note [Test precompiled
+// header] in tests/CMakeLists.txt); it holds no code of its own.
