@@ -57,6 +57,15 @@ def forward(model, tokens, targets, mode):
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def param_groups(model, weight_decay):
+    """porter's default parameter groups (porter.optimizer.no_decay ["ndim<2", "wpe"]): only
+    matrices decay, and not the position table."""
+    decay, rest = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and not name.startswith("wpe.") else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
 def main():
     ap = argparse.ArgumentParser(description="PyTorch torch.utils.checkpoint overhead")
     add_model_args(ap)
@@ -69,7 +78,7 @@ def main():
         raise SystemExit(f"PyTorch is using {blas}, not OpenBLAS: apt-get install libopenblas0-pthread")
     torch.manual_seed(0)
     model = Gpt(args.layers, args.hidden, args.heads, args.seq_len, args.vocab)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     targets = torch.randint(0, args.vocab, (args.batch, args.seq_len))
 
