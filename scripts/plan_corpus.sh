@@ -2,7 +2,10 @@
 # Runs one porter binary over a corpus of configs (the examples, the published DeepSpeed
 # configs beside a model, and variants of policy, architecture, tensor parallelism and budget)
 # and writes every `plan --json` and `estimate --json` answer into one folder. Two folders
-# made by two builds compare with `diff -r`: a change that must not move a plan shows none.
+# made by two builds compare with scripts/plan_corpus_compare.py, which sets aside the times a
+# profiled plan measured: a change that must not move a plan shows no other difference. (A
+# plan that chooses by measured times can differ between two runs of one binary; running the
+# corpus twice with the old build shows which.)
 #   scripts/plan_corpus.sh PORTER OUTDIR
 set -euo pipefail
 porter=${1:?usage: plan_corpus.sh PORTER OUTDIR}
