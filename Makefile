@@ -9,20 +9,12 @@ all: build
 deps:
 	./scripts/install-deps.sh
 
-# Then, like `pip install -e`, a porter-build.pth in Debian python's dist-packages puts the
-# build tree's Python package on its path (README.md, "From Python"), where that is writable.
+# Then, like `pip install -e`, a porter-build.pth puts the build tree's Python package on the
+# path of Debian's python3 and of the python3 first on PATH (README.md, "From Python").
 build: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS)
-	@site=$$(/usr/bin/python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null); \
-	if [ ! -d build/release/python/porter ]; then \
-	  echo "python: the porter module was not built (pybind11-dev, python3-dev)"; \
-	elif [ -n "$$site" ] && mkdir -p "$$site" 2>/dev/null && [ -w "$$site" ]; then \
-	  echo "$(CURDIR)/build/release/python" > "$$site/porter-build.pth"; \
-	  echo "python: /usr/bin/python3 imports porter from build/release/python ($$site/porter-build.pth)"; \
-	else \
-	  echo "python: $$site is not writable; use PYTHONPATH=$(CURDIR)/build/release/python"; \
-	fi
+	./scripts/link-python-module.sh build/release/python
 
 test-release: build
 	ctest --preset release
