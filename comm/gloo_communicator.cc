@@ -53,6 +53,7 @@
 
 #include "base/check.h"
 #include "base/log.h"
+#include "comm/agree.h"
 #include "comm/communicator_base.h"
 #include "comm/gloo_reduce.h"
 
@@ -349,12 +350,9 @@ GlooCommunicator::GlooCommunicator(memory::Device& device, std::shared_ptr<comm:
     // connectFullMesh returns on a rank once its own pairs are up, which may be before a
     // peer's are: a rank that failed and closed its connections at once would then break the
     // peer's rendezvous instead of its first collective. Every rank waits for all to connect.
-    const std::string connected = str_cat(options_.group_name, "/", generation, "/connected/");
-    store_->set_string(str_cat(connected, rank_), "1");
-    std::vector<std::string> keys;
-    for (int r = 0; r < size_; ++r) keys.push_back(str_cat(connected, r));
     try {
-      store_->wait(keys, options_.timeout);
+      count_votes(*store_, str_cat(options_.group_name, "/", generation, "/connected"), size_,
+                  true, options_.timeout);
     } catch (const TimeoutError& e) {
       throw TimeoutError(str_cat("rank ", rank_, " of ", options_.group_name,
                                  ": gloo connected, but not every rank confirmed within ",
